@@ -1,0 +1,178 @@
+"""Validated model configuration, read from a DeepSeek-V4.1-style flat `config.json`.
+
+Unknown keys are rejected with ConfigError (a ValueError), never silently ignored,
+except the Hugging Face bookkeeping keys in `_HF_META`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ConfigError
+
+_HF_META = {"architectures", "model_type", "torch_dtype", "transformers_version", "auto_map"}
+
+
+def _check(cond: bool, name: str, value, why: str) -> None:
+    if not cond:
+        raise ConfigError(f"config field {name}={value!r}: {why}")
+
+
+@dataclass(frozen=True)
+class EngramConfig:
+    """The Engram fields of spec §2 plus the backbone fields the Engram layer needs."""
+
+    engram_layer_ids: tuple[int, ...]
+    engram_num_embeddings: tuple[int, ...]  # table rows per Engram layer, in engram_layer_ids order
+    engram_max_ngram_size: int  # N
+    engram_n_heads: int  # H
+    engram_head_dim: int
+    engram_vocab_size: int
+    engram_compressed_vocab_size: int  # V'
+    engram_pad_token_id: int
+    hidden_size: int = 0
+    hc_mult: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "engram_layer_ids", tuple(int(x) for x in self.engram_layer_ids))
+        object.__setattr__(self, "engram_num_embeddings", tuple(int(x) for x in self.engram_num_embeddings))
+        _check(len(set(self.engram_layer_ids)) == len(self.engram_layer_ids), "engram_layer_ids",
+               self.engram_layer_ids, "layer ids must be distinct")
+        _check(all(x >= 0 for x in self.engram_layer_ids), "engram_layer_ids", self.engram_layer_ids,
+               "layer ids must be >= 0")
+        _check(len(self.engram_num_embeddings) == len(self.engram_layer_ids), "engram_num_embeddings",
+               self.engram_num_embeddings, f"needs one entry per Engram layer ({len(self.engram_layer_ids)})")
+        _check(self.engram_max_ngram_size >= 2, "engram_max_ngram_size", self.engram_max_ngram_size, "must be >= 2")
+        _check(self.engram_n_heads >= 1, "engram_n_heads", self.engram_n_heads, "must be >= 1")
+        _check(self.engram_head_dim >= 1, "engram_head_dim", self.engram_head_dim, "must be >= 1")
+        _check(self.engram_vocab_size >= 2, "engram_vocab_size", self.engram_vocab_size, "must be >= 2")
+        _check(self.engram_compressed_vocab_size >= 1, "engram_compressed_vocab_size",
+               self.engram_compressed_vocab_size, "must be >= 1")
+        _check(self.engram_pad_token_id >= 0, "engram_pad_token_id", self.engram_pad_token_id, "must be >= 0")
+        _check(self.hc_mult >= 1, "hc_mult", self.hc_mult, "must be >= 1")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.engram_layer_ids)
+
+    @property
+    def history_len(self) -> int:
+        """D = N - 1: how many tokens before a row's first token its n-grams can reach."""
+        return self.engram_max_ngram_size - 1
+
+    @property
+    def num_columns(self) -> int:
+        """(N-1)*H hash columns per Engram layer."""
+        return (self.engram_max_ngram_size - 1) * self.engram_n_heads
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngramConfig":
+        """Pick the Engram fields out of a full (flat) model config; other keys are the backbone's."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = [n for n in names if n.startswith("engram_") and n not in d]
+        if missing:
+            raise ConfigError(f"config is missing Engram field(s) {sorted(missing)}")
+        unknown = [k for k in d if k.startswith("engram_") and k not in names]
+        if unknown:
+            raise ConfigError(f"config has unknown Engram field(s) {sorted(unknown)}")
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The whole decoder. Invariants: hidden_size == num_attention_heads * head_dim is NOT required
+    (head_dim is explicit); num_attention_heads % num_key_value_heads == 0; every layer id in
+    engram_layer_ids / moe_layer_ids / index_layer_ids is < num_hidden_layers."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    engram: EngramConfig
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    bos_token_id: int = 0
+    eos_token_id: int = 0
+    hc_mult: int = 1
+    # mixture of experts (off when n_routed_experts == 0)
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 0
+    moe_layer_ids: tuple[int, ...] = ()
+    # cross-layer index sharing (DeepSeek sparse-attention style): layer L selects the top-k
+    # past positions, layer L+1 reuses them. Off when index_topk == 0.
+    index_topk: int = 0
+    index_layer_ids: tuple[int, ...] = ()
+    tie_word_embeddings: bool = False
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("moe_layer_ids", "index_layer_ids"):
+            object.__setattr__(self, name, tuple(int(x) for x in getattr(self, name)))
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings"):
+            _check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        _check(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
+               self.num_key_value_heads, f"must divide num_attention_heads={self.num_attention_heads}")
+        _check(self.head_dim % 2 == 0, "head_dim", self.head_dim, "must be even (rotary)")
+        _check(self.engram.hidden_size == self.hidden_size, "hidden_size", self.hidden_size,
+               f"differs from the Engram block's {self.engram.hidden_size}")
+        for name in ("engram_layer_ids", "moe_layer_ids", "index_layer_ids"):
+            ids = getattr(self.engram, name) if name.startswith("engram") else getattr(self, name)
+            bad = [i for i in ids if not 0 <= i < self.num_hidden_layers]
+            _check(not bad, name, ids, f"layer ids must be in [0, num_hidden_layers={self.num_hidden_layers})")
+        if self.moe_layer_ids:
+            _check(self.n_routed_experts >= 2, "n_routed_experts", self.n_routed_experts, "MoE needs >= 2 experts")
+            _check(1 <= self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
+                   self.num_experts_per_tok, f"must be in [1, n_routed_experts={self.n_routed_experts}]")
+            _check(self.moe_intermediate_size >= 1, "moe_intermediate_size", self.moe_intermediate_size, "must be >= 1")
+        if self.index_layer_ids:
+            _check(self.index_topk >= 1, "index_topk", self.index_topk, "index sharing needs index_topk >= 1")
+            bad = [i for i in self.index_layer_ids if i + 1 >= self.num_hidden_layers]
+            _check(not bad, "index_layer_ids", self.index_layer_ids, "each selecting layer needs a next layer to reuse it")
+        for name in ("bos_token_id", "eos_token_id", "engram_pad_token_id"):
+            v = self.engram.engram_pad_token_id if name.startswith("engram") else getattr(self, name)
+            _check(0 <= v < self.vocab_size, name, v, f"must be in [0, vocab_size={self.vocab_size})")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        d = dict(d)
+        engram = EngramConfig.from_dict({**d, "hidden_size": d.get("hidden_size", 0), "hc_mult": d.get("hc_mult", 1)})
+        names = {f.name for f in dataclasses.fields(cls)} - {"engram", "extra"}
+        engram_names = {f.name for f in dataclasses.fields(EngramConfig)} - {"hidden_size", "hc_mult"}
+        unknown = sorted(k for k in d if k not in names and k not in engram_names and k not in _HF_META)
+        if unknown:
+            raise ConfigError(f"config has unknown field(s) {unknown}")
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                    and f.name != "engram"]
+        missing = [n for n in required if n not in d]
+        if missing:
+            raise ConfigError(f"config is missing field(s) {missing}")
+        kw = {k: v for k, v in d.items() if k in names}
+        return cls(engram=engram, extra={k: d[k] for k in d if k in _HF_META}, **kw)
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("engram", "extra")}
+        eng = dataclasses.asdict(self.engram)
+        eng.pop("hidden_size"), eng.pop("hc_mult")
+        out.update(eng)
+        out.update(self.extra)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+
+def read_json(path: str | Path) -> dict:
+    """Read a JSON object; any failure is a ConfigError naming the path."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read config {path}: {e}") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"config {path} must hold a JSON object, got {type(d).__name__}")
+    return d

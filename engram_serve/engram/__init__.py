@@ -1,0 +1,1 @@
+"""Engram: layout (primes, offsets, multipliers), compressed token map, hashing, tables, layer."""

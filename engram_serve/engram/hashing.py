@@ -1,0 +1,103 @@
+"""Engram n-gram hashing (spec §2), vectorised over a whole step.
+
+The production path has three pieces, all torch ops that run unchanged on CPU or CUDA:
+  `step_windows`   - for every token, the raw ids of the N tokens ending at it, read from the
+                     step's own input ids or from the row's history `[rows, D]`;
+  `compress`       - raw ids -> compressed ids (negative = blocked: before position 0 or dead);
+  `hash_windows`   - the rolling-XOR hash of every window for every Engram layer.
+`reference_hash` (a plain loop over one sequence, written for obviousness) lives beside it for tests.
+"""
+from __future__ import annotations
+
+import torch
+
+from .layout import EngramLayout
+
+BEFORE_START = -1  # history column whose position is < 0
+DEAD = -2  # a dead token (e.g. an image placeholder): blocks every n-gram that reaches it
+
+
+def step_windows(input_ids: torch.Tensor, qsl: torch.Tensor, history: torch.Tensor, n: int,
+                 dead: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, N] int64 raw ids: window[t, s] is the token s positions before token t (negative = blocked).
+
+    input_ids [T]; qsl [R+1] row boundaries; history [R, D] with column j = position (first-1-j)
+    of the row's first token; D >= N-1. dead [T] bool marks dead tokens of this step.
+    Tokens past qsl[-1] (padding) get fully blocked windows.
+    """
+    num_tokens = input_ids.shape[0]
+    dev = input_ids.device
+    ids = input_ids.long()
+    if dead is not None:
+        ids = torch.where(dead, torch.full_like(ids, DEAD), ids)
+    tok = torch.arange(num_tokens, device=dev)
+    row = torch.searchsorted(qsl[1:].long(), tok, right=True)  # [T]
+    valid = row < history.shape[0]
+    row = row.clamp(max=max(history.shape[0] - 1, 0))
+    offset = tok - qsl.long()[row]  # position of t inside its row
+    hist = history.long()
+    cols = []
+    for s in range(n):  # N is a small constant (<= 5): no per-token loop
+        in_step = offset >= s
+        from_step = ids[(tok - s).clamp(min=0)]
+        j = (s - offset - 1).clamp(min=0, max=max(hist.shape[1] - 1, 0))
+        from_hist = hist[row, j] if hist.numel() else torch.full_like(ids, BEFORE_START)
+        cols.append(torch.where(in_step, from_step, from_hist))
+    win = torch.stack(cols, dim=1)  # [T, N]
+    return torch.where(valid[:, None], win, torch.full_like(win, BEFORE_START))
+
+
+def compress(window: torch.Tensor, token_map: torch.Tensor) -> torch.Tensor:
+    """Raw ids -> compressed ids; negatives (blocked) pass through."""
+    return torch.where(window >= 0, token_map[window.clamp(min=0)], window)
+
+
+def hash_windows(window_c: torch.Tensor, layout: EngramLayout, pad_id: int) -> torch.Tensor:
+    """[T, L, (N-1)*H] int64 hash ids from compressed windows [T, N] (negative = blocked)."""
+    num_layers, n = layout.multipliers.shape
+    heads = layout.config.engram_n_heads
+    blocked = torch.cummax((window_c < 0).to(torch.int8), dim=1).values.bool()  # once blocked, stays blocked
+    v = torch.where(blocked, torch.full_like(window_c, pad_id), window_c)  # [T, N]
+    prod = v[:, None, :] * layout.multipliers[None, :, :]  # [T, L, N]; cannot overflow (spec §2)
+    rolling = [prod[:, :, 0]]
+    for s in range(1, n):
+        rolling.append(torch.bitwise_xor(rolling[-1], prod[:, :, s]))
+    roll = torch.stack(rolling[1:], dim=2)  # [T, L, N-1]
+    mod = layout.moduli.view(num_layers, n - 1, heads)
+    off = layout.offsets.view(num_layers, n - 1, heads)
+    out = torch.remainder(roll[:, :, :, None], mod[None]) + off[None]  # [T, L, N-1, H]
+    return out.reshape(window_c.shape[0], num_layers, (n - 1) * heads)
+
+
+def hash_step(input_ids: torch.Tensor, qsl: torch.Tensor, history: torch.Tensor, layout: EngramLayout,
+              token_map: torch.Tensor, pad_id: int, dead: torch.Tensor | None = None) -> torch.Tensor:
+    """The production hash of one step (or one microbatch): [T, L, (N-1)*H] int64."""
+    n = layout.config.engram_max_ngram_size
+    return hash_windows(compress(step_windows(input_ids, qsl, history, n, dead), token_map), layout, pad_id)
+
+
+def reference_hash(tokens: list[int], dead: list[bool], layout: EngramLayout, token_map: list[int],
+                   pad_id: int) -> list[list[list[int]]]:
+    """Spec §2 pseudo-code, verbatim, for one whole sequence starting at position 0. Tests only."""
+    cfg = layout.config
+    n, heads = cfg.engram_max_ngram_size, cfg.engram_n_heads
+    moduli, offsets, mults = layout.moduli.tolist(), layout.offsets.tolist(), layout.multipliers.tolist()
+    out = []
+    for p in range(len(tokens)):
+        per_layer = []
+        for li in range(cfg.num_layers):
+            hashes = [0] * ((n - 1) * heads)
+            blocked, rolling = False, 0
+            for s in range(n):
+                q = p - s
+                if q < 0 or dead[q]:
+                    blocked = True
+                v = pad_id if blocked else token_map[tokens[q]]
+                rolling ^= v * mults[li][s]
+                if s >= 1:
+                    for h in range(heads):
+                        c = (s - 1) * heads + h
+                        hashes[c] = rolling % moduli[li][c] + offsets[li][c]
+            per_layer.append(hashes)
+        out.append(per_layer)
+    return out

@@ -1,0 +1,70 @@
+"""Device-resident token ids of every live request, readable by (request slot, absolute position).
+
+Memory: `max_slots * max_len * 5` bytes, preallocated: an int32 id (4 B) and a bool dead flag (1 B)
+per token position. Invariant: positions `< lengths[slot]` hold the request's committed tokens
+(prompt, then each sampled token once committed); everything at or past `lengths[slot]` is unread.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..engram.hashing import BEFORE_START, DEAD
+from ..errors import InvalidRequest
+
+
+class TokenStore:
+    def __init__(self, max_slots: int, max_len: int, device: str | torch.device = "cpu"):
+        self.max_slots, self.max_len, self.device = max_slots, max_len, torch.device(device)
+        self.ids = torch.zeros(max_slots, max_len, dtype=torch.int32, device=self.device)
+        self.dead = torch.zeros(max_slots, max_len, dtype=torch.bool, device=self.device)
+        self.lengths = torch.zeros(max_slots, dtype=torch.int64, device=self.device)
+        self._free = list(range(max_slots - 1, -1, -1))
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.ids.element_size() + self.dead.element_size()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def add(self, prompt: list[int] | torch.Tensor, dead: list[bool] | torch.Tensor | None = None) -> int:
+        """Store a new request's prompt; returns its slot."""
+        prompt = torch.as_tensor(prompt, dtype=torch.int32)
+        if prompt.ndim != 1 or prompt.numel() > self.max_len:
+            raise InvalidRequest(f"prompt length {prompt.numel()} exceeds the token store's max_len={self.max_len}")
+        if not self._free:
+            raise InvalidRequest(f"token store is full: all {self.max_slots} slots are in use")
+        slot = self._free.pop()
+        n = prompt.numel()
+        self.ids[slot, :n] = prompt.to(self.device)
+        self.dead[slot, :n] = torch.as_tensor(dead if dead is not None else False, dtype=torch.bool).to(self.device)
+        self.lengths[slot] = n
+        return slot
+
+    def append(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Commit one sampled token per slot, on the device, without a round trip through Python."""
+        slots = slots.to(self.device, torch.int64)
+        pos = self.lengths[slots]
+        self.ids[slots, pos] = tokens.to(self.device, torch.int32)
+        self.dead[slots, pos] = False
+        self.lengths[slots] = pos + 1
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Drop tokens at positions >= length (e.g. rejected speculative tokens)."""
+        self.lengths[slot] = min(int(self.lengths[slot]), length)
+
+    def free(self, slot: int) -> None:
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    def gather(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Raw ids at (slot, position), DEAD for dead tokens, BEFORE_START for position < 0. Same shape as positions."""
+        p = positions.clamp(min=0)
+        out = torch.where(self.dead[slots, p], torch.full_like(p, DEAD), self.ids[slots, p].long())
+        return torch.where(positions < 0, torch.full_like(out, BEFORE_START), out)
+
+    def history(self, slots: torch.Tensor, first_pos: torch.Tensor, d: int) -> torch.Tensor:
+        """[R, D] int64: column j = token at position first_pos-1-j of each row's request (spec §3)."""
+        pos = first_pos.long()[:, None] - 1 - torch.arange(d, device=self.device)[None, :]  # [R, D]
+        return self.gather(slots.long()[:, None].expand_as(pos), pos)

@@ -1,0 +1,1 @@
+"""The Engram decoder: layers, paged attention, MoE, index sharing, loading."""

@@ -1,0 +1,1 @@
+"""The runner: step preparation, dual-batch-overlap executor, graphs, sampling."""

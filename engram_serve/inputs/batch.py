@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -33,6 +34,7 @@ class StepBatch:
     # row boundaries [R+1] and per-row history [R, D]
     qsl: torch.Tensor  # int64
     history: torch.Tensor  # int64
+    qsl_host: np.ndarray  # int64 host copy of qsl: boundaries are planned on the host, no device sync
     block_size: int = 16
     # token-indexed [T, L, C] int64, filled once the hash is computed
     hash_ids: torch.Tensor | None = None

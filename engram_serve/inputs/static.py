@@ -1,0 +1,96 @@
+"""Static (graph) input buffers, spec §6.
+
+One `StaticInputs` per (microbatch, padded size). Each step refreshes it in place: data pointers
+never change. Padding is neutral and rewritten every step, so nothing from a previous step is
+visible through it: history -1, slot mapping -1, positions 0, dead True, block-table rows -1 (null),
+empty rows (qsl repeats the real token count), no sampling.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import StaticBufferError
+from .batch import StepBatch
+
+# field -> (fill value for padding, indexed by "token" or "row")
+PADDING = {
+    "input_ids": (0, "token"), "positions": (0, "token"), "dead": (True, "token"), "slot_mapping": (-1, "token"),
+    "hash_ids": (0, "token"),
+    "req_slots": (-1, "row"), "num_computed": (0, "row"), "seq_lens": (0, "row"), "block_tables": (-1, "row"),
+    "sample": (False, "row"), "history": (-1, "row"),
+}
+
+
+class StaticInputs:
+    """Persistent buffers for one microbatch at one padded size (rows are padded to `size` too)."""
+
+    def __init__(self, ubatch: int, size: int, like: StepBatch):
+        self.ubatch, self.size = ubatch, size
+        self.buffers: dict[str, torch.Tensor] = {}
+        for name, (_, kind) in PADDING.items():
+            ref = getattr(like, name)
+            if ref is None:
+                continue
+            self.buffers[name] = torch.empty((size, *ref.shape[1:]), dtype=ref.dtype, device=ref.device)
+        self.qsl = torch.empty(size + 1, dtype=like.qsl.dtype, device=like.qsl.device)
+
+    def _check(self, name: str, buf: torch.Tensor, value: torch.Tensor) -> None:
+        if value.dtype != buf.dtype or value.shape[1:] != buf.shape[1:] or value.shape[0] > buf.shape[0]:
+            raise StaticBufferError(
+                f"static buffer {name!r} of microbatch {self.ubatch} (padded size {self.size}) holds "
+                f"{tuple(buf.shape)} {buf.dtype}; asked for {tuple(value.shape)} {value.dtype}")
+
+    def refresh(self, batch: StepBatch, pad: bool = True) -> StepBatch:
+        """Copy `batch` into the buffers in place, pad neutrally, and return a StepBatch viewing them.
+
+        `pad=False` leaves padding stale; it exists only as the negative control of the padding tests."""
+        if batch.num_tokens > self.size:
+            raise StaticBufferError(f"static buffer 'input_ids' of microbatch {self.ubatch} has padded size "
+                                    f"{self.size}; the microbatch has {batch.num_tokens} tokens")
+        out = {}
+        for name, (fill, kind) in PADDING.items():
+            value, buf = getattr(batch, name), self.buffers.get(name)
+            if value is None or buf is None:
+                if (value is None) != (buf is None):
+                    raise StaticBufferError(f"static buffer {name!r} of microbatch {self.ubatch}: "
+                                            f"present in {'batch' if buf is None else 'buffers'} only")
+                out[name] = None
+                continue
+            self._check(name, buf, value)
+            n = value.shape[0]
+            buf[:n].copy_(value)
+            if pad:
+                buf[n:].fill_(fill)
+            out[name] = buf
+        rows = batch.num_rows
+        self._check("qsl", self.qsl, batch.qsl)
+        self.qsl[: rows + 1].copy_(batch.qsl)
+        if pad:
+            self.qsl[rows + 1:].fill_(batch.num_tokens)
+        qsl_host = np.full(self.size + 1, batch.num_tokens, dtype=np.int64)
+        qsl_host[: rows + 1] = batch.qsl_host
+        return StepBatch(qsl=self.qsl, qsl_host=qsl_host, block_size=batch.block_size, **out)
+
+    def data_ptrs(self) -> dict[str, int]:
+        return {name: b.data_ptr() for name, b in {**self.buffers, "qsl": self.qsl}.items()}
+
+
+class StaticInputPool:
+    """`StaticInputs` keyed by (microbatch, padded size), created once and reused for every step."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes = sorted(sizes)
+        self._pool: dict[tuple[int, int], StaticInputs] = {}
+
+    def padded_size(self, num_tokens: int) -> int:
+        for s in self.sizes:
+            if s >= num_tokens:
+                return s
+        raise StaticBufferError(f"no padded size holds {num_tokens} tokens (sizes: {self.sizes})")
+
+    def get(self, ubatch: int, size: int, like: StepBatch) -> StaticInputs:
+        key = (ubatch, size)
+        if key not in self._pool:
+            self._pool[key] = StaticInputs(ubatch, size, like)
+        return self._pool[key]

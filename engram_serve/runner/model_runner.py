@@ -1,0 +1,162 @@
+"""The model runner: prepares a step, runs it whole or as interleaved microbatches, gathers logits once.
+
+Per step: build the StepBatch from the schedule (vectorised, from the token store), plan the cut,
+slice, and for each microbatch compute its hash ids from its own inputs (tokens, positions,
+history) and start gathering its Engram rows from the host tables into its OWN staging buffer on a
+worker thread, so the lookup overlaps the other microbatch's compute. The executor interleaves the
+microbatches' stage generators; logits are computed once over the merged step's sampled rows.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..engram.hashing import hash_step
+from ..inputs.batch import StepBatch
+from ..inputs.static import StaticInputPool
+from ..inputs.step import build_step
+from ..inputs.ubatch import SplitConfig, padded_sizes, plan_split, split_batch
+from ..model.context import ForwardContext, UbatchBuffers
+from ..model.kv_cache import KVCache
+from ..model.loader import LoadedModel
+from .executor import run_interleaved
+from .ownership import OwnershipTracker
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """Sizes and switches of one runner. The `*_negative_control` style switches (share_staging,
+    share_topk, rebuild_history=False, neutral_padding=False) exist only to prove the tests can fail."""
+
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 1024
+    block_size: int = 16
+    num_blocks: int = 1024
+    split: SplitConfig = field(default_factory=SplitConfig)
+    graph_sizes: tuple[int, ...] = ()  # padded step sizes for graph mode; () = eager, unpadded
+    debug_ownership: bool = False
+    device: str = "cpu"
+    share_staging: bool = False
+    share_topk: bool = False
+    rebuild_history: bool = True
+    neutral_padding: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size", "num_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.graph_sizes and max(self.graph_sizes) < self.max_num_batched_tokens:
+            raise ValueError(f"graph_sizes={self.graph_sizes}: the largest must hold "
+                             f"max_num_batched_tokens={self.max_num_batched_tokens}")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+@dataclass
+class StepOutput:
+    """logits [S, V] of the sampled rows (in row order); hash_ids [T, L, C] and staged rows
+    [L, T, C, hd] of the real tokens (for verification); the token boundaries of the microbatches."""
+
+    logits: torch.Tensor
+    hash_ids: torch.Tensor
+    staged: torch.Tensor
+    bounds: list[int]
+    straddling_rows: int
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, cfg: RunnerConfig):
+        self.cfg, self.loaded = cfg, loaded
+        self.model = loaded.model
+        mcfg = loaded.config
+        self.device = torch.device(cfg.device)
+        self.layout = loaded.layout.to(self.device)
+        self.token_map = loaded.token_map.to(self.device)
+        self.pad_id = int(loaded.token_map[mcfg.engram.engram_pad_token_id])
+        self.history_len = mcfg.engram.history_len
+        self.kv = KVCache.for_config(mcfg, cfg.num_blocks, cfg.block_size, device=self.device)
+        from ..inputs.token_store import TokenStore
+        self.store = TokenStore(cfg.max_num_seqs, cfg.max_model_len, self.device)
+        cap = max(cfg.graph_sizes) if cfg.graph_sizes else cfg.max_num_batched_tokens
+        self.bufs = [UbatchBuffers.allocate(mcfg, k, cap, self.device) for k in range(cfg.split.num_ubatches)]
+        if cfg.share_staging:
+            for b in self.bufs[1:]:
+                b.staging = self.bufs[0].staging
+        if cfg.share_topk:
+            for b in self.bufs[1:]:
+                b.topk_idx = self.bufs[0].topk_idx
+        self.static = StaticInputPool(list(cfg.graph_sizes)) if cfg.graph_sizes else None
+        self.tracker = OwnershipTracker() if cfg.debug_ownership else None
+        self._gather_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-gather")
+
+    # ---- preparation ------------------------------------------------------------------------
+    def build(self, slots: np.ndarray, num_computed: np.ndarray, num_new: np.ndarray, block_tables: np.ndarray,
+              sample: np.ndarray) -> StepBatch:
+        """The step batch; block_tables [R, <=max_blocks_per_seq] are padded to the fixed width."""
+        width = self.cfg.max_blocks_per_seq
+        tables = np.full((len(slots), width), -1, dtype=np.int64)
+        tables[:, : block_tables.shape[1]] = block_tables
+        return build_step(self.store, slots, num_computed, num_new, tables, self.cfg.block_size,
+                          self.history_len, sample)
+
+    def plan(self, batch: StepBatch, split: SplitConfig | None = None) -> list[int]:
+        decode_only = bool((np.diff(batch.qsl_host) == 1).all())
+        return plan_split(batch.qsl_host, split or self.cfg.split, decode_only)
+
+    # ---- execution --------------------------------------------------------------------------
+    def execute(self, batch: StepBatch, bounds: list[int] | None = None) -> StepOutput:
+        """Run one step cut at `bounds` (default: planned). Returns logits of the sampled rows."""
+        bounds = bounds if bounds is not None else self.plan(batch)
+        if len(bounds) - 1 > len(self.bufs):
+            raise ValueError(f"{len(bounds) - 1} microbatches but buffers for {len(self.bufs)} (split.num_ubatches)")
+        ubs = split_batch(batch, bounds, self.cfg.rebuild_history)
+        real = [u.num_tokens for u in ubs]
+        if self.static is not None:
+            sizes = padded_sizes(bounds, self.static.padded_size(batch.num_tokens))
+            ubs = [self.static.get(k, s, u).refresh(u, pad=self.cfg.neutral_padding)
+                   for k, (s, u) in enumerate(zip(sizes, ubs))]
+        if self.tracker is not None:
+            self.tracker.reset()
+        ctxs, futures = [], []
+        for k, u in enumerate(ubs):
+            u.hash_ids = hash_step(u.input_ids, u.qsl, u.history, self.layout, self.token_map, self.pad_id,
+                                   dead=u.dead)  # [T_k, L, C] from this microbatch's inputs alone
+            bufs = self.bufs[k]
+            staging = bufs.staging[:, : u.num_tokens]  # [L, T_k, C, hd] this microbatch's own rows
+            if self.tracker is not None:
+                self.tracker.touch("staging", staging, k)
+            futures.append(self._gather_pool.submit(self._stage_rows, u.hash_ids, staging, real[k]))
+            ctxs.append(ForwardContext(u, self.kv, bufs, self._rows_fn(futures[-1], staging), self.tracker))
+        try:
+            hidden = run_interleaved([self.model.stages(c) for c in ctxs])
+        finally:
+            for f in futures:
+                f.cancel()
+        merged = torch.cat([h[:n] for h, n in zip(hidden, real)])  # [T, hidden] real tokens only
+        logits = self.model.compute_logits(merged[batch.logits_indices])  # once over the merged step
+        staged = torch.cat([f.result()[:, :n] for f, n in zip(futures, real)], dim=1)
+        hashes = torch.cat([u.hash_ids[:n] for u, n in zip(ubs, real)])
+        straddling = int(np.isin(bounds[1:-1], batch.qsl_host, invert=True).sum())  # cuts inside a row
+        return StepOutput(logits, hashes, staged, bounds, straddling)
+
+    def _stage_rows(self, hash_ids: torch.Tensor, staging: torch.Tensor, real: int) -> torch.Tensor:
+        """Gather the real tokens' rows; zero the padding rows (fresh every step)."""
+        self.loaded.tables.gather(hash_ids[:real], staging[:, :real])
+        staging[:, real:].zero_()
+        return staging
+
+    @staticmethod
+    def _rows_fn(future: Future, staging: torch.Tensor):
+        def rows(i: int) -> torch.Tensor:
+            future.result()  # wait for this microbatch's gather (already running on the worker)
+            return staging[i]  # [T_k, C, hd]
+        return rows
+
+    def close(self) -> None:
+        self._gather_pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,280 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption by recompute (torch-free).
+
+One `schedule()` call picks the work of one engine step; `update()` records that the step ran.
+The caller owns sampling: it appends each sampled row's token with `seq.append_token` and
+decides when a request stops (`finish`), between `update()` and the next `schedule()`.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..errors import InvalidRequest
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Validated scheduler limits; a bad value raises ValueError naming the field.
+
+    Cross-field rules, each of which would otherwise let a request wait forever:
+    - `num_blocks * block_size >= max_model_len`: one request of maximal length fits alone;
+    - `max_num_batched_tokens >= max_num_seqs`: every running decode fits into every step;
+    - without chunked prefill, `max_num_batched_tokens >= max_model_len`: a whole (re)prefill fits.
+    """
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "block_size", "max_model_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"SchedulerConfig field {name}={v!r}: must be an int >= 1")
+        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SchedulerConfig field {name}={getattr(self, name)!r}: must be a bool")
+        if self.num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(f"SchedulerConfig field num_blocks={self.num_blocks}: num_blocks * block_size "
+                             f"({self.num_blocks * self.block_size}) < max_model_len={self.max_model_len}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"SchedulerConfig field max_num_batched_tokens={self.max_num_batched_tokens}: "
+                             f"must be >= max_num_seqs={self.max_num_seqs}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"SchedulerConfig field max_num_batched_tokens={self.max_num_batched_tokens}: "
+                             f"must be >= max_model_len={self.max_model_len} when enable_chunked_prefill=False")
+
+
+@dataclass(frozen=True)
+class ScheduledRow:
+    """One sequence's tokens in a step: absolute positions `num_computed .. num_computed+num_new-1`.
+
+    Invariants: `num_new >= 1`; `num_computed + num_new <= seq.num_tokens`;
+    `len(seq.block_ids) * block_size >= num_computed + num_new`.
+    """
+
+    seq: Sequence
+    num_computed: int
+    num_new: int
+
+    @property
+    def sample(self) -> bool:
+        """True iff this row reaches the sequence's last token (prompt complete, or a decode)."""
+        return self.num_computed + self.num_new == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """The work of one step: decodes first, then prefill chunks. Each sequence appears at most once.
+
+    `preempted`: sequences that lost their blocks this step (back in the waiting queue, never in
+    `rows`); `finished`: sequences the scheduler ended with finish_reason "length" because their
+    next token would sit at a position >= max_model_len.
+    """
+
+    rows: list[ScheduledRow] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_new for r in self.rows)
+
+    def block_table_array(self, max_blocks: int) -> list[list[int]]:
+        """Per row, its block ids padded with -1 to `max_blocks`. Call before `update`/`finish`."""
+        out = []
+        for r in self.rows:
+            ids = r.seq.block_ids
+            if len(ids) > max_blocks:
+                raise ValueError(f"block_table_array: {r.seq.request_id!r} holds {len(ids)} blocks > "
+                                 f"max_blocks={max_blocks}")
+            out.append(ids + [-1] * (max_blocks - len(ids)))
+        return out
+
+
+class Scheduler:
+    """FCFS continuous batching.
+
+    Invariants (`check_invariants`): `running` is sorted by arrival and holds RUNNING sequences
+    whose blocks cover their computed tokens; `waiting` holds WAITING sequences with no blocks
+    and nothing computed; the two are disjoint; `len(running) <= max_num_seqs`; the block
+    manager's holders are exactly the running sequences that hold blocks.
+    """
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # sorted by arrival
+        self._live: dict[str, Sequence] = {}  # request_id -> waiting or running sequence
+        self.num_preemptions = 0
+
+    # ---- queue ---------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request; refuse it (InvalidRequest) before it can touch the batch."""
+        n, limit = seq.num_prompt_tokens, self.config.max_model_len
+        if n == 0:
+            raise InvalidRequest(f"request {seq.request_id!r}: prompt is empty (num_prompt_tokens=0)")
+        if n > limit:
+            raise InvalidRequest(f"request {seq.request_id!r}: num_prompt_tokens={n} > max_model_len={limit}")
+        if seq.num_tokens != n or seq.status is not SequenceStatus.WAITING or seq.block_ids or seq.num_computed_tokens:
+            raise InvalidRequest(f"request {seq.request_id!r}: not a fresh sequence ({seq!r})")
+        if seq.request_id in self._live:
+            raise InvalidRequest(f"request_id={seq.request_id!r} is already in use by a live request")
+        self._live[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End `seq` (stop, length, abort, error): free its blocks and drop it from the queues."""
+        if seq.is_finished:
+            return
+        if self._live.get(seq.request_id) is not seq:
+            raise ValueError(f"finish: {seq.request_id!r} is not a request of this scheduler")
+        del self._live[seq.request_id]
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+
+    def abort(self, request_id: str) -> bool:
+        """Finish with reason "abort"; False (and nothing done) for an unknown or finished id."""
+        seq = self._live.get(request_id)
+        if seq is None:
+            return False
+        self.finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg, bm = self.config, self.block_manager
+        out = SchedulerOutput()
+        for seq in [s for s in self._live.values() if s.num_tokens > cfg.max_model_len]:
+            self.finish(seq, "length")  # its next position would be >= max_model_len
+            out.finished.append(seq)
+        budget, scheduled = cfg.max_num_batched_tokens, set()
+
+        def add_row(seq: Sequence, n: int) -> None:
+            nonlocal budget
+            out.rows.append(ScheduledRow(seq, seq.num_computed_tokens, n))
+            scheduled.add(id(seq))
+            budget -= n
+
+        # 1. running decodes, then 2. running partial prefills; both may preempt for a block.
+        for decode in (True, False):
+            for seq in list(self.running):
+                if seq.status is not SequenceStatus.RUNNING or id(seq) in scheduled:
+                    continue  # preempted earlier in this step
+                remaining = seq.num_tokens - seq.num_computed_tokens
+                if remaining == 0 or (remaining == 1) != decode:
+                    continue  # remaining == 0: the caller has not appended the sampled token yet
+                if budget == 0:
+                    break
+                n = self._fit_or_preempt(seq, min(remaining, budget), scheduled, out)
+                if n:
+                    bm.allocate(seq, seq.num_computed_tokens + n)
+                    add_row(seq, n)
+        # 3. waiting sequences, FCFS; none after a preemption (that would undo it).
+        while self.waiting and not out.preempted and budget and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = bm.match_prefix(seq.token_ids, seq.dead)
+            prefix = prefix[:(seq.num_tokens - 1) // cfg.block_size]  # leave >= 1 token to compute
+            computed = len(prefix) * cfg.block_size
+            n = self._chunk(seq.num_tokens - computed, budget, bm.capacity(seq, prefix) - computed)
+            if n == 0:
+                break  # strict FCFS: later requests do not overtake the head
+            self.waiting.popleft()
+            bm.allocate(seq, computed + n, prefix)
+            seq.num_computed_tokens, seq.status = computed, SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            add_row(seq, n)
+        return out
+
+    def _chunk(self, remaining: int, budget: int, room: int) -> int:
+        """Tokens of a prefill to run now: all of `remaining`, or (chunked) as many as fit, or 0."""
+        n = min(remaining, budget, room)
+        if n < remaining and not self.config.enable_chunked_prefill:
+            return 0
+        return max(n, 0)
+
+    def _fit_or_preempt(self, seq: Sequence, want: int, scheduled: set[int], out: SchedulerOutput) -> int:
+        """Tokens of running `seq` to run now (<= want), preempting the latest arrivals if no block is free.
+
+        Returns 0 if `seq` itself was preempted. Only unscheduled sequences are victims.
+        """
+        bm, start = self.block_manager, seq.num_computed_tokens
+        while True:
+            n = self._chunk(want, want, bm.capacity(seq) - start)
+            if n:
+                return n
+            victim = max((s for s in self.running if id(s) not in scheduled), key=lambda s: s.arrival)
+            self._preempt(victim, out)
+            if victim is seq:
+                return 0
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Recompute-style preemption: drop all blocks, back to the FRONT of the waiting queue."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens, seq.status = 0, SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def update(self, output: SchedulerOutput) -> None:
+        """Record that `output`'s step ran: advance computed counts, register newly full blocks.
+
+        Rows of sequences finished or aborted since `schedule()` are skipped.
+        """
+        for r in output.rows:
+            seq = r.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            if seq.num_computed_tokens != r.num_computed:
+                raise ValueError(f"update: {seq.request_id!r} has num_computed_tokens={seq.num_computed_tokens}, "
+                                 f"the row was scheduled at num_computed={r.num_computed} (stale output?)")
+            seq.num_computed_tokens += r.num_new
+            self.block_manager.register_full_blocks(seq)
+
+    # ---- checking ------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first broken invariant (see the class docstring)."""
+        bm, bs = self.block_manager, self.config.block_size
+        bm.check_invariants()
+        if [s.arrival for s in self.running] != sorted(s.arrival for s in self.running):
+            raise AssertionError("running is not sorted by arrival")
+        if len(self.running) > self.config.max_num_seqs:
+            raise AssertionError(f"{len(self.running)} running > max_num_seqs={self.config.max_num_seqs}")
+        for s in self.running:
+            if s.status is not SequenceStatus.RUNNING or len(s.block_ids) * bs < s.num_computed_tokens:
+                raise AssertionError(f"bad running sequence {s!r}")
+            if not 0 <= s.num_computed_tokens <= s.num_tokens:
+                raise AssertionError(f"{s!r}: num_computed_tokens out of [0, num_tokens]")
+        for s in self.waiting:
+            if s.status is not SequenceStatus.WAITING or s.block_ids or s.num_computed_tokens:
+                raise AssertionError(f"bad waiting sequence {s!r}")
+        queued = {id(s) for s in self.running} | {id(s) for s in self.waiting}
+        if len(queued) != len(self.running) + len(self.waiting) or queued != {id(s) for s in self._live.values()}:
+            raise AssertionError("running and waiting are not a partition of the live requests")
+        holders = {id(s) for s in self.running if s.block_ids}
+        if set(bm._holders) != holders:
+            raise AssertionError("block holders are not exactly the running sequences with blocks")

@@ -1,0 +1,78 @@
+"""Runner safety: per-microbatch buffers, the ownership check, failures mid-forward (spec §5)."""
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from engram_serve.errors import OwnershipError
+from engram_serve.inputs.ubatch import SplitConfig
+from engram_serve.model.loader import load_model, make_random_checkpoint
+from engram_serve.runner.model_runner import ModelRunner, RunnerConfig
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt")
+    make_random_checkpoint(path, seed=0)
+    return load_model(path)
+
+
+def runner_and_batch(loaded, **kw):
+    cfg = RunnerConfig(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=128, num_blocks=64,
+                       split=SplitConfig(2, "tokens", 0, 0), **kw)
+    r = ModelRunner(loaded, cfg)
+    rng = np.random.default_rng(0)
+    lens = [30, 7, 50]
+    slots = np.array([r.store.add(rng.integers(6, 4096, n).tolist()) for n in lens])
+    b = r.build(slots, np.zeros(3, int), np.array(lens), np.arange(48).reshape(3, 16), np.ones(3, bool))
+    return r, b
+
+
+@pytest.mark.parametrize("graph", [(), (128,)])
+def test_every_cut_matches_the_whole_step(loaded, graph):
+    r, b = runner_and_batch(loaded, graph_sizes=graph, debug_ownership=True)
+    whole = r.execute(b, [0, b.num_tokens])
+    for c in range(1, b.num_tokens, 7):
+        out = r.execute(b, [0, c, b.num_tokens])
+        assert torch.equal(out.hash_ids, whole.hash_ids) and torch.equal(out.staged, whole.staged)
+        assert (out.logits - whole.logits).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("flag,name", [("share_topk", "topk_idx"), ("share_staging", "staging")])
+def test_ownership_check_names_a_shared_buffer(loaded, flag, name):
+    r, b = runner_and_batch(loaded, debug_ownership=True, **{flag: True})
+    with pytest.raises(OwnershipError, match=f"{name}.*microbatch 0.*microbatch 1"):
+        r.execute(b, [0, 40, b.num_tokens])
+    r2, b2 = runner_and_batch(loaded, debug_ownership=True)  # negative control: own buffers pass
+    r2.execute(b2, [0, 40, b2.num_tokens])
+
+
+def test_shared_staging_without_the_check_corrupts_rows(loaded):
+    r, b = runner_and_batch(loaded, share_staging=True)
+    whole = r.execute(b, [0, b.num_tokens])
+    split = r.execute(b, [0, 40, b.num_tokens])
+    assert not torch.equal(split.staged, whole.staged)
+
+
+def test_a_microbatch_that_raises_ends_the_step_fast_and_the_runner_recovers(loaded, monkeypatch):
+    r, b = runner_and_batch(loaded)
+    whole = r.execute(b, [0, b.num_tokens])
+    mlp = r.model.layers[2].mlp
+    real = mlp.forward
+    calls = {"n": 0}
+
+    def flaky(x):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second microbatch's layer-2 MLP
+            raise RuntimeError("injected failure in microbatch 1")
+        return real(x)
+
+    monkeypatch.setattr(mlp, "forward", flaky)
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match="injected failure"):
+        r.execute(b, [0, 40, b.num_tokens])
+    assert time.monotonic() - t < 1.0
+    monkeypatch.setattr(mlp, "forward", real)
+    again = r.execute(b, [0, 40, b.num_tokens])
+    assert (again.logits - whole.logits).abs().max() <= 1e-5

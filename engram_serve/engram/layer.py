@@ -1,0 +1,48 @@
+"""The Engram gate of spec §7 (DeepSeek-V4.1 form), one per configured layer.
+
+Input: the residual stream h [T, hc_mult, hidden] and the staged table rows [T, C, head_dim]
+(C = (N-1)*H hash columns). Output: h with a gated, shared value added to every branch:
+    e          = rows flattened to [T, C*head_dim]
+    keys, v    = wkv(e) split into hc_mult keys and one value (each [T, hidden])
+    dot_i      = sum(rmsnorm(h_i) * q_w[i] * rmsnorm(key_i) * k_w[i]) / sqrt(hidden)
+    gate_i     = sigmoid(sign(dot_i) * sqrt(max(|dot_i|, 1e-6)))   (0 for dead / padding tokens)
+    h_i       += gate_i * v
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..model.layers import rms_norm
+
+
+class EngramGate(nn.Module):
+    def __init__(self, hidden: int, hc_mult: int, num_columns: int, head_dim: int, eps: float):
+        super().__init__()
+        self.hidden, self.hc_mult, self.num_columns, self.head_dim, self.eps = hidden, hc_mult, num_columns, head_dim, eps
+        self.wkv = nn.Linear(num_columns * head_dim, (hc_mult + 1) * hidden, bias=False)
+        self.q_w = nn.Parameter(torch.ones(hc_mult, hidden))
+        self.k_w = nn.Parameter(torch.ones(hc_mult, hidden))
+
+    def gate(self, h: torch.Tensor, rows: torch.Tensor, dead: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate [T, hc_mult] and value [T, hidden] for h [T, hc, hidden], rows [T, C, hd], dead [T] bool."""
+        t = h.shape[0]
+        if rows.shape != (t, self.num_columns, self.head_dim):
+            raise ValueError(f"Engram rows have shape {tuple(rows.shape)}; expected "
+                             f"{(t, self.num_columns, self.head_dim)}")
+        kv = self.wkv(rows.reshape(t, self.num_columns * self.head_dim).to(self.wkv.weight.dtype))  # [T, (hc+1)*hidden]
+        keys = kv[:, :self.hc_mult * self.hidden].view(t, self.hc_mult, self.hidden)
+        value = kv[:, self.hc_mult * self.hidden:]  # [T, hidden], shared by all branches
+        q = rms_norm(h, self.eps).float() * self.q_w.float()
+        k = rms_norm(keys, self.eps).float() * self.k_w.float()
+        dot = (q * k).sum(-1) / math.sqrt(self.hidden)  # [T, hc]
+        g = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=1e-6)))
+        if dead is not None:
+            g = g.masked_fill(dead[:, None], 0.0)
+        return g.to(h.dtype), value
+
+    def forward(self, h: torch.Tensor, rows: torch.Tensor, dead: torch.Tensor | None = None) -> torch.Tensor:
+        g, value = self.gate(h, rows, dead)
+        return h + g[..., None] * value[:, None, :]

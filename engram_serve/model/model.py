@@ -1,0 +1,160 @@
+"""The config-driven Engram decoder (spec §7, DeepSeek-V4.1 form).
+
+Residual stream h [T, hc_mult, hidden] (hyper-connection branches; hc_mult=1 is a plain transformer).
+Per layer:
+  (a) Engram layers: h_i += gate_i * value from the staged table rows (engram/layer.py);
+  (b) attention on rmsnorm(mean_i h_i), output added to every branch;
+  (c) SwiGLU MLP, or a top-k MoE on moe_layer_ids, on rmsnorm(mean_i h_i), added to every branch.
+Final hidden = rmsnorm(mean_i h_i); logits = lm_head(hidden) in float32.
+
+`stages(ctx)` is the serving forward of one microbatch as a generator that yields a stage name at each
+overlap point; `forward_dense` runs the same layers (same weights, same math) over [B, S] sequences.
+Yield points are data-independent, so two microbatches stepped round-robin stay in lock step:
+microbatch k finishes layer L's KV writes before microbatch k+1 runs layer L's attention.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..engram.layer import EngramGate
+from ..errors import StaticBufferError
+from .attention import FULL, REUSE, SELECT, Attention, DenseBackend, PagedBackend
+from .context import ForwardContext, UbatchBuffers
+from .layers import MLP, MoE, RMSNorm, rotary_cos_sin
+
+STAGE_ENGRAM_GATHER, STAGE_ENGRAM, STAGE_ATTN = "engram_gather", "engram", "attn"
+STAGE_MOE_DISPATCH, STAGE_MOE_COMBINE = "moe_dispatch", "moe_combine"
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        e = cfg.engram
+        self.layer_id = layer_id
+        self.engram_index = e.engram_layer_ids.index(layer_id) if layer_id in e.engram_layer_ids else None
+        self.engram = (EngramGate(cfg.hidden_size, cfg.hc_mult, e.num_columns, e.engram_head_dim, cfg.rms_norm_eps)
+                       if self.engram_index is not None else None)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.is_moe = layer_id in cfg.moe_layer_ids
+        self.mlp = (MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok)
+                    if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size))
+        # a selecting layer picks its own keys; the layer after a selecting one reuses them
+        if layer_id in cfg.index_layer_ids:
+            self.attn_mode = SELECT
+        elif layer_id - 1 in cfg.index_layer_ids:
+            self.attn_mode = REUSE
+        else:
+            self.attn_mode = FULL
+
+
+class EngramModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    # ---- shared layer loop -------------------------------------------------------------------
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, dead: torch.Tensor | None, backend,
+             engram_rows: Callable[[int], torch.Tensor] | None, ctx: ForwardContext | None
+             ) -> Generator[str, None, torch.Tensor]:
+        cfg = self.config
+        n = input_ids.shape[0]
+        cos, sin = rotary_cos_sin(positions, cfg.head_dim, cfg.rope_theta)  # once per forward
+        h = self.embed_tokens(input_ids)[:, None, :].expand(n, cfg.hc_mult, cfg.hidden_size)  # [N, hc, hidden]
+        for layer in self.layers:
+            if layer.engram is not None:
+                yield STAGE_ENGRAM_GATHER
+                if engram_rows is not None:  # None: Engram ablated (dense path only)
+                    rows = engram_rows(layer.engram_index)  # [N, C, hd]; may wait for the gather
+                    if ctx is not None:
+                        ctx.touch("staging", rows)
+                    h = layer.engram(h, rows, dead)
+                yield STAGE_ENGRAM
+            a = layer.attn(layer.attn_norm(h.mean(1)), cos, sin, backend, layer.layer_id,
+                           layer.attn_mode, cfg.index_topk)
+            h = h + a[:, None, :]
+            yield STAGE_ATTN
+            x = layer.mlp_norm(h.mean(1))
+            m = (yield from layer.mlp.stages(x, ctx)) if layer.is_moe else layer.mlp(x)
+            h = h + m[:, None, :]
+        return self.norm(h.mean(1))  # [N, hidden]
+
+    # ---- serving path ------------------------------------------------------------------------
+    def stages(self, ctx: ForwardContext) -> Generator[str, None, torch.Tensor]:
+        """Forward of one microbatch; yields stage names at overlap points, returns hidden [T, hidden]."""
+        b = ctx.batch
+        if b.num_tokens > ctx.bufs.capacity:
+            raise StaticBufferError(f"staging buffer of microbatch {ctx.bufs.ubatch} holds {ctx.bufs.capacity} "
+                                    f"tokens; the microbatch has {b.num_tokens}")
+        backend = PagedBackend(ctx)
+        return (yield from self._run(b.input_ids.long(), b.positions.long(), b.dead, backend, ctx.engram_rows, ctx))
+
+    def forward_step(self, ctx: ForwardContext) -> torch.Tensor:
+        """Run `stages` to completion; returns hidden [T, hidden]."""
+        gen = self.stages(ctx)
+        while True:
+            try:
+                next(gen)
+            except StopIteration as stop:
+                return stop.value
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, w).float()
+
+    def make_buffers(self, ubatch: int, max_tokens: int, device: str | torch.device | None = None,
+                     dtype: torch.dtype = torch.float32) -> UbatchBuffers:
+        dev = device if device is not None else self.embed_tokens.weight.device
+        return UbatchBuffers.allocate(self.config, ubatch, max_tokens, dev, dtype)
+
+    # ---- dense (training / reference) path ---------------------------------------------------
+    def forward_dense(self, input_ids: torch.Tensor, engram_rows: list[torch.Tensor] | None,
+                      dead: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal forward over input_ids [B, S] at positions 0..S-1 -> logits [B, S, V] float32.
+
+        engram_rows[i] [B, S, C, hd] are the staged rows of Engram layer i; None zeroes every Engram
+        output (ablation). dead [B, S] bool marks dead tokens (gate 0)."""
+        b, s = input_ids.shape
+        dev = input_ids.device
+        positions = torch.arange(s, device=dev).repeat(b)  # [B*S]
+        rows_fn = None
+        if engram_rows is not None:
+            if len(engram_rows) != self.config.engram.num_layers:
+                raise ValueError(f"forward_dense: {len(engram_rows)} Engram row tensors for "
+                                 f"{self.config.engram.num_layers} Engram layers")
+            rows_fn = lambda i: engram_rows[i].reshape(b * s, *engram_rows[i].shape[2:])  # noqa: E731
+        gen = self._run(input_ids.reshape(-1).long(), positions, None if dead is None else dead.reshape(-1),
+                        DenseBackend(b, s, dev), rows_fn, None)
+        while True:
+            try:
+                next(gen)
+            except StopIteration as stop:
+                hidden = stop.value
+                break
+        return self.compute_logits(hidden).view(b, s, -1)
+
+    def forward(self, input_ids: torch.Tensor, engram_rows: list[torch.Tensor] | None = None,
+                dead: torch.Tensor | None = None) -> torch.Tensor:
+        return self.forward_dense(input_ids, engram_rows, dead)
+
+
+def init_weights(model: EngramModel, seed: int, std: float = 0.02) -> EngramModel:
+    """Deterministic random init: norms and Engram q_w/k_w at 1, everything else N(0, std)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".q_w") or name.endswith(".k_w"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model

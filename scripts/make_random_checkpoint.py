@@ -1,0 +1,25 @@
+"""Write a deterministic random Engram checkpoint (config.json, model.safetensors, tokenizer.json).
+
+    python scripts/make_random_checkpoint.py --out DIR [--seed 0] [--config PATH] [--tokenizer PATH]
+"""
+from __future__ import annotations
+
+import argparse
+
+from engram_serve.model.loader import WEIGHTS_FILE, make_random_checkpoint
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config", default=None, help="config.json (default: the built-in tiny config)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer.json (default: beside --config, else the tiny one)")
+    args = ap.parse_args()
+    out = make_random_checkpoint(args.out, args.seed, args.config, args.tokenizer)
+    size = (out / WEIGHTS_FILE).stat().st_size
+    print(f"wrote {out} ({size / 2**20:.1f} MiB of weights)")
+
+
+if __name__ == "__main__":
+    main()

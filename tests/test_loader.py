@@ -1,0 +1,207 @@
+"""Checkpoint loading: round trip, memory mapping, and every mismatch named with both values."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engram_serve.config import ModelConfig, read_json
+from engram_serve.engram.layout import build_layout
+from engram_serve.engram.tables import EngramTables
+from engram_serve.engram.token_map import build_token_map, load_tokenizer
+from engram_serve.errors import CheckpointMismatch
+from engram_serve.model.loader import (CONFIG_FILE, TINY_DIR, WEIGHTS_FILE, check_tokenizer, load_model,
+                                       make_random_checkpoint, mmap_safetensors)
+from engram_serve.model.model import EngramModel, init_weights
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return make_random_checkpoint(tmp_path_factory.mktemp("ck") / "tiny", seed=0)
+
+
+@pytest.fixture
+def copy(ckpt, tmp_path):
+    def make() -> Path:
+        return Path(shutil.copytree(ckpt, tmp_path / "copy"))
+    return make
+
+
+def edit_config(d: Path, **changes) -> None:
+    cfg = read_json(d / CONFIG_FILE)
+    cfg.update(changes)
+    (d / CONFIG_FILE).write_text(json.dumps(cfg))
+
+
+def edit_weights(d: Path, fn) -> None:
+    tensors = {k: v.clone() for k, v in load_file(d / WEIGHTS_FILE).items()}
+    fn(tensors)
+    save_file(tensors, d / WEIGHTS_FILE)
+
+
+def test_tiny_config_matches_tokenizer_and_layout():
+    """The shipped config agrees with the bundled tokenizer (V') and with the hash layout (table rows)."""
+    cfg = ModelConfig.from_dict(read_json(TINY_DIR / CONFIG_FILE))
+    tok = load_tokenizer(TINY_DIR / "tokenizer.json")
+    check_tokenizer(cfg, tok)
+    assert int(build_token_map(tok, cfg.engram.engram_compressed_vocab_size).max()) + 1 == 2726
+    assert build_layout(cfg.engram).table_rows == list(cfg.engram.engram_num_embeddings) == [65856, 66338]
+
+
+def test_round_trip_same_logits_and_tables(ckpt):
+    loaded = load_model(ckpt)
+    cfg = loaded.config
+    ref = init_weights(EngramModel(cfg), 0).eval()
+    ref_tables = EngramTables.random(cfg.engram, 1)
+    assert loaded.tables.rows_per_layer == list(cfg.engram.engram_num_embeddings)
+    for a, b in zip(loaded.tables.tables, ref_tables.tables):
+        assert torch.equal(a, b)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    rows = [torch.randn(2, 12, cfg.engram.num_columns, cfg.engram.engram_head_dim) for _ in range(2)]
+    with torch.no_grad():
+        assert torch.equal(loaded.model.forward_dense(ids, rows), ref.forward_dense(ids, rows))
+    assert loaded.token_map.shape == (4096,) and int(loaded.token_map.max()) + 1 == 2726
+    assert loaded.layout.table_rows == list(cfg.engram.engram_num_embeddings)
+
+
+def test_random_checkpoint_is_deterministic_and_small(ckpt, tmp_path):
+    again = make_random_checkpoint(tmp_path / "again", seed=0)
+    digest = [hashlib.sha256((d / WEIGHTS_FILE).read_bytes()).hexdigest() for d in (ckpt, again)]
+    assert digest[0] == digest[1]
+    assert (ckpt / WEIGHTS_FILE).stat().st_size < 20 * 2**20
+
+
+def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    real = os.path.realpath(path)
+    out = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 6 and parts[5] == real:
+            lo, hi = parts[0].split("-")
+            out.append((int(lo, 16), int(hi, 16)))
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
+def test_weights_and_tables_are_memory_mapped(ckpt):
+    loaded = load_model(ckpt, pin_tables=False)
+    ranges = _mapped_ranges(ckpt / WEIGHTS_FILE)
+    assert ranges, "the weights file is not mapped"
+
+    def mapped(t: torch.Tensor) -> bool:
+        return any(lo <= t.data_ptr() < hi for lo, hi in ranges)
+
+    params = dict(loaded.model.named_parameters())
+    assert all(mapped(p) for p in params.values())
+    assert all(mapped(t) for t in loaded.tables.tables)
+    assert not mapped(params["norm.weight"].clone())  # control: a copy is not in the mapping
+    # copy-on-write: writing a parameter leaves the file untouched
+    before = (ckpt / WEIGHTS_FILE).read_bytes()
+    with torch.no_grad():
+        params["norm.weight"].add_(1.0)
+    assert (ckpt / WEIGHTS_FILE).read_bytes() == before
+
+
+def test_load_reports_progress(ckpt):
+    seen = []
+    load_model(ckpt, progress=lambda done, total, what: seen.append((done, total, what)))
+    assert seen[-1][0] == seen[-1][1] and any(w == "lm_head.weight" for _, _, w in seen)
+
+
+@pytest.mark.parametrize("change, pattern", [
+    (dict(vocab_size=4000), r"vocab_size: config says 4000, the tokenizer has 4096"),
+    (dict(vocab_size=5000, engram_pad_token_id=4500), r"engram_pad_token_id: config says 4500.*0\.\.4095"),
+    (dict(vocab_size=5000, eos_token_id=4097), r"eos_token_id: config says 4097.*0\.\.4095"),
+    (dict(engram_compressed_vocab_size=2725), r"engram_compressed_vocab_size: config says 2725.*yields 2726"),
+    (dict(engram_num_embeddings=[65856, 66000]), r"engram_num_embeddings for Engram layer 2: config says 66000.*66338"),
+])
+def test_config_and_tokenizer_mismatch(copy, change, pattern):
+    d = copy()
+    edit_config(d, **change)
+    with pytest.raises(CheckpointMismatch, match=pattern):
+        load_model(d)
+
+
+def _shrink_rows(t):
+    t["engram.2.table"] = t["engram.2.table"][:-5].contiguous()
+
+
+def _narrow(t):
+    t["engram.1.table"] = t["engram.1.table"][:, :15].contiguous()
+
+
+def _drop(t):
+    del t["layers.2.mlp.down_proj.weight"]
+
+
+def _reshape(t):
+    t["layers.0.attn.q_proj.weight"] = torch.zeros(128, 96)
+
+
+def _extra(t):
+    t["layers.9.attn.q_proj.weight"] = torch.zeros(4)
+
+
+def _drop_table(t):
+    del t["engram.1.table"]
+
+
+@pytest.mark.parametrize("fn, pattern", [
+    (_shrink_rows, r"engram_num_embeddings for Engram layer 2: config says 66338, .*'engram.2.table' has 66333 rows"),
+    (_narrow, r"engram_head_dim for Engram layer 1: config says 16, .*'engram.1.table' is 15 wide"),
+    (_drop, r"missing tensor.*layers\.2\.mlp\.down_proj\.weight.*\[128, 384\]"),
+    (_reshape, r"layers\.0\.attn\.q_proj\.weight.*checkpoint shape \[128, 96\].*\[128, 128\]"),
+    (_extra, r"unexpected tensor.*layers\.9\.attn\.q_proj\.weight"),
+    (_drop_table, r"missing tensor 'engram\.1\.table'"),
+])
+def test_weight_mismatch(copy, fn, pattern):
+    d = copy()
+    edit_weights(d, fn)
+    with pytest.raises(CheckpointMismatch, match=pattern):
+        load_model(d)
+
+
+def test_untouched_copy_loads(copy):
+    """Control for the mismatch tests: the copy itself is fine, so each failure comes from its edit."""
+    d = copy()
+    edit_weights(d, lambda t: None)
+    load_model(d)
+
+
+def test_corrupt_files(copy):
+    d = copy()
+    data = (d / WEIGHTS_FILE).read_bytes()
+    (d / WEIGHTS_FILE).write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointMismatch, match="data_offsets"):
+        load_model(d)
+    (d / WEIGHTS_FILE).write_bytes(struct.pack("<Q", 10**9) + b"{}")
+    with pytest.raises(CheckpointMismatch, match="header length"):
+        mmap_safetensors(d / WEIGHTS_FILE)
+    (d / WEIGHTS_FILE).unlink()
+    with pytest.raises(CheckpointMismatch, match="model.safetensors"):
+        load_model(d)
+
+
+def test_bf16_checkpoint_views_correctly(tmp_path):
+    t = torch.randn(3, 5).to(torch.bfloat16)
+    save_file({"a": t, "b": torch.arange(7, dtype=torch.int64)}, tmp_path / "x.safetensors")
+    got = mmap_safetensors(tmp_path / "x.safetensors")
+    assert got["a"].dtype == torch.bfloat16 and torch.equal(got["a"], t)
+    assert torch.equal(got["b"], torch.arange(7))
+
+
+def test_script_writes_a_loadable_checkpoint(tmp_path):
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, str(root / "scripts" / "make_random_checkpoint.py"), "--out", str(tmp_path / "s"),
+                    "--seed", "3"], check=True, cwd=root, capture_output=True,
+                   env={**os.environ, "PYTHONPATH": str(root)})
+    assert load_model(tmp_path / "s").config.hidden_size == 128

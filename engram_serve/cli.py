@@ -1,0 +1,186 @@
+"""The `engram-serve` command line.
+
+Each subcommand is registered by one `add_<name>(subparsers)` function listed in `COMMANDS`; it
+builds its parser and sets `run=<function(args) -> int>`. Benchmarks are the modules of
+`engram_serve.bench.registry()`, each becoming `engram-serve bench <name>`.
+
+Errors: every `EngramServeError` and every bad argument ends the command with ONE line
+`engram-serve: error: <message>` on stderr and exit code 2, never a traceback. Other exceptions
+are bugs and keep their traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from .errors import ConfigError, EngramServeError, InvalidRequest
+
+PROG = "engram-serve"
+DATA_DIR = Path(__file__).resolve().parent / "data" / "tiny"
+DEFAULT_CONFIG = DATA_DIR / "config.json"
+DEFAULT_TOKENIZER = DATA_DIR / "tokenizer.json"
+
+
+class UsageError(Exception):
+    """A bad command line, raised by the parser instead of printing usage and exiting."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print usage and exit; main prints one line
+        if message.endswith("expected one argument"):
+            message += " (attach a value that starts with '-', e.g. --token-ids=-1,2)"
+        raise UsageError(message)
+
+
+# ---- shared argument types and loaders ----
+
+def id_list(text: str) -> list[int]:
+    """argparse type: a non-empty comma-separated list of integers >= 0 (`1,2,3`)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: empty list; expected comma-separated integer ids")
+    out = []
+    for i, piece in enumerate(text.split(","), 1):
+        try:
+            v = int(piece)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: item {i} {piece!r} is not an integer") from None
+        if v < 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: item {i} ({v}) is negative")
+        out.append(v)
+    return out
+
+
+def load_engram(config: Path, tokenizer: Path | None):
+    """(EngramConfig, EngramLayout, token map [V] int64, tokenizer path) from the CLI's paths.
+
+    The tokenizer defaults to `tokenizer.json` beside the config, else the bundled one. Every
+    failure is an EngramServeError naming the option and the file."""
+    from .config import EngramConfig, read_json
+    from .engram.layout import build_layout
+    from .engram.token_map import build_token_map, load_tokenizer
+
+    try:
+        raw = read_json(config)
+    except ConfigError as e:
+        raise ConfigError(f"--config: {e}") from None
+    try:
+        cfg = EngramConfig.from_dict(raw)
+        layout = build_layout(cfg)
+    except (EngramServeError, TypeError, ValueError) as e:  # wrong-typed fields surface as Type/ValueError
+        raise ConfigError(f"--config {config}: {e}") from None
+    if tokenizer is None:
+        beside = config.parent / "tokenizer.json"
+        tokenizer = beside if beside.is_file() else DEFAULT_TOKENIZER
+    try:
+        tok = load_tokenizer(tokenizer)
+        tmap = build_token_map(tok, cfg.engram_compressed_vocab_size)  # [V] int64
+    except EngramServeError as e:
+        raise type(e)(f"--tokenizer {tokenizer}: {e}") from None
+    if cfg.engram_pad_token_id >= len(tmap):
+        raise ConfigError(f"--config {config}: engram_pad_token_id={cfg.engram_pad_token_id} is outside "
+                          f"the vocabulary [0, {len(tmap)}) of --tokenizer {tokenizer}")
+    return cfg, layout, tmap, tokenizer
+
+
+# ---- hash ----
+
+def add_hash(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("hash", help="print the Engram hash ids of a token sequence",
+                       description="Print {\"hash_ids\": [...]} of shape [tokens, engram_layers, (N-1)*H] for "
+                                   "one sequence starting at position 0, computed by the production hash.")
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, metavar="CONFIG.json",
+                   help="model config.json (default: the bundled tiny model's)")
+    p.add_argument("--tokenizer", type=Path, default=None, metavar="tokenizer.json",
+                   help="default: tokenizer.json beside the config if present, else the bundled one")
+    p.add_argument("--token-ids", type=id_list, metavar="1,2,3",
+                   help="raw token ids, mapped through the tokenizer's compressed map")
+    p.add_argument("--compressed-ids", type=id_list, metavar="1,2,3",
+                   help="compressed ids in [0, engram_compressed_vocab_size), used as they are")
+    p.set_defaults(run=run_hash)
+
+
+def run_hash(args: argparse.Namespace) -> int:
+    if (args.token_ids is None) == (args.compressed_ids is None):
+        got = "neither" if args.token_ids is None else (
+            f"both (--token-ids {_ids_text(args.token_ids)}, --compressed-ids {_ids_text(args.compressed_ids)})")
+        raise UsageError(f"give exactly one of --token-ids or --compressed-ids, got {got}")
+    import torch
+
+    from .engram.hashing import hash_step
+    cfg, layout, tmap, tok_path = load_engram(args.config, args.tokenizer)
+    pad_id = int(tmap[cfg.engram_pad_token_id])  # spec §2: pad_id = map[engram_pad_token_id]
+    if args.token_ids is not None:
+        ids, limit, option, where = args.token_ids, len(tmap), "--token-ids", f"the vocabulary of {tok_path}"
+    else:
+        ids, limit, option = args.compressed_ids, cfg.engram_compressed_vocab_size, "--compressed-ids"
+        where = "the compressed vocabulary (engram_compressed_vocab_size)"
+        tmap = torch.arange(limit)  # identity map [V'] int64
+    for i, v in enumerate(ids, 1):
+        if v >= limit:
+            raise InvalidRequest(f"{option} {_ids_text(ids)}: item {i} ({v}) is outside {where} [0, {limit})")
+    history = torch.full((1, cfg.history_len), -1, dtype=torch.int64)  # [1, D]: starts at position 0
+    out = hash_step(torch.tensor(ids), torch.tensor([0, len(ids)]), history, layout, tmap, pad_id)  # [T, L, C]
+    print(json.dumps({"hash_ids": out.tolist()}))
+    return 0
+
+
+def _ids_text(ids: list[int]) -> str:
+    text = ",".join(map(str, ids))
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ---- bench ----
+
+def add_bench(sub: argparse._SubParsersAction) -> None:
+    from . import bench
+    from .bench import common
+    p = sub.add_parser("bench", help="run a benchmark (candidate and baseline side by side)")
+    bsub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for name, module in bench.registry().items():
+        bp = bsub.add_parser(name, help=module.__doc__.splitlines()[0], description=module.__doc__)
+        common.add_common_args(bp)
+        module.add_args(bp)
+        bp.set_defaults(run=_bench_runner(module.run))
+
+
+def _bench_runner(run: Callable[[argparse.Namespace], list[dict]]) -> Callable[[argparse.Namespace], int]:
+    def go(args: argparse.Namespace) -> int:
+        from .bench.common import print_rows
+        print_rows(run(args), args.json)
+        return 0
+    return go
+
+
+# ---- entry point ----
+
+COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_hash, add_bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    parser = _Parser(prog=PROG, description="Serving runtime for Engram language models.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.run(args)
+    except (EngramServeError, UsageError) as e:
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

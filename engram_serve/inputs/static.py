@@ -28,12 +28,11 @@ class StaticInputs:
     def __init__(self, ubatch: int, size: int, like: StepBatch):
         self.ubatch, self.size = ubatch, size
         self.buffers: dict[str, torch.Tensor] = {}
-        for name, (_, kind) in PADDING.items():
+        for name, (fill, _) in PADDING.items():
             ref = getattr(like, name)
-            if ref is None:
-                continue
-            self.buffers[name] = torch.empty((size, *ref.shape[1:]), dtype=ref.dtype, device=ref.device)
-        self.qsl = torch.empty(size + 1, dtype=like.qsl.dtype, device=like.qsl.device)
+            if ref is not None:
+                self.buffers[name] = torch.full((size, *ref.shape[1:]), fill, dtype=ref.dtype, device=ref.device)
+        self.qsl = torch.zeros(size + 1, dtype=like.qsl.dtype, device=like.qsl.device)
 
     def _check(self, name: str, buf: torch.Tensor, value: torch.Tensor) -> None:
         if value.dtype != buf.dtype or value.shape[1:] != buf.shape[1:] or value.shape[0] > buf.shape[0]:

@@ -1,0 +1,195 @@
+"""`engram-serve verify`: run one seeded workload under many cuts and compare with the unsplit run.
+
+Compared per token, keyed by (request, absolute position): hash ids and staged Engram rows bit for
+bit; logits of sampled positions as the maximum absolute difference; and the greedy tokens. A
+greedy token that differs where the unsplit run's top-2 logit margin is below the measured logit
+difference is a near-tie: reported separately, never counted as a pass.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .engine.llm_engine import LLMEngine
+from .inputs.ubatch import SplitConfig
+from .model.loader import LoadedModel
+from .runner.model_runner import RunnerConfig
+from .sampling_params import SamplingParams
+
+LOGIT_TOL = 1e-5
+GRAPH_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    gen_tokens: int
+
+    @classmethod
+    def seeded(cls, seed: int, num_requests: int, vocab: int, gen_tokens: int = 16) -> "Workload":
+        """Prompt lengths from 1 to 70 tokens (so rows straddle cuts); ids avoid the first 6 (special) ids."""
+        rng = np.random.default_rng(seed)
+        lens = rng.integers(1, 71, size=num_requests)
+        lens[0] = max(lens[0], 40)  # at least one long prompt to sweep cuts through
+        return cls([rng.integers(6, vocab, size=int(n)).tolist() for n in lens], gen_tokens)
+
+
+@dataclass
+class Record:
+    """Everything one run computed, keyed by (request index, absolute position)."""
+
+    keys: np.ndarray  # [K, 2]
+    hashes: torch.Tensor  # [K, L*C]
+    staged: torch.Tensor  # [K, L*C*hd]
+    logit_keys: np.ndarray  # [S, 2]
+    logits: torch.Tensor  # [S, V]
+    tokens: list[list[int]]
+    steps: int = 0
+    microbatched_steps: int = 0
+    straddling_rows: int = 0
+
+
+def run_case(loaded: LoadedModel, work: Workload, cfg: RunnerConfig, first_step_bounds: list[int] | None = None,
+             max_steps: int | None = None) -> Record:
+    engine = LLMEngine(loaded, cfg, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=work.gen_tokens, temperature=0.0, ignore_eos=True)
+    index = {}
+    for i, p in enumerate(work.prompts):
+        engine.add_request(f"r{i}", p, params)
+        index[f"r{i}"] = i
+    keys, hashes, staged, lkeys, logits = [], [], [], [], []
+    tokens: list[list[int]] = [[] for _ in work.prompts]
+    steps = 0
+    try:
+        while engine.has_unfinished() and (max_steps is None or steps < max_steps):
+            res = engine.step(first_step_bounds if steps == 0 else None)
+            steps += 1
+            for ev in res.events:
+                if ev.token is not None:
+                    tokens[index[ev.request_id]].append(ev.token)
+            if res.output is None:
+                continue
+            rows = res.scheduled.rows
+            req = np.repeat([index[r] for r in res.req_ids], [r.num_new for r in rows])
+            pos = np.concatenate([np.arange(r.num_computed, r.num_computed + r.num_new) for r in rows])
+            keys.append(np.stack([req, pos], 1))
+            hashes.append(res.output.hash_ids.reshape(len(req), -1))
+            staged.append(res.output.staged.permute(1, 0, 2, 3).reshape(len(req), -1))
+            sampled = [(index[rid], r.num_computed + r.num_new - 1)
+                       for rid, r, flag in zip(res.req_ids, rows, res.sampled) if flag]
+            lkeys.append(np.array(sampled, dtype=np.int64).reshape(-1, 2))
+            logits.append(res.output.logits)
+        st = engine.stats
+        return Record(np.concatenate(keys), torch.cat(hashes), torch.cat(staged), np.concatenate(lkeys),
+                      torch.cat(logits), tokens, st.steps, st.microbatched_steps, st.straddling_rows)
+    finally:
+        engine.close()
+
+
+def _by_key(keys: np.ndarray, *values: torch.Tensor):
+    """Sort by (request, position), keeping the last occurrence (a recompute after preemption)."""
+    order = np.lexsort((np.arange(len(keys)), keys[:, 1], keys[:, 0]))
+    k = keys[order]
+    last = np.ones(len(k), dtype=bool)
+    last[:-1] = (k[1:] != k[:-1]).any(1)
+    idx = torch.from_numpy(order[last])
+    return (k[last], *(v[idx] for v in values))
+
+
+def compare(base: Record, other: Record, work: Workload) -> dict:
+    bk, bh, bs = _by_key(base.keys, base.hashes, base.staged)
+    ok, oh, os_ = _by_key(other.keys, other.hashes, other.staged)
+    if bk.shape != ok.shape or (bk != ok).any():
+        raise RuntimeError("the runs computed different (request, position) sets")
+    blk, bl = _by_key(base.logit_keys, base.logits)
+    olk, ol = _by_key(other.logit_keys, other.logits)
+    diff = float((bl - ol).abs().max()) if blk.shape == olk.shape and (blk == olk).all() else float("inf")
+    top2 = bl.topk(2, dim=1).values
+    margin = dict(zip(map(tuple, blk.tolist()), (top2[:, 0] - top2[:, 1]).tolist()))
+    greedy_bad = near = 0
+    for r, (bt, ot) in enumerate(zip(base.tokens, other.tokens)):
+        first = next((i for i, (a, b) in enumerate(zip(bt, ot)) if a != b), None)
+        if first is None:
+            greedy_bad += len(bt) != len(ot)
+            continue
+        tie = margin.get((r, len(work.prompts[r]) + first - 1), float("inf")) < diff  # later tokens follow
+        near += tie                                                                   # a different prefix
+        greedy_bad += not tie
+    return {"hash_mismatches": int((bh != oh).any(1).sum()),
+            "row_mismatches": int((bs != os_).any(1).sum()),  # exact equality of the float rows
+            "max_abs_logit_diff": diff, "greedy_mismatches": greedy_bad, "near_ties": near}
+
+
+def cases(base: RunnerConfig, work: Workload, first_qsl: np.ndarray) -> list[tuple[str, RunnerConfig, list | None]]:
+    """(name, runner config, forced bounds of the first step) for every comparison."""
+    big = base.max_num_batched_tokens
+    def split(n, policy, **kw):
+        return dataclasses.replace(base, split=SplitConfig(n, policy, 0, 0), **kw)
+    out = [(f"{n} ubatches, {p} policy", split(n, p), None) for n in (2, 3) for p in ("tokens", "requests")]
+    out += [(f"prefill chunk {c}, 2 ubatches",
+             split(2, "tokens", max_num_batched_tokens=c, max_num_seqs=min(c, base.max_num_seqs)), None)
+            for c in (1, 3, 17)]
+    out.append(("prefill chunk unlimited, 2 ubatches", split(2, "tokens", max_num_batched_tokens=big), None))
+    out.append(("graph mode, padded, 2 ubatches",
+                split(2, "tokens", graph_sizes=tuple(s for s in GRAPH_SIZES if s < big) + (big,)), None))
+    r = int(np.argmax(np.diff(first_qsl)))  # sweep every cut inside the longest first-step row
+    for c in range(int(first_qsl[r]) + 1, int(first_qsl[r + 1])):
+        out.append((f"first step cut at token {c}", split(2, "tokens"), [0, c, int(first_qsl[-1])]))
+    return out
+
+
+def verify(loaded: LoadedModel, seed: int = 0, num_requests: int = 6, gen_tokens: int = 16,
+           overrides: dict | None = None, only: str | None = None, progress=None) -> dict:
+    """Run every case (or those whose name contains `only`); `overrides` (RunnerConfig fields) apply to
+    the compared cases, never to the unsplit baseline (they switch protections off: negative controls)."""
+    work = Workload.seeded(seed, num_requests, loaded.config.vocab_size, gen_tokens)
+    total = sum(map(len, work.prompts))
+    base_cfg = RunnerConfig(max_num_seqs=num_requests, max_model_len=max(map(len, work.prompts)) + gen_tokens + 1,
+                            max_num_batched_tokens=total, num_blocks=num_requests * 8 + 64, block_size=16,
+                            split=SplitConfig(1))
+    base_cfg = dataclasses.replace(base_cfg, max_model_len=-(-base_cfg.max_model_len // 16) * 16)
+    base = run_case(loaded, work, base_cfg)
+    first_qsl = np.concatenate([[0], np.cumsum([len(p) for p in work.prompts])])
+    rows, straddling = [], 0
+    all_cases = [c for c in cases(base_cfg, work, first_qsl) if only is None or only in c[0]]
+    for i, (name, cfg, bounds) in enumerate(all_cases):
+        cfg = dataclasses.replace(cfg, **(overrides or {}))
+        rec = run_case(loaded, work, cfg, bounds, max_steps=1 if bounds else None)
+        straddling += rec.straddling_rows
+        if bounds:
+            res = compare_first_step(base, rec)
+        else:
+            res = compare(base, rec, work)
+        rows.append({"case": name, "steps": rec.steps, "microbatched_steps": rec.microbatched_steps,
+                     "straddling_rows": rec.straddling_rows, **res})
+        if progress:
+            progress(i + 1, len(all_cases))
+    summary = {
+        "cases": rows, "straddling_rows": straddling,
+        "hash_mismatches": sum(r["hash_mismatches"] for r in rows),
+        "row_mismatches": sum(r["row_mismatches"] for r in rows),
+        "max_abs_logit_diff": max(r["max_abs_logit_diff"] for r in rows),
+        "greedy_mismatches": sum(r["greedy_mismatches"] for r in rows),
+        "near_ties": sum(r["near_ties"] for r in rows),
+    }
+    summary["passed"] = (summary["hash_mismatches"] == 0 and summary["row_mismatches"] == 0
+                         and summary["max_abs_logit_diff"] <= LOGIT_TOL and summary["greedy_mismatches"] == 0
+                         and summary["near_ties"] == 0)
+    return summary
+
+
+def compare_first_step(base: Record, one_step: Record) -> dict:
+    """Compare a one-step run (forced cut) with the same tokens of the unsplit run."""
+    k, h, s = _by_key(one_step.keys, one_step.hashes, one_step.staged)
+    bk, bh, bs = _by_key(base.keys, base.hashes, base.staged)
+    sel = np.searchsorted(bk[:, 0] * (1 << 32) + bk[:, 1], k[:, 0] * (1 << 32) + k[:, 1])
+    idx = torch.from_numpy(sel)
+    lk, lg = _by_key(one_step.logit_keys, one_step.logits)
+    blk, bl = _by_key(base.logit_keys, base.logits)
+    lsel = torch.from_numpy(np.searchsorted(blk[:, 0] * (1 << 32) + blk[:, 1], lk[:, 0] * (1 << 32) + lk[:, 1]))
+    return {"hash_mismatches": int((bh[idx] != h).any(1).sum()), "row_mismatches": int((bs[idx] != s).any(1).sum()),
+            "max_abs_logit_diff": float((bl[lsel] - lg).abs().max()) if len(lk) else 0.0,
+            "greedy_mismatches": 0, "near_ties": 0}

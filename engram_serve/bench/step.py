@@ -1,0 +1,86 @@
+"""One engine step, whole against dual-batch overlap (2 microbatches), side by side.
+
+Workloads: decode-heavy (many requests, one new token each, deep contexts) and prefill-heavy (a few
+long prompt chunks). Timed: `ModelRunner.execute` on a prepared step (hash, staging gather, forward,
+logits). Memory: the per-microbatch buffers each candidate allocates up front (staging rows,
+index-sharing buffer, MoE scratch; DBO holds one set per microbatch) and the peak RSS growth
+while steps run (measured in a fresh child process per candidate).
+"""
+from __future__ import annotations
+
+import argparse
+
+from . import common
+
+NAME = "step"
+WORKLOADS = {  # name -> (requests, new tokens per request, context already computed)
+    "decode-heavy": (64, 1, 512),
+    "prefill-heavy": (4, 256, 0),
+}
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS))
+
+
+def _runner(model: str | None, workload: str, ubatches: int):
+    import numpy as np
+    import torch
+
+    from ..inputs.ubatch import SplitConfig
+    from ..model.loader import load_model
+    from ..runner.model_runner import ModelRunner, RunnerConfig
+
+    torch.manual_seed(0)
+    reqs, new, ctx = WORKLOADS[workload]
+    loaded = load_model(model)
+    block = 16
+    max_len = -(-(ctx + new) // block) * block
+    cfg = RunnerConfig(max_num_seqs=reqs, max_model_len=max_len, max_num_batched_tokens=reqs * new,
+                       block_size=block, num_blocks=reqs * max_len // block,
+                       split=SplitConfig(ubatches, "tokens", 0, 0))
+    runner = ModelRunner(loaded, cfg)
+    rng = np.random.default_rng(0)
+    slots = np.array([runner.store.add(rng.integers(6, loaded.config.vocab_size, ctx + new).tolist())
+                      for _ in range(reqs)])
+    per = max_len // block
+    tables = np.arange(reqs * per).reshape(reqs, per)
+    batch = runner.build(slots, np.full(reqs, ctx), np.full(reqs, new), tables, np.ones(reqs, bool))
+    return runner, batch
+
+
+def buffer_bytes(runner) -> int:
+    seen, total = set(), 0
+    for b in runner.bufs:
+        for t in [b.staging, b.topk_idx, *b.scratch.values()]:
+            if t is not None and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.numel() * t.element_size()
+    return total
+
+
+def setup(model: str | None, workload: str, ubatches: int):
+    runner, batch = _runner(model, workload, ubatches)
+    return lambda: runner.execute(batch)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for wl in args.workloads.split(","):
+        if wl not in WORKLOADS:
+            raise ValueError(f"--workloads: unknown workload {wl!r}; choose from {sorted(WORKLOADS)}")
+        res, bufs = {}, {}
+        for name, n in (("whole", 1), ("dbo", 2)):
+            runner, batch = _runner(args.model, wl, n)
+            bufs[name] = buffer_bytes(runner) / 2**20
+            tokens = batch.num_tokens
+            res[name] = common.measure(setup, dict(model=args.model, workload=wl, ubatches=n),
+                                       **common.timing_kwargs(args))
+        w, d = res["whole"], res["dbo"]
+        rows.append({"workload": wl, "tokens": tokens,
+                     "whole_tok_s": tokens / w["median_ms"] * 1e3, "dbo_tok_s": tokens / d["median_ms"] * 1e3,
+                     "dbo_over_whole": w["median_ms"] / d["median_ms"],
+                     "whole_buffers_mib": bufs["whole"], "dbo_buffers_mib": bufs["dbo"],
+                     "whole_peak_mib": w["peak_mib"], "dbo_peak_mib": d["peak_mib"]})
+    return rows

@@ -148,7 +148,8 @@ class LLMEngine:
             torch.tensor([x.top_k for x in p], dtype=torch.int64, device=dev),
             torch.tensor([x.top_p for x in p], dtype=torch.float32, device=dev),
             torch.tensor([x.seed for x in p], dtype=torch.int64, device=dev),
-            torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=dev))
+            torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=dev),
+            filters=any(x.top_k > 0 or x.top_p < 1 for x in p), random=any(x.temperature > 0 for x in p))
         slots = torch.tensor([s.slot for s in seqs], device=dev)
         ok = finite
         self.runner.store.append(slots[ok], tokens[ok])  # on the device, no Python round trip

@@ -76,14 +76,15 @@ class Sampler:
         return hash_gumbel(seeds, counters, vocab)
 
     def sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-               seeds: torch.Tensor, counters: torch.Tensor, *, filters: bool = True
+               seeds: torch.Tensor, counters: torch.Tensor, *, filters: bool = True, random: bool = True
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [R, V] float32; temperature [R] float; top_k [R] int64 (0 = off); top_p [R] float in
         (0, 1]; seeds [R] int64; counters [R] int64 (the request's output position).
 
         Returns (tokens [R] int64, finite [R] bool). `finite[r]` is False when row r's logits hold a
         NaN or an infinity: its token is then meaningless and must not be used. `filters=False`
-        skips the top-k/top-p sort; pass it only when no row uses either (known on the host)."""
+        skips the top-k/top-p sort; pass it only when no row uses either (known on the host);
+        `random=False` skips the noise; pass it only when every row is greedy."""
         rows, vocab = logits.shape
         for name, t in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seeds", seeds),
                         ("counters", counters)):
@@ -94,6 +95,8 @@ class Sampler:
         greedy = temperature < GREEDY_BELOW  # [R] bool
         best = x.argmax(dim=1)  # [R] int64
         scaled = x / torch.where(greedy, 1.0, temperature.float())[:, None]  # [R, V]
+        if not random:
+            return best, finite
         if filters:
             scaled = self._top_k_top_p(scaled, top_k, top_p)
         drawn = (scaled + self.noise(seeds, counters, vocab)).argmax(dim=1)  # [R] int64

@@ -197,3 +197,19 @@ def test_static_buffer_shape_and_dtype_errors_name_the_buffer():
         static.refresh(f32)
     with pytest.raises(StaticBufferError, match="padded size 8"):
         StaticInputPool([8]).get(0, 8, batch).refresh(StepBatch(**{**batch.fields(), "input_ids": torch.zeros(9)}))
+
+
+def test_token_store_append_truncate_free():
+    store = TokenStore(2, 16)
+    a = store.add([1, 2, 3])
+    b = store.add([7])
+    store.append(torch.tensor([a, b]), torch.tensor([4, 8]))  # sampled tokens committed on the device
+    assert store.lengths.tolist() == [4, 2]
+    assert store.history(torch.tensor([a, b]), torch.tensor([4, 2]), 3).tolist() == [[4, 3, 2], [8, 7, -1]]
+    store.append(torch.tensor([a]), torch.tensor([5]))
+    store.truncate(a, 4)  # a rejected speculative token is dropped
+    store.append(torch.tensor([a]), torch.tensor([6]))
+    assert store.history(torch.tensor([a]), torch.tensor([5]), 2).tolist() == [[6, 4]]
+    store.free(a)
+    c = store.add([9, 9])  # the freed slot is reused; its old tokens are not readable as history
+    assert c == a and store.history(torch.tensor([c]), torch.tensor([0]), 2).tolist() == [[-1, -1]]

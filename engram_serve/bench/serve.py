@@ -1,0 +1,140 @@
+"""Serving throughput and latency with dual-batch overlap on (SplitConfig(2)) and off (SplitConfig(1)), side by side.
+
+Two servers run in this process on loopback (127.0.0.1, free ports), one per setting, over the
+same loaded model (one model user at a time: the other engine thread sleeps on its command
+queue). For each client count, waves of that many concurrent streaming completions (ignore_eos,
+exactly --max-tokens each) go to the DBO-off server, then the DBO-on one, alternating which goes
+first from size to size; waves repeat until --budget-s of timed waves per setting (at least one,
+at most --max-waves). Reported per setting: tokens/s (all clients' tokens / wall time of the
+waves), p50/p99 time to first token and inter-token latency (nearest rank, over every token of
+every client), and the share of engine steps that were split. Clients share the process (and
+the GIL) with the server: absolute numbers are pessimistic, the on/off ratio is the point.
+Steps are split only above the SplitConfig thresholds (32 decode tokens, 128 with prefill), so
+below ~32 clients both settings run the same unsplit steps.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import resource
+import time
+
+from . import common
+
+NAME = "serve"
+WORDS = "the a of river stone light quick slow green idea number seven over under house blue".split()
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--clients", type=common.positive_int_list, default=[1, 8, 32], metavar="N,N,...",
+                        help="concurrent streaming clients (default 1,8,32)")
+    parser.add_argument("--max-tokens", type=common.positive_int, default=32, metavar="N",
+                        help="tokens per request (default 32)")
+    parser.add_argument("--prompt-words", type=common.positive_int, default=12, metavar="N",
+                        help="words per prompt (default 12)")
+    parser.add_argument("--max-waves", type=common.positive_int, default=8, metavar="N",
+                        help="most waves per client count and setting (default 8)")
+    parser.add_argument("--model", default=None, metavar="PATH",
+                        help="checkpoint directory (default: the built-in tiny model)")
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+async def _client(http, body: dict, ttft: list, itl: list) -> int:
+    t0 = time.perf_counter()
+    last, n = None, 0
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"bench request failed: HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            k = len(chunk["choices"][0]["token_ids"]) if chunk["choices"] else 0
+            if k:
+                now = time.perf_counter()
+                (ttft if last is None else itl).append(now - (t0 if last is None else last))
+                last, n = now, n + k
+    return n
+
+
+async def _waves(base_url: str, clients: int, args, seed: int) -> dict:
+    import httpx
+    rng = random.Random(seed)
+    ttft, itl, tokens, waves = [], [], 0, 0
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as http:
+        spent = 0.0
+        while waves < 1 or (waves < args.max_waves and spent < args.budget_s):
+            bodies = [{"prompt": " ".join(rng.choice(WORDS) for _ in range(args.prompt_words)),
+                       "max_tokens": args.max_tokens, "temperature": 0.8, "seed": rng.randrange(2**31),
+                       "ignore_eos": True, "stream": True, "return_token_ids": True} for _ in range(clients)]
+            t0 = time.perf_counter()
+            counts = await asyncio.gather(*[_client(http, b, ttft, itl) for b in bodies])
+            spent += time.perf_counter() - t0
+            tokens += sum(counts)
+            waves += 1
+    return {"waves": waves, "requests": waves * clients, "tokens": tokens, "wall_s": spent,
+            "tok_s": tokens / spent, "ttft_p50_ms": _pct(ttft, 0.5) * 1e3, "ttft_p99_ms": _pct(ttft, 0.99) * 1e3,
+            "itl_p50_ms": _pct(itl, 0.5) * 1e3, "itl_p99_ms": _pct(itl, 0.99) * 1e3}
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    import torch
+
+    from ..engine.async_engine import AsyncLLMEngine
+    from ..engine.llm_engine import LLMEngine
+    from ..inputs.ubatch import SplitConfig
+    from ..model.loader import load_model
+    from ..runner.model_runner import RunnerConfig
+    from ..server.api import BackgroundServer, build_app
+
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.model)
+    most = max(args.clients)
+    settings = {"off": SplitConfig(num_ubatches=1), "on": SplitConfig(num_ubatches=2)}
+    servers = {}
+    try:
+        for name, split in settings.items():
+            cfg = RunnerConfig(max_num_seqs=most, max_model_len=min(2048, loaded.config.max_position_embeddings),
+                               split=split)
+            engine = AsyncLLMEngine(LLMEngine(loaded, cfg))
+            servers[name] = (engine, BackgroundServer(build_app(engine, "bench")).start())
+        for name, (_, server) in servers.items():  # warm-up: first-call costs are not the setting's
+            asyncio.run(_waves(server.base_url, 2, argparse.Namespace(**{**vars(args), "max_waves": 1, "budget_s": 0}),
+                               seed=0))
+        rows = []
+        for i, clients in enumerate(args.clients):
+            order = ["off", "on"] if i % 2 == 0 else ["on", "off"]
+            res = {}
+            for name in order:
+                engine, server = servers[name]
+                before = engine.metrics()
+                res[name] = asyncio.run(_waves(server.base_url, clients, args, seed=clients))
+                after = engine.metrics()
+                steps = after["steps_total"] - before["steps_total"]
+                res[name]["split_steps_pct"] = 100 * (after["microbatched_steps_total"] -
+                                                      before["microbatched_steps_total"]) / max(steps, 1)
+            row = {"clients": clients, "max_tokens": args.max_tokens, "requests": res["on"]["requests"]}
+            for key in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "split_steps_pct"):
+                row[f"off_{key}"] = res["off"][key]
+                row[f"on_{key}"] = res["on"][key]
+            row["tok_s_ratio_on_off"] = res["on"]["tok_s"] / res["off"]["tok_s"]
+            row["threads"] = args.threads
+            rows.append(row)
+    finally:
+        for engine, server in servers.values():
+            server.stop()
+            engine.shutdown()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    for row in rows:
+        row["process_peak_rss_mib"] = peak
+    return rows

@@ -189,9 +189,38 @@ def run_verify(args: argparse.Namespace) -> int:
     return 0 if res["passed"] else 1
 
 
+# ---- generate, serve, train (their options live beside their code) ----
+
+def add_generate(sub: argparse._SubParsersAction) -> None:
+    from .llm import add_generate_args, run_generate
+    p = sub.add_parser("generate", help="generate text from a prompt with the built-in (or --model) model",
+                       description="Generate with dual-batch overlap on, then re-run unsplit and print a one-line "
+                                   "microbatch summary (steps split, rows that straddled a cut, match).")
+    add_generate_args(p)
+    p.set_defaults(run=run_generate)
+
+
+def add_serve(sub: argparse._SubParsersAction) -> None:
+    from .server.api import add_serve_args, run_serve
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
+                       description="/v1/completions, /v1/chat/completions (SSE streaming), /v1/models, "
+                                   "/health and /metrics on uvicorn.")
+    add_serve_args(p)
+    p.set_defaults(run=run_serve)
+
+
+def add_train(sub: argparse._SubParsersAction) -> None:
+    from .train import build_parser, run_args
+    p = sub.add_parser("train", help="train the built-in tiny Engram model on the Python standard library",
+                       description="Seeded, reproducible training on 2 CPU cores, with the no-Engram ablation.")
+    build_parser(p)
+    p.set_defaults(run=lambda args: run_args(args, "engram-serve train"))
+
+
 # ---- entry point ----
 
-COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_hash, add_verify, add_bench)
+COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    add_generate, add_serve, add_verify, add_hash, add_train, add_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

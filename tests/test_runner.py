@@ -76,3 +76,24 @@ def test_a_microbatch_that_raises_ends_the_step_fast_and_the_runner_recovers(loa
     monkeypatch.setattr(mlp, "forward", real)
     again = r.execute(b, [0, 40, b.num_tokens])
     assert (again.logits - whole.logits).abs().max() <= 1e-5
+
+
+def test_static_shape_forward_used_by_graph_capture_matches_eager(loaded):
+    """The capture-safe path that CUDA graphs record (fixed query/key bounds, MoE without host reads
+    of expert counts) gives the eager result; run here on CPU over padded static buffers."""
+    from engram_serve.engram.hashing import hash_step
+    from engram_serve.inputs.static import StaticInputPool
+    from engram_serve.model.context import ForwardContext
+    r, b = runner_and_batch(loaded)
+    r.execute(b, [0, b.num_tokens])  # prefill the KV cache
+    r.store.append(b.req_slots, torch.full((3,), 77))
+    dec = r.build(b.req_slots.numpy(), np.array([30, 7, 50]), np.ones(3, int), np.arange(48).reshape(3, 16),
+                  np.ones(3, bool))
+    view = StaticInputPool([8]).get(0, 8, dec).refresh(dec)
+    view.hash_ids = hash_step(view.input_ids, view.qsl, view.history, r.layout, r.token_map, r.pad_id, dead=view.dead)
+    staging = r.bufs[0].staging[:, :8]
+    r._stage_rows(view.hash_ids, staging, dec.num_tokens)
+    eager = r.model.forward_step(ForwardContext(view, r.kv, r.bufs[0], lambda i: staging[i]))
+    static = r.model.forward_step(ForwardContext(view, r.kv, r.bufs[0], lambda i: staging[i], max_query_len=1,
+                                                 max_seq_len=256))
+    assert (eager[:3] - static[:3]).abs().max() <= 1e-5

@@ -96,7 +96,8 @@ class MoE(nn.Module):
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order kept inside
         tok = order // k  # [N*k] source token of each dispatched row
         w_sorted = w.reshape(-1)[order].to(x.dtype)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host read per MoE layer
+        static = ctx is not None and ctx.max_query_len is not None  # graph capture: no host reads
+        counts = None if static else torch.bincount(flat, minlength=self.num_experts).tolist()  # one host read
         # persistent per-microbatch buffers when serving; autograd-friendly temporaries otherwise
         xs = ys = None
         if ctx is not None and not x.requires_grad:
@@ -112,6 +113,20 @@ class MoE(nn.Module):
         else:
             xs = x[tok]  # [N*k, hidden]
         yield "moe_dispatch"
+        if static:  # every expert over every dispatched row, masked: E x the compute, shapes fixed
+            if scratch:
+                ctx.touch(MOE_DISPATCH, xs)
+            expert_of = flat[order]  # [N*k]
+            out_rows = torch.zeros_like(xs)
+            for e in range(self.num_experts):
+                out_rows += (expert_of == e)[:, None].to(xs.dtype) * self._expert(e, xs)
+            if scratch:
+                ys.copy_(out_rows)
+                ctx.touch(MOE_COMBINE, ys)
+            else:
+                ys = out_rows
+            yield "moe_combine"
+            return torch.zeros_like(x).index_add(0, tok, ys * w_sorted[:, None])
         bounds = [0]
         for c in counts:
             bounds.append(bounds[-1] + c)

@@ -2,8 +2,8 @@
 
 Each step mixes decodes (half the requests, 1 token each) and prefill chunks (the other half share
 the remaining tokens); every request already has `context` tokens computed, so the step reads
-history from deep in the token store. Both candidates produce the same hash ids (checked once per
-size before timing). Rows with fewer tokens than requests are skipped.
+history from deep in the token store. Both candidates produce the same hash ids (checked on a
+small step before timing). Rows with fewer tokens than requests are skipped.
 """
 from __future__ import annotations
 

@@ -2,7 +2,9 @@
 
 Layout: the DeepSeek-V4.1 golden one (Engram layers [1, 14], N=4, H=8, vocab 16,000,000,
 V'=129,280). One request whose sequence starts at position 0 (history all -1), random raw ids,
-identity compressed map. The reference is a Python loop (about 0.1 ms per token here), so for
+identity compressed map. `prod_backend` says which production path ran: `kernel` (the C hash
+kernel, the default on CPU when it was built) or `torch` (`ENGRAM_SERVE_HASH_BACKEND=torch`, or no
+kernel). The reference is a Python loop (about 7 us per token here), so for
 sizes above `--ref-cap` it is timed on the first `--ref-cap` tokens only and the row says so;
 throughput (tokens/s) is what is compared, and the reference's cost is linear in tokens.
 """
@@ -60,6 +62,10 @@ def setup_reference(tokens: int):
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    import torch
+
+    from ..engram.hashing import hash_backend
+    backend = hash_backend(torch.zeros(0, dtype=torch.int64))  # the measuring children inherit this environment
     cap = args.ref_cap
     timing = common.timing_kwargs(args)
     rows = []
@@ -71,7 +77,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         ref_tps = ref_tokens / (ref["median_ms"] / 1e3)
         rows.append({
             "tokens": size, "layers": len(GOLDEN["engram_layer_ids"]), "n": GOLDEN["engram_max_ngram_size"],
-            "heads": GOLDEN["engram_n_heads"],
+            "heads": GOLDEN["engram_n_heads"], "prod_backend": backend,
             "prod_median_ms": prod["median_ms"], "prod_p90_ms": prod["p90_ms"], "prod_tok_s": prod_tps,
             "prod_peak_mib": prod["peak_mib"],
             "ref_tokens": ref_tokens, "ref_median_ms": ref["median_ms"], "ref_p90_ms": ref["p90_ms"],

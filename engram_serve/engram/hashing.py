@@ -5,13 +5,29 @@ The production path has three pieces, all torch ops that run unchanged on CPU or
                      step's own input ids or from the row's history `[rows, D]`;
   `compress`       - raw ids -> compressed ids (negative = blocked: before position 0 or dead);
   `hash_windows`   - the rolling-XOR hash of every window for every Engram layer.
+On CPU, `hash_step` and `hash_windows` run the optional C kernel `_hash_kernel` instead (one fused
+loop per token, division by a precomputed reciprocal; single-threaded torch spends most of its time
+in int64 `remainder`, which it cannot vectorise). The torch path (`hash_step_torch`,
+`hash_windows_torch`) serves CUDA tensors, a build without the kernel, and
+`ENGRAM_SERVE_HASH_BACKEND=torch`; both are property-tested against each other and the reference.
 `reference_hash` (a plain loop over one sequence, written for obviousness) lives beside it for tests.
 """
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import torch
 
 from .layout import EngramLayout
+
+try:
+    from . import _hash_kernel
+except ImportError:  # installed without a C compiler: the torch path serves CPU too
+    _hash_kernel = None
+
+BACKEND_ENV = "ENGRAM_SERVE_HASH_BACKEND"
+BACKENDS = ("auto", "torch", "kernel")
 
 BEFORE_START = -1  # history column whose position is < 0
 DEAD = -2  # a dead token (e.g. an image placeholder): blocks every n-gram that reaches it
@@ -52,8 +68,54 @@ def compress(window: torch.Tensor, token_map: torch.Tensor) -> torch.Tensor:
     return torch.where(window >= 0, token_map[window.clamp(min=0)], window)
 
 
+def hash_backend(*tensors: torch.Tensor) -> str:
+    """'kernel' or 'torch': the path that hashes these tensors.
+
+    `ENGRAM_SERVE_HASH_BACKEND` (read per call): `auto` (default) uses the C kernel when every
+    tensor is on the CPU and the kernel was built; `torch` always uses the torch path; `kernel`
+    is `auto` but raises if the kernel was not built. Non-CPU tensors always take the torch path.
+    """
+    choice = os.environ.get(BACKEND_ENV, "auto")
+    if choice not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={choice!r}: expected one of {', '.join(BACKENDS)}")
+    if choice == "kernel" and _hash_kernel is None:
+        raise RuntimeError(f"{BACKEND_ENV}=kernel, but engram_serve.engram._hash_kernel was not built "
+                           "(reinstall with a C compiler: pip install -e .)")
+    if choice == "torch" or _hash_kernel is None or any(t.device.type != "cpu" for t in tensors):
+        return "torch"
+    return "kernel"
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    """Zero-copy int64 C-contiguous numpy view of a CPU tensor (copies only to convert)."""
+    return t.long().contiguous().numpy()
+
+
+def _new_output(num_tokens: int, layout: EngramLayout) -> np.ndarray:
+    """[T, L, C] int64, uninitialised (the kernel writes every element).
+
+    Allocated by numpy rather than torch.empty: calling `torch.empty((65536, 2, 24))` repeatedly
+    (glibc, torch 2.13) grew the resident set by 24 MiB per call up to 192 MiB, as freed blocks were
+    kept rather than reused; with `np.empty` it stays at one output (measured in a plain loop)."""
+    return np.empty((num_tokens, *layout.moduli.shape), dtype=np.int64)
+
+
+def _kernel_constants(layout: EngramLayout) -> tuple[np.ndarray, ...]:
+    return (_host(layout.multipliers), _host(layout.moduli), _host(layout.offsets),
+            layout.div_magic.contiguous().numpy())
+
+
 def hash_windows(window_c: torch.Tensor, layout: EngramLayout, pad_id: int) -> torch.Tensor:
     """[T, L, (N-1)*H] int64 hash ids from compressed windows [T, N] (negative = blocked)."""
+    if hash_backend(window_c, layout.moduli) == "torch":
+        return hash_windows_torch(window_c, layout, pad_id)
+    out = _new_output(window_c.shape[0], layout)  # [T, L, C]
+    _hash_kernel.hash_windows(_host(window_c), *_kernel_constants(layout), int(pad_id), out)
+    return torch.from_numpy(out)
+
+
+def hash_windows_torch(window_c: torch.Tensor, layout: EngramLayout, pad_id: int) -> torch.Tensor:
+    """`hash_windows` in torch ops (any device)."""
     num_layers, n = layout.multipliers.shape
     heads = layout.config.engram_n_heads
     blocked = torch.cummax((window_c < 0).to(torch.int8), dim=1).values.bool()  # once blocked, stays blocked
@@ -72,8 +134,22 @@ def hash_windows(window_c: torch.Tensor, layout: EngramLayout, pad_id: int) -> t
 def hash_step(input_ids: torch.Tensor, qsl: torch.Tensor, history: torch.Tensor, layout: EngramLayout,
               token_map: torch.Tensor, pad_id: int, dead: torch.Tensor | None = None) -> torch.Tensor:
     """The production hash of one step (or one microbatch): [T, L, (N-1)*H] int64."""
+    tensors = (input_ids, qsl, history, token_map, layout.moduli) + (() if dead is None else (dead,))
+    if hash_backend(*tensors) == "torch":
+        return hash_step_torch(input_ids, qsl, history, layout, token_map, pad_id, dead)
+    out = _new_output(input_ids.shape[0], layout)  # [T, L, C]
+    dead_np = None if dead is None else dead.bool().contiguous().numpy()
+    # the C loop is step_windows + compress + hash_windows fused: no [T, N] or [T, L, C] temporaries
+    _hash_kernel.hash_step(_host(input_ids), _host(qsl), _host(history), dead_np, _host(token_map),
+                           *_kernel_constants(layout), int(pad_id), out)
+    return torch.from_numpy(out)
+
+
+def hash_step_torch(input_ids: torch.Tensor, qsl: torch.Tensor, history: torch.Tensor, layout: EngramLayout,
+                    token_map: torch.Tensor, pad_id: int, dead: torch.Tensor | None = None) -> torch.Tensor:
+    """`hash_step` in torch ops (any device)."""
     n = layout.config.engram_max_ngram_size
-    return hash_windows(compress(step_windows(input_ids, qsl, history, n, dead), token_map), layout, pad_id)
+    return hash_windows_torch(compress(step_windows(input_ids, qsl, history, n, dead), token_map), layout, pad_id)
 
 
 def reference_hash(tokens: list[int], dead: list[bool], layout: EngramLayout, token_map: list[int],

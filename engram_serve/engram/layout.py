@@ -1,7 +1,8 @@
 """Per-layer hash layout of spec §2: moduli, offsets and multipliers.
 
 Invariants: `offsets[l, c] == moduli[l, :c].sum()`; `table_rows[l] == moduli[l].sum()`
-and equals `engram_num_embeddings[l]`; all moduli across all layers are distinct primes.
+and equals `engram_num_embeddings[l]`; all moduli across all layers are distinct primes;
+`div_magic[l, c] == 2**64 // moduli[l, c]` (the reciprocal the CPU hash kernel divides by).
 """
 from __future__ import annotations
 
@@ -42,25 +43,40 @@ def is_prime(n: int) -> bool:
 
 @dataclass(frozen=True)
 class EngramLayout:
-    """Moduli/offsets are [L, (N-1)*H] int64, column c = (n-2)*H + h; multipliers are [L, N] int64."""
+    """Moduli/offsets are [L, (N-1)*H] int64, column c = (n-2)*H + h; multipliers are [L, N] int64.
+
+    div_magic [L, (N-1)*H] uint64 is floor(2**64 / moduli), exact: the C kernel's `n % d` is a
+    multiply-high by it plus one correction (see `_hash_kernel.c`). It always stays on the host.
+    """
 
     config: EngramConfig
     moduli: torch.Tensor
     offsets: torch.Tensor
     multipliers: torch.Tensor
+    div_magic: torch.Tensor
 
     @property
     def table_rows(self) -> list[int]:
         return self.moduli.sum(dim=1).tolist()
 
     def to(self, device) -> "EngramLayout":
-        return EngramLayout(self.config, self.moduli.to(device), self.offsets.to(device), self.multipliers.to(device))
+        return EngramLayout(self.config, self.moduli.to(device), self.offsets.to(device), self.multipliers.to(device),
+                            self.div_magic)
 
 
 def layer_multipliers(layer_id: int, n: int, compressed_vocab: int) -> np.ndarray:
     rng = np.random.default_rng(10007 * layer_id)
     bound = max(1, (_INT64_MAX // compressed_vocab) // 2)
     return rng.integers(low=0, high=bound, size=n, dtype=np.int64) * 2 + 1
+
+
+def division_magic(moduli: list[list[int]]) -> torch.Tensor:
+    """[L, C] uint64 floor(2**64 / d) per modulus d >= 2, in exact integer arithmetic."""
+    for row in moduli:
+        for d in row:
+            if d < 2:
+                raise ValueError(f"hash modulus {d} must be >= 2")
+    return torch.tensor([[(1 << 64) // d for d in row] for row in moduli], dtype=torch.uint64)
 
 
 def build_layout(cfg: EngramConfig, check_rows: bool = True) -> EngramLayout:
@@ -88,4 +104,4 @@ def build_layout(cfg: EngramConfig, check_rows: bool = True) -> EngramLayout:
                     f"engram_num_embeddings for Engram layer {lid}: config says {want}, the hash layout needs {got}")
     mult = torch.from_numpy(np.stack([layer_multipliers(lid, n_max, cfg.engram_compressed_vocab_size)
                                       for lid in cfg.engram_layer_ids]))  # [L, N]
-    return EngramLayout(cfg, mod, off, mult)
+    return EngramLayout(cfg, mod, off, mult, division_magic(moduli))

@@ -9,7 +9,6 @@ import argparse
 import json
 
 import pytest
-import torch
 
 from engram_serve.engine.detokenizer import IncrementalDetokenizer
 from engram_serve.engine.llm_engine import LLMEngine
@@ -23,16 +22,6 @@ from engram_serve.sampling_params import SamplingParams
 OPTS = dict(max_model_len=128, num_blocks=64, max_num_seqs=8)
 FORCE_SPLIT = SplitConfig(num_ubatches=2, decode_threshold=2, prefill_threshold=2)  # cut every step it can
 PROMPTS = ["Hello world", "The quick brown fox jumps", "Once upon a time there was", "1 2 3 4 5 6 7"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on a shared 2-core machine, OpenMP threads waiting for a busy core make
-    a tiny model's step ~20x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 from openai import OpenAI
 
 from engram_serve.engine.async_engine import AsyncLLMEngine
@@ -31,16 +30,6 @@ def strict_json(text: str):
     def bad(name):
         raise AssertionError(f"non-finite constant {name} in a response body")
     return json.loads(text, parse_constant=bad)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on a shared 2-core machine, OpenMP threads waiting for a busy core make
-    a tiny model's step ~20x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

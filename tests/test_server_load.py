@@ -15,7 +15,6 @@ import warnings
 
 import httpx
 import pytest
-import torch
 
 from engram_serve.engine.async_engine import AsyncLLMEngine
 from engram_serve.engine.llm_engine import LLMEngine
@@ -90,16 +89,6 @@ async def load(base_url: str) -> list[dict]:
         jobs = clients[:N_CLIENTS // 2] + droppers + clients[N_CLIENTS // 2:]  # droppers start mid-pack
         out = await asyncio.wait_for(asyncio.gather(*jobs), timeout=120)
     return out[:N_CLIENTS // 2] + out[N_CLIENTS // 2 + N_DROPPERS:]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on a shared 2-core machine, OpenMP threads waiting for a busy core make
-    a tiny model's step ~20x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

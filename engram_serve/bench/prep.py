@@ -68,13 +68,13 @@ def per_request_loop(cfg, layout, store, slots, computed, new, tables, tmap):
     d = cfg.history_len
     total = int(new.sum())
     cut = round(total / 2)
-    outs, start = [], 0
+    outs, start, fields = [], 0, []
     rows_of = [[], []]
     for r in range(len(slots)):
         c, n, s = int(computed[r]), int(new[r]), int(slots[r])
         pos = torch.arange(c, c + n)
         ids = store.ids[s, c:c + n].long()
-        _slot_mapping = torch.tensor(tables[r])[pos // BLOCK] * BLOCK + pos % BLOCK
+        fields.append((ids, pos, torch.tensor(tables[r])[pos // BLOCK] * BLOCK + pos % BLOCK))
         for k, (a, b) in enumerate(((0, cut), (cut, total))):  # this request's part in each microbatch
             lo, hi = max(a, start) - start, min(b, start + n) - start
             if lo < hi:
@@ -83,6 +83,7 @@ def per_request_loop(cfg, layout, store, slots, computed, new, tables, tmap):
                                      for j in range(d)])
                 rows_of[k].append((ids[lo:hi], hist))
         start += n
+    _ids, _positions, _slot_mapping = (torch.cat(f) for f in zip(*fields))  # the step's token fields
     for rows in rows_of:
         outs.append(torch.cat([hash_step(ids, torch.tensor([0, len(ids)]), hist[None], layout, tmap, 2)
                                for ids, hist in rows]))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .engine.llm_engine import LLMEngine
+from .engine.llm_engine import EngineStats, LLMEngine
 from .inputs.ubatch import SplitConfig
 from .model.loader import LoadedModel
 from .runner.model_runner import RunnerConfig
@@ -50,12 +50,21 @@ class Record:
     steps: int = 0
     microbatched_steps: int = 0
     straddling_rows: int = 0
+    preemptions: int = 0
 
 
 def run_case(loaded: LoadedModel, work: Workload, cfg: RunnerConfig, first_step_bounds: list[int] | None = None,
-             max_steps: int | None = None) -> Record:
-    engine = LLMEngine(loaded, cfg, enable_prefix_caching=False)
+             max_steps: int | None = None, reuse_prefix: bool = False) -> Record:
+    """Run the workload and record it. `reuse_prefix`: run it once unrecorded with prefix caching on,
+    then record a second pass whose prompts start from the cached KV blocks of the first."""
+    engine = LLMEngine(loaded, cfg, enable_prefix_caching=reuse_prefix)
     params = SamplingParams(max_tokens=work.gen_tokens, temperature=0.0, ignore_eos=True)
+    if reuse_prefix:
+        for i, p in enumerate(work.prompts):
+            engine.add_request(f"warm{i}", p, params)
+        while engine.has_unfinished():
+            engine.step()
+        engine.stats = EngineStats()
     index = {}
     for i, p in enumerate(work.prompts):
         engine.add_request(f"r{i}", p, params)
@@ -84,7 +93,7 @@ def run_case(loaded: LoadedModel, work: Workload, cfg: RunnerConfig, first_step_
             logits.append(res.output.logits)
         st = engine.stats
         return Record(np.concatenate(keys), torch.cat(hashes), torch.cat(staged), np.concatenate(lkeys),
-                      torch.cat(logits), tokens, st.steps, st.microbatched_steps, st.straddling_rows)
+                      torch.cat(logits), tokens, steps, st.microbatched_steps, st.straddling_rows, st.preemptions)
     finally:
         engine.close()
 
@@ -99,18 +108,29 @@ def _by_key(keys: np.ndarray, *values: torch.Tensor):
     return (k[last], *(v[idx] for v in values))
 
 
-def compare(base: Record, other: Record, work: Workload) -> dict:
+def _lookup(base_keys: np.ndarray, keys: np.ndarray) -> torch.Tensor:
+    """Index into the sorted base_keys of every (request, position) in keys; raises if one is missing."""
+    flat_base, flat = base_keys[:, 0] * (1 << 32) + base_keys[:, 1], keys[:, 0] * (1 << 32) + keys[:, 1]
+    idx = np.searchsorted(flat_base, flat).clip(max=len(flat_base) - 1)
+    if len(flat) and (flat_base[idx] != flat).any():
+        raise RuntimeError("a run computed a (request, position) the unsplit run never computed")
+    return torch.from_numpy(idx)
+
+
+def compare(base: Record, other: Record, work: Workload, tokens: bool = True) -> dict:
+    """Every token `other` computed against the same (request, position) of `base`; with `tokens`,
+    also the greedy outputs (a one-step run has none to compare)."""
     bk, bh, bs = _by_key(base.keys, base.hashes, base.staged)
     ok, oh, os_ = _by_key(other.keys, other.hashes, other.staged)
-    if bk.shape != ok.shape or (bk != ok).any():
-        raise RuntimeError("the runs computed different (request, position) sets")
+    idx = _lookup(bk, ok)
     blk, bl = _by_key(base.logit_keys, base.logits)
     olk, ol = _by_key(other.logit_keys, other.logits)
-    diff = float((bl - ol).abs().max()) if blk.shape == olk.shape and (blk == olk).all() else float("inf")
+    lidx = _lookup(blk, olk)
+    diff = float((bl[lidx] - ol).abs().max()) if len(olk) else 0.0
     top2 = bl.topk(2, dim=1).values
     margin = dict(zip(map(tuple, blk.tolist()), (top2[:, 0] - top2[:, 1]).tolist()))
     greedy_bad = near = 0
-    for r, (bt, ot) in enumerate(zip(base.tokens, other.tokens)):
+    for r, (bt, ot) in enumerate(zip(base.tokens, other.tokens) if tokens else ()):
         first = next((i for i, (a, b) in enumerate(zip(bt, ot)) if a != b), None)
         if first is None:
             greedy_bad += len(bt) != len(ot)
@@ -118,26 +138,30 @@ def compare(base: Record, other: Record, work: Workload) -> dict:
         tie = margin.get((r, len(work.prompts[r]) + first - 1), float("inf")) < diff  # later tokens follow
         near += tie                                                                   # a different prefix
         greedy_bad += not tie
-    return {"hash_mismatches": int((bh != oh).any(1).sum()),
-            "row_mismatches": int((bs != os_).any(1).sum()),  # exact equality of the float rows
+    return {"compared_tokens": len(ok),
+            "hash_mismatches": int((bh[idx] != oh).any(1).sum()),
+            "row_mismatches": int((bs[idx] != os_).any(1).sum()),  # exact equality of the float rows
             "max_abs_logit_diff": diff, "greedy_mismatches": greedy_bad, "near_ties": near}
 
 
-def cases(base: RunnerConfig, work: Workload, first_qsl: np.ndarray) -> list[tuple[str, RunnerConfig, list | None]]:
-    """(name, runner config, forced bounds of the first step) for every comparison."""
+def cases(base: RunnerConfig, first_qsl: np.ndarray) -> list[tuple[str, RunnerConfig, list | None, bool]]:
+    """(name, runner config, forced bounds of the first step, reuse a cached prefix) per comparison."""
     big = base.max_num_batched_tokens
     def split(n, policy, **kw):
         return dataclasses.replace(base, split=SplitConfig(n, policy, 0, 0), **kw)
-    out = [(f"{n} ubatches, {p} policy", split(n, p), None) for n in (2, 3) for p in ("tokens", "requests")]
+    out = [(f"{n} ubatches, {p} policy", split(n, p), None, False) for n in (2, 3) for p in ("tokens", "requests")]
     out += [(f"prefill chunk {c}, 2 ubatches",
-             split(2, "tokens", max_num_batched_tokens=c, max_num_seqs=min(c, base.max_num_seqs)), None)
+             split(2, "tokens", max_num_batched_tokens=c, max_num_seqs=min(c, base.max_num_seqs)), None, False)
             for c in (1, 3, 17)]
-    out.append(("prefill chunk unlimited, 2 ubatches", split(2, "tokens", max_num_batched_tokens=big), None))
+    out.append(("prefill chunk unlimited, 2 ubatches", split(2, "tokens", max_num_batched_tokens=big), None, False))
     out.append(("graph mode, padded, 2 ubatches",
-                split(2, "tokens", graph_sizes=tuple(s for s in GRAPH_SIZES if s < big) + (big,)), None))
+                split(2, "tokens", graph_sizes=tuple(s for s in GRAPH_SIZES if s < big) + (big,)), None, False))
+    out.append(("reused prefix (prefix cache), 2 ubatches", split(2, "tokens"), None, True))
+    out.append(("preemption and recompute (small KV pool), 2 ubatches",
+                split(2, "tokens", num_blocks=base.max_blocks_per_seq + 2), None, False))
     r = int(np.argmax(np.diff(first_qsl)))  # sweep every cut inside the longest first-step row
     for c in range(int(first_qsl[r]) + 1, int(first_qsl[r + 1])):
-        out.append((f"first step cut at token {c}", split(2, "tokens"), [0, c, int(first_qsl[-1])]))
+        out.append((f"first step cut at token {c}", split(2, "tokens"), [0, c, int(first_qsl[-1])], False))
     return out
 
 
@@ -154,16 +178,14 @@ def verify(loaded: LoadedModel, seed: int = 0, num_requests: int = 6, gen_tokens
     base = run_case(loaded, work, base_cfg)
     first_qsl = np.concatenate([[0], np.cumsum([len(p) for p in work.prompts])])
     rows, straddling = [], 0
-    all_cases = [c for c in cases(base_cfg, work, first_qsl) if only is None or only in c[0]]
-    for i, (name, cfg, bounds) in enumerate(all_cases):
+    all_cases = [c for c in cases(base_cfg, first_qsl) if only is None or only in c[0]]
+    for i, (name, cfg, bounds, reuse) in enumerate(all_cases):
         cfg = dataclasses.replace(cfg, **(overrides or {}))
-        rec = run_case(loaded, work, cfg, bounds, max_steps=1 if bounds else None)
+        rec = run_case(loaded, work, cfg, bounds, max_steps=1 if bounds else None, reuse_prefix=reuse)
         straddling += rec.straddling_rows
-        if bounds:
-            res = compare_first_step(base, rec)
-        else:
-            res = compare(base, rec, work)
+        res = compare(base, rec, work, tokens=not bounds)
         rows.append({"case": name, "steps": rec.steps, "microbatched_steps": rec.microbatched_steps,
+                     "preemptions": rec.preemptions,
                      "straddling_rows": rec.straddling_rows, **res})
         if progress:
             progress(i + 1, len(all_cases))
@@ -179,17 +201,3 @@ def verify(loaded: LoadedModel, seed: int = 0, num_requests: int = 6, gen_tokens
                          and summary["max_abs_logit_diff"] <= LOGIT_TOL and summary["greedy_mismatches"] == 0
                          and summary["near_ties"] == 0)
     return summary
-
-
-def compare_first_step(base: Record, one_step: Record) -> dict:
-    """Compare a one-step run (forced cut) with the same tokens of the unsplit run."""
-    k, h, s = _by_key(one_step.keys, one_step.hashes, one_step.staged)
-    bk, bh, bs = _by_key(base.keys, base.hashes, base.staged)
-    sel = np.searchsorted(bk[:, 0] * (1 << 32) + bk[:, 1], k[:, 0] * (1 << 32) + k[:, 1])
-    idx = torch.from_numpy(sel)
-    lk, lg = _by_key(one_step.logit_keys, one_step.logits)
-    blk, bl = _by_key(base.logit_keys, base.logits)
-    lsel = torch.from_numpy(np.searchsorted(blk[:, 0] * (1 << 32) + blk[:, 1], lk[:, 0] * (1 << 32) + lk[:, 1]))
-    return {"hash_mismatches": int((bh[idx] != h).any(1).sum()), "row_mismatches": int((bs[idx] != s).any(1).sum()),
-            "max_abs_logit_diff": float((bl[lsel] - lg).abs().max()) if len(lk) else 0.0,
-            "greedy_mismatches": 0, "near_ties": 0}

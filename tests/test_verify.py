@@ -21,10 +21,14 @@ def test_verify_passes_on_every_case(loaded):
     res = verify(loaded, seed=3, num_requests=4, gen_tokens=16)
     assert res["passed"], res
     assert res["straddling_rows"] > 0
+    by_name = {c["case"]: c for c in res["cases"]}
+    assert by_name["preemption and recompute (small KV pool), 2 ubatches"]["preemptions"] > 0
+    assert 0 < by_name["reused prefix (prefix cache), 2 ubatches"]["compared_tokens"] < \
+        by_name["2 ubatches, tokens policy"]["compared_tokens"]  # the cached prefix was not recomputed
     names = " | ".join(c["case"] for c in res["cases"])
     for needed in ("2 ubatches, tokens", "2 ubatches, requests", "3 ubatches, tokens", "3 ubatches, requests",
                    "prefill chunk 1,", "prefill chunk 3,", "prefill chunk 17,", "unlimited", "graph mode",
-                   "first step cut at token 1"):
+                   "first step cut at token 1", "reused prefix", "preemption and recompute"):
         assert needed in names
 
 

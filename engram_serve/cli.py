@@ -169,6 +169,8 @@ def add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-requests", type=lambda t: positive_int_list(t)[0], default=6, metavar="N")
     p.add_argument("--gen-tokens", type=lambda t: positive_int_list(t)[0], default=16, metavar="N",
                    help="greedy tokens generated per request (default 16)")
+    p.add_argument("--debug-ownership", action="store_true",
+                   help="also check at run time that no buffer is touched by two microbatches")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(run=run_verify)
 
@@ -177,7 +179,8 @@ def run_verify(args: argparse.Namespace) -> int:
     from .bench.common import format_table
     from .model.loader import load_model
     from .verify import LOGIT_TOL, verify
-    res = verify(load_model(args.model), args.seed, args.num_requests, args.gen_tokens)
+    res = verify(load_model(args.model), args.seed, args.num_requests, args.gen_tokens,
+                 overrides={"debug_ownership": True} if args.debug_ownership else None)
     if args.json:
         print(json.dumps(res))
     else:

@@ -1,3 +1,4 @@
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -91,3 +92,16 @@ def test_dead_token_blocks_every_ngram_reaching_it():
     got = hash_step(torch.tensor(seq), torch.tensor([0, 5]), torch.full((1, 3), -1), layout, tmap, 2,
                     dead=torch.tensor(dead))
     assert got.tolist() == ref
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_hash_step_writes_into_a_persistent_buffer(monkeypatch, backend):
+    monkeypatch.setenv("ENGRAM_SERVE_HASH_BACKEND", backend)
+    layout, tmap = build_layout(GOLDEN, check_rows=False), torch.arange(100)
+    ids, qsl, hist = torch.tensor([5, 6, 7, 8]), torch.tensor([0, 4]), torch.full((1, 3), -1)
+    want = hash_step(ids, qsl, hist, layout, tmap, 2)
+    buf = torch.full((6, 2, 24), 7, dtype=torch.int64)
+    got = hash_step(ids, qsl, hist, layout, tmap, 2, out=buf[:4])
+    assert got.data_ptr() == buf.data_ptr() and torch.equal(buf[:4], want) and (buf[4:] == 7).all()
+    with pytest.raises(ValueError, match="out is"):
+        hash_step(ids, qsl, hist, layout, tmap, 2, out=buf)

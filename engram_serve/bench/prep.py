@@ -46,21 +46,23 @@ def _workload(requests: int, tokens: int, context: int):
     max_blocks = -(-max_len // BLOCK)
     tables = np.arange(requests * max_blocks, dtype=np.int64).reshape(requests, max_blocks)
     tmap = torch.arange(129280)
-    return cfg, layout, store, slots, computed, new, tables, tmap
+    hash_buffers = [torch.empty(tokens, cfg.num_layers, cfg.num_columns, dtype=torch.int64) for _ in range(2)]
+    return cfg, layout, store, slots, computed, new, tables, tmap, hash_buffers
 
 
-def vectorised(cfg, layout, store, slots, computed, new, tables, tmap):
+def vectorised(cfg, layout, store, slots, computed, new, tables, tmap, hash_buffers):
+    """What the runner does: the microbatches' hash ids land in their persistent buffers."""
     from ..engram.hashing import hash_step
     from ..inputs.step import build_step
     from ..inputs.ubatch import SplitConfig, plan_split, split_batch
 
     batch = build_step(store, slots, computed, new, tables, BLOCK, cfg.history_len)
     bounds = plan_split(batch.qsl_host, SplitConfig(2, "tokens", 0, 0), is_decode_only=False)
-    return [hash_step(u.input_ids, u.qsl, u.history, layout, tmap, 2, dead=u.dead)
-            for u in split_batch(batch, bounds)]
+    return [hash_step(u.input_ids, u.qsl, u.history, layout, tmap, 2, dead=u.dead, out=buf[: u.num_tokens])
+            for u, buf in zip(split_batch(batch, bounds), hash_buffers)]
 
 
-def per_request_loop(cfg, layout, store, slots, computed, new, tables, tmap):
+def per_request_loop(cfg, layout, store, slots, computed, new, tables, tmap, hash_buffers=None):
     """The straightforward way: every field, history and hash built request by request."""
     import torch
 

@@ -132,17 +132,26 @@ def hash_windows_torch(window_c: torch.Tensor, layout: EngramLayout, pad_id: int
 
 
 def hash_step(input_ids: torch.Tensor, qsl: torch.Tensor, history: torch.Tensor, layout: EngramLayout,
-              token_map: torch.Tensor, pad_id: int, dead: torch.Tensor | None = None) -> torch.Tensor:
-    """The production hash of one step (or one microbatch): [T, L, (N-1)*H] int64."""
+              token_map: torch.Tensor, pad_id: int, dead: torch.Tensor | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """The production hash of one step (or one microbatch): [T, L, (N-1)*H] int64.
+
+    `out`, a persistent [T, L, C] int64 buffer (e.g. a microbatch's), receives the result in place:
+    a fresh multi-MiB output per step costs page faults as the allocator hands memory back and forth."""
+    shape = (input_ids.shape[0], *layout.moduli.shape)
+    if out is not None and (tuple(out.shape) != shape or out.dtype != torch.int64):
+        raise ValueError(f"hash_step: out is {tuple(out.shape)} {out.dtype}; expected {shape} torch.int64")
     tensors = (input_ids, qsl, history, token_map, layout.moduli) + (() if dead is None else (dead,))
-    if hash_backend(*tensors) == "torch":
-        return hash_step_torch(input_ids, qsl, history, layout, token_map, pad_id, dead)
-    out = _new_output(input_ids.shape[0], layout)  # [T, L, C]
+    if hash_backend(*tensors) == "torch" or (out is not None and not (out.device.type == "cpu"
+                                                                      and out.is_contiguous())):
+        res = hash_step_torch(input_ids, qsl, history, layout, token_map, pad_id, dead)
+        return res if out is None else out.copy_(res)
+    host = _new_output(input_ids.shape[0], layout) if out is None else out.numpy()  # [T, L, C]
     dead_np = None if dead is None else dead.bool().contiguous().numpy()
     # the C loop is step_windows + compress + hash_windows fused: no [T, N] or [T, L, C] temporaries
     _hash_kernel.hash_step(_host(input_ids), _host(qsl), _host(history), dead_np, _host(token_map),
-                           *_kernel_constants(layout), int(pad_id), out)
-    return torch.from_numpy(out)
+                           *_kernel_constants(layout), int(pad_id), host)
+    return torch.from_numpy(host) if out is None else out
 
 
 def hash_step_torch(input_ids: torch.Tensor, qsl: torch.Tensor, history: torch.Tensor, layout: EngramLayout,

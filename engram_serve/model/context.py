@@ -27,12 +27,14 @@ class UbatchBuffers:
     """Persistent per-microbatch buffers, sized for at most `T_cap` tokens.
 
     staging [L_e, T_cap, C, engram_head_dim]: staged Engram rows, C = (N-1)*H;
+    hash_ids [T_cap, L_e, C] int64: the microbatch's Engram hash ids (the staging gather reads them);
     topk_idx [T_cap, index_topk] int64: absolute key positions chosen by an index-selecting layer (-1 = none);
     scratch: MoE dispatch/combine buffers [T_cap * experts_per_tok, hidden] under MOE_DISPATCH / MOE_COMBINE.
     """
 
     ubatch: int
     staging: torch.Tensor
+    hash_ids: torch.Tensor | None = None
     topk_idx: torch.Tensor | None = None
     scratch: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -45,6 +47,7 @@ class UbatchBuffers:
                  dtype: torch.dtype = torch.float32) -> "UbatchBuffers":
         e = cfg.engram
         staging = torch.zeros(e.num_layers, max_tokens, e.num_columns, e.engram_head_dim, dtype=dtype, device=device)
+        hash_ids = torch.zeros(max_tokens, e.num_layers, e.num_columns, dtype=torch.int64, device=device)
         topk = (torch.full((max_tokens, cfg.index_topk), -1, dtype=torch.int64, device=device)
                 if cfg.index_layer_ids else None)
         scratch = {}
@@ -52,7 +55,7 @@ class UbatchBuffers:
             n = max_tokens * cfg.num_experts_per_tok
             scratch[MOE_DISPATCH] = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
             scratch[MOE_COMBINE] = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
-        return cls(ubatch, staging, topk, scratch)
+        return cls(ubatch, staging, hash_ids, topk, scratch)
 
     def scratch_view(self, name: str, rows: int) -> torch.Tensor | None:
         """The first `rows` rows of scratch buffer `name`; None if there is no such buffer. Never reallocates."""

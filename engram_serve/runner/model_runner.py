@@ -129,12 +129,13 @@ class ModelRunner:
             self.tracker.reset()
         ctxs, futures = [], []
         for k, u in enumerate(ubs):
-            u.hash_ids = hash_step(u.input_ids, u.qsl, u.history, self.layout, self.token_map, self.pad_id,
-                                   dead=u.dead)  # [T_k, L, C] from this microbatch's inputs alone
             bufs = self.bufs[k]
+            u.hash_ids = hash_step(u.input_ids, u.qsl, u.history, self.layout, self.token_map, self.pad_id,
+                                   dead=u.dead, out=bufs.hash_ids[: u.num_tokens])  # from its own inputs alone
             staging = bufs.staging[:, : u.num_tokens]  # [L, T_k, C, hd] this microbatch's own rows
             if self.tracker is not None:
                 self.tracker.touch("staging", staging, k)
+                self.tracker.touch("hash_ids", u.hash_ids, k)
             futures.append(self._gather_pool.submit(self._stage_rows, u.hash_ids, staging, real[k]))
             ctxs.append(ForwardContext(u, self.kv, bufs, self._rows_fn(futures[-1], staging), self.tracker))
         try:

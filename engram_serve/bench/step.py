@@ -3,7 +3,7 @@
 Workloads: decode-heavy (many requests, one new token each, deep contexts) and prefill-heavy (a few
 long prompt chunks). Timed: `ModelRunner.execute` on a prepared step (hash, staging gather, forward,
 logits). Memory: the per-microbatch buffers each candidate allocates up front (staging rows,
-index-sharing buffer, MoE scratch; DBO holds one set per microbatch) and the peak RSS growth
+hash ids, index-sharing buffer, MoE scratch; DBO holds one set per microbatch) and the peak RSS growth
 while steps run (measured in a fresh child process per candidate).
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _runner(model: str | None, workload: str, ubatches: int):
 def buffer_bytes(runner) -> int:
     seen, total = set(), 0
     for b in runner.bufs:
-        for t in [b.staging, b.topk_idx, *b.scratch.values()]:
+        for t in [b.staging, b.hash_ids, b.topk_idx, *b.scratch.values()]:
             if t is not None and t.untyped_storage().data_ptr() not in seen:
                 seen.add(t.untyped_storage().data_ptr())
                 total += t.numel() * t.element_size()

@@ -59,3 +59,9 @@ def test_negative_control_stale_padding(loaded):
         assert "qsl" in str(e)
     else:
         assert not res["passed"]
+
+
+def test_verify_passes_on_the_shipped_trained_model():
+    res = verify(load_model(), seed=0, num_requests=4, gen_tokens=16)
+    assert res["passed"], {k: v for k, v in res.items() if k != "cases"}
+    assert res["straddling_rows"] > 0

@@ -40,6 +40,7 @@ from torch import nn
 from tqdm import tqdm
 
 from .config import EngramConfig, ModelConfig, read_json
+from .errors import ConfigError
 from .engram.hashing import hash_step
 from .engram.layout import EngramLayout, build_layout
 from .engram.tables import EngramTables
@@ -390,6 +391,12 @@ def train(out_dir: str | Path, settings: TrainSettings | None = None, *, ablatio
     TRAINING.md and training_curves.png there. The checkpoint is re-loaded with `load_model` (all checks)."""
     s = settings or TrainSettings()
     t0 = time.perf_counter()
+    if report_dir is not None:
+        try:  # fail now, not after the training, if the plot cannot be drawn
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ConfigError(f"report_dir={str(report_dir)!r} needs matplotlib for the training curves: "
+                              "pip install -e '.[train]'") from None
     if threads:
         torch.set_num_threads(threads)
     cfg = ModelConfig.from_dict(read_json(config_path))

@@ -39,18 +39,8 @@ class _Parser(argparse.ArgumentParser):
 
 def id_list(text: str) -> list[int]:
     """argparse type: a non-empty comma-separated list of integers >= 0 (`1,2,3`)."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError(f"{text!r}: empty list; expected comma-separated integer ids")
-    out = []
-    for i, piece in enumerate(text.split(","), 1):
-        try:
-            v = int(piece)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: item {i} {piece!r} is not an integer") from None
-        if v < 0:
-            raise argparse.ArgumentTypeError(f"{text!r}: item {i} ({v}) is negative")
-        out.append(v)
-    return out
+    from .bench.common import int_list
+    return int_list(text, 0)
 
 
 def load_engram(config: Path, tokenizer: Path | None):

@@ -131,18 +131,26 @@ def measure(setup: Callable[..., Callable[[], Any]], params: dict, **timing) -> 
 
 # ---- command-line plumbing shared by every benchmark ----
 
-def positive_int_list(text: str) -> list[int]:
-    """argparse type for `--sizes 1,64,8192`: a non-empty comma-separated list of integers >= 1."""
+def int_list(text: str, minimum: int) -> list[int]:
+    """argparse helper: a non-empty comma-separated list of integers >= minimum (`1,64,8192`)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: empty list; expected comma-separated integers")
     out = []
     for i, piece in enumerate(text.split(","), 1):
         try:
             v = int(piece)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r}: item {i} {piece!r} is not an integer") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{text!r}: item {i} ({v}) must be >= 1")
+        if v < minimum:
+            why = "is negative" if minimum == 0 else f"must be >= {minimum}"
+            raise argparse.ArgumentTypeError(f"{text!r}: item {i} ({v}) {why}")
         out.append(v)
     return out
+
+
+def positive_int_list(text: str) -> list[int]:
+    """argparse type for `--sizes 1,64,8192`: a non-empty comma-separated list of integers >= 1."""
+    return int_list(text, 1)
 
 
 def positive_int(text: str) -> int:

@@ -74,7 +74,7 @@ def run_case(loaded: LoadedModel, work: Workload, cfg: RunnerConfig, first_step_
     steps = 0
     try:
         while engine.has_unfinished() and (max_steps is None or steps < max_steps):
-            res = engine.step(first_step_bounds if steps == 0 else None)
+            res = engine.step(first_step_bounds if steps == 0 else None, record=True)
             steps += 1
             for ev in res.events:
                 if ev.token is not None:

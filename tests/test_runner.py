@@ -32,9 +32,9 @@ def runner_and_batch(loaded, **kw):
 @pytest.mark.parametrize("graph", [(), (128,)])
 def test_every_cut_matches_the_whole_step(loaded, graph):
     r, b = runner_and_batch(loaded, graph_sizes=graph, debug_ownership=True)
-    whole = r.execute(b, [0, b.num_tokens])
+    whole = r.execute(b, [0, b.num_tokens], record=True)
     for c in range(1, b.num_tokens, 7):
-        out = r.execute(b, [0, c, b.num_tokens])
+        out = r.execute(b, [0, c, b.num_tokens], record=True)
         assert torch.equal(out.hash_ids, whole.hash_ids) and torch.equal(out.staged, whole.staged)
         assert (out.logits - whole.logits).abs().max() <= 1e-5
 
@@ -50,14 +50,14 @@ def test_ownership_check_names_a_shared_buffer(loaded, flag, name):
 
 def test_shared_staging_without_the_check_corrupts_rows(loaded):
     r, b = runner_and_batch(loaded, share_staging=True)
-    whole = r.execute(b, [0, b.num_tokens])
-    split = r.execute(b, [0, 40, b.num_tokens])
+    whole = r.execute(b, [0, b.num_tokens], record=True)
+    split = r.execute(b, [0, 40, b.num_tokens], record=True)
     assert not torch.equal(split.staged, whole.staged)
 
 
 def test_a_microbatch_that_raises_ends_the_step_fast_and_the_runner_recovers(loaded, monkeypatch):
     r, b = runner_and_batch(loaded)
-    whole = r.execute(b, [0, b.num_tokens])
+    whole = r.execute(b, [0, b.num_tokens], record=True)
     mlp = r.model.layers[2].mlp
     real = mlp.forward
     calls = {"n": 0}

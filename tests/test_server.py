@@ -41,8 +41,8 @@ def served(tmp_path_factory):
     marker = loaded.tokenizer.encode(POISON).ids
     original = engine.runner.execute
 
-    def execute(batch, bounds=None):  # runs on the engine thread, like every engine call
-        out = original(batch, bounds)
+    def execute(batch, bounds=None, record=False):  # runs on the engine thread, like every engine call
+        out = original(batch, bounds, record)
         by_slot = {s.slot: s for s in engine.seqs.values()}
         for i, slot in enumerate(batch.req_slots[batch.sample].tolist()):
             s = by_slot[slot]

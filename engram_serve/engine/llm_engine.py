@@ -115,7 +115,8 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ---- one step ---------------------------------------------------------------------------
-    def step(self, bounds: list[int] | None = None) -> StepResult:
+    def step(self, bounds: list[int] | None = None, record: bool = False) -> StepResult:
+        """One engine step; `bounds` forces the microbatch cut, `record` keeps hash ids and staged rows."""
         out = self.scheduler.schedule()
         events = [self._finish(s, s.finish_reason or "length") for s in out.finished if s.request_id in self.seqs]
         self.stats.preemptions += len(out.preempted)
@@ -131,7 +132,7 @@ class LLMEngine:
             np.array([s.slot for s in seqs]), np.array([r.num_computed for r in rows]),
             np.array([r.num_new for r in rows]), np.array(out.block_table_array(self.cfg.max_blocks_per_seq)),
             np.array(sample))
-        result = self.runner.execute(batch, bounds)
+        result = self.runner.execute(batch, bounds, record)
         self.scheduler.update(out)
         self._account(out, result)
         sampled = [s for s, flag in zip(seqs, sample) if flag]

@@ -60,14 +60,14 @@ class RunnerConfig:
 
 @dataclass
 class StepOutput:
-    """logits [S, V] of the sampled rows (in row order); hash_ids [T, L, C] and staged rows
-    [L, T, C, hd] of the real tokens (for verification); the token boundaries of the microbatches."""
+    """logits [S, V] of the sampled rows (in row order); the token boundaries of the microbatches;
+    with `record`, copies of the real tokens' hash_ids [T, L, C] and staged rows [L, T, C, hd]."""
 
     logits: torch.Tensor
-    hash_ids: torch.Tensor
-    staged: torch.Tensor
     bounds: list[int]
     straddling_rows: int
+    hash_ids: torch.Tensor | None = None
+    staged: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -114,8 +114,9 @@ class ModelRunner:
         return plan_split(batch.qsl_host, split or self.cfg.split, decode_only)
 
     # ---- execution --------------------------------------------------------------------------
-    def execute(self, batch: StepBatch, bounds: list[int] | None = None) -> StepOutput:
-        """Run one step cut at `bounds` (default: planned). Returns logits of the sampled rows."""
+    def execute(self, batch: StepBatch, bounds: list[int] | None = None, record: bool = False) -> StepOutput:
+        """Run one step cut at `bounds` (default: planned). Returns logits of the sampled rows and,
+        with `record` (verification), copies of the hash ids and staged rows."""
         bounds = bounds if bounds is not None else self.plan(batch)
         if len(bounds) - 1 > len(self.bufs):
             raise ValueError(f"{len(bounds) - 1} microbatches but buffers for {len(self.bufs)} (split.num_ubatches)")
@@ -150,10 +151,12 @@ class ModelRunner:
                 f.cancel()
         merged = torch.cat([h[:n] for h, n in zip(hidden, real)])  # [T, hidden] real tokens only
         logits = self.model.compute_logits(merged[batch.logits_indices])  # once over the merged step
-        staged = torch.cat([f.result()[:, :n] for f, n in zip(futures, real)], dim=1)
-        hashes = torch.cat([u.hash_ids[:n] for u, n in zip(ubs, real)])
         straddling = int(np.isin(bounds[1:-1], batch.qsl_host, invert=True).sum())  # cuts inside a row
-        return StepOutput(logits, hashes, staged, bounds, straddling)
+        out = StepOutput(logits, bounds, straddling)
+        if record:
+            out.staged = torch.cat([f.result()[:, :n] for f, n in zip(futures, real)], dim=1)
+            out.hash_ids = torch.cat([u.hash_ids[:n] for u, n in zip(ubs, real)])
+        return out
 
     def _stage_rows(self, hash_ids: torch.Tensor, staging: torch.Tensor, real: int) -> torch.Tensor:
         """Gather the real tokens' rows; zero the padding rows (fresh every step)."""

@@ -109,9 +109,12 @@ class ModelRunner:
         return build_step(self.store, slots, num_computed, num_new, tables, self.cfg.block_size,
                           self.history_len, sample)
 
+    @staticmethod
+    def decode_only(batch: StepBatch) -> bool:
+        return bool((np.diff(batch.qsl_host) == 1).all())
+
     def plan(self, batch: StepBatch, split: SplitConfig | None = None) -> list[int]:
-        decode_only = bool((np.diff(batch.qsl_host) == 1).all())
-        return plan_split(batch.qsl_host, split or self.cfg.split, decode_only)
+        return plan_split(batch.qsl_host, split or self.cfg.split, self.decode_only(batch))
 
     # ---- execution --------------------------------------------------------------------------
     def execute(self, batch: StepBatch, bounds: list[int] | None = None, record: bool = False) -> StepOutput:
@@ -140,7 +143,7 @@ class ModelRunner:
             futures.append(self._gather_pool.submit(self._stage_rows, u.hash_ids, staging, real[k]))
             ctxs.append(ForwardContext(u, self.kv, bufs, self._rows_fn(futures[-1], staging), self.tracker))
         try:
-            if self.graphs is not None and bool((np.diff(batch.qsl_host) == 1).all()):
+            if self.graphs is not None and self.decode_only(batch):
                 for f in futures:
                     f.result()  # staged rows are in place before a replay reads them
                 hidden = [self.graphs.forward(c) for c in ctxs]  # replays in microbatch order

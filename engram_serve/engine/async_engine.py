@@ -22,44 +22,12 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 
 from ..errors import InvalidRequest
 from .detokenizer import OutputProcessor, RequestDelta
 from .llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
-
-
-def check_request(engine: LLMEngine, prompt_ids: Sequence[int], params) -> list[int]:
-    """The prompt as a list of ints, or InvalidRequest naming the field and both values.
-
-    The same checks as `LLMEngine.add_request` minus "the engine is full" (the driver queues
-    instead), plus: the request must fit in the KV cache at all (else it would wait forever)."""
-    from ..sampling_params import SamplingParams
-
-    if not isinstance(params, SamplingParams):
-        raise InvalidRequest(f"params: expected SamplingParams, got {type(params).__name__}")
-    if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, (list, tuple, np.ndarray)):
-        raise InvalidRequest(f"prompt: expected a list of token ids, got {type(prompt_ids).__name__}")
-    ids = list(prompt_ids)
-    if not ids:
-        raise InvalidRequest("prompt: must hold at least one token")
-    vocab = engine.loaded.config.vocab_size
-    for i, t in enumerate(ids):
-        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-            raise InvalidRequest(f"prompt: token {i} is {t!r} ({type(t).__name__}), not an integer token id")
-        if not 0 <= t < vocab:
-            raise InvalidRequest(f"prompt: token id {int(t)} at index {i} is outside the vocabulary [0, {vocab})")
-    cfg = engine.cfg
-    total = len(ids) + params.max_tokens
-    if total > cfg.max_model_len:
-        raise InvalidRequest(f"prompt: {len(ids)} tokens + max_tokens={params.max_tokens} = {total} exceeds the "
-                             f"model's maximum length max_model_len={cfg.max_model_len}")
-    if -(-total // cfg.block_size) > cfg.num_blocks:
-        raise InvalidRequest(f"prompt: {len(ids)} tokens + max_tokens={params.max_tokens} need "
-                             f"{-(-total // cfg.block_size)} KV blocks, the cache has num_blocks={cfg.num_blocks}")
-    return [int(t) for t in ids]
 
 
 @dataclass
@@ -83,7 +51,7 @@ class EngineDriver:
         """Validate (InvalidRequest) and queue; the request enters the engine when a slot is free."""
         if request_id in self.pending or request_id in self.outputs or request_id in self.engine.seqs:
             raise InvalidRequest(f"request_id={request_id!r} is already in use")
-        ids = check_request(self.engine, prompt_ids, params)
+        ids = self.engine.validate(prompt_ids, params)
         self.pending[request_id] = _Pending(ids, params)
         self._admit()
 

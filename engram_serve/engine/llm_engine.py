@@ -73,27 +73,44 @@ class LLMEngine:
         self._next_seed = np.random.default_rng()
 
     # ---- requests ---------------------------------------------------------------------------
+    def validate(self, prompt_ids, params) -> list[int]:
+        """The prompt as a list of ints, or InvalidRequest naming the field and both values. Checked:
+        types, an empty prompt, ids outside the vocabulary, prompt + max_tokens beyond max_model_len,
+        and a request the KV cache could never hold (it would wait forever)."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params: expected SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, (list, tuple, np.ndarray)):
+            raise InvalidRequest(f"prompt: expected a list of token ids, got {type(prompt_ids).__name__}")
+        ids = list(prompt_ids)
+        if not ids:
+            raise InvalidRequest("prompt: must hold at least one token")
+        vocab = self.loaded.config.vocab_size
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise InvalidRequest(f"prompt: token {i} is {t!r} ({type(t).__name__}), not an integer token id")
+            if not 0 <= t < vocab:
+                raise InvalidRequest(f"prompt: token id {int(t)} at index {i} is outside the vocabulary [0, {vocab})")
+        cfg, total = self.cfg, len(ids) + params.max_tokens
+        if total > cfg.max_model_len:
+            raise InvalidRequest(f"prompt: {len(ids)} tokens + max_tokens={params.max_tokens} = {total} exceeds the "
+                                 f"model's maximum length max_model_len={cfg.max_model_len}")
+        if -(-total // cfg.block_size) > cfg.num_blocks:
+            raise InvalidRequest(f"prompt: {len(ids)} tokens + max_tokens={params.max_tokens} need "
+                                 f"{-(-total // cfg.block_size)} KV blocks, the cache has num_blocks={cfg.num_blocks}")
+        return [int(t) for t in ids]
+
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None,
                     dead: list[bool] | None = None) -> Sequence:
         """Validate and queue a request. Bad input raises InvalidRequest before touching the batch."""
         params = params or SamplingParams()
-        vocab = self.loaded.config.vocab_size
         if request_id in self.seqs:
             raise InvalidRequest(f"request_id={request_id!r} is already running")
-        if not prompt_ids:
-            raise InvalidRequest("prompt: must hold at least one token")
-        bad = [t for t in prompt_ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        limit = self.cfg.max_model_len
-        if len(prompt_ids) + params.max_tokens > limit:
-            raise InvalidRequest(f"prompt of {len(prompt_ids)} tokens + max_tokens={params.max_tokens} exceeds "
-                                 f"the model's maximum length {limit}")
+        ids = self.validate(prompt_ids, params)
         if len(self.seqs) >= MAX_QUEUED:
             raise InvalidRequest(f"the engine is full ({len(self.seqs)} requests); retry later")
         if params.seed is None:
             params = dataclasses.replace(params, seed=int(self._next_seed.integers(0, 2**62)))
-        seq = Sequence(request_id, list(prompt_ids), params, dead=dead)
+        seq = Sequence(request_id, ids, params, dead=dead)
         self.scheduler.add(seq)  # its token-store slot is taken when it is first scheduled
         self.seqs[request_id] = seq
         return seq

@@ -15,14 +15,14 @@ import math
 import torch
 from torch import nn
 
-from ..model.layers import rms_norm
+from ..model.layers import Linear, rms_norm
 
 
 class EngramGate(nn.Module):
     def __init__(self, hidden: int, hc_mult: int, num_columns: int, head_dim: int, eps: float):
         super().__init__()
         self.hidden, self.hc_mult, self.num_columns, self.head_dim, self.eps = hidden, hc_mult, num_columns, head_dim, eps
-        self.wkv = nn.Linear(num_columns * head_dim, (hc_mult + 1) * hidden, bias=False)
+        self.wkv = Linear(num_columns * head_dim, (hc_mult + 1) * hidden)
         self.q_w = nn.Parameter(torch.ones(hc_mult, hidden))
         self.k_w = nn.Parameter(torch.ones(hc_mult, hidden))
 

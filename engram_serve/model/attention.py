@@ -22,7 +22,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..errors import StaticBufferError
 from .context import ForwardContext
-from .layers import apply_rotary
+from .layers import Linear, apply_rotary
 
 FULL, SELECT, REUSE = "full", "select", "reuse"
 
@@ -164,10 +164,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, self.heads * self.head_dim)
+        self.k_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim)
+        self.v_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim)
+        self.o_proj = Linear(self.heads * self.head_dim, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend, layer: int,
                 mode: str = FULL, topk: int = 0) -> torch.Tensor:

@@ -15,6 +15,34 @@ from ..errors import StaticBufferError
 from .context import MOE_COMBINE, MOE_DISPATCH, ForwardContext
 
 
+# Batch invariance of matmuls (spec §9). On CPU, torch's float32 matmul (MKL sgemm) computes a row
+# with a different kernel when the call holds 1, 2-3 or >= 4 rows, so the same row's bits would depend
+# on how many rows share its call. Rule: every matmul of the forward goes through `linear`, which pads
+# a call of fewer than MIN_ROWS rows with zero rows. From MIN_ROWS rows on, a row's result does not
+# depend on the row count or its place in the call (tests/test_batch_invariance.py sweeps this).
+MIN_ROWS = 4
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ weight[out, in].T -> [..., out], batch-invariant (rule above)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    n = x2.shape[0]
+    if n < MIN_ROWS:  # a host-side shape check: no device sync
+        x2 = torch.cat([x2, x2.new_zeros(MIN_ROWS - n, x2.shape[1])])
+    return F.linear(x2, weight)[:n].reshape(*lead, weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """nn.Linear without bias whose forward is the batch-invariant `linear`."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+
+
 def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) [* weight], computed in float32, returned in x's dtype."""
     xf = x.float()
@@ -55,9 +83,9 @@ class MLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate)
+        self.up_proj = Linear(hidden, intermediate)
+        self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -74,13 +102,13 @@ class MoE(nn.Module):
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
-        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.router = Linear(hidden, num_experts)
         self.w_gate = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
         self.w_up = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return (F.silu(x @ self.w_gate[e].T) * (x @ self.w_up[e].T)) @ self.w_down[e].T
+        return linear(F.silu(linear(x, self.w_gate[e])) * linear(x, self.w_up[e]), self.w_down[e])
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert ids [N, k] int64 and renormalised weights [N, k] float32."""

@@ -24,7 +24,7 @@ from ..engram.layer import EngramGate
 from ..errors import StaticBufferError
 from .attention import FULL, REUSE, SELECT, Attention, DenseBackend, PagedBackend
 from .context import ForwardContext, UbatchBuffers
-from .layers import MLP, MoE, RMSNorm, rotary_cos_sin
+from .layers import MLP, Linear, MoE, RMSNorm, linear, rotary_cos_sin
 
 STAGE_ENGRAM_GATHER, STAGE_ENGRAM, STAGE_ATTN = "engram_gather", "engram", "attn"
 STAGE_MOE_DISPATCH, STAGE_MOE_COMBINE = "moe_dispatch", "moe_combine"
@@ -60,7 +60,7 @@ class EngramModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
 
     # ---- shared layer loop -------------------------------------------------------------------
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, dead: torch.Tensor | None, backend,
@@ -110,7 +110,7 @@ class EngramModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, w).float()
+        return linear(hidden, w).float()
 
     def make_buffers(self, ubatch: int, max_tokens: int, device: str | torch.device | None = None,
                      dtype: torch.dtype = torch.float32) -> UbatchBuffers:

@@ -33,6 +33,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x2, weight)[:n].reshape(*lead, weight.shape[0])
 
 
+# Batch invariance of elementwise ops. torch's CPU loops run the vectorised form of an op over whole
+# vectors and a scalar form over the tail of the call, and for sigmoid and silu the two differ in the
+# last bit. Rule: `pointwise` pads the flat input to a multiple of VEC_PAD elements, so every element
+# takes the vectorised path whatever the call's size (with one intra-op thread; see README).
+VEC_PAD = 64
+
+
+def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for an elementwise fn, computed on the vectorised path for every element (rule above)."""
+    n = x.numel()
+    if n % VEC_PAD == 0 and x.is_contiguous():
+        return fn(x)
+    return fn(F.pad(x.reshape(-1), (0, (-n) % VEC_PAD)))[:n].view(x.shape)
+
+
 class Linear(nn.Linear):
     """nn.Linear without bias whose forward is the batch-invariant `linear`."""
 
@@ -88,7 +103,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(pointwise(F.silu, self.gate_proj(x)) * self.up_proj(x))
 
 
 class MoE(nn.Module):
@@ -108,7 +123,7 @@ class MoE(nn.Module):
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return linear(F.silu(linear(x, self.w_gate[e])) * linear(x, self.w_up[e]), self.w_down[e])
+        return linear(pointwise(F.silu, linear(x, self.w_gate[e])) * linear(x, self.w_up[e]), self.w_down[e])
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert ids [N, k] int64 and renormalised weights [N, k] float32."""

@@ -65,7 +65,10 @@ class PagedAttention:
 
     def __init__(self, ctx: ForwardContext):
         self.ctx = ctx
-        self.plan = AttentionPlan.build(ctx.batch, ctx.kv.zero_slot, self.read_past)
+        if ctx.max_seq_len is not None:  # static shapes for graph capture
+            self.plan = AttentionPlan.build_static(ctx.batch, ctx.kv.zero_slot, ctx.max_seq_len)
+        else:
+            self.plan = AttentionPlan.build(ctx.batch, ctx.kv.zero_slot, self.read_past)
 
     def _topk_buf(self, topk: int) -> torch.Tensor:
         n, buf = self.plan.num_real, self.ctx.bufs.topk_idx

@@ -97,6 +97,29 @@ class AttentionPlan:
                    kpos, visible, tables, bs, zero_slot)
 
 
+    @classmethod
+    def build_static(cls, batch, zero_slot: int, max_seq_len: int) -> "AttentionPlan":
+        """The plan of a decode-only microbatch with fixed shapes and no host reads (CUDA graph capture):
+        one tile per token, each reading every chunk below max_seq_len (masked past its own length; the
+        extra chunks add exact zeros to the fold, so the bits equal `build`'s)."""
+        dev, t, r = batch.input_ids.device, batch.num_tokens, batch.num_rows
+        tok = torch.arange(t, device=dev)
+        row = torch.searchsorted(batch.qsl[1:], tok, right=True).clamp(max=max(r - 1, 0))
+        real = tok < batch.qsl[-1]
+        nch = -(-max_seq_len // KC)
+        pair_tile = tok[:, None].expand(t, nch).reshape(-1)
+        kpos = torch.arange(nch, device=dev).repeat(t)[:, None] * KC + torch.arange(KC, device=dev)  # [P, KC]
+        prow = row[pair_tile]
+        readable = (kpos < batch.seq_lens[prow][:, None]) & real[pair_tile][:, None]
+        tables, bs = batch.block_tables, batch.block_size
+        blk = tables[prow[:, None], (kpos // bs).clamp(max=tables.shape[1] - 1)]
+        slots = torch.where(readable & (blk >= 0), blk * bs + kpos % bs, torch.full_like(kpos, zero_slot))
+        pos = batch.positions
+        qpos = (pos // QT * QT)[pair_tile][:, None] + torch.arange(QT, device=dev)
+        visible = (kpos[:, None, :] <= qpos[:, :, None]) & readable[:, None, :]
+        return cls(t, t, t, tok * QT + pos % QT, row, pair_tile, slots, kpos, visible, tables, bs, zero_slot)
+
+
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [..., M, K] @ b [..., K, N] as one bmm over contiguous 3-D operands (the fixed-layout rule)."""
     lead = a.shape[:-2]

@@ -18,8 +18,13 @@ layer reuses it. Layout, and the batch-invariance rules it follows (spec §9):
   * Cost: one pair per (tile, chunk), so sum over rows of q_len * k_len plus at most QT - 1 query slots
     and KC - 1 keys of padding per tile. Rows never pad to the step's longest query or context.
   * Isolation. A pair reads a row's keys only through that row's block table and only at positions
-    < seq_len; every other key position reads the cache's zero slot (never written). Masking is by
-    `where`, never by multiplying, so a NaN in another request's slot cannot reach this row.
+    < min(seq_len, the tile's end); every other key position reads the cache's zero slot (never
+    written), so a NaN in another request's slot, or left in a freed block, cannot reach the row.
+    Inside a tile, a query's masked keys are its own request's later tokens of the same tile: masked
+    scores multiply their values by 0, so a NaN there reaches the tile's earlier queries, which are the
+    same request and (block_size a multiple of QT, checked by the runner) the same KV block, whose
+    prefix-cache key holds the offending token. A non-finite value is never masked into a finite
+    one: the request that holds it errs.
 
 Index sharing (DeepSeek sparse-attention style): a SELECT layer scores every visible key of a query by
 the head-mean of q.k, keeps the `topk` best positions (ties: lower position first; -1 when fewer are
@@ -86,7 +91,8 @@ class AttentionPlan:
         pair_tile_t, bs = to(pair_tile), batch.block_size
         prow = to(tile_row)[pair_tile_t]  # [P]
         kpos = to(pair_chunk)[:, None] * KC + torch.arange(KC, device=dev)  # [P, KC]
-        readable = kpos < (batch.seq_lens[prow] + read_past)[:, None]
+        tile_end = to(tile_base + QT)[pair_tile_t]  # a tile never reads past its own last position
+        readable = kpos < (torch.minimum(batch.seq_lens[prow], tile_end) + read_past)[:, None]
         tables = batch.block_tables
         col = (kpos // bs).clamp(max=tables.shape[1] - 1)
         blk = tables[prow[:, None], col]
@@ -110,12 +116,13 @@ class AttentionPlan:
         pair_tile = tok[:, None].expand(t, nch).reshape(-1)
         kpos = torch.arange(nch, device=dev).repeat(t)[:, None] * KC + torch.arange(KC, device=dev)  # [P, KC]
         prow = row[pair_tile]
-        readable = (kpos < batch.seq_lens[prow][:, None]) & real[pair_tile][:, None]
+        base = (batch.positions // QT * QT)[pair_tile]
+        readable = (kpos < torch.minimum(batch.seq_lens[prow], base + QT)[:, None]) & real[pair_tile][:, None]
         tables, bs = batch.block_tables, batch.block_size
         blk = tables[prow[:, None], (kpos // bs).clamp(max=tables.shape[1] - 1)]
         slots = torch.where(readable & (blk >= 0), blk * bs + kpos % bs, torch.full_like(kpos, zero_slot))
         pos = batch.positions
-        qpos = (pos // QT * QT)[pair_tile][:, None] + torch.arange(QT, device=dev)
+        qpos = base[:, None] + torch.arange(QT, device=dev)
         visible = (kpos[:, None, :] <= qpos[:, :, None]) & readable[:, None, :]
         return cls(t, t, t, tok * QT + pos % QT, row, pair_tile, slots, kpos, visible, tables, bs, zero_slot)
 
@@ -157,7 +164,7 @@ def attend_full(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_c
     acc = torch.zeros(nt, kv_heads, QT * g, hd, dtype=o.dtype, device=o.device).index_add_(
         0, plan.pair_tile, o * w[..., None])  # chunk order per tile
     den = torch.zeros_like(big).index_add_(0, plan.pair_tile, l * w)
-    out = torch.where(den[..., None] > 0, acc / den[..., None], 0.0)
+    out = torch.where(den[..., None] == 0, 0.0, acc / den[..., None])  # a NaN stays NaN: its request errs
     out = out.view(nt, kv_heads, QT, g, hd).transpose(1, 2).reshape(nt * QT, heads * hd)
     return _to_tokens(plan, out.index_select(0, plan.tok_slot))
 
@@ -207,7 +214,7 @@ def attend_selected(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor,
     v = v_cache.index_select(0, slots).view(n, topk, kv_heads, hd).transpose(1, 2)  # [n, kvh, topk, hd]
     qg = q[:n].reshape(n, kv_heads, g, hd) * (1.0 / math.sqrt(hd))
     _, p, l = _softmax_parts(_bmm(qg, k), ok[:, None, None, :].expand(n, kv_heads, g, topk))
-    out = torch.where(l[..., None] > 0, _bmm(p, v) / l[..., None], 0.0)  # [n, kvh, g, hd]
+    out = torch.where(l[..., None] == 0, 0.0, _bmm(p, v) / l[..., None])  # [n, kvh, g, hd]
     return _to_tokens(plan, out.reshape(n, heads * hd))
 
 

@@ -45,10 +45,11 @@ def positions_mask(sel: torch.Tensor, num_keys: int) -> torch.Tensor:
 
 
 def attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_len: torch.Tensor,
-                  mode: str = FULL, sel_in: torch.Tensor | None = None, topk: int = 0
+                  mode: str = FULL, sel_in: torch.Tensor | None = None, topk: int = 0, head_mean=None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention in the padded layout (module docstring). Returns out [R, Qm, heads*hd] (0 for query slots
-    that see no key) and, for SELECT, the chosen positions [R, Qm, topk]."""
+    that see no key) and, for SELECT, the chosen positions [R, Qm, topk]. `head_mean` (tensor parallel:
+    this rank holds some heads) turns this rank's sum of q.k over its heads into the mean over all heads."""
     r, qm, heads, hd = q.shape
     km, kv_heads = k.shape[1], k.shape[2]
     kpos = torch.arange(km, device=q.device)
@@ -57,7 +58,8 @@ def attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
     sel = None
     if mode == SELECT:
         qg = qt.reshape(r, kv_heads, heads // kv_heads, qm, hd).float()
-        scores = torch.einsum("rhgqd,rhkd->rqk", qg, kt.float()) / heads  # head-mean of q.k
+        scores = torch.einsum("rhgqd,rhkd->rqk", qg, kt.float())  # sum of q.k over (this rank's) heads
+        scores = scores / heads if head_mean is None else head_mean(scores)  # head-mean of q.k
         sel = select_topk(scores.masked_fill(~mask, float("-inf")), topk)
         mask = mask & positions_mask(sel, km)
     elif mode == REUSE:
@@ -79,10 +81,10 @@ class DenseBackend:
         self.k_len = torch.full((batch,), seq, dtype=torch.int64, device=device)
         self.sel: torch.Tensor | None = None
 
-    def attend(self, layer: int, q, k, v, mode: str, topk: int) -> torch.Tensor:
+    def attend(self, layer: int, q, k, v, mode: str, topk: int, head_mean=None) -> torch.Tensor:
         b, s = self.b, self.s
         out, sel = attend_padded(q.view(b, s, *q.shape[1:]), k.view(b, s, *k.shape[1:]), v.view(b, s, *v.shape[1:]),
-                                 self.q_pos, self.k_len, mode, self.sel, topk)
+                                 self.q_pos, self.k_len, mode, self.sel, topk, head_mean)
         if sel is not None:
             self.sel = sel
         return out.reshape(b * s, -1)
@@ -148,13 +150,13 @@ class PagedBackend:
         self.ctx.touch("topk_idx", view)
         return view
 
-    def attend(self, layer: int, q, k, v, mode: str, topk: int) -> torch.Tensor:
+    def attend(self, layer: int, q, k, v, mode: str, topk: int, head_mean=None) -> torch.Tensor:
         b, kv = self.ctx.batch, self.ctx.kv
         kv.write(layer, b.slot_mapping, k, v)  # this microbatch's keys first: a row attends to itself
         kp, vp = kv.gather(layer, self.slots)  # [R, Km, kv_heads, hd]
         sel_in = self._to_padded(self._topk_buf(topk), -1) if mode == REUSE else None
         out, sel = attend_padded(self._to_padded(q, 0.0), kp.to(q.dtype), vp.to(q.dtype), self.q_pos, self.k_len,
-                                 mode, sel_in, topk)
+                                 mode, sel_in, topk, head_mean)
         if sel is not None:
             self._topk_buf(topk).copy_(self._to_tokens(sel, -1))
         return self._to_tokens(out, 0.0)  # [T, heads*hd]
@@ -168,6 +170,7 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim)
         self.v_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim)
         self.o_proj = Linear(self.heads * self.head_dim, cfg.hidden_size)
+        self.head_mean = None  # tensor parallel: set by parallel.shard (mean over every rank's heads)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend, layer: int,
                 mode: str = FULL, topk: int = 0) -> torch.Tensor:
@@ -175,4 +178,4 @@ class Attention(nn.Module):
         q = apply_rotary(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
         k = apply_rotary(self.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
-        return self.o_proj(backend.attend(layer, q, k, v, mode, topk))
+        return self.o_proj(backend.attend(layer, q, k, v, mode, topk, self.head_mean))

@@ -28,6 +28,21 @@ from .layers import MLP, Linear, MoE, RMSNorm, linear, rotary_cos_sin
 
 STAGE_ENGRAM_GATHER, STAGE_ENGRAM, STAGE_ATTN = "engram_gather", "engram", "attn"
 STAGE_MOE_DISPATCH, STAGE_MOE_COMBINE = "moe_dispatch", "moe_combine"
+STAGE_MLP = "mlp"  # only under tensor parallelism: the dense MLP's cross-rank sum
+
+
+def _collective_point(x: torch.Tensor, module, stage: str, ctx: ForwardContext | None
+                      ) -> Generator[str, None, torch.Tensor]:
+    """Yield `stage`, returning x. If `module` produced x as a per-rank partial sum (tensor parallel:
+    it has `launch_reduce`), the cross-rank sum is launched before the yield and awaited after it, so
+    it is in flight while the other microbatch runs its next stage; returns the sum."""
+    launch = getattr(module, "launch_reduce", None)
+    if launch is None:
+        yield stage
+        return x
+    pending = launch(x, ctx)
+    yield stage
+    return pending.wait()
 
 
 class DecoderLayer(nn.Module):
@@ -77,14 +92,22 @@ class EngramModel(nn.Module):
                     rows = engram_rows(layer.engram_index)  # [N, C, hd]; may wait for the gather
                     if ctx is not None:
                         ctx.touch("staging", rows)
-                    h = layer.engram(h, rows, dead)
-                yield STAGE_ENGRAM
+                    kv = layer.engram.project(rows)  # [N, (hc+1)*hidden]
+                    kv = yield from _collective_point(kv, layer.engram.wkv, STAGE_ENGRAM, ctx)
+                    h = layer.engram.apply(h, kv, dead)
+                else:
+                    yield STAGE_ENGRAM
             a = layer.attn(layer.attn_norm(h.mean(1)), cos, sin, backend, layer.layer_id,
                            layer.attn_mode, cfg.index_topk)
+            a = yield from _collective_point(a, layer.attn.o_proj, STAGE_ATTN, ctx)
             h = h + a[:, None, :]
-            yield STAGE_ATTN
             x = layer.mlp_norm(h.mean(1))
-            m = (yield from layer.mlp.stages(x, ctx)) if layer.is_moe else layer.mlp(x)
+            if layer.is_moe:
+                m = yield from layer.mlp.stages(x, ctx)
+            else:
+                m = layer.mlp(x)
+                if hasattr(layer.mlp.down_proj, "launch_reduce"):  # tensor parallel: one more overlap point
+                    m = yield from _collective_point(m, layer.mlp.down_proj, STAGE_MLP, ctx)
             h = h + m[:, None, :]
         return self.norm(h.mean(1))  # [N, hidden]
 

@@ -1,0 +1,96 @@
+"""The deterministic cross-rank sum, synchronous and asynchronous (spec §5, §10).
+
+Order rule: a sum over ranks is an all-gather of every rank's partial into a buffer [world, *shape],
+then an elementwise sum in rank order, `((p0 + p1) + p2) + ...`. Each output element is the same
+chain of float additions whatever the tensor's size, so a token's result does not depend on how
+many tokens share the call (a ring all-reduce chunks by size and would). With 2 ranks a ring
+all-reduce is also exact (one commutative addition); the rank-ordered sum costs one extra copy of
+the partials (measured by `engram-serve bench step --tensor-parallel-size 2`).
+
+Ownership of in-flight buffers: `launch_sum` writes the local partial into slice [rank] of the
+microbatch's communication buffer (synchronously, at launch) and starts the all-gather on it.
+Until `PendingSum.wait` returns, the buffer belongs to the launching microbatch: the debug
+`OwnershipTracker` is told at launch and at the wait, and any other touch raises, naming the buffer
+and both microbatches. A buffer shared by two microbatches is corrupted by the second launch (the
+negative control in tests/test_parallel.py).
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from ..model.context import ForwardContext
+    from .group import ParallelGroup
+
+COMM = "comm"  # the per-microbatch communication buffer (UbatchBuffers.scratch[COMM], 1-D)
+
+
+def rank_ordered_sum(gathered: torch.Tensor) -> torch.Tensor:
+    """gathered [world, *shape] -> [*shape]: ((g0 + g1) + g2) + ... elementwise (the order rule)."""
+    out = gathered[0].clone()
+    for r in range(1, gathered.shape[0]):
+        out += gathered[r]
+    return out
+
+
+class PendingSum:
+    """An all-gather in flight for one microbatch; `wait` returns the rank-ordered sum."""
+
+    def __init__(self, group: "ParallelGroup", gathered: torch.Tensor, work, ctx: "ForwardContext | None",
+                 name: str):
+        self.group, self.gathered, self.work, self.ctx, self.name = group, gathered, work, ctx, name
+        self.t0 = time.perf_counter()
+        self.done = False
+
+    def wait(self) -> torch.Tensor:
+        if self.done:
+            raise RuntimeError(f"collective {self.name!r} was already waited on")
+        self.group.wait(self.work, self.name)
+        delay = self.group.link_delay
+        if delay is not None:  # SIMULATED link: sleep only for what is left of its transfer time
+            left = self.t0 + delay.seconds(self.gathered[0].numel() * self.gathered.element_size()) \
+                - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
+        self.done = True
+        if self.ctx is not None and self.ctx.tracker is not None:
+            self.ctx.tracker.land(COMM, self.gathered, self.ctx.bufs.ubatch)
+        out = rank_ordered_sum(self.gathered)
+        if self.ctx is not None:
+            self.ctx.touch(COMM, self.gathered)  # the read of the landed buffer
+        return out
+
+
+def comm_buffer(ctx: "ForwardContext | None", world: int, x: torch.Tensor) -> torch.Tensor:
+    """[world, *x.shape] view of the microbatch's communication buffer (a fresh one without a context)."""
+    if ctx is None or COMM not in ctx.bufs.scratch:
+        return torch.empty(world, *x.shape, dtype=x.dtype, device=x.device)
+    flat = ctx.bufs.scratch_view(COMM, world * x.numel())  # raises if too small: never reallocates
+    if flat.dtype != x.dtype:
+        raise TypeError(f"communication buffer of microbatch {ctx.bufs.ubatch} is {flat.dtype}; the partial is "
+                        f"{x.dtype}")
+    return flat.view(world, *x.shape)
+
+
+def launch_sum(group: "ParallelGroup", x: torch.Tensor, ctx: "ForwardContext | None", what: str) -> PendingSum:
+    """Start the cross-rank sum of this rank's partial x; the caller waits on it at its next resume."""
+    g = comm_buffer(ctx, group.world, x)
+    if ctx is not None and ctx.tracker is not None:
+        ctx.tracker.launch(COMM, g, ctx.bufs.ubatch)
+    g[group.rank].copy_(x)  # the local slice is written now, at launch
+    work = group.all_gather(list(g.unbind(0)), g[group.rank])
+    return PendingSum(group, g, work, ctx, what)
+
+
+def sum_now(group: "ParallelGroup", x: torch.Tensor, what: str) -> torch.Tensor:
+    """Synchronous cross-rank sum (same order rule) on a private buffer."""
+    return PendingSum(group, *_gather(group, x), None, what).wait()
+
+
+def _gather(group: "ParallelGroup", x: torch.Tensor):
+    g = torch.empty(group.world, *x.shape, dtype=x.dtype, device=x.device)
+    g[group.rank].copy_(x)
+    return g, group.all_gather(list(g.unbind(0)), g[group.rank])

@@ -112,9 +112,10 @@ def build_engine(model=None, *, enable_prefix_caching: bool = True, progress: bo
 class LLM:
     """Synchronous generation: queue every prompt, step the engine until all finish."""
 
-    def __init__(self, model=None, *, enable_prefix_caching: bool = True, progress: bool = False, **runner_options):
+    def __init__(self, model=None, *, enable_prefix_caching: bool = True, progress: bool = False,
+                 tensor_parallel_size: int = 1, **runner_options):
         self.engine = build_engine(model, enable_prefix_caching=enable_prefix_caching, progress=progress,
-                                   **runner_options)
+                                   tensor_parallel_size=tensor_parallel_size, **runner_options)
         from .engine.async_engine import EngineDriver  # here, not at import: the CLI's parser stays torch-free
         self.driver = EngineDriver(self.engine)
         self.tokenizer = self.engine.loaded.tokenizer
@@ -196,6 +197,8 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
                              "at all; the serving defaults are 32 for decode and 128 for prefill steps)")
     parser.add_argument("--json", action="store_true",
                         help='print {"text", "token_ids", "finish_reason", "microbatch": {...}} as JSON')
+    from .parallel.options import add_parallel_args
+    add_parallel_args(parser)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -206,14 +209,16 @@ def run_generate(args: argparse.Namespace) -> int:
     from .sampling_params import SamplingParams
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=seed)
-    loaded = load(args.model, progress=True)
+    from .parallel.options import engine_options
+    opts = engine_options(args)
+    loaded = load(args.model, progress=True, device=args.device) if opts["tensor_parallel_size"] == 1 else args.model
     split = SplitConfig(num_ubatches=args.ubatches, decode_threshold=args.split_threshold,
                         prefill_threshold=args.split_threshold)
-    llm = LLM(loaded, split=split)
+    llm = LLM(loaded, split=split, **opts)
     out = llm.generate(args.prompt, params)[0]
     stats = dataclasses.replace(llm.stats)
     llm.close()
-    whole = LLM(loaded, split=SplitConfig(num_ubatches=1))
+    whole = LLM(loaded, split=SplitConfig(num_ubatches=1), **opts)
     ref = whole.generate(args.prompt, params)[0]
     whole.close()
     same = ref.token_ids == out.token_ids

@@ -28,6 +28,8 @@ from ..errors import EngramServeError
 class ParallelError(EngramServeError, RuntimeError):
     """A tensor-parallel worker died, a collective failed or timed out: the group is unusable."""
 
+    fatal = True  # the async engine stops (and the server shuts down) instead of serving on
+
 
 @dataclass(frozen=True)
 class LinkDelay:

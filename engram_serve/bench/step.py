@@ -22,6 +22,13 @@ WORKLOADS = {  # name -> (requests, new tokens per request, context already comp
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS))
+    parser.add_argument("--tensor-parallel-size", type=common.positive_int, default=1, metavar="N",
+                        help="N >= 2: DBO on against off at N ranks (gloo), real link and a simulated one "
+                             "(bench/step_tp.py)")
+    parser.add_argument("--sim-latency-us", type=common.positive_float, default=500.0, metavar="US",
+                        help="simulated link: latency per cross-rank sum (default 500)")
+    parser.add_argument("--sim-gbps", type=common.positive_float, default=1.0, metavar="GB/S",
+                        help="simulated link: bandwidth in GB/s (default 1)")
 
 
 def _runner(model: str | None, workload: str, ubatches: int):
@@ -66,6 +73,9 @@ def setup(model: str | None, workload: str, ubatches: int):
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    if args.tensor_parallel_size > 1:
+        from .step_tp import run_tp
+        return run_tp(args, WORKLOADS)
     rows = []
     for wl in args.workloads.split(","):
         if wl not in WORKLOADS:

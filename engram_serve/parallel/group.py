@@ -45,6 +45,25 @@ class LinkDelay:
 
 
 @dataclass
+class CommStats:
+    """Counters of the cross-rank sums: launches, bytes of partials, seconds blocked in their waits."""
+
+    launches: int = 0
+    nbytes: int = 0
+    wait_s: float = 0.0
+    wait_s_by_name: dict = field(default_factory=dict)
+
+    def add_wait(self, name: str, seconds: float) -> None:
+        self.wait_s += seconds
+        self.wait_s_by_name[name] = self.wait_s_by_name.get(name, 0.0) + seconds
+
+
+def configure_link(group: "ParallelGroup", delay: LinkDelay | None, overlap: bool = True) -> None:
+    """Bench only (via TPCluster.call_all, so every rank agrees): a simulated link delay and overlap on/off."""
+    group.link_delay, group.overlap = delay, overlap
+
+
+@dataclass
 class ParallelGroup:
     rank: int
     world: int
@@ -53,6 +72,8 @@ class ParallelGroup:
     store: object  # the rendezvous store (doorbells, worker error reports)
     timeout_s: float
     link_delay: LinkDelay | None = None  # bench only: a simulated link (clearly labelled as such)
+    overlap: bool = True  # bench only: False waits on every collective at its launch (nothing hidden)
+    stats: "CommStats" = field(default_factory=lambda: CommStats())
     _step: int = field(default=0, repr=False)
 
     @property

@@ -57,6 +57,9 @@ def serve_worker(group: ParallelGroup, loaded, ppid: int | None = None) -> None:
                     runner.close()
                 _, cfg, cls = msg
                 runner = cls(loaded, cfg, group)
+            elif kind == "call":  # run fn(group, *args) on every rank (settings, benchmarks)
+                _, fn, args = msg
+                fn(group, *args)
             elif kind == "step":
                 _, packed, bounds, record = msg
                 try:
@@ -149,6 +152,12 @@ class TPCluster:
         self.check()
         self.group.broadcast_object(("runner", cfg, runner_cls))
         return runner_cls(self.loaded, cfg, self.group, self.diagnose)
+
+    def call_all(self, fn, *args):
+        """fn(group, *args) on every rank (fn importable by name in the workers); returns rank 0's result."""
+        self.check()
+        self.group.broadcast_object(("call", fn, args))
+        return fn(self.group, *args)
 
     def check(self) -> None:
         why = self.diagnose(check_only=True)

@@ -18,7 +18,7 @@ from ..engram.hashing import hash_step
 from ..inputs.batch import StepBatch
 from ..inputs.static import StaticInputPool
 from ..inputs.step import build_step
-from ..inputs.ubatch import SplitConfig, padded_sizes, plan_split, split_batch
+from ..inputs.ubatch import SplitConfig, plan_split, split_batch
 from ..model.context import ForwardContext, UbatchBuffers
 from ..model.kv_cache import KVCache
 from ..model.loader import LoadedModel
@@ -126,7 +126,7 @@ class ModelRunner:
         ubs = split_batch(batch, bounds, self.cfg.rebuild_history)
         real = [u.num_tokens for u in ubs]
         if self.static is not None:
-            sizes = padded_sizes(bounds, self.static.padded_size(batch.num_tokens))
+            sizes = self.static.part_sizes(bounds)  # bounded set of (microbatch, padded size) keys
             ubs = [self.static.get(k, s, u).refresh(u, pad=self.cfg.neutral_padding)
                    for k, (s, u) in enumerate(zip(sizes, ubs))]
         if self.tracker is not None:

@@ -27,11 +27,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                              "(bench/step_tp.py)")
     parser.add_argument("--sim-latency-us", type=common.positive_float, default=500.0, metavar="US",
                         help="simulated link: latency per cross-rank sum (default 500)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="single-process step on this device (the tensor-parallel bench runs on CPU, gloo)")
     parser.add_argument("--sim-gbps", type=common.positive_float, default=1.0, metavar="GB/S",
                         help="simulated link: bandwidth in GB/s (default 1)")
 
 
-def _runner(model: str | None, workload: str, ubatches: int):
+def _runner(model: str | None, workload: str, ubatches: int, device: str = "cpu"):
     import numpy as np
     import torch
 
@@ -41,12 +43,12 @@ def _runner(model: str | None, workload: str, ubatches: int):
 
     torch.manual_seed(0)
     reqs, new, ctx = WORKLOADS[workload]
-    loaded = load_model(model)
+    loaded = load_model(model, device=device)
     block = 16
     max_len = -(-(ctx + new) // block) * block
     cfg = RunnerConfig(max_num_seqs=reqs, max_model_len=max_len, max_num_batched_tokens=reqs * new,
                        block_size=block, num_blocks=reqs * max_len // block,
-                       split=SplitConfig(ubatches, "tokens", 0, 0))
+                       split=SplitConfig(ubatches, "tokens", 0, 0), device=device)
     runner = ModelRunner(loaded, cfg)
     rng = np.random.default_rng(0)
     slots = np.array([runner.store.add(rng.integers(6, loaded.config.vocab_size, ctx + new).tolist())
@@ -67,9 +69,16 @@ def buffer_bytes(runner) -> int:
     return total
 
 
-def setup(model: str | None, workload: str, ubatches: int):
-    runner, batch = _runner(model, workload, ubatches)
-    return lambda: runner.execute(batch)
+def setup(model: str | None, workload: str, ubatches: int, device: str = "cpu"):
+    runner, batch = _runner(model, workload, ubatches, device)
+    if device == "cpu":
+        return lambda: runner.execute(batch)
+    import torch
+
+    def step():
+        runner.execute(batch)
+        torch.cuda.synchronize()  # time the device work, not the launch
+    return step
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -82,15 +91,16 @@ def run(args: argparse.Namespace) -> list[dict]:
             raise ValueError(f"--workloads: unknown workload {wl!r}; choose from {sorted(WORKLOADS)}")
         res, bufs = {}, {}
         for name, n in (("whole", 1), ("dbo", 2)):
-            runner, batch = _runner(args.model, wl, n)
+            runner, batch = _runner(args.model, wl, n, args.device)
             bufs[name] = buffer_bytes(runner) / 2**20
             tokens = batch.num_tokens
-            res[name] = common.measure(setup, dict(model=args.model, workload=wl, ubatches=n),
+            runner.close()
+            res[name] = common.measure(setup, dict(model=args.model, workload=wl, ubatches=n, device=args.device),
                                        **common.timing_kwargs(args))
         w, d = res["whole"], res["dbo"]
         rows.append({"workload": wl, "tokens": tokens,
                      "whole_tok_s": tokens / w["median_ms"] * 1e3, "dbo_tok_s": tokens / d["median_ms"] * 1e3,
                      "dbo_over_whole": w["median_ms"] / d["median_ms"],
                      "whole_buffers_mib": bufs["whole"], "dbo_buffers_mib": bufs["dbo"],
-                     "whole_peak_mib": w["peak_mib"], "dbo_peak_mib": d["peak_mib"]})
+                     "whole_peak_mib": w["peak_mib"], "dbo_peak_mib": d["peak_mib"], "device": args.device})
     return rows

@@ -66,12 +66,13 @@ def load(model=None, progress: bool = False, device: str = "cpu"):
 
 
 def build_engine(model=None, *, enable_prefix_caching: bool = True, progress: bool = False,
-                 tensor_parallel_size: int = 1, dist_init: str | None = None, **runner_options):
+                 tensor_parallel_size: int = 1, dist_init: str | None = None, cluster=None, **runner_options):
     """An LLMEngine over `model` (path, None or LoadedModel); `runner_options` are RunnerConfig fields
     (`device="cuda"` places weights, KV cache and staging buffers on the GPU; tables stay on the host).
 
     `tensor_parallel_size=N` (N >= 2) starts N-1 worker processes (or joins a torchrun group with
-    `dist_init="env://"`); this process is rank 0 and owns the scheduler. The engine's close stops them."""
+    `dist_init="env://"`); this process is rank 0 and owns the scheduler. The engine's close stops them.
+    `cluster`: run on an existing TPCluster instead (its owner closes it), e.g. several engines in turn."""
     from .engine.llm_engine import LLMEngine
     from .runner.model_runner import RunnerConfig
     known = {f.name for f in dataclasses.fields(RunnerConfig)}
@@ -89,23 +90,26 @@ def build_engine(model=None, *, enable_prefix_caching: bool = True, progress: bo
         import torch
         if not torch.cuda.is_available():
             raise ConfigError(f"device={device!r}: CUDA is not available in this torch build")
-    if tensor_parallel_size == 1 and dist_init is None:
+    if tensor_parallel_size == 1 and dist_init is None and cluster is None:
         loaded = load(model, progress, device=device)
         options.setdefault("max_model_len", min(RunnerConfig().max_model_len, loaded.config.max_position_embeddings))
         return LLMEngine(loaded, RunnerConfig(**options), enable_prefix_caching=enable_prefix_caching)
     from .parallel.launch import TPCluster, local_device
     path = getattr(model, "path", model)  # every rank loads (and shards) the checkpoint itself
     options["device"] = local_device(device)
-    cluster = TPCluster(path, tensor_parallel_size, options["device"], init_method=dist_init)
+    owned = cluster is None
+    if owned:
+        cluster = TPCluster(path, tensor_parallel_size, options["device"], init_method=dist_init)
     try:
         loaded = cluster.loaded
         options.setdefault("max_model_len", min(RunnerConfig().max_model_len, loaded.config.max_position_embeddings))
         cfg = RunnerConfig(**options)
         runner = cluster.make_runner(cfg)
-        runner.cluster = cluster
+        runner.cluster = cluster if owned else None
         return LLMEngine(loaded, cfg, enable_prefix_caching=enable_prefix_caching, runner=runner)
     except BaseException:
-        cluster.close()
+        if owned:
+            cluster.close()
         raise
 
 
@@ -211,16 +215,26 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=seed)
     from .parallel.options import engine_options
     opts = engine_options(args)
-    loaded = load(args.model, progress=True, device=args.device) if opts["tensor_parallel_size"] == 1 else args.model
-    split = SplitConfig(num_ubatches=args.ubatches, decode_threshold=args.split_threshold,
-                        prefill_threshold=args.split_threshold)
-    llm = LLM(loaded, split=split, **opts)
-    out = llm.generate(args.prompt, params)[0]
-    stats = dataclasses.replace(llm.stats)
-    llm.close()
-    whole = LLM(loaded, split=SplitConfig(num_ubatches=1), **opts)
-    ref = whole.generate(args.prompt, params)[0]
-    whole.close()
+    cluster = None
+    if opts["tensor_parallel_size"] > 1 or "dist_init" in opts:  # one group of ranks for both runs
+        from .parallel.launch import TPCluster, local_device
+        opts = {"device": local_device(args.device)}
+        cluster = TPCluster(args.model, args.tensor_parallel_size, opts["device"], init_method=args.dist_init)
+        opts["cluster"] = cluster
+    try:
+        loaded = load(args.model, progress=True, device=args.device) if cluster is None else args.model
+        split = SplitConfig(num_ubatches=args.ubatches, decode_threshold=args.split_threshold,
+                            prefill_threshold=args.split_threshold)
+        llm = LLM(loaded, split=split, **opts)
+        out = llm.generate(args.prompt, params)[0]
+        stats = dataclasses.replace(llm.stats)
+        llm.close()
+        whole = LLM(loaded, split=SplitConfig(num_ubatches=1), **opts)
+        ref = whole.generate(args.prompt, params)[0]
+        whole.close()
+    finally:
+        if cluster is not None:
+            cluster.close()
     same = ref.token_ids == out.token_ids
     micro = {"steps": stats.steps, "split_steps": stats.microbatched_steps, "straddling_rows": stats.straddling_rows,
              "num_ubatches": args.ubatches, "seed": seed, "identical_to_unsplit": same}

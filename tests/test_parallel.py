@@ -111,3 +111,21 @@ def test_sharded_tables_partition_rows_and_sum_to_the_full_gather(world, seed):
     parts = [s.gather(ids, torch.full_like(want, float("nan"))) for s in shards]
     assert torch.equal(rank_ordered_sum(torch.stack(parts)), want)  # exactly one rank holds each row
     assert all(((p != 0).any(-1).int().sum() <= (want != 0).any(-1).int().sum()) for p in parts)
+
+
+def test_in_flight_buffer_belongs_to_its_microbatch_until_waited():
+    from engram_serve.runner.ownership import OwnershipTracker
+    buf, other = torch.zeros(8), torch.zeros(8)
+    t = OwnershipTracker()
+    t.launch("comm", buf[:4], 0)
+    with pytest.raises(OwnershipError, match=r"'comm' has a collective in flight.*microbatch 0.*microbatch 1"):
+        t.touch("comm", buf[4:], 1)  # another microbatch, another view of the same storage
+    with pytest.raises(OwnershipError, match=r"in flight.*microbatch 0.*touched by microbatch 0"):
+        t.launch("comm", buf, 0)  # the owner's own next launch before its wait
+    with pytest.raises(OwnershipError, match="does not own"):
+        t.land("comm", buf, 1)
+    t.land("comm", buf, 0)
+    t.touch("comm", buf, 0)  # landed: the owner may read it
+    t.launch("comm", other, 1)
+    with pytest.raises(OwnershipError, match=r"owned by microbatch 0.*touched by microbatch 1"):
+        t.touch("comm", buf, 1)

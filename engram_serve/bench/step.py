@@ -25,8 +25,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=common.positive_int, default=1, metavar="N",
                         help="N >= 2: DBO on against off at N ranks (gloo), real link and a simulated one "
                              "(bench/step_tp.py)")
-    parser.add_argument("--sim-latency-us", type=common.positive_float, default=500.0, metavar="US",
-                        help="simulated link: latency per cross-rank sum (default 500)")
+    parser.add_argument("--sim-latency-us", type=common.positive_int_list, default=[500, 2000], metavar="US,US",
+                        help="simulated links: latency per cross-rank sum, one link per value (default 500,2000)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="single-process step on this device (the tensor-parallel bench runs on CPU, gloo)")
     parser.add_argument("--sim-gbps", type=common.positive_float, default=1.0, metavar="GB/S",

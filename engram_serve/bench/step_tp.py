@@ -81,9 +81,9 @@ def run_tp(args, workloads: dict) -> list[dict]:
     cluster = TPCluster(args.model, world)
     rows = []
     try:
-        links = [("gloo loopback (real)", None),
-                 (f"SIMULATED {args.sim_latency_us:g} us + {args.sim_gbps:g} GB/s", LinkDelay(
-                     args.sim_latency_us * 1e-6, args.sim_gbps * 1e9))]
+        links = [("gloo loopback (real)", None)] + [
+            (f"SIMULATED {us:g} us + {args.sim_gbps:g} GB/s", LinkDelay(us * 1e-6, args.sim_gbps * 1e9))
+            for us in args.sim_latency_us]
         for wl in args.workloads.split(","):
             if wl not in workloads:
                 raise ValueError(f"--workloads: unknown workload {wl!r}; choose from {sorted(workloads)}")

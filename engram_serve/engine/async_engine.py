@@ -192,6 +192,11 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
 
+    def fail(self, message: str) -> None:
+        """Stop the engine on a fatal error found outside a step (e.g. a tensor-parallel worker died while
+        idle): every open request ends with `message`, then `on_fatal` runs. Thread-safe."""
+        self._cmds.put(("fatal", message))
+
     def metrics(self) -> dict[str, float]:
         """A snapshot for /metrics (taken by the engine thread after every step; rate computed now)."""
         m = dict(self._metrics)
@@ -269,6 +274,10 @@ class AsyncLLMEngine:
             self._streams.pop(cmd[1], None)
             self.driver.abort(cmd[1])
         elif kind == "stop":
+            return True
+        elif kind == "fatal":
+            self.fatal_error = cmd[1]
+            self._closed = True
             return True
         else:
             raise ValueError(f"unknown engine command {kind!r}")

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -141,6 +143,18 @@ class TPCluster:
             why = self.diagnose()
             self.close()
             raise ParallelError(f"starting {world} tensor-parallel ranks failed: {why or e}") from e
+        self.on_death = None  # called once with a message when a worker dies (even while idle)
+        if self.procs:
+            threading.Thread(target=self._watch, name="engram-tp-watchdog", daemon=True).start()
+
+    def _watch(self, period_s: float = 0.5) -> None:
+        while not self._closed:
+            why = self.diagnose(check_only=True)
+            if why:
+                if self.on_death is not None and not self._closed:
+                    self.on_death(why)
+                return
+            time.sleep(period_s)
 
     @property
     def pids(self) -> list[int]:

@@ -445,6 +445,9 @@ def serve(model_path: str | Path | None = None, host: str = "127.0.0.1", port: i
         log.error("engine stopped: %s; shutting the server down", message)
         server.should_exit = True
     async_engine.on_fatal = fatal
+    cluster = getattr(engine.runner, "cluster", None)
+    if cluster is not None:  # a worker that dies while the server is idle stops it too
+        cluster.on_death = async_engine.fail
     try:
         server.run()
     finally:

@@ -38,6 +38,9 @@ class ShardedEngramTables(EngramTables):
             raise ValueError(f"gather: hash_ids {tuple(hash_ids.shape)} and out {tuple(out.shape)} do not fit "
                              f"{self.num_layers} tables of width {self.head_dim}")
         for layer, (tab, (lo, hi)) in enumerate(zip(self.tables, self.bounds)):
+            if hi == lo:  # a table with fewer rows than ranks: this rank owns none of it
+                out[layer].zero_()
+                continue
             ids = hash_ids[:, layer, :].reshape(-1).to(tab.device, torch.int64) - lo  # [T*C] local row
             own = (ids >= 0) & (ids < hi - lo)
             rows = tab.index_select(0, torch.where(own, ids, torch.zeros_like(ids)))  # [T*C, hd]

@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections.abc import Generator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..model.context import MOE_COMBINE, MOE_DISPATCH, ForwardContext
-from ..model.layers import Linear, MoE, linear
+from ..model.layers import Linear, MoE
 from .collectives import PendingSum, launch_sum, sum_now
 from .group import ParallelGroup
 
@@ -124,8 +123,7 @@ class ExpertParallelMoE(MoE):
         for e in range(e_loc):  # a loop over local experts, never over tokens
             b = a + counts[e]
             if b > a:
-                ys[a:b].copy_(linear(F.silu(linear(xs[a:b], self.w_gate[e])) * linear(xs[a:b], self.w_up[e]),
-                                     self.w_down[e]))
+                ys[a:b].copy_(self._expert(e, xs[a:b]))  # local expert e (the unsharded MoE's own math)
             a = b
         if ctx is not None:
             ctx.touch(MOE_COMBINE, ys)

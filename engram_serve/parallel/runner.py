@@ -11,8 +11,6 @@ apply); capturing collectives into graphs is left out.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 
@@ -49,16 +47,22 @@ class ParallelModelRunner(ModelRunner):
     def __init__(self, loaded: LoadedModel, cfg: RunnerConfig, group: ParallelGroup, on_failure=None):
         if cfg.device != str(group.device) and torch.device(cfg.device) != group.device:
             raise ValueError(f"runner device {cfg.device!r} differs from the process group's {group.device}")
-        super().__init__(loaded, dataclasses.replace(cfg, graph_sizes=cfg.graph_sizes))
         self.group, self.on_failure = group, on_failure
+        super().__init__(loaded, cfg)
         self.graphs = None  # eager under tensor parallelism (module docstring)
-        mcfg = loaded.config
-        width = max(mcfg.hidden_size, (mcfg.hc_mult + 1) * mcfg.hidden_size)  # widest summed partial
-        for b in self.bufs:
-            b.scratch[COMM] = torch.zeros(group.world * b.capacity * width, dtype=b.staging.dtype,
-                                          device=b.staging.device)
         self.broken: str | None = None
         self.cluster = None  # rank 0: the TPCluster this runner owns (closed with it), if any
+
+    def allocate_buffers(self, capacity: int):
+        """The per-microbatch buffers plus each microbatch's own communication buffer (room for `world`
+        partials of the widest cross-rank sum: the Engram projection, (hc_mult + 1) * hidden)."""
+        bufs = super().allocate_buffers(capacity)
+        mcfg = self.loaded.config
+        width = max(mcfg.hidden_size, (mcfg.hc_mult + 1) * mcfg.hidden_size)
+        for b in bufs:
+            b.scratch[COMM] = torch.zeros(self.group.world * capacity * width, dtype=b.staging.dtype,
+                                          device=b.staging.device)
+        return bufs
 
     def close(self) -> None:
         super().close()

@@ -54,8 +54,10 @@ class EngramGate(nn.Module):
         return self.gate_from_kv(h, self.project(rows), dead)
 
     def apply(self, h: torch.Tensor, kv: torch.Tensor, dead: torch.Tensor | None = None) -> torch.Tensor:
+        """h with the gated value added, from an already computed (e.g. cross-rank summed) projection kv."""
         g, value = self.gate_from_kv(h, kv, dead)
         return h + g[..., None] * value[:, None, :]
 
     def forward(self, h: torch.Tensor, rows: torch.Tensor, dead: torch.Tensor | None = None) -> torch.Tensor:
-        return self.apply(h, self.project(rows), dead)
+        g, value = self.gate(h, rows, dead)
+        return h + g[..., None] * value[:, None, :]

@@ -45,6 +45,20 @@ def _collective_point(x: torch.Tensor, module, stage: str, ctx: ForwardContext |
     return pending.wait()
 
 
+def _engram_stage(engram: EngramGate, h: torch.Tensor, rows: torch.Tensor | None, dead: torch.Tensor | None,
+                  ctx: ForwardContext | None) -> Generator[str, None, torch.Tensor]:
+    """The Engram gate, then yield STAGE_ENGRAM. Tensor parallel (`wkv` has `launch_reduce`): the
+    projection of this rank's table-shard rows is a partial; its cross-rank sum is in flight across
+    the yield and the gate is applied after it."""
+    if rows is not None and hasattr(engram.wkv, "launch_reduce"):
+        kv = yield from _collective_point(engram.project(rows), engram.wkv, STAGE_ENGRAM, ctx)
+        return engram.apply(h, kv, dead)
+    if rows is not None:
+        h = engram(h, rows, dead)
+    yield STAGE_ENGRAM
+    return h
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -90,15 +104,12 @@ class EngramModel(nn.Module):
         for layer in self.layers:
             if layer.engram is not None:
                 yield STAGE_ENGRAM_GATHER
-                if engram_rows is not None:  # None: Engram ablated (dense path only)
+                rows = None  # None: Engram ablated (dense path only)
+                if engram_rows is not None:
                     rows = engram_rows(layer.engram_index)  # [N, C, hd]; may wait for the gather
                     if ctx is not None:
                         ctx.touch("staging", rows)
-                    kv = layer.engram.project(rows)  # [N, (hc+1)*hidden]
-                    kv = yield from _collective_point(kv, layer.engram.wkv, STAGE_ENGRAM, ctx)
-                    h = layer.engram.apply(h, kv, dead)
-                else:
-                    yield STAGE_ENGRAM
+                h = yield from _engram_stage(layer.engram, h, rows, dead, ctx)
             a = layer.attn(layer.attn_norm(h.mean(1)), cos, sin, backend, layer.layer_id,
                            layer.attn_mode, cfg.index_topk)
             a = yield from _collective_point(a, layer.attn.o_proj, STAGE_ATTN, ctx)

@@ -45,18 +45,30 @@ def _collective_point(x: torch.Tensor, module, stage: str, ctx: ForwardContext |
     return pending.wait()
 
 
-def _engram_stage(engram: EngramGate, h: torch.Tensor, rows: torch.Tensor | None, dead: torch.Tensor | None,
-                  ctx: ForwardContext | None) -> Generator[str, None, torch.Tensor]:
-    """The Engram gate, then yield STAGE_ENGRAM. Tensor parallel (`wkv` has `launch_reduce`): the
-    projection of this rank's table-shard rows is a partial; its cross-rank sum is in flight across
-    the yield and the gate is applied after it."""
-    if rows is not None and hasattr(engram.wkv, "launch_reduce"):
-        kv = yield from _collective_point(engram.project(rows), engram.wkv, STAGE_ENGRAM, ctx)
-        return engram.apply(h, kv, dead)
-    if rows is not None:
-        h = engram(h, rows, dead)
-    yield STAGE_ENGRAM
-    return h
+def _launch_engram_sums(layers, engram_rows, ctx: ForwardContext | None):
+    """Tensor parallel only (each `wkv` has `launch_reduce`): an Engram projection depends on the staged
+    rows alone, so every Engram layer's partial projection (this rank's table shard) is computed at the
+    start of the forward and all are summed across ranks in ONE collective, in flight while both
+    microbatches run the layers before the first Engram layer. Returns `kv(engram_index)` (waits on
+    the first call), or None (one process, or Engram ablated)."""
+    layers = sorted((l for l in layers if l.engram is not None), key=lambda l: l.engram_index)
+    if engram_rows is None or not layers or not hasattr(layers[0].engram.wkv, "launch_reduce"):
+        return None
+    parts = []
+    for layer in layers:
+        rows = engram_rows(layer.engram_index)  # [N, C, hd]
+        if ctx is not None:
+            ctx.touch("staging", rows)
+        parts.append(layer.engram.project(rows))  # [N, (hc+1)*hidden] partial
+    wkv = layers[0].engram.wkv
+    pending = wkv.launch_reduce(torch.cat(parts, 1), ctx, wkv.early_buffer)
+    width, summed = parts[0].shape[1], []
+
+    def kv(i: int) -> torch.Tensor:
+        if not summed:
+            summed.append(pending.wait())  # [N, L_e*(hc+1)*hidden]
+        return summed[0][:, i * width:(i + 1) * width]
+    return kv
 
 
 class DecoderLayer(nn.Module):
@@ -101,15 +113,18 @@ class EngramModel(nn.Module):
         n = input_ids.shape[0]
         cos, sin = rotary_cos_sin(positions, cfg.head_dim, cfg.rope_theta)  # once per forward
         h = self.embed_tokens(input_ids)[:, None, :].expand(n, cfg.hc_mult, cfg.hidden_size)  # [N, hc, hidden]
+        early = _launch_engram_sums(self.layers, engram_rows, ctx)  # tensor parallel only
         for layer in self.layers:
             if layer.engram is not None:
                 yield STAGE_ENGRAM_GATHER
-                rows = None  # None: Engram ablated (dense path only)
-                if engram_rows is not None:
+                if early is not None:
+                    h = layer.engram.apply(h, early(layer.engram_index), dead)
+                elif engram_rows is not None:  # None: Engram ablated (dense path only)
                     rows = engram_rows(layer.engram_index)  # [N, C, hd]; may wait for the gather
                     if ctx is not None:
                         ctx.touch("staging", rows)
-                h = yield from _engram_stage(layer.engram, h, rows, dead, ctx)
+                    h = layer.engram(h, rows, dead)
+                yield STAGE_ENGRAM
             a = layer.attn(layer.attn_norm(h.mean(1)), cos, sin, backend, layer.layer_id,
                            layer.attn_mode, cfg.index_topk)
             a = yield from _collective_point(a, layer.attn.o_proj, STAGE_ATTN, ctx)

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .group import ParallelGroup
 
 COMM = "comm"  # the per-microbatch communication buffer (UbatchBuffers.scratch[COMM], 1-D)
+COMM_ENGRAM = "comm_engram"  # a second one: every Engram layer's projection, summed once per forward
 
 
 def rank_ordered_sum(gathered: torch.Tensor) -> torch.Tensor:
@@ -40,8 +41,9 @@ class PendingSum:
     """An all-gather in flight for one microbatch; `wait` returns the rank-ordered sum."""
 
     def __init__(self, group: "ParallelGroup", gathered: torch.Tensor, work, ctx: "ForwardContext | None",
-                 name: str):
+                 name: str, buffer: str = COMM):
         self.group, self.gathered, self.work, self.ctx, self.name = group, gathered, work, ctx, name
+        self.buffer = buffer
         self.t0 = time.perf_counter()
         self.done = False
         self.result: torch.Tensor | None = None
@@ -71,32 +73,34 @@ class PendingSum:
         self.group.stats.add_wait(self.name, time.perf_counter() - t_wait)
         self.done = True
         if self.ctx is not None and self.ctx.tracker is not None:
-            self.ctx.tracker.land(COMM, self.gathered, self.ctx.bufs.ubatch)
+            self.ctx.tracker.land(self.buffer, self.gathered, self.ctx.bufs.ubatch)
         out = rank_ordered_sum(self.gathered)
         if self.ctx is not None:
-            self.ctx.touch(COMM, self.gathered)  # the read of the landed buffer
+            self.ctx.touch(self.buffer, self.gathered)  # the read of the landed buffer
         return out
 
 
-def comm_buffer(ctx: "ForwardContext | None", world: int, x: torch.Tensor) -> torch.Tensor:
-    """[world, *x.shape] view of the microbatch's communication buffer (a fresh one without a context)."""
-    if ctx is None or COMM not in ctx.bufs.scratch:
+def comm_buffer(ctx: "ForwardContext | None", world: int, x: torch.Tensor, name: str = COMM) -> torch.Tensor:
+    """[world, *x.shape] view of the microbatch's communication buffer `name` (a fresh one without a context)."""
+    if ctx is None or name not in ctx.bufs.scratch:
         return torch.empty(world, *x.shape, dtype=x.dtype, device=x.device)
-    flat = ctx.bufs.scratch_view(COMM, world * x.numel())  # raises if too small: never reallocates
+    flat = ctx.bufs.scratch_view(name, world * x.numel())  # raises if too small: never reallocates
     if flat.dtype != x.dtype:
         raise TypeError(f"communication buffer of microbatch {ctx.bufs.ubatch} is {flat.dtype}; the partial is "
                         f"{x.dtype}")
     return flat.view(world, *x.shape)
 
 
-def launch_sum(group: "ParallelGroup", x: torch.Tensor, ctx: "ForwardContext | None", what: str) -> PendingSum:
-    """Start the cross-rank sum of this rank's partial x; the caller waits on it at its next resume."""
-    g = comm_buffer(ctx, group.world, x)
+def launch_sum(group: "ParallelGroup", x: torch.Tensor, ctx: "ForwardContext | None", what: str,
+               buffer: str = COMM) -> PendingSum:
+    """Start the cross-rank sum of this rank's partial x in the microbatch's buffer `buffer`; the caller
+    waits on it when it resumes."""
+    g = comm_buffer(ctx, group.world, x, buffer)
     if ctx is not None and ctx.tracker is not None:
-        ctx.tracker.launch(COMM, g, ctx.bufs.ubatch)
+        ctx.tracker.launch(buffer, g, ctx.bufs.ubatch)
     g[group.rank].copy_(x)  # the local slice is written now, at launch
     work = group.all_gather(list(g.unbind(0)), g[group.rank])
-    return PendingSum(group, g, work, ctx, what)
+    return PendingSum(group, g, work, ctx, what, buffer)
 
 
 def sum_now(group: "ParallelGroup", x: torch.Tensor, what: str) -> torch.Tensor:

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..model.context import MOE_COMBINE, MOE_DISPATCH, ForwardContext
 from ..model.layers import Linear, MoE
-from .collectives import PendingSum, launch_sum, sum_now
+from .collectives import COMM, COMM_ENGRAM, PendingSum, launch_sum, sum_now
 from .group import ParallelGroup
 
 
@@ -42,8 +42,8 @@ class _SumsAcrossRanks:
 
     group: ParallelGroup
 
-    def launch_reduce(self, x: torch.Tensor, ctx: ForwardContext | None) -> PendingSum:
-        return launch_sum(self.group, x, ctx, self.reduce_name)
+    def launch_reduce(self, x: torch.Tensor, ctx: ForwardContext | None, buffer: str = COMM) -> PendingSum:
+        return launch_sum(self.group, x, ctx, self.reduce_name, buffer)
 
 
 class RowParallelLinear(_SumsAcrossRanks, Linear):
@@ -62,6 +62,8 @@ class PartialInputLinear(_SumsAcrossRanks, Linear):
     """y_r = x_r @ W.T with the weight REPLICATED and the input split by data: x_r holds only the
     terms this rank owns (zeros elsewhere), e.g. the Engram rows of a rank's table shard. Linear in x,
     so the sum over ranks of y_r is the full projection; a cross-rank sum follows (`launch_reduce`)."""
+
+    early_buffer = COMM_ENGRAM  # the model sums every Engram layer's projection at once, at the start
 
     def __init__(self, full: nn.Linear, group: ParallelGroup, name: str):
         super().__init__(full.in_features, full.out_features)

@@ -3,8 +3,10 @@
 Rank 0 owns the scheduler. Before each step it broadcasts the step's small host arrays (the StepBatch
 fields, the microbatch bounds, whether to record) to every rank; every rank then runs the same
 `execute` on its shard, so all ranks launch the same collectives in the same order. Each microbatch
-owns one communication buffer (`scratch[COMM]`, room for `world` partials of its widest collective):
-a collective in flight belongs to its microbatch until it is awaited (parallel/collectives.py).
+owns two communication buffers (`scratch[COMM]`, room for `world` partials of its widest per-layer
+sum, and `scratch[COMM_ENGRAM]` for the one sum of every Engram layer's projection, launched at the
+start of the forward): a collective in flight belongs to its microbatch until it is awaited
+(parallel/collectives.py).
 
 Without CUDA graphs: under tensor parallelism steps run eagerly (static buffers and padding still
 apply); capturing collectives into graphs is left out.
@@ -17,7 +19,7 @@ import torch
 from ..inputs.batch import StepBatch
 from ..model.loader import LoadedModel
 from ..runner.model_runner import ModelRunner, RunnerConfig, StepOutput
-from .collectives import COMM
+from .collectives import COMM, COMM_ENGRAM
 from .group import ParallelError, ParallelGroup
 
 
@@ -59,9 +61,12 @@ class ParallelModelRunner(ModelRunner):
         bufs = super().allocate_buffers(capacity)
         mcfg = self.loaded.config
         width = max(mcfg.hidden_size, (mcfg.hc_mult + 1) * mcfg.hidden_size)
+        engram = mcfg.engram.num_layers * (mcfg.hc_mult + 1) * mcfg.hidden_size  # all Engram projections
         for b in bufs:
-            b.scratch[COMM] = torch.zeros(self.group.world * capacity * width, dtype=b.staging.dtype,
-                                          device=b.staging.device)
+            for name, w in ((COMM, width), (COMM_ENGRAM, engram)):
+                if w:
+                    b.scratch[name] = torch.zeros(self.group.world * capacity * w, dtype=b.staging.dtype,
+                                                  device=b.staging.device)
         return bufs
 
     def close(self) -> None:

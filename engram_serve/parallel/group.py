@@ -14,7 +14,6 @@ a collective that would time out.
 from __future__ import annotations
 
 import datetime
-import os
 import pickle
 import time
 from dataclasses import dataclass, field
@@ -190,6 +189,3 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-
-def parent_alive(ppid: int) -> bool:
-    return os.getppid() == ppid

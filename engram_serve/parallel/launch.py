@@ -178,10 +178,16 @@ class TPCluster:
         if why:
             raise ParallelError(why)
 
-    def diagnose(self, check_only: bool = False) -> str | None:
-        """A description of dead workers and reported errors, or None when all look fine."""
-        dead = [f"tensor-parallel worker rank {r} (pid {p.pid}) exited with code {p.exitcode}"
-                for r, p in enumerate(self.procs, 1) if p.exitcode is not None]
+    def diagnose(self, check_only: bool = False, wait_s: float = 0.0) -> str | None:
+        """A description of dead workers and reported errors, or None when all look fine. `wait_s`: after
+        a failed collective, give a dying worker that long to be reaped (its socket closes first)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = [f"tensor-parallel worker rank {r} (pid {p.pid}) exited with code {p.exitcode}"
+                    for r, p in enumerate(self.procs, 1) if p.exitcode is not None]
+            if dead or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
         if check_only and not dead:
             return None
         errs = {}

@@ -43,8 +43,8 @@ def unpack_batch(packed: dict, device: torch.device) -> StepBatch:
 
 
 class ParallelModelRunner(ModelRunner):
-    """`loaded` is this rank's shard (`shard_model`). `on_failure` (rank 0): returns a description of
-    what went wrong with the workers (a dead process, a reported error), used in ParallelError."""
+    """`loaded` is this rank's shard (`shard_model`). `on_failure(check_only=False, wait_s=0)` (rank 0):
+    a description of what went wrong with the workers (a dead process, a reported error) or None."""
 
     def __init__(self, loaded: LoadedModel, cfg: RunnerConfig, group: ParallelGroup, on_failure=None):
         if cfg.device != str(group.device) and torch.device(cfg.device) != group.device:
@@ -87,6 +87,6 @@ class ParallelModelRunner(ModelRunner):
                 self.group.broadcast_object(("step", pack_batch(batch), list(bounds), record))
             return super().execute(batch, bounds, record)
         except ParallelError as e:
-            why = self.on_failure() if self.on_failure is not None else None
+            why = self.on_failure(wait_s=3.0) if self.on_failure is not None else None
             self.broken = why or str(e)
             raise ParallelError(f"{why}; {e}" if why and why not in str(e) else str(e)) from None

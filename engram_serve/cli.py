@@ -266,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        from .parallel.options import maybe_run_worker
+        from .parallel.options import check_device, maybe_run_worker
+        check_device(args)
         code = maybe_run_worker(args)  # a torchrun rank other than 0 serves rank 0's command
         return code if code is not None else args.run(args)
     except (EngramServeError, UsageError) as e:

@@ -173,3 +173,17 @@ def test_expert_parallel_moe_partials_sum_to_the_unsharded_bits(n, seed):
     finally:
         pl.launch_sum = orig
     assert torch.equal(rank_ordered_sum(torch.stack(parts)), want)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["verify", "--tensor-parallel-size", "3"], "--tensor-parallel-size 3: num_attention_heads=4 is not divisible by 3"),
+    (["serve", "--tensor-parallel-size", "0"], "--tensor-parallel-size: 0: must be >= 1"),
+    (["generate", "hi", "--device", "cuda"], "--device cuda: CUDA is not available"),
+])
+def test_parallel_options_refuse_bad_values_with_one_line(argv, message, capsys):
+    from engram_serve.cli import main
+    if "cuda" in argv and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

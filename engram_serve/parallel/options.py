@@ -40,6 +40,16 @@ def engine_options(args: argparse.Namespace) -> dict:
     return out
 
 
+def check_device(args: argparse.Namespace) -> None:
+    """--device cuda without a usable GPU: a ConfigError naming the option, before anything loads."""
+    if getattr(args, "device", None) == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            from ..errors import ConfigError
+            raise ConfigError(f"--device cuda: CUDA is not available (torch {torch.__version__}, "
+                              f"{'no CUDA build' if torch.version.cuda is None else 'no visible GPU'})")
+
+
 def maybe_run_worker(args: argparse.Namespace) -> int | None:
     """Under torchrun (`--dist-init env://`), ranks other than 0 become workers: returns their exit code;
     None on rank 0 and without --dist-init."""

@@ -34,16 +34,18 @@ class KVCache:
         return cls(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
                    dtype, device)
 
+    def _blocks(self, pool: torch.Tensor) -> torch.Tensor:
+        return pool[:, :self.num_slots].view(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
+                                             self.head_dim)
+
     @property
     def k(self) -> torch.Tensor:
-        """[layers, num_blocks, block_size, kv_heads, head_dim] view of the key pool (no trash slot)."""
-        return self._k[:, :self.num_slots].view(self.num_layers, self.num_blocks, self.block_size,
-                                                 self.num_kv_heads, self.head_dim)
+        """[layers, num_blocks, block_size, kv_heads, head_dim] view of the key pool (no trash or zero slot)."""
+        return self._blocks(self._k)
 
     @property
     def v(self) -> torch.Tensor:
-        return self._v[:, :self.num_slots].view(self.num_layers, self.num_blocks, self.block_size,
-                                                 self.num_kv_heads, self.head_dim)
+        return self._blocks(self._v)
 
     @property
     def nbytes(self) -> int:

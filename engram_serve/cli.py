@@ -162,6 +162,7 @@ def add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--debug-ownership", action="store_true",
                    help="also check at run time that no buffer is touched by two microbatches")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_parallel_args(p)
     p.set_defaults(run=run_verify)
 
 
@@ -169,8 +170,12 @@ def run_verify(args: argparse.Namespace) -> int:
     from .bench.common import format_table
     from .model.loader import load_model
     from .verify import verify
-    res = verify(load_model(args.model), args.seed, args.num_requests, args.gen_tokens,
-                 overrides={"debug_ownership": True} if args.debug_ownership else None)
+    overrides = {"debug_ownership": True} if args.debug_ownership else None
+    if args.tensor_parallel_size > 1 or args.dist_init is not None:
+        res = _verify_parallel(args, overrides)
+    else:
+        res = verify(load_model(args.model, device=args.device), args.seed, args.num_requests, args.gen_tokens,
+                     overrides=overrides, device=args.device)
     if args.json:
         print(json.dumps(res))
     else:
@@ -179,7 +184,39 @@ def run_verify(args: argparse.Namespace) -> int:
               f"{res['hash_mismatches']}, staged-row mismatches {res['row_mismatches']}, max |logit diff| "
               f"{res['max_abs_logit_diff']:.3g} ({res['logit_mismatches']} sampled rows not bit-identical), greedy "
               f"mismatches {res['greedy_mismatches']}: {'PASS' if res['passed'] else 'FAIL'}")
+        if "vs_single_process" in res:
+            v = res["vs_single_process"]
+            print(f"tensor-parallel size {args.tensor_parallel_size} (unsplit) against one process: "
+                  f"{v['compared_tokens']} tokens, hash mismatches {v['hash_mismatches']}, greedy mismatches "
+                  f"{v['greedy_mismatches']}, max |logit diff| {v['max_abs_logit_diff']:.3g}")
     return 0 if res["passed"] else 1
+
+
+# ---- parallelism options (--tensor-parallel-size, --device, --dist-init) ----
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    from .parallel.options import add_parallel_args as add
+    add(p)
+
+
+def _verify_parallel(args: argparse.Namespace, overrides: dict | None) -> dict:
+    """verify on every rank of a tensor-parallel group; the unsharded model is the single-process reference."""
+    import os
+
+    from .model.loader import load_model
+    from .parallel.launch import TPCluster, local_device
+    from .verify import verify
+    world = args.tensor_parallel_size
+    if args.dist_init is not None and int(os.environ.get("WORLD_SIZE", world)) != world:
+        raise ConfigError(f"--tensor-parallel-size {world} but WORLD_SIZE={os.environ.get('WORLD_SIZE')}")
+    device = local_device(args.device)
+    cluster = TPCluster(args.model, world, device, init_method=args.dist_init)
+    try:
+        return verify(cluster.loaded, args.seed, args.num_requests, args.gen_tokens, overrides=overrides,
+                      make_runner=cluster.make_runner, reference=load_model(args.model, device=device),
+                      device=device)
+    finally:
+        cluster.close()
 
 
 # ---- generate, serve, train (their options live beside their code) ----
@@ -229,7 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        return args.run(args)
+        from .parallel.options import check_device, maybe_run_worker
+        check_device(args)
+        code = maybe_run_worker(args)  # a torchrun rank other than 0 serves rank 0's command
+        return code if code is not None else args.run(args)
     except (EngramServeError, UsageError) as e:
         message = " ".join(str(e).split()) or type(e).__name__
         print(f"{PROG}: error: {message}", file=sys.stderr)

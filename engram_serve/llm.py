@@ -39,14 +39,19 @@ class RequestOutput:
     error: str | None = None
 
 
-def load(model=None, progress: bool = False):
-    """A LoadedModel from a path or None (the built-in tiny model); a LoadedModel is returned as is.
-    With `progress`, a tqdm bar on stderr follows the loading stages."""
+def load(model=None, progress: bool = False, device: str = "cpu"):
+    """A LoadedModel from a path or None (the built-in tiny model) with its weights on `device`; a
+    LoadedModel is returned as is (moved to `device` if it is elsewhere). With `progress`, a tqdm bar
+    on stderr follows the loading stages."""
+    import torch
+
     from .model.loader import LoadedModel, load_model
     if isinstance(model, LoadedModel):
+        if model.model.embed_tokens.weight.device.type != torch.device(device).type:
+            model.model.to(device)
         return model
     if not progress:
-        return load_model(model)
+        return load_model(model, device=device)
     from tqdm import tqdm
     with tqdm(total=1, desc="loading", unit="tensor", file=sys.stderr, leave=False,
               postfix="config, tokenizer, compressed token map") as bar:
@@ -56,30 +61,65 @@ def load(model=None, progress: bool = False):
             bar.n = done
             bar.set_postfix_str(what[-40:], refresh=False)
             bar.refresh()
-        loaded = load_model(model, progress=note)
+        loaded = load_model(model, progress=note, device=device)
     return loaded
 
 
-def build_engine(model=None, *, enable_prefix_caching: bool = True, progress: bool = False, **runner_options):
-    """An LLMEngine over `model` (path, None or LoadedModel); `runner_options` are RunnerConfig fields."""
+def build_engine(model=None, *, enable_prefix_caching: bool = True, progress: bool = False,
+                 tensor_parallel_size: int = 1, dist_init: str | None = None, cluster=None, **runner_options):
+    """An LLMEngine over `model` (path, None or LoadedModel); `runner_options` are RunnerConfig fields
+    (`device="cuda"` places weights, KV cache and staging buffers on the GPU; tables stay on the host).
+
+    `tensor_parallel_size=N` (N >= 2) starts N-1 worker processes (or joins a torchrun group with
+    `dist_init="env://"`); this process is rank 0 and owns the scheduler. The engine's close stops them.
+    `cluster`: run on an existing TPCluster instead (its owner closes it), e.g. several engines in turn."""
     from .engine.llm_engine import LLMEngine
     from .runner.model_runner import RunnerConfig
     known = {f.name for f in dataclasses.fields(RunnerConfig)}
     unknown = sorted(set(runner_options) - known)
     if unknown:
-        raise ConfigError(f"unknown engine option(s) {unknown}; known: enable_prefix_caching, {sorted(known)}")
-    loaded = load(model, progress)
+        raise ConfigError(f"unknown engine option(s) {unknown}; known: enable_prefix_caching, "
+                          f"tensor_parallel_size, {sorted(known)}")
+    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise ConfigError(f"tensor_parallel_size={tensor_parallel_size!r}: must be an integer >= 1")
     options = dict(runner_options)
-    options.setdefault("max_model_len", min(RunnerConfig().max_model_len, loaded.config.max_position_embeddings))
-    return LLMEngine(loaded, RunnerConfig(**options), enable_prefix_caching=enable_prefix_caching)
+    device = options.get("device", "cpu")
+    if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
+        raise ConfigError(f"device={device!r}: must be 'cpu' or 'cuda'")
+    if str(device).startswith("cuda"):
+        import torch
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={device!r}: CUDA is not available in this torch build")
+    if tensor_parallel_size == 1 and dist_init is None and cluster is None:
+        loaded = load(model, progress, device=device)
+        options.setdefault("max_model_len", min(RunnerConfig().max_model_len, loaded.config.max_position_embeddings))
+        return LLMEngine(loaded, RunnerConfig(**options), enable_prefix_caching=enable_prefix_caching)
+    from .parallel.launch import TPCluster, local_device
+    path = getattr(model, "path", model)  # every rank loads (and shards) the checkpoint itself
+    options["device"] = local_device(device)
+    owned = cluster is None
+    if owned:
+        cluster = TPCluster(path, tensor_parallel_size, options["device"], init_method=dist_init)
+    try:
+        loaded = cluster.loaded
+        options.setdefault("max_model_len", min(RunnerConfig().max_model_len, loaded.config.max_position_embeddings))
+        cfg = RunnerConfig(**options)
+        runner = cluster.make_runner(cfg)
+        runner.cluster = cluster if owned else None
+        return LLMEngine(loaded, cfg, enable_prefix_caching=enable_prefix_caching, runner=runner)
+    except BaseException:
+        if owned:
+            cluster.close()
+        raise
 
 
 class LLM:
     """Synchronous generation: queue every prompt, step the engine until all finish."""
 
-    def __init__(self, model=None, *, enable_prefix_caching: bool = True, progress: bool = False, **runner_options):
+    def __init__(self, model=None, *, enable_prefix_caching: bool = True, progress: bool = False,
+                 tensor_parallel_size: int = 1, **runner_options):
         self.engine = build_engine(model, enable_prefix_caching=enable_prefix_caching, progress=progress,
-                                   **runner_options)
+                                   tensor_parallel_size=tensor_parallel_size, **runner_options)
         from .engine.async_engine import EngineDriver  # here, not at import: the CLI's parser stays torch-free
         self.driver = EngineDriver(self.engine)
         self.tokenizer = self.engine.loaded.tokenizer
@@ -161,6 +201,8 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
                              "at all; the serving defaults are 32 for decode and 128 for prefill steps)")
     parser.add_argument("--json", action="store_true",
                         help='print {"text", "token_ids", "finish_reason", "microbatch": {...}} as JSON')
+    from .parallel.options import add_parallel_args
+    add_parallel_args(parser)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -171,16 +213,28 @@ def run_generate(args: argparse.Namespace) -> int:
     from .sampling_params import SamplingParams
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=seed)
-    loaded = load(args.model, progress=True)
-    split = SplitConfig(num_ubatches=args.ubatches, decode_threshold=args.split_threshold,
-                        prefill_threshold=args.split_threshold)
-    llm = LLM(loaded, split=split)
-    out = llm.generate(args.prompt, params)[0]
-    stats = dataclasses.replace(llm.stats)
-    llm.close()
-    whole = LLM(loaded, split=SplitConfig(num_ubatches=1))
-    ref = whole.generate(args.prompt, params)[0]
-    whole.close()
+    from .parallel.options import engine_options
+    opts = engine_options(args)
+    cluster = None
+    if opts["tensor_parallel_size"] > 1 or "dist_init" in opts:  # one group of ranks for both runs
+        from .parallel.launch import TPCluster, local_device
+        opts = {"device": local_device(args.device)}
+        cluster = TPCluster(args.model, args.tensor_parallel_size, opts["device"], init_method=args.dist_init)
+        opts["cluster"] = cluster
+    try:
+        loaded = load(args.model, progress=True, device=args.device) if cluster is None else args.model
+        split = SplitConfig(num_ubatches=args.ubatches, decode_threshold=args.split_threshold,
+                            prefill_threshold=args.split_threshold)
+        llm = LLM(loaded, split=split, **opts)
+        out = llm.generate(args.prompt, params)[0]
+        stats = dataclasses.replace(llm.stats)
+        llm.close()
+        whole = LLM(loaded, split=SplitConfig(num_ubatches=1), **opts)
+        ref = whole.generate(args.prompt, params)[0]
+        whole.close()
+    finally:
+        if cluster is not None:
+            cluster.close()
     same = ref.token_ids == out.token_ids
     micro = {"steps": stats.steps, "split_steps": stats.microbatched_steps, "straddling_rows": stats.straddling_rows,
              "num_ubatches": args.ubatches, "seed": seed, "identical_to_unsplit": same}

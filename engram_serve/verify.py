@@ -53,10 +53,12 @@ class Record:
 
 def run_case(loaded: LoadedModel, work: Workload, cfg: RunnerConfig, first_step_bounds: list[int] | None = None,
              max_steps: int | None = None, reuse_prefix: bool = False,
-             runner_cls: type[ModelRunner] = ModelRunner) -> Record:
+             runner_cls: type[ModelRunner] = ModelRunner, make_runner=None) -> Record:
     """Run the workload and record it. `reuse_prefix`: run it once unrecorded with prefix caching on,
-    then record a second pass whose prompts start from the cached KV blocks of the first."""
-    engine = LLMEngine(loaded, cfg, enable_prefix_caching=reuse_prefix, runner_cls=runner_cls)
+    then record a second pass whose prompts start from the cached KV blocks of the first.
+    `make_runner(cfg)` (tensor parallel): builds the runner instead, e.g. `TPCluster.make_runner`."""
+    engine = LLMEngine(loaded, cfg, enable_prefix_caching=reuse_prefix, runner_cls=runner_cls,
+                       runner=make_runner(cfg) if make_runner is not None else None)
     params = SamplingParams(max_tokens=work.gen_tokens, temperature=0.0, ignore_eos=True)
     if reuse_prefix:
         for i, p in enumerate(work.prompts):
@@ -156,25 +158,31 @@ def cases(base: RunnerConfig, first_qsl: np.ndarray) -> list[tuple[str, RunnerCo
 
 
 def verify(loaded: LoadedModel, seed: int = 0, num_requests: int = 6, gen_tokens: int = 16,
-           overrides: dict | None = None, only: str | None = None, progress=None,
-           runner_cls: type[ModelRunner] = ModelRunner) -> dict:
-    """Run every case (or those whose name contains `only`). `overrides` (RunnerConfig fields, e.g.
-    debug_ownership) and `runner_cls` (a test subclass with a protection off: a negative control) apply
-    to the compared cases, never to the unsplit baseline."""
+           overrides: dict | None = None, only: str | tuple[str, ...] | None = None, progress=None,
+           runner_cls: type[ModelRunner] = ModelRunner, make_runner=None, reference: LoadedModel | None = None,
+           device: str = "cpu") -> dict:
+    """Run every case (or those whose name contains `only`, a string or a tuple of them). `overrides`
+    (RunnerConfig fields, e.g. debug_ownership) and `runner_cls` (a test subclass with a protection off:
+    a negative control) apply to the compared cases, never to the unsplit baseline.
+
+    Tensor parallel: `make_runner` builds each case's runner on every rank (baseline included: the
+    same parallel size, unsplit); `reference` (the unsharded model) adds "vs_single_process": the
+    unsplit baseline against one process, where greedy tokens must match and |logit diff| is reported."""
     work = Workload.seeded(seed, num_requests, loaded.config.vocab_size, gen_tokens)
     total = sum(map(len, work.prompts))
     base_cfg = RunnerConfig(max_num_seqs=num_requests, max_model_len=max(map(len, work.prompts)) + gen_tokens + 1,
                             max_num_batched_tokens=total, num_blocks=num_requests * 8 + 64, block_size=16,
-                            split=SplitConfig(1))
+                            split=SplitConfig(1), device=device)
     base_cfg = dataclasses.replace(base_cfg, max_model_len=-(-base_cfg.max_model_len // 16) * 16)
-    base = run_case(loaded, work, base_cfg)
+    base = run_case(loaded, work, base_cfg, make_runner=make_runner)
     first_qsl = np.concatenate([[0], np.cumsum([len(p) for p in work.prompts])])
     rows, straddling = [], 0
-    all_cases = [c for c in cases(base_cfg, first_qsl) if only is None or only in c[0]]
+    only = (only,) if isinstance(only, str) else only
+    all_cases = [c for c in cases(base_cfg, first_qsl) if only is None or any(o in c[0] for o in only)]
     for i, (name, cfg, bounds, reuse) in enumerate(all_cases):
         cfg = dataclasses.replace(cfg, **(overrides or {}))
         rec = run_case(loaded, work, cfg, bounds, max_steps=1 if bounds else None, reuse_prefix=reuse,
-                       runner_cls=runner_cls)
+                       runner_cls=runner_cls, make_runner=make_runner)
         straddling += rec.straddling_rows
         res = compare(base, rec, work, tokens=not bounds)
         rows.append({"case": name, "steps": rec.steps, "microbatched_steps": rec.microbatched_steps,
@@ -192,4 +200,10 @@ def verify(loaded: LoadedModel, seed: int = 0, num_requests: int = 6, gen_tokens
     }
     summary["passed"] = all(summary[k] == 0 for k in ("hash_mismatches", "row_mismatches", "logit_mismatches",
                                                       "greedy_mismatches"))
+    if reference is not None:
+        single = run_case(reference, work, base_cfg)
+        res = compare(single, base, work)
+        summary["vs_single_process"] = {k: res[k] for k in ("compared_tokens", "hash_mismatches",
+                                                              "max_abs_logit_diff", "greedy_mismatches")}
+        summary["passed"] = summary["passed"] and res["hash_mismatches"] == 0 and res["greedy_mismatches"] == 0
     return summary

@@ -144,6 +144,8 @@ class AsyncLLMEngine:
         self._metrics: dict[str, float] = {}
         self._requests_total = 0
         self._closed = False
+        self.fatal_error: str | None = None  # why the engine stopped on its own (a fatal step error)
+        self.on_fatal = None  # called with that message from the engine thread (the server shuts down)
         self._ids = itertools.count()
         self._snapshot()
         self._thread = threading.Thread(target=self._run, name="engram-engine", daemon=True)
@@ -190,6 +192,11 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
 
+    def fail(self, message: str) -> None:
+        """Stop the engine on a fatal error found outside a step (e.g. a tensor-parallel worker died while
+        idle): every open request ends with `message`, then `on_fatal` runs. Thread-safe."""
+        self._cmds.put(("fatal", message))
+
     def metrics(self) -> dict[str, float]:
         """A snapshot for /metrics (taken by the engine thread after every step; rate computed now)."""
         m = dict(self._metrics)
@@ -234,13 +241,22 @@ class AsyncLLMEngine:
             except Exception as e:  # a failed step ends its requests, never the server, never a hang
                 log.exception("engine step failed")
                 deltas = driver.fail_all(f"engine step failed: {type(e).__name__}: {e}")
+                if getattr(e, "fatal", False):  # e.g. a tensor-parallel worker died: the engine cannot go on
+                    self.fatal_error = f"{type(e).__name__}: {e}"
+                    self._closed = True
+                    self._dispatch(deltas)
+                    break
             self._dispatch(deltas)
             self._snapshot()
             if not deltas and driver.has_work() and not self.engine.scheduler.num_running:
                 time.sleep(0.001)  # nothing could be scheduled this step: do not spin at full speed
-        self._dispatch(driver.fail_all("the engine was shut down"))
+        self._dispatch(driver.fail_all(self.fatal_error or "the engine was shut down"))
         self._snapshot()
-        self.engine.close()
+        try:
+            self.engine.close()
+        finally:
+            if self.fatal_error is not None and self.on_fatal is not None:
+                self.on_fatal(self.fatal_error)
 
     def _handle(self, cmd: tuple) -> bool:
         kind = cmd[0]
@@ -258,6 +274,10 @@ class AsyncLLMEngine:
             self._streams.pop(cmd[1], None)
             self.driver.abort(cmd[1])
         elif kind == "stop":
+            return True
+        elif kind == "fatal":
+            self.fatal_error = cmd[1]
+            self._closed = True
             return True
         else:
             raise ValueError(f"unknown engine command {kind!r}")

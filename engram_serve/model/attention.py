@@ -41,14 +41,15 @@ class DenseAttention:
         self.causal = (pos[None, :] <= pos[:, None])[None].expand(batch, seq, seq)  # [B, S, S]
         self.chosen: torch.Tensor | None = None
 
-    def attend(self, layer: int, q, k, v, mode: str, topk: int) -> torch.Tensor:
+    def attend(self, layer: int, q, k, v, mode: str, topk: int, head_mean=None) -> torch.Tensor:
         b, s = self.b, self.s
         heads, hd = q.shape[1], q.shape[2]
         qt, kt, vt = (x.view(b, s, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))  # [B, heads|kvh, S, hd]
         mask = self.causal
         if mode == SELECT:
             g = heads // kt.shape[1]
-            scores = torch.einsum("bhgqd,bhkd->bqk", qt.reshape(b, kt.shape[1], g, s, hd).float(), kt.float()) / heads
+            scores = torch.einsum("bhgqd,bhkd->bqk", qt.reshape(b, kt.shape[1], g, s, hd).float(), kt.float())
+            scores = scores / heads if head_mean is None else head_mean(scores)  # head-mean over every rank's heads
             self.chosen = _select_dense(scores.masked_fill(~mask, float("-inf")), topk)
         if mode in (SELECT, REUSE):
             mask = mask & self.chosen
@@ -86,7 +87,7 @@ class PagedAttention:
         self.ctx.touch("topk_idx", view)
         return view
 
-    def attend(self, layer: int, q, k, v, mode: str, topk: int) -> torch.Tensor:
+    def attend(self, layer: int, q, k, v, mode: str, topk: int, head_mean=None) -> torch.Tensor:
         kv = self.ctx.kv
         kv.write(layer, self.ctx.batch.slot_mapping, k, v)  # this microbatch's keys first: a row attends to itself
         kc, vc = kv.layer(layer)
@@ -95,7 +96,7 @@ class PagedAttention:
             bad = ~torch.isfinite(v).view(v.shape[0], -1).all(-1)  # [T]: cheap, on this step's values only
             return attend_full(plan, q, kc, vc, bad)
         if mode == SELECT:
-            self._topk_buf(topk).copy_(select_keys(plan, q, kc, topk))
+            self._topk_buf(topk).copy_(select_keys(plan, q, kc, topk, head_mean))
         return attend_selected(plan, q, kc, vc, self._topk_buf(topk))
 
 
@@ -107,6 +108,7 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim)
         self.v_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim)
         self.o_proj = Linear(self.heads * self.head_dim, cfg.hidden_size)
+        self.head_mean = None  # tensor parallel: set by parallel.shard (q.k mean over every rank's heads)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend, layer: int,
                 mode: str = FULL, topk: int = 0) -> torch.Tensor:
@@ -114,4 +116,4 @@ class Attention(nn.Module):
         q = apply_rotary(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
         k = apply_rotary(self.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
-        return self.o_proj(backend.attend(layer, q, k, v, mode, topk))
+        return self.o_proj(backend.attend(layer, q, k, v, mode, topk, self.head_mean))

@@ -197,9 +197,12 @@ def attend_full(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_c
     return out[:t].reshape(t, heads * hd)
 
 
-def select_keys(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, topk: int) -> torch.Tensor:
+def select_keys(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, topk: int,
+                head_mean=None) -> torch.Tensor:
     """[T, topk] int64: each query's `topk` visible key positions with the highest head-mean q.k,
-    best first (ties: lower position first), -1 padded (all -1 for padding tokens)."""
+    best first (ties: lower position first), -1 padded (all -1 for padding tokens). `head_mean`
+    (tensor parallel): turns this rank's sum over its own heads into the mean over every rank's heads
+    (an elementwise cross-rank sum, one per group: the plan is the same on every rank)."""
     t, heads, hd = q.shape
     kvh = k_cache.shape[1]
     g = heads // kvh
@@ -212,7 +215,8 @@ def select_keys(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, top
         k = _gather(k_cache, grp.slots)
         qg = _pair_queries(grp, q, kvh)
         raw = torch.stack([_head_scores(qg, k, j).view(p_, w, g, KC) for j in range(kvh)], 2)  # [P, W, kvh, g, KC]
-        score = raw.view(p_, w, heads, KC).sum(2) / heads
+        score = raw.view(p_, w, heads, KC).sum(2)
+        score = score / heads if head_mean is None else head_mean(score)
         score = score.masked_fill(~grp.visible, NEG_INF)  # [P, W, KC]
         top, order = score.sort(dim=-1, descending=True, stable=True)  # ties: lower position first
         tops.append(top[..., :kk].reshape(-1))

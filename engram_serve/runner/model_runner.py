@@ -18,7 +18,7 @@ from ..engram.hashing import hash_step
 from ..inputs.batch import StepBatch
 from ..inputs.static import StaticInputPool
 from ..inputs.step import build_step
-from ..inputs.ubatch import SplitConfig, padded_sizes, plan_split, split_batch
+from ..inputs.ubatch import SplitConfig, plan_split, split_batch
 from ..model.context import ForwardContext, UbatchBuffers
 from ..model.kv_cache import KVCache
 from ..model.layers import batch_invariant
@@ -100,6 +100,8 @@ class ModelRunner:
             self.graphs = CudaGraphs(self.model, cfg.max_blocks_per_seq * cfg.block_size)
         self.tracker = OwnershipTracker() if cfg.debug_ownership else None
         self._gather_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-gather")
+        # CUDA: the Engram host-to-device copies run on their own stream, ordered by events
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def allocate_buffers(self, capacity: int) -> list[UbatchBuffers]:
         """One set of buffers per microbatch, each its own (spec §5)."""
@@ -133,7 +135,7 @@ class ModelRunner:
         ubs = split_batch(batch, bounds, self.rebuild_history)
         real = [u.num_tokens for u in ubs]
         if self.static is not None:
-            sizes = padded_sizes(bounds, self.static.padded_size(batch.num_tokens))
+            sizes = self.static.part_sizes(bounds)  # bounded set of (microbatch, padded size) keys
             ubs = [self.static.get(k, s, u).refresh(u, pad=self.neutral_padding)
                    for k, (s, u) in enumerate(zip(sizes, ubs))]
         if self.tracker is not None:
@@ -147,7 +149,11 @@ class ModelRunner:
             if self.tracker is not None:
                 self.tracker.touch("staging", staging, k)
                 self.tracker.touch("hash_ids", u.hash_ids, k)
-            futures.append(self._gather_pool.submit(self._stage_rows, u.hash_ids, staging, real[k]))
+            ready = None
+            if self.copy_stream is not None:  # the copy stream waits for this microbatch's hash ids
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.device))
+            futures.append(self._gather_pool.submit(self._stage_rows, u.hash_ids, staging, real[k], ready))
             ctxs.append(ForwardContext(u, self.kv, bufs, self._rows_fn(futures[-1], staging), self.tracker))
         try:
             with batch_invariant(self.cfg.exact):
@@ -160,7 +166,7 @@ class ModelRunner:
         straddling = int(np.isin(bounds[1:-1], batch.qsl_host, invert=True).sum())  # cuts inside a row
         out = StepOutput(logits, bounds, straddling)
         if record:
-            out.staged = torch.cat([f.result()[:, :n] for f, n in zip(futures, real)], dim=1)
+            out.staged = torch.cat([self._staged(f)[:, :n] for f, n in zip(futures, real)], dim=1)
             out.hash_ids = torch.cat([u.hash_ids[:n] for u, n in zip(ubs, real)])
         return out
 
@@ -168,22 +174,41 @@ class ModelRunner:
         """Hidden states [T_k, hidden] of every microbatch: graph replays, or the interleaved stages."""
         if self.graphs is not None and self.decode_only(batch):
             for f in futures:
-                f.result()  # staged rows are in place before a replay reads them
+                self._staged(f)  # staged rows are in place before a replay reads them
             return [self.graphs.forward(c) for c in ctxs]  # replays in microbatch order
         return run_interleaved([self.model.stages(c) for c in ctxs])
 
-    def _stage_rows(self, hash_ids: torch.Tensor, staging: torch.Tensor, real: int) -> torch.Tensor:
-        """Gather the real tokens' rows; zero the padding rows (fresh every step)."""
-        self.loaded.tables.gather(hash_ids[:real], staging[:, :real])
-        staging[:, real:].zero_()
-        return staging
+    def _stage_rows(self, hash_ids: torch.Tensor, staging: torch.Tensor, real: int, ready=None) -> torch.Tensor:
+        """Gather the real tokens' rows; zero the padding rows (fresh every step). On CUDA the copies run
+        on `copy_stream` after the event `ready` (the hash ids, and every earlier use of the buffer, are
+        done) and the result is [staging, event]: `_staged` makes the compute stream wait on that event."""
+        if self.copy_stream is None:
+            self.loaded.tables.gather(hash_ids[:real], staging[:, :real])
+            staging[:, real:].zero_()
+            return staging
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(ready)
+            self.loaded.tables.gather(hash_ids[:real], staging[:, :real])
+            staging[:, real:].zero_()
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        return [staging, done]
 
-    @staticmethod
-    def _rows_fn(future: Future, staging: torch.Tensor):
+    def _rows_fn(self, future: Future, staging: torch.Tensor):
         def rows(i: int) -> torch.Tensor:
-            future.result()  # wait for this microbatch's gather (already running on the worker)
+            self._staged(future)  # wait for this microbatch's gather (already running on the worker)
             return staging[i]  # [T_k, C, hd]
         return rows
+
+    def _staged(self, future: Future) -> torch.Tensor:
+        """The staging buffer once its gather is done; on CUDA the compute stream waits for the copy event."""
+        out = future.result()
+        if isinstance(out, list):  # CUDA: [staging, copy event]; wait once (never inside a graph capture)
+            if out[1] is not None:
+                torch.cuda.current_stream(self.device).wait_event(out[1])
+                out[1] = None
+            out = out[0]
+        return out
 
     def close(self) -> None:
         self._gather_pool.shutdown(wait=True, cancel_futures=True)

@@ -16,6 +16,7 @@ A client that disconnects has its request aborted (KV blocks and history freed).
 import argparse
 import asyncio
 import json
+import logging
 import re
 import socket
 import threading
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator
 
 from ..errors import InvalidRequest
+
+log = logging.getLogger("engram_serve.server")
 
 if TYPE_CHECKING:  # fastapi, pydantic and torch load in the functions, so the CLI parser stays light
     from fastapi import FastAPI
@@ -433,8 +436,25 @@ def serve(model_path: str | Path | None = None, host: str = "127.0.0.1", port: i
     from ..llm import build_engine
     engine = build_engine(model_path, enable_prefix_caching=enable_prefix_caching, progress=True, **runner_options)
     name = model_name or f"engram-{engine.loaded.path.name}"
-    app = build_app(AsyncLLMEngine(engine), name, own_engine=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    async_engine = AsyncLLMEngine(engine)
+    app = build_app(async_engine, name, own_engine=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=5))
+
+    def fatal(message: str) -> None:  # engine thread: e.g. a tensor-parallel worker died
+        log.error("engine stopped: %s; shutting the server down", message)
+        server.should_exit = True
+    async_engine.on_fatal = fatal
+    cluster = getattr(engine.runner, "cluster", None)
+    if cluster is not None:  # a worker that dies while the server is idle stops it too
+        cluster.on_death = async_engine.fail
+    try:
+        server.run()
+    finally:
+        async_engine.shutdown()
+    if async_engine.fatal_error is not None:
+        from ..errors import EngineFailed
+        raise EngineFailed(f"the server shut down: {async_engine.fatal_error}")
 
 
 # ---- CLI: engram-serve serve --------------------------------------------------------------------------
@@ -461,10 +481,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="requests in the running batch at most (default 64)")
     parser.add_argument("--ubatches", type=positive_int, default=2, metavar="N",
                         help="microbatches per large step (default 2: dual-batch overlap; 1 = off)")
+    from ..parallel.options import add_parallel_args
+    add_parallel_args(parser)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from ..inputs.ubatch import SplitConfig
+    from ..parallel.options import engine_options
     serve(args.model, args.host, args.port, model_name=args.model_name, max_num_seqs=args.max_num_seqs,
-          split=SplitConfig(num_ubatches=args.ubatches))
+          split=SplitConfig(num_ubatches=args.ubatches), **engine_options(args))
     return 0

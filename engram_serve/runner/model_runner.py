@@ -18,6 +18,7 @@ from ..engram.hashing import hash_step
 from ..inputs.batch import StepBatch
 from ..inputs.static import StaticInputPool
 from ..inputs.step import build_step
+from ..inputs.step_state import StepState
 from ..inputs.ubatch import SplitConfig, padded_sizes, plan_split, split_batch
 from ..model.context import ForwardContext, UbatchBuffers
 from ..model.kv_cache import KVCache
@@ -83,6 +84,8 @@ class ModelRunner:
         self.kv = KVCache.for_config(mcfg, cfg.num_blocks, cfg.block_size, device=self.device)
         from ..inputs.token_store import TokenStore
         self.store = TokenStore(cfg.max_num_seqs, cfg.max_model_len, self.device)
+        self.state = StepState(cfg.max_num_seqs, cfg.max_blocks_per_seq, self.device,
+                               pack_capacity=5 * cfg.max_num_seqs + 1 + cfg.max_num_batched_tokens)
         cap = max(cfg.graph_sizes) if cfg.graph_sizes else cfg.max_num_batched_tokens
         self.bufs = [UbatchBuffers.allocate(mcfg, k, cap, self.device) for k in range(cfg.split.num_ubatches)]
         if cfg.share_staging:
@@ -100,9 +103,16 @@ class ModelRunner:
         self._gather_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-gather")
 
     # ---- preparation ------------------------------------------------------------------------
-    def build(self, slots: np.ndarray, num_computed: np.ndarray, num_new: np.ndarray, block_tables: np.ndarray,
-              sample: np.ndarray) -> StepBatch:
-        """The step batch; block_tables [R, <=max_blocks_per_seq] are padded to the fixed width."""
+    def build(self, slots: np.ndarray, num_computed: np.ndarray, num_new: np.ndarray,
+              block_tables: np.ndarray | None = None, sample: np.ndarray | None = None) -> StepBatch:
+        """The step batch. `block_tables` None (the engine): the rows of the persistent `self.state`,
+        which the caller keeps in sync; graph mode gathers them at the fixed width max_blocks_per_seq,
+        eager mode at the width this step needs. An explicit array [R, <=max_blocks_per_seq] (tests,
+        benchmarks) is padded to the fixed width."""
+        if block_tables is None:
+            width = self.cfg.max_blocks_per_seq if self.static is not None else None
+            return build_step(self.store, slots, num_computed, num_new, self.state, self.cfg.block_size,
+                              self.history_len, sample, table_width=width)
         width = self.cfg.max_blocks_per_seq
         tables = np.full((len(slots), width), -1, dtype=np.int64)
         tables[:, : block_tables.shape[1]] = block_tables

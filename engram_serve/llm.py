@@ -173,7 +173,7 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=seed)
     loaded = load(args.model, progress=True)
     split = SplitConfig(num_ubatches=args.ubatches, decode_threshold=args.split_threshold,
-                        prefill_threshold=args.split_threshold)
+                        prefill_threshold=args.split_threshold, when="always")  # a demonstration: cut
     llm = LLM(loaded, split=split)
     out = llm.generate(args.prompt, params)[0]
     stats = dataclasses.replace(llm.stats)

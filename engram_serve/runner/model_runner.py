@@ -8,6 +8,7 @@ microbatches' stage generators; logits are computed once over the merged step's 
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -101,6 +102,11 @@ class ModelRunner:
             self.graphs = CudaGraphs(self.model, cfg.max_blocks_per_seq * cfg.block_size)
         self.tracker = OwnershipTracker() if cfg.debug_ownership else None
         self._gather_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-gather")
+        # planning (plan / hideable_ms): what a cut could hide
+        self.collectives = False  # True where each layer launches a collective (tensor/expert parallelism)
+        tabs = loaded.tables.tables
+        self._tables_off_device = bool(tabs) and tabs[0].device != self.device
+        self._gather_ms_per_token = 0.0  # moving average over recent steps, measured in _stage_rows
 
     # ---- preparation ------------------------------------------------------------------------
     def build(self, slots: np.ndarray, num_computed: np.ndarray, num_new: np.ndarray,
@@ -123,8 +129,18 @@ class ModelRunner:
     def decode_only(batch: StepBatch) -> bool:
         return bool((np.diff(batch.qsl_host) == 1).all())
 
+    def hideable_ms(self, num_tokens: int) -> float:
+        """What cutting a step of `num_tokens` tokens could hide behind another microbatch's compute:
+        unbounded with collectives (tensor/expert parallelism sets `collectives`) or with Engram tables in
+        host memory feeding a device; otherwise the Engram gather time measured on recent steps."""
+        if self.collectives or self._tables_off_device:
+            return float("inf")
+        return self._gather_ms_per_token * num_tokens
+
     def plan(self, batch: StepBatch, split: SplitConfig | None = None) -> list[int]:
-        return plan_split(batch.qsl_host, split or self.cfg.split, self.decode_only(batch))
+        """The step's cut. Under SplitConfig.when="overlap" only a step with something to hide is cut."""
+        return plan_split(batch.qsl_host, split or self.cfg.split, self.decode_only(batch),
+                          self.hideable_ms(batch.num_tokens))
 
     # ---- execution --------------------------------------------------------------------------
     def execute(self, batch: StepBatch, bounds: list[int] | None = None, record: bool = False) -> StepOutput:
@@ -173,7 +189,10 @@ class ModelRunner:
 
     def _stage_rows(self, hash_ids: torch.Tensor, staging: torch.Tensor, real: int) -> torch.Tensor:
         """Gather the real tokens' rows; zero the padding rows (fresh every step)."""
+        t0 = time.perf_counter()
         self.loaded.tables.gather(hash_ids[:real], staging[:, :real])
+        if real:  # a plain float written by this worker only, read by the planner
+            self._gather_ms_per_token += 0.25 * ((time.perf_counter() - t0) * 1e3 / real - self._gather_ms_per_token)
         staging[:, real:].zero_()
         return staging
 

@@ -148,6 +148,9 @@ def slice_batch(batch: StepBatch, t0: int, t1: int, rebuild_history: bool = True
 
 
 def split_batch(batch: StepBatch, bounds: list[int], rebuild_history: bool = True) -> list[StepBatch]:
+    """The microbatches of `bounds`; a whole step ([0, T]) is the batch itself (every rule is the identity)."""
+    if len(bounds) == 2 and bounds[0] == 0 and bounds[1] == batch.num_tokens:
+        return [batch]
     return [slice_batch(batch, a, b, rebuild_history) for a, b in zip(bounds, bounds[1:])]
 
 

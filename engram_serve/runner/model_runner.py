@@ -166,7 +166,11 @@ class ModelRunner:
             if self.tracker is not None:
                 self.tracker.touch("staging", staging, k)
                 self.tracker.touch("hash_ids", u.hash_ids, k)
-            futures.append(self._gather_pool.submit(self._stage_rows, u.hash_ids, staging, real[k]))
+            if len(ubs) > 1 or self._tables_off_device:  # overlap the gather with another microbatch's compute
+                futures.append(self._gather_pool.submit(self._stage_rows, u.hash_ids, staging, real[k]))
+            else:  # a whole step with host tables: nothing to overlap, a thread handoff would only cost
+                futures.append(Future())
+                futures[-1].set_result(self._stage_rows(u.hash_ids, staging, real[k]))
             ctxs.append(ForwardContext(u, self.kv, bufs, self._rows_fn(futures[-1], staging), self.tracker))
         try:
             if self.graphs is not None and self.decode_only(batch):

@@ -15,8 +15,8 @@ followed by `clear` would be caught there, not silently served from stale blocks
 
 Row fields. A step's per-row and per-token host arrays are packed into one int64 array and moved with
 ONE copy (`upload`): pinned and non-blocking on CUDA, zero-copy on CPU. The pinned staging buffer is
-reused every step; that is safe because a step ends with a host read of its sampled tokens, so the
-previous step's copy has completed before the next one is written.
+reused every step: before it is rewritten, the event recorded after the previous copy is waited on
+(a step ends with a host read of its sampled tokens anyway, so that wait is normally free).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class StepState:
         self.count = np.zeros(max_slots, dtype=np.int64)  # entries set in each row
         self._ends = [(-1, -1)] * max_slots  # (first, last) block id of each synced row, for the O(1) check
         self._pending: list[tuple[int, int, list[int]]] = []  # (slot, first column, block ids) to write
-        self._pinned = None
+        self._pinned, self._copied = None, None
         if self.device.type == "cuda" and pack_capacity:
             self._pinned = torch.empty(pack_capacity, dtype=torch.int64, pin_memory=True)
 
@@ -69,7 +69,7 @@ class StepState:
         upd[1] = starts + np.arange(upd.shape[1]) - np.repeat(np.cumsum(sizes) - sizes, sizes)
         upd[2] = np.concatenate([ids for _, _, ids in self._pending])
         self._pending.clear()
-        u = self.upload(upd.reshape(-1)).view(3, -1)
+        u = self._to_device(upd.reshape(-1)).view(3, -1)
         self.tables[u[0], u[1]] = u[2]
 
     def rows(self, slots: torch.Tensor, width: int) -> torch.Tensor:
@@ -78,16 +78,25 @@ class StepState:
         return self.tables[:, :width].index_select(0, slots)
 
     # ---- the step's one copy ------------------------------------------------------------------
+    def _to_device(self, host: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(host)
+        return t if self.device.type == "cpu" else t.pin_memory().to(self.device, non_blocking=True)
+
     def upload(self, host: np.ndarray) -> torch.Tensor:
         """One int64 host array -> the device: zero-copy on CPU, one pinned non-blocking copy on CUDA."""
         t = torch.from_numpy(np.ascontiguousarray(host, dtype=np.int64))
         if self.device.type == "cpu":
             return t
         if self._pinned is not None and t.numel() <= self._pinned.numel():
+            if self._copied is not None:
+                self._copied.synchronize()  # the previous copy has read the staging buffer (normally long done)
             staged = self._pinned[: t.numel()]
             staged.copy_(t)
-            return staged.to(self.device, non_blocking=True)
-        return t.pin_memory().to(self.device, non_blocking=True)
+            out = staged.to(self.device, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+            return out
+        return t.pin_memory().to(self.device, non_blocking=True)  # a fresh pinned tensor (updates, big steps)
 
     def check(self, slot: int, block_ids: list[int]) -> None:
         """Raise AssertionError unless the device row of `slot` is exactly `block_ids` then nulls (tests)."""

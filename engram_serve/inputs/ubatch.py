@@ -48,7 +48,9 @@ class SplitConfig:
     prefill_threshold: int = 128  # a step with prefill tokens and fewer tokens than this is not split
     max_imbalance: float = 0.25  # "requests": |size - ideal| / ideal allowed for a boundary cut
     when: str = "overlap"
-    min_hidden_ms: float = 1.0  # "overlap": the least hideable time per step that is worth a cut
+    # "overlap": the least hideable time per step worth a cut. A cut costs a second forward's fixed
+    # per-operator overhead (about 3-5 ms for the built-in model on one CPU core), so less is not worth it.
+    min_hidden_ms: float = 5.0
 
     def __post_init__(self) -> None:
         if self.num_ubatches < 1:

@@ -12,9 +12,11 @@ Workload, end to end (prefill included): B prompts of 64 random token ids, 32 gr
   index selection) through `LLMEngine` (the engine under `LLM`), prefix caching off, greedy, with
   dual-batch overlap off (`SplitConfig(1)`) and on (`SplitConfig(2)`: the planner cuts a step only
   when a cut hides something). Token ids out, as for the peers (no detokenisation on either side).
-Each candidate runs in its own fresh process (common.measure): a warm-up call, then at least
---min-repeats timed calls; tokens/s = B x 32 / median call time. Needs the `bench` extras:
-`pip install -e '.[bench]'` (ctranslate2, transformers).
+Each candidate lives in its own process (spawned fresh, one torch/CTranslate2 thread, a warm-up
+call). Timed calls then alternate between the candidates, round by round with the order rotated, so
+that a change in machine load hits every candidate alike; only one candidate runs at a time.
+tokens/s = B x 32 / median call time; the spread is min..max over the rounds. Needs the `bench`
+extras: `pip install -e '.[bench]'` (ctranslate2, transformers).
 """
 from __future__ import annotations
 
@@ -33,8 +35,8 @@ CANDIDATES = ("ct2", "hf", "engram_off", "engram_on")
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=common.positive_int_list, default=[1, 32, 128], metavar="B,...",
                         help="prompts per call (default 1,32,128)")
-    parser.add_argument("--min-repeats", type=common.positive_int, default=3, metavar="N",
-                        help="timed calls per candidate and size, at least (default 3)")
+    parser.add_argument("--rounds", type=common.positive_int, default=5, metavar="N",
+                        help="timed calls per candidate and size, alternating between candidates (default 5)")
     parser.add_argument("--candidates", default=",".join(CANDIDATES), help="comma-separated: " + ", ".join(CANDIDATES))
 
 
@@ -145,7 +147,28 @@ def setup(candidate: str, batch: int):
     return call
 
 
+_WORKER: dict = {}
+
+
+def _worker_setup(candidate: str, batch: int, threads: int) -> None:
+    """In the candidate's own process: build it and make one untimed warm-up call."""
+    import torch
+    torch.set_num_threads(threads)
+    _WORKER["fn"] = setup(candidate, batch)
+    _WORKER["fn"]()
+
+
+def _worker_call() -> float:
+    import time
+    t0 = time.perf_counter()
+    _WORKER["fn"]()
+    return time.perf_counter() - t0
+
+
 def run(args: argparse.Namespace) -> list[dict]:
+    import multiprocessing
+    import statistics
+    from concurrent.futures import ProcessPoolExecutor
     missing = missing_extras()
     if missing:
         from ..errors import ConfigError
@@ -157,16 +180,30 @@ def run(args: argparse.Namespace) -> list[dict]:
         raise ValueError(f"--candidates: unknown {bad}; choose from {list(CANDIDATES)}")
     rows = []
     for b in args.batch:
-        row: dict = {"batch": b, "tokens_per_call": b * NEW}
+        pools = {c: ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) for c in cands}
+        try:
+            for c in cands:  # one at a time: a setup never competes with another candidate
+                pools[c].submit(_worker_setup, c, b, args.threads).result()
+            times: dict[str, list[float]] = {c: [] for c in cands}
+            for r in range(args.rounds):
+                for c in cands[r % len(cands):] + cands[:r % len(cands)]:
+                    times[c].append(pools[c].submit(_worker_call).result())
+        finally:
+            for pool in pools.values():
+                pool.shutdown(cancel_futures=True)
+        row: dict = {"batch": b, "tokens_per_call": b * NEW, "rounds": args.rounds}
         for c in cands:
-            t = common.measure(setup, dict(candidate=c, batch=b), min_repeats=args.min_repeats,
-                               max_repeats=max(args.min_repeats, 5), **common.timing_kwargs(args))
-            row[f"{c}_tok_s"] = b * NEW / t["median_ms"] * 1e3
-            row[f"{c}_p90_ms"] = t["p90_ms"]
+            t = times[c]
+            row[f"{c}_tok_s"] = b * NEW / statistics.median(t)
+            row[f"{c}_tok_s_min"] = b * NEW / max(t)
+            row[f"{c}_tok_s_max"] = b * NEW / min(t)
         for mine in ("engram_off", "engram_on"):
             for peer in ("ct2", "hf"):
-                if f"{mine}_tok_s" in row and f"{peer}_tok_s" in row:
+                if mine in cands and peer in cands:
+                    # ratio of medians, and its spread: the median of the per-round ratios
                     row[f"{mine}_over_{peer}"] = row[f"{mine}_tok_s"] / row[f"{peer}_tok_s"]
+                    row[f"{mine}_over_{peer}_round_median"] = statistics.median(
+                        p / m for m, p in zip(times[mine], times[peer]))
         row["threads"] = args.threads
         rows.append(row)
     return rows

@@ -93,7 +93,7 @@ def test_rotary_equals_the_textbook_rotate_half():
     assert torch.equal(apply_rotary(x, *rotary_cos_sin(pos, 16, 10000.0)), want)
 
 
-def test_small_calls_differ_without_the_row_padding_rule(monkeypatch):
+def test_small_calls_differ_without_the_row_padding_rule():
     """Negative control for `linear`'s rule: with MIN_ROWS = 1 a row computed alone differs from the same
     row in a bigger call (MKL's small-M kernels), so the padding is what makes rows batch-invariant."""
     g = torch.Generator().manual_seed(0)
@@ -104,8 +104,8 @@ def test_small_calls_differ_without_the_row_padding_rule(monkeypatch):
         whole = layers.linear(x, w)
         return sum(not torch.equal(layers.linear(x[i:i + 1], w), whole[i:i + 1]) for i in range(16))
     assert mismatches() == 0
-    monkeypatch.setattr(layers, "MIN_ROWS", 1)
-    assert mismatches() > 0
+    with layers.batch_invariant(False):
+        assert mismatches() > 0
 
 
 def test_fused_weights_keep_the_checkpoint_names():
@@ -125,10 +125,9 @@ def test_fused_weights_keep_the_checkpoint_names():
         assert torch.allclose(mlp2(x), (F.silu(x @ g.T) * (x @ u.T)) @ d.T, atol=1e-6)
 
 
-def test_gate_rows_differ_without_the_sigmoid_padding(monkeypatch):
-    """Negative control: without padding each row to SIGMOID_WIDTH columns, a row's gate depends on how
-    many rows share the call (sigmoid's vectorised body and scalar tail round differently)."""
-    from engram_serve.engram import layer as engram_layer
+def test_gate_rows_differ_without_the_pointwise_rule():
+    """Negative control: with the batch-invariance rules off (`pointwise` no longer pads sigmoid's input,
+    `linear` no longer pads small calls), a row's gate depends on how many rows share the call."""
     g = torch.Generator().manual_seed(20)
     h, rows = torch.randn(64, 2, 32, generator=g), torch.randn(64, 6, 8, generator=g) * 4
     gate = _init(EngramGate(32, 2, 6, 8, 1e-6))
@@ -138,5 +137,5 @@ def test_gate_rows_differ_without_the_sigmoid_padding(monkeypatch):
             whole = gate(h, rows)
             return sum(not torch.equal(gate(h[:k], rows[:k]), whole[:k]) for k in range(1, 65))
     assert mismatches() == 0
-    monkeypatch.setattr(engram_layer, "SIGMOID_WIDTH", 1)
-    assert mismatches() > 0
+    with layers.batch_invariant(False):
+        assert mismatches() > 0

@@ -13,15 +13,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..model.layers import Linear, rms_norm
-
-
-# Rows of a width that is a multiple of every CPU vector loop's step (2 x 16 floats with AVX-512): an
-# elementwise op over [T, SIGMOID_WIDTH] has no scalar tail, whatever T (one intra-op thread chunk).
-SIGMOID_WIDTH = 32
+from ..model.layers import Linear, pointwise, rms_norm
 
 
 class EngramGate(nn.Module):
@@ -47,10 +41,7 @@ class EngramGate(nn.Module):
         q = rms_norm(h.float() if h.dtype != torch.float32 else h, self.eps, self.q_w)  # [T, hc, hidden] float32
         k = rms_norm(keys.float() if keys.dtype != torch.float32 else keys, self.eps, self.k_w)
         dot = (q * k).sum(-1) / math.sqrt(self.hidden)  # [T, hc]
-        z = torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=1e-6))  # [T, hc]: correctly rounded ops only
-        # sigmoid is vectorised with a scalar tail whose bits differ, and a row's elements would fall in the
-        # tail or not depending on T: padded to SIGMOID_WIDTH columns, every element takes the vector path
-        g = torch.sigmoid(F.pad(z, (0, -self.hc_mult % SIGMOID_WIDTH)))[:, :self.hc_mult]
+        g = pointwise(torch.sigmoid, torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=1e-6)))
         if dead is not None:
             g = g.masked_fill(dead[:, None], 0.0)
         return (g if g.dtype == h.dtype else g.to(h.dtype)), value

@@ -6,6 +6,7 @@ the paged (serving) path and the dense (training/reference) path run the very sa
 from __future__ import annotations
 
 from collections.abc import Generator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,19 @@ from .context import MOE_COMBINE, MOE_DISPATCH, ForwardContext
 # a call of fewer than MIN_ROWS rows with zero rows. From MIN_ROWS rows on, a row's result does not
 # depend on the row count or its place in the call (tests/test_batch_invariance.py sweeps this).
 MIN_ROWS = 4
+_exact = True  # the batch-invariance rules of this module are on; `batch_invariant(False)` turns them off
+
+
+@contextmanager
+def batch_invariant(enabled: bool):
+    """Run the block with the batch-invariance rules (MIN_ROWS, VEC_PAD) on or off. Off is the fastest
+    non-exact configuration (benchmarks) and the negative control of the bit-exactness tests."""
+    global _exact
+    before, _exact = _exact, enabled
+    try:
+        yield
+    finally:
+        _exact = before
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -30,8 +44,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     device sync); a 2-D input needs no reshape. Fewer operators, same bits as padding with a cat."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     n = x2.shape[0]
-    y = F.linear(x2, weight) if n >= MIN_ROWS else F.linear(F.pad(x2, (0, 0, 0, MIN_ROWS - n)), weight)[:n]
+    y = (F.linear(x2, weight) if n >= MIN_ROWS or not _exact
+         else F.linear(F.pad(x2, (0, 0, 0, MIN_ROWS - n)), weight)[:n])
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
+
+
+# Batch invariance of elementwise ops. torch's CPU loops run the vectorised form of an op over whole
+# vectors and a scalar form over the tail of the call, and for sigmoid and silu the two differ in the
+# last bit. Rule: `pointwise` pads the flat input to a multiple of VEC_PAD elements, so every element
+# takes the vectorised path whatever the call's size (with one intra-op thread; see README).
+VEC_PAD = 64
+
+
+def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for an elementwise fn, computed on the vectorised path for every element (rule above)."""
+    n = x.numel()
+    if not _exact or (n % VEC_PAD == 0 and x.is_contiguous()):
+        return fn(x)
+    return fn(F.pad(x.reshape(-1), (0, (-n) % VEC_PAD)))[:n].view(x.shape)
 
 
 class Linear(nn.Linear):
@@ -124,7 +154,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = linear(x, self.gate_up.view(2 * self.intermediate, self.hidden))  # [N, 2I]
-        return self.down_proj(F.silu(gu[:, :self.intermediate]) * gu[:, self.intermediate:])
+        return self.down_proj(pointwise(F.silu, gu[:, :self.intermediate]) * gu[:, self.intermediate:])
 
 
 # Dense MoE evaluation costs num_experts / top_k times the routed compute; up to this ratio it runs
@@ -173,7 +203,7 @@ class MoE(nn.Module):
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gu = linear(x, self.w_in[e].view(2 * self.intermediate, self.hidden))  # [n, 2I]
-        return linear(F.silu(gu[:, :self.intermediate]) * gu[:, self.intermediate:], self.w_out[:, e])
+        return linear(pointwise(F.silu, gu[:, :self.intermediate]) * gu[:, self.intermediate:], self.w_out[:, e])
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert ids [N, k] int64 and renormalised weights [N, k] float32."""
@@ -215,7 +245,7 @@ class MoE(nn.Module):
         if ys is not None:
             ctx.touch(MOE_DISPATCH, xs)  # read after the yield
         gu = linear(xs, self.w_in.view(e * 2 * i, self.hidden)).view(n, e, 2, i)  # every expert, one matmul
-        act = F.silu(gu[:, :, 0]) * gu[:, :, 1] * dense_w[:, :, None]  # [N, E, I], 0 for experts not chosen
+        act = pointwise(F.silu, gu[:, :, 0]) * gu[:, :, 1] * dense_w[:, :, None]  # [N, E, I], 0 for experts not chosen
         y = linear(act.view(n, e * i), self.w_out.view(self.hidden, e * i))  # [N, H]: experts summed per row
         if ys is not None:
             ys.copy_(y)

@@ -101,8 +101,9 @@ def trial(loaded, alone, seed: int, kind: str) -> list[str]:
     kv = engine.runner.kv
     bad = float(rng.choice([np.nan, np.inf, -np.inf]))
     if kind == "padding":
-        kv._k[:, kv.trash_slot] = bad
-        kv._v[:, kv.trash_slot] = bad
+        for layer in range(kv.num_layers):
+            for pool in kv.layer(layer):
+                pool[:, kv.trash_slot] = bad
         kv.k[:] = bad  # every block is unallocated now: what a request reads of them must be its own writes
         kv.v[:] = bad
     poisoned = None

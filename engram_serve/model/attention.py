@@ -20,7 +20,7 @@ from ..config import ModelConfig
 from ..errors import StaticBufferError
 from .context import ForwardContext
 from .layers import Linear, apply_rotary
-from .paged_attention import AttentionPlan, attend_full, attend_selected, select_keys
+from .paged_attention import AttentionPlan, attend_full, attend_selected, select_keys, visibility
 
 FULL, SELECT, REUSE = "full", "select", "reuse"
 
@@ -69,6 +69,7 @@ class PagedAttention:
             self.plan = AttentionPlan.build_static(ctx.batch, ctx.kv.zero_slot, ctx.max_seq_len)
         else:
             self.plan = AttentionPlan.build(ctx.batch, ctx.kv.zero_slot, self.read_past)
+        self._visible: torch.Tensor | None = None
 
     def _topk_buf(self, topk: int) -> torch.Tensor:
         n, buf = self.plan.num_real, self.ctx.bufs.topk_idx
@@ -84,12 +85,13 @@ class PagedAttention:
         kv, plan = self.ctx.kv, self.plan
         kv.write(layer, self.ctx.batch.slot_mapping, k, v)  # this microbatch's keys first: a row attends to itself
         kc, vc = kv.layer(layer)
-        kvh = k.shape[1]
+        if self._visible is None:  # laid out like the scores once per forward, shared by every layer
+            self._visible = visibility(plan, k.shape[1], q.shape[1] // k.shape[1])
         if mode == FULL:
-            return attend_full(plan, q, kc, vc, kvh)
+            return attend_full(plan, q, kc, vc, self._visible)
         if mode == SELECT:
-            self._topk_buf(topk).copy_(select_keys(plan, q, kc, kvh, topk))
-        return attend_selected(plan, q, kc, vc, kvh, self._topk_buf(topk))
+            self._topk_buf(topk).copy_(select_keys(plan, q, kc, topk))
+        return attend_selected(plan, q, kc, vc, self._topk_buf(topk))
 
 
 class Attention(nn.Module):

@@ -127,72 +127,86 @@ class AttentionPlan:
         return cls(t, t, t, tok * QT + pos % QT, row, pair_tile, slots, kpos, visible, tables, bs, zero_slot)
 
 
-def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [..., M, K] @ b [..., K, N] as one bmm over contiguous 3-D operands (the fixed-layout rule)."""
-    lead = a.shape[:-2]
-    out = torch.bmm(a.reshape(-1, *a.shape[-2:]).contiguous(), b.reshape(-1, *b.shape[-2:]).contiguous())
-    return out.view(*lead, a.shape[-2], b.shape[-1])
-
-
 def _softmax_parts(s: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Masked scores s [..., K] -> (max m, exp(s - m), sum). A row with no visible key gives m = -inf,
-    zeros and 0 (never NaN)."""
+    zeros and 0 (never NaN from the mask itself)."""
     s = s.masked_fill(~visible, NEG_INF)
     m = s.amax(-1)
     p = torch.exp(s - m.masked_fill(m == NEG_INF, 0.0)[..., None])
     return m, p, p.sum(-1)
 
 
-def attend_full(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                kv_heads: int) -> torch.Tensor:
-    """Causal attention of the plan's queries q [T, heads, hd] over the paged cache of one layer
-    (k_cache, v_cache [slots, kv_heads, hd]). Returns [T, heads*hd] (0 for padding tokens)."""
-    t, heads, hd = q.shape
-    g, nt, p_ = heads // kv_heads, plan.num_tiles, plan.pair_tile.shape[0]
+def _tile_queries(plan: AttentionPlan, q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[kvh, P, QT*g, hd] contiguous: each pair's tile of queries, per KV head (zero rows where no query)."""
+    heads, hd = q.shape[1], q.shape[2]
+    g, nt = heads // kv_heads, plan.num_tiles
     qt = q.new_zeros(nt * QT, heads, hd).index_copy_(0, plan.tok_slot, q[:plan.num_real])
-    qt = qt.view(nt, QT, kv_heads, g, hd).transpose(1, 2).reshape(nt, kv_heads, QT * g, hd)
-    qp = qt.index_select(0, plan.pair_tile) * (1.0 / math.sqrt(hd))  # [P, kvh, QT*g, hd]
-    slots = plan.pair_slots.view(-1)
-    k = k_cache.index_select(0, slots).view(p_, KC, kv_heads, hd).permute(0, 2, 3, 1)  # [P, kvh, hd, KC]
-    v = v_cache.index_select(0, slots).view(p_, KC, kv_heads, hd).transpose(1, 2)  # [P, kvh, KC, hd]
-    visible = plan.pair_visible[:, None, :, None, :].expand(p_, kv_heads, QT, g, KC).reshape(p_, kv_heads, QT * g, KC)
-    m, p, l = _softmax_parts(_bmm(qp, k), visible)  # [P, kvh, QT*g], ..., [P, kvh, QT*g]
-    o = _bmm(p, v)  # [P, kvh, QT*g, hd]
-    big = torch.full((nt, kv_heads, QT * g), NEG_INF, dtype=m.dtype, device=m.device)
-    big = big.scatter_reduce_(0, plan.pair_tile[:, None, None].expand_as(m), m, "amax")
-    w = torch.exp(m - big.masked_fill(big == NEG_INF, 0.0).index_select(0, plan.pair_tile))  # 0 where m = -inf
-    acc = torch.zeros(nt, kv_heads, QT * g, hd, dtype=o.dtype, device=o.device).index_add_(
-        0, plan.pair_tile, o * w[..., None])  # chunk order per tile
-    den = torch.zeros_like(big).index_add_(0, plan.pair_tile, l * w)
+    qt = qt.view(nt, QT, kv_heads, g, hd).permute(2, 0, 1, 3, 4).reshape(kv_heads, nt, QT * g, hd)
+    return qt.index_select(1, plan.pair_tile)
+
+
+def _pair_keys(plan: AttentionPlan, cache: torch.Tensor) -> torch.Tensor:
+    """[kvh * P, KC, hd] contiguous: each pair's chunk of a head-major pool [kvh, slots, hd]."""
+    kvh, hd = cache.shape[0], cache.shape[2]
+    return cache.index_select(1, plan.pair_slots.view(-1)).view(kvh * plan.pair_tile.shape[0], KC, hd)
+
+
+def visibility(plan: AttentionPlan, kv_heads: int, g: int) -> torch.Tensor:
+    """[kvh * P, QT*g, KC] bool, the plan's visibility laid out like the scores."""
+    p_ = plan.pair_tile.shape[0]
+    return plan.pair_visible[None, :, :, None, :].expand(kv_heads, p_, QT, g, KC).reshape(kv_heads * p_, QT * g, KC)
+
+
+def attend_full(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                visible: torch.Tensor) -> torch.Tensor:
+    """Causal attention of the plan's queries q [T, heads, hd] over one layer's head-major pools
+    k_cache, v_cache [kvh, slots, hd]; `visible` from `visibility`. Returns [T, heads*hd] (0 for padding).
+
+    Every bmm gets its operands in one fixed layout (queries contiguous, keys as a transposed view of
+    a contiguous chunk, values contiguous): torch picks its kernel from layout and item shape, never
+    from the batch size, so the bits are fixed too."""
+    t, heads, hd = q.shape
+    kvh = k_cache.shape[0]
+    g, nt, p_ = heads // kvh, plan.num_tiles, plan.pair_tile.shape[0]
+    qp = (_tile_queries(plan, q, kvh) * (1.0 / math.sqrt(hd))).view(kvh * p_, QT * g, hd)
+    m, p, l = _softmax_parts(torch.bmm(qp, _pair_keys(plan, k_cache).transpose(1, 2)), visible)  # [B, QT*g, KC]
+    o = torch.bmm(p, _pair_keys(plan, v_cache)).view(kvh, p_, QT * g, hd)
+    m, l = m.view(kvh, p_, QT * g), l.view(kvh, p_, QT * g)
+    big = torch.full((kvh, nt, QT * g), NEG_INF, dtype=m.dtype, device=m.device)
+    big = big.scatter_reduce_(1, plan.pair_tile[None, :, None].expand_as(m), m, "amax")
+    w = torch.exp(m - big.masked_fill(big == NEG_INF, 0.0).index_select(1, plan.pair_tile))  # 0 where m = -inf
+    acc = o.new_zeros(kvh, nt, QT * g, hd).index_add_(1, plan.pair_tile, o * w[..., None])  # chunk order per tile
+    den = torch.zeros_like(big).index_add_(1, plan.pair_tile, l * w)
     out = torch.where(den[..., None] == 0, 0.0, acc / den[..., None])  # a NaN stays NaN: its request errs
-    out = out.view(nt, kv_heads, QT, g, hd).transpose(1, 2).reshape(nt * QT, heads * hd)
+    out = out.view(kvh, nt, QT, g, hd).permute(1, 2, 0, 3, 4).reshape(nt * QT, heads * hd)
     return _to_tokens(plan, out.index_select(0, plan.tok_slot))
 
 
-def select_keys(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, kv_heads: int,
-                topk: int) -> torch.Tensor:
+def select_keys(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, topk: int) -> torch.Tensor:
     """[T_real, topk] int64: each query's `topk` visible key positions with the highest head-mean q.k,
     best first (ties: lower position first), -1 padded."""
     t, heads, hd = q.shape
-    g, nt, p_ = heads // kv_heads, plan.num_tiles, plan.pair_tile.shape[0]
-    qt = q.new_zeros(nt * QT, heads, hd).index_copy_(0, plan.tok_slot, q[:plan.num_real])
-    qt = qt.view(nt, QT, kv_heads, g, hd).transpose(1, 2).reshape(nt, kv_heads, QT * g, hd)
-    k = k_cache.index_select(0, plan.pair_slots.view(-1)).view(p_, KC, kv_heads, hd).permute(0, 2, 3, 1)
-    raw = _bmm(qt.index_select(0, plan.pair_tile), k)  # [P, kvh, QT*g, KC]
-    score = raw.view(p_, kv_heads, QT, g, KC).transpose(1, 2).reshape(p_, QT, heads, KC).sum(2) / heads
+    kvh = k_cache.shape[0]
+    g, nt, p_ = heads // kvh, plan.num_tiles, plan.pair_tile.shape[0]
+    qp = _tile_queries(plan, q, kvh).view(kvh * p_, QT * g, hd)
+    raw = torch.bmm(qp, _pair_keys(plan, k_cache).transpose(1, 2))  # [B, QT*g, KC]
+    score = raw.view(kvh, p_, QT, g, KC).permute(1, 2, 0, 3, 4).reshape(p_, QT, heads, KC).sum(2) / heads
     score = score.masked_fill(~plan.pair_visible, NEG_INF)  # [P, QT, KC]
     kk = min(topk, KC)  # a query's best keys are among its chunks' best
     top, order = score.sort(dim=-1, descending=True, stable=True)  # ties: lower position first
-    top, order = top[..., :kk], order[..., :kk]
-    cpos = plan.pair_kpos[:, None, :].expand(p_, QT, KC).gather(-1, order)  # [P, QT, kk]
-    qid = (plan.pair_tile[:, None, None] * QT + torch.arange(QT, device=q.device)[None, :, None]).expand(p_, QT, kk)
-    top, cpos, qid = top.reshape(-1), cpos.reshape(-1), qid.reshape(-1)
-    o = torch.argsort(cpos, stable=True)  # three stable sorts: by query, then score desc, then position
-    o = o[torch.argsort(top[o], descending=True, stable=True)]
-    o = o[torch.argsort(qid[o], stable=True)]
+    top, order = top[..., :kk].reshape(-1), order[..., :kk]
+    cpos = plan.pair_kpos[:, None, :].expand(p_, QT, KC).gather(-1, order).reshape(-1)  # [P*QT*kk]
+    qid = (plan.pair_tile[:, None, None] * QT + torch.arange(QT, device=q.device)[None, :, None]).expand(
+        p_, QT, kk).reshape(-1)
+    # one stable sort by (query, score descending): candidates arrive in position order among equal scores
+    bits = (top + 0.0).view(torch.int32).long()  # + 0.0: -0.0 becomes +0.0, an equal score
+    desc = torch.where(bits < 0, bits, (~bits) & 0x7FFFFFFF) & 0xFFFFFFFF  # larger float -> smaller key
+    o = torch.argsort(qid * (1 << 32) + desc, stable=True)
     top, cpos, qid = top[o], cpos[o], qid[o]
-    first = torch.searchsorted(qid, qid, right=False)
-    rank = torch.arange(qid.shape[0], device=q.device) - first
+    start = torch.ones_like(qid, dtype=torch.bool)
+    start[1:] = qid[1:] != qid[:-1]
+    idx = torch.arange(qid.shape[0], device=q.device)
+    rank = idx - torch.cummax(torch.where(start, idx, 0), 0).values
     keep = (rank < topk) & (top > NEG_INF)
     dump = nt * QT * topk  # one extra entry takes the candidates not kept (no boolean indexing: no sync)
     sel = torch.full((dump + 1,), -1, dtype=torch.int64, device=q.device)
@@ -201,21 +215,23 @@ def select_keys(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, kv_
 
 
 def attend_selected(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    kv_heads: int, sel: torch.Tensor) -> torch.Tensor:
+                    sel: torch.Tensor) -> torch.Tensor:
     """Attention of each real query only to its selected key positions sel [T_real, topk] (-1 = none).
     Returns [T, heads*hd]."""
     t, heads, hd = q.shape
-    g, n, topk = heads // kv_heads, plan.num_real, sel.shape[1]
+    kvh = k_cache.shape[0]
+    g, n, topk = heads // kvh, plan.num_real, sel.shape[1]
     bs, tables = plan.block_size, plan.block_tables
     blk = tables[plan.tok_row[:, None], (sel.clamp(min=0) // bs).clamp(max=tables.shape[1] - 1)]
     ok = (sel >= 0) & (blk >= 0)  # [T_real, topk]
     slots = torch.where(ok, blk * bs + sel % bs, torch.full_like(sel, plan.zero_slot)).view(-1)
-    k = k_cache.index_select(0, slots).view(n, topk, kv_heads, hd).permute(0, 2, 3, 1)  # [n, kvh, hd, topk]
-    v = v_cache.index_select(0, slots).view(n, topk, kv_heads, hd).transpose(1, 2)  # [n, kvh, topk, hd]
-    qg = q[:n].reshape(n, kv_heads, g, hd) * (1.0 / math.sqrt(hd))
-    _, p, l = _softmax_parts(_bmm(qg, k), ok[:, None, None, :].expand(n, kv_heads, g, topk))
-    out = torch.where(l[..., None] == 0, 0.0, _bmm(p, v) / l[..., None])  # [n, kvh, g, hd]
-    return _to_tokens(plan, out.reshape(n, heads * hd))
+    k = k_cache.index_select(1, slots).view(kvh * n, topk, hd)
+    v = v_cache.index_select(1, slots).view(kvh * n, topk, hd)
+    qg = (q[:n] * (1.0 / math.sqrt(hd))).view(n, kvh, g, hd).transpose(0, 1).reshape(kvh * n, g, hd)
+    _, p, l = _softmax_parts(torch.bmm(qg, k.transpose(1, 2)), ok[None, :, None, :].expand(
+        kvh, n, g, topk).reshape(kvh * n, g, topk))
+    out = torch.where(l[..., None] == 0, 0.0, torch.bmm(p, v) / l[..., None])  # [kvh*n, g, hd]
+    return _to_tokens(plan, out.view(kvh, n, g, hd).transpose(0, 1).reshape(n, heads * hd))
 
 
 def _to_tokens(plan: AttentionPlan, real: torch.Tensor) -> torch.Tensor:

@@ -102,13 +102,13 @@ def test_static_shape_forward_used_by_graph_capture_matches_eager(loaded):
 
 
 class _SlowTables:
-    """Engram tables whose gather takes 10 ms per call, like rows read from disk (wraps the real tables)."""
+    """Engram tables whose gather takes 50 ms per call, like rows read from disk (wraps the real tables)."""
 
     def __init__(self, tables):
         self.inner, self.tables = tables, tables.tables
 
     def gather(self, hash_ids, out):
-        time.sleep(0.01)
+        time.sleep(0.05)
         return self.inner.gather(hash_ids, out)
 
 

@@ -81,6 +81,8 @@ class ModelRunner:
 
     rebuild_history = True  # per-microbatch history rebuilt for a straddling row's first token
     neutral_padding = True  # static-buffer padding rewritten every step
+    HIDE_FRACTION = 0.25  # planning (a tuning constant, not a protection): a measured gather below this
+    # share of a step's time is not worth a cut
 
     def __init__(self, loaded: LoadedModel, cfg: RunnerConfig):
         self.cfg, self.loaded = cfg, loaded
@@ -112,6 +114,7 @@ class ModelRunner:
         tabs = loaded.tables.tables
         self._tables_off_device = bool(tabs) and tabs[0].device != self.device
         self._gather_ms_per_token = 0.0  # moving average over recent steps, measured in _stage_rows
+        self._step_ms_per_token = 0.0  # moving average of execute's wall time per token
 
     def allocate_buffers(self, capacity: int) -> list[UbatchBuffers]:
         """One set of buffers per microbatch, each its own (spec §5)."""
@@ -142,9 +145,12 @@ class ModelRunner:
     def hideable_ms(self, num_tokens: int) -> float:
         """What cutting a step of `num_tokens` tokens could hide behind another microbatch's compute:
         unbounded with collectives (tensor/expert parallelism sets `collectives`) or with Engram tables in
-        host memory feeding a device; otherwise the Engram gather time measured on recent steps."""
+        host memory feeding a device; otherwise the Engram gather time measured on recent steps, when it is
+        at least HIDE_FRACTION of a step's time per token (a relative test: on a loaded machine both grow)."""
         if self.collectives or self._tables_off_device:
             return float("inf")
+        if self._gather_ms_per_token < self.HIDE_FRACTION * self._step_ms_per_token:
+            return 0.0  # the gather is a small part of a step's time (both slow down alike under load)
         return self._gather_ms_per_token * num_tokens
 
     def plan(self, batch: StepBatch, split: SplitConfig | None = None) -> list[int]:
@@ -156,6 +162,7 @@ class ModelRunner:
     def execute(self, batch: StepBatch, bounds: list[int] | None = None, record: bool = False) -> StepOutput:
         """Run one step cut at `bounds` (default: planned). Returns logits of the sampled rows and,
         with `record` (verification), copies of the hash ids and staged rows."""
+        t_start = time.perf_counter()
         bounds = bounds if bounds is not None else self.plan(batch)
         if len(bounds) - 1 > len(self.bufs):
             raise ValueError(f"{len(bounds) - 1} microbatches but buffers for {len(self.bufs)} (split.num_ubatches)")
@@ -195,6 +202,9 @@ class ModelRunner:
         if record:
             out.staged = torch.cat([f.result()[:, :n] for f, n in zip(futures, real)], dim=1)
             out.hash_ids = torch.cat([u.hash_ids[:n] for u, n in zip(ubs, real)])
+        if batch.num_tokens:  # planning: the step's time per token (see hideable_ms)
+            per_token = (time.perf_counter() - t_start) * 1e3 / batch.num_tokens
+            self._step_ms_per_token += 0.25 * (per_token - self._step_ms_per_token)
         return out
 
     def forward(self, batch: StepBatch, ctxs: list[ForwardContext], futures: list[Future]) -> list[torch.Tensor]:

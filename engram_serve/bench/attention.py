@@ -9,7 +9,7 @@ forward and logits, each candidate in its own fresh process (see common.py).
   * exactness: the bit-exact path (batch-invariance rules on) against the fastest non-exact
     configuration we have (the rules off: no row padding of matmuls, no padding of elementwise tails;
     the same varlen attention, which is also our fastest), at 1, 32 and 128 concurrent decodes with
-    256 tokens of context; target overhead <= 5%.
+    256 tokens of context, both in one process and timed alternately; target overhead <= 5%.
 """
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ DECODES = (1, 32, 128)
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parts", default="mixed,context,exactness",
                         help="comma-separated: mixed, context, exactness (default: all)")
+    parser.add_argument("--rounds", type=common.positive_int, default=21, metavar="N",
+                        help="exactness: alternating timed rounds of the exact and the fast step (default 21)")
 
 
 def setup(groups: list[tuple[int, int, int]], max_model_len: int = 1024, exact: bool = True):
@@ -67,21 +69,46 @@ def run(args: argparse.Namespace) -> list[dict]:
     rows = []
     if "mixed" in parts:
         ms = {name: common.measure(setup, dict(groups=g), **timing) for name, g in MIXED.items()}
-        apart = ms["decode 63 x 512"]["median_ms"] + ms["prefill 448"]["median_ms"]
+        apart = {k: ms["decode 63 x 512"][k] + ms["prefill 448"][k] for k in ("median_ms", "cpu_median_ms")}
         for name, m in ms.items():
+            mixed = name == "mixed"
             rows.append({"part": "mixed", "step": name, "median_ms": m["median_ms"], "p90_ms": m["p90_ms"],
-                         "peak_mib": m["peak_mib"],
-                         "vs_parts_apart": m["median_ms"] / apart if name == "mixed" else None})
+                         "cpu_ms": m["cpu_median_ms"], "peak_mib": m["peak_mib"],
+                         "vs_apart": m["median_ms"] / apart["median_ms"] if mixed else None,
+                         "cpu_vs_apart": m["cpu_median_ms"] / apart["cpu_median_ms"] if mixed else None})
     if "context" in parts:
         for ctx in CONTEXTS:
             m = common.measure(setup, dict(groups=[(8, 1, ctx)], max_model_len=max(CONTEXTS) + BLOCK), **timing)
             rows.append({"part": "context", "step": f"decode 8 x {ctx}", "median_ms": m["median_ms"],
-                         "p90_ms": m["p90_ms"], "peak_mib": m["peak_mib"]})
+                         "p90_ms": m["p90_ms"], "cpu_ms": m["cpu_median_ms"], "peak_mib": m["peak_mib"]})
     if "exactness" in parts:
+        import torch
+        torch.set_num_threads(args.threads)
         for n in DECODES:
-            ex = common.measure(setup, dict(groups=[(n, 1, 256)]), **timing)
-            fast = common.measure(setup, dict(groups=[(n, 1, 256)], exact=False), **timing)
-            rows.append({"part": "exactness", "step": f"decode {n} x 256", "median_ms": ex["median_ms"],
-                         "p90_ms": ex["p90_ms"], "fast_median_ms": fast["median_ms"], "fast_p90_ms": fast["p90_ms"],
-                         "exact_overhead": ex["median_ms"] / fast["median_ms"] - 1})
+            rows.append({"part": "exactness", "step": f"decode {n} x 256", **duel([(n, 1, 256)], args.rounds)})
     return rows
+
+
+def duel(groups, rounds: int) -> dict:
+    """The exact and the fast step in this process, timed alternately (the order swapped every round)
+    after one warm-up call each, so that load changes hit both alike: medians, and the spread of the
+    per-round ratio exact / fast."""
+    import statistics
+    import time
+
+    fns = {"exact": setup(groups), "fast": setup(groups, exact=False)}
+    wall: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
+    for f in fns.values():
+        f()
+    for r in range(rounds):
+        for name in (("exact", "fast") if r % 2 else ("fast", "exact")):
+            t, c = time.perf_counter(), time.process_time()
+            fns[name]()
+            wall[name].append((time.perf_counter() - t) * 1e3)
+            cpu[name].append((time.process_time() - c) * 1e3)
+    med = {f"{n}_{kind}": statistics.median(v) for kind, d in (("ms", wall), ("cpu_ms", cpu)) for n, v in d.items()}
+    ratios = sorted(a / b for a, b in zip(wall["exact"], wall["fast"]))
+    return {**med, "exact_overhead": med["exact_ms"] / med["fast_ms"] - 1,
+            "cpu_exact_overhead": med["exact_cpu_ms"] / med["fast_cpu_ms"] - 1,
+            "round_ratio_min": ratios[0], "round_ratio_max": ratios[-1]}

@@ -19,8 +19,8 @@ from torch import nn
 from ..config import ModelConfig
 from ..errors import StaticBufferError
 from .context import ForwardContext
-from .layers import Linear, apply_rotary
-from .paged_attention import AttentionPlan, attend_full, attend_selected, select_keys, visibility
+from .layers import MIN_ROWS, Linear, apply_rotary
+from .paged_attention import AttentionPlan, attend_full, attend_selected, select_keys
 
 FULL, SELECT, REUSE = "full", "select", "reuse"
 
@@ -65,14 +65,19 @@ class PagedAttention:
 
     def __init__(self, ctx: ForwardContext):
         self.ctx = ctx
-        if ctx.max_seq_len is not None:  # static shapes for graph capture
-            self.plan = AttentionPlan.build_static(ctx.batch, ctx.kv.zero_slot, ctx.max_seq_len)
-        else:
-            self.plan = AttentionPlan.build(ctx.batch, ctx.kv.zero_slot, self.read_past)
-        self._visible: torch.Tensor | None = None
+        self.plan: AttentionPlan | None = None  # built at the first layer, when the head counts are known
+
+    def _plan(self, group: int) -> AttentionPlan:
+        if self.plan is None:
+            b, zero, width = self.ctx.batch, self.ctx.kv.zero_slot, -(-MIN_ROWS // group)
+            if self.ctx.max_seq_len is not None:  # static shapes for graph capture
+                self.plan = AttentionPlan.build_static(b, zero, width, self.ctx.max_seq_len)
+            else:
+                self.plan = AttentionPlan.build(b, zero, width, self.read_past)
+        return self.plan
 
     def _topk_buf(self, topk: int) -> torch.Tensor:
-        n, buf = self.plan.num_real, self.ctx.bufs.topk_idx
+        n, buf = self.ctx.batch.num_tokens, self.ctx.bufs.topk_idx
         if buf is None or buf.shape[0] < n or buf.shape[1] != topk or buf.dtype != torch.int64:
             got = None if buf is None else (tuple(buf.shape), buf.dtype)
             raise StaticBufferError(f"index-sharing buffer 'topk_idx' of microbatch {self.ctx.bufs.ubatch}: "
@@ -82,13 +87,13 @@ class PagedAttention:
         return view
 
     def attend(self, layer: int, q, k, v, mode: str, topk: int) -> torch.Tensor:
-        kv, plan = self.ctx.kv, self.plan
+        kv = self.ctx.kv
         kv.write(layer, self.ctx.batch.slot_mapping, k, v)  # this microbatch's keys first: a row attends to itself
         kc, vc = kv.layer(layer)
-        if self._visible is None:  # laid out like the scores once per forward, shared by every layer
-            self._visible = visibility(plan, k.shape[1], q.shape[1] // k.shape[1])
+        plan = self._plan(q.shape[1] // k.shape[1])
         if mode == FULL:
-            return attend_full(plan, q, kc, vc, self._visible)
+            bad = ~torch.isfinite(v).view(v.shape[0], -1).all(-1)  # [T]: cheap, on this step's values only
+            return attend_full(plan, q, kc, vc, bad)
         if mode == SELECT:
             self._topk_buf(topk).copy_(select_keys(plan, q, kc, topk))
         return attend_selected(plan, q, kc, vc, self._topk_buf(topk))

@@ -24,8 +24,7 @@ class KVCache:
         self.dtype, self.device = dtype, torch.device(device)
         self.num_slots = num_blocks * block_size
         self.trash_slot, self.zero_slot = self.num_slots, self.num_slots + 1
-        # head-major: a gather of one head's keys at many slots lands contiguous, ready for a bmm
-        shape = (num_layers, num_kv_heads, self.num_slots + 2, head_dim)  # + the trash and zero slots
+        shape = (num_layers, self.num_slots + 2, num_kv_heads, head_dim)  # + the trash and zero slots
         self._k = torch.zeros(shape, dtype=dtype, device=self.device)
         self._v = torch.zeros(shape, dtype=dtype, device=self.device)
 
@@ -36,8 +35,8 @@ class KVCache:
                    dtype, device)
 
     def _blocks(self, pool: torch.Tensor) -> torch.Tensor:
-        return pool[:, :, :self.num_slots].view(self.num_layers, self.num_kv_heads, self.num_blocks, self.block_size,
-                                                self.head_dim).permute(0, 2, 3, 1, 4)
+        return pool[:, :self.num_slots].view(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
+                                             self.head_dim)
 
     @property
     def k(self) -> torch.Tensor:
@@ -55,9 +54,9 @@ class KVCache:
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, kv_heads, head_dim] at slot_mapping [T]; slots < 0 go to the trash slot."""
         slots = torch.where(slot_mapping < 0, torch.full_like(slot_mapping, self.trash_slot), slot_mapping)
-        self._k[layer].index_copy_(1, slots, k.to(self.dtype).transpose(0, 1))
-        self._v[layer].index_copy_(1, slots, v.to(self.dtype).transpose(0, 1))
+        self._k[layer].index_copy_(0, slots, k.to(self.dtype))
+        self._v[layer].index_copy_(0, slots, v.to(self.dtype))
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The key and value pools [kv_heads, slots + 2, head_dim] of one layer (trash and zero slots last)."""
+        """The key and value pools [slots + 2, kv_heads, head_dim] of one layer (trash and zero slots last)."""
         return self._k[layer], self._v[layer]

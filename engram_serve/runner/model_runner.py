@@ -24,7 +24,6 @@ from ..inputs.ubatch import SplitConfig, padded_sizes, plan_split, split_batch
 from ..model.context import ForwardContext, UbatchBuffers
 from ..model.kv_cache import KVCache
 from ..model.layers import batch_invariant
-from ..model.paged_attention import QT
 from ..model.loader import LoadedModel
 from .executor import run_interleaved
 from .ownership import OwnershipTracker
@@ -52,8 +51,6 @@ class RunnerConfig:
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size", "num_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
-        if self.block_size % QT:
-            raise ValueError(f"block_size={self.block_size}: must be a multiple of the attention query tile {QT}")
         if self.graph_sizes and max(self.graph_sizes) < self.max_num_batched_tokens:
             raise ValueError(f"graph_sizes={self.graph_sizes}: the largest must hold "
                              f"max_num_batched_tokens={self.max_num_batched_tokens}")

@@ -224,7 +224,7 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         loaded = load(args.model, progress=True, device=args.device) if cluster is None else args.model
         split = SplitConfig(num_ubatches=args.ubatches, decode_threshold=args.split_threshold,
-                            prefill_threshold=args.split_threshold)
+                            prefill_threshold=args.split_threshold, when="always")  # a demonstration: cut
         llm = LLM(loaded, split=split, **opts)
         out = llm.generate(args.prompt, params)[0]
         stats = dataclasses.replace(llm.stats)

@@ -140,7 +140,7 @@ def cases(base: RunnerConfig, first_qsl: np.ndarray) -> list[tuple[str, RunnerCo
     """(name, runner config, forced bounds of the first step, reuse a cached prefix) per comparison."""
     big = base.max_num_batched_tokens
     def split(n, policy, **kw):
-        return dataclasses.replace(base, split=SplitConfig(n, policy, 0, 0), **kw)
+        return dataclasses.replace(base, split=SplitConfig(n, policy, 0, 0, when="always"), **kw)
     out = [(f"{n} ubatches, {p} policy", split(n, p), None, False) for n in (2, 3) for p in ("tokens", "requests")]
     out += [(f"prefill chunk {c}, 2 ubatches",
              split(2, "tokens", max_num_batched_tokens=c, max_num_seqs=min(c, base.max_num_seqs)), None, False)

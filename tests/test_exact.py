@@ -47,7 +47,7 @@ def run(loaded, work: Workload, *, ubatches=1, policy="tokens", chunk=None, grap
     budget = max(chunk, n)
     cfg = RunnerConfig(max_num_seqs=n, max_model_len=96, max_num_batched_tokens=budget,
                        num_blocks=(96 // 16 + 2) if small_pool else 16 * n + 16, block_size=16,
-                       split=SplitConfig(ubatches, policy, 0, 0), exact=exact,
+                       split=SplitConfig(ubatches, policy, 0, 0, when="always"), exact=exact,
                        graph_sizes=tuple(s for s in (8, 32, 128, 512) if s < budget) + (budget,) if graph else ())
     return target_logits(run_case(loaded, work, cfg, reuse_prefix=reuse))
 

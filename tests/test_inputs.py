@@ -95,7 +95,7 @@ def all_cuts(batch: StepBatch):
     total = batch.num_tokens
     for n in range(1, 5):
         for policy in ("tokens", "requests"):
-            plan = plan_split(batch.qsl_host, SplitConfig(n, policy, 0, 0), is_decode_only=False)
+            plan = plan_split(batch.qsl_host, SplitConfig(n, policy, 0, 0, when="always"), is_decode_only=False)
             yield plan
             interior = plan[1:-1]
             for c in range(1, total) if interior else ():
@@ -140,12 +140,12 @@ def test_negative_control_slicing_without_history_rebuild_fails():
 
 def test_plan_split_policies():
     qsl = np.array([0, 10, 12, 100])
-    assert plan_split(qsl, SplitConfig(2, "tokens", 0, 0), False) == [0, 50, 100]
-    assert plan_split(qsl, SplitConfig(2, "requests", 0, 0, 0.25), False) == [0, 50, 100]  # 12 is too far
-    assert plan_split(np.array([0, 45, 100]), SplitConfig(2, "requests", 0, 0, 0.25), False) == [0, 45, 100]
-    assert plan_split(qsl, SplitConfig(2, "tokens", 0, 200), False) == [0, 100]  # below the prefill threshold
-    assert plan_split(np.arange(9), SplitConfig(2, "tokens", 16, 0), True) == [0, 8]  # below the decode threshold
-    assert plan_split(np.array([0, 3]), SplitConfig(4, "tokens", 0, 0), False) == [0, 1, 2, 3]
+    assert plan_split(qsl, SplitConfig(2, "tokens", 0, 0, when="always"), False) == [0, 50, 100]
+    assert plan_split(qsl, SplitConfig(2, "requests", 0, 0, 0.25, when="always"), False) == [0, 50, 100]  # 12 is too far
+    assert plan_split(np.array([0, 45, 100]), SplitConfig(2, "requests", 0, 0, 0.25, when="always"), False) == [0, 45, 100]
+    assert plan_split(qsl, SplitConfig(2, "tokens", 0, 200, when="always"), False) == [0, 100]  # below the prefill threshold
+    assert plan_split(np.arange(9), SplitConfig(2, "tokens", 16, 0, when="always"), True) == [0, 8]  # below the decode threshold
+    assert plan_split(np.array([0, 3]), SplitConfig(4, "tokens", 0, 0, when="always"), False) == [0, 1, 2, 3]
 
 
 def padded_view(batch, size, pad=True):
@@ -213,3 +213,14 @@ def test_token_store_append_truncate_free():
     store.free(a)
     c = store.add([9, 9])  # the freed slot is reused; its old tokens are not readable as history
     assert c == a and store.history(torch.tensor([c]), torch.tensor([0]), 2).tolist() == [[-1, -1]]
+
+
+def test_overlap_planning_cuts_only_what_can_hide_something():
+    qsl = np.array([0, 10, 12, 100])
+    auto = SplitConfig(2, "tokens", 0, 0, min_hidden_ms=1.0)
+    assert plan_split(qsl, auto, False) == [0, 100]  # nothing to hide: whole
+    assert plan_split(qsl, auto, False, hideable_ms=0.5) == [0, 100]
+    assert plan_split(qsl, auto, False, hideable_ms=1.0) == [0, 50, 100]
+    assert plan_split(qsl, auto, False, hideable_ms=float("inf")) == [0, 50, 100]
+    with pytest.raises(ValueError, match="when"):
+        SplitConfig(when="sometimes")

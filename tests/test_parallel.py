@@ -157,7 +157,8 @@ def test_expert_parallel_moe_partials_sum_to_the_unsharded_bits(n, seed):
     from engram_serve.model.layers import MoE
     from engram_serve.parallel.group import CommStats
     g = torch.Generator().manual_seed(seed)
-    full = MoE(32, 16, 4, 2)
+    full = MoE(32, 16, 8, 2)  # 8 experts > DENSE_MOE_MAX_RATIO x top-2: the sorted path, whose order EP keeps
+    assert not full.dense
     with torch.no_grad():
         for p in full.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)

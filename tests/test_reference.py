@@ -62,7 +62,7 @@ def serve_and_compare(lm, ref, seed: int, num_requests: int, chunk: int, cut_at:
     work.prompts = [p[:24] for p in work.prompts]
     total = sum(map(len, work.prompts))
     cfg = RunnerConfig(max_num_seqs=num_requests, max_model_len=32, max_num_batched_tokens=max(chunk, num_requests),
-                       num_blocks=64, block_size=4, split=SplitConfig(2 if cut_at else 1, "tokens", 0, 0))
+                       num_blocks=64, block_size=4, split=SplitConfig(2 if cut_at else 1, "tokens", 0, 0, when="always"))
     first = [0, min(cut_at, total - 1), min(total, cfg.max_num_batched_tokens)] if cut_at else None
     if first and not first[0] < first[1] < first[2]:
         first = None

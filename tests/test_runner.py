@@ -1,4 +1,5 @@
 """Runner safety: per-microbatch buffers, the ownership check, failures mid-forward (spec §5)."""
+import dataclasses
 import time
 
 import numpy as np
@@ -21,7 +22,7 @@ def loaded(tmp_path_factory):
 
 def runner_and_batch(loaded, runner_cls=ModelRunner, **kw):
     cfg = RunnerConfig(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=128, num_blocks=64,
-                       split=SplitConfig(2, "tokens", 0, 0), **kw)
+                       split=SplitConfig(2, "tokens", 0, 0, when="always"), **kw)
     r = runner_cls(loaded, cfg)
     rng = np.random.default_rng(0)
     lens = [30, 7, 50]
@@ -98,3 +99,29 @@ def test_static_shape_forward_used_by_graph_capture_matches_eager(loaded):
     static = r.model.forward_step(ForwardContext(view, r.kv, r.bufs[0], lambda i: staging[i], max_query_len=1,
                                                  max_seq_len=256))
     assert torch.equal(eager[:3], static[:3]) and torch.isfinite(static).all()
+
+
+class _SlowTables:
+    """Engram tables whose gather takes 50 ms per call, like rows read from disk (wraps the real tables)."""
+
+    def __init__(self, tables):
+        self.inner, self.tables = tables, tables.tables
+
+    def gather(self, hash_ids, out):
+        time.sleep(0.05)
+        return self.inner.gather(hash_ids, out)
+
+
+def test_the_planner_cuts_only_when_a_cut_hides_something(loaded):
+    cfg = RunnerConfig(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=128, num_blocks=64,
+                       split=SplitConfig(2, "tokens", 0, 0, min_hidden_ms=0.5))
+    r = ModelRunner(loaded, cfg)
+    slots = np.array([r.store.add(list(range(6, 6 + n))) for n in (30, 7, 50)])
+    b = r.build(slots, np.zeros(3, int), np.array([30, 7, 50]), np.arange(48).reshape(3, 16), np.ones(3, bool))
+    assert r.execute(b).bounds == [0, 87]  # CPU, tables in memory: nothing to hide, the step runs whole
+    r.collectives = True  # a collective per layer (tensor parallelism) is worth hiding
+    assert r.plan(b) == [0, 44, 87]
+    r.collectives = False
+    r.loaded = dataclasses.replace(loaded, tables=_SlowTables(loaded.tables))
+    r.execute(b)  # measures the slow gather (the step itself still ran whole)
+    assert r.plan(b) == [0, 44, 87]

@@ -26,7 +26,7 @@ from engram_serve.server.api import BackgroundServer, build_app
 N_CLIENTS, N_DROPPERS, MAX_TOKENS = 32, 4, 8
 # small thresholds so that the loaded server really cuts its steps; at most 24 running: the rest queue
 CFG = RunnerConfig(max_model_len=128, num_blocks=256, max_num_seqs=24,
-                   split=SplitConfig(num_ubatches=2, decode_threshold=8, prefill_threshold=16))
+                   split=SplitConfig(num_ubatches=2, decode_threshold=8, prefill_threshold=16, when="always"))
 WORDS = "the a of river stone light quick slow green idea number seven over under".split()
 
 

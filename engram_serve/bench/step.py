@@ -48,7 +48,7 @@ def _runner(model: str | None, workload: str, ubatches: int, device: str = "cpu"
     max_len = -(-(ctx + new) // block) * block
     cfg = RunnerConfig(max_num_seqs=reqs, max_model_len=max_len, max_num_batched_tokens=reqs * new,
                        block_size=block, num_blocks=reqs * max_len // block,
-                       split=SplitConfig(ubatches, "tokens", 0, 0), device=device)
+                       split=SplitConfig(ubatches, "tokens", 0, 0, when="always"), device=device)
     runner = ModelRunner(loaded, cfg)
     rng = np.random.default_rng(0)
     slots = np.array([runner.store.add(rng.integers(6, loaded.config.vocab_size, ctx + new).tolist())

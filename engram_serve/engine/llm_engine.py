@@ -128,6 +128,7 @@ class LLMEngine:
 
     def _free_slot(self, seq: Sequence) -> None:
         if seq.slot is not None:
+            self.runner.state.clear(seq.slot)
             self.runner.store.free(seq.slot)
             seq.slot = None
 
@@ -140,6 +141,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         events = [self._finish(s, s.finish_reason or "length") for s in out.finished if s.request_id in self.seqs]
         self.stats.preemptions += len(out.preempted)
+        state = self.runner.state  # persistent block tables: updated incrementally, never rebuilt
+        for s in out.preempted:
+            if s.slot is not None:
+                state.clear(s.slot)
         if not out.rows:
             return StepResult(events, out)
         rows = out.rows
@@ -148,10 +153,12 @@ class LLMEngine:
         for s in seqs:
             if s.slot is None:  # first time scheduled: running + preempted <= max_num_seqs slots
                 s.slot = self.runner.store.add(s.token_ids, s.dead)
-        batch = self.runner.build(
-            np.array([s.slot for s in seqs]), np.array([r.num_computed for r in rows]),
-            np.array([r.num_new for r in rows]), np.array(out.block_table_array(self.cfg.max_blocks_per_seq)),
-            np.array(sample))
+            state.sync(s.slot, s.block_ids)  # O(new blocks): usually nothing
+        n = len(rows)
+        batch = self.runner.build(np.fromiter((s.slot for s in seqs), np.int64, n),
+                                  np.fromiter((r.num_computed for r in rows), np.int64, n),
+                                  np.fromiter((r.num_new for r in rows), np.int64, n), None,
+                                  np.fromiter(sample, bool, n))
         result = self.runner.execute(batch, bounds, record)
         self.scheduler.update(out)
         self._account(out, result)

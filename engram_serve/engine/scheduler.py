@@ -88,7 +88,10 @@ class SchedulerOutput:
         return sum(r.num_new for r in self.rows)
 
     def block_table_array(self, max_blocks: int) -> list[list[int]]:
-        """Per row, its block ids padded with -1 to `max_blocks`. Call before `update`/`finish`."""
+        """Per row, its block ids padded with -1 to `max_blocks`. Call before `update`/`finish`.
+
+        O(rows x max_blocks): for tests and inspection. The engine never builds this; it keeps the
+        persistent device tables of `inputs/step_state.py` up to date incrementally instead."""
         out = []
         for r in self.rows:
             ids = r.seq.block_ids

@@ -33,21 +33,24 @@ class EngramGate(nn.Module):
         if rows.shape != (t, self.num_columns, self.head_dim):
             raise ValueError(f"Engram rows have shape {tuple(rows.shape)}; expected "
                              f"{(t, self.num_columns, self.head_dim)}")
-        return self.wkv(rows.reshape(t, self.num_columns * self.head_dim).to(self.wkv.weight.dtype))
+        e = rows.reshape(t, self.num_columns * self.head_dim)
+        return self.wkv(e if e.dtype == self.wkv.weight.dtype else e.to(self.wkv.weight.dtype))
 
     def gate_from_kv(self, h: torch.Tensor, kv: torch.Tensor, dead: torch.Tensor | None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """gate [T, hc_mult] and value [T, hidden] for h [T, hc, hidden] and the projection kv."""
+        """gate [T, hc_mult] and value [T, hidden] for h [T, hc, hidden] and the projection kv.
+
+        Computed in float32; dtype conversions happen only where a dtype differs (each is an operator)."""
         t = h.shape[0]
         keys = kv[:, :self.hc_mult * self.hidden].view(t, self.hc_mult, self.hidden)
         value = kv[:, self.hc_mult * self.hidden:]  # [T, hidden], shared by all branches
-        q = rms_norm(h, self.eps).float() * self.q_w.float()
-        k = rms_norm(keys, self.eps).float() * self.k_w.float()
+        q = rms_norm(h.float() if h.dtype != torch.float32 else h, self.eps, self.q_w)  # [T, hc, hidden] float32
+        k = rms_norm(keys.float() if keys.dtype != torch.float32 else keys, self.eps, self.k_w)
         dot = (q * k).sum(-1) / math.sqrt(self.hidden)  # [T, hc]
         g = pointwise(torch.sigmoid, torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=1e-6)))
         if dead is not None:
             g = g.masked_fill(dead[:, None], 0.0)
-        return g.to(h.dtype), value
+        return (g if g.dtype == h.dtype else g.to(h.dtype)), value
 
     def gate(self, h: torch.Tensor, rows: torch.Tensor, dead: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """gate [T, hc_mult] and value [T, hidden] for h [T, hc, hidden], rows [T, C, hd], dead [T] bool."""
@@ -60,4 +63,5 @@ class EngramGate(nn.Module):
 
     def forward(self, h: torch.Tensor, rows: torch.Tensor, dead: torch.Tensor | None = None) -> torch.Tensor:
         g, value = self.gate(h, rows, dead)
-        return h + g[..., None] * value[:, None, :]
+        return h + g[..., None] * value[:, None, :]  # (not addcmul: a fused multiply-add may round differently
+        # in the vectorised body and the scalar tail, which would make a row's bits depend on its place)

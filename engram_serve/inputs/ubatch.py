@@ -31,13 +31,26 @@ SLICE_RULES: dict[str, str] = {
 
 @dataclass(frozen=True)
 class SplitConfig:
-    """How a step is cut. A step stays whole below the token thresholds."""
+    """How a step is cut. A step stays whole below the token thresholds.
+
+    `when` says whether cutting must pay for itself:
+    - "overlap" (default): cut only when a microbatch has something to hide behind another's compute
+      (`plan_split`'s `hideable_ms`: a collective, Engram rows gathered from host memory into a device,
+      or a measured table gather of at least `min_hidden_ms` per step). Otherwise the step runs whole:
+      two half-size forwards on one CPU only add fixed per-operator cost.
+    - "always": cut every step above the thresholds (verification and tests: split invariance must be
+      proven on cut steps, whether or not cutting is worth it here).
+    """
 
     num_ubatches: int = 2
     policy: str = "tokens"  # "tokens": even token split; "requests": prefer request boundaries
     decode_threshold: int = 32  # an all-decode step with fewer tokens is not split
     prefill_threshold: int = 128  # a step with prefill tokens and fewer tokens than this is not split
     max_imbalance: float = 0.25  # "requests": |size - ideal| / ideal allowed for a boundary cut
+    when: str = "overlap"
+    # "overlap": the least hideable time per step worth a cut. A cut costs a second forward's fixed
+    # per-operator overhead (about 3-5 ms for the built-in model on one CPU core), so less is not worth it.
+    min_hidden_ms: float = 5.0
 
     def __post_init__(self) -> None:
         if self.num_ubatches < 1:
@@ -46,14 +59,22 @@ class SplitConfig:
             raise ValueError(f"policy={self.policy!r}: must be 'tokens' or 'requests'")
         if not 0 <= self.max_imbalance < 1:
             raise ValueError(f"max_imbalance={self.max_imbalance}: must be in [0, 1)")
+        if self.when not in ("overlap", "always"):
+            raise ValueError(f"when={self.when!r}: must be 'overlap' or 'always'")
+        if not self.min_hidden_ms >= 0:
+            raise ValueError(f"min_hidden_ms={self.min_hidden_ms}: must be >= 0")
 
 
-def plan_split(qsl: np.ndarray, cfg: SplitConfig, is_decode_only: bool) -> list[int]:
-    """Token boundaries [0, b1, ..., T] (strictly increasing) for a step with row boundaries qsl."""
+def plan_split(qsl: np.ndarray, cfg: SplitConfig, is_decode_only: bool, hideable_ms: float = 0.0) -> list[int]:
+    """Token boundaries [0, b1, ..., T] (strictly increasing) for a step with row boundaries qsl.
+
+    `hideable_ms`: how much of this step's time a cut could hide (the runner's estimate: inf with
+    collectives or host-resident tables on a device, else the measured Engram gather time). With
+    `cfg.when == "overlap"` a step whose hideable time is below `cfg.min_hidden_ms` stays whole."""
     total = int(qsl[-1])
     threshold = cfg.decode_threshold if is_decode_only else cfg.prefill_threshold
     n = min(cfg.num_ubatches, total)
-    if n <= 1 or total < threshold:
+    if n <= 1 or total < threshold or (cfg.when == "overlap" and hideable_ms < cfg.min_hidden_ms):
         return [0, total]
     bounds = [0]
     for k in range(1, n):
@@ -129,6 +150,9 @@ def slice_batch(batch: StepBatch, t0: int, t1: int, rebuild_history: bool = True
 
 
 def split_batch(batch: StepBatch, bounds: list[int], rebuild_history: bool = True) -> list[StepBatch]:
+    """The microbatches of `bounds`; a whole step ([0, T]) is the batch itself (every rule is the identity)."""
+    if len(bounds) == 2 and bounds[0] == 0 and bounds[1] == batch.num_tokens:
+        return [batch]
     return [slice_batch(batch, a, b, rebuild_history) for a, b in zip(bounds, bounds[1:])]
 
 

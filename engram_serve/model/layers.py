@@ -38,13 +38,15 @@ def batch_invariant(enabled: bool):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ weight[out, in].T -> [..., out], batch-invariant (rule above)."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
+    """x [..., in] @ weight[out, in].T -> [..., out], batch-invariant (rule above).
+
+    A call of fewer than MIN_ROWS rows is zero-padded with one `F.pad` (host-side shape check, no
+    device sync); a 2-D input needs no reshape. Fewer operators, same bits as padding with a cat."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     n = x2.shape[0]
-    if n < MIN_ROWS and _exact:  # a host-side shape check: no device sync
-        x2 = torch.cat([x2, x2.new_zeros(MIN_ROWS - n, x2.shape[1])])
-    return F.linear(x2, weight)[:n].reshape(*lead, weight.shape[0])
+    y = (F.linear(x2, weight) if n >= MIN_ROWS or not _exact
+         else F.linear(F.pad(x2, (0, 0, 0, MIN_ROWS - n)), weight)[:n])
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 
 
 # Batch invariance of elementwise ops. torch's CPU loops run the vectorised form of an op over whole
@@ -73,12 +75,15 @@ class Linear(nn.Linear):
 
 
 def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) [* weight], computed in float32, returned in x's dtype."""
-    xf = x.float()
+    """x * rsqrt(mean(x^2) + eps) [* weight], computed in float32, returned in x's dtype.
+
+    A float32 input is used as is (no `.float()` / `.to()` calls: each is an operator even when it
+    copies nothing)."""
+    xf = x if x.dtype == torch.float32 else x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight.float()
-    return y.to(x.dtype)
+        y = y * (weight if weight.dtype == torch.float32 else weight.float())
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -92,61 +97,167 @@ class RMSNorm(nn.Module):
 
 
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [N, 1, head_dim/2] float32 for absolute positions [N] (computed once per forward)."""
+    """Computed once per forward for absolute positions [N]: cos [N, 1, head_dim] = (cos, cos) and
+    sin [N, 1, head_dim] = (-sin, sin) over the two halves, float32 (the signs of rotate-half folded in)."""
     half = head_dim // 2
     inv_freq = theta ** (-torch.arange(half, dtype=torch.float32, device=positions.device) * 2 / head_dim)
     ang = positions.float()[:, None] * inv_freq[None, :]  # [N, half]
-    return ang.cos()[:, None, :], ang.sin()[:, None, :]
+    cos, sin = ang.cos(), ang.sin()
+    return torch.cat([cos, cos], -1)[:, None, :], torch.cat([-sin, sin], -1)[:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary on x [N, heads, head_dim]."""
-    half = x.shape[-1] // 2
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    """Rotate-half rotary on x [N, heads, head_dim] with `rotary_cos_sin`'s tables:
+    x * cos + roll(x, half) * sin == (x1 cos - x2 sin, x2 cos + x1 sin), bit for bit (a - b == a + (-b))."""
+    xf = x if x.dtype == torch.float32 else x.float()
+    out = xf * cos + xf.roll(x.shape[-1] // 2, -1) * sin
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def _fuse_on_load(names: dict[str, tuple[tuple[str, ...], callable]]):
+    """A load_state_dict pre-hook: build fused parameter `k` from checkpoint tensors `parts` with `fuse`."""
+    def hook(module, state_dict, prefix, *_):
+        for fused, (parts, fuse) in names.items():
+            keys = [prefix + p for p in parts]
+            if all(k in state_dict for k in keys):
+                state_dict[prefix + fused] = fuse(*(state_dict.pop(k) for k in keys))
+    return hook
+
+
+def _split_on_save(names: dict[str, tuple[tuple[str, ...], callable]]):
+    """A state_dict post-hook: write fused parameter `k` back as its checkpoint tensors (`split`)."""
+    def hook(module, state_dict, prefix, *_):
+        for fused, (parts, split) in names.items():
+            if prefix + fused in state_dict:
+                for name, t in zip(parts, split(state_dict.pop(prefix + fused))):
+                    state_dict[prefix + name] = t
+    return hook
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up as ONE matmul.
+
+    Parameter `gate_up` [2, intermediate, hidden] stacks the gate and up projections. Checkpoints keep
+    the usual names `gate_proj.weight` and `up_proj.weight`: they are stacked when loading and split
+    again by `state_dict()`, so the on-disk format does not change.
+    """
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = Linear(hidden, intermediate)
-        self.up_proj = Linear(hidden, intermediate)
+        self.hidden, self.intermediate = hidden, intermediate
+        self.gate_up = nn.Parameter(torch.empty(2, intermediate, hidden))
         self.down_proj = Linear(intermediate, hidden)
+        self.register_load_state_dict_pre_hook(_fuse_on_load(
+            {"gate_up": (("gate_proj.weight", "up_proj.weight"), lambda g, u: torch.stack([g, u]))}))
+        self.register_state_dict_post_hook(_split_on_save(
+            {"gate_up": (("gate_proj.weight", "up_proj.weight"), lambda gu: (gu[0], gu[1]))}))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(pointwise(F.silu, self.gate_proj(x)) * self.up_proj(x))
+        gu = linear(x, self.gate_up.view(2 * self.intermediate, self.hidden))  # [N, 2I]
+        return self.down_proj(pointwise(F.silu, gu[:, :self.intermediate]) * gu[:, self.intermediate:])
+
+
+# Dense MoE evaluation costs num_experts / top_k times the routed compute; up to this ratio it runs
+# every expert over every token in two matmuls (no host sync, a fixed operator count), above it the
+# tokens are sorted by expert and each expert runs on its own rows (one host read of the counts).
+DENSE_MOE_MAX_RATIO = 2
 
 
 class MoE(nn.Module):
-    """Softmax router, top-k experts with renormalised weights, SwiGLU experts stacked as [E, ...].
+    """Softmax router, top-k experts with renormalised weights, SwiGLU experts.
 
-    Dispatch is vectorised: token-expert pairs are sorted by expert (stable), gathered into one
-    contiguous dispatch buffer, each expert runs on its contiguous slice (a loop over experts, never
-    over tokens), and the weighted results are scattered back with one index_add.
+    Parameters: `w_in` [E, 2, I, H] (each expert's gate and up projections) and `w_out` [H, E, I] (the
+    down projections side by side). Checkpoints keep `w_gate` [E, I, H], `w_up` [E, I, H] and
+    `w_down` [E, H, I]: converted when loading and back by `state_dict()`.
+
+    Combine order (spec §9): a token's output is the sum of its experts' weighted outputs in an order
+    fixed per token, never dependent on its batch mates:
+    - dense path (num_experts <= DENSE_MOE_MAX_RATIO * top_k): the routing weights are scattered into
+      a dense [N, E] matrix (0 for experts not chosen), every expert's gate/up runs in one matmul
+      [N, H] x [H, E*2I], the weighted activations [N, E*I] go through one down matmul against
+      `w_out` [H, E*I]: the experts are summed in the matmul's reduction order over (expert, I),
+      which is per row and, through `linear`'s row rule, independent of the row count. No host sync.
+    - sorted path: token-expert pairs sorted by expert (stable), each expert on its contiguous slice
+      (a loop over experts, never over tokens), weighted results added back with index_add in
+      ascending expert order per token; it reads the per-expert counts on the host once per call.
+      Graph capture (fixed shapes, no host read) runs every expert over every dispatched row, masked.
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int):
         super().__init__()
-        self.num_experts, self.top_k = num_experts, top_k
+        self.num_experts, self.top_k, self.hidden, self.intermediate = num_experts, top_k, hidden, intermediate
         self.router = Linear(hidden, num_experts)
-        self.w_gate = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
-        self.w_up = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
-        self.w_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.w_in = nn.Parameter(torch.empty(num_experts, 2, intermediate, hidden))
+        self.w_out = nn.Parameter(torch.empty(hidden, num_experts, intermediate))
+        names = ("w_gate", "w_up", "w_down")
+        self.register_load_state_dict_pre_hook(_fuse_on_load(
+            {"w_in": (names[:2], lambda g, u: torch.stack([g, u], 1)),
+             "w_out": (names[2:], lambda d: d.permute(1, 0, 2).contiguous())}))
+        self.register_state_dict_post_hook(_split_on_save(
+            {"w_in": (names[:2], lambda w: (w[:, 0], w[:, 1])),
+             "w_out": (names[2:], lambda w: (w.permute(1, 0, 2),))}))
+
+    @property
+    def dense(self) -> bool:
+        return self.num_experts <= DENSE_MOE_MAX_RATIO * self.top_k
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return linear(pointwise(F.silu, linear(x, self.w_gate[e])) * linear(x, self.w_up[e]), self.w_down[e])
+        gu = linear(x, self.w_in[e].view(2 * self.intermediate, self.hidden))  # [n, 2I]
+        return linear(pointwise(F.silu, gu[:, :self.intermediate]) * gu[:, self.intermediate:], self.w_out[:, e])
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert ids [N, k] int64 and renormalised weights [N, k] float32."""
-        probs = torch.softmax(self.router(x).float(), dim=-1)  # [N, E]
+        logits = self.router(x)
+        probs = torch.softmax(logits if logits.dtype == torch.float32 else logits.float(), dim=-1)  # [N, E]
         w, ids = torch.topk(probs, self.top_k, dim=-1)
         return ids, w / w.sum(-1, keepdim=True)
 
+    def _scratch(self, ctx: ForwardContext | None, x: torch.Tensor, rows: int):
+        """The microbatch's persistent dispatch/combine buffers when serving; None otherwise (training)."""
+        if ctx is None or x.requires_grad:
+            return None, None
+        xs, ys = ctx.bufs.scratch_view(MOE_DISPATCH, rows), ctx.bufs.scratch_view(MOE_COMBINE, rows)
+        if xs is None or ys is None:
+            return None, None
+        if xs.dtype != x.dtype or ys.dtype != x.dtype:
+            raise StaticBufferError(f"MoE scratch buffers of microbatch {ctx.bufs.ubatch} are {xs.dtype}/{ys.dtype}; "
+                                    f"the activations are {x.dtype}")
+        return xs, ys
+
     def stages(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> Generator[str, None, torch.Tensor]:
         """Yields "moe_dispatch" after the dispatch and "moe_combine" after the experts; returns [N, hidden]."""
+        if self.dense:
+            return (yield from self._dense_stages(x, ctx))
+        return (yield from self._sorted_stages(x, ctx))
+
+    def _dense_stages(self, x: torch.Tensor, ctx: ForwardContext | None) -> Generator[str, None, torch.Tensor]:
+        n, e, i = x.shape[0], self.num_experts, self.intermediate
+        ids, w = self.route(x)
+        dense_w = torch.zeros(n, e, dtype=x.dtype, device=x.device).scatter_(
+            1, ids, w if w.dtype == x.dtype else w.to(x.dtype))  # [N, E]
+        xs, ys = self._scratch(ctx, x, n)
+        if xs is not None:
+            xs.copy_(x)
+            ctx.touch(MOE_DISPATCH, xs)
+        else:
+            xs = x
+        yield "moe_dispatch"
+        if ys is not None:
+            ctx.touch(MOE_DISPATCH, xs)  # read after the yield
+        gu = linear(xs, self.w_in.view(e * 2 * i, self.hidden)).view(n, e, 2, i)  # every expert, one matmul
+        act = pointwise(F.silu, gu[:, :, 0]) * gu[:, :, 1] * dense_w[:, :, None]  # [N, E, I], 0 for experts not chosen
+        y = linear(act.view(n, e * i), self.w_out.view(self.hidden, e * i))  # [N, H]: experts summed per row
+        if ys is not None:
+            ys.copy_(y)
+            ctx.touch(MOE_COMBINE, ys)
+        else:
+            ys = y
+        yield "moe_combine"
+        if ctx is not None and ys is not y:
+            ctx.touch(MOE_COMBINE, ys)  # read back after the yield: the other microbatch ran meanwhile
+        return ys  # a view of this microbatch's combine buffer: consumed at once by the caller
+
+    def _sorted_stages(self, x: torch.Tensor, ctx: ForwardContext | None) -> Generator[str, None, torch.Tensor]:
         n, k = x.shape[0], self.top_k
         ids, w = self.route(x)
         flat = ids.reshape(-1)  # [N*k]
@@ -155,50 +266,34 @@ class MoE(nn.Module):
         w_sorted = w.reshape(-1)[order].to(x.dtype)
         static = ctx is not None and ctx.max_query_len is not None  # graph capture: no host reads
         counts = None if static else torch.bincount(flat, minlength=self.num_experts).tolist()  # one host read
-        # persistent per-microbatch buffers when serving; autograd-friendly temporaries otherwise
-        xs = ys = None
-        if ctx is not None and not x.requires_grad:
-            xs = ctx.bufs.scratch_view(MOE_DISPATCH, n * k)
-            ys = ctx.bufs.scratch_view(MOE_COMBINE, n * k)
-        scratch = xs is not None and ys is not None
-        if scratch and (xs.dtype != x.dtype or ys.dtype != x.dtype):
-            raise StaticBufferError(f"MoE scratch buffers of microbatch {ctx.bufs.ubatch} are {xs.dtype}/{ys.dtype}; "
-                                    f"the activations are {x.dtype}")
+        xs, ys = self._scratch(ctx, x, n * k)
+        scratch = xs is not None
         if scratch:
             torch.index_select(x, 0, tok, out=xs)
             ctx.touch(MOE_DISPATCH, xs)
         else:
             xs = x[tok]  # [N*k, hidden]
         yield "moe_dispatch"
+        if scratch:
+            ctx.touch(MOE_DISPATCH, xs)  # read after the yield
         if static:  # every expert over every dispatched row, masked: E x the compute, shapes fixed
-            if scratch:
-                ctx.touch(MOE_DISPATCH, xs)
             expert_of = flat[order]  # [N*k]
             out_rows = torch.zeros_like(xs)
             for e in range(self.num_experts):
                 out_rows += (expert_of == e)[:, None].to(xs.dtype) * self._expert(e, xs)
-            if scratch:
-                ys.copy_(out_rows)
-                ctx.touch(MOE_COMBINE, ys)
-            else:
-                ys = out_rows
-            yield "moe_combine"
-            return torch.zeros_like(x).index_add(0, tok, ys * w_sorted[:, None])
-        bounds = [0]
-        for c in counts:
-            bounds.append(bounds[-1] + c)
+        else:
+            bounds = [0]
+            for c in counts:
+                bounds.append(bounds[-1] + c)
+            parts = [self._expert(e, xs[bounds[e]:bounds[e + 1]]) for e in range(self.num_experts)
+                     if bounds[e + 1] > bounds[e]]
+            out_rows = torch.cat(parts, dim=0) if parts else xs
         if scratch:
-            ctx.touch(MOE_DISPATCH, xs)  # read after the yield
-            for e in range(self.num_experts):
-                a, b = bounds[e], bounds[e + 1]
-                if b > a:
-                    ys[a:b].copy_(self._expert(e, xs[a:b]))
+            ys.copy_(out_rows)
             ctx.touch(MOE_COMBINE, ys)
         else:
-            parts = [self._expert(e, xs[bounds[e]:bounds[e + 1]]) for e in range(self.num_experts)]
-            ys = torch.cat(parts, dim=0) if parts else xs
+            ys = out_rows
         yield "moe_combine"
         if scratch:
             ctx.touch(MOE_COMBINE, ys)  # read back after the yield: the other microbatch ran meanwhile
-        out = torch.zeros_like(x)
-        return out.index_add(0, tok, ys * w_sorted[:, None])  # [N, hidden]
+        return torch.zeros_like(x).index_add(0, tok, ys * w_sorted[:, None])  # [N, hidden]

@@ -37,6 +37,15 @@ class ColumnParallelLinear(Linear):
         self.weight = nn.Parameter(full.weight.detach()[lo:hi].clone(), requires_grad=False)
 
 
+def column_parallel_mlp(mlp, rank: int, world: int) -> None:
+    """Split a dense MLP's fused gate/up projection `gate_up` [2, I, H] by its OUTPUT dimension I in place:
+    rank r keeps rows [lo, hi) of both the gate and the up projection (no collective follows: its slice
+    of the activations feeds the RowParallelLinear down projection)."""
+    lo, hi = _split(mlp.intermediate, world, rank, "intermediate_size")
+    mlp.gate_up = nn.Parameter(mlp.gate_up.detach()[:, lo:hi].clone(), requires_grad=False)
+    mlp.intermediate = hi - lo
+
+
 class _SumsAcrossRanks:
     """Output is this rank's partial sum; `launch_reduce` starts the deterministic cross-rank sum."""
 
@@ -80,8 +89,8 @@ def head_mean_hook(group: ParallelGroup, total_heads: int):
 
 
 class ExpertParallelMoE(MoE):
-    """Experts split across ranks: rank r holds experts [lo, hi) (the EXPERT dimension of w_gate/w_up/
-    w_down is split). The router is replicated, so every rank routes every token the same way; each
+    """Experts split across ranks: rank r holds experts [lo, hi) (the EXPERT dimension of the fused
+    w_in [E, 2, I, H] and w_out [H, E, I] is split). The router is replicated, so every rank routes every token the same way; each
     rank runs only the (token, expert) pairs of its own experts and combines them into a partial
     [N, hidden]; the cross-rank sum of the partials follows (launched before the "moe_combine" stage,
     awaited after it). A token's result is the same chain of additions as the unsharded MoE's
@@ -91,10 +100,11 @@ class ExpertParallelMoE(MoE):
         lo, hi = _split(full.num_experts, group.world, group.rank, "n_routed_experts")
         nn.Module.__init__(self)
         self.num_experts, self.top_k = full.num_experts, full.top_k
+        self.hidden, self.intermediate = full.hidden, full.intermediate
         self.lo, self.num_local, self.group = lo, hi - lo, group
         self.router = full.router
-        for name in ("w_gate", "w_up", "w_down"):
-            setattr(self, name, nn.Parameter(getattr(full, name).detach()[lo:hi].clone(), requires_grad=False))
+        self.w_in = nn.Parameter(full.w_in.detach()[lo:hi].clone(), requires_grad=False)
+        self.w_out = nn.Parameter(full.w_out.detach()[:, lo:hi].clone(), requires_grad=False)
 
     def stages(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> Generator[str, None, torch.Tensor]:
         n, k, e_loc = x.shape[0], self.top_k, self.num_local

@@ -5,7 +5,7 @@ by module replacement. The model code is untouched and reads the same at any par
                 [r*H/N, (r+1)*H/N) and kv heads [r*KV/N, ...), so each GQA group stays on one rank);
                 o_proj -> RowParallelLinear (cross-rank sum); heads / kv_heads set to the local counts;
                 index-selecting layers get a head_mean hook (q.k averaged over every rank's heads)
-    dense MLP   gate_proj, up_proj -> ColumnParallelLinear; down_proj -> RowParallelLinear
+    dense MLP   the fused gate/up projection split by output (column parallel); down_proj -> RowParallelLinear
     MoE         -> ExpertParallelMoE (experts split; router replicated)
     Engram      wkv -> PartialInputLinear; the tables -> ShardedEngramTables (rows split)
     replicated  embeddings, norms, lm_head, Engram q_w / k_w (small)
@@ -19,7 +19,8 @@ import dataclasses
 from ..model.layers import MoE
 from ..model.loader import LoadedModel
 from .group import ParallelGroup
-from .layers import ColumnParallelLinear, ExpertParallelMoE, PartialInputLinear, RowParallelLinear, head_mean_hook
+from .layers import (ColumnParallelLinear, ExpertParallelMoE, PartialInputLinear, RowParallelLinear,
+                     column_parallel_mlp, head_mean_hook)
 from .tables import ShardedEngramTables
 
 
@@ -51,8 +52,7 @@ def shard_model(loaded: LoadedModel, group: ParallelGroup, pin_tables: bool | No
         if isinstance(layer.mlp, MoE):
             layer.mlp = ExpertParallelMoE(layer.mlp, group)
         else:
-            layer.mlp.gate_proj = ColumnParallelLinear(layer.mlp.gate_proj, rank, world)
-            layer.mlp.up_proj = ColumnParallelLinear(layer.mlp.up_proj, rank, world)
+            column_parallel_mlp(layer.mlp, rank, world)
             layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, group, f"layer{layer.layer_id}.mlp")
         if layer.engram is not None:
             layer.engram.wkv = PartialInputLinear(layer.engram.wkv, group, f"layer{layer.layer_id}.engram")

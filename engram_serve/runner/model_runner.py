@@ -8,6 +8,7 @@ microbatches' stage generators; logits are computed once over the merged step's 
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ from ..engram.hashing import hash_step
 from ..inputs.batch import StepBatch
 from ..inputs.static import StaticInputPool
 from ..inputs.step import build_step
+from ..inputs.step_state import StepState
 from ..inputs.ubatch import SplitConfig, plan_split, split_batch
 from ..model.context import ForwardContext, UbatchBuffers
 from ..model.kv_cache import KVCache
@@ -76,6 +78,8 @@ class ModelRunner:
 
     rebuild_history = True  # per-microbatch history rebuilt for a straddling row's first token
     neutral_padding = True  # static-buffer padding rewritten every step
+    HIDE_FRACTION = 0.25  # planning (a tuning constant, not a protection): a measured gather below this
+    # share of a step's time is not worth a cut
 
     def __init__(self, loaded: LoadedModel, cfg: RunnerConfig):
         self.cfg, self.loaded = cfg, loaded
@@ -91,6 +95,8 @@ class ModelRunner:
         self.kv = KVCache.for_config(mcfg, cfg.num_blocks, cfg.block_size, device=self.device)
         from ..inputs.token_store import TokenStore
         self.store = TokenStore(cfg.max_num_seqs, cfg.max_model_len, self.device)
+        self.state = StepState(cfg.max_num_seqs, cfg.max_blocks_per_seq, self.device,
+                               pack_capacity=5 * cfg.max_num_seqs + 1 + cfg.max_num_batched_tokens)
         cap = max(cfg.graph_sizes) if cfg.graph_sizes else cfg.max_num_batched_tokens
         self.bufs = self.allocate_buffers(cap)
         self.static = StaticInputPool(list(cfg.graph_sizes)) if cfg.graph_sizes else None
@@ -102,6 +108,12 @@ class ModelRunner:
         self._gather_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-gather")
         # CUDA: the Engram host-to-device copies run on their own stream, ordered by events
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # planning (plan / hideable_ms): what a cut could hide
+        self.collectives = False  # True where each layer launches a collective (tensor/expert parallelism)
+        tabs = loaded.tables.tables
+        self._tables_off_device = bool(tabs) and tabs[0].device != self.device
+        self._gather_ms_per_token = 0.0  # moving average over recent steps, measured in _stage_rows
+        self._step_ms_per_token = 0.0  # moving average of execute's wall time per token
 
     def allocate_buffers(self, capacity: int) -> list[UbatchBuffers]:
         """One set of buffers per microbatch, each its own (spec §5)."""
@@ -109,9 +121,16 @@ class ModelRunner:
                 for k in range(self.cfg.split.num_ubatches)]
 
     # ---- preparation ------------------------------------------------------------------------
-    def build(self, slots: np.ndarray, num_computed: np.ndarray, num_new: np.ndarray, block_tables: np.ndarray,
-              sample: np.ndarray) -> StepBatch:
-        """The step batch; block_tables [R, <=max_blocks_per_seq] are padded to the fixed width."""
+    def build(self, slots: np.ndarray, num_computed: np.ndarray, num_new: np.ndarray,
+              block_tables: np.ndarray | None = None, sample: np.ndarray | None = None) -> StepBatch:
+        """The step batch. `block_tables` None (the engine): the rows of the persistent `self.state`,
+        which the caller keeps in sync; graph mode gathers them at the fixed width max_blocks_per_seq,
+        eager mode at the width this step needs. An explicit array [R, <=max_blocks_per_seq] (tests,
+        benchmarks) is padded to the fixed width."""
+        if block_tables is None:
+            width = self.cfg.max_blocks_per_seq if self.static is not None else None
+            return build_step(self.store, slots, num_computed, num_new, self.state, self.cfg.block_size,
+                              self.history_len, sample, table_width=width)
         width = self.cfg.max_blocks_per_seq
         tables = np.full((len(slots), width), -1, dtype=np.int64)
         tables[:, : block_tables.shape[1]] = block_tables
@@ -122,13 +141,27 @@ class ModelRunner:
     def decode_only(batch: StepBatch) -> bool:
         return bool((np.diff(batch.qsl_host) == 1).all())
 
+    def hideable_ms(self, num_tokens: int) -> float:
+        """What cutting a step of `num_tokens` tokens could hide behind another microbatch's compute:
+        unbounded with collectives (tensor/expert parallelism sets `collectives`) or with Engram tables in
+        host memory feeding a device; otherwise the Engram gather time measured on recent steps, when it is
+        at least HIDE_FRACTION of a step's time per token (a relative test: on a loaded machine both grow)."""
+        if self.collectives or self._tables_off_device:
+            return float("inf")
+        if self._gather_ms_per_token < self.HIDE_FRACTION * self._step_ms_per_token:
+            return 0.0  # the gather is a small part of a step's time (both slow down alike under load)
+        return self._gather_ms_per_token * num_tokens
+
     def plan(self, batch: StepBatch, split: SplitConfig | None = None) -> list[int]:
-        return plan_split(batch.qsl_host, split or self.cfg.split, self.decode_only(batch))
+        """The step's cut. Under SplitConfig.when="overlap" only a step with something to hide is cut."""
+        return plan_split(batch.qsl_host, split or self.cfg.split, self.decode_only(batch),
+                          self.hideable_ms(batch.num_tokens))
 
     # ---- execution --------------------------------------------------------------------------
     def execute(self, batch: StepBatch, bounds: list[int] | None = None, record: bool = False) -> StepOutput:
         """Run one step cut at `bounds` (default: planned). Returns logits of the sampled rows and,
         with `record` (verification), copies of the hash ids and staged rows."""
+        t_start = time.perf_counter()
         bounds = bounds if bounds is not None else self.plan(batch)
         if len(bounds) - 1 > len(self.bufs):
             raise ValueError(f"{len(bounds) - 1} microbatches but buffers for {len(self.bufs)} (split.num_ubatches)")
@@ -153,7 +186,11 @@ class ModelRunner:
             if self.copy_stream is not None:  # the copy stream waits for this microbatch's hash ids
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(self.device))
-            futures.append(self._gather_pool.submit(self._stage_rows, u.hash_ids, staging, real[k], ready))
+            if len(ubs) > 1 or self._tables_off_device:  # overlap the gather with another microbatch's compute
+                futures.append(self._gather_pool.submit(self._stage_rows, u.hash_ids, staging, real[k], ready))
+            else:  # a whole step with host tables: nothing to overlap, a thread handoff would only cost
+                futures.append(Future())
+                futures[-1].set_result(self._stage_rows(u.hash_ids, staging, real[k], ready))
             ctxs.append(ForwardContext(u, self.kv, bufs, self._rows_fn(futures[-1], staging), self.tracker))
         try:
             with batch_invariant(self.cfg.exact):
@@ -168,6 +205,9 @@ class ModelRunner:
         if record:
             out.staged = torch.cat([self._staged(f)[:, :n] for f, n in zip(futures, real)], dim=1)
             out.hash_ids = torch.cat([u.hash_ids[:n] for u, n in zip(ubs, real)])
+        if batch.num_tokens:  # planning: the step's time per token (see hideable_ms)
+            per_token = (time.perf_counter() - t_start) * 1e3 / batch.num_tokens
+            self._step_ms_per_token += 0.25 * (per_token - self._step_ms_per_token)
         return out
 
     def forward(self, batch: StepBatch, ctxs: list[ForwardContext], futures: list[Future]) -> list[torch.Tensor]:
@@ -181,18 +221,24 @@ class ModelRunner:
     def _stage_rows(self, hash_ids: torch.Tensor, staging: torch.Tensor, real: int, ready=None) -> torch.Tensor:
         """Gather the real tokens' rows; zero the padding rows (fresh every step). On CUDA the copies run
         on `copy_stream` after the event `ready` (the hash ids, and every earlier use of the buffer, are
-        done) and the result is [staging, event]: `_staged` makes the compute stream wait on that event."""
+        done) and the result is [staging, event]: `_staged` makes the compute stream wait on that event.
+        The gather's time per token feeds the planner (a plain float written by this worker only)."""
+        t0 = time.perf_counter()
         if self.copy_stream is None:
             self.loaded.tables.gather(hash_ids[:real], staging[:, :real])
             staging[:, real:].zero_()
-            return staging
-        with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_event(ready)
-            self.loaded.tables.gather(hash_ids[:real], staging[:, :real])
-            staging[:, real:].zero_()
-            done = torch.cuda.Event()
-            done.record(self.copy_stream)
-        return [staging, done]
+            out = staging
+        else:
+            with torch.cuda.stream(self.copy_stream):
+                self.copy_stream.wait_event(ready)
+                self.loaded.tables.gather(hash_ids[:real], staging[:, :real])
+                staging[:, real:].zero_()
+                done = torch.cuda.Event()
+                done.record(self.copy_stream)
+            out = [staging, done]
+        if real:
+            self._gather_ms_per_token += 0.25 * ((time.perf_counter() - t0) * 1e3 / real - self._gather_ms_per_token)
+        return out
 
     def _rows_fn(self, future: Future, staging: torch.Tensor):
         def rows(i: int) -> torch.Tensor:

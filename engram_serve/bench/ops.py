@@ -1,0 +1,89 @@
+"""Operators per decode step: aten operator count (torch.profiler) and time of one whole engine step.
+
+The whole step is what `LLMEngine.step()` does for a batch of decodes: schedule, build the step
+inputs, hash, Engram staging gather, forward, logits, sampling and commit. For each batch size,
+B requests of 64 random prompt tokens are prefilled, a few decode steps warm up, then:
+- `aten_ops`: every `aten::` event torch.profiler records during ONE decode step (nested ones
+  included: a composite operator counts with the operators it calls);
+- `top_level_ops`: those not called from another aten operator (what Python code launched);
+- `step_ms`: median (and p90) wall time of a decode step without the profiler, after warm-up.
+Dual-batch overlap off (`SplitConfig(1)`) and on (`SplitConfig(2)`, the planner decides whether to
+cut) are measured side by side, each in its own fresh process.
+"""
+from __future__ import annotations
+
+import argparse
+
+from . import common
+
+NAME = "ops"
+PROMPT = 64
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch", type=common.positive_int_list, default=[1, 32], metavar="B,...",
+                        help="concurrent decoding requests (default 1,32)")
+    parser.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
+
+
+def _engine(model, batch: int, ubatches: int):
+    import numpy as np
+
+    from ..engine.llm_engine import LLMEngine
+    from ..inputs.ubatch import SplitConfig
+    from ..model.loader import load_model
+    from ..runner.model_runner import RunnerConfig
+    from ..sampling_params import SamplingParams
+
+    loaded = load_model(model)
+    cfg = RunnerConfig(max_num_seqs=max(batch, 4), max_model_len=1024,
+                       max_num_batched_tokens=max(1024, batch * PROMPT), split=SplitConfig(ubatches))
+    eng = LLMEngine(loaded, cfg)
+    rng = np.random.default_rng(batch)
+    params = SamplingParams(max_tokens=1024 - PROMPT, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(f"r{i}", rng.integers(6, loaded.config.vocab_size, PROMPT).tolist(), params)
+    eng.step()  # the prefill
+    for _ in range(3):
+        eng.step()
+    return eng
+
+
+def count_ops(model, batch: int, ubatches: int) -> dict:
+    """Profile one decode step; returns aten_ops, top_level_ops and the rows of that step."""
+    from torch.profiler import ProfilerActivity, profile
+    eng = _engine(model, batch, ubatches)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        res = eng.step()
+    aten = [e for e in prof.events() if e.name.startswith("aten::")]
+    top = [e for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
+    return {"aten_ops": len(aten), "top_level_ops": len(top), "rows": len(res.scheduled.rows),
+            "split": len(res.output.bounds) > 2}
+
+
+def setup(model, batch: int, ubatches: int):
+    eng = _engine(model, batch, ubatches)
+    return eng.step
+
+
+def _counted(model, batch: int, ubatches: int) -> dict:
+    import torch
+    torch.set_num_threads(1)
+    return count_ops(model, batch, ubatches)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    rows = []
+    for b in args.batch:
+        for name, n in (("off", 1), ("on", 2)):
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                ops = pool.submit(_counted, args.model, b, n).result()
+            if ops["rows"] != b:
+                raise RuntimeError(f"the profiled step held {ops['rows']} rows, expected {b} decodes")
+            t = common.measure(setup, dict(model=args.model, batch=b, ubatches=n), **common.timing_kwargs(args))
+            rows.append({"batch": b, "dbo": name, "aten_ops": ops["aten_ops"], "top_level_ops": ops["top_level_ops"],
+                         "step_cut": ops["split"], "step_ms": t["median_ms"], "step_p90_ms": t["p90_ms"],
+                         "tok_s": b / t["median_ms"] * 1e3, "threads": args.threads})
+    return rows

@@ -1,0 +1,141 @@
+"""Token-wise layers with fewer operators (model/layers.py, engram/layer.py): each row's bits are
+independent of its batch mates, the MoE matches a plain per-token loop, fused weights load from and
+save to the usual checkpoint names."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engram_serve.engram.layer import EngramGate
+from engram_serve.model import layers
+from engram_serve.model.layers import MLP, MoE, apply_rotary, rms_norm, rotary_cos_sin
+
+
+def _init(module, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return module.eval()
+
+
+def _moe(num_experts=4, top_k=2):
+    return _init(MoE(32, 48, num_experts, top_k))
+
+
+def _run_moe(moe, x):
+    gen = moe.stages(x)
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            return stop.value
+
+
+def reference_moe(moe, x):
+    """A plain loop: per token, its top-k experts by the router, weights renormalised, expert by expert."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        probs = torch.softmax(x[t] @ moe.router.weight.T, -1)
+        w, ids = torch.topk(probs, moe.top_k)
+        w = w / w.sum()
+        for e, we in sorted(zip(ids.tolist(), w.tolist())):
+            gate = x[t] @ moe.w_in[e, 0].T
+            up = x[t] @ moe.w_in[e, 1].T
+            out[t] += we * ((F.silu(gate) * up) @ moe.w_out[:, e].T)
+    return out
+
+
+@pytest.mark.parametrize("experts,top_k", [(4, 2), (8, 2)])  # dense path, sorted path
+def test_moe_matches_a_plain_per_token_loop(experts, top_k):
+    moe = _moe(experts, top_k)
+    assert moe.dense == (experts <= layers.DENSE_MOE_MAX_RATIO * top_k)
+    x = torch.randn(13, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.allclose(_run_moe(moe, x), reference_moe(moe, x), atol=1e-5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 24), st.data())
+def test_every_row_is_independent_of_its_batch_mates(n, data):
+    """Bit for bit: a row computed alone, in any sub-batch, equals the same row in the whole batch."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, 32, generator=g)
+    h = torch.randn(n, 2, 32, generator=g)
+    rows = torch.randn(n, 6, 8, generator=g)
+    dead = torch.rand(n, generator=g) < 0.2
+    pos = torch.randint(0, 5000, (n,), generator=g)
+    mlp, moe, moe_sorted = _init(MLP(32, 48)), _moe(4, 2), _moe(8, 2)
+    gate = _init(EngramGate(32, 2, 6, 8, 1e-6))
+    cos, sin = rotary_cos_sin(pos, 8, 10000.0)
+    q = torch.randn(n, 4, 8, generator=g)
+    fns = {
+        "mlp": lambda i: mlp(x[i]), "moe": lambda i: _run_moe(moe, x[i]), "moe_sorted": lambda i: _run_moe(moe_sorted, x[i]),
+        "gate": lambda i: gate(h[i], rows[i], dead[i]), "rms_norm": lambda i: rms_norm(h[i], 1e-6),
+        "rotary": lambda i: apply_rotary(q[i], cos[i], sin[i]),
+    }
+    sub = torch.tensor(sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1))))
+    with torch.no_grad():
+        for name, fn in fns.items():
+            whole = fn(torch.arange(n))
+            assert torch.equal(fn(sub), whole[sub]), name
+
+
+def test_rotary_equals_the_textbook_rotate_half():
+    pos = torch.arange(40)
+    x = torch.randn(40, 3, 16)
+    half = 8
+    inv = 10000.0 ** (-torch.arange(half, dtype=torch.float32) * 2 / 16)
+    ang = pos.float()[:, None] * inv[None]
+    c, s = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    want = torch.cat([x[..., :half] * c - x[..., half:] * s, x[..., half:] * c + x[..., :half] * s], -1)
+    assert torch.equal(apply_rotary(x, *rotary_cos_sin(pos, 16, 10000.0)), want)
+
+
+def test_small_calls_differ_without_the_row_padding_rule():
+    """Negative control for `linear`'s rule: with MIN_ROWS = 1 a row computed alone differs from the same
+    row in a bigger call (MKL's small-M kernels), so the padding is what makes rows batch-invariant."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(384, 128, generator=g)
+    x = torch.randn(16, 128, generator=g)
+
+    def mismatches():
+        whole = layers.linear(x, w)
+        return sum(not torch.equal(layers.linear(x[i:i + 1], w), whole[i:i + 1]) for i in range(16))
+    assert mismatches() == 0
+    with layers.batch_invariant(False):
+        assert mismatches() > 0
+
+
+def test_fused_weights_keep_the_checkpoint_names():
+    mlp, moe = _init(MLP(32, 48)), _moe(4, 2)
+    sd = {**{f"mlp.{k}": v for k, v in mlp.state_dict().items()}, **{f"moe.{k}": v for k, v in moe.state_dict().items()}}
+    assert set(sd) == {"mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "moe.router.weight",
+                       "moe.w_gate", "moe.w_up", "moe.w_down"}
+    assert sd["moe.w_gate"].shape == (4, 48, 32) and sd["moe.w_down"].shape == (4, 32, 48)
+    mlp2, moe2 = MLP(32, 48), MoE(32, 48, 4, 2)
+    mlp2.load_state_dict(mlp.state_dict())
+    moe2.load_state_dict(moe.state_dict())
+    assert torch.equal(mlp2.gate_up, mlp.gate_up) and torch.equal(moe2.w_in, moe.w_in)
+    assert torch.equal(moe2.w_out, moe.w_out)
+    x = torch.randn(5, 32)
+    with torch.no_grad():  # the unfused form of the checkpoint tensors gives the same function
+        g, u, d = sd["mlp.gate_proj.weight"], sd["mlp.up_proj.weight"], sd["mlp.down_proj.weight"]
+        assert torch.allclose(mlp2(x), (F.silu(x @ g.T) * (x @ u.T)) @ d.T, atol=1e-6)
+
+
+def test_gate_rows_differ_without_the_pointwise_rule():
+    """Negative control: with the batch-invariance rules off (`pointwise` no longer pads sigmoid's input,
+    `linear` no longer pads small calls), a row's gate depends on how many rows share the call."""
+    g = torch.Generator().manual_seed(20)
+    h, rows = torch.randn(64, 2, 32, generator=g), torch.randn(64, 6, 8, generator=g) * 4
+    gate = _init(EngramGate(32, 2, 6, 8, 1e-6))
+
+    def mismatches():
+        with torch.no_grad():
+            whole = gate(h, rows)
+            return sum(not torch.equal(gate(h[:k], rows[:k]), whole[:k]) for k in range(1, 65))
+    assert mismatches() == 0
+    with layers.batch_invariant(False):
+        assert mismatches() > 0

@@ -5,7 +5,8 @@ A published V4.1 config nests the text model's fields under `text_config`, besid
 given both at the top level and in `text_config` with different values is an error naming both).
 The fields this project uses are validated (ConfigError naming the field and the values); the
 fields it does not use are accepted and listed once per load at debug level (logger
-`engram_serve.config`). Our own options (engine, runner, CLI) are separate dataclasses and still
+`engram_serve.config`), except an unknown `engram_*` field: the Engram fields define the hash
+(spec §2), so one this project does not know is refused rather than silently ignored. Our own options (engine, runner, CLI) are separate dataclasses and still
 reject unknown keys.
 """
 from __future__ import annotations
@@ -100,6 +101,9 @@ class EngramConfig:
         missing = [n for n in names if n.startswith("engram_") and n not in d]
         if missing:
             raise ConfigError(f"config is missing Engram field(s) {sorted(missing)}")
+        unknown = [k for k in d if k.startswith("engram_") and k not in names]
+        if unknown:  # the hash is defined by these fields: one we do not know may change it, so refuse
+            raise ConfigError(f"config has unknown Engram field(s) {sorted(unknown)}")
         for n in names:
             if n in d and not _is_int_or_ints(d[n]):
                 raise ConfigError(f"config field {n}={d[n]!r}: must be an integer"

@@ -105,9 +105,9 @@ class EngramConfig:
         if unknown:  # the hash is defined by these fields: one we do not know may change it, so refuse
             raise ConfigError(f"config has unknown Engram field(s) {sorted(unknown)}")
         for n in names:
-            if n in d and not _is_int_or_ints(d[n]):
-                raise ConfigError(f"config field {n}={d[n]!r}: must be an integer"
-                                  + (" list" if n in ("engram_layer_ids", "engram_num_embeddings") else ""))
+            listy = n in ("engram_layer_ids", "engram_num_embeddings")
+            if n in d and not _is_int(d[n], listy):
+                raise ConfigError(f"config field {n}={d[n]!r}: must be " + ("a list of integers" if listy else "an integer"))
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
@@ -200,9 +200,9 @@ class ModelConfig:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
 
-def _is_int_or_ints(v) -> bool:
+def _is_int(v, listy: bool) -> bool:
     ok = lambda x: isinstance(x, int) and not isinstance(x, bool)  # noqa: E731
-    return ok(v) or (isinstance(v, (list, tuple)) and all(ok(x) for x in v))
+    return isinstance(v, (list, tuple)) and all(ok(x) for x in v) if listy else ok(v)
 
 
 def read_json(path: str | Path) -> dict:

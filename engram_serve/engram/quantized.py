@@ -45,8 +45,9 @@ def advise_random(t: torch.Tensor) -> None:
 
 
 def dequantize_rows(w: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Rows w [n, hd] float8_e4m3fn with scales s [n, hd/32] float8_e8m0fnu into out [n, hd] (float32 or
-    bfloat16, any device w and s are on), in place; returns out. Computed in float32, then cast once."""
+    """Rows w [n, hd] float8_e4m3fn with scales s [n, hd/32] float8_e8m0fnu (or their raw uint8 bytes) into
+    out [n, hd] (float32 or bfloat16, on w's device), in place; returns out. Computed in float32, cast once."""
+    w, s = w.view(FP8), s.view(E8M0)
     n, hd = w.shape
     g = hd // SCALE_COLS
     vals = w.to(torch.float32).view(n, g, SCALE_COLS)  # [n, G, 32]
@@ -139,8 +140,9 @@ class Fp8Table:
         return self.weight.shape[1] + self.scale.shape[1]
 
     def fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stored rows `ids` [n] int64: (w [n, hd] float8_e4m3fn, s [n, hd/32] float8_e8m0fnu), copied out."""
-        return self.weight.index_select(0, ids), self.scale.index_select(0, ids)
+        """The stored bytes of rows `ids` [n] int64: (E4M3 [n, hd] uint8, E8M0 [n, hd/32] uint8), copied out.
+        (Raw bytes: torch has no index_put for the float8 dtypes, and the hot-row cache needs it.)"""
+        return self.weight.view(torch.uint8).index_select(0, ids), self.scale.view(torch.uint8).index_select(0, ids)
 
     def pin_memory(self) -> "Fp8Table":
         return Fp8Table(self.weight.pin_memory(), self.scale.pin_memory())

@@ -60,7 +60,7 @@ class EngramTables:
     def _make_cache(tab, nbytes: int) -> RowCache:
         if isinstance(tab, Fp8Table):
             return RowCache(nbytes, [tuple(tab.weight.shape[1:]), tuple(tab.scale.shape[1:])],
-                            [tab.weight.dtype, tab.scale.dtype], tab.device)
+                            [torch.uint8, torch.uint8], tab.device)  # raw E4M3 / E8M0 bytes
         return RowCache(nbytes, [tuple(tab.shape[1:])], [tab.dtype], tab.device)
 
     @property

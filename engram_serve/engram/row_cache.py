@@ -50,6 +50,6 @@ class RowCache:
         uslot, inv = torch.unique(slot, return_inverse=True)
         first = torch.full((uslot.numel(),), ids.numel(), dtype=torch.int64, device=ids.device)
         first.scatter_reduce_(0, inv, torch.arange(ids.numel(), device=ids.device), reduce="amin")
-        self.keys[uslot] = ids[first]
+        self.keys.index_copy_(0, uslot, ids.index_select(0, first))
         for p, r in zip(self.parts, rows):
-            p[uslot] = r.index_select(0, first)
+            p.index_copy_(0, uslot, r.index_select(0, first))

@@ -186,30 +186,33 @@ def test_cache_hits_and_byte_bound():
 # ---- tables larger than the memory a process touches ----
 
 CHILD = r"""
-import json, struct, sys, torch
+import json, resource, sys, torch
 from engram_serve.model.checkpoint import CheckpointFiles
 from engram_serve.engram.quantized import Fp8Table, advise_random
 from engram_serve.engram.tables import EngramTables
-def rss_mib():
+def status(field):
     for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-root, n_rows = sys.argv[1], int(sys.argv[2])
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+root, n_rows, writable = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "writable"
+limit = status("VmData") + 2**30  # this process may commit 1 GiB more than it has now
+resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 files = CheckpointFiles.open(root)
-before = rss_mib()
-w, s = files.tensor("layers.1.engram.embed.weight"), files.tensor("layers.1.engram.embed.scale")
+before = status("VmRSS")
+w = files.tensor("layers.1.engram.embed.weight", writable=writable)
+s = files.tensor("layers.1.engram.embed.scale", writable=writable)
 for t in (w, s):
     advise_random(t)
 tables = EngramTables((1,), [Fp8Table(w, s)], pin=False)
 warm = torch.empty(1, 64, 1, w.shape[1])
 tables.gather(torch.arange(64).view(64, 1, 1), warm)  # kernels' first-call set-up is not table memory
-opened = rss_mib()
+opened = status("VmRSS")
 g = torch.Generator().manual_seed(0)
 ids = torch.randint(0, w.shape[0], (n_rows, 1, 1), generator=g)
 out = torch.empty(1, n_rows, 1, w.shape[1])
 tables.gather(ids, out)
-print(json.dumps({"open_mib": opened - before, "gather_mib": rss_mib() - opened, "table_gib": tables.nbytes / 2**30,
-                  "zeros": bool((out == 0).all())}))
+print(json.dumps({"open_mib": (opened - before) / 2**20, "gather_mib": (status("VmRSS") - opened) / 2**20,
+                  "table_gib": tables.nbytes / 2**30, "limit_gib": 1.0, "zeros": bool((out == 0).all())}))
 """
 
 
@@ -227,22 +230,32 @@ def write_sparse_table(root: Path, rows: int, hd: int = 256) -> int:
     return size
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-def test_resident_memory_grows_with_rows_touched_not_table_size(tmp_path):
-    """A 4 GiB table (sparse on disk) opens and serves rows; resident memory grows by about one page
-    per row read (4 KiB), never towards the table size. (`bench tables` does the same with a table
-    larger than the machine's RAM.)"""
-    rows = 16 * 2**20  # 16 Mi rows x 264 bytes = 4.1 GiB
+def _child(root: Path, n: int, mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", CHILD, str(root), str(n), mode], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status, RLIMIT_DATA")
+def test_table_four_times_the_memory_limit_opens_and_resident_memory_follows_rows_touched(tmp_path):
+    """A 4.1 GiB table (sparse on disk) in a process allowed to commit 1 GiB more (RLIMIT_DATA): it
+    opens and serves rows, because tables are mapped read-only (not committed memory); resident
+    memory grows by about one page per row read (4 KiB), never towards the table size. Negative
+    control: the same table mapped copy-on-write (as weights are, and as safe_open's torch backend
+    maps whole files) is refused under the same limit. (`bench tables` opens a table larger than
+    the machine's RAM.)"""
+    rows = 16 * 2**20 + 2**16  # x 264 bytes = 4.14 GiB > 4 x the 1 GiB limit
     write_sparse_table(tmp_path, rows)
     runs = {}
     for n in (1000, 8000):
-        res = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), str(n)], capture_output=True, text=True,
-                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+        res = _child(tmp_path, n, "read-only")
+        assert res.returncode == 0, res.stderr
         runs[n] = json.loads(res.stdout)
-    assert runs[1000]["table_gib"] > 4
+    assert runs[1000]["table_gib"] > 4 * runs[1000]["limit_gib"]
     for n, r in runs.items():
         assert r["zeros"] and r["open_mib"] < 16
         # <= 2 pages (row + scale) and the float32 staging row per row read, + slack for the allocator
         assert r["gather_mib"] < n * (2 * 4096 + 256 * 4) / 2**20 + 12, r
     assert runs[8000]["gather_mib"] > runs[1000]["gather_mib"]  # it grows with the rows touched
     assert runs[8000]["gather_mib"] < 0.05 * runs[8000]["table_gib"] * 1024  # not with the table
+    control = _child(tmp_path, 1000, "writable")
+    assert control.returncode != 0 and "Cannot allocate memory" in control.stderr

@@ -89,7 +89,7 @@ def read_table(files: CheckpointFiles, scheme: str, e: EngramConfig, index: int)
         raise CheckpointMismatch(f"engram_head_dim for Engram layer {lid}: config says {e.engram_head_dim}, "
                                  f"checkpoint table {key!r} is {shape[1]} wide ({where})")
     if dtype in FLOAT_CODES:
-        return files.tensor(key)
+        return files.tensor(key, writable=False)
     if dtype != FP8_CODE:
         raise CheckpointMismatch(f"{where}: table {key!r} has dtype {dtype}, expected {FP8_CODE} or one of {FLOAT_CODES}")
     skey = scale_name(key)
@@ -99,8 +99,8 @@ def read_table(files: CheckpointFiles, scheme: str, e: EngramConfig, index: int)
     if skey not in files:
         raise CheckpointMismatch(f"missing tensor {skey!r}: the E8M0 scales of the FP8 table {key!r} "
                                  f"(expected shape {[rows, shape[1] // SCALE_COLS]})")
-    scale = files.expect(skey, (SCALE_CODE,), [rows, shape[1] // SCALE_COLS])
-    return Fp8Table(files.tensor(key), scale)
+    files.expect(skey, (SCALE_CODE,), [rows, shape[1] // SCALE_COLS])
+    return Fp8Table(files.tensor(key, writable=False), files.tensor(skey, writable=False))
 
 
 def read_tables(files: CheckpointFiles, scheme: str, e: EngramConfig, pin: bool | None = None,

@@ -10,8 +10,9 @@ into `requests` sequences that decode side by side, one token per request per st
 (production `hash_step`) are Zipfian like the text. Each step stages its rows with the production
 gather (`EngramTables.gather`, float32 staging, opened through the production loader path), under
 three settings: plain (every id read), dedup (each distinct row of a step read once), dedup + a
-hot-row cache; each cold (page cache dropped with posix_fadvise DONTNEED and the file re-opened)
-and then warm (the same steps again). Candidates run one after another in this one process, since
+hot-row cache; warm (the written rows are in the page cache; a first pass maps them and fills the
+cache, the second is timed) and cold (page cache dropped with posix_fadvise DONTNEED, the file
+re-opened, the first --cold-steps steps timed; cold is last, since it undoes the warm-up). Candidates run one after another in this one process, since
 the page cache is the variable; torch threads are set by --threads.
 
 Reported per row: median and p90 ms per step, staged rows/s and staged bytes/s (float32 rows written
@@ -51,6 +52,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="tokens of text in the stream (default 16384)")
     parser.add_argument("--cache-mib", type=common.positive_int, default=256, metavar="MiB",
                         help="hot-row cache size (default 256)")
+    parser.add_argument("--cold-steps", type=common.positive_int, default=2, metavar="S",
+                        help="steps timed cold per stream and setting (default 2: cold reads are disk-bound)")
     parser.add_argument("--keep", action="store_true", help="keep the table file (default: delete it)")
 
 
@@ -170,6 +173,31 @@ def _pass(tables, hashes, staging) -> list[float]:
     return times
 
 
+SETTINGS = (("plain", False, 0), ("dedup", True, 0), ("dedup+cache", True, 1))  # (name, dedup, cache on)
+
+
+def _staging(requests: int, hashes):
+    import torch
+    return torch.empty(len(LAYERS), requests, hashes.shape[-1], HEAD_DIM)  # [L, T, C, hd] float32
+
+
+def _row(tables, hashes, times: list[float], r: int, name: str, state: str, dedup: bool) -> dict:
+    import torch
+    steps, per_step = hashes.shape[0], r * len(LAYERS) * hashes.shape[-1]
+    distinct = sum(int(torch.unique(hashes[s, :, layer]).numel()) for s in range(steps) for layer in range(len(LAYERS)))
+    total_s = sum(times) / 1e3
+    caches = [c for c in tables.caches if c is not None]
+    hit_rate = (sum(c.hits for c in caches) / max(1, sum(c.lookups for c in caches))) if caches else None
+    for c in caches:
+        c.hits = c.lookups = 0
+    return {"what": "gather", "requests": r, "setting": name, "state": state, "steps": steps, "rows_per_step": per_step,
+            "distinct_per_step": distinct / steps, "median_ms": statistics.median(times),
+            "p90_ms": sorted(times)[int(0.9 * (len(times) - 1))], "rows_s": steps * per_step / total_s,
+            "staged_gb_s": steps * per_step * HEAD_DIM * 4 / total_s / 1e9,
+            "stored_mb_s": (distinct if dedup else steps * per_step) * ROW_BYTES / total_s / 1e6,
+            "cache_hit_rate": hit_rate, "peak_rss_mib": _peak_rss_mib()}
+
+
 def _memcpy_gbs() -> float:
     import torch
     src = torch.ones(128 * 2**20)  # 512 MiB float32
@@ -218,33 +246,23 @@ def run(args: argparse.Namespace) -> list[dict]:
                      "on_disk_gib": allocated / 2**30, "table_rows": sum(cfg.engram_num_embeddings),
                      "stream_tokens": len(ids), "distinct_rows": int(sum(len(t) for t in touched)),
                      "write_s": time.perf_counter() - t0})
+        # warm first: the rows just written are in the page cache; the first pass maps them, the second is timed
         for r, hashes in streams.items():
-            steps = hashes.shape[0]
-            per_step = r * len(LAYERS) * hashes.shape[-1]
-            distinct = sum(int(torch.unique(hashes[s, :, layer]).numel()) for s in range(steps)
-                           for layer in range(len(LAYERS)))
-            staging = torch.empty(len(LAYERS), r, hashes.shape[-1], HEAD_DIM)  # [L, T, C, hd] float32
-            for name, dedup, cache in (("plain", False, 0), ("dedup", True, 0),
-                                       ("dedup+cache", True, args.cache_mib * 2**20)):
-                tables = None
-                _drop_cache(path)
-                tables = _open_tables(root, cfg, dedup, cache)
-                for state in ("cold", "warm"):
-                    times = _pass(tables, hashes, staging)
-                    total_s = sum(times) / 1e3
-                    read_rows = distinct if dedup else steps * per_step
-                    hits = [c for c in tables.caches if c is not None]
-                    hit_rate = (sum(c.hits for c in hits) / max(1, sum(c.lookups for c in hits))) if hits else None
-                    for c in hits:
+            for name, dedup, cache in SETTINGS:
+                tables = _open_tables(root, cfg, dedup, cache * args.cache_mib * 2**20)
+                _pass(tables, hashes, _staging(r, hashes))
+                for c in tables.caches:  # count the timed pass only
+                    if c is not None:
                         c.hits = c.lookups = 0
-                    rows.append({"what": "gather", "requests": r, "setting": name, "state": state, "steps": steps,
-                                 "rows_per_step": per_step, "distinct_per_step": distinct / steps,
-                                 "median_ms": statistics.median(times),
-                                 "p90_ms": sorted(times)[int(0.9 * (len(times) - 1))],
-                                 "rows_s": steps * per_step / total_s,
-                                 "staged_gb_s": steps * per_step * HEAD_DIM * 4 / total_s / 1e9,
-                                 "stored_mb_s": read_rows * ROW_BYTES / total_s / 1e6,
-                                 "cache_hit_rate": hit_rate, "peak_rss_mib": _peak_rss_mib()})
+                rows.append(_row(tables, hashes, _pass(tables, hashes, _staging(r, hashes)), r, name, "warm", dedup))
+                del tables
+        # cold last (dropping the page cache undoes the warm-up): the first --cold-steps steps of each stream
+        for r, hashes in streams.items():
+            cold = hashes[: args.cold_steps]
+            for name, dedup, cache in SETTINGS:
+                _drop_cache(path)
+                tables = _open_tables(root, cfg, dedup, cache * args.cache_mib * 2**20)
+                rows.append(_row(tables, cold, _pass(tables, cold, _staging(r, cold)), r, name, "cold", dedup))
                 del tables
     finally:
         if not args.keep:

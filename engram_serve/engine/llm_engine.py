@@ -55,13 +55,14 @@ class StepResult:
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, cfg: RunnerConfig | None = None, enable_prefix_caching: bool = True):
+    def __init__(self, loaded: LoadedModel, cfg: RunnerConfig | None = None, enable_prefix_caching: bool = True,
+                 runner_cls: type[ModelRunner] = ModelRunner):
         cfg = cfg or RunnerConfig()
         if cfg.max_model_len > loaded.config.max_position_embeddings:
             raise ValueError(f"max_model_len={cfg.max_model_len} exceeds the model's "
                              f"max_position_embeddings={loaded.config.max_position_embeddings}")
         self.loaded, self.cfg = loaded, cfg
-        self.runner = ModelRunner(loaded, cfg)
+        self.runner = runner_cls(loaded, cfg)  # a test may pass a subclass (negative controls)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_model_len=cfg.max_model_len,

@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from ..model.layers import Linear, rms_norm
+from ..model.layers import Linear, pointwise, rms_norm
 
 
 class EngramGate(nn.Module):
@@ -38,7 +38,7 @@ class EngramGate(nn.Module):
         q = rms_norm(h, self.eps).float() * self.q_w.float()
         k = rms_norm(keys, self.eps).float() * self.k_w.float()
         dot = (q * k).sum(-1) / math.sqrt(self.hidden)  # [T, hc]
-        g = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=1e-6)))
+        g = pointwise(torch.sigmoid, torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=1e-6)))
         if dead is not None:
             g = g.masked_fill(dead[:, None], 0.0)
         return g.to(h.dtype), value

@@ -22,7 +22,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..engram.layer import EngramGate
 from ..errors import StaticBufferError
-from .attention import FULL, REUSE, SELECT, Attention, DenseBackend, PagedBackend
+from .attention import FULL, REUSE, SELECT, Attention, DenseAttention, PagedAttention
 from .context import ForwardContext, UbatchBuffers
 from .layers import MLP, Linear, MoE, RMSNorm, linear, rotary_cos_sin
 
@@ -54,6 +54,8 @@ class DecoderLayer(nn.Module):
 
 
 class EngramModel(nn.Module):
+    paged_attention = PagedAttention  # the serving attention backend (a test may swap in a subclass)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -95,7 +97,7 @@ class EngramModel(nn.Module):
         if b.num_tokens > ctx.bufs.capacity:
             raise StaticBufferError(f"staging buffer of microbatch {ctx.bufs.ubatch} holds {ctx.bufs.capacity} "
                                     f"tokens; the microbatch has {b.num_tokens}")
-        backend = PagedBackend(ctx)
+        backend = self.paged_attention(ctx)
         return (yield from self._run(b.input_ids.long(), b.positions.long(), b.dead, backend, ctx.engram_rows, ctx))
 
     def forward_step(self, ctx: ForwardContext) -> torch.Tensor:
@@ -134,7 +136,7 @@ class EngramModel(nn.Module):
                                  f"{self.config.engram.num_layers} Engram layers")
             rows_fn = lambda i: engram_rows[i].reshape(b * s, *engram_rows[i].shape[2:])  # noqa: E731
         gen = self._run(input_ids.reshape(-1).long(), positions, None if dead is None else dead.reshape(-1),
-                        DenseBackend(b, s, dev), rows_fn, None)
+                        DenseAttention(b, s, dev), rows_fn, None)
         while True:
             try:
                 next(gen)

@@ -12,8 +12,6 @@ from types import ModuleType
 def registry() -> dict[str, ModuleType]:
     """Subcommand name -> benchmark module. Bench modules import torch and the engine inside their
     functions, so building the command-line parser stays cheap."""
-    from . import attention, prep, serve, step
-    from . import hash as hash_bench
     from . import attention, prep, serve, step, tables
     from . import hash as hash_bench
     return {"hash": hash_bench, "prep": prep, "step": step, "attention": attention, "serve": serve,

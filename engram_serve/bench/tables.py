@@ -31,6 +31,7 @@ import resource
 import shutil
 import statistics
 import struct
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -229,6 +230,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     if free - size < 10 * 2**30:
         raise ValueError(f"--size-gib {size / 2**30:.1f}: {where} has {free / 2**30:.1f} GiB free; at least 10 GiB "
                          f"must stay free (the file is sparse, but its apparent size is reserved here to be safe)")
+    memcpy = {"what": "memcpy", "gb_s": _memcpy_gbs(), "threads": args.threads}
+    step_ms = _decode_step_ms(args.budget_s)  # measured first: nothing of the big file is resident yet
     cfg, layout = _config(size)
     ids, tmap = _stream(args.stream_tokens)
     streams = {r: _hash_stream(ids, r, layout, tmap) for r in args.requests}
@@ -255,6 +258,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     if c is not None:
                         c.hits = c.lookups = 0
                 rows.append(_row(tables, hashes, _pass(tables, hashes, _staging(r, hashes)), r, name, "warm", dedup))
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress
                 del tables
         # cold last (dropping the page cache undoes the warm-up): the first --cold-steps steps of each stream
         for r, hashes in streams.items():
@@ -263,14 +267,14 @@ def run(args: argparse.Namespace) -> list[dict]:
                 _drop_cache(path)
                 tables = _open_tables(root, cfg, dedup, cache * args.cache_mib * 2**20)
                 rows.append(_row(tables, cold, _pass(tables, cold, _staging(r, cold)), r, name, "cold", dedup))
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress
                 del tables
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
-    rows.append({"what": "memcpy", "gb_s": _memcpy_gbs(), "threads": args.threads})
-    step_ms = _decode_step_ms(args.budget_s)
     warm64 = [x for x in rows if x.get("requests") == 64 and x.get("state") == "warm"]
     for g in warm64:
         rows.append({"what": "decode step share", "setting": g["setting"], "decode_step_ms": step_ms,
                      "gather_ms": g["median_ms"], "share": g["median_ms"] / (step_ms + g["median_ms"])})
+    rows.append(memcpy)
     return rows

@@ -87,12 +87,15 @@ def test_every_e4m3_code_times_every_scale_code_is_bit_exact(scales):
 
 
 def test_quantize_rows_round_trips_within_e4m3_precision():
-    x = torch.randn(64, 64) * torch.logspace(-6, 6, 64)[:, None]
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)) * torch.logspace(-6, 6, 64)[:, None]
     x[3] = 0.0
     w, s = quantize_rows(x)
     back = Fp8Table(w, s).dequantize()
     assert torch.equal(back[3], torch.zeros(64))
-    assert ((back - x).abs() <= x.abs() * 2.0 ** -4 + 1e-30).all()  # 3 mantissa bits: relative error <= 1/16
+    # 3 mantissa bits: relative error <= 1/16 for normals; below E4M3's normal range (|x| < 2^-6 of the
+    # group's scale 2^k < 2 * amax / 448) the absolute error is at most half the subnormal step 2^(k-9)
+    amax = x.abs().view(64, 2, 32).amax(-1, keepdim=True).expand(64, 2, 32).reshape(64, 64)
+    assert ((back - x).abs() <= x.abs() * 2.0 ** -4 + amax * 2 / 448 * 2.0 ** -10).all()
 
 
 @pytest.mark.parametrize("shape", [(96, 64), (100, 70), (32, 32), (25, 250)])

@@ -192,6 +192,13 @@ def test_fp8_model_equals_its_float32_conversion_and_generates(official, tmp_pat
     assert all(torch.equal(a, b) for a, b in zip(*rows))
     with torch.no_grad():
         assert torch.equal(fp8.model.forward_dense(ids, rows[0]), flt.model.forward_dense(ids, rows[1]))
+    # the script converts a native float32 checkpoint's tables (and wkv) back to FP8: it loads, and its rows
+    # are the float ones within E4M3 precision
+    again = load_model(write_official(tmp_path / "converted", "--from", str(native)), pin_tables=False)
+    assert all(isinstance(t, Fp8Table) for t in again.tables.tables)
+    for a, b in zip(again.tables.tables, flt.tables.tables):
+        diff = (a.dequantize() - b).abs()
+        assert (diff <= b.abs() * 2.0 ** -4 + b.abs().amax() * 2.0 ** -12).all()
 
 
 def test_verify_passes_on_the_official_checkpoint(official):

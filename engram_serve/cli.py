@@ -122,6 +122,45 @@ def _ids_text(ids: list[int]) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+# ---- lookup ----
+
+def add_lookup(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("lookup", help="print each token's Engram hash ids and staged rows, from a checkpoint "
+                                      "directory (no backbone loaded)",
+                       description="Read only the config, the tokenizer and the Engram tables (of the shards "
+                                   "that hold them); tokenize TEXT, hash it from position 0 and stage its rows "
+                                   "as a serving step does. Prints, per token and Engram layer, the hash ids and "
+                                   "a sha256 digest of the staged rows; with --json one object with token_ids, "
+                                   "hash_ids [tokens][engram_layers][(N-1)*H] and rows "
+                                   "[engram_layers][tokens][(N-1)*H][engram_head_dim] (float32, printed exactly).")
+    p.add_argument("text", help="the text to tokenize")
+    p.add_argument("--model", type=Path, default=DATA_DIR, metavar="DIR",
+                   help="checkpoint directory (default: the built-in tiny model)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the rows in full")
+    p.set_defaults(run=run_lookup)
+
+
+def run_lookup(args: argparse.Namespace) -> int:
+    from .engram.lookup import EngramReader
+    try:
+        reader = EngramReader.open(args.model)
+    except EngramServeError as e:
+        raise type(e)(f"--model {args.model}: {e}") from None
+    res = reader.lookup(args.text)
+    if args.json:
+        print(json.dumps(res.to_json()))
+        return 0
+    e = reader.config
+    print(f"{len(res.token_ids)} tokens, Engram layers {list(res.layer_ids)}, {e.num_columns} hash columns of "
+          f"width {e.engram_head_dim}; shards read: {', '.join(p.name for p in reader.shards)}")
+    for t, tid in enumerate(res.token_ids):
+        piece = reader.tokenizer.decode([tid], skip_special_tokens=False)
+        for layer, lid in enumerate(res.layer_ids):
+            ids = ",".join(map(str, res.hash_ids[t, layer].tolist()))
+            print(f"{t:>4} {tid:>7} {piece!r:<14} layer {lid}: rows sha256 {res.digest(layer, t)}  hash ids {ids}")
+    return 0
+
+
 # ---- bench ----
 
 def add_bench(sub: argparse._SubParsersAction) -> None:
@@ -250,7 +289,7 @@ def add_train(sub: argparse._SubParsersAction) -> None:
 # ---- entry point ----
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    add_generate, add_serve, add_verify, add_hash, add_train, add_bench)
+    add_generate, add_serve, add_verify, add_hash, add_lookup, add_train, add_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

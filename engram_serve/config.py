@@ -1,18 +1,43 @@
-"""Validated model configuration, read from a DeepSeek-V4.1-style flat `config.json`.
+"""Validated model configuration, read from a DeepSeek-V4.1 `config.json` as published, nested or flat.
 
-Unknown keys are rejected with ConfigError (a ValueError), never silently ignored,
-except the Hugging Face bookkeeping keys in `_HF_META`.
+A published V4.1 config nests the text model's fields under `text_config`, beside `vision_config`,
+`quantization_config` and Hugging Face bookkeeping; `flatten_config` lifts them to one level (a key
+given both at the top level and in `text_config` with different values is an error naming both).
+The fields this project uses are validated (ConfigError naming the field and the values); the
+fields it does not use are accepted and listed once per load at debug level (logger
+`engram_serve.config`), except an unknown `engram_*` field: the Engram fields define the hash
+(spec §2), so one this project does not know is refused rather than silently ignored. Our own options (engine, runner, CLI) are separate dataclasses and still
+reject unknown keys.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConfigError
 
-_HF_META = {"architectures", "model_type", "torch_dtype", "transformers_version", "auto_map"}
+log = logging.getLogger(__name__)
+TEXT_CONFIG = "text_config"  # where a multimodal (published V4.1) config keeps the text model's fields
+
+
+def flatten_config(d: dict) -> dict:
+    """One flat dict of a config, nested (`text_config`) or flat. Invariant: every key of
+    `d[TEXT_CONFIG]` keeps its value; a top-level key is kept unless text_config has it too, in
+    which case both values must agree."""
+    if TEXT_CONFIG not in d:
+        return dict(d)
+    text = d[TEXT_CONFIG]
+    if not isinstance(text, dict):
+        raise ConfigError(f"config field {TEXT_CONFIG}={text!r}: must be a JSON object")
+    out = {k: v for k, v in d.items() if k != TEXT_CONFIG}
+    for k, v in text.items():
+        if k in out and out[k] != v:
+            raise ConfigError(f"config field {k}: the top level says {out[k]!r}, {TEXT_CONFIG} says {v!r}")
+        out[k] = v
+    return out
 
 
 def _check(cond: bool, name: str, value, why: str) -> None:
@@ -69,14 +94,20 @@ class EngramConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "EngramConfig":
-        """Pick the Engram fields out of a full (flat) model config; other keys are the backbone's."""
+        """Pick the Engram fields (and hidden_size, hc_mult) out of a full model config, nested or
+        flat; other keys are the backbone's or unused, and are ignored here."""
+        d = flatten_config(d)
         names = {f.name for f in dataclasses.fields(cls)}
         missing = [n for n in names if n.startswith("engram_") and n not in d]
         if missing:
             raise ConfigError(f"config is missing Engram field(s) {sorted(missing)}")
         unknown = [k for k in d if k.startswith("engram_") and k not in names]
-        if unknown:
+        if unknown:  # the hash is defined by these fields: one we do not know may change it, so refuse
             raise ConfigError(f"config has unknown Engram field(s) {sorted(unknown)}")
+        for n in names:
+            listy = n in ("engram_layer_ids", "engram_num_embeddings")
+            if n in d and not _is_int(d[n], listy):
+                raise ConfigError(f"config field {n}={d[n]!r}: must be " + ("a list of integers" if listy else "an integer"))
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
@@ -142,13 +173,15 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        d = dict(d)
+        """From a config dict, nested or flat. Unused fields are kept in `extra` (so `to_dict` round
+        trips them) and listed once at debug level."""
+        d = flatten_config(d)
         engram = EngramConfig.from_dict({**d, "hidden_size": d.get("hidden_size", 0), "hc_mult": d.get("hc_mult", 1)})
         names = {f.name for f in dataclasses.fields(cls)} - {"engram", "extra"}
         engram_names = {f.name for f in dataclasses.fields(EngramConfig)} - {"hidden_size", "hc_mult"}
-        unknown = sorted(k for k in d if k not in names and k not in engram_names and k not in _HF_META)
-        if unknown:
-            raise ConfigError(f"config has unknown field(s) {unknown}")
+        unused = sorted(k for k in d if k not in names and k not in engram_names)
+        if unused:
+            log.debug("config: %d field(s) not used by engram-serve: %s", len(unused), unused)
         required = [f.name for f in dataclasses.fields(cls)
                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
                     and f.name != "engram"]
@@ -156,7 +189,7 @@ class ModelConfig:
         if missing:
             raise ConfigError(f"config is missing field(s) {missing}")
         kw = {k: v for k, v in d.items() if k in names}
-        return cls(engram=engram, extra={k: d[k] for k in d if k in _HF_META}, **kw)
+        return cls(engram=engram, extra={k: d[k] for k in unused}, **kw)
 
     def to_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("engram", "extra")}
@@ -165,6 +198,11 @@ class ModelConfig:
         out.update(eng)
         out.update(self.extra)
         return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+
+def _is_int(v, listy: bool) -> bool:
+    ok = lambda x: isinstance(x, int) and not isinstance(x, bool)  # noqa: E731
+    return isinstance(v, (list, tuple)) and all(ok(x) for x in v) if listy else ok(v)
 
 
 def read_json(path: str | Path) -> dict:

@@ -17,8 +17,9 @@ from engram_serve.engram.layout import build_layout
 from engram_serve.engram.tables import EngramTables
 from engram_serve.engram.token_map import build_token_map, load_tokenizer
 from engram_serve.errors import CheckpointMismatch
+from engram_serve.model.checkpoint import CheckpointFiles
 from engram_serve.model.loader import (CONFIG_FILE, TINY_DIR, WEIGHTS_FILE, check_tokenizer, load_model,
-                                       make_random_checkpoint, mmap_safetensors)
+                                       make_random_checkpoint)
 from engram_serve.model.model import EngramModel, init_weights
 
 
@@ -182,11 +183,11 @@ def test_corrupt_files(copy):
     d = copy()
     data = (d / WEIGHTS_FILE).read_bytes()
     (d / WEIGHTS_FILE).write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointMismatch, match="data_offsets"):
+    with pytest.raises(CheckpointMismatch, match=r"model\.safetensors: not a valid safetensors file.*not fully covered"):
         load_model(d)
     (d / WEIGHTS_FILE).write_bytes(struct.pack("<Q", 10**9) + b"{}")
-    with pytest.raises(CheckpointMismatch, match="header length"):
-        mmap_safetensors(d / WEIGHTS_FILE)
+    with pytest.raises(CheckpointMismatch, match=r"model\.safetensors: not a valid safetensors file.*header too large"):
+        load_model(d)
     (d / WEIGHTS_FILE).unlink()
     with pytest.raises(CheckpointMismatch, match="model.safetensors"):
         load_model(d)
@@ -195,9 +196,10 @@ def test_corrupt_files(copy):
 def test_bf16_checkpoint_views_correctly(tmp_path):
     t = torch.randn(3, 5).to(torch.bfloat16)
     save_file({"a": t, "b": torch.arange(7, dtype=torch.int64)}, tmp_path / "x.safetensors")
-    got = mmap_safetensors(tmp_path / "x.safetensors")
-    assert got["a"].dtype == torch.bfloat16 and torch.equal(got["a"], t)
-    assert torch.equal(got["b"], torch.arange(7))
+    (tmp_path / "x.safetensors").rename(tmp_path / WEIGHTS_FILE)
+    files = CheckpointFiles.open(tmp_path)
+    assert files.tensor("a").dtype == torch.bfloat16 and torch.equal(files.tensor("a"), t)
+    assert torch.equal(files.tensor("b"), torch.arange(7))
 
 
 def test_script_writes_a_loadable_checkpoint(tmp_path):

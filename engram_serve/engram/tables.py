@@ -1,15 +1,26 @@
-"""Engram embedding tables (spec §7): one host tensor [rows, engram_head_dim] per Engram layer.
+"""Engram embedding tables (spec §7): one host table [rows, engram_head_dim] per Engram layer.
 
-Tables may be far larger than device memory, so they stay on the host (pinned where CUDA exists,
-else plain or memory-mapped) and are gathered row-wise into a persistent staging buffer.
-Invariant: `tables[l].shape == (engram_num_embeddings[l], engram_head_dim)` and every hash id of
-layer l (spec §2) is a valid row of `tables[l]`.
+A table is a float tensor or an `Fp8Table` (E4M3 rows + E8M0 scales, quantized.py). Tables may be far
+larger than device memory, and than RAM: they stay on the host (pinned where CUDA exists, else plain
+or memory-mapped from the checkpoint, read on demand) and are gathered row-wise into a persistent
+staging buffer. Invariant: `tables[l].shape == (engram_num_embeddings[l], engram_head_dim)` and every
+hash id of layer l (spec §2) is a valid row of `tables[l]`.
+
+The gather, per layer: the step's ids [T*C] are deduplicated (a step repeats many ids: Zipfian text,
+shared prefixes, the same n-gram in many requests), each distinct row is read once (through the
+optional byte-bounded `RowCache` of hot rows, in stored form) and dequantized once, then expanded
+into the staging rows. Dedup and cache change which bytes are read, never the staged values: the
+staged rows are bit for bit those of a direct row-by-row read (tests/test_checkpoint_tables.py).
 """
 from __future__ import annotations
+
+import threading
 
 import torch
 
 from ..config import EngramConfig
+from .quantized import Fp8Table, dequantize_rows
+from .row_cache import RowCache
 
 
 def table_key(layer_id: int) -> str:
@@ -18,7 +29,11 @@ def table_key(layer_id: int) -> str:
 
 
 class EngramTables:
-    def __init__(self, layer_ids: tuple[int, ...] | list[int], tables: list[torch.Tensor], pin: bool | None = None):
+    """The Engram tables of a model. `dedup` (default on) reads each distinct row of a step once;
+    `cache_bytes` > 0 puts a RowCache of that many bytes (split evenly over the layers) in front."""
+
+    def __init__(self, layer_ids: tuple[int, ...] | list[int], tables: list[torch.Tensor | Fp8Table],
+                 pin: bool | None = None, dedup: bool = True, cache_bytes: int = 0):
         if len(layer_ids) != len(tables):
             raise ValueError(f"EngramTables: {len(layer_ids)} layer ids but {len(tables)} tables")
         widths = {t.shape[1] for t in tables if t.ndim == 2}
@@ -27,9 +42,25 @@ class EngramTables:
         if pin is None:
             pin = torch.cuda.is_available()
         if pin:  # page-locked host memory, so staging copies to the GPU are truly asynchronous
-            tables = [t if t.is_cuda or t.is_pinned() else t.pin_memory() for t in tables]
+            tables = [t if t.device.type == "cuda" or t.is_pinned() else t.pin_memory() for t in tables]
         self.layer_ids = tuple(int(x) for x in layer_ids)
         self.tables = list(tables)
+        self.dedup = dedup
+        self.caches: list[RowCache | None] = [None] * len(tables)
+        if cache_bytes > 0:
+            self.set_cache(cache_bytes)
+        self._lock = threading.Lock()  # the caches are shared state; a gather holds the lock
+
+    def set_cache(self, cache_bytes: int) -> None:
+        """Replace the hot-row caches by empty ones of cache_bytes in all (0: no cache)."""
+        per = cache_bytes // max(1, len(self.tables))
+        self.caches = [None if cache_bytes <= 0 else self._make_cache(t, per) for t in self.tables]
+
+    @staticmethod
+    def _make_cache(tab, nbytes: int) -> RowCache:
+        """Cached rows are dequantized float32 (1 KiB per 256-wide row): a hit costs one row copy, no
+        decoding. (Caching the stored FP8 bytes would hold 3.9x more rows but decode every hit.)"""
+        return RowCache(nbytes, [(tab.shape[1],)], [torch.float32], tab.device)
 
     @property
     def num_layers(self) -> int:
@@ -45,10 +76,21 @@ class EngramTables:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tables)
+        return sum(t.nbytes if isinstance(t, Fp8Table) else t.numel() * t.element_size() for t in self.tables)
+
+    @property
+    def quantized(self) -> bool:
+        return any(isinstance(t, Fp8Table) for t in self.tables)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {table_key(lid): t for lid, t in zip(self.layer_ids, self.tables)}
+        """Native tensor names; an FP8 table gives `<key>` (E4M3 rows) and `<key>.scale` (E8M0)."""
+        out = {}
+        for lid, t in zip(self.layer_ids, self.tables):
+            if isinstance(t, Fp8Table):
+                out[table_key(lid)], out[table_key(lid) + ".scale"] = t.weight, t.scale
+            else:
+                out[table_key(lid)] = t
+        return out
 
     @classmethod
     def random(cls, cfg: EngramConfig, seed: int, std: float = 0.5, dtype: torch.dtype = torch.float32,
@@ -60,19 +102,70 @@ class EngramTables:
         return cls(cfg.engram_layer_ids, tabs, pin=pin)
 
     def gather(self, hash_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Rows of hash_ids [T, L_e, C] into out [L_e, T, C, head_dim], in place; returns out.
+        """Rows of hash_ids [T, L_e, C] into out [L_e, T, C, head_dim] (float32 or bfloat16), in place; returns out.
 
-        One index_select per layer (vectorised over all tokens and columns). `out` may be a slice of a
-        persistent staging buffer on another device; ids are moved to the table's device first."""
+        Vectorised over all tokens and columns, per layer. `out` may be a slice of a persistent staging
+        buffer on another device; ids are moved to the table's device first, stored rows to out's."""
         t, n_layers, c = hash_ids.shape
         if n_layers != self.num_layers or out.shape != (n_layers, t, c, self.head_dim):
             raise ValueError(f"gather: hash_ids {tuple(hash_ids.shape)} and out {tuple(out.shape)} do not fit "
                              f"{self.num_layers} tables of width {self.head_dim}")
-        for layer, tab in enumerate(self.tables):
-            ids = hash_ids[:, layer, :].reshape(-1).to(tab.device, torch.int64)  # [T*C]
-            dst = out[layer]  # [T, C, hd]
-            if dst.device == tab.device and dst.dtype == tab.dtype and dst.is_contiguous():
-                torch.index_select(tab, 0, ids, out=dst.view(t * c, self.head_dim))
-            else:
-                dst.copy_(tab.index_select(0, ids).view(t, c, self.head_dim), non_blocking=True)
+        with self._lock:
+            for layer, tab in enumerate(self.tables):
+                ids = hash_ids[:, layer, :].reshape(-1).to(tab.device, torch.int64)  # [T*C]
+                dst = out[layer].view(t * c, self.head_dim) if out[layer].is_contiguous() else None  # [T*C, hd]
+                if self.dedup or self.caches[layer] is not None:
+                    uniq, inv = torch.unique(ids, return_inverse=True) if self.dedup else (ids, None)  # [U] ascending
+                    rows = self._rows(layer, uniq, out.dtype, out.device)  # [U, hd]
+                    if inv is None:
+                        out[layer].copy_(rows.view(t, c, self.head_dim))
+                    elif dst is not None:
+                        torch.index_select(rows, 0, inv.to(out.device), out=dst)
+                    else:
+                        out[layer].copy_(rows.index_select(0, inv.to(out.device)).view(t, c, self.head_dim))
+                elif dst is not None and not isinstance(tab, Fp8Table) and tab.dtype == dst.dtype \
+                        and tab.device == dst.device:
+                    torch.index_select(tab, 0, ids, out=dst)  # straight from the table into staging
+                elif dst is not None:
+                    self._dequantize(self._fetch(layer, ids), out.dtype, out.device, dst)  # straight into staging
+                else:
+                    rows = self._dequantize(self._fetch(layer, ids), out.dtype, out.device)
+                    out[layer].copy_(rows.view(t, c, self.head_dim))
         return out
+
+    def _fetch(self, layer: int, ids: torch.Tensor) -> list[torch.Tensor]:
+        """Stored rows of ids [n]: [float rows [n, hd]] or [E4M3 bytes [n, hd], E8M0 bytes [n, hd/32]]."""
+        tab = self.tables[layer]
+        return list(tab.fetch(ids)) if isinstance(tab, Fp8Table) else [tab.index_select(0, ids)]
+
+    def _rows(self, layer: int, ids: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Dequantized rows [n, hd] of ids [n], through the hot-row cache if there is one: hits are copied
+        from it, misses fetched, dequantized, inserted."""
+        cache = self.caches[layer]
+        if cache is None:
+            return self._dequantize(self._fetch(layer, ids), dtype, device)
+        hit, slot = cache.lookup(ids)
+        miss = (~hit).nonzero().squeeze(1)  # [M]
+        hit_idx = hit.nonzero().squeeze(1)  # [n - M]
+        fresh = self._dequantize(self._fetch(layer, ids.index_select(0, miss)), cache.parts[0].dtype,
+                                 cache.parts[0].device)  # [M, hd]
+        if miss.numel() == 0:
+            rows = cache.read(slot)[0]
+        else:
+            rows = torch.empty((ids.numel(), self.head_dim), dtype=cache.parts[0].dtype, device=cache.parts[0].device)
+            rows.index_copy_(0, hit_idx, cache.read(slot.index_select(0, hit_idx))[0])  # (index_copy_: ~10x
+            rows.index_copy_(0, miss, fresh)  # faster than rows[idx] = ... on CPU)
+            cache.insert(ids.index_select(0, miss), slot.index_select(0, miss), [fresh])
+        return rows.to(device, dtype, non_blocking=True)
+
+    @staticmethod
+    def _dequantize(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """Stored rows -> [n, hd] dtype on device (into out if given). FP8 bytes travel before they expand."""
+        parts = [p.to(device, non_blocking=True) for p in parts]
+        if len(parts) == 2:
+            w, s = parts
+            return dequantize_rows(w, s, out if out is not None else torch.empty(w.shape, dtype=dtype, device=device))
+        if out is None:
+            return parts[0].to(dtype)
+        return out.copy_(parts[0])

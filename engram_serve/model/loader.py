@@ -1,44 +1,47 @@
 """Load (and write) a Hugging Face-style Engram checkpoint directory.
 
-    config.json        DeepSeek-V4.1 field names (ModelConfig.from_dict)
-    model.safetensors  backbone weights plus one `engram.{layer_id}.table` [rows, engram_head_dim] per Engram layer
+    config.json        DeepSeek-V4.1 field names, flat or nested under `text_config` (ModelConfig.from_dict)
+    model.safetensors  weights and Engram tables, or model.safetensors.index.json + shards (checkpoint.py)
     tokenizer.json     a `tokenizers` tokenizer
 
-Weights are memory-mapped (copy-on-write, so the file is never modified and pages load on demand) and
-assigned into a model built on the meta device: loading copies no weight. Every disagreement between
-config, tokenizer and tensors raises CheckpointMismatch naming the field (or tensor) and both values.
+Tensor names are this project's (native) or the official DeepSeek-V4.1 ones, detected per checkpoint;
+the mapping is the one table in names.py. Tensors are read through `safetensors.safe_open`: weights
+are views of a private (copy-on-write) mapping of their shard, assigned into a model built on the
+meta device, so loading copies no float32 weight. Exceptions, each a documented copy at load:
+an F8_E4M3 weight with E8M0 block scales (the Engram `wkv`) is dequantized ONCE, at load, into
+float32, the model's compute dtype (so the batch-invariant `Linear` runs unchanged); BF16/F16
+weights are cast to float32; per-expert official tensors are stacked. Engram tables are never
+converted: float or FP8 (E4M3 rows + E8M0 per-32-column scales), they stay mapped and are read on
+demand (madvise MADV_RANDOM), row by row, by the staging gather.
+
+Every disagreement between config, tokenizer and tensors raises CheckpointMismatch naming the field
+(or file and tensor) and both values.
 """
 from __future__ import annotations
 
 import json
-import math
 import shutil
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from ..config import ModelConfig, read_json
+from ..config import EngramConfig, ModelConfig, read_json
 from ..engram.layout import EngramLayout, build_layout
+from ..engram.quantized import SCALE_COLS, Fp8Table, advise_random, block_size_of, dequantize_blocks
 from ..engram.tables import EngramTables, table_key
 from ..engram.token_map import build_token_map, load_tokenizer
 from ..errors import CheckpointMismatch
+from .checkpoint import INDEX_FILE, WEIGHTS_FILE, CheckpointFiles
 from .model import EngramModel, init_weights
+from .names import detect_scheme, name_in, scale_name
 
 TINY_DIR = Path(__file__).resolve().parent.parent / "data" / "tiny"
-CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE = "config.json", "model.safetensors", "tokenizer.json"
-
-# safetensors dtype -> (numpy dtype used to view the bytes, torch dtype of the tensor)
-_DTYPES = {
-    "F64": (np.float64, torch.float64), "F32": (np.float32, torch.float32), "F16": (np.float16, torch.float16),
-    "BF16": (np.int16, torch.bfloat16), "I64": (np.int64, torch.int64), "I32": (np.int32, torch.int32),
-    "I16": (np.int16, torch.int16), "I8": (np.int8, torch.int8), "U8": (np.uint8, torch.uint8),
-    "BOOL": (np.bool_, torch.bool),
-}
+CONFIG_FILE, TOKENIZER_FILE = "config.json", "tokenizer.json"
+FLOAT_CODES = ("F32", "BF16", "F16")
+FP8_CODE, SCALE_CODE = "F8_E4M3", "F8_E8M0"
 
 Progress = Callable[[int, int, str], None]  # (done, total, what)
 
@@ -52,57 +55,6 @@ class LoadedModel:
     tokenizer: Tokenizer
     token_map: torch.Tensor  # [tokenizer vocab] int64 raw id -> compressed id
     path: Path
-
-
-def read_safetensors_header(path: Path) -> tuple[dict[str, dict], int]:
-    """The tensor entries of a safetensors file and the byte offset where its data starts."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointMismatch(f"{path}: not a safetensors file ({size} bytes)")
-            (n,) = struct.unpack("<Q", head)  # 8-byte little-endian header length
-            if n > size - 8:
-                raise CheckpointMismatch(f"{path}: header length {n} exceeds the file size {size}")
-            header = json.loads(f.read(n))
-    except OSError as e:
-        raise CheckpointMismatch(f"cannot read checkpoint {path}: {e}") from None
-    except ValueError as e:
-        raise CheckpointMismatch(f"{path}: safetensors header is not valid JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise CheckpointMismatch(f"{path}: safetensors header must be a JSON object")
-    header.pop("__metadata__", None)
-    data_start, data_size = 8 + n, size - 8 - n
-    for name, e in header.items():
-        if not isinstance(e, dict) or e.get("dtype") not in _DTYPES or not isinstance(e.get("shape"), list) \
-                or not isinstance(e.get("data_offsets"), list) or len(e["data_offsets"]) != 2:
-            raise CheckpointMismatch(f"{path}: tensor {name!r} has a malformed header entry {e!r}")
-        begin, end = e["data_offsets"]
-        want = math.prod(e["shape"]) * np.dtype(_DTYPES[e["dtype"]][0]).itemsize
-        if not 0 <= begin <= end <= data_size or end - begin != want:
-            raise CheckpointMismatch(f"{path}: tensor {name!r} data_offsets {e['data_offsets']} do not hold "
-                                     f"{e['dtype']} {e['shape']} ({want} bytes) in {data_size} data bytes")
-    return header, data_start
-
-
-def mmap_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """Zero-copy torch views of every tensor in a safetensors file (one copy-on-write mapping of the file)."""
-    path = Path(path)
-    header, data_start = read_safetensors_header(path)
-    if not header:
-        return {}
-    raw = np.memmap(path, dtype=np.uint8, mode="c")  # "c": writable views, private pages, file untouched
-    out = {}
-    for name, e in header.items():
-        np_dtype, torch_dtype = _DTYPES[e["dtype"]]
-        begin, end = (data_start + o for o in e["data_offsets"])
-        buf = raw[begin:end]
-        if begin % np.dtype(np_dtype).itemsize:  # misaligned for its dtype: the one case that copies
-            buf = np.array(buf)
-        t = torch.from_numpy(buf.view(np_dtype).reshape(e["shape"]))
-        out[name] = t.view(torch_dtype) if torch_dtype == torch.bfloat16 else t
-    return out
 
 
 def check_tokenizer(cfg: ModelConfig, tok: Tokenizer) -> None:
@@ -119,77 +71,132 @@ def _shape(t: torch.Tensor) -> list[int]:
     return list(t.shape)
 
 
-def _split_tables(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    e = cfg.engram
-    tables = []
-    for lid, rows in zip(e.engram_layer_ids, e.engram_num_embeddings):
-        key = table_key(lid)
-        if key not in tensors:
-            raise CheckpointMismatch(f"missing tensor {key!r} (expected shape {[rows, e.engram_head_dim]})")
-        t = tensors.pop(key)
-        if t.ndim != 2:
-            raise CheckpointMismatch(f"tensor {key!r}: checkpoint shape {_shape(t)}, "
-                                     f"expected {[rows, e.engram_head_dim]}")
-        if t.shape[0] != rows:
-            raise CheckpointMismatch(f"engram_num_embeddings for Engram layer {lid}: config says {rows}, "
-                                     f"checkpoint table {key!r} has {t.shape[0]} rows")
-        if t.shape[1] != e.engram_head_dim:
-            raise CheckpointMismatch(f"engram_head_dim for Engram layer {lid}: config says {e.engram_head_dim}, "
-                                     f"checkpoint table {key!r} is {t.shape[1]} wide")
-        tables.append(t)
-    return tables
+def read_table(files: CheckpointFiles, scheme: str, e: EngramConfig, index: int) -> torch.Tensor | Fp8Table:
+    """The table of Engram layer e.engram_layer_ids[index] as stored: float [rows, hd], or an Fp8Table."""
+    lid, rows = e.engram_layer_ids[index], e.engram_num_embeddings[index]
+    key = name_in(scheme, table_key(lid))
+    if key not in files:
+        raise CheckpointMismatch(f"missing tensor {key!r} (expected shape {[rows, e.engram_head_dim]}) in "
+                                 f"checkpoint {files.root}")
+    dtype, shape = files.info(key)
+    where = files.file_of(key)
+    if len(shape) != 2:
+        raise CheckpointMismatch(f"{where}: tensor {key!r}: checkpoint shape {shape}, expected {[rows, e.engram_head_dim]}")
+    if shape[0] != rows:
+        raise CheckpointMismatch(f"engram_num_embeddings for Engram layer {lid}: config says {rows}, "
+                                 f"checkpoint table {key!r} has {shape[0]} rows ({where})")
+    if shape[1] != e.engram_head_dim:
+        raise CheckpointMismatch(f"engram_head_dim for Engram layer {lid}: config says {e.engram_head_dim}, "
+                                 f"checkpoint table {key!r} is {shape[1]} wide ({where})")
+    if dtype in FLOAT_CODES:
+        return files.tensor(key, writable=False)
+    if dtype != FP8_CODE:
+        raise CheckpointMismatch(f"{where}: table {key!r} has dtype {dtype}, expected {FP8_CODE} or one of {FLOAT_CODES}")
+    skey = scale_name(key)
+    if shape[1] % SCALE_COLS:
+        raise CheckpointMismatch(f"engram_head_dim for Engram layer {lid}: {shape[1]} is not a multiple of "
+                                 f"{SCALE_COLS}, which an FP8 table {key!r} needs")
+    if skey not in files:
+        raise CheckpointMismatch(f"missing tensor {skey!r}: the E8M0 scales of the FP8 table {key!r} "
+                                 f"(expected shape {[rows, shape[1] // SCALE_COLS]})")
+    files.expect(skey, (SCALE_CODE,), [rows, shape[1] // SCALE_COLS])
+    return Fp8Table(files.tensor(key, writable=False), files.tensor(skey, writable=False))
 
 
-def _check_weights(expected: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
-    missing = sorted(set(expected) - set(tensors))
+def read_tables(files: CheckpointFiles, scheme: str, e: EngramConfig, pin: bool | None = None,
+                dedup: bool = True, cache_bytes: int = 0) -> EngramTables:
+    tabs = [read_table(files, scheme, e, i) for i in range(e.num_layers)]
+    if not pin and not (pin is None and torch.cuda.is_available()):
+        for t in tabs:  # stay mapped: read on demand, one page per row touched
+            for part in ((t.weight, t.scale) if isinstance(t, Fp8Table) else (t,)):
+                advise_random(part)
+    return EngramTables(e.engram_layer_ids, tabs, pin=pin, dedup=dedup, cache_bytes=cache_bytes)
+
+
+def read_weight(files: CheckpointFiles, name: str, shape: list[int]) -> tuple[torch.Tensor, list[str]]:
+    """(float32 weight of `shape`, the checkpoint names it used). Float32 is a zero-copy view; FP8 with
+    block scales is dequantized; `{e}` in the name stacks one tensor per expert along a new dim 0."""
+    if "{e}" in name:
+        parts = [read_weight(files, name.replace("{e}", str(k)), shape[1:]) for k in range(shape[0])]
+        return torch.stack([p for p, _ in parts]), [n for _, used in parts for n in used]
+    if name not in files:
+        raise CheckpointMismatch(f"missing tensor {name!r} (expected shape {shape}) in checkpoint {files.root}")
+    dtype, got = files.info(name)
+    where = files.file_of(name)
+    if got != list(shape):
+        raise CheckpointMismatch(f"{where}: tensor {name!r}: checkpoint shape {got}, the config needs {list(shape)}")
+    if dtype in FLOAT_CODES:
+        t = files.tensor(name)
+        return (t if t.dtype == torch.float32 else t.float()), [name]
+    if dtype != FP8_CODE:
+        raise CheckpointMismatch(f"{where}: tensor {name!r} has dtype {dtype}, expected a float dtype {FLOAT_CODES} "
+                                 f"or {FP8_CODE} with {SCALE_CODE} block scales")
+    sname = scale_name(name)
+    if sname not in files or len(shape) != 2:
+        raise CheckpointMismatch(f"{where}: FP8 tensor {name!r} needs its {SCALE_CODE} block scales {sname!r}"
+                                 + ("" if len(shape) == 2 else f" and a 2-D shape (it is {list(shape)})"))
+    sdtype, sshape = files.info(sname)
+    block = block_size_of((shape[0], shape[1]), (sshape + [0, 0])[:2] if len(sshape) == 2 else (0, 0))
+    if sdtype != SCALE_CODE or block is None:
+        raise CheckpointMismatch(f"{files.file_of(sname)}: scales {sname!r} are {sdtype} {sshape}; expected "
+                                 f"{SCALE_CODE} [ceil({shape[0]}/b), ceil({shape[1]}/b)] for a block size b in 32..256")
+    return dequantize_blocks(files.tensor(name), files.tensor(sname), block), [name, sname]
+
+
+def load_state(files: CheckpointFiles, scheme: str, expected: dict[str, torch.Tensor], table_names: set[str],
+               note: Progress) -> dict[str, torch.Tensor]:
+    """Every tensor the model expects, by native name; raises on missing, unexpected, misshapen ones."""
+    missing = [k for k in expected if "{e}" not in name_in(scheme, k) and name_in(scheme, k) not in files]
     if missing:
         shapes = {k: _shape(expected[k]) for k in missing[:5]}
-        raise CheckpointMismatch(f"missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''} "
-                                 f"(expected shapes {shapes}; {len(missing)} missing in all)")
-    unexpected = sorted(set(tensors) - set(expected))
+        raise CheckpointMismatch(f"missing tensor(s) {[name_in(scheme, k) for k in missing[:5]]}"
+                                 f"{' ...' if len(missing) > 5 else ''} (expected shapes {shapes}; {len(missing)} "
+                                 f"missing in all) in checkpoint {files.root}")
+    state, used = {}, set(table_names)
+    for i, (native, ref) in enumerate(expected.items()):
+        state[native], names = read_weight(files, name_in(scheme, native), _shape(ref))
+        used.update(names)
+        note(i + 1, len(expected), native)
+    unexpected = sorted(set(files.keys()) - used)
     if unexpected:
         raise CheckpointMismatch(f"unexpected tensor(s) {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} "
-                                 f"(checkpoint shapes {[_shape(tensors[k]) for k in unexpected[:5]]})")
-    for name, ref in expected.items():
-        if tensors[name].shape != ref.shape:
-            raise CheckpointMismatch(f"tensor {name!r}: checkpoint shape {_shape(tensors[name])}, "
-                                     f"the config needs {_shape(ref)}")
-        if not tensors[name].is_floating_point():
-            raise CheckpointMismatch(f"tensor {name!r}: checkpoint dtype {tensors[name].dtype}, expected a float dtype")
+                                 f"(checkpoint shapes {[files.info(k)[1] for k in unexpected[:5]]}) in {files.root}")
+    return state
 
 
 def load_model(path: str | Path | None = None, *, device: str | torch.device = "cpu", pin_tables: bool | None = None,
-               progress: Progress | None = None) -> LoadedModel:
+               progress: Progress | None = None, dedup: bool = True, cache_bytes: int = 0) -> LoadedModel:
     """Load a checkpoint directory (None: the built-in tiny model). Parameters are memory-mapped on CPU
-    (copied only when `device` is not the CPU) and have requires_grad off; Engram tables stay on the host,
-    pinned when CUDA is available (pin_tables=None) - pinning copies them out of the mapping."""
+    (copied only when `device` is not the CPU, or dequantized/cast as the module docstring says) and have
+    requires_grad off; Engram tables stay on the host, pinned when CUDA is available (pin_tables=None) -
+    pinning copies them out of the mapping, so keep pin_tables=False for tables larger than RAM.
+    `dedup` and `cache_bytes` configure the staging gather (EngramTables)."""
     root = Path(path) if path is not None else TINY_DIR
     note = progress or (lambda done, total, what: None)
-    for f in (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE):
+    for f in (CONFIG_FILE, TOKENIZER_FILE):
         if not (root / f).is_file():
             raise CheckpointMismatch(f"checkpoint {root} has no {f}")
+    if not (root / WEIGHTS_FILE).is_file() and not (root / INDEX_FILE).is_file():
+        raise CheckpointMismatch(f"checkpoint {root} has no {WEIGHTS_FILE} (nor {INDEX_FILE})")
     cfg = ModelConfig.from_dict(read_json(root / CONFIG_FILE))
     tok = load_tokenizer(root / TOKENIZER_FILE)
     check_tokenizer(cfg, tok)
     token_map = build_token_map(tok, cfg.engram.engram_compressed_vocab_size)  # raises on a V' mismatch
     layout = build_layout(cfg.engram)  # raises on a row-count mismatch
     note(0, 1, "config and tokenizer")
-    tensors = mmap_safetensors(root / WEIGHTS_FILE)
-    tables = _split_tables(cfg, tensors)
+    files = CheckpointFiles.open(root)
+    scheme = detect_scheme(files.keys())
+    tables = read_tables(files, scheme, cfg.engram, pin_tables, dedup, cache_bytes)
+    table_names = {n for lid in cfg.engram.engram_layer_ids for n in
+                   (name_in(scheme, table_key(lid)), scale_name(name_in(scheme, table_key(lid))))}
     with torch.device("meta"):
         model = EngramModel(cfg)
-    expected = model.state_dict()
-    _check_weights(expected, tensors)
-    state = {}
-    for i, name in enumerate(expected):
-        state[name] = tensors[name]
-        note(i + 1, len(expected), name)
+    state = load_state(files, scheme, model.state_dict(), table_names, note)
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False).eval()
     if torch.device(device).type != "cpu":
         model = model.to(device)
-    return LoadedModel(cfg, model, EngramTables(cfg.engram.engram_layer_ids, tables, pin=pin_tables), layout, tok,
-                       token_map, root)
+    return LoadedModel(cfg, model, tables, layout, tok, token_map, root)
 
 
 def save_checkpoint(out_dir: str | Path, cfg: ModelConfig, model: EngramModel, tables: EngramTables,

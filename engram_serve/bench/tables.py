@@ -1,0 +1,280 @@
+"""Engram tables larger than RAM: the staging gather from a memory-mapped FP8 table, cold and warm.
+
+Creates one safetensors file in the official layout (two Engram layers, N = 4, H = 8, head_dim 256,
+F8_E4M3 rows + F8_E8M0 scales) larger than this machine's RAM, written sparse: the header, the
+scales (dense, 8 bytes per row) and only the rows the stream below touches (random bytes); the
+rest of the file is a hole, so the disk is not filled with zeros. The file is deleted at the end.
+
+The stream: real text (the Python standard library's sources) through the built-in tokenizer, cut
+into `requests` sequences that decode side by side, one token per request per step; their hash ids
+(production `hash_step`) are Zipfian like the text. Each step stages its rows with the production
+gather (`EngramTables.gather`, float32 staging, opened through the production loader path), under
+three settings: plain (every id read), dedup (each distinct row of a step read once), dedup + a
+hot-row cache; warm (the written rows are in the page cache; a first pass maps them and fills the
+cache, the second is timed) and cold (page cache dropped with posix_fadvise DONTNEED, the file
+re-opened, the first --cold-steps steps timed; cold is last, since it undoes the warm-up). Candidates run one after another in this one process, since
+the page cache is the variable; torch threads are set by --threads.
+
+Reported per row: median and p90 ms per step, staged rows/s and staged bytes/s (float32 rows written
+into staging: the effective staging rate), stored bytes/s read from the table (distinct rows x 264
+bytes), the cache hit rate and the process's peak RSS. Extra rows: this machine's memcpy rate
+(torch copy_ of 512 MiB) and the built-in model's decode step (64 requests, `ModelRunner.execute`)
+beside the warm gather of a 64-request step: the gather's share of a decode step.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import shutil
+import statistics
+import struct
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+from . import common
+
+NAME = "tables"
+HEAD_DIM, N, H, LAYERS = 256, 4, 8, (1, 14)
+ROW_BYTES = HEAD_DIM + HEAD_DIM // 32  # E4M3 row + its E8M0 scales
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--size-gib", type=common.positive_float, default=None, metavar="GiB",
+                        help="table file size (default: 1.5 x RAM, at least 32, leaving >= 10 GiB of disk free)")
+    parser.add_argument("--dir", type=Path, default=None, help="where to create the file (default: the current dir)")
+    parser.add_argument("--requests", type=common.positive_int_list, default=[64, 512], metavar="R,R",
+                        help="requests decoding side by side = tokens per step (default 64,512)")
+    parser.add_argument("--stream-tokens", type=common.positive_int, default=16384, metavar="T",
+                        help="tokens of text in the stream (default 16384)")
+    parser.add_argument("--cache-mib", type=common.positive_int, default=256, metavar="MiB",
+                        help="hot-row cache size (default 256)")
+    parser.add_argument("--cold-steps", type=common.positive_int, default=2, metavar="S",
+                        help="steps timed cold per stream and setting (default 2: cold reads are disk-bound)")
+    parser.add_argument("--keep", action="store_true", help="keep the table file (default: delete it)")
+
+
+def _ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _config(total_bytes: int):
+    """An EngramConfig of the V4.1 geometry whose two tables hold about total_bytes."""
+    from ..config import EngramConfig
+    from ..engram.layout import build_layout
+    rows_per_layer = total_bytes // (len(LAYERS) * ROW_BYTES)
+    vocab = rows_per_layer // ((N - 1) * H)
+    d = dict(engram_layer_ids=list(LAYERS), engram_num_embeddings=[0, 0], engram_max_ngram_size=N, engram_n_heads=H,
+             engram_head_dim=HEAD_DIM, engram_vocab_size=vocab, engram_compressed_vocab_size=2726,
+             engram_pad_token_id=1)
+    d["engram_num_embeddings"] = build_layout(EngramConfig(**d), check_rows=False).table_rows
+    cfg = EngramConfig(**d)
+    return cfg, build_layout(cfg)
+
+
+def _stream(tokens: int):
+    """Token ids of real text: the standard library's .py sources, in path order, through the built-in tokenizer."""
+    from ..engram.token_map import build_token_map, load_tokenizer
+    from ..model.loader import TINY_DIR
+    tok = load_tokenizer(TINY_DIR / "tokenizer.json")
+    ids: list[int] = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        if "test" in path.parts:
+            continue
+        try:
+            ids += tok.encode(path.read_text(encoding="utf-8")).ids
+        except (OSError, UnicodeDecodeError):
+            continue
+        if len(ids) >= tokens:
+            break
+    return ids[:tokens], build_token_map(tok, 2726)
+
+
+def _hash_stream(ids: list[int], requests: int, layout, tmap):
+    """hash ids [steps, requests, L, C]: request r decodes text[r*steps : (r+1)*steps], one token per step."""
+    import torch
+
+    from ..engram.hashing import hash_step
+    steps = len(ids) // requests
+    x = torch.tensor(ids[: steps * requests])  # [R*S]
+    qsl = torch.arange(requests + 1) * steps
+    hist = torch.full((requests, N - 1), -1, dtype=torch.int64)
+    h = hash_step(x, qsl, hist, layout, tmap, int(tmap[1]))  # [R*S, L, C]
+    return h.view(requests, steps, len(LAYERS), -1).transpose(0, 1).contiguous()  # [S, R, L, C]
+
+
+def _write_file(path: Path, cfg, touched: list, seed: int = 0) -> int:
+    """Sparse safetensors file: header, dense scales, random bytes in the touched rows only."""
+    import numpy as np
+    header, off, spans = {}, 0, []
+    for lid, rows in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings):
+        for suffix, dtype, width in (("weight", "F8_E4M3", HEAD_DIM), ("scale", "F8_E8M0", HEAD_DIM // 32)):
+            header[f"layers.{lid}.engram.embed.{suffix}"] = {"dtype": dtype, "shape": [rows, width],
+                                                             "data_offsets": [off, off + rows * width]}
+            spans.append((off, rows, width))
+            off += rows * width
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    base = 8 + len(h)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h)
+        f.truncate(base + off)
+    rng = np.random.default_rng(seed)
+    for layer in range(len(LAYERS)):
+        (w_off, rows, _), (s_off, _, sw) = spans[2 * layer], spans[2 * layer + 1]
+        scales = np.memmap(path, dtype=np.uint8, mode="r+", offset=base + s_off, shape=(rows, sw))
+        for a in range(0, rows, 1 << 22):  # dense scales, in 4M-row chunks: codes 2^-9 .. 2^-1
+            scales[a:a + (1 << 22)] = rng.integers(118, 127, (min(1 << 22, rows - a), sw), dtype=np.uint8)
+        scales.flush()
+        del scales
+        rows_w = np.memmap(path, dtype=np.uint8, mode="r+", offset=base + w_off, shape=(rows, HEAD_DIM))
+        ids = np.asarray(touched[layer], dtype=np.int64)
+        data = rng.integers(0, 256, (len(ids), HEAD_DIM), dtype=np.uint8)
+        data[(data & 0x7F) == 0x7F] = 0x3C  # no NaN codes
+        rows_w[ids] = data
+        rows_w.flush()
+        del rows_w
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+    return base + off
+
+
+def _drop_cache(path: Path) -> None:
+    """Evict the file from the page cache (its pages must not be mapped by anyone: callers drop their tables)."""
+    gc.collect()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _open_tables(root: Path, cfg, dedup: bool, cache_bytes: int):
+    from ..model.checkpoint import CheckpointFiles
+    from ..model.loader import read_tables
+    from ..model.names import OFFICIAL_SCHEME
+    return read_tables(CheckpointFiles.open(root), OFFICIAL_SCHEME, cfg, pin=False, dedup=dedup, cache_bytes=cache_bytes)
+
+
+def _pass(tables, hashes, staging) -> list[float]:
+    times = []
+    for s in range(hashes.shape[0]):
+        t0 = time.perf_counter()
+        tables.gather(hashes[s], staging)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+SETTINGS = (("plain", False, 0), ("dedup", True, 0), ("dedup+cache", True, 1))  # (name, dedup, cache on)
+
+
+def _staging(requests: int, hashes):
+    import torch
+    return torch.empty(len(LAYERS), requests, hashes.shape[-1], HEAD_DIM)  # [L, T, C, hd] float32
+
+
+def _row(tables, hashes, times: list[float], r: int, name: str, state: str, dedup: bool) -> dict:
+    import torch
+    steps, per_step = hashes.shape[0], r * len(LAYERS) * hashes.shape[-1]
+    distinct = sum(int(torch.unique(hashes[s, :, layer]).numel()) for s in range(steps) for layer in range(len(LAYERS)))
+    total_s = sum(times) / 1e3
+    caches = [c for c in tables.caches if c is not None]
+    hit_rate = (sum(c.hits for c in caches) / max(1, sum(c.lookups for c in caches))) if caches else None
+    for c in caches:
+        c.hits = c.lookups = 0
+    return {"what": "gather", "requests": r, "setting": name, "state": state, "steps": steps, "rows_per_step": per_step,
+            "distinct_per_step": distinct / steps, "median_ms": statistics.median(times),
+            "p90_ms": sorted(times)[int(0.9 * (len(times) - 1))], "rows_s": steps * per_step / total_s,
+            "staged_gb_s": steps * per_step * HEAD_DIM * 4 / total_s / 1e9,
+            "stored_mb_s": (distinct if dedup else steps * per_step) * ROW_BYTES / total_s / 1e6,
+            "cache_hit_rate": hit_rate, "peak_rss_mib": _peak_rss_mib()}
+
+
+def _memcpy_gbs() -> float:
+    import torch
+    src = torch.ones(128 * 2**20)  # 512 MiB float32
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    ts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        ts.append(time.perf_counter() - t0)
+    return src.numel() * 4 / statistics.median(ts) / 1e9
+
+
+def _decode_step_ms(budget_s: float) -> float:
+    from .step import _runner
+    runner, batch = _runner(None, "decode-heavy", 1)
+    t = common.time_callable(lambda: runner.execute(batch), warmup=2, budget_s=budget_s)
+    runner.close()
+    return t.median_ms
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    import torch
+    torch.set_num_threads(args.threads)
+    where = (args.dir or Path.cwd()).resolve()
+    free = shutil.disk_usage(where).free
+    ram = _ram_bytes()
+    size = int(args.size_gib * 2**30) if args.size_gib else max(int(1.5 * ram), 32 * 2**30)
+    if free - size < 10 * 2**30:
+        raise ValueError(f"--size-gib {size / 2**30:.1f}: {where} has {free / 2**30:.1f} GiB free; at least 10 GiB "
+                         f"must stay free (the file is sparse, but its apparent size is reserved here to be safe)")
+    memcpy = {"what": "memcpy", "gb_s": _memcpy_gbs(), "threads": args.threads}
+    step_ms = _decode_step_ms(args.budget_s)  # measured first: nothing of the big file is resident yet
+    cfg, layout = _config(size)
+    ids, tmap = _stream(args.stream_tokens)
+    streams = {r: _hash_stream(ids, r, layout, tmap) for r in args.requests}
+    touched = [torch.unique(torch.cat([h[:, :, layer].reshape(-1) for h in streams.values()])).numpy()
+               for layer in range(len(LAYERS))]
+    root = where / "engram-bench-tables"
+    root.mkdir(exist_ok=True)
+    path = root / "model.safetensors"
+    rows = []
+    try:
+        t0 = time.perf_counter()
+        file_bytes = _write_file(path, cfg, touched)
+        allocated = os.stat(path).st_blocks * 512
+        rows.append({"what": "table file", "file_gib": file_bytes / 2**30, "ram_gib": ram / 2**30,
+                     "on_disk_gib": allocated / 2**30, "table_rows": sum(cfg.engram_num_embeddings),
+                     "stream_tokens": len(ids), "distinct_rows": int(sum(len(t) for t in touched)),
+                     "write_s": time.perf_counter() - t0})
+        # warm first: the rows just written are in the page cache; the first pass maps them, the second is timed
+        for r, hashes in streams.items():
+            for name, dedup, cache in SETTINGS:
+                tables = _open_tables(root, cfg, dedup, cache * args.cache_mib * 2**20)
+                _pass(tables, hashes, _staging(r, hashes))
+                for c in tables.caches:  # count the timed pass only
+                    if c is not None:
+                        c.hits = c.lookups = 0
+                rows.append(_row(tables, hashes, _pass(tables, hashes, _staging(r, hashes)), r, name, "warm", dedup))
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress
+                del tables
+        # cold last (dropping the page cache undoes the warm-up): the first --cold-steps steps of each stream
+        for r, hashes in streams.items():
+            cold = hashes[: args.cold_steps]
+            for name, dedup, cache in SETTINGS:
+                _drop_cache(path)
+                tables = _open_tables(root, cfg, dedup, cache * args.cache_mib * 2**20)
+                rows.append(_row(tables, cold, _pass(tables, cold, _staging(r, cold)), r, name, "cold", dedup))
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress
+                del tables
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    warm64 = [x for x in rows if x.get("requests") == 64 and x.get("state") == "warm"]
+    for g in warm64:
+        rows.append({"what": "decode step share", "setting": g["setting"], "decode_step_ms": step_ms,
+                     "gather_ms": g["median_ms"], "share": g["median_ms"] / (step_ms + g["median_ms"])})
+    rows.append(memcpy)
+    return rows

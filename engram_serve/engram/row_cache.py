@@ -1,0 +1,55 @@
+"""A byte-bounded cache of hot Engram table rows, in front of a (memory-mapped) table.
+
+Direct-mapped and vectorised: row id `r` may only live in slot `r % num_slots`. A lookup of ids [U]
+is one gather of the slot keys; misses are fetched from the table by the caller and inserted, the
+newest row winning its slot. Entries hold the rows in their stored form (float rows, or FP8 bytes
+plus their E8M0 scales), so a cache of B bytes holds B / row_bytes rows (4x more FP8 rows than
+float32 ones).
+
+Invariant: for every slot s with keys[s] = r >= 0, parts[p][s] == the stored row r of part p. Insert
+keeps it when several ids of one insert share a slot (only the first of them is written, key and
+parts together). Not thread-safe by itself: EngramTables serialises its use.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class RowCache:
+    def __init__(self, capacity_bytes: int, part_shapes: list[tuple[int, ...]], part_dtypes: list[torch.dtype],
+                 device: torch.device | str = "cpu"):
+        row_bytes = sum(int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size()
+                        for s, d in zip(part_shapes, part_dtypes))
+        self.num_slots = capacity_bytes // row_bytes
+        if self.num_slots < 1:
+            raise ValueError(f"RowCache: capacity_bytes={capacity_bytes} holds no row of {row_bytes} bytes")
+        self.row_bytes = row_bytes
+        self.keys = torch.full((self.num_slots,), -1, dtype=torch.int64, device=device)  # [S] row id or -1
+        self.parts = [torch.zeros(self.num_slots, *s, dtype=d, device=device) for s, d in zip(part_shapes, part_dtypes)]
+        self.hits = self.lookups = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.row_bytes + self.keys.numel() * 8
+
+    def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [U] int64 -> (hit [U] bool, slot [U] int64)."""
+        slot = ids % self.num_slots
+        hit = self.keys.index_select(0, slot) == ids
+        self.lookups += ids.numel()
+        self.hits += int(hit.sum())
+        return hit, slot
+
+    def read(self, slot: torch.Tensor) -> list[torch.Tensor]:
+        return [p.index_select(0, slot) for p in self.parts]
+
+    def insert(self, ids: torch.Tensor, slot: torch.Tensor, rows: list[torch.Tensor]) -> None:
+        """Store rows (parts [n, ...]) of ids [n] at slot [n]; of several ids sharing a slot the first wins."""
+        if ids.numel() == 0:
+            return
+        uslot, inv = torch.unique(slot, return_inverse=True)
+        first = torch.full((uslot.numel(),), ids.numel(), dtype=torch.int64, device=ids.device)
+        first.scatter_reduce_(0, inv, torch.arange(ids.numel(), device=ids.device), reduce="amin")
+        self.keys.index_copy_(0, uslot, ids.index_select(0, first))
+        for p, r in zip(self.parts, rows):
+            p.index_copy_(0, uslot, r.index_select(0, first))

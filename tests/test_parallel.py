@@ -178,7 +178,7 @@ def test_expert_parallel_moe_partials_sum_to_the_unsharded_bits(n, seed):
 
 @pytest.mark.parametrize("argv, message", [
     (["verify", "--tensor-parallel-size", "3"], "--tensor-parallel-size 3: num_attention_heads=4 is not divisible by 3"),
-    (["serve", "--tensor-parallel-size", "0"], "--tensor-parallel-size: 0: must be >= 1"),
+    (["serve", "--tensor-parallel-size", "0"], "--tensor-parallel-size: '0' must be >= 1"),
     (["generate", "hi", "--device", "cuda"], "--device cuda: CUDA is not available"),
 ])
 def test_parallel_options_refuse_bad_values_with_one_line(argv, message, capsys):

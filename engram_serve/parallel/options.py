@@ -9,19 +9,11 @@ from __future__ import annotations
 import argparse
 import os
 
-
-def _tp_size(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v}: must be >= 1")
-    return v
+from ..bench.common import positive_int
 
 
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tensor-parallel-size", type=_tp_size, default=1, metavar="N",
+    parser.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
                         help="split the model over N processes (attention heads, MoE experts, Engram table "
                              "rows); workers start on loopback (gloo on CPU, NCCL on CUDA). Default 1")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",

@@ -26,8 +26,8 @@ def test_cuda_greedy_tokens_match_cpu_with_dbo_and_graphs():
     cpu = LLM(split=SplitConfig(1))
     want = [o.token_ids for o in cpu.generate(PROMPTS, p)]
     cpu.close()
-    for kw in ({"split": SplitConfig(2, "tokens", 0, 0)},
-               {"split": SplitConfig(2, "tokens", 0, 0), "graph_sizes": (4, 8, 16, 32, 64, 1024)}):
+    for kw in ({"split": SplitConfig(2, "tokens", 0, 0, when="always")},
+               {"split": SplitConfig(2, "tokens", 0, 0, when="always"), "graph_sizes": (4, 8, 16, 32, 64, 1024)}):
         gpu = LLM(device="cuda", **kw)
         got = [o.token_ids for o in gpu.generate(PROMPTS, p)]
         graphs = gpu.engine.runner.graphs
@@ -43,7 +43,7 @@ def test_tensor_parallel_nccl_matches_one_gpu():
     one = LLM(device="cuda")
     want = [o.token_ids for o in one.generate(PROMPTS, p)]
     one.close()
-    tp = LLM(device="cuda", tensor_parallel_size=2, split=SplitConfig(2, "tokens", 0, 0))
+    tp = LLM(device="cuda", tensor_parallel_size=2, split=SplitConfig(2, "tokens", 0, 0, when="always"))
     got = [o.token_ids for o in tp.generate(PROMPTS, p)]
     tp.close()
     assert got == want

@@ -16,7 +16,7 @@ SIZES = (8, 16, 32, 64, 128)
 def test_static_buffer_sets_stay_bounded_over_many_step_sizes():
     loaded = load_model()
     cfg = RunnerConfig(max_num_seqs=10, max_model_len=256, max_num_batched_tokens=128, num_blocks=256,
-                       graph_sizes=SIZES, split=SplitConfig(2, "requests", 0, 0))
+                       graph_sizes=SIZES, split=SplitConfig(2, "requests", 0, 0, when="always"))
     engine = LLMEngine(loaded, cfg)
     rng = np.random.default_rng(0)
     for i in range(10):  # prompts of many lengths, finishing at different steps: many distinct step sizes

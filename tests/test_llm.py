@@ -187,7 +187,7 @@ def test_nan_logits_end_only_that_request(loaded, monkeypatch):
     ([5, 4096], {}, "prompt"),  # outside the vocabulary
     ([-1, 5], {}, "prompt"),
     ([], {}, "prompt"),
-    (list(range(10, 130)), {"max_tokens": 16}, "prompt"),  # 120 + 16 > max_model_len=128
+    (list(range(10, 130)), {"max_tokens": 16}, "max_tokens"),  # 120 + 16 > max_model_len=128: the prompt fits
 ])
 def test_bad_request_raises_before_anything_runs(loaded, prompt, kwargs, field):
     llm = LLM(loaded, **OPTS)

@@ -20,7 +20,6 @@ seed + j (choice 0 is the same request sent alone). `best_of` > n returns the n 
 cumulative logprob. Logprobs are the log-softmax of the model's logits for the token (see
 `runner/sampler.py`).
 """
-from __future__ import annotations
 
 import asyncio
 import logging
@@ -83,10 +82,20 @@ def _from_pydantic(errors: list[dict]) -> ApiError:
             r"(str|int|float|bool|list\[.*\]|dict\[.*\]|function-.*|Strict.*|nullable\[.*\]|union\[.*\]|"
             r"constrained-.*)", str(p))]
 
-    # of the first bad field's errors, the deepest, preferring a value error over "not of this type"
+    # of the first bad field's errors: those of the union member that fits best (fewest errors),
+    # the deepest, preferring a value error over "not of this type"
     first = path(errors[0])[:1]
-    e = max((x for x in errors if path(x)[:1] == first),
-            key=lambda x: (len(path(x)), not str(x.get("type", "")).endswith(("_type", "_parsing"))))
+    mine = [x for x in errors if path(x)[:1] == first]
+
+    def member(x: dict):
+        loc = [str(p) for p in x.get("loc", ()) if p != "body"]
+        return loc[1] if len(loc) > 1 and loc[1] not in path(x) else None
+
+    count: dict = {}
+    for x in mine:
+        count[member(x)] = count.get(member(x), 0) + 1
+    e = max(mine, key=lambda x: (-count[member(x)], len(path(x)),
+                                 not str(x.get("type", "")).endswith(("_type", "_parsing"))))
     param = ".".join(path(e)) or None
     what = f"{param}: " if param else ""
     if e.get("type") == "extra_forbidden":

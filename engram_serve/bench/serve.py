@@ -95,7 +95,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     from ..inputs.ubatch import SplitConfig
     from ..model.loader import load_model
     from ..runner.model_runner import RunnerConfig
-    from ..server.api import BackgroundServer, build_app
+    from ..server.api import build_app
+    from ..server.run import BackgroundServer
 
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)

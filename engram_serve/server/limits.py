@@ -68,7 +68,7 @@ def parse_json(raw: bytes):
     try:
         data = json.loads(raw, parse_constant=_reject_constant)
     except RecursionError:
-        raise BadJson(f"malformed JSON body: nested deeper than {MAX_DEPTH} levels") from None
+        raise BadJson(f"malformed JSON body: JSON nested deeper than {MAX_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise BadJson(f"malformed JSON body: {e}") from None
     check(data)
@@ -81,7 +81,8 @@ def check(data) -> None:
     while stack:
         value, depth, path = stack.pop()
         if depth > MAX_DEPTH:
-            raise BadJson(f"malformed JSON body: nested deeper than {MAX_DEPTH} levels", path.split(".")[0] or None)
+            field = path.split(".")[0] or None
+            raise BadJson(f"{field + ': ' if field else ''}JSON nested deeper than {MAX_DEPTH} levels", field)
         if isinstance(value, str):
             _check_text(value, path)
         elif isinstance(value, dict):

@@ -406,7 +406,7 @@ def build_app(async_engine: "AsyncLLMEngine", model_name: str, *, own_engine: bo
     # ---- endpoints ----
     def post(path: str, request_model, response_model):
         return app.post(path, openapi_extra=_request_body(request_model), responses={
-            200: {"model": response_model, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+            200: {"model": response_model, "content": {"text/event-stream": {"schema": _SSE_EVENT}}},
             **_ERRORS})
 
     @post("/v1/completions", P.CompletionRequest, P.CompletionResponse)
@@ -608,7 +608,8 @@ def build_app(async_engine: "AsyncLLMEngine", model_name: str, *, own_engine: bo
     async def metrics_endpoint():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    _publish_schemas(app, [P.CompletionRequest, P.ChatCompletionRequest, P.TokenizeRequest, P.DetokenizeRequest])
+    _publish_schemas(app, [P.CompletionRequest, P.ChatCompletionRequest, P.TokenizeRequest, P.DetokenizeRequest],
+                     model_name)
     app.state.metrics = metrics
     return app
 
@@ -625,12 +626,16 @@ def _request_body(model) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": _ref(model)}}}}
 
 
+# with stream=true: each server-sent event is `data: <one chunk as JSON>` or `data: [DONE]`
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}},
+              "description": "one server-sent event: a JSON chunk of the response, or [DONE]"}
 _ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 500, 503)}
 
 
-def _publish_schemas(app, models) -> None:
+def _publish_schemas(app, models, model_name: str) -> None:
     """Put the request models (parsed by hand, to bound the work before validation) into
-    /openapi.json's components, next to the response models FastAPI adds itself."""
+    /openapi.json's components, next to the response models FastAPI adds itself; `model` can only
+    be this server's model name."""
     original = app.openapi
 
     def openapi():
@@ -641,7 +646,14 @@ def _publish_schemas(app, models) -> None:
         for m in models:
             s = m.model_json_schema(ref_template="#/components/schemas/{model}")
             comps.update(s.pop("$defs", {}))
+            if "model" in s.get("properties", {}):
+                s["properties"]["model"] = {"anyOf": [{"const": model_name}, {"type": "null"}], "default": None}
             comps[m.__name__] = s
+        for op in schema.get("paths", {}).values():
+            for method in op.values():
+                for prm in method.get("parameters", []):
+                    if prm.get("name") == "model_id":
+                        prm["schema"] = {"type": "string", "enum": [model_name]}
         app.openapi_schema = schema
         return schema
 

@@ -16,7 +16,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-Number = Union[StrictInt, StrictFloat]  # JSON 1 and 1.0 are both fine for a float field
+Number = StrictFloat  # JSON 1 and 1.0 are both fine for a float field; "1", true and NaN are not
 TokenIds = list[StrictInt]
 MAX_N = 16  # n and best_of, each
 MAX_CHOICES = 256  # prompts x best_of per request
@@ -34,7 +34,7 @@ _REFUSED_DOC = "Not supported: any value other than null (or this field's 'off' 
 
 
 def _refused(default=None):
-    return Field(default, description=_REFUSED_DOC)
+    return Field(default, description=_REFUSED_DOC, json_schema_extra={"type": "null"})
 
 
 class StreamOptions(BaseModel):

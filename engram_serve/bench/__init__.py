@@ -13,5 +13,5 @@ def registry() -> dict[str, ModuleType]:
     """Subcommand name -> benchmark module. Bench modules import torch and the engine inside their
     functions, so building the command-line parser stays cheap."""
     from . import hash as hash_bench
-    from . import prep, serve, step
-    return {"hash": hash_bench, "prep": prep, "step": step, "serve": serve}
+    from . import prep, sampler, serve, step
+    return {"hash": hash_bench, "prep": prep, "step": step, "serve": serve, "sampler": sampler}

@@ -253,8 +253,9 @@ class Sampler:
         rows, vocab = logits.shape
         if b.num_rows != rows:
             raise ValueError(f"Sampler.sample: {b.num_rows} rows of parameters for {rows} rows of logits")
-        # float64 sum: NaN / +-inf anywhere in the row makes it non-finite; finite values cannot overflow it
-        finite = torch.isfinite(logits.sum(dim=1, dtype=torch.float64))  # [R] bool
+        # one vectorised pass: NaN / +-inf anywhere in the row makes its sum non-finite. (A row whose
+        # finite logits sum past float32's range, |logit| ~ 1e33 at V = 129,280, counts as non-finite too.)
+        finite = torch.isfinite(logits.sum(dim=1))  # [R] bool
         out = SamplerOutput(torch.empty(rows, dtype=torch.int64, device=logits.device), finite)
         work = logits
         if b.processed is not None:
@@ -352,11 +353,12 @@ class Sampler:
         norm = e.sum(dim=1)
         full = (kk >= c) & (p < 1)  # [F] the kept set may extend past the candidates
         if any_full_norm:  # known on the host
-            s_all = z / temp[:, None]  # [F, V]
+            # sum over the row of exp(scaled - max), min-p masked: one buffer, updated in place
+            y = z - vals[:, :1]  # [F, V] <= 0
+            y.div_(temp[:, None])
             if thr is not None:
-                s_all = s_all.masked_fill(s_all < thr[:, None], float("-inf"))
-            norm_all = torch.exp(s_all - scaled[:, :1]).sum(dim=1)
-            norm = torch.where(full, norm_all, norm)
+                y.masked_fill_(y < (thr - scaled[:, 0])[:, None], float("-inf"))
+            norm = torch.where(full, y.exp_().sum(dim=1), norm)
         probs = e / norm[:, None]
         before = probs.cumsum(dim=1) - probs
         keep &= (before < p[:, None]) | (p[:, None] >= 1)

@@ -179,7 +179,7 @@ def run_verify(args: argparse.Namespace) -> int:
     set_torch_threads(args.threads)
     loaded = load_checkpoint(args.model)
     with tqdm(total=1, desc="verify", unit="case", file=sys.stderr, leave=False,
-              disable=None if not args.json else True) as bar:
+              mininterval=0.5) as bar:
         def progress(done: int, total: int) -> None:
             if bar.total != total:
                 bar.reset(total=total)
@@ -208,7 +208,29 @@ def load_checkpoint(path, progress: bool = False):
     except EngramServeError:
         raise
     except (TypeError, ValueError, KeyError) as e:
-        raise ConfigError(f"--model {path or 'built-in'}: config.json: {type(e).__name__}: {e}") from None
+        where = f"--model {path or 'built-in'}: config.json"
+        raise ConfigError(f"{where}: {_mistyped_field(path) or f'{type(e).__name__}: {e}'}") from None
+
+
+def _mistyped_field(path) -> str | None:
+    """The first config.json field whose JSON type does not match its ModelConfig/EngramConfig type."""
+    from .config import EngramConfig, ModelConfig
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+    if isinstance(raw, dict) and isinstance(raw.get("text_config"), dict):
+        raw = {**raw, **raw["text_config"]}
+    kinds = {f.name: str(f.type) for cls in (ModelConfig, EngramConfig) for f in dataclasses.fields(cls)}
+    for name, value in raw.items() if isinstance(raw, dict) else ():
+        kind = kinds.get(name)
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        ok = {"int": is_int, "float": is_int or isinstance(value, float), "bool": isinstance(value, bool)}.get(kind)
+        if kind and kind.startswith("tuple[int"):
+            ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        if ok is False:
+            return f"{name}={value!r}: must be {'a list of integers' if kind.startswith('tuple') else 'an ' + kind}"
+    return None
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:

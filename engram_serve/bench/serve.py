@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import math
 import random
 import resource
@@ -99,6 +100,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from ..server.run import BackgroundServer
 
     torch.set_num_threads(args.threads)
+    os.environ["ENGRAM_SERVE_THREADS"] = str(args.threads)  # engines built below keep it
     loaded = load_model(args.model)
     most = max(args.clients)
     settings = {"off": SplitConfig(num_ubatches=1), "on": SplitConfig(num_ubatches=2)}

@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import math
+import os
 import random
 import resource
 import time

@@ -16,7 +16,7 @@ import torch
 
 from ..engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ..engine.sequence import Sequence
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, OwnershipError, SliceError, StaticBufferError
 from ..model.loader import LoadedModel
 from ..runner.model_runner import ModelRunner, RunnerConfig, StepOutput
 from ..runner.sampler import Penalties, Sampler, SamplingBatch
@@ -182,7 +182,9 @@ class LLMEngine:
 
         If the forward raises, the rows that make it raise (found by re-running halves) end with
         finish_reason "error", the failure is counted, and the step re-runs without them: one
-        request never ends its batch mates."""
+        request never ends its batch mates. If every row of a multi-row step fails even alone, the
+        step itself is broken: the error is raised. Broken engine invariants (OwnershipError,
+        SliceError, StaticBufferError) and malformed `bounds` (InvalidRequest) are raised at once."""
         out = self.scheduler.schedule()
         events = [self._finish(s, s.finish_reason or "length") for s in out.finished if s.request_id in self.seqs]
         self.stats.preemptions += len(out.preempted)
@@ -205,10 +207,13 @@ class LLMEngine:
 
         try:
             result = run(rows, sample, bounds, record)
-        except InvalidRequest:
-            raise  # malformed bounds: the caller's error, nothing ran
+        except (InvalidRequest, OwnershipError, SliceError, StaticBufferError):
+            raise  # malformed bounds, or a broken engine invariant (debug checks): not a row's fault
         except Exception as e:
-            events += self._isolate(rows, sample, run, e)
+            bad = self._culprits(rows, sample, run, e)
+            if len(bad) == len(rows) > 1:
+                raise  # every row fails even alone: the step itself is broken, not a request
+            events += self._end_rows([rows[i] for i in bad], e)
             keep = [i for i, r in enumerate(rows) if r.seq.request_id in self.seqs]
             rows, sample = [rows[i] for i in keep], [sample[i] for i in keep]
             if not rows:
@@ -234,10 +239,10 @@ class LLMEngine:
             raise InvalidRequest(f"bounds={list(bounds)!r}: {len(bounds) - 1} microbatches, the runner has buffers "
                                  f"for split.num_ubatches={self.cfg.split.num_ubatches}")
 
-    def _isolate(self, rows, sample, run, error: Exception) -> list[TokenEvent]:
-        """End the rows that make the forward raise; returns their events. Halves are re-run
-        (whole, outputs discarded: a row's KV writes are the same values each time) until single
-        failing rows remain; if a part fails while both its halves pass, all its rows end."""
+    def _culprits(self, rows, sample, run, error: Exception) -> list[int]:
+        """The rows that make the forward raise. Halves are re-run (whole, outputs discarded: a row's
+        KV writes are the same values each time) until single failing rows remain; a part that fails
+        while both its halves pass counts as a whole."""
         self.stats.step_failures += 1
         log.warning("engine step failed (%s: %s); isolating the rows that cause it", type(error).__name__, error)
 
@@ -259,12 +264,13 @@ class LLMEngine:
                 parts += halves
             else:  # it fails only as a whole: end all of it
                 bad += part
+        return sorted(set(bad))
+
+    def _end_rows(self, rows, error: Exception) -> list[TokenEvent]:
+        """End these rows with finish_reason "error"; their events."""
         message = f"the engine step failed for this request: {type(error).__name__}: {error}"
-        events = []
-        for i in sorted(set(bad)):
-            self.stats.errors += 1
-            events.append(self._finish(rows[i].seq, "error", message))
-        return events
+        self.stats.errors += len(rows)
+        return [self._finish(r.seq, "error", message) for r in rows]
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
         """Sample one token per sequence; one device-to-host transfer for the whole step."""

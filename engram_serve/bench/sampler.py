@@ -1,6 +1,9 @@
 """Sampler cost at DeepSeek's vocabulary (129,280) for 1 to 256 rows, against one argmax.
 
-Candidates, each in its own fresh process (`common.measure`), on the same logits:
+Times: in one fresh process per (shape, rows), every candidate call follows an argmax over the same
+logits, and the per-pair ratio is reported (median and p10-p90): a ratio measured this way holds on
+a loaded machine, where absolute times drift. Peak memory: top_p and the full sort, each in its own
+fresh process (`common.measure`). Candidates, on the same logits:
 - `argmax`: `logits.argmax(dim=1)`, the yardstick;
 - `greedy`: `Sampler.sample` with every row greedy (finite check + one argmax);
 - `top_p`: temperature 1, top_p 0.9, on candidates (`topk` of 64) with the exact fallback;
@@ -71,24 +74,66 @@ def fallback_rows(rows: int, vocab: int, shape: str) -> int:
     return Count.n
 
 
+KINDS = ("greedy", "top_p", "top_p_full_sort", "top_k", "sample")
+
+
+def paired(rows: int, vocab: int, shape: str, threads: int, budget_s: float) -> dict:
+    """In one fresh process: each candidate call is timed right after an argmax over the same logits,
+    so the ratio of the pair is immune to the machine's load drifting between runs. Per kind: the
+    median time, and the median and p10-p90 spread of the per-pair ratio."""
+    import statistics
+    import time
+
+    import torch
+    torch.set_num_threads(threads)
+    from ..runner.sampler import Sampler
+    logits = make_logits(rows, vocab, shape)
+    out = {}
+    for kind in KINDS:
+        fn = setup(rows, vocab, shape, kind)
+        fn()
+        logits.argmax(dim=1)
+        ratios, times, bases, spent = [], [], [], 0.0
+        while len(ratios) < 3 or (spent < budget_s and len(ratios) < 50):
+            t0 = time.perf_counter()
+            logits.argmax(dim=1)
+            t1 = time.perf_counter()
+            fn()
+            t2 = time.perf_counter()
+            bases.append(t1 - t0)
+            times.append(t2 - t1)
+            ratios.append((t2 - t1) / (t1 - t0))
+            spent += t2 - t0
+        ratios.sort()
+        out[kind] = {"ms": statistics.median(times) * 1e3, "argmax_ms": statistics.median(bases) * 1e3,
+                     "x": statistics.median(ratios), "x_p10": ratios[int(0.1 * (len(ratios) - 1))],
+                     "x_p90": ratios[int(0.9 * (len(ratios) - 1) + 0.999)], "pairs": len(ratios)}
+    del Sampler
+    return out
+
+
 def run(args: argparse.Namespace) -> list[dict]:
-    timing = common.timing_kwargs(args)
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
     out = []
+    ctx = multiprocessing.get_context("spawn")
     for shape in [s.strip() for s in args.shapes.split(",") if s.strip()]:
         if shape not in ("peaked", "flat"):
             raise SystemExit(f"--shapes: unknown shape {shape!r} (peaked, flat)")
         for rows in args.rows:
-            res = {kind: common.measure(setup, {"rows": rows, "vocab": args.vocab, "shape": shape, "kind": kind},
-                                        **timing)
-                   for kind in ("argmax", "greedy", "top_p", "top_p_full_sort", "top_k", "sample")}
-            base = res["argmax"]["median_ms"]
-            row = {"shape": shape, "rows": rows, "vocab": args.vocab, "argmax_ms": base}
-            for kind in ("greedy", "top_p", "top_p_full_sort", "top_k", "sample"):
-                row[f"{kind}_ms"] = res[kind]["median_ms"]
-                row[f"{kind}_x_argmax"] = res[kind]["median_ms"] / base
+            with ProcessPoolExecutor(1, mp_context=ctx) as pool:
+                res = pool.submit(paired, rows, args.vocab, shape, args.threads, args.budget_s).result()
+            row = {"shape": shape, "rows": rows, "vocab": args.vocab, "argmax_ms": res["greedy"]["argmax_ms"]}
+            for kind in KINDS:
+                r = res[kind]
+                row[f"{kind}_ms"] = r["ms"]
+                row[f"{kind}_x_argmax"] = r["x"]
+                row[f"{kind}_x_spread"] = f"{r['x_p10']:.2f}-{r['x_p90']:.2f}"
             row["top_p_fallback_rows"] = fallback_rows(rows, args.vocab, shape)
-            row["top_p_peak_mib"] = res["top_p"]["peak_mib"]
-            row["full_sort_peak_mib"] = res["top_p_full_sort"]["peak_mib"]
+            for kind in ("top_p", "top_p_full_sort"):  # peak memory: each in its own fresh process
+                m = common.measure(setup, {"rows": rows, "vocab": args.vocab, "shape": shape, "kind": kind},
+                                   **{**common.timing_kwargs(args), "budget_s": 0.0, "min_repeats": 1, "max_repeats": 1})
+                row[f"{kind}_peak_mib"] = m["peak_mib"]
             row["threads"] = args.threads
             out.append(row)
     return out

@@ -29,7 +29,7 @@ from engram_serve.model.loader import TINY_DIR, load_model, make_random_checkpoi
 from engram_serve.runner.model_runner import RunnerConfig
 from engram_serve.sampling_params import SamplingParams
 
-MAX_TOKENS = 8
+MAX_TOKENS = 5
 SERVE_OPTS = ["--max-model-len", "128", "--num-kv-blocks", "160", "--max-num-seqs", "8", "--threads", "1"]
 STREAMS = [  # the three requests that run beside every bad one
     {"prompt": "alpha beta gamma", "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True},

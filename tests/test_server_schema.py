@@ -44,8 +44,8 @@ def test_openapi_conformance(api_schema, base_url):
     for op in operations:
         @given(case=op.as_strategy(generation_mode=GenerationMode.POSITIVE) |
                op.as_strategy(generation_mode=GenerationMode.NEGATIVE))
-        @settings(max_examples=40 if op.method.upper() == "POST" else 5, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(max_examples=30 if op.method.upper() == "POST" else 4, deadline=None, derandomize=True,
+                  database=None, suppress_health_check=list(HealthCheck))
         def run(case):
             case.call_and_validate(base_url=base_url, checks=CHECKS, timeout=60)
 

@@ -86,7 +86,6 @@ def paired(rows: int, vocab: int, shape: str, threads: int, budget_s: float) -> 
 
     import torch
     torch.set_num_threads(threads)
-    from ..runner.sampler import Sampler
     logits = make_logits(rows, vocab, shape)
     out = {}
     for kind in KINDS:
@@ -108,7 +107,6 @@ def paired(rows: int, vocab: int, shape: str, threads: int, budget_s: float) -> 
         out[kind] = {"ms": statistics.median(times) * 1e3, "argmax_ms": statistics.median(bases) * 1e3,
                      "x": statistics.median(ratios), "x_p10": ratios[int(0.1 * (len(ratios) - 1))],
                      "x_p90": ratios[int(0.9 * (len(ratios) - 1) + 0.999)], "pairs": len(ratios)}
-    del Sampler
     return out
 
 
@@ -131,8 +129,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 row[f"{kind}_x_spread"] = f"{r['x_p10']:.2f}-{r['x_p90']:.2f}"
             row["top_p_fallback_rows"] = fallback_rows(rows, args.vocab, shape)
             for kind in ("top_p", "top_p_full_sort"):  # peak memory: each in its own fresh process
-                m = common.measure(setup, {"rows": rows, "vocab": args.vocab, "shape": shape, "kind": kind},
-                                   **{**common.timing_kwargs(args), "budget_s": 0.0, "min_repeats": 1, "max_repeats": 1})
+                once = {**common.timing_kwargs(args), "budget_s": 0.0, "min_repeats": 1, "max_repeats": 1}
+                m = common.measure(setup, {"rows": rows, "vocab": args.vocab, "shape": shape, "kind": kind}, **once)
                 row[f"{kind}_peak_mib"] = m["peak_mib"]
             row["threads"] = args.threads
             out.append(row)

@@ -145,7 +145,7 @@ class TokenText:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table (the ByteLevel alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs, n = bs[:], 0
     for b in range(256):
         if b not in bs:
@@ -263,7 +263,8 @@ def build_app(async_engine: "AsyncLLMEngine", model_name: str, *, own_engine: bo
             raise ApiError(400, f"{param}: {size} bytes of text cannot fit the model's max_model_len={max_len} "
                                 f"tokens (no token covers more than {max_token_bytes} bytes)", param)
         loop = asyncio.get_running_loop()
-        enc = await loop.run_in_executor(tok_pool, lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        enc = await loop.run_in_executor(
+            tok_pool, lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens))
         return enc.ids
 
     def sampling(body, prompt_len: int, rename: dict[str, str] | None, logprobs: int | None, j: int):

@@ -27,3 +27,7 @@ class StaticBufferError(EngramServeError):
 
 class OwnershipError(EngramServeError):
     """A buffer owned by one microbatch was touched by another."""
+
+
+class EngineFailed(EngramServeError, RuntimeError):
+    """The engine stopped on a fatal error (e.g. a tensor-parallel worker died); the server shut down."""

@@ -4,8 +4,9 @@
     out = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0.8, seed=1))
     print(out[0].text, out[0].finish_reason)
 
-Engine options are `RunnerConfig` fields (max_num_seqs, max_model_len, split, ...) plus
-`enable_prefix_caching`, `threads` and `seed`; an unknown option raises ConfigError naming it.
+Engine options are `RunnerConfig` fields (max_num_seqs, max_model_len, split, device, ...) plus
+`enable_prefix_caching`, `tensor_parallel_size`, `threads` and `seed`; an unknown option raises
+ConfigError naming it.
 The engine factory lives in `engine/factory.py`, the synchronous driver in `engine/driver.py`.
 """
 from __future__ import annotations
@@ -49,9 +50,11 @@ def _is_token_id(t) -> bool:
 class LLM:
     """Synchronous generation: queue every prompt, step the engine until all finish."""
 
-    def __init__(self, model=None, *, enable_prefix_caching: bool = True, progress: bool = False, **options):
+    def __init__(self, model=None, *, enable_prefix_caching: bool = True, progress: bool = False,
+                 tensor_parallel_size: int = 1, **options):
         from .engine.driver import EngineDriver  # here, not at import: the CLI's parser stays torch-free
-        self.engine = build_engine(model, enable_prefix_caching=enable_prefix_caching, progress=progress, **options)
+        self.engine = build_engine(model, enable_prefix_caching=enable_prefix_caching, progress=progress,
+                                   tensor_parallel_size=tensor_parallel_size, **options)
         self.driver = EngineDriver(self.engine)
         self.tokenizer = self.engine.loaded.tokenizer
         self._ids = itertools.count()

@@ -16,7 +16,6 @@ from engram_serve.engram.token_map import build_token_map, load_tokenizer
 from engram_serve.errors import OwnershipError
 from engram_serve.inputs.batch import StepBatch
 from engram_serve.inputs.token_store import TokenStore
-from engram_serve.model.attention import select_topk
 from engram_serve.model.context import MOE_COMBINE, MOE_DISPATCH, ForwardContext, UbatchBuffers
 from engram_serve.model.kv_cache import KVCache
 from engram_serve.model.loader import TINY_DIR
@@ -318,14 +317,6 @@ def test_dead_token_rows_have_no_effect_anywhere(perturb_dead):
     assert same == perturb_dead
 
 
-def test_select_topk_is_deterministic_and_padded():
-    ninf = float("-inf")
-    scores = torch.tensor([[[1.0, 3.0, 3.0, 2.0, ninf]], [[5.0, ninf, ninf, ninf, ninf]]])
-    sel = select_topk(scores, 3)
-    assert sel.tolist() == [[[1, 2, 3]], [[0, -1, -1]]]  # ties by position; -1 when fewer are visible
-    assert select_topk(scores, 7).shape == (2, 1, 7)
-
-
 def test_index_sharing_changes_the_output():
     """Control that index sharing is really active in the 'full' config: a larger top-k changes logits."""
     a = World(tiny_config(index_topk=6))
@@ -353,8 +344,9 @@ def test_kv_cache_skips_padding_slots():
     kv.write(0, torch.tensor([5, -1, 0]), k, -k)
     assert kv.k[0, 1, 1, 0].tolist() == [0.0, 1.0] and kv.k[0, 0, 0, 0].tolist() == [4.0, 5.0]
     assert kv.k.abs().sum() == 10.0  # the -1 token went nowhere visible
-    keys, _ = kv.gather(0, kv.slots_for(torch.tensor([[1, -1]]), 8))
-    assert keys.shape == (1, 8, 1, 2) and keys[0, 1, 0].tolist() == [0.0, 1.0]
+    k_pool, _ = kv.layer(0)  # [slots, kv_heads, hd]
+    assert k_pool[kv.trash_slot].tolist() == [[2.0, 3.0]]  # padding writes land in the trash slot
+    assert (k_pool[kv.zero_slot] == 0).all()  # the zero slot is never written
 
 
 def test_tables_gather_into_staging_in_place():
@@ -393,17 +385,16 @@ def test_microbatch_larger_than_its_buffers_is_refused():
         world.model.forward_step(ctx)
 
 
-def test_attend_padded_full_matches_plain_causal_sdpa():
-    """The shared attention core against the textbook form (kv heads repeated, is_causal)."""
-    from engram_serve.model.attention import attend_padded
+def test_dense_attention_full_matches_plain_causal_sdpa():
+    """The training attention against the textbook form (kv heads repeated, is_causal)."""
+    from engram_serve.model.attention import FULL, DenseAttention
     g = torch.Generator().manual_seed(0)
     b, s, heads, kvh, hd = 2, 9, 4, 2, 8
-    q, k, v = (torch.randn(b, s, n, hd, generator=g) for n in (heads, kvh, kvh))
-    out, _ = attend_padded(q, k, v, torch.arange(s).expand(b, s), torch.full((b,), s))
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2), v.repeat_interleave(2, 2).transpose(1, 2),
-        is_causal=True).transpose(1, 2).reshape(b, s, heads * hd)
-    assert (out - ref).abs().max() < 1e-6
+    q, k, v = (torch.randn(b * s, n, hd, generator=g) for n in (heads, kvh, kvh))
+    out = DenseAttention(b, s, torch.device("cpu")).attend(0, q, k, v, FULL, 0).view(b, s, heads * hd)
+    view = lambda x: x.view(b, s, -1, hd).repeat_interleave(heads // x.shape[1], 2).transpose(1, 2)  # noqa: E731
+    ref = torch.nn.functional.scaled_dot_product_attention(view(q), view(k), view(v), is_causal=True)
+    assert (out - ref.transpose(1, 2).reshape(b, s, heads * hd)).abs().max() < 1e-6
 
 
 def test_dense_forward_is_causal():

@@ -4,7 +4,9 @@ import pytest
 
 from engram_serve.errors import OwnershipError
 from engram_serve.model.loader import load_model, make_random_checkpoint
-from engram_serve.verify import LOGIT_TOL, verify
+from engram_serve.verify import verify
+
+from runner_controls import NoHistoryRebuild, SharedStaging, SharedTopk, StalePadding
 
 
 @pytest.fixture(scope="module")
@@ -20,6 +22,7 @@ def loaded(tmp_path_factory):
 def test_verify_passes_on_every_case(loaded):
     res = verify(loaded, seed=3, num_requests=4, gen_tokens=16)
     assert res["passed"], res
+    assert res["max_abs_logit_diff"] == 0.0 and res["logit_mismatches"] == 0
     assert res["straddling_rows"] > 0
     by_name = {c["case"]: c for c in res["cases"]}
     assert by_name["preemption and recompute (small KV pool), 2 ubatches"]["preemptions"] > 0
@@ -33,28 +36,28 @@ def test_verify_passes_on_every_case(loaded):
 
 
 def test_negative_control_history_rebuild_off(loaded):
-    res = verify(loaded, seed=3, num_requests=4, overrides={"rebuild_history": False}, only="first step cut")
-    assert not res["passed"] and res["hash_mismatches"] > 0
+    res = verify(loaded, seed=3, num_requests=4, only="first step cut", runner_cls=NoHistoryRebuild)
+    assert not res["passed"] and res["hash_mismatches"] > 0 and res["logit_mismatches"] > 0
 
 
-def test_negative_control_shared_staging_buffer(loaded):
-    res = verify(loaded, seed=3, num_requests=4, overrides={"share_staging": True}, only="2 ubatches, tokens")
-    assert not res["passed"] and res["row_mismatches"] > 0
+def test_negative_control_shared_staging_buffer_gives_wrong_logits(loaded):
+    res = verify(loaded, seed=3, num_requests=4, only="2 ubatches, tokens", runner_cls=SharedStaging)
+    assert not res["passed"] and res["logit_mismatches"] > 0 and res["max_abs_logit_diff"] > 1e-3
 
 
-def test_negative_control_shared_index_buffer_is_named_by_the_ownership_check(loaded):
-    res = verify(loaded, seed=3, num_requests=4, overrides={"share_topk": True}, only="2 ubatches, tokens")
-    assert not res["passed"] and res["max_abs_logit_diff"] > LOGIT_TOL
+def test_negative_control_shared_index_buffer_gives_wrong_logits_and_is_named(loaded):
+    res = verify(loaded, seed=3, num_requests=4, only="2 ubatches, tokens", runner_cls=SharedTopk)
+    assert not res["passed"] and res["logit_mismatches"] > 0
     with pytest.raises(OwnershipError, match="topk_idx"):
-        verify(loaded, seed=3, num_requests=4, overrides={"share_topk": True, "debug_ownership": True},
-               only="2 ubatches, tokens")
+        verify(loaded, seed=3, num_requests=4, overrides={"debug_ownership": True}, only="2 ubatches, tokens",
+               runner_cls=SharedTopk)
 
 
 def test_negative_control_stale_padding(loaded):
     """Stale padding either corrupts results (caught by the comparison) or is refused outright (the C
     hash kernel rejects a stale, non-monotonic qsl); it never passes."""
     try:
-        res = verify(loaded, seed=3, num_requests=4, overrides={"neutral_padding": False}, only="graph mode")
+        res = verify(loaded, seed=3, num_requests=4, only="graph mode", runner_cls=StalePadding)
     except ValueError as e:
         assert "qsl" in str(e)
     else:
@@ -64,4 +67,4 @@ def test_negative_control_stale_padding(loaded):
 def test_verify_passes_on_the_shipped_trained_model():
     res = verify(load_model(), seed=0, num_requests=4, gen_tokens=16)
     assert res["passed"], {k: v for k, v in res.items() if k != "cases"}
-    assert res["straddling_rows"] > 0
+    assert res["straddling_rows"] > 0 and res["max_abs_logit_diff"] == 0.0

@@ -12,6 +12,7 @@ from types import ModuleType
 def registry() -> dict[str, ModuleType]:
     """Subcommand name -> benchmark module. Bench modules import torch and the engine inside their
     functions, so building the command-line parser stays cheap."""
+    from . import attention, prep, sampler, serve, step
     from . import hash as hash_bench
-    from . import prep, sampler, serve, step
-    return {"hash": hash_bench, "prep": prep, "step": step, "serve": serve, "sampler": sampler}
+    return {"hash": hash_bench, "prep": prep, "step": step, "attention": attention, "serve": serve,
+            "sampler": sampler}

@@ -35,6 +35,7 @@ class Timing:
     median_ms: float
     p90_ms: float
     repeats: int
+    cpu_median_ms: float = 0.0  # CPU time of the process (all its threads): less hit by other jobs' load
 
 
 def time_callable(fn: Callable[[], Any], *, warmup: int = 1, min_repeats: int = 5, max_repeats: int = 100,
@@ -44,15 +45,18 @@ def time_callable(fn: Callable[[], Any], *, warmup: int = 1, min_repeats: int = 
     for _ in range(warmup):
         fn()
     times: list[float] = []
+    cpu: list[float] = []
     spent = 0.0
     while len(times) < min_repeats or (len(times) < max_repeats and spent < budget_s):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
         dt = time.perf_counter() - t0
+        cpu.append((time.process_time() - c0) * 1e3)
         times.append(dt * 1e3)
         spent += dt
     ordered = sorted(times)
-    return Timing(statistics.median(ordered), ordered[math.ceil(0.9 * len(ordered)) - 1], len(ordered))
+    return Timing(statistics.median(ordered), ordered[math.ceil(0.9 * len(ordered)) - 1], len(ordered),
+                  statistics.median(cpu))
 
 
 def _status_kib(field: str) -> int | None:
@@ -112,7 +116,7 @@ def _child(setup: Callable[..., Callable[[], Any]], params: dict, timing: dict) 
         base, method = _ru_maxrss_kib(), "ru_maxrss growth (lower bound)"
     t = time_callable(fn, warmup=0, **timing)
     peak = _ru_maxrss_kib() if method.startswith("ru_maxrss") else _status_kib("VmHWM")
-    return {"median_ms": t.median_ms, "p90_ms": t.p90_ms, "repeats": t.repeats,
+    return {"median_ms": t.median_ms, "p90_ms": t.p90_ms, "repeats": t.repeats, "cpu_median_ms": t.cpu_median_ms,
             "peak_mib": max(0, peak - base) / 1024, "mem_method": method}
 
 

@@ -22,9 +22,18 @@ WORKLOADS = {  # name -> (requests, new tokens per request, context already comp
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS))
+    parser.add_argument("--tensor-parallel-size", type=common.positive_int, default=1, metavar="N",
+                        help="N >= 2: DBO on against off at N ranks (gloo), real link and a simulated one "
+                             "(bench/step_tp.py)")
+    parser.add_argument("--sim-latency-us", type=common.positive_int_list, default=[500, 2000], metavar="US,US",
+                        help="simulated links: latency per cross-rank sum, one link per value (default 500,2000)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="single-process step on this device (the tensor-parallel bench runs on CPU, gloo)")
+    parser.add_argument("--sim-gbps", type=common.positive_float, default=1.0, metavar="GB/S",
+                        help="simulated link: bandwidth in GB/s (default 1)")
 
 
-def _runner(model: str | None, workload: str, ubatches: int):
+def _runner(model: str | None, workload: str, ubatches: int, device: str = "cpu"):
     import numpy as np
     import torch
 
@@ -34,12 +43,12 @@ def _runner(model: str | None, workload: str, ubatches: int):
 
     torch.manual_seed(0)
     reqs, new, ctx = WORKLOADS[workload]
-    loaded = load_model(model)
+    loaded = load_model(model, device=device)
     block = 16
     max_len = -(-(ctx + new) // block) * block
     cfg = RunnerConfig(max_num_seqs=reqs, max_model_len=max_len, max_num_batched_tokens=reqs * new,
                        block_size=block, num_blocks=reqs * max_len // block,
-                       split=SplitConfig(ubatches, "tokens", 0, 0))
+                       split=SplitConfig(ubatches, "tokens", 0, 0), device=device)
     runner = ModelRunner(loaded, cfg)
     rng = np.random.default_rng(0)
     slots = np.array([runner.store.add(rng.integers(6, loaded.config.vocab_size, ctx + new).tolist())
@@ -60,27 +69,38 @@ def buffer_bytes(runner) -> int:
     return total
 
 
-def setup(model: str | None, workload: str, ubatches: int):
-    runner, batch = _runner(model, workload, ubatches)
-    return lambda: runner.execute(batch)
+def setup(model: str | None, workload: str, ubatches: int, device: str = "cpu"):
+    runner, batch = _runner(model, workload, ubatches, device)
+    if device == "cpu":
+        return lambda: runner.execute(batch)
+    import torch
+
+    def step():
+        runner.execute(batch)
+        torch.cuda.synchronize()  # time the device work, not the launch
+    return step
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    if args.tensor_parallel_size > 1:
+        from .step_tp import run_tp
+        return run_tp(args, WORKLOADS)
     rows = []
     for wl in args.workloads.split(","):
         if wl not in WORKLOADS:
             raise ValueError(f"--workloads: unknown workload {wl!r}; choose from {sorted(WORKLOADS)}")
         res, bufs = {}, {}
         for name, n in (("whole", 1), ("dbo", 2)):
-            runner, batch = _runner(args.model, wl, n)
+            runner, batch = _runner(args.model, wl, n, args.device)
             bufs[name] = buffer_bytes(runner) / 2**20
             tokens = batch.num_tokens
-            res[name] = common.measure(setup, dict(model=args.model, workload=wl, ubatches=n),
+            runner.close()
+            res[name] = common.measure(setup, dict(model=args.model, workload=wl, ubatches=n, device=args.device),
                                        **common.timing_kwargs(args))
         w, d = res["whole"], res["dbo"]
         rows.append({"workload": wl, "tokens": tokens,
                      "whole_tok_s": tokens / w["median_ms"] * 1e3, "dbo_tok_s": tokens / d["median_ms"] * 1e3,
                      "dbo_over_whole": w["median_ms"] / d["median_ms"],
                      "whole_buffers_mib": bufs["whole"], "dbo_buffers_mib": bufs["dbo"],
-                     "whole_peak_mib": w["peak_mib"], "dbo_peak_mib": d["peak_mib"]})
+                     "whole_peak_mib": w["peak_mib"], "dbo_peak_mib": d["peak_mib"], "device": args.device})
     return rows

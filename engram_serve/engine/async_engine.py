@@ -79,6 +79,8 @@ class AsyncLLMEngine:
         self._requests_total = 0
         self._finished: dict[str, int] = {}
         self._closed = False
+        self.fatal_error: str | None = None  # why the engine stopped on its own (a fatal step error)
+        self.on_fatal = None  # called with that message from the engine thread (the server shuts down)
         self._ids = itertools.count()
         self._snapshot()
         self._thread = threading.Thread(target=self._run, name="engram-engine", daemon=True)
@@ -127,6 +129,11 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
 
+    def fail(self, message: str) -> None:
+        """Stop the engine on a fatal error found outside a step (e.g. a tensor-parallel worker died while
+        idle): every open request ends with `message`, then `on_fatal` runs. Thread-safe."""
+        self._cmds.put(("fatal", message))
+
     def metrics(self) -> dict[str, float]:
         """A snapshot of the engine's counters and gauges (taken by the engine thread after every step)."""
         m = dict(self._metrics)
@@ -170,17 +177,27 @@ class AsyncLLMEngine:
             started = time.monotonic()
             try:
                 events, rows = driver.step_events()
-            except Exception as e:  # a bug outside the forward: end everything, never the server, never a hang
+            except Exception as e:  # a failed step ends its requests, never the server, never a hang
                 log.exception("engine step failed")
                 events, rows = driver.fail_all(f"engine step failed: {type(e).__name__}: {e}"), []
+                if getattr(e, "fatal", False):  # e.g. a tensor-parallel worker died: the engine cannot go on
+                    self.fatal_error = f"{type(e).__name__}: {e}"
+                    self._closed = True
+                    self._out_q.put(("events", events, rows, started))
+                    break
             self._out_q.put(("events", events, rows, started))
             self._snapshot()
             if not events and driver.has_work() and not self.engine.scheduler.num_running:
                 time.sleep(0.001)  # nothing could be scheduled this step: do not spin at full speed
-        self._out_q.put(("events", driver.fail_all("the engine was shut down"), [], time.monotonic()))
+        self._out_q.put(("events", driver.fail_all(self.fatal_error or "the engine was shut down"), [],
+                         time.monotonic()))
         self._out_q.put(("stop",))
         self._snapshot()
-        self.engine.close()
+        try:
+            self.engine.close()
+        finally:
+            if self.fatal_error is not None and self.on_fatal is not None:
+                self.on_fatal(self.fatal_error)
 
     def _handle(self, cmd: tuple) -> bool:
         kind = cmd[0]
@@ -200,6 +217,10 @@ class AsyncLLMEngine:
         elif kind == "stopped":  # the output thread found a stop string: it already ended the stream
             self.driver.abort(cmd[1])
         elif kind == "stop":
+            return True
+        elif kind == "fatal":
+            self.fatal_error = cmd[1]
+            self._closed = True
             return True
         else:
             raise ValueError(f"unknown engine command {kind!r}")

@@ -63,16 +63,19 @@ class StepResult:
 
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, cfg: RunnerConfig | None = None, enable_prefix_caching: bool = True,
+                 runner_cls: type[ModelRunner] = ModelRunner, runner: ModelRunner | None = None,
                  threads: int | None = None, seed: int | None = None):
-        """`threads`: torch threads (engine/threads.py: default, the cores of the affinity mask);
-        `seed`: seeds the draws of per-request seeds for requests that give none."""
+        """`runner_cls`: a test may pass a subclass (negative controls). `runner`: a prepared runner over
+        `loaded` with config `cfg` (tensor parallel: rank 0's ParallelModelRunner). `threads`: torch
+        threads (engine/threads.py: default, the cores of the affinity mask); `seed`: seeds the draws
+        of per-request seeds for requests that give none."""
         self.threads = set_torch_threads(threads)
         cfg = cfg or RunnerConfig()
         if cfg.max_model_len > loaded.config.max_position_embeddings:
             raise ValueError(f"max_model_len={cfg.max_model_len} exceeds the model's "
                              f"max_position_embeddings={loaded.config.max_position_embeddings}")
         self.loaded, self.cfg = loaded, cfg
-        self.runner = ModelRunner(loaded, cfg)
+        self.runner = runner if runner is not None else runner_cls(loaded, cfg)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_model_len=cfg.max_model_len,

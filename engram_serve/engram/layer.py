@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from ..model.layers import Linear, rms_norm
+from ..model.layers import Linear, pointwise, rms_norm
 
 
 class EngramGate(nn.Module):
@@ -26,22 +26,37 @@ class EngramGate(nn.Module):
         self.q_w = nn.Parameter(torch.ones(hc_mult, hidden))
         self.k_w = nn.Parameter(torch.ones(hc_mult, hidden))
 
-    def gate(self, h: torch.Tensor, rows: torch.Tensor, dead: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """gate [T, hc_mult] and value [T, hidden] for h [T, hc, hidden], rows [T, C, hd], dead [T] bool."""
-        t = h.shape[0]
+    def project(self, rows: torch.Tensor) -> torch.Tensor:
+        """kv [T, (hc+1)*hidden] = wkv(rows flattened) for rows [T, C, hd]. Linear in the rows: under
+        tensor parallelism each rank projects its own table shard's rows and the partials are summed."""
+        t = rows.shape[0]
         if rows.shape != (t, self.num_columns, self.head_dim):
             raise ValueError(f"Engram rows have shape {tuple(rows.shape)}; expected "
                              f"{(t, self.num_columns, self.head_dim)}")
-        kv = self.wkv(rows.reshape(t, self.num_columns * self.head_dim).to(self.wkv.weight.dtype))  # [T, (hc+1)*hidden]
+        return self.wkv(rows.reshape(t, self.num_columns * self.head_dim).to(self.wkv.weight.dtype))
+
+    def gate_from_kv(self, h: torch.Tensor, kv: torch.Tensor, dead: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate [T, hc_mult] and value [T, hidden] for h [T, hc, hidden] and the projection kv."""
+        t = h.shape[0]
         keys = kv[:, :self.hc_mult * self.hidden].view(t, self.hc_mult, self.hidden)
         value = kv[:, self.hc_mult * self.hidden:]  # [T, hidden], shared by all branches
         q = rms_norm(h, self.eps).float() * self.q_w.float()
         k = rms_norm(keys, self.eps).float() * self.k_w.float()
         dot = (q * k).sum(-1) / math.sqrt(self.hidden)  # [T, hc]
-        g = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=1e-6)))
+        g = pointwise(torch.sigmoid, torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=1e-6)))
         if dead is not None:
             g = g.masked_fill(dead[:, None], 0.0)
         return g.to(h.dtype), value
+
+    def gate(self, h: torch.Tensor, rows: torch.Tensor, dead: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate [T, hc_mult] and value [T, hidden] for h [T, hc, hidden], rows [T, C, hd], dead [T] bool."""
+        return self.gate_from_kv(h, self.project(rows), dead)
+
+    def apply(self, h: torch.Tensor, kv: torch.Tensor, dead: torch.Tensor | None = None) -> torch.Tensor:
+        """h with the gated value added, from an already computed (e.g. cross-rank summed) projection kv."""
+        g, value = self.gate_from_kv(h, kv, dead)
+        return h + g[..., None] * value[:, None, :]
 
     def forward(self, h: torch.Tensor, rows: torch.Tensor, dead: torch.Tensor | None = None) -> torch.Tensor:
         g, value = self.gate(h, rows, dead)

@@ -88,6 +88,27 @@ class StaticInputPool:
                 return s
         raise StaticBufferError(f"no padded size holds {num_tokens} tokens (sizes: {self.sizes})")
 
+    def part_sizes(self, bounds: list[int]) -> list[int]:
+        """Padded size of each microbatch of a step cut at `bounds` (graph buckets, spec §6).
+
+        The step is padded to its bucket B (the smallest configured size holding it) and cut into n
+        fixed parts: microbatch k is padded to ceil(B / n), or, where its cut left it larger than
+        that (request-boundary cuts), to the smallest configured part that holds it. Every padded
+        size is one of {ceil(s / n)} | {s} over the configured sizes s, so the (microbatch, padded
+        size) keys - buffer sets here, graph captures on CUDA - are bounded by n * 2 * len(sizes),
+        whatever the steps' sizes."""
+        n = len(bounds) - 1
+        base = -(-self.padded_size(bounds[-1]) // n)
+        parts = sorted({-(-s // n) for s in self.sizes} | set(self.sizes))
+        out = []
+        for a, b in zip(bounds, bounds[1:]):
+            need = max(b - a, base)
+            fit = [p for p in parts if p >= need]
+            if not fit:
+                raise StaticBufferError(f"no padded size holds a microbatch of {b - a} tokens (sizes: {self.sizes})")
+            out.append(fit[0])
+        return out
+
     def get(self, ubatch: int, size: int, like: StepBatch) -> StaticInputs:
         key = (ubatch, size)
         if key not in self._pool:

@@ -1,15 +1,12 @@
-"""Grouped-query attention over a paged KV cache, with cross-layer index sharing.
+"""Grouped-query attention with cross-layer index sharing, and its two backends.
 
-Both the serving (paged) path and the dense reference path put queries and keys into one padded
-layout and call the same `attend_padded`:
-    q [R, Qm, heads, hd]  (row r's query slot o holds its o-th token of this batch; q_pos -1 = none)
-    k, v [R, Km, kv_heads, hd]  (key slot j of row r IS absolute position j of row r's request)
-Key j is visible to query (r, o) iff j <= q_pos[r, o] and j < k_len[r] (causal by absolute position).
-
-Index sharing (DeepSeek sparse-attention style): a SELECT layer scores every visible key by the
-head-mean of q.k, keeps the `topk` best absolute positions (ties: lower position first; -1 padding
-when fewer are visible) and attends only to those; the next layer (REUSE) attends only to the same
-positions. Between layers the choice lives in the microbatch's own `bufs.topk_idx[:T]`.
+`PagedAttention` (serving) runs one microbatch over the paged KV cache with the varlen, bit-exact
+kernels of `paged_attention.py`. `DenseAttention` (training) runs [B, S] sequences at positions
+0..S-1 through torch's fused `scaled_dot_product_attention` in one padded layout:
+    q [B, S, heads, hd], k, v [B, S, kv_heads, hd]; key j visible to query i iff j <= i.
+Both give the same attention (up to float rounding): causal by absolute position; a SELECT layer keeps,
+per query, the `topk` visible keys with the highest head-mean q.k (ties: lower position first) and
+attends only to those; the next layer (REUSE) attends only to the same positions.
 """
 from __future__ import annotations
 
@@ -22,142 +19,85 @@ from torch import nn
 from ..config import ModelConfig
 from ..errors import StaticBufferError
 from .context import ForwardContext
-from .layers import Linear, apply_rotary
+from .layers import MIN_ROWS, Linear, apply_rotary
+from .paged_attention import AttentionPlan, attend_full, attend_selected, select_keys
 
 FULL, SELECT, REUSE = "full", "select", "reuse"
 
 
-def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """[R, Qm, topk] int64 key positions with the highest scores [R, Qm, Km] (-inf = not visible), -1 padded."""
+def _select_dense(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """bool [B, S, S]: the `topk` best keys per query of scores [B, S, S] (-inf = not visible)."""
     order = torch.argsort(scores, dim=-1, descending=True, stable=True)[..., :topk]  # stable: ties by position
-    top = scores.gather(-1, order)
-    sel = torch.where(torch.isneginf(top), torch.full_like(order, -1), order)
-    if sel.shape[-1] < topk:
-        sel = F.pad(sel, (0, topk - sel.shape[-1]), value=-1)
-    return sel
+    keep = torch.isfinite(scores.gather(-1, order))
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, keep)
 
 
-def positions_mask(sel: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """bool [R, Qm, num_keys]: True at the key positions listed in sel [R, Qm, k] (-1 ignored)."""
-    idx = torch.where(sel < 0, torch.full_like(sel, num_keys), sel).clamp(max=num_keys)
-    m = torch.zeros(*sel.shape[:-1], num_keys + 1, dtype=torch.bool, device=sel.device)
-    return m.scatter_(-1, idx, True)[..., :num_keys]
-
-
-def attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_len: torch.Tensor,
-                  mode: str = FULL, sel_in: torch.Tensor | None = None, topk: int = 0
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention in the padded layout (module docstring). Returns out [R, Qm, heads*hd] (0 for query slots
-    that see no key) and, for SELECT, the chosen positions [R, Qm, topk]."""
-    r, qm, heads, hd = q.shape
-    km, kv_heads = k.shape[1], k.shape[2]
-    kpos = torch.arange(km, device=q.device)
-    mask = (kpos[None, None, :] <= q_pos[:, :, None]) & (kpos[None, None, :] < k_len[:, None, None])  # [R, Qm, Km]
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [R, heads, Qm|Km, hd]
-    sel = None
-    if mode == SELECT:
-        qg = qt.reshape(r, kv_heads, heads // kv_heads, qm, hd).float()
-        scores = torch.einsum("rhgqd,rhkd->rqk", qg, kt.float()) / heads  # head-mean of q.k
-        sel = select_topk(scores.masked_fill(~mask, float("-inf")), topk)
-        mask = mask & positions_mask(sel, km)
-    elif mode == REUSE:
-        mask = mask & positions_mask(sel_in, km)
-    no_key = ~mask.any(-1)  # padding query slots: give them key 0 so softmax stays finite, zero them after
-    mask = mask | (no_key[..., None] & (kpos == 0)[None, None, :])
-    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask[:, None], scale=1.0 / math.sqrt(hd),
-                                         enable_gqa=heads != kv_heads)  # [R, heads, Qm, hd]
-    out = out.transpose(1, 2).reshape(r, qm, heads * hd).masked_fill(no_key[..., None], 0.0)
-    return out, sel
-
-
-class DenseBackend:
-    """Plain causal attention over [B, S] sequences at positions 0..S-1 (training / reference)."""
+class DenseAttention:
+    """Causal attention over [B, S] sequences (training). Keeps the SELECT layer's choice for REUSE."""
 
     def __init__(self, batch: int, seq: int, device: torch.device):
         self.b, self.s = batch, seq
-        self.q_pos = torch.arange(seq, device=device).expand(batch, seq)
-        self.k_len = torch.full((batch,), seq, dtype=torch.int64, device=device)
-        self.sel: torch.Tensor | None = None
+        pos = torch.arange(seq, device=device)
+        self.causal = (pos[None, :] <= pos[:, None])[None].expand(batch, seq, seq)  # [B, S, S]
+        self.chosen: torch.Tensor | None = None
 
-    def attend(self, layer: int, q, k, v, mode: str, topk: int) -> torch.Tensor:
+    def attend(self, layer: int, q, k, v, mode: str, topk: int, head_mean=None) -> torch.Tensor:
         b, s = self.b, self.s
-        out, sel = attend_padded(q.view(b, s, *q.shape[1:]), k.view(b, s, *k.shape[1:]), v.view(b, s, *v.shape[1:]),
-                                 self.q_pos, self.k_len, mode, self.sel, topk)
-        if sel is not None:
-            self.sel = sel
-        return out.reshape(b * s, -1)
+        heads, hd = q.shape[1], q.shape[2]
+        qt, kt, vt = (x.view(b, s, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))  # [B, heads|kvh, S, hd]
+        mask = self.causal
+        if mode == SELECT:
+            g = heads // kt.shape[1]
+            scores = torch.einsum("bhgqd,bhkd->bqk", qt.reshape(b, kt.shape[1], g, s, hd).float(), kt.float())
+            scores = scores / heads if head_mean is None else head_mean(scores)  # head-mean over every rank's heads
+            self.chosen = _select_dense(scores.masked_fill(~mask, float("-inf")), topk)
+        if mode in (SELECT, REUSE):
+            mask = mask & self.chosen
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask[:, None], scale=1.0 / math.sqrt(hd),
+                                             enable_gqa=heads != kt.shape[1])  # [B, heads, S, hd]
+        return out.transpose(1, 2).reshape(b * s, heads * hd)
 
 
-class PagedBackend:
-    """Paged attention for one microbatch. The padded layout is planned once per forward, used by every layer."""
+class PagedAttention:
+    """Attention of one microbatch over the paged KV cache. The plan is built once per forward and
+    shared by every layer; the SELECT layer's choice lives in the microbatch's own `bufs.topk_idx`."""
+
+    read_past = 0  # keys readable past seq_len: 0 always; a test subclass raises it (negative control)
 
     def __init__(self, ctx: ForwardContext):
-        b = ctx.batch
         self.ctx = ctx
-        t, r = b.num_tokens, b.num_rows
-        dev = b.input_ids.device
-        self.t, self.r = t, r
-        self.qm = ctx.max_query_len if ctx.max_query_len is not None else self._max_query_len(b)
-        if ctx.max_seq_len is not None:
-            self.km = ctx.max_seq_len
-        elif b.seq_lens.device.type == "cpu":  # no device sync to read it
-            self.km = int(b.seq_lens.max()) if r else 0
-        else:  # static bound: no sync, graph-safe
-            self.km = b.block_tables.shape[1] * b.block_size
-        tok = torch.arange(t, device=dev)
-        row = torch.searchsorted(b.qsl[1:].long(), tok, right=True)  # [T]
-        valid = row < r
-        rowc = row.clamp(max=max(r - 1, 0))
-        off = tok - b.qsl.long()[rowc]
-        dummy = r * self.qm  # one extra slot absorbs tokens outside every row (padding)
-        self.flat = torch.where(valid, rowc * self.qm + off, torch.full_like(tok, dummy))  # [T]
-        q_pos = torch.full((dummy + 1,), -1, dtype=torch.int64, device=dev)
-        q_pos.index_copy_(0, self.flat, torch.where(valid, b.positions.long(), torch.full_like(tok, -1)))
-        self.q_pos = q_pos[:dummy].view(r, self.qm)  # [R, Qm]
-        self.k_len = b.seq_lens.long()
-        self.slots = ctx.kv.slots_for(b.block_tables.long(), self.km)  # [R, Km]
+        self.plan: AttentionPlan | None = None  # built at the first layer, when the head counts are known
 
-    @staticmethod
-    def _max_query_len(b) -> int:
-        host = getattr(b, "qsl_host", None)
-        if host is None and b.qsl.device.type == "cpu":
-            host = b.qsl
-        if host is None:
-            return b.num_tokens  # static bound: no device sync
-        return int((host[1:] - host[:-1]).max()) if len(host) > 1 else 0
-
-    def _to_padded(self, x: torch.Tensor, fill: float | int) -> torch.Tensor:
-        """[T, ...] token-major -> [R, Qm, ...] padded layout."""
-        out = torch.full((self.r * self.qm + 1, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)
-        out.index_copy_(0, self.flat, x)
-        return out[:-1].view(self.r, self.qm, *x.shape[1:])
-
-    def _to_tokens(self, x: torch.Tensor, fill: float | int) -> torch.Tensor:
-        """[R, Qm, ...] padded layout -> [T, ...] token-major (fill for tokens outside every row)."""
-        flat = x.reshape(self.r * self.qm, *x.shape[2:])
-        flat = torch.cat([flat, torch.full((1, *flat.shape[1:]), fill, dtype=x.dtype, device=x.device)])
-        return flat[self.flat]
+    def _plan(self, group: int) -> AttentionPlan:
+        if self.plan is None:
+            b, zero, width = self.ctx.batch, self.ctx.kv.zero_slot, -(-MIN_ROWS // group)
+            if self.ctx.max_seq_len is not None:  # static shapes for graph capture
+                self.plan = AttentionPlan.build_static(b, zero, width, self.ctx.max_seq_len)
+            else:
+                self.plan = AttentionPlan.build(b, zero, width, self.read_past)
+        return self.plan
 
     def _topk_buf(self, topk: int) -> torch.Tensor:
-        buf = self.ctx.bufs.topk_idx
-        if buf is None or buf.shape[0] < self.t or buf.shape[1] != topk or buf.dtype != torch.int64:
+        n, buf = self.ctx.batch.num_tokens, self.ctx.bufs.topk_idx
+        if buf is None or buf.shape[0] < n or buf.shape[1] != topk or buf.dtype != torch.int64:
             got = None if buf is None else (tuple(buf.shape), buf.dtype)
             raise StaticBufferError(f"index-sharing buffer 'topk_idx' of microbatch {self.ctx.bufs.ubatch}: "
-                                    f"holds {got}; needs at least ({self.t}, {topk}) int64")
-        view = buf[:self.t]
+                                    f"holds {got}; needs at least ({n}, {topk}) int64")
+        view = buf[:n]
         self.ctx.touch("topk_idx", view)
         return view
 
-    def attend(self, layer: int, q, k, v, mode: str, topk: int) -> torch.Tensor:
-        b, kv = self.ctx.batch, self.ctx.kv
-        kv.write(layer, b.slot_mapping, k, v)  # this microbatch's keys first: a row attends to itself
-        kp, vp = kv.gather(layer, self.slots)  # [R, Km, kv_heads, hd]
-        sel_in = self._to_padded(self._topk_buf(topk), -1) if mode == REUSE else None
-        out, sel = attend_padded(self._to_padded(q, 0.0), kp.to(q.dtype), vp.to(q.dtype), self.q_pos, self.k_len,
-                                 mode, sel_in, topk)
-        if sel is not None:
-            self._topk_buf(topk).copy_(self._to_tokens(sel, -1))
-        return self._to_tokens(out, 0.0)  # [T, heads*hd]
+    def attend(self, layer: int, q, k, v, mode: str, topk: int, head_mean=None) -> torch.Tensor:
+        kv = self.ctx.kv
+        kv.write(layer, self.ctx.batch.slot_mapping, k, v)  # this microbatch's keys first: a row attends to itself
+        kc, vc = kv.layer(layer)
+        plan = self._plan(q.shape[1] // k.shape[1])
+        if mode == FULL:
+            bad = ~torch.isfinite(v).view(v.shape[0], -1).all(-1)  # [T]: cheap, on this step's values only
+            return attend_full(plan, q, kc, vc, bad)
+        if mode == SELECT:
+            self._topk_buf(topk).copy_(select_keys(plan, q, kc, topk, head_mean))
+        return attend_selected(plan, q, kc, vc, self._topk_buf(topk))
 
 
 class Attention(nn.Module):
@@ -168,6 +108,7 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim)
         self.v_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim)
         self.o_proj = Linear(self.heads * self.head_dim, cfg.hidden_size)
+        self.head_mean = None  # tensor parallel: set by parallel.shard (q.k mean over every rank's heads)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend, layer: int,
                 mode: str = FULL, topk: int = 0) -> torch.Tensor:
@@ -175,4 +116,4 @@ class Attention(nn.Module):
         q = apply_rotary(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
         k = apply_rotary(self.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
-        return self.o_proj(backend.attend(layer, q, k, v, mode, topk))
+        return self.o_proj(backend.attend(layer, q, k, v, mode, topk, self.head_mean))

@@ -3,7 +3,9 @@
 Invariants: a token at absolute position p of a request whose block table is `bt` lives in slot
 `bt[p // block_size] * block_size + p % block_size`; slot -1 means "write nowhere" (padding). An
 extra trash slot at the end of every layer absorbs those writes, so writing needs no boolean
-indexing (no device sync) and the trash slot is never read through a block table.
+indexing (no device sync) and the trash slot is never read. A second extra slot, the zero slot, is
+never written: attention reads it in place of every key position a row may not read (past its
+length, a null block), so what other requests or padding left in the pool cannot reach the row.
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ class KVCache:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.num_slots = num_blocks * block_size
-        shape = (num_layers, self.num_slots + 1, num_kv_heads, head_dim)  # +1: the trash slot
+        self.trash_slot, self.zero_slot = self.num_slots, self.num_slots + 1
+        shape = (num_layers, self.num_slots + 2, num_kv_heads, head_dim)  # + the trash and zero slots
         self._k = torch.zeros(shape, dtype=dtype, device=self.device)
         self._v = torch.zeros(shape, dtype=dtype, device=self.device)
 
@@ -31,16 +34,18 @@ class KVCache:
         return cls(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
                    dtype, device)
 
+    def _blocks(self, pool: torch.Tensor) -> torch.Tensor:
+        return pool[:, :self.num_slots].view(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
+                                             self.head_dim)
+
     @property
     def k(self) -> torch.Tensor:
-        """[layers, num_blocks, block_size, kv_heads, head_dim] view of the key pool (no trash slot)."""
-        return self._k[:, :self.num_slots].view(self.num_layers, self.num_blocks, self.block_size,
-                                                 self.num_kv_heads, self.head_dim)
+        """[layers, num_blocks, block_size, kv_heads, head_dim] view of the key pool (no trash or zero slot)."""
+        return self._blocks(self._k)
 
     @property
     def v(self) -> torch.Tensor:
-        return self._v[:, :self.num_slots].view(self.num_layers, self.num_blocks, self.block_size,
-                                                 self.num_kv_heads, self.head_dim)
+        return self._blocks(self._v)
 
     @property
     def nbytes(self) -> int:
@@ -48,21 +53,10 @@ class KVCache:
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, kv_heads, head_dim] at slot_mapping [T]; slots < 0 go to the trash slot."""
-        slots = torch.where(slot_mapping < 0, torch.full_like(slot_mapping, self.num_slots), slot_mapping)
+        slots = torch.where(slot_mapping < 0, torch.full_like(slot_mapping, self.trash_slot), slot_mapping)
         self._k[layer].index_copy_(0, slots, k.to(self.dtype))
         self._v[layer].index_copy_(0, slots, v.to(self.dtype))
 
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values at slots [R, K] (slots < 0 read the trash slot) -> two [R, K, kv_heads, head_dim]."""
-        s = torch.where(slots < 0, torch.full_like(slots, self.num_slots), slots)
-        return self._k[layer][s], self._v[layer][s]
-
-    def slots_for(self, block_tables: torch.Tensor, num_keys: int) -> torch.Tensor:
-        """[R, num_keys] int64 slot of absolute positions 0..num_keys-1 of each row; -1 where the block is null."""
-        bs = self.block_size
-        if num_keys > block_tables.shape[1] * bs:
-            raise ValueError(f"num_keys={num_keys} exceeds the block table capacity "
-                             f"{block_tables.shape[1]} blocks x {bs}")
-        pos = torch.arange(num_keys, device=block_tables.device)
-        blocks = block_tables[:, pos // bs]  # [R, K]
-        return torch.where(blocks < 0, torch.full_like(blocks, -1), blocks * bs + pos % bs)
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value pools [slots + 2, kv_heads, head_dim] of one layer (trash and zero slots last)."""
+        return self._k[layer], self._v[layer]

@@ -6,6 +6,7 @@ the paged (serving) path and the dense (training/reference) path run the very sa
 from __future__ import annotations
 
 from collections.abc import Generator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,19 @@ from .context import MOE_COMBINE, MOE_DISPATCH, ForwardContext
 # a call of fewer than MIN_ROWS rows with zero rows. From MIN_ROWS rows on, a row's result does not
 # depend on the row count or its place in the call (tests/test_batch_invariance.py sweeps this).
 MIN_ROWS = 4
+_exact = True  # the batch-invariance rules of this module are on; `batch_invariant(False)` turns them off
+
+
+@contextmanager
+def batch_invariant(enabled: bool):
+    """Run the block with the batch-invariance rules (MIN_ROWS, VEC_PAD) on or off. Off is the fastest
+    non-exact configuration (benchmarks) and the negative control of the bit-exactness tests."""
+    global _exact
+    before, _exact = _exact, enabled
+    try:
+        yield
+    finally:
+        _exact = before
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -28,9 +42,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     n = x2.shape[0]
-    if n < MIN_ROWS:  # a host-side shape check: no device sync
+    if n < MIN_ROWS and _exact:  # a host-side shape check: no device sync
         x2 = torch.cat([x2, x2.new_zeros(MIN_ROWS - n, x2.shape[1])])
     return F.linear(x2, weight)[:n].reshape(*lead, weight.shape[0])
+
+
+# Batch invariance of elementwise ops. torch's CPU loops run the vectorised form of an op over whole
+# vectors and a scalar form over the tail of the call, and for sigmoid and silu the two differ in the
+# last bit. Rule: `pointwise` pads the flat input to a multiple of VEC_PAD elements, so every element
+# takes the vectorised path whatever the call's size (with one intra-op thread; see README).
+VEC_PAD = 64
+
+
+def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for an elementwise fn, computed on the vectorised path for every element (rule above)."""
+    n = x.numel()
+    if not _exact or (n % VEC_PAD == 0 and x.is_contiguous()):
+        return fn(x)
+    return fn(F.pad(x.reshape(-1), (0, (-n) % VEC_PAD)))[:n].view(x.shape)
 
 
 class Linear(nn.Linear):
@@ -88,7 +117,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(pointwise(F.silu, self.gate_proj(x)) * self.up_proj(x))
 
 
 class MoE(nn.Module):
@@ -108,7 +137,7 @@ class MoE(nn.Module):
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return linear(F.silu(linear(x, self.w_gate[e])) * linear(x, self.w_up[e]), self.w_down[e])
+        return linear(pointwise(F.silu, linear(x, self.w_gate[e])) * linear(x, self.w_up[e]), self.w_down[e])
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert ids [N, k] int64 and renormalised weights [N, k] float32."""

@@ -22,12 +22,53 @@ from torch import nn
 from ..config import ModelConfig
 from ..engram.layer import EngramGate
 from ..errors import StaticBufferError
-from .attention import FULL, REUSE, SELECT, Attention, DenseBackend, PagedBackend
+from .attention import FULL, REUSE, SELECT, Attention, DenseAttention, PagedAttention
 from .context import ForwardContext, UbatchBuffers
 from .layers import MLP, Linear, MoE, RMSNorm, linear, rotary_cos_sin
 
 STAGE_ENGRAM_GATHER, STAGE_ENGRAM, STAGE_ATTN = "engram_gather", "engram", "attn"
 STAGE_MOE_DISPATCH, STAGE_MOE_COMBINE = "moe_dispatch", "moe_combine"
+STAGE_MLP = "mlp"  # only under tensor parallelism: the dense MLP's cross-rank sum
+
+
+def _collective_point(x: torch.Tensor, module, stage: str, ctx: ForwardContext | None
+                      ) -> Generator[str, None, torch.Tensor]:
+    """Yield `stage`, returning x. If `module` produced x as a per-rank partial sum (tensor parallel:
+    it has `launch_reduce`), the cross-rank sum is launched before the yield and awaited after it, so
+    it is in flight while the other microbatch runs its next stage; returns the sum."""
+    launch = getattr(module, "launch_reduce", None)
+    if launch is None:
+        yield stage
+        return x
+    pending = launch(x, ctx)
+    yield stage
+    return pending.wait()
+
+
+def _launch_engram_sums(layers, engram_rows, ctx: ForwardContext | None):
+    """Tensor parallel only (each `wkv` has `launch_reduce`): an Engram projection depends on the staged
+    rows alone, so every Engram layer's partial projection (this rank's table shard) is computed at the
+    start of the forward and all are summed across ranks in ONE collective, in flight while both
+    microbatches run the layers before the first Engram layer. Returns `kv(engram_index)` (waits on
+    the first call), or None (one process, or Engram ablated)."""
+    layers = sorted((l for l in layers if l.engram is not None), key=lambda l: l.engram_index)
+    if engram_rows is None or not layers or not hasattr(layers[0].engram.wkv, "launch_reduce"):
+        return None
+    parts = []
+    for layer in layers:
+        rows = engram_rows(layer.engram_index)  # [N, C, hd]
+        if ctx is not None:
+            ctx.touch("staging", rows)
+        parts.append(layer.engram.project(rows))  # [N, (hc+1)*hidden] partial
+    wkv = layers[0].engram.wkv
+    pending = wkv.launch_reduce(torch.cat(parts, 1), ctx, wkv.early_buffer)
+    width, summed = parts[0].shape[1], []
+
+    def kv(i: int) -> torch.Tensor:
+        if not summed:
+            summed.append(pending.wait())  # [N, L_e*(hc+1)*hidden]
+        return summed[0][:, i * width:(i + 1) * width]
+    return kv
 
 
 class DecoderLayer(nn.Module):
@@ -54,6 +95,8 @@ class DecoderLayer(nn.Module):
 
 
 class EngramModel(nn.Module):
+    paged_attention = PagedAttention  # the serving attention backend (a test may swap in a subclass)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -70,10 +113,13 @@ class EngramModel(nn.Module):
         n = input_ids.shape[0]
         cos, sin = rotary_cos_sin(positions, cfg.head_dim, cfg.rope_theta)  # once per forward
         h = self.embed_tokens(input_ids)[:, None, :].expand(n, cfg.hc_mult, cfg.hidden_size)  # [N, hc, hidden]
+        early = _launch_engram_sums(self.layers, engram_rows, ctx)  # tensor parallel only
         for layer in self.layers:
             if layer.engram is not None:
                 yield STAGE_ENGRAM_GATHER
-                if engram_rows is not None:  # None: Engram ablated (dense path only)
+                if early is not None:
+                    h = layer.engram.apply(h, early(layer.engram_index), dead)
+                elif engram_rows is not None:  # None: Engram ablated (dense path only)
                     rows = engram_rows(layer.engram_index)  # [N, C, hd]; may wait for the gather
                     if ctx is not None:
                         ctx.touch("staging", rows)
@@ -81,10 +127,15 @@ class EngramModel(nn.Module):
                 yield STAGE_ENGRAM
             a = layer.attn(layer.attn_norm(h.mean(1)), cos, sin, backend, layer.layer_id,
                            layer.attn_mode, cfg.index_topk)
+            a = yield from _collective_point(a, layer.attn.o_proj, STAGE_ATTN, ctx)
             h = h + a[:, None, :]
-            yield STAGE_ATTN
             x = layer.mlp_norm(h.mean(1))
-            m = (yield from layer.mlp.stages(x, ctx)) if layer.is_moe else layer.mlp(x)
+            if layer.is_moe:
+                m = yield from layer.mlp.stages(x, ctx)
+            else:
+                m = layer.mlp(x)
+                if hasattr(layer.mlp.down_proj, "launch_reduce"):  # tensor parallel: one more overlap point
+                    m = yield from _collective_point(m, layer.mlp.down_proj, STAGE_MLP, ctx)
             h = h + m[:, None, :]
         return self.norm(h.mean(1))  # [N, hidden]
 
@@ -95,7 +146,7 @@ class EngramModel(nn.Module):
         if b.num_tokens > ctx.bufs.capacity:
             raise StaticBufferError(f"staging buffer of microbatch {ctx.bufs.ubatch} holds {ctx.bufs.capacity} "
                                     f"tokens; the microbatch has {b.num_tokens}")
-        backend = PagedBackend(ctx)
+        backend = self.paged_attention(ctx)
         return (yield from self._run(b.input_ids.long(), b.positions.long(), b.dead, backend, ctx.engram_rows, ctx))
 
     def forward_step(self, ctx: ForwardContext) -> torch.Tensor:
@@ -134,7 +185,7 @@ class EngramModel(nn.Module):
                                  f"{self.config.engram.num_layers} Engram layers")
             rows_fn = lambda i: engram_rows[i].reshape(b * s, *engram_rows[i].shape[2:])  # noqa: E731
         gen = self._run(input_ids.reshape(-1).long(), positions, None if dead is None else dead.reshape(-1),
-                        DenseBackend(b, s, dev), rows_fn, None)
+                        DenseAttention(b, s, dev), rows_fn, None)
         while True:
             try:
                 next(gen)

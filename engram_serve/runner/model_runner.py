@@ -18,9 +18,10 @@ from ..engram.hashing import hash_step
 from ..inputs.batch import StepBatch
 from ..inputs.static import StaticInputPool
 from ..inputs.step import build_step
-from ..inputs.ubatch import SplitConfig, padded_sizes, plan_split, split_batch
+from ..inputs.ubatch import SplitConfig, plan_split, split_batch
 from ..model.context import ForwardContext, UbatchBuffers
 from ..model.kv_cache import KVCache
+from ..model.layers import batch_invariant
 from ..model.loader import LoadedModel
 from .executor import run_interleaved
 from .ownership import OwnershipTracker
@@ -28,8 +29,10 @@ from .ownership import OwnershipTracker
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    """Sizes and switches of one runner. The `*_negative_control` style switches (share_staging,
-    share_topk, rebuild_history=False, neutral_padding=False) exist only to prove the tests can fail."""
+    """Sizes and switches of one runner. `exact` (default) runs the forward under the batch-invariance
+    rules (model/layers.py, model/paged_attention.py), so a row's logits are bit-identical whatever
+    the batch, cut or chunk; on CPU it also runs the forward on one intra-op thread (torch splits
+    matmuls and elementwise loops across threads at size-dependent places)."""
 
     max_num_seqs: int = 64
     max_model_len: int = 2048
@@ -40,10 +43,7 @@ class RunnerConfig:
     graph_sizes: tuple[int, ...] = ()  # padded step sizes for graph mode; () = eager, unpadded
     debug_ownership: bool = False
     device: str = "cpu"
-    share_staging: bool = False
-    share_topk: bool = False
-    rebuild_history: bool = True
-    neutral_padding: bool = True
+    exact: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size", "num_blocks"):
@@ -71,11 +71,19 @@ class StepOutput:
 
 
 class ModelRunner:
+    """Prepares and runs steps. The class attributes below are protections that a test subclass turns
+    off (negative controls); they are not options."""
+
+    rebuild_history = True  # per-microbatch history rebuilt for a straddling row's first token
+    neutral_padding = True  # static-buffer padding rewritten every step
+
     def __init__(self, loaded: LoadedModel, cfg: RunnerConfig):
         self.cfg, self.loaded = cfg, loaded
         self.model = loaded.model
         mcfg = loaded.config
         self.device = torch.device(cfg.device)
+        if cfg.exact and self.device.type == "cpu" and torch.get_num_threads() != 1:
+            torch.set_num_threads(1)  # see RunnerConfig: exactness on CPU needs one intra-op thread
         self.layout = loaded.layout.to(self.device)
         self.token_map = loaded.token_map.to(self.device)
         self.pad_id = int(loaded.token_map[mcfg.engram.engram_pad_token_id])
@@ -84,13 +92,7 @@ class ModelRunner:
         from ..inputs.token_store import TokenStore
         self.store = TokenStore(cfg.max_num_seqs, cfg.max_model_len, self.device)
         cap = max(cfg.graph_sizes) if cfg.graph_sizes else cfg.max_num_batched_tokens
-        self.bufs = [UbatchBuffers.allocate(mcfg, k, cap, self.device) for k in range(cfg.split.num_ubatches)]
-        if cfg.share_staging:
-            for b in self.bufs[1:]:
-                b.staging = self.bufs[0].staging
-        if cfg.share_topk:
-            for b in self.bufs[1:]:
-                b.topk_idx = self.bufs[0].topk_idx
+        self.bufs = self.allocate_buffers(cap)
         self.static = StaticInputPool(list(cfg.graph_sizes)) if cfg.graph_sizes else None
         self.graphs = None
         if self.static is not None and self.device.type == "cuda":
@@ -98,6 +100,13 @@ class ModelRunner:
             self.graphs = CudaGraphs(self.model, cfg.max_blocks_per_seq * cfg.block_size)
         self.tracker = OwnershipTracker() if cfg.debug_ownership else None
         self._gather_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-gather")
+        # CUDA: the Engram host-to-device copies run on their own stream, ordered by events
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def allocate_buffers(self, capacity: int) -> list[UbatchBuffers]:
+        """One set of buffers per microbatch, each its own (spec §5)."""
+        return [UbatchBuffers.allocate(self.loaded.config, k, capacity, self.device)
+                for k in range(self.cfg.split.num_ubatches)]
 
     # ---- preparation ------------------------------------------------------------------------
     def build(self, slots: np.ndarray, num_computed: np.ndarray, num_new: np.ndarray, block_tables: np.ndarray,
@@ -123,11 +132,11 @@ class ModelRunner:
         bounds = bounds if bounds is not None else self.plan(batch)
         if len(bounds) - 1 > len(self.bufs):
             raise ValueError(f"{len(bounds) - 1} microbatches but buffers for {len(self.bufs)} (split.num_ubatches)")
-        ubs = split_batch(batch, bounds, self.cfg.rebuild_history)
+        ubs = split_batch(batch, bounds, self.rebuild_history)
         real = [u.num_tokens for u in ubs]
         if self.static is not None:
-            sizes = padded_sizes(bounds, self.static.padded_size(batch.num_tokens))
-            ubs = [self.static.get(k, s, u).refresh(u, pad=self.cfg.neutral_padding)
+            sizes = self.static.part_sizes(bounds)  # bounded set of (microbatch, padded size) keys
+            ubs = [self.static.get(k, s, u).refresh(u, pad=self.neutral_padding)
                    for k, (s, u) in enumerate(zip(sizes, ubs))]
         if self.tracker is not None:
             self.tracker.reset()
@@ -140,39 +149,66 @@ class ModelRunner:
             if self.tracker is not None:
                 self.tracker.touch("staging", staging, k)
                 self.tracker.touch("hash_ids", u.hash_ids, k)
-            futures.append(self._gather_pool.submit(self._stage_rows, u.hash_ids, staging, real[k]))
+            ready = None
+            if self.copy_stream is not None:  # the copy stream waits for this microbatch's hash ids
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.device))
+            futures.append(self._gather_pool.submit(self._stage_rows, u.hash_ids, staging, real[k], ready))
             ctxs.append(ForwardContext(u, self.kv, bufs, self._rows_fn(futures[-1], staging), self.tracker))
         try:
-            if self.graphs is not None and self.decode_only(batch):
-                for f in futures:
-                    f.result()  # staged rows are in place before a replay reads them
-                hidden = [self.graphs.forward(c) for c in ctxs]  # replays in microbatch order
-            else:
-                hidden = run_interleaved([self.model.stages(c) for c in ctxs])
+            with batch_invariant(self.cfg.exact):
+                hidden = self.forward(batch, ctxs, futures)
+                merged = torch.cat([h[:n] for h, n in zip(hidden, real)])  # [T, hidden] real tokens only
+                logits = self.model.compute_logits(merged[batch.logits_indices])  # once over the merged step
         finally:
             for f in futures:
                 f.cancel()
-        merged = torch.cat([h[:n] for h, n in zip(hidden, real)])  # [T, hidden] real tokens only
-        logits = self.model.compute_logits(merged[batch.logits_indices])  # once over the merged step
         straddling = int(np.isin(bounds[1:-1], batch.qsl_host, invert=True).sum())  # cuts inside a row
         out = StepOutput(logits, bounds, straddling)
         if record:
-            out.staged = torch.cat([f.result()[:, :n] for f, n in zip(futures, real)], dim=1)
+            out.staged = torch.cat([self._staged(f)[:, :n] for f, n in zip(futures, real)], dim=1)
             out.hash_ids = torch.cat([u.hash_ids[:n] for u, n in zip(ubs, real)])
         return out
 
-    def _stage_rows(self, hash_ids: torch.Tensor, staging: torch.Tensor, real: int) -> torch.Tensor:
-        """Gather the real tokens' rows; zero the padding rows (fresh every step)."""
-        self.loaded.tables.gather(hash_ids[:real], staging[:, :real])
-        staging[:, real:].zero_()
-        return staging
+    def forward(self, batch: StepBatch, ctxs: list[ForwardContext], futures: list[Future]) -> list[torch.Tensor]:
+        """Hidden states [T_k, hidden] of every microbatch: graph replays, or the interleaved stages."""
+        if self.graphs is not None and self.decode_only(batch):
+            for f in futures:
+                self._staged(f)  # staged rows are in place before a replay reads them
+            return [self.graphs.forward(c) for c in ctxs]  # replays in microbatch order
+        return run_interleaved([self.model.stages(c) for c in ctxs])
 
-    @staticmethod
-    def _rows_fn(future: Future, staging: torch.Tensor):
+    def _stage_rows(self, hash_ids: torch.Tensor, staging: torch.Tensor, real: int, ready=None) -> torch.Tensor:
+        """Gather the real tokens' rows; zero the padding rows (fresh every step). On CUDA the copies run
+        on `copy_stream` after the event `ready` (the hash ids, and every earlier use of the buffer, are
+        done) and the result is [staging, event]: `_staged` makes the compute stream wait on that event."""
+        if self.copy_stream is None:
+            self.loaded.tables.gather(hash_ids[:real], staging[:, :real])
+            staging[:, real:].zero_()
+            return staging
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(ready)
+            self.loaded.tables.gather(hash_ids[:real], staging[:, :real])
+            staging[:, real:].zero_()
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        return [staging, done]
+
+    def _rows_fn(self, future: Future, staging: torch.Tensor):
         def rows(i: int) -> torch.Tensor:
-            future.result()  # wait for this microbatch's gather (already running on the worker)
+            self._staged(future)  # wait for this microbatch's gather (already running on the worker)
             return staging[i]  # [T_k, C, hd]
         return rows
+
+    def _staged(self, future: Future) -> torch.Tensor:
+        """The staging buffer once its gather is done; on CUDA the compute stream waits for the copy event."""
+        out = future.result()
+        if isinstance(out, list):  # CUDA: [staging, copy event]; wait once (never inside a graph capture)
+            if out[1] is not None:
+                torch.cuda.current_stream(self.device).wait_event(out[1])
+                out[1] = None
+            out = out[0]
+        return out
 
     def close(self) -> None:
         self._gather_pool.shutdown(wait=True, cancel_futures=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import logging
 import os
 import socket
 import threading
@@ -16,6 +17,7 @@ from pathlib import Path
 from ..errors import ConfigError
 
 API_KEY_ENV = "ENGRAM_SERVE_API_KEY"
+log = logging.getLogger("engram_serve.server")
 
 
 class BackgroundServer:
@@ -85,12 +87,27 @@ def serve(model_path: str | Path | None = None, host: str = "127.0.0.1", port: i
         engine = build_engine(model_path, enable_prefix_caching=enable_prefix_caching, progress=True,
                               threads=threads, seed=seed, **runner_options)
         name = model_name or f"engram-{engine.loaded.path.name}"
-        app = build_app(AsyncLLMEngine(engine), name, own_engine=True, api_key=api_key, chat_template=chat_template,
+        async_engine = AsyncLLMEngine(engine)
+        app = build_app(async_engine, name, own_engine=True, api_key=api_key, chat_template=chat_template,
                         max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES)
-        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="on")
-        uvicorn.Server(config).run(sockets=[sock])
+        server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="on"))
+
+        def fatal(message: str) -> None:  # engine thread: e.g. a tensor-parallel worker died
+            log.error("engine stopped: %s; shutting the server down", message)
+            server.should_exit = True
+        async_engine.on_fatal = fatal
+        cluster = getattr(engine.runner, "cluster", None)
+        if cluster is not None:  # a worker that dies while the server is idle stops it too
+            cluster.on_death = async_engine.fail
+        try:
+            server.run(sockets=[sock])
+        finally:
+            async_engine.shutdown()
     finally:
         sock.close()
+    if async_engine.fatal_error is not None:
+        from ..errors import EngineFailed
+        raise EngineFailed(f"the server shut down: {async_engine.fatal_error}")
 
 
 # ---- CLI: engram-serve serve --------------------------------------------------------------------------
@@ -149,6 +166,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a("--max-body-bytes", type=positive_int, default=None, metavar="N",
       help="largest request body accepted, larger ones get 413 (default 4 MiB)")
     a("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info")
+    from ..parallel.options import add_parallel_args
+    add_parallel_args(parser)  # --tensor-parallel-size, --device, --dist-init
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -160,9 +179,8 @@ def run_serve(args: argparse.Namespace) -> int:
                    split=SplitConfig(num_ubatches=1 if args.no_dual_batch_overlap else args.ubatches))
     if args.max_model_len is not None:
         options["max_model_len"] = args.max_model_len
-    for name in ("device", "tensor_parallel_size"):  # flags other commands' options may add
-        if getattr(args, name, None) is not None:
-            options[name] = getattr(args, name)
+    from ..parallel.options import engine_options
+    options.update(engine_options(args))
     if not args.enforce_eager and str(options.get("device", "cpu")).startswith("cuda"):
         sizes, size = [], 8
         while not sizes or sizes[-1] < args.max_num_batched_tokens:  # decode graphs per padded size

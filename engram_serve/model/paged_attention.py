@@ -1,0 +1,260 @@
+"""Varlen paged attention over the KV cache: cost in proportion to the real work, bit-exact per query.
+
+A microbatch builds one `AttentionPlan` (host-side index arithmetic, once per forward) and every
+layer reuses it. Layout, and the batch-invariance rules it follows (spec §9):
+
+  * Pairs. Keys are read in chunks of KC consecutive absolute positions from position 0 (the fixed
+    split size of the reduction over keys). A row with queries at positions a..b in this step makes
+    one pair per chunk 0 .. b // KC; a pair holds the row's queries (padded with empty slots to the
+    group width) and the chunk's KC keys, each key gathered once. Cost: sum over rows of
+    q_len * k_len, plus at most KC - 1 keys and a doubling of query slots of padding per row.
+    Rows never pad to the step's longest query or context.
+  * Groups. Pairs are grouped by width (the row's query count rounded up to a power of two, at
+    least MIN_ROWS / g so that a bmm has >= MIN_ROWS rows), one bmm per group and KV head:
+    scores = [W*g, hd] @ [hd, KC], the chunk max, exp, the sum over KC, then [W*g, KC] @ [KC, hd].
+    CPU bmm gives a row the same bits whatever the number of items, the rows' count (>= 4) or the
+    row's place (tested), and every call hands it one fixed layout (queries contiguous, keys and
+    values as strided views of the gathered chunk), so a query's per-chunk bits are fixed.
+  * Chunks combine per query in chunk order: `index_add_` on CPU adds its sources in index order,
+    so a query's result is a fold over its own chunks only, whatever else is in the step.
+  * Isolation. A pair reads its row's keys only through the row's block table and only at positions
+    < seq_len; every other key position reads the cache's zero slot (never written), so a NaN in
+    another request's slot, or left in a freed block, cannot reach the row. A pair also holds keys
+    written in this step that are later than some of its queries: masked scores multiply their
+    values by 0, so a non-finite value among them is zeroed first (`where`, not a product), and a
+    query that may see such a key is set to NaN explicitly. A non-finite value is never masked into
+    a finite one: the request that holds it errs, and nothing else does.
+
+Index sharing (DeepSeek sparse-attention style): a SELECT layer scores every visible key of a query by
+the head-mean of q.k, keeps the `topk` best positions (ties: lower position first; -1 when fewer are
+visible) and attends only to those; the next layer (REUSE) attends only to the same positions, read
+from the microbatch's own `topk_idx` buffer. Attention over a selection is a fixed-shape problem per
+query ([g, hd] @ [hd, topk]), so its cost grows with `topk`, not with the context.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .layers import MIN_ROWS
+
+KC = 64  # key chunk: positions per chunk
+NEG_INF = float("-inf")
+
+
+@dataclass
+class Group:
+    """Pairs whose rows hold at most `width` queries this step. Invariants: `slots[p, j]` is the cache
+    slot of key position `kpos[p, j]` of the pair's row if that position is < seq_len, else the zero
+    slot; `query[p, i]` is the token of the row's i-th query this step, or T (no query)."""
+
+    width: int
+    multi: bool  # some row holds more than one query (so some query has masked keys of this step)
+    slots: torch.Tensor  # [P, KC] int64
+    kpos: torch.Tensor  # [P, KC] int64 absolute key positions
+    fresh_tok: torch.Tensor  # [P, KC] int64: the token of this step that wrote the key, else T
+    query: torch.Tensor  # [P, W] int64
+    visible: torch.Tensor  # [P, W, KC] bool: causal and readable
+
+
+@dataclass
+class AttentionPlan:
+    num_tokens: int  # T, padding tokens included
+    groups: list[Group]  # rows' pairs in chunk order inside each group
+    tok_row: torch.Tensor  # [T] int64 row of each token (padding tokens: any row; they select nothing)
+    block_tables: torch.Tensor  # [R, B] int64
+    block_size: int
+    zero_slot: int
+
+    @classmethod
+    def build(cls, batch, zero_slot: int, min_width: int, read_past: int = 0) -> "AttentionPlan":
+        """The plan of a StepBatch (or microbatch slice). `read_past` widens the readable range past
+        seq_len; it exists only for the negative control of the isolation tests."""
+        qsl, t = batch.qsl_host, batch.num_tokens
+        dev = batch.input_ids.device
+        counts = np.diff(qsl)
+        computed = batch.num_computed.cpu().numpy()  # CPU: a view; CUDA: one small copy
+        live = counts > 0
+        width = np.maximum(1 << np.ceil(np.log2(np.maximum(counts, 1))).astype(np.int64), min_width)
+        nch = (computed + counts - 1) // KC + 1
+        to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(dev)  # noqa: E731
+        groups = []
+        for w in np.unique(width[live]):  # a few powers of two: not a loop per row
+            rows = np.flatnonzero(live & (width == w))
+            pr = np.repeat(rows, nch[rows])
+            pc = np.arange(len(pr)) - np.repeat(np.cumsum(nch[rows]) - nch[rows], nch[rows])
+            j = np.arange(w)
+            query = np.where(j < counts[pr][:, None], qsl[pr][:, None] + j, t)
+            groups.append(cls._group(batch, int(w), bool(counts[rows].max() > 1), to(pr), to(pc), to(query),
+                                     to(computed[pr][:, None] + j), zero_slot, read_past))
+        row = np.repeat(np.arange(len(counts)), counts)
+        row = np.concatenate([row, np.zeros(t - len(row), dtype=np.int64)])
+        return cls(t, groups, to(row), batch.block_tables, batch.block_size, zero_slot)
+
+    @classmethod
+    def build_static(cls, batch, zero_slot: int, min_width: int, max_seq_len: int) -> "AttentionPlan":
+        """The plan of a decode-only microbatch with fixed shapes and no host reads (CUDA graph capture):
+        one row per token, each reading every chunk below max_seq_len (masked past its own length; the
+        extra chunks add exact zeros to the fold, so the bits equal `build`'s)."""
+        dev, t, r = batch.input_ids.device, batch.num_tokens, batch.num_rows
+        tok = torch.arange(t, device=dev)
+        row = torch.searchsorted(batch.qsl[1:], tok, right=True).clamp(max=max(r - 1, 0))
+        nch = -(-max_seq_len // KC)
+        ptok = tok[:, None].expand(t, nch).reshape(-1)
+        pc = torch.arange(nch, device=dev).repeat(t)
+        j = torch.arange(min_width, device=dev)
+        real = (ptok < batch.qsl[-1])[:, None]
+        query = torch.where((j == 0) & real, ptok[:, None], t)
+        group = cls._group(batch, min_width, False, row[ptok], pc, query, batch.positions[ptok][:, None] + j,
+                           zero_slot, 0)
+        return cls(t, [group], row, batch.block_tables, batch.block_size, zero_slot)
+
+    @staticmethod
+    def _group(batch, width: int, multi: bool, prow, pchunk, query, qpos, zero_slot: int, read_past: int) -> Group:
+        """One group from its pairs' rows [P], chunks [P], query tokens [P, W] and query positions [P, W]."""
+        kpos = pchunk[:, None] * KC + torch.arange(KC, device=prow.device)  # [P, KC]
+        seq = batch.seq_lens[prow][:, None]
+        readable = kpos < seq + read_past
+        tables, bs = batch.block_tables, batch.block_size
+        blk = tables[prow[:, None], (kpos // bs).clamp(max=tables.shape[1] - 1)]
+        slots = torch.where(readable & (blk >= 0), blk * bs + kpos % bs, torch.full_like(kpos, zero_slot))
+        first = batch.num_computed[prow][:, None]
+        fresh = (kpos >= first) & (kpos < seq)  # written by this microbatch: the row's tokens from qsl[row]
+        fresh_tok = torch.where(fresh, batch.qsl[prow][:, None] + kpos - first, batch.num_tokens)
+        visible = (kpos[:, None, :] <= qpos[:, :, None]) & readable[:, None, :] & (query < batch.num_tokens)[:, :, None]
+        return Group(width, multi, slots, kpos, fresh_tok, query, visible)
+
+
+def _softmax_parts(s: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Masked scores s [..., K] -> (max m, exp(s - m), sum). A row with no visible key gives m = -inf,
+    zeros and 0 (never NaN from the mask itself)."""
+    s = s.masked_fill(~visible, NEG_INF)
+    m = s.amax(-1)
+    p = torch.exp(s - m.masked_fill(m == NEG_INF, 0.0)[..., None])
+    return m, p, p.sum(-1)
+
+
+def _pair_queries(grp: Group, q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[P, W, kvh, g, hd]: each pair's queries (zero rows for empty slots)."""
+    t, heads, hd = q.shape
+    qz = torch.cat([q, q.new_zeros(1, heads, hd)])
+    p_, w = grp.query.shape
+    return qz.index_select(0, grp.query.view(-1)).view(p_, w, kv_heads, heads // kv_heads, hd)
+
+
+def _head_scores(qg: torch.Tensor, k: torch.Tensor, j: int) -> torch.Tensor:
+    """[P, W*g, KC] scores of KV head j: queries [P, W, kvh, g, hd] against keys [P, KC, kvh, hd]."""
+    p_, w, _, g, hd = qg.shape
+    return torch.bmm(qg[:, :, j].reshape(p_, w * g, hd), k[:, :, j].transpose(1, 2))
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[P, KC, kvh, hd] keys or values at slots [P, KC] of a pool [slots, kvh, hd] (a 2-D row gather)."""
+    n, kvh, hd = cache.shape
+    return cache.view(n, kvh * hd).index_select(0, slots.view(-1)).view(*slots.shape, kvh, hd)
+
+
+def attend_full(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                bad_tok: torch.Tensor) -> torch.Tensor:
+    """Causal attention of q [T, heads, hd] over one layer's pools k_cache, v_cache [slots, kvh, hd];
+    bad_tok [T] marks this step's tokens whose new value is not finite. Returns [T, heads*hd]
+    (0 for padding tokens)."""
+    t, heads, hd = q.shape
+    kvh = k_cache.shape[1]
+    g = heads // kvh
+    if not plan.groups:  # padding only
+        return q.new_zeros(t, heads * hd)
+    toks, ms, ls, os_, flags = [], [], [], [], []
+    for grp in plan.groups:
+        p_, w = grp.query.shape
+        k, v = _gather(k_cache, grp.slots), _gather(v_cache, grp.slots)
+        if grp.multi:  # a non-finite key of this step, masked for the row's earlier queries: never 0 * NaN
+            bad = torch.cat([bad_tok, bad_tok.new_zeros(1)])[grp.fresh_tok]  # [P, KC]
+            v = v.masked_fill(bad[:, :, None, None], 0.0)
+            flags.append((grp.visible & bad[:, None, :]).any(-1).view(-1))
+        qg = _pair_queries(grp, q * (1.0 / math.sqrt(hd)), kvh)
+        vis = grp.visible[:, :, None, :].expand(p_, w, g, KC).reshape(p_, w * g, KC)
+        parts = [_softmax_parts(_head_scores(qg, k, j), vis) for j in range(kvh)]
+        toks.append(grp.query.view(-1))
+        ms.append(torch.stack([m.view(p_, w, g) for m, _, _ in parts], 2).view(p_ * w, heads))
+        ls.append(torch.stack([s.view(p_, w, g) for _, _, s in parts], 2).view(p_ * w, heads))
+        os_.append(torch.stack([torch.bmm(pr, v[:, :, j]).view(p_, w, g, hd) for j, (_, pr, _) in enumerate(parts)],
+                               2).view(p_ * w, heads, hd))
+    tok, m, l, o = torch.cat(toks), torch.cat(ms), torch.cat(ls), torch.cat(os_)
+    big = torch.full((t + 1, heads), NEG_INF, dtype=m.dtype, device=m.device)
+    big = big.scatter_reduce_(0, tok[:, None].expand_as(m), m, "amax")
+    wgt = torch.exp(m - big.masked_fill(big == NEG_INF, 0.0).index_select(0, tok))  # 0 where m = -inf
+    acc = o.new_zeros(t + 1, heads, hd).index_add_(0, tok, o * wgt[..., None])  # chunk order per query
+    den = torch.zeros_like(big).index_add_(0, tok, l * wgt)
+    out = torch.where(den[..., None] == 0, 0.0, acc / den[..., None])  # a NaN stays NaN: its request errs
+    if flags:  # a query that may see such a key gets NaN itself
+        ftok = torch.cat([g.query.view(-1) for g in plan.groups if g.multi])
+        flagged = torch.zeros(t + 1, dtype=o.dtype, device=o.device).index_add_(0, ftok, torch.cat(flags).to(o.dtype))
+        out = torch.where(flagged[:, None, None] > 0, float("nan"), out)
+    return out[:t].reshape(t, heads * hd)
+
+
+def select_keys(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, topk: int,
+                head_mean=None) -> torch.Tensor:
+    """[T, topk] int64: each query's `topk` visible key positions with the highest head-mean q.k,
+    best first (ties: lower position first), -1 padded (all -1 for padding tokens). `head_mean`
+    (tensor parallel): turns this rank's sum over its own heads into the mean over every rank's heads
+    (an elementwise cross-rank sum, one per group: the plan is the same on every rank)."""
+    t, heads, hd = q.shape
+    kvh = k_cache.shape[1]
+    g = heads // kvh
+    kk = min(topk, KC)  # a query's best keys are among its chunks' best
+    if not plan.groups:  # padding only
+        return torch.full((t, topk), -1, dtype=torch.int64, device=q.device)
+    tops, poss, qids = [], [], []
+    for grp in plan.groups:
+        p_, w = grp.query.shape
+        k = _gather(k_cache, grp.slots)
+        qg = _pair_queries(grp, q, kvh)
+        raw = torch.stack([_head_scores(qg, k, j).view(p_, w, g, KC) for j in range(kvh)], 2)  # [P, W, kvh, g, KC]
+        score = raw.view(p_, w, heads, KC).sum(2)
+        score = score / heads if head_mean is None else head_mean(score)
+        score = score.masked_fill(~grp.visible, NEG_INF)  # [P, W, KC]
+        top, order = score.sort(dim=-1, descending=True, stable=True)  # ties: lower position first
+        tops.append(top[..., :kk].reshape(-1))
+        poss.append(grp.kpos[:, None, :].expand(p_, w, KC).gather(-1, order[..., :kk]).reshape(-1))
+        qids.append(grp.query[:, :, None].expand(p_, w, kk).reshape(-1))
+    top, cpos, qid = torch.cat(tops), torch.cat(poss), torch.cat(qids)
+    # one stable sort by (query, score descending): candidates arrive in position order among equal scores
+    bits = (top + 0.0).view(torch.int32).long()  # + 0.0: -0.0 becomes +0.0, an equal score
+    desc = torch.where(bits < 0, bits, (~bits) & 0x7FFFFFFF) & 0xFFFFFFFF  # larger float -> smaller key
+    o = torch.argsort(qid * (1 << 32) + desc, stable=True)
+    top, cpos, qid = top[o], cpos[o], qid[o]
+    start = torch.ones_like(qid, dtype=torch.bool)
+    start[1:] = qid[1:] != qid[:-1]
+    idx = torch.arange(qid.shape[0], device=q.device)
+    rank = idx - torch.cummax(torch.where(start, idx, 0), 0).values
+    keep = (rank < topk) & (top > NEG_INF) & (qid < t)
+    dump = t * topk  # one extra entry takes the candidates not kept (no boolean indexing: no sync)
+    sel = torch.full((dump + 1,), -1, dtype=torch.int64, device=q.device)
+    sel.index_copy_(0, torch.where(keep, qid * topk + rank, dump), cpos)
+    return sel[:dump].view(t, topk)
+
+
+def attend_selected(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    sel: torch.Tensor) -> torch.Tensor:
+    """Attention of each query only to its selected key positions sel [T, topk] (-1 = none), over one
+    layer's pools [slots, kvh, hd]. Returns [T, heads*hd]."""
+    t, heads, hd = q.shape
+    kvh, topk = k_cache.shape[1], sel.shape[1]
+    g = heads // kvh
+    bs, tables = plan.block_size, plan.block_tables
+    blk = tables[plan.tok_row[:, None], (sel.clamp(min=0) // bs).clamp(max=tables.shape[1] - 1)]
+    ok = (sel >= 0) & (blk >= 0)  # [T, topk]
+    slots = torch.where(ok, blk * bs + sel % bs, torch.full_like(sel, plan.zero_slot))
+    k, v = _gather(k_cache, slots.view(t, topk)), _gather(v_cache, slots.view(t, topk))
+    qg = (q * (1.0 / math.sqrt(hd))).view(t, kvh, g, hd)
+    vis = ok[:, None, :].expand(t, g, topk)
+    outs = []
+    for j in range(kvh):
+        _, p, l = _softmax_parts(torch.bmm(qg[:, j].contiguous(), k[:, :, j].transpose(1, 2)), vis)
+        outs.append(torch.where(l[..., None] == 0, 0.0, torch.bmm(p, v[:, :, j]) / l[..., None]))  # [T, g, hd]
+    return torch.stack(outs, 1).reshape(t, heads * hd)

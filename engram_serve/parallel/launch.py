@@ -1,0 +1,218 @@
+"""Worker processes of a tensor-parallel model, their loop, failure detection and shutdown.
+
+Two ways to start N ranks:
+  * `TPCluster(path, N)` (what `--tensor-parallel-size N` does): this process is rank 0; it starts
+    ranks 1..N-1 with torch.multiprocessing (spawn) and they rendezvous on loopback
+    (`tcp://127.0.0.1:<free port>`).
+  * under torchrun (`env://`, any number of machines): every process runs `engram-serve ... 
+    --dist-init env://`; RANK 0 becomes the TPCluster (the server, verify, ...), every other rank
+    runs `worker_entry` (README, "Parallelism").
+
+Rank 0 owns the scheduler; the workers loop on rank 0's broadcasts: ("runner", RunnerConfig, class)
+builds a fresh runner on the rank's shard, ("step", ...) runs one step, ("stop",) ends the loop.
+
+Failures: a worker that raises reports its error in the rendezvous store and exits; rank 0 checks its
+workers before each step and turns a failed collective into a ParallelError that names the dead rank,
+its pid and exit code. Every wait has a timeout; an idle worker also exits when its parent is gone.
+`close` stops the workers (stop message, then join with a timeout, then terminate/kill): no orphans.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from ..errors import EngramServeError
+from .group import ParallelError, ParallelGroup, free_port
+from .runner import ParallelModelRunner, unpack_batch
+
+log = logging.getLogger("engram_serve.parallel")
+
+
+def _load_shard(model_path, group: ParallelGroup):
+    from ..model.loader import load_model
+    from .shard import shard_model
+    return shard_model(load_model(model_path, pin_tables=False), group)
+
+
+def serve_worker(group: ParallelGroup, loaded, ppid: int | None = None) -> None:
+    """The worker loop (ranks 1..N-1) until rank 0 says stop, or rank 0 / the parent process is gone."""
+    runner = None
+    try:
+        while True:
+            if not group.wait_doorbell(0.5):
+                if ppid is not None and os.getppid() != ppid:
+                    log.warning("rank %d: parent process gone; exiting", group.rank)
+                    return
+                continue
+            msg = group.broadcast_object()
+            kind = msg[0]
+            if kind == "stop":
+                return
+            if kind == "runner":
+                if runner is not None:
+                    runner.close()
+                _, cfg, cls = msg
+                runner = cls(loaded, cfg, group)
+            elif kind == "call":  # run fn(group, *args) on every rank (settings, benchmarks)
+                _, fn, args = msg
+                fn(group, *args)
+            elif kind == "step":
+                _, packed, bounds, record = msg
+                try:
+                    runner.execute(unpack_batch(packed, group.device), bounds, record)
+                except ParallelError:
+                    raise
+                except EngramServeError as e:  # deterministic: rank 0 raised the same error at the same point
+                    log.warning("rank %d: step failed: %s", group.rank, e)
+            else:
+                raise ValueError(f"unknown message {kind!r} from rank 0")
+    finally:
+        if runner is not None:
+            runner.close()
+
+
+def _worker_main(rank: int, world: int, init_method: str, model_path: str, device: str, timeout_s: float,
+                 ppid: int, threads: int) -> None:
+    torch.set_num_threads(threads)
+    group = ParallelGroup.connect(init_method, rank, world, device, timeout_s)
+    try:
+        serve_worker(group, _load_shard(model_path, group), ppid)
+    except BaseException as e:
+        group.report_error(f"{type(e).__name__}: {e}")
+        log.error("rank %d failed:\n%s", rank, traceback.format_exc())
+        raise SystemExit(1) from None
+    finally:
+        group.close()
+
+
+def worker_entry(model_path, device: str = "cpu", timeout_s: float = 60.0) -> int:
+    """A worker rank under torchrun (`env://`: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    group = ParallelGroup.connect("env://", rank, world, device, timeout_s)
+    try:
+        serve_worker(group, _load_shard(model_path, group))
+    except BaseException as e:
+        group.report_error(f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        group.close()
+    return 0
+
+
+def local_device(device: str) -> str:
+    """Under torchrun, each process takes the GPU of its LOCAL_RANK."""
+    if device == "cuda" and "LOCAL_RANK" in os.environ:
+        return f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    return device
+
+
+class TPCluster:
+    """Rank 0 of an N-way tensor-parallel model: the workers, the group and this rank's shard."""
+
+    def __init__(self, model_path: str | Path | None, world: int, device: str = "cpu",
+                 init_method: str | None = None, timeout_s: float = 60.0):
+        from ..model.loader import TINY_DIR
+        from .shard import check_divisible
+        if world < 2:
+            raise ValueError(f"tensor_parallel_size={world}: a cluster needs >= 2 ranks")
+        self.model_path = str(model_path if model_path is not None else TINY_DIR)
+        self.world, self.device = world, device
+        self.procs = []
+        self._closed = False
+        from ..config import ModelConfig, read_json
+        check_divisible(ModelConfig.from_dict(read_json(Path(self.model_path) / "config.json")), world)
+        if init_method is None:  # start our own workers on loopback
+            init_method = f"tcp://127.0.0.1:{free_port()}"
+            ctx = torch.multiprocessing.get_context("spawn")
+            for r in range(1, world):
+                p = ctx.Process(target=_worker_main, name=f"engram-tp-rank{r}", daemon=True,
+                                args=(r, world, init_method, self.model_path, device, timeout_s, os.getpid(),
+                                      torch.get_num_threads()))
+                p.start()
+                self.procs.append(p)
+        try:
+            self.group = ParallelGroup.connect(init_method, 0, world, device, timeout_s, check_peers=self.check)
+            self.loaded = _load_shard(self.model_path, self.group)
+        except Exception as e:
+            why = self.diagnose()
+            self.close()
+            raise ParallelError(f"starting {world} tensor-parallel ranks failed: {why or e}") from e
+        self.on_death = None  # called once with a message when a worker dies (even while idle)
+        if self.procs:
+            threading.Thread(target=self._watch, name="engram-tp-watchdog", daemon=True).start()
+
+    def _watch(self, period_s: float = 0.5) -> None:
+        while not self._closed:
+            why = self.diagnose(check_only=True)
+            if why:
+                if self.on_death is not None and not self._closed:
+                    self.on_death(why)
+                return
+            time.sleep(period_s)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def make_runner(self, cfg, runner_cls: type = ParallelModelRunner) -> ParallelModelRunner:
+        """A fresh runner on every rank (rank 0's is returned). `runner_cls` must be importable by name
+        in the workers (tests pass a subclass for the negative control)."""
+        self.check()
+        self.group.broadcast_object(("runner", cfg, runner_cls))
+        return runner_cls(self.loaded, cfg, self.group, self.diagnose)
+
+    def call_all(self, fn, *args):
+        """fn(group, *args) on every rank (fn importable by name in the workers); returns rank 0's result."""
+        self.check()
+        self.group.broadcast_object(("call", fn, args))
+        return fn(self.group, *args)
+
+    def check(self) -> None:
+        why = self.diagnose(check_only=True)
+        if why:
+            raise ParallelError(why)
+
+    def diagnose(self, check_only: bool = False, wait_s: float = 0.0) -> str | None:
+        """A description of dead workers and reported errors, or None when all look fine. `wait_s`: after
+        a failed collective, give a dying worker that long to be reaped (its socket closes first)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = [f"tensor-parallel worker rank {r} (pid {p.pid}) exited with code {p.exitcode}"
+                    for r, p in enumerate(self.procs, 1) if p.exitcode is not None]
+            if dead or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        if check_only and not dead:
+            return None
+        errs = {}
+        if getattr(self, "group", None) is not None and self.group.store is not None:
+            errs = self.group.reported_errors()
+        parts = dead + [f"rank {r} reported: {m}" for r, m in errs.items()]
+        return "; ".join(parts) or None
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        group = getattr(self, "group", None)
+        if group is not None and group.pg is not None and not self.diagnose(check_only=True):
+            try:
+                group.broadcast_object(("stop",))
+            except Exception as e:  # a broken group: the workers are stopped below anyway
+                log.warning("stop broadcast failed: %s", e)
+        for p in self.procs:
+            p.join(timeout)
+            if p.is_alive():
+                p.terminate()
+                p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(2.0)
+        if group is not None:
+            group.close()

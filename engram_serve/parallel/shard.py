@@ -1,0 +1,63 @@
+"""`shard_model`: turn a loaded (unsharded) model into rank r's shard of an N-way tensor-parallel model
+by module replacement. The model code is untouched and reads the same at any parallel size:
+
+    attention   q_proj, k_proj, v_proj -> ColumnParallelLinear (heads split: rank r has heads
+                [r*H/N, (r+1)*H/N) and kv heads [r*KV/N, ...), so each GQA group stays on one rank);
+                o_proj -> RowParallelLinear (cross-rank sum); heads / kv_heads set to the local counts;
+                index-selecting layers get a head_mean hook (q.k averaged over every rank's heads)
+    dense MLP   gate_proj, up_proj -> ColumnParallelLinear; down_proj -> RowParallelLinear
+    MoE         -> ExpertParallelMoE (experts split; router replicated)
+    Engram      wkv -> PartialInputLinear; the tables -> ShardedEngramTables (rows split)
+    replicated  embeddings, norms, lm_head, Engram q_w / k_w (small)
+
+The returned LoadedModel's config carries the LOCAL head counts (the KV cache is sized from it).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..model.layers import MoE
+from ..model.loader import LoadedModel
+from .group import ParallelGroup
+from .layers import ColumnParallelLinear, ExpertParallelMoE, PartialInputLinear, RowParallelLinear, head_mean_hook
+from .tables import ShardedEngramTables
+
+
+def check_divisible(cfg, world: int) -> None:
+    """ConfigError-style ValueError naming the field when the model cannot be split `world` ways."""
+    from ..errors import ConfigError
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        v = getattr(cfg, name)
+        if v % world:
+            raise ConfigError(f"--tensor-parallel-size {world}: {name}={v} is not divisible by {world}")
+    if cfg.moe_layer_ids and cfg.n_routed_experts % world:
+        raise ConfigError(f"--tensor-parallel-size {world}: n_routed_experts={cfg.n_routed_experts} is not "
+                          f"divisible by {world}")
+
+
+def shard_model(loaded: LoadedModel, group: ParallelGroup, pin_tables: bool | None = None) -> LoadedModel:
+    cfg, world, rank = loaded.config, group.world, group.rank
+    check_divisible(cfg, world)
+    model = loaded.model
+    for layer in model.layers:
+        at = layer.attn
+        at.q_proj = ColumnParallelLinear(at.q_proj, rank, world)
+        at.k_proj = ColumnParallelLinear(at.k_proj, rank, world)
+        at.v_proj = ColumnParallelLinear(at.v_proj, rank, world)
+        at.o_proj = RowParallelLinear(at.o_proj, group, f"layer{layer.layer_id}.attn")
+        at.heads, at.kv_heads = at.heads // world, at.kv_heads // world
+        if layer.layer_id in cfg.index_layer_ids:
+            at.head_mean = head_mean_hook(group, cfg.num_attention_heads)
+        if isinstance(layer.mlp, MoE):
+            layer.mlp = ExpertParallelMoE(layer.mlp, group)
+        else:
+            layer.mlp.gate_proj = ColumnParallelLinear(layer.mlp.gate_proj, rank, world)
+            layer.mlp.up_proj = ColumnParallelLinear(layer.mlp.up_proj, rank, world)
+            layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, group, f"layer{layer.layer_id}.mlp")
+        if layer.engram is not None:
+            layer.engram.wkv = PartialInputLinear(layer.engram.wkv, group, f"layer{layer.layer_id}.engram")
+    model.to(group.device)
+    local = dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // world,
+                                num_key_value_heads=cfg.num_key_value_heads // world)
+    tables = ShardedEngramTables(loaded.tables, rank, world, pin=pin_tables)
+    return dataclasses.replace(loaded, config=local, model=model, tables=tables)

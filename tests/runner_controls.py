@@ -1,0 +1,49 @@
+"""Test-only ModelRunner subclasses, each with one protection switched off (negative controls).
+
+They are not options: the runner's protections have no public switch. Each must make a bit-exact
+comparison fail through the real forward (wrong logits or tokens), not through a recording.
+"""
+from __future__ import annotations
+
+from engram_serve.runner.model_runner import ModelRunner
+
+
+class NoHistoryRebuild(ModelRunner):
+    """A straddling row's first token in microbatch k+1 gets the history of the row's first token in
+    the step: the n-grams across the cut are hashed from the wrong tokens."""
+
+    rebuild_history = False
+
+
+class StalePadding(ModelRunner):
+    """Static-buffer padding is left from the previous step instead of rewritten."""
+
+    neutral_padding = False
+
+
+class SharedStaging(ModelRunner):
+    """Both microbatches gather their Engram rows into one staging buffer. The gather worker runs
+    ahead of the forward, so microbatch 1's rows overwrite microbatch 0's before microbatch 0 reads
+    them (the forward waits for every gather first, which is the usual timing made certain)."""
+
+    def allocate_buffers(self, capacity):
+        bufs = super().allocate_buffers(capacity)
+        for b in bufs[1:]:
+            b.staging = bufs[0].staging
+        return bufs
+
+    def forward(self, batch, ctxs, futures):
+        for f in futures:
+            f.result()
+        return super().forward(batch, ctxs, futures)
+
+
+class SharedTopk(ModelRunner):
+    """Both microbatches keep the index-sharing layer's choice in one buffer: microbatch 1's SELECT
+    layer overwrites microbatch 0's choice before microbatch 0's REUSE layer reads it."""
+
+    def allocate_buffers(self, capacity):
+        bufs = super().allocate_buffers(capacity)
+        for b in bufs[1:]:
+            b.topk_idx = bufs[0].topk_idx
+        return bufs

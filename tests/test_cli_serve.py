@@ -154,3 +154,12 @@ def test_disconnect_during_upload_logs_one_line(caplog):
     mine = [r for r in caplog.records if "disconnected while sending" in r.getMessage()]
     assert len(mine) == 1 and mine[0].exc_info is None
     assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
+
+
+def test_bench_sampler_rows(capsys):
+    assert main(["bench", "sampler", "--rows", "3", "--vocab", "2000", "--shapes", "flat", "--budget-s", "0",
+                 "--threads", "1", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["rows"] == 3 and row["vocab"] == 2000 and row["top_p_fallback_rows"] == 3  # flat: all fall back
+    for kind in ("greedy", "top_p", "top_p_full_sort", "top_k", "sample"):
+        assert row[f"{kind}_ms"] > 0 and row[f"{kind}_x_argmax"] > 0

@@ -157,7 +157,7 @@ def test_disconnect_during_upload_logs_one_line(caplog):
 
 
 def test_bench_sampler_rows(capsys):
-    assert main(["bench", "sampler", "--rows", "3", "--vocab", "2000", "--shapes", "flat", "--budget-s", "0",
+    assert main(["bench", "sampler", "--rows", "3", "--vocab", "2000", "--shapes", "flat", "--budget-s", "0.01",
                  "--threads", "1", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert row["rows"] == 3 and row["vocab"] == 2000 and row["top_p_fallback_rows"] == 3  # flat: all fall back

@@ -131,6 +131,11 @@ def test_prompt_lists_of_text_and_token_ids(client, loaded):
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0.0, n=2)
     assert [c.text for c in by_ids.choices] == [c.text for c in r.choices]
     assert r.usage.prompt_tokens == sum(map(len, ids))
+    streamed = {i: "" for i in range(4)}
+    for ch in client.completions.create(model=MODEL, prompt=p, max_tokens=3, temperature=0.0, n=2, stream=True):
+        for c in ch.choices:
+            streamed[c.index] += c.text
+    assert [streamed[i] for i in range(4)] == [c.text for c in r.choices]
 
 
 def test_best_of_returns_the_highest_cumulative_logprob(client, served):

@@ -4,14 +4,17 @@ Each subcommand is registered by one `add_<name>(subparsers)` function listed in
 builds its parser and sets `run=<function(args) -> int>`. Benchmarks are the modules of
 `engram_serve.bench.registry()`, each becoming `engram-serve bench <name>`.
 
-Errors: every `EngramServeError` and every bad argument ends the command with ONE line
-`engram-serve: error: <message>` on stderr and exit code 2, never a traceback. Other exceptions
-are bugs and keep their traceback.
+Errors: every `EngramServeError`, every bad argument, a wrongly typed config value (a TypeError /
+ValueError while loading a checkpoint) and a closed output pipe (`... | head`) end the command with
+ONE line `engram-serve: error: <message>` on stderr and exit code 2, never a traceback. Other
+exceptions are bugs and keep their traceback.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -201,20 +204,31 @@ def add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--debug-ownership", action="store_true",
                    help="also check at run time that no buffer is touched by two microbatches")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--threads", type=lambda t: positive_int_list(t)[0], default=None, metavar="N",
+                   help="torch threads (default: the cores in this process's affinity mask)")
     add_parallel_args(p)
     p.set_defaults(run=run_verify)
 
 
 def run_verify(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
     from .bench.common import format_table
-    from .model.loader import load_model
+    from .engine.threads import set_torch_threads
     from .verify import verify
+    set_torch_threads(args.threads)
     overrides = {"debug_ownership": True} if args.debug_ownership else None
-    if args.tensor_parallel_size > 1 or args.dist_init is not None:
-        res = _verify_parallel(args, overrides)
-    else:
-        res = verify(load_model(args.model, device=args.device), args.seed, args.num_requests, args.gen_tokens,
-                     overrides=overrides, device=args.device)
+    with tqdm(total=1, desc="verify", unit="case", file=sys.stderr, leave=False, mininterval=0.5) as bar:
+        def progress(done: int, total: int) -> None:
+            if bar.total != total:
+                bar.reset(total=total)
+            bar.n = done
+            bar.refresh()
+        if args.tensor_parallel_size > 1 or args.dist_init is not None:
+            res = _verify_parallel(args, overrides)
+        else:
+            res = verify(load_checkpoint(args.model, device=args.device), args.seed, args.num_requests,
+                         args.gen_tokens, overrides=overrides, device=args.device, progress=progress)
     if args.json:
         print(json.dumps(res))
     else:
@@ -260,20 +274,120 @@ def _verify_parallel(args: argparse.Namespace, overrides: dict | None) -> dict:
 
 # ---- generate, serve, train (their options live beside their code) ----
 
+def load_checkpoint(path, progress: bool = False, device: str = "cpu"):
+    """load() for the CLI: a wrongly typed config value becomes a one-line ConfigError."""
+    from .engine.factory import load
+    try:
+        return load(path, progress, device=device)
+    except EngramServeError:
+        raise
+    except (TypeError, ValueError, KeyError) as e:
+        where = f"--model {path or 'built-in'}: config.json"
+        raise ConfigError(f"{where}: {_mistyped_field(path) or f'{type(e).__name__}: {e}'}") from None
+
+
+def _mistyped_field(path) -> str | None:
+    """The first config.json field whose JSON type does not match its ModelConfig/EngramConfig type."""
+    from .config import EngramConfig, ModelConfig
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+    if isinstance(raw, dict) and isinstance(raw.get("text_config"), dict):
+        raw = {**raw, **raw["text_config"]}
+    kinds = {f.name: str(f.type) for cls in (ModelConfig, EngramConfig) for f in dataclasses.fields(cls)}
+    for name, value in raw.items() if isinstance(raw, dict) else ():
+        kind = kinds.get(name)
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        ok = {"int": is_int, "float": is_int or isinstance(value, float), "bool": isinstance(value, bool)}.get(kind)
+        if kind and kind.startswith("tuple[int"):
+            ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        if ok is False:
+            return f"{name}={value!r}: must be {'a list of integers' if kind.startswith('tuple') else 'an ' + kind}"
+    return None
+
+
 def add_generate(sub: argparse._SubParsersAction) -> None:
-    from .llm import add_generate_args, run_generate
+    from .bench.common import positive_int
     p = sub.add_parser("generate", help="generate text from a prompt with the built-in (or --model) model",
-                       description="Generate with dual-batch overlap on, then re-run unsplit and print a one-line "
-                                   "microbatch summary (steps split, rows that straddled a cut, match).")
-    add_generate_args(p)
+                       description="Generate with dual-batch overlap on, then (unless --no-check) re-run unsplit "
+                                   "and print a one-line microbatch summary on stderr (steps split, rows that "
+                                   "straddled a cut, match).")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--max-tokens", type=positive_int, default=32, metavar="N", help="tokens to generate (32)")
+    p.add_argument("--temperature", type=float, default=1.0, metavar="T", help="0 = greedy (default 1.0)")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (default: random)")
+    p.add_argument("--model", type=Path, default=None, metavar="PATH",
+                   help="checkpoint directory (default: the built-in tiny model)")
+    p.add_argument("--ubatches", type=positive_int, default=2, metavar="N",
+                   help="microbatches per step (default 2: dual-batch overlap)")
+    p.add_argument("--split-threshold", type=positive_int, default=2, metavar="TOKENS",
+                   help="steps with fewer tokens stay whole (default 2, so that a one-prompt run is cut "
+                        "at all; the serving defaults are 32 for decode and 128 for prefill steps)")
+    p.add_argument("--no-check", action="store_true", help="skip the second, unsplit run and its comparison")
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                   help="torch threads (default: the cores in this process's affinity mask)")
+    p.add_argument("--json", action="store_true",
+                   help='print {"text", "token_ids", "finish_reason", "microbatch": {...}} as JSON')
+    add_parallel_args(p)
     p.set_defaults(run=run_generate)
 
 
+def run_generate(args: argparse.Namespace) -> int:
+    """Generate once with microbatching, again unsplit (unless --no-check); the text on stdout, the
+    microbatch line on stderr."""
+    import random
+
+    from .inputs.ubatch import SplitConfig
+    from .llm import LLM
+    from .sampling_params import SamplingParams
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=seed)
+    from .parallel.options import engine_options
+    opts = engine_options(args)
+    cluster = None
+    if opts["tensor_parallel_size"] > 1 or "dist_init" in opts:  # one group of ranks for both runs
+        from .parallel.launch import TPCluster, local_device
+        opts = {"device": local_device(args.device)}
+        cluster = TPCluster(args.model, args.tensor_parallel_size, opts["device"], init_method=args.dist_init)
+        opts["cluster"] = cluster
+    same = None
+    try:
+        loaded = load_checkpoint(args.model, progress=True, device=args.device) if cluster is None else args.model
+        split = SplitConfig(num_ubatches=args.ubatches, decode_threshold=args.split_threshold,
+                            prefill_threshold=args.split_threshold, when="always")  # a demonstration: cut
+        llm = LLM(loaded, split=split, threads=args.threads, **opts)
+        out = llm.generate(args.prompt, params)[0]
+        stats = dataclasses.replace(llm.stats)
+        llm.close()
+        if not args.no_check:
+            whole = LLM(loaded, split=SplitConfig(num_ubatches=1), **opts)
+            ref = whole.generate(args.prompt, params)[0]
+            whole.close()
+            same = ref.token_ids == out.token_ids
+    finally:
+        if cluster is not None:
+            cluster.close()
+    micro = {"steps": stats.steps, "split_steps": stats.microbatched_steps, "straddling_rows": stats.straddling_rows,
+             "num_ubatches": args.ubatches, "seed": seed, "identical_to_unsplit": same}
+    if out.finish_reason == "error":
+        print(f"error: {out.error}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                          "microbatch": micro}))
+    else:
+        print(out.text)
+        check = "not checked (--no-check)" if same is None else ("yes" if same else "NO")
+        print(f"microbatching: {stats.microbatched_steps}/{stats.steps} steps split, {stats.straddling_rows} rows "
+              f"straddled a cut, tokens identical to the unsplit run: {check}", file=sys.stderr)
+    return 0 if same is not False and out.finish_reason != "error" else 1
+
+
 def add_serve(sub: argparse._SubParsersAction) -> None:
-    from .server.api import add_serve_args, run_serve
+    from .server.run import add_serve_args, run_serve
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
-                       description="/v1/completions, /v1/chat/completions (SSE streaming), /v1/models, "
-                                   "/health and /metrics on uvicorn.")
+                       description="/v1/completions, /v1/chat/completions (SSE streaming), /v1/models, /tokenize, "
+                                   "/detokenize, /version, /health and /metrics on uvicorn.")
     add_serve_args(p)
     p.set_defaults(run=run_serve)
 
@@ -308,10 +422,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .parallel.options import check_device, maybe_run_worker
         check_device(args)
         code = maybe_run_worker(args)  # a torchrun rank other than 0 serves rank 0's command
-        return code if code is not None else args.run(args)
+        code = code if code is not None else args.run(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the try
+        return code
     except (EngramServeError, UsageError) as e:
         message = " ".join(str(e).split()) or type(e).__name__
         print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # the reader went away (`... | head`): no traceback, and none at exit when Python flushes
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        print(f"{PROG}: error: standard output was closed before the output was written (broken pipe)",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)

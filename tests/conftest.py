@@ -10,3 +10,4 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # Tiny-model steps are dominated by op overhead; on a shared 2-core machine extra intra-op threads
 # wait on the busy core and make a step ~20x slower. One thread keeps the suite fast and steady.
 torch.set_num_threads(1)
+os.environ.setdefault("ENGRAM_SERVE_THREADS", "1")  # what engines built by the tests set (engine/threads.py)

@@ -5,7 +5,6 @@ Runs on the built-in tiny model when its trained weights exist, else on a random
 expectation is derived from the model's own output, so it holds for either."""
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
@@ -14,7 +13,7 @@ from engram_serve.engine.detokenizer import IncrementalDetokenizer
 from engram_serve.engine.llm_engine import LLMEngine
 from engram_serve.errors import InvalidRequest
 from engram_serve.inputs.ubatch import SplitConfig
-from engram_serve.llm import LLM, add_generate_args, run_generate
+from engram_serve.llm import LLM
 from engram_serve.model.loader import TINY_DIR, load_model, make_random_checkpoint
 from engram_serve.runner.model_runner import RunnerConfig
 from engram_serve.sampling_params import SamplingParams
@@ -188,7 +187,7 @@ def test_nan_logits_end_only_that_request(loaded, monkeypatch):
     ([5, 4096], {}, "prompt"),  # outside the vocabulary
     ([-1, 5], {}, "prompt"),
     ([], {}, "prompt"),
-    (list(range(10, 130)), {"max_tokens": 16}, "prompt"),  # 120 + 16 > max_model_len=128
+    (list(range(10, 130)), {"max_tokens": 16}, "max_tokens"),  # 120 + 16 > max_model_len=128: the prompt fits
 ])
 def test_bad_request_raises_before_anything_runs(loaded, prompt, kwargs, field):
     llm = LLM(loaded, **OPTS)
@@ -205,23 +204,26 @@ def test_bad_sampling_params_name_the_field():
             SamplingParams(**kwargs)
 
 
-def test_generate_cli_hook_reports_microbatching(model_dir, capsys):
-    parser = argparse.ArgumentParser()
-    add_generate_args(parser)
-    argv = ["Hello world", "--max-tokens", "6", "--temperature", "0.8", "--seed", "3"]
+def test_generate_cli_reports_microbatching_on_stderr_and_no_check_skips_it(model_dir, capsys):
+    from engram_serve.cli import main
+    argv = ["generate", "Hello world", "--max-tokens", "6", "--temperature", "0.8", "--seed", "3"]
     if model_dir is not None:
         argv += ["--model", str(model_dir)]
-    assert run_generate(parser.parse_args(argv + ["--json"])) == 0
+    assert main(argv + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"text", "token_ids", "finish_reason", "microbatch"}
     m = out["microbatch"]
     assert m["identical_to_unsplit"] is True and m["split_steps"] >= 1 and m["straddling_rows"] >= 1
     assert 1 <= len(out["token_ids"]) <= 6
-    assert run_generate(parser.parse_args(argv)) == 0
-    lines = capsys.readouterr().out.rstrip("\n").split("\n")
-    assert lines[-1] == (f"microbatching: {m['split_steps']}/{m['steps']} steps split, {m['straddling_rows']} rows "
-                         f"straddled a cut, tokens identical to the unsplit run: yes")
-    assert "\n".join(lines[:-1]) == out["text"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.out.rstrip("\n") == out["text"]  # stdout holds the completion only
+    assert captured.err.rstrip("\n").split("\n")[-1].split("\r")[-1] == (
+        f"microbatching: {m['split_steps']}/{m['steps']} steps split, {m['straddling_rows']} rows "
+        f"straddled a cut, tokens identical to the unsplit run: yes")
+    assert main(argv + ["--no-check", "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["token_ids"] == out["token_ids"] and again["microbatch"]["identical_to_unsplit"] is None
 
 
 def test_generate_with_nonfinite_model_output_has_no_nan_in_text(loaded, monkeypatch):

@@ -21,7 +21,8 @@ from engram_serve.inputs.ubatch import SplitConfig
 from engram_serve.model.loader import TINY_DIR, load_model, make_random_checkpoint
 from engram_serve.runner.model_runner import RunnerConfig
 from engram_serve.sampling_params import SamplingParams
-from engram_serve.server.api import BackgroundServer, build_app
+from engram_serve.server.api import build_app
+from engram_serve.server.run import BackgroundServer
 
 N_CLIENTS, N_DROPPERS, MAX_TOKENS = 32, 4, 8
 # small thresholds so that the loaded server really cuts its steps; at most 24 running: the rest queue

@@ -98,8 +98,11 @@ def _child(setup: Callable[..., Callable[[], Any]], params: dict, timing: dict) 
     """Runs in a fresh child process: build the candidate, then time it and measure its peak memory."""
     threads = timing.pop("threads", None)
     if threads is not None:
+        import os
+
         import torch
         torch.set_num_threads(threads)
+        os.environ["ENGRAM_SERVE_THREADS"] = str(threads)  # engines built by the candidate keep it
     fn = setup(**params)
     warmup = timing.pop("warmup", 1)
     for _ in range(max(1, warmup)):

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import resource
 import time
@@ -95,9 +96,11 @@ def run(args: argparse.Namespace) -> list[dict]:
     from ..inputs.ubatch import SplitConfig
     from ..model.loader import load_model
     from ..runner.model_runner import RunnerConfig
-    from ..server.api import BackgroundServer, build_app
+    from ..server.api import build_app
+    from ..server.run import BackgroundServer
 
     torch.set_num_threads(args.threads)
+    os.environ["ENGRAM_SERVE_THREADS"] = str(args.threads)  # engines built below keep it
     loaded = load_model(args.model)
     most = max(args.clients)
     settings = {"off": SplitConfig(num_ubatches=1), "on": SplitConfig(num_ubatches=2)}

@@ -1,13 +1,17 @@
-"""Driving an `LLMEngine`: a synchronous driver (used by `LLM`) and an asyncio front (used by the server).
+"""`AsyncLLMEngine`: an `LLMEngine` stepped on one background thread, with asyncio streams per request.
 
-`EngineDriver` adds validation, an admission queue and detokenization around the engine: requests
-beyond the engine's token-store slots wait in `pending` (already validated) and are admitted as
-slots free up; every step's `TokenEvent`s become `RequestDelta`s; a stop string aborts its request.
+Two threads:
+- the **engine thread** owns the engine and the admission queue (`EngineDriver`). The model is
+  not thread-safe, so every engine call (add, abort, step) happens there; asyncio callers talk to
+  it through a command queue. When there is no work it blocks on that queue (no spinning).
+- the **output thread** detokenizes (`OutputProcessor`), applies stop strings, measures request
+  latencies and hands deltas to each request's `asyncio.Queue` via `loop.call_soon_threadsafe`.
+  The engine thread never waits for it: detokenization is off the step loop. A stop string found
+  there sends an abort back to the engine thread (the engine may have run a step more; those
+  tokens are dropped).
 
-`AsyncLLMEngine` runs one driver on ONE background thread. The model is not thread-safe, so every
-engine call (add, abort, step) happens on that thread; asyncio callers talk to it through a command
-queue, and deltas come back to each request's `asyncio.Queue` via `loop.call_soon_threadsafe`.
-When there is no work, the thread blocks on the command queue (no spinning).
+Messages to the output thread keep the engine thread's order, so a request is registered there
+before any of its events arrives.
 """
 from __future__ import annotations
 
@@ -18,144 +22,77 @@ import queue
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
-
+from dataclasses import dataclass, field
 
 from ..errors import InvalidRequest
 from .detokenizer import OutputProcessor, RequestDelta
+from .driver import EngineDriver
 from .llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
 
+class RequestObserver:
+    """Receives request timings from the output thread (the server's Prometheus metrics). All times
+    are in seconds. The default does nothing."""
+
+    def queued(self, seconds: float) -> None: ...  # arrival -> first scheduled in a step
+
+    def first_token(self, seconds: float) -> None: ...  # arrival -> first token
+
+    def inter_token(self, seconds: float) -> None: ...  # between two tokens of one request
+
+    def finished(self, reason: str, seconds: float) -> None: ...  # arrival -> end (e2e)
+
+
 @dataclass
-class _Pending:
-    prompt_ids: list[int]
-    params: object
+class _Timing:
+    arrival: float
+    scheduled: bool = False
+    last_token: float | None = None
 
 
-class EngineDriver:
-    """Requests in, deltas out, around one `LLMEngine`. Not thread-safe: one thread makes every call.
+@dataclass
+class _Out:
+    """Output-thread state of one request."""
 
-    Invariant: every request id is in exactly one of `pending` (validated, not yet in the engine) or
-    the engine together with `outputs` (until its finishing delta is returned or it is aborted)."""
-
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self.outputs = OutputProcessor(engine.loaded.tokenizer)
-        self.pending: OrderedDict[str, _Pending] = OrderedDict()
-
-    def add(self, request_id: str, prompt_ids: Sequence[int], params) -> None:
-        """Validate (InvalidRequest) and queue; the request enters the engine when a slot is free."""
-        if request_id in self.pending or request_id in self.outputs or request_id in self.engine.seqs:
-            raise InvalidRequest(f"request_id={request_id!r} is already in use")
-        ids = self.engine.validate(prompt_ids, params)
-        self.pending[request_id] = _Pending(ids, params)
-        self._admit()
-
-    def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is; its KV blocks and token-store slot are freed."""
-        self.outputs.discard(request_id)
-        if self.pending.pop(request_id, None) is not None:
-            return True
-        found = self.engine.abort(request_id)
-        self._admit()
-        return found
-
-    def has_work(self) -> bool:
-        return bool(self.pending) or self.engine.has_unfinished()
-
-    @property
-    def num_pending(self) -> int:
-        return len(self.pending)
-
-    def step(self) -> list[RequestDelta]:
-        """Admit what fits, run one engine step, return its deltas (stop strings already aborted)."""
-        self._admit()
-        deltas: list[RequestDelta] = []
-        if self.engine.has_unfinished():
-            result = self.engine.step()
-            deltas, stopped = self.outputs.process(result.events)
-            for rid in stopped:
-                self.engine.abort(rid)
-        deltas += self._admit()
-        return deltas
-
-    def fail_all(self, message: str) -> list[RequestDelta]:
-        """End every request with finish_reason "error" (the step itself failed) and free them."""
-        deltas = self.outputs.fail_all(message)
-        deltas += [RequestDelta(rid, "", None, True, "error", message, len(p.prompt_ids))
-                   for rid, p in self.pending.items()]
-        self.pending.clear()
-        for rid in list(self.engine.seqs):
-            self.engine.abort(rid)
-        return deltas
-
-    def _admit(self) -> list[RequestDelta]:
-        """Move pending requests into the engine while it has token-store slots."""
-        failed = []
-        while self.pending and self.engine.runner.store.num_free > 0 \
-                and len(self.engine.seqs) < self.engine.cfg.max_num_seqs:
-            rid, p = self.pending.popitem(last=False)
-            try:
-                self.engine.add_request(rid, p.prompt_ids, p.params)
-            except InvalidRequest as e:  # checked already; kept so one bad request never blocks the queue
-                failed.append(RequestDelta(rid, "", None, True, "error", str(e), len(p.prompt_ids)))
-                continue
-            self.outputs.add(rid, len(p.prompt_ids), getattr(p.params, "stop", ()) or ())
-        return failed
-
-
-class _Rate:
-    """Tokens per second over a sliding window, read from any thread."""
-
-    def __init__(self, window_s: float = 10.0):
-        self.window_s, self._samples, self._lock = window_s, deque(), threading.Lock()
-
-    def add(self, now: float, total: int) -> None:
-        with self._lock:
-            self._samples.append((now, total))
-            while len(self._samples) > 2 and self._samples[1][0] <= now - self.window_s:
-                self._samples.popleft()  # keep one sample at or before the window start as the base
-
-    def rate(self, now: float) -> float:
-        with self._lock:
-            if not self._samples:
-                return 0.0
-            (t0, g0), (_, g1) = self._samples[0], self._samples[-1]
-        span = max(now - max(t0, now - self.window_s), 1e-9)
-        return (g1 - g0) / span if now - t0 > 1e-9 else 0.0
+    loop: asyncio.AbstractEventLoop
+    q: asyncio.Queue
+    timing: _Timing
+    token_times: list = field(default_factory=list)
 
 
 class AsyncLLMEngine:
-    """An `LLMEngine` stepped on one background thread, with asyncio streams per request.
-
-    `generate` streams `RequestDelta`s; a validation error raises InvalidRequest before the first
+    """`generate` streams `RequestDelta`s; a validation error raises InvalidRequest before the first
     delta; cancelling or closing the consumer aborts the request (KV blocks and slot freed)."""
 
     def __init__(self, engine: LLMEngine):
-        self.driver = EngineDriver(engine)
+        self.driver = EngineDriver(engine, detokenize=False)
         self.engine = engine
+        self.observers: list[RequestObserver] = []
+        self._outputs = OutputProcessor(engine.loaded.tokenizer)  # output thread only
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # engine thread only
-        self._rate = _Rate()
+        self._out_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._reqs: dict[str, _Out] = {}  # output thread only
         self._metrics: dict[str, float] = {}
         self._requests_total = 0
+        self._finished: dict[str, int] = {}
         self._closed = False
         self.fatal_error: str | None = None  # why the engine stopped on its own (a fatal step error)
         self.on_fatal = None  # called with that message from the engine thread (the server shuts down)
         self._ids = itertools.count()
         self._snapshot()
         self._thread = threading.Thread(target=self._run, name="engram-engine", daemon=True)
+        self._out_thread = threading.Thread(target=self._run_outputs, name="engram-output", daemon=True)
+        self._out_thread.start()
         self._thread.start()
 
     @classmethod
-    def from_model(cls, model=None, *, enable_prefix_caching: bool = True, **runner_options) -> "AsyncLLMEngine":
+    def from_model(cls, model=None, *, enable_prefix_caching: bool = True, **options) -> "AsyncLLMEngine":
         """`model`: a checkpoint path, None (the built-in tiny model) or a LoadedModel."""
-        from ..llm import build_engine
-        return cls(build_engine(model, enable_prefix_caching=enable_prefix_caching, **runner_options))
+        from .factory import build_engine
+        return cls(build_engine(model, enable_prefix_caching=enable_prefix_caching, **options))
 
     @property
     def tokenizer(self):
@@ -171,7 +108,7 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         accepted = loop.create_future()
-        self._cmds.put(("add", request_id, prompt_ids, params, loop, q, accepted))
+        self._cmds.put(("add", request_id, prompt_ids, params, loop, q, accepted, time.monotonic()))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -198,9 +135,9 @@ class AsyncLLMEngine:
         self._cmds.put(("fatal", message))
 
     def metrics(self) -> dict[str, float]:
-        """A snapshot for /metrics (taken by the engine thread after every step; rate computed now)."""
+        """A snapshot of the engine's counters and gauges (taken by the engine thread after every step)."""
         m = dict(self._metrics)
-        m["generation_tokens_per_second"] = self._rate.rate(time.monotonic())
+        m["finished"] = dict(self._finished)
         return m
 
     @property
@@ -209,12 +146,13 @@ class AsyncLLMEngine:
         return self._thread.is_alive() and not self._closed
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Finish every open stream with an error, stop the thread and close the engine."""
+        """Finish every open stream with an error, stop both threads and close the engine."""
         if self._closed:
             return
         self._closed = True
         self._cmds.put(("stop",))
         self._thread.join(timeout)
+        self._out_thread.join(timeout)
 
     # ---- engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -236,21 +174,24 @@ class AsyncLLMEngine:
             if not driver.has_work():
                 self._snapshot()
                 continue
+            started = time.monotonic()
             try:
-                deltas = driver.step()
+                events, rows = driver.step_events()
             except Exception as e:  # a failed step ends its requests, never the server, never a hang
                 log.exception("engine step failed")
-                deltas = driver.fail_all(f"engine step failed: {type(e).__name__}: {e}")
+                events, rows = driver.fail_all(f"engine step failed: {type(e).__name__}: {e}"), []
                 if getattr(e, "fatal", False):  # e.g. a tensor-parallel worker died: the engine cannot go on
                     self.fatal_error = f"{type(e).__name__}: {e}"
                     self._closed = True
-                    self._dispatch(deltas)
+                    self._out_q.put(("events", events, rows, started))
                     break
-            self._dispatch(deltas)
+            self._out_q.put(("events", events, rows, started))
             self._snapshot()
-            if not deltas and driver.has_work() and not self.engine.scheduler.num_running:
+            if not events and driver.has_work() and not self.engine.scheduler.num_running:
                 time.sleep(0.001)  # nothing could be scheduled this step: do not spin at full speed
-        self._dispatch(driver.fail_all(self.fatal_error or "the engine was shut down"))
+        self._out_q.put(("events", driver.fail_all(self.fatal_error or "the engine was shut down"), [],
+                         time.monotonic()))
+        self._out_q.put(("stop",))
         self._snapshot()
         try:
             self.engine.close()
@@ -261,17 +202,19 @@ class AsyncLLMEngine:
     def _handle(self, cmd: tuple) -> bool:
         kind = cmd[0]
         if kind == "add":
-            _, rid, prompt_ids, params, loop, q, accepted = cmd
+            _, rid, prompt_ids, params, loop, q, accepted, arrival = cmd
             try:
                 self.driver.add(rid, prompt_ids, params)
             except Exception as e:  # InvalidRequest, or a bad argument type: hand it to the caller
                 _post(loop, _set_exception, accepted, e)
                 return False
-            self._streams[rid] = (loop, q)
             self._requests_total += 1
+            self._out_q.put(("add", rid, loop, q, len(self.driver.pending[rid].prompt_ids), params, arrival))
             _post(loop, _set_result, accepted, None)
         elif kind == "abort":
-            self._streams.pop(cmd[1], None)
+            if self.driver.abort(cmd[1]):
+                self._out_q.put(("abort", cmd[1]))
+        elif kind == "stopped":  # the output thread found a stop string: it already ended the stream
             self.driver.abort(cmd[1])
         elif kind == "stop":
             return True
@@ -283,25 +226,9 @@ class AsyncLLMEngine:
             raise ValueError(f"unknown engine command {kind!r}")
         return False
 
-    def _dispatch(self, deltas: list[RequestDelta]) -> None:
-        """One callback per event loop per step, not one per token."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for d in deltas:
-            target = self._streams.pop(d.request_id, None) if d.finished else self._streams.get(d.request_id)
-            if target is not None:
-                by_loop.setdefault(target[0], []).append((target[1], d))
-        for loop, items in by_loop.items():
-            if not _post(loop, _deliver, items):
-                for _, d in items:  # that loop is gone: nobody will read these
-                    if not d.finished:
-                        self._streams.pop(d.request_id, None)
-                        self.driver.abort(d.request_id)
-
     def _snapshot(self) -> None:
         e, st = self.engine, self.engine.stats
         bm = e.scheduler.block_manager
-        now = time.monotonic()
-        self._rate.add(now, st.generated_tokens)
         self._metrics = {
             "requests_running": e.scheduler.num_running,
             "requests_waiting": e.scheduler.num_waiting + self.driver.num_pending,
@@ -310,8 +237,71 @@ class AsyncLLMEngine:
             "steps_total": st.steps, "microbatched_steps_total": st.microbatched_steps,
             "straddling_rows_total": st.straddling_rows, "prompt_tokens_total": st.prompt_tokens,
             "generated_tokens_total": st.generated_tokens, "preemptions_total": st.preemptions,
-            "request_errors_total": st.errors,
+            "request_errors_total": st.errors, "step_failures_total": st.step_failures,
         }
+
+    # ---- output thread ------------------------------------------------------------------------
+    def _run_outputs(self) -> None:
+        while True:
+            msg = self._out_q.get()
+            kind = msg[0]
+            try:
+                if kind == "events":
+                    self._on_events(*msg[1:])
+                elif kind == "add":
+                    _, rid, loop, q, num_prompt, params, arrival = msg
+                    self._outputs.add(rid, num_prompt, params.stop, params.min_tokens)
+                    self._reqs[rid] = _Out(loop, q, _Timing(arrival))
+                elif kind == "abort":
+                    self._outputs.discard(msg[1])
+                    out = self._reqs.pop(msg[1], None)
+                    if out is not None:
+                        self._count("abort", out)
+                elif kind == "stop":
+                    return
+            except Exception:  # never let the output thread die: streams would hang
+                log.exception("output thread: %s message failed", kind)
+
+    def _on_events(self, events, rows: list[str], started: float) -> None:
+        now = time.monotonic()
+        for rid in rows:
+            out = self._reqs.get(rid)
+            if out is not None and not out.timing.scheduled:
+                out.timing.scheduled = True
+                for o in self.observers:
+                    o.queued(max(0.0, started - out.timing.arrival))
+        deltas, stopped = self._outputs.process(events)
+        for rid in stopped:
+            self._cmds.put(("stopped", rid))
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for d in deltas:
+            out = self._reqs.pop(d.request_id, None) if d.finished else self._reqs.get(d.request_id)
+            if out is None:
+                continue
+            if d.token_id is not None:
+                t = out.timing
+                for o in self.observers:
+                    if t.last_token is None:
+                        o.first_token(now - t.arrival)
+                    else:
+                        o.inter_token(now - t.last_token)
+                t.last_token = now
+            if d.finished:
+                self._count(d.finish_reason or "stop", out, now)
+            by_loop.setdefault(out.loop, []).append((out.q, d))
+        for loop, items in by_loop.items():  # one callback per event loop per step, not one per token
+            if not _post(loop, _deliver, items):
+                for _, d in items:  # that loop is gone: nobody will read these
+                    if not d.finished:
+                        self._reqs.pop(d.request_id, None)
+                        self._outputs.discard(d.request_id)
+                        self.abort(d.request_id)
+
+    def _count(self, reason: str, out: _Out, now: float | None = None) -> None:
+        self._finished[reason] = self._finished.get(reason, 0) + 1
+        seconds = (now or time.monotonic()) - out.timing.arrival
+        for o in self.observers:
+            o.finished(reason, seconds)
 
 
 class RequestStream:
@@ -369,3 +359,6 @@ def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
 def _deliver(items: list[tuple[asyncio.Queue, RequestDelta]]) -> None:
     for q, d in items:
         q.put_nowait(d)
+
+
+__all__ = ["AsyncLLMEngine", "RequestStream", "RequestObserver", "EngineDriver", "InvalidRequest"]

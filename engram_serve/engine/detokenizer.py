@@ -1,13 +1,17 @@
 """Incremental detokenization and stop strings, shared by `LLM` and `AsyncLLMEngine`.
 
-The tokenizer is byte-level BPE: one token may hold part of a UTF-8 character. Text is emitted
-only once it does not end in a partial character (decoding shows that as U+FFFD at the end); the
-rest waits for the next token, and is flushed when the request finishes (then `text` is exactly
-`tokenizer.decode(token_ids)`, up to a stop string).
+Each token is decoded once, by `tokenizers`' `DecodeStream` (it keeps the few ids of a partial
+UTF-8 character until the character is complete, so a delta never ends in half a character).
+When the request finishes, whatever the stream still holds is flushed from one decode of the
+output, so `text` is exactly `tokenizer.decode(token_ids)`, up to a stop string.
+
+Stop strings are ours: the tail of the text that could still grow into a stop string is held
+back; once one appears, the text is cut before it. Stop strings are looked for only in text
+decoded after `min_tokens` tokens exist (as vLLM does).
 
 `OutputProcessor` turns the engine's `TokenEvent`s into `RequestDelta`s. It never calls the engine:
-it returns the ids whose text hit a stop string, and the caller (on the engine's own thread)
-aborts them so their KV blocks and token-store slot are freed before the next step.
+it returns the ids whose text hit a stop string, and its caller aborts them. `AsyncLLMEngine`
+runs it on its own output thread, off the engine's step loop.
 """
 from __future__ import annotations
 
@@ -15,69 +19,67 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
-
-REPLACEMENT = "\ufffd"
+from tokenizers.decoders import DecodeStream
 
 
 class IncrementalDetokenizer:
     """Text of one request's output tokens, emitted in deltas that never end in a partial character.
 
-    Invariants: `emitted == text[:len(emitted)]` of the full decode of `token_ids[:read_offset]`;
-    `token_ids[prefix_offset:read_offset]` is the small window decoded again for context, and its
-    text ends on a whole character (so decoding a window and appending is the same as decoding all).
-    With stop strings, the tail of the text that could still become a stop string is held back.
+    Invariants: `text` is the decode of the tokens the stream has released (cut before a stop
+    string once one is hit); `text[:emitted]` has been handed out; with stop strings, the part of
+    `text` past `emitted` is a suffix that could still become a stop string.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True,
+                 min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
         self.skip_special_tokens = skip_special_tokens
+        self.min_tokens = min_tokens
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.token_ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
-        self.text = ""  # decoded text of token_ids[:read_offset] (stop string removed once hit)
+        self.text = ""
         self.emitted = 0  # chars of `text` handed out as deltas
+        self.search_from = 0 if min_tokens == 0 else None  # where stop strings may start (None: not yet)
         self.stopped = False
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token: int) -> str:
         """Append one token; return the text delta that is now safe to emit ('' if none)."""
         if self.stopped:
             raise ValueError("add: the request already hit a stop string")
         self.token_ids.append(int(token))
-        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.token_ids[self.prefix_offset:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT):
-            return ""  # nothing new, or the last character is not complete yet
-        self.text += new_text[len(prefix_text):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        return self._release()
+        chunk = self.stream.step(self.tokenizer, int(token))
+        if chunk:
+            self.text += chunk
+        if self.search_from is None and len(self.token_ids) >= self.min_tokens:
+            self.search_from = len(self.text) - len(chunk or "")
+        return self._release() if chunk else ""
 
     def flush(self) -> str:
-        """The request finished: decode what was held back (a partial character stays U+FFFD)."""
+        """The request finished: release what the stream still holds (a partial character stays
+        U+FFFD, as `tokenizer.decode` shows it) and whatever was held back."""
         delta = ""
-        if not self.stopped and self.read_offset < len(self.token_ids):
-            prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-            new_text = self._decode(self.token_ids[self.prefix_offset:])
-            self.text += new_text[len(prefix_text):]
-            self.prefix_offset = self.read_offset = len(self.token_ids)
-            delta = self._release()  # a stop string may complete in the flushed text
+        if not self.stopped and self.token_ids:
+            full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+            if len(full) > len(self.text) and full.startswith(self.text):
+                self.text = full
+                if self.search_from is None:
+                    self.search_from = len(self.text)
+                delta = self._release()  # a stop string may complete in the flushed text
         rest, self.emitted = self.text[self.emitted:], len(self.text)
         return delta + rest
 
     def _release(self) -> str:
         """Check stop strings; return the newly safe delta."""
-        if self.stop:
-            # a stop string can only begin in the last len(stop)-1 chars already seen, or later
-            start = max(0, self.emitted - max(map(len, self.stop)) + 1)
+        if self.stop and self.search_from is not None:
+            # a stop string can only begin in the last len(stop)-1 chars already released, or later
+            start = max(self.search_from, self.emitted - max(map(len, self.stop)) + 1)
             hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
             if hits:
                 self.text, self.stopped = self.text[:min(hits)], True
                 delta, self.emitted = self.text[self.emitted:], len(self.text)
                 return delta
-            safe = len(self.text) - _held_back(self.text, self.stop)
+            safe = len(self.text) - _held_back(self.text[self.search_from:], self.stop)
         else:
             safe = len(self.text)
         safe = max(safe, self.emitted)
@@ -109,6 +111,8 @@ class RequestDelta:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    logprob: float | None = None  # the sampled token's logprob (requests that asked for logprobs)
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass
@@ -126,8 +130,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._states: dict[str, _State] = {}
 
-    def add(self, request_id: str, num_prompt_tokens: int, stop: Sequence[str] = ()) -> None:
-        self._states[request_id] = _State(IncrementalDetokenizer(self.tokenizer, stop), num_prompt_tokens)
+    def add(self, request_id: str, num_prompt_tokens: int, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
+        self._states[request_id] = _State(IncrementalDetokenizer(self.tokenizer, stop, min_tokens=min_tokens),
+                                          num_prompt_tokens)
 
     def discard(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -159,7 +164,8 @@ class OutputProcessor:
                 text += st.detok.flush()
                 del self._states[ev.request_id]
             deltas.append(RequestDelta(ev.request_id, text, None if ev.token is None else int(ev.token), finished,
-                                       reason, error, st.num_prompt_tokens, len(st.token_ids)))
+                                       reason, error, st.num_prompt_tokens, len(st.token_ids),
+                                       getattr(ev, "logprob", None), getattr(ev, "top_logprobs", None)))
         return deltas, to_abort
 
     def fail_all(self, message: str) -> list[RequestDelta]:

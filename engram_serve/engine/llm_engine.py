@@ -7,6 +7,8 @@ and, with one host transfer for the whole step, to the sequences -> finish what 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import numbers
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,13 +16,15 @@ import torch
 
 from ..engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ..engine.sequence import Sequence
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, OwnershipError, SliceError, StaticBufferError
 from ..model.loader import LoadedModel
 from ..runner.model_runner import ModelRunner, RunnerConfig, StepOutput
-from ..runner.sampler import Sampler
+from ..runner.sampler import Penalties, Sampler, SamplingBatch
 from ..sampling_params import SamplingParams
+from .threads import set_torch_threads
 
 MAX_QUEUED = 4096  # requests held (running + waiting) before add_request refuses more
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -32,6 +36,8 @@ class TokenEvent:
     finished: bool
     finish_reason: str | None = None
     error: str | None = None
+    logprob: float | None = None  # the sampled token's logprob (requests with `logprobs` set)
+    top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), most probable first
 
 
 @dataclass
@@ -42,7 +48,8 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
-    errors: int = 0
+    errors: int = 0  # requests ended with finish_reason "error"
+    step_failures: int = 0  # steps whose forward raised (their offending rows ended, the rest re-run)
 
 
 @dataclass
@@ -56,9 +63,13 @@ class StepResult:
 
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, cfg: RunnerConfig | None = None, enable_prefix_caching: bool = True,
-                 runner_cls: type[ModelRunner] = ModelRunner, runner: ModelRunner | None = None):
+                 runner_cls: type[ModelRunner] = ModelRunner, runner: ModelRunner | None = None,
+                 threads: int | None = None, seed: int | None = None):
         """`runner_cls`: a test may pass a subclass (negative controls). `runner`: a prepared runner over
-        `loaded` with config `cfg` (tensor parallel: rank 0's ParallelModelRunner)."""
+        `loaded` with config `cfg` (tensor parallel: rank 0's ParallelModelRunner). `threads`: torch
+        threads (engine/threads.py: default, the cores of the affinity mask); `seed`: seeds the draws
+        of per-request seeds for requests that give none."""
+        self.threads = set_torch_threads(threads)
         cfg = cfg or RunnerConfig()
         if cfg.max_model_len > loaded.config.max_position_embeddings:
             raise ValueError(f"max_model_len={cfg.max_model_len} exceeds the model's "
@@ -73,42 +84,76 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self.eos = loaded.config.eos_token_id
-        self._next_seed = np.random.default_rng()
+        # ids >= num_token_ids are outside the tokenizer: refused in prompts, never sampled
+        self.num_token_ids = min(int(loaded.token_map.shape[0]), loaded.config.vocab_size)
+        self._next_seed = np.random.default_rng(seed)
 
     # ---- requests ---------------------------------------------------------------------------
     def validate(self, prompt_ids, params) -> list[int]:
         """The prompt as a list of ints, or InvalidRequest naming the field and both values. Checked:
-        types, an empty prompt, ids outside the vocabulary, prompt + max_tokens beyond max_model_len,
-        and a request the KV cache could never hold (it would wait forever)."""
+        types, an empty prompt, ids outside the tokenizer (the engine's token-id space is
+        `[0, num_token_ids)`: the tokenizer's size, which the loader keeps <= vocab_size), stop
+        token ids and logit_bias keys likewise, prompt + max_tokens beyond max_model_len, and a
+        request the KV cache could never hold (it would wait forever)."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params: expected SamplingParams, got {type(params).__name__}")
         if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, (list, tuple, np.ndarray)):
             raise InvalidRequest(f"prompt: expected a list of token ids, got {type(prompt_ids).__name__}")
+        if isinstance(prompt_ids, np.ndarray) and prompt_ids.ndim != 1:
+            raise InvalidRequest(f"prompt: expected a 1-D array of token ids, got shape {prompt_ids.shape}")
         ids = list(prompt_ids)
         if not ids:
             raise InvalidRequest("prompt: must hold at least one token")
-        vocab = self.loaded.config.vocab_size
+        n = self.num_token_ids
         for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
                 raise InvalidRequest(f"prompt: token {i} is {t!r} ({type(t).__name__}), not an integer token id")
-            if not 0 <= t < vocab:
-                raise InvalidRequest(f"prompt: token id {int(t)} at index {i} is outside the vocabulary [0, {vocab})")
+            if not 0 <= t < n:
+                raise InvalidRequest(f"prompt: token id {int(t)} at index {i} is outside the tokenizer's ids [0, {n})")
+        for i, t in enumerate(params.stop_token_ids):
+            if t >= n:
+                raise InvalidRequest(f"stop_token_ids[{i}]={t}: outside the tokenizer's ids [0, {n})")
+        for t in params.logit_bias:
+            if t >= n:
+                raise InvalidRequest(f"logit_bias: token id {t} is outside the tokenizer's ids [0, {n})")
         cfg, total = self.cfg, len(ids) + params.max_tokens
         if total > cfg.max_model_len:
-            raise InvalidRequest(f"prompt: {len(ids)} tokens + max_tokens={params.max_tokens} = {total} exceeds the "
+            raise InvalidRequest(f"max_tokens={params.max_tokens}: the prompt's {len(ids)} tokens + max_tokens = "
+                                 f"{total} exceeds the model's maximum length max_model_len={cfg.max_model_len}"
+                                 if len(ids) < cfg.max_model_len else
+                                 f"prompt: {len(ids)} tokens + max_tokens={params.max_tokens} = {total} exceeds the "
                                  f"model's maximum length max_model_len={cfg.max_model_len}")
         if -(-total // cfg.block_size) > cfg.num_blocks:
             raise InvalidRequest(f"prompt: {len(ids)} tokens + max_tokens={params.max_tokens} need "
                                  f"{-(-total // cfg.block_size)} KV blocks, the cache has num_blocks={cfg.num_blocks}")
         return [int(t) for t in ids]
 
+    @staticmethod
+    def validate_dead(dead, num_tokens: int) -> list[bool] | None:
+        """None, or one bool per prompt token (a list, tuple or 1-D array of bools or 0/1)."""
+        if dead is None:
+            return None
+        if isinstance(dead, (str, bytes)) or not isinstance(dead, (list, tuple, np.ndarray)):
+            raise InvalidRequest(f"dead={dead!r:.60}: expected a list of one bool per prompt token, "
+                                 f"got {type(dead).__name__}")
+        flags = list(np.asarray(dead).reshape(-1)) if isinstance(dead, np.ndarray) else list(dead)
+        if len(flags) != num_tokens:
+            raise InvalidRequest(f"dead: {len(flags)} flags for a prompt of {num_tokens} tokens")
+        for i, d in enumerate(flags):
+            if not (isinstance(d, (bool, np.bool_)) or (isinstance(d, numbers.Integral) and d in (0, 1))):
+                raise InvalidRequest(f"dead[{i}]={d!r}: must be a bool (or 0/1)")
+        return [bool(d) for d in flags]
+
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None,
                     dead: list[bool] | None = None) -> Sequence:
         """Validate and queue a request. Bad input raises InvalidRequest before touching the batch."""
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(request_id, str):
+            raise InvalidRequest(f"request_id={request_id!r}: must be a string")
         if request_id in self.seqs:
             raise InvalidRequest(f"request_id={request_id!r} is already running")
         ids = self.validate(prompt_ids, params)
+        dead = self.validate_dead(dead, len(ids))
         if len(self.seqs) >= MAX_QUEUED:
             raise InvalidRequest(f"the engine is full ({len(self.seqs)} requests); retry later")
         if params.seed is None:
@@ -137,7 +182,13 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self, bounds: list[int] | None = None, record: bool = False) -> StepResult:
-        """One engine step; `bounds` forces the microbatch cut, `record` keeps hash ids and staged rows."""
+        """One engine step; `bounds` forces the microbatch cut, `record` keeps hash ids and staged rows.
+
+        If the forward raises, the rows that make it raise (found by re-running halves) end with
+        finish_reason "error", the failure is counted, and the step re-runs without them: one
+        request never ends its batch mates. If every row of a multi-row step fails even alone, the
+        step itself is broken: the error is raised. Broken engine invariants (OwnershipError,
+        SliceError, StaticBufferError) and malformed `bounds` (InvalidRequest) are raised at once."""
         out = self.scheduler.schedule()
         events = [self._finish(s, s.finish_reason or "length") for s in out.finished if s.request_id in self.seqs]
         self.stats.preemptions += len(out.preempted)
@@ -148,50 +199,157 @@ class LLMEngine:
         if not out.rows:
             return StepResult(events, out)
         rows = out.rows
-        seqs = [r.seq for r in rows]
         sample = [r.sample for r in rows]  # before update(): it depends on the sequence's length
-        for s in seqs:
+        for s in (r.seq for r in rows):
             if s.slot is None:  # first time scheduled: running + preempted <= max_num_seqs slots
                 s.slot = self.runner.store.add(s.token_ids, s.dead)
             state.sync(s.slot, s.block_ids)  # O(new blocks): usually nothing
-        n = len(rows)
-        batch = self.runner.build(np.fromiter((s.slot for s in seqs), np.int64, n),
-                                  np.fromiter((r.num_computed for r in rows), np.int64, n),
-                                  np.fromiter((r.num_new for r in rows), np.int64, n), None,
-                                  np.fromiter(sample, bool, n))
-        result = self.runner.execute(batch, bounds, record)
-        self.scheduler.update(out)
-        self._account(out, result)
-        sampled = [s for s, flag in zip(seqs, sample) if flag]
+
+        def run(rows, sample, bounds=None, record=False) -> StepOutput:
+            n = len(rows)
+            batch = self.runner.build(np.fromiter((r.seq.slot for r in rows), np.int64, n),
+                                      np.fromiter((r.num_computed for r in rows), np.int64, n),
+                                      np.fromiter((r.num_new for r in rows), np.int64, n), None,
+                                      np.fromiter(sample, bool, n))
+            if bounds is not None:
+                self._check_bounds(bounds, batch.num_tokens)
+            return self.runner.execute(batch, bounds, record)
+
+        try:
+            result = run(rows, sample, bounds, record)
+        except (InvalidRequest, OwnershipError, SliceError, StaticBufferError):
+            raise  # malformed bounds, or a broken engine invariant (debug checks): not a row's fault
+        except Exception as e:
+            bad = self._culprits(rows, sample, run, e)
+            if len(bad) == len(rows) > 1:
+                raise  # every row fails even alone: the step itself is broken, not a request
+            events += self._end_rows([rows[i] for i in bad], e)
+            keep = [i for i, r in enumerate(rows) if r.seq.request_id in self.seqs]
+            rows, sample = [rows[i] for i in keep], [sample[i] for i in keep]
+            if not rows:
+                return StepResult(events, out)
+            result = run(rows, sample, None, record)
+        self.scheduler.update(out)  # rows of sequences ended above are skipped
+        self._account(rows, result)
+        sampled = [r.seq for r, flag in zip(rows, sample) if flag]
         if sampled:
             events += self._sample(sampled, result.logits)
-        return StepResult(events, out, result, [s.request_id for s in seqs], sample)
+        return StepResult(events, out, result, [r.seq.request_id for r in rows], sample)
+
+    def _check_bounds(self, bounds, num_tokens: int) -> None:
+        ok = isinstance(bounds, (list, tuple)) and len(bounds) >= 2 and all(
+            isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in bounds)
+        if ok:
+            b = [int(x) for x in bounds]
+            ok = b[0] == 0 and b[-1] == num_tokens and all(x < y for x, y in zip(b, b[1:]))
+        if not ok:
+            raise InvalidRequest(f"bounds={bounds!r}: must be increasing integers from 0 to the step's "
+                                 f"{num_tokens} tokens")
+        if len(bounds) - 1 > self.cfg.split.num_ubatches:
+            raise InvalidRequest(f"bounds={list(bounds)!r}: {len(bounds) - 1} microbatches, the runner has buffers "
+                                 f"for split.num_ubatches={self.cfg.split.num_ubatches}")
+
+    def _culprits(self, rows, sample, run, error: Exception) -> list[int]:
+        """The rows that make the forward raise. Halves are re-run (whole, outputs discarded: a row's
+        KV writes are the same values each time) until single failing rows remain; a part that fails
+        while both its halves pass counts as a whole."""
+        self.stats.step_failures += 1
+        log.warning("engine step failed (%s: %s); isolating the rows that cause it", type(error).__name__, error)
+
+        def fails(idx: list[int]) -> bool:
+            try:
+                run([rows[i] for i in idx], [sample[i] for i in idx])
+                return False
+            except Exception:
+                return True
+
+        bad, parts = [], [list(range(len(rows)))]  # each part is known to fail
+        while parts:
+            part = parts.pop()
+            if len(part) == 1:
+                bad += part
+                continue
+            halves = [h for h in (part[:len(part) // 2], part[len(part) // 2:]) if fails(h)]
+            if halves:
+                parts += halves
+            else:  # it fails only as a whole: end all of it
+                bad += part
+        return sorted(set(bad))
+
+    def _end_rows(self, rows, error: Exception) -> list[TokenEvent]:
+        """End these rows with finish_reason "error"; their events."""
+        message = f"the engine step failed for this request: {type(error).__name__}: {error}"
+        self.stats.errors += len(rows)
+        return [self._finish(r.seq, "error", message) for r in rows]
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
+        """Sample one token per sequence; one device-to-host transfer for the whole step."""
         dev = logits.device
+        logits = logits[:, : self.num_token_ids]  # ids outside the tokenizer are never sampled
+        vocab = logits.shape[1]
         p = [s.params for s in seqs]
-        tokens, finite = self.sampler.sample(
-            logits,
-            torch.tensor([x.temperature for x in p], dtype=torch.float32, device=dev),
-            torch.tensor([x.top_k for x in p], dtype=torch.int64, device=dev),
-            torch.tensor([x.top_p for x in p], dtype=torch.float32, device=dev),
-            torch.tensor([x.seed for x in p], dtype=torch.int64, device=dev),
-            torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=dev),
-            filters=any(x.top_k > 0 or x.top_p < 1 for x in p), random=any(x.temperature > 0 for x in p))
+        ban_rows, ban_tokens, bias_rows, bias_tokens, bias_values = [], [], [], [], []
+        pen_rows = []
+        for i, (s, x) in enumerate(zip(seqs, p)):  # host bookkeeping of the few rows that ask for extras
+            if x.min_tokens and s.num_output_tokens < x.min_tokens:
+                stops = [t for t in x.stop_token_ids + ([] if x.ignore_eos or self.eos is None else [self.eos])
+                         if t < vocab]
+                ban_rows += [i] * len(stops)
+                ban_tokens += stops
+            if x.logit_bias:
+                bias_rows += [i] * len(x.logit_bias)
+                bias_tokens += list(x.logit_bias)
+                bias_values += list(x.logit_bias.values())
+            if x.penalised:
+                pen_rows.append(i)
+        penalties = None
+        if pen_rows:
+            ps = [seqs[i] for i in pen_rows]
+            slots = torch.tensor([s.slot for s in ps], device=dev)
+            width = max(s.num_tokens for s in ps)
+            penalties = Penalties(
+                torch.tensor(pen_rows, device=dev),
+                torch.tensor([s.params.repetition_penalty for s in ps], dtype=torch.float32, device=dev),
+                torch.tensor([s.params.frequency_penalty for s in ps], dtype=torch.float32, device=dev),
+                torch.tensor([s.params.presence_penalty for s in ps], dtype=torch.float32, device=dev),
+                self.runner.store.ids.index_select(0, slots)[:, :width],  # [P, L] each row's own tokens
+                torch.tensor([s.num_prompt_tokens for s in ps], device=dev),
+                torch.tensor([s.num_tokens for s in ps], device=dev))
+        batch = SamplingBatch.build(
+            vocab, [x.temperature for x in p], [x.top_k for x in p], [x.top_p for x in p], [x.seed for x in p],
+            [s.num_tokens for s in seqs], [x.min_p for x in p], device=dev,
+            bias=(bias_rows, bias_tokens, bias_values) if bias_rows else None,
+            ban=(ban_rows, ban_tokens) if ban_rows else None, penalties=penalties,
+            logprobs=[x.logprobs for x in p])
+        out = self.sampler.sample(logits, batch)
         slots = torch.tensor([s.slot for s in seqs], device=dev)
-        ok = finite
-        self.runner.store.append(slots[ok], tokens[ok])  # on the device, no Python round trip
-        host_tokens, host_ok = tokens.tolist(), finite.tolist()  # one transfer for the whole step
+        self.runner.store.append(slots, out.tokens)  # on the device; rows that fail are freed below
+        packed = torch.stack([out.tokens.double(), out.finite.double()], dim=1)  # [R, 2]
+        n = batch.num_logprobs
+        if batch.logprob_rows is not None:
+            lp = torch.cat([out.logprob.double()[:, None], out.top_ids.double(), out.top_logprobs.double()], 1) \
+                if n else out.logprob.double()[:, None]  # [Q, 1 + 2n]
+            full = torch.full((len(seqs), lp.shape[1]), float("nan"), dtype=torch.float64, device=dev)
+            packed = torch.cat([packed, full.index_copy_(0, batch.logprob_rows, lp)], dim=1)
+        host = packed.cpu().numpy()  # the one transfer of the step
         events = []
-        for seq, tok, good in zip(seqs, host_tokens, host_ok):
-            if not good:
+        for seq, row in zip(seqs, host):
+            if not row[1]:
                 self.stats.errors += 1
                 events.append(self._finish(seq, "error", "non-finite logits (NaN or Inf) for this request"))
                 continue
+            tok = int(row[0])
             seq.append_token(tok)
             self.stats.generated_tokens += 1
+            lp = top = None
+            want = seq.params.logprobs
+            if want is not None:
+                lp = float(row[2])
+                top = [(int(i), float(v)) for i, v in zip(row[3:3 + want], row[3 + n:3 + n + want])]
             reason = self._stop_reason(seq, tok)
-            events.append(self._finish(seq, reason, token=tok) if reason else TokenEvent(seq.request_id, tok, False))
+            ev = self._finish(seq, reason, token=tok) if reason else TokenEvent(seq.request_id, tok, False)
+            ev.logprob, ev.top_logprobs = lp, top
+            events.append(ev)
         return events
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
@@ -209,12 +367,12 @@ class LLMEngine:
             del self.seqs[seq.request_id]
         return TokenEvent(seq.request_id, token, True, reason, error)
 
-    def _account(self, out: SchedulerOutput, result: StepOutput) -> None:
+    def _account(self, rows, result: StepOutput) -> None:
         st = self.stats
         st.steps += 1
         st.microbatched_steps += len(result.bounds) > 2
         st.straddling_rows += result.straddling_rows
-        st.prompt_tokens += sum(min(r.num_new, max(0, r.seq.num_prompt_tokens - r.num_computed)) for r in out.rows)
+        st.prompt_tokens += sum(min(r.num_new, max(0, r.seq.num_prompt_tokens - r.num_computed)) for r in rows)
 
     def close(self) -> None:
         self.runner.close()

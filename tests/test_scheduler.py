@@ -195,7 +195,7 @@ TestSchedulerMachine.settings = settings(TestSchedulerMachine.settings, stateful
 
 def run_machine_until_failure() -> None:
     run_state_machine_as_test(SchedulerMachine, settings=settings(
-        max_examples=300, stateful_step_count=30, phases=[Phase.generate], database=None,
+        max_examples=300, stateful_step_count=30, phases=[Phase.generate], database=None, derandomize=True,
         report_multiple_bugs=False, deadline=None))
 
 

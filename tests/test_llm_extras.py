@@ -22,7 +22,7 @@ from engram_serve.runner.model_runner import RunnerConfig
 from engram_serve.sampling_params import SamplingParams
 
 OPTS = dict(max_model_len=128, num_blocks=64, max_num_seqs=8)
-FORCE_SPLIT = SplitConfig(num_ubatches=2, decode_threshold=2, prefill_threshold=2)
+FORCE_SPLIT = SplitConfig(num_ubatches=2, decode_threshold=2, prefill_threshold=2, when="always")
 PROMPTS = ["Hello world", "The quick brown fox jumps", "Once upon a time there was", "1 2 3 4 5 6 7",
            "import os\nimport sys\n", "def main():"]
 

@@ -4,16 +4,14 @@ and no process is left behind."""
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from engram_serve.llm import LLM
-from engram_serve.parallel.group import free_port
 from engram_serve.sampling_params import SamplingParams
+from serve_process import start_serve
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "def fibonacci(n):"
@@ -49,23 +47,9 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "engram_serve.cli", "serve", "--tensor-parallel-size", "2",
-                             "--port", str(port), "--model-name", "tiny"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"server did not start: {proc.communicate()[1][-2000:]}")
-        time.sleep(0.2)
+    proc, base = start_serve(["--tensor-parallel-size", "2", "--model-name", "tiny"], 60,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     yield proc, base
     if proc.poll() is None:
         proc.kill()

@@ -16,7 +16,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -28,6 +27,7 @@ from engram_serve.engine.llm_engine import LLMEngine
 from engram_serve.model.loader import TINY_DIR, load_model, make_random_checkpoint
 from engram_serve.runner.model_runner import RunnerConfig
 from engram_serve.sampling_params import SamplingParams
+from serve_process import start_serve
 
 MAX_TOKENS = 5
 SERVE_OPTS = ["--max-model-len", "128", "--num-kv-blocks", "160", "--max-num-seqs", "8", "--threads", "1"]
@@ -82,12 +82,6 @@ BAD = [  # (path, raw JSON or object, the param the error must name)
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     cfg = dataclasses.replace(ModelConfig.from_dict(read_json(TINY_DIR / "config.json")), vocab_size=4608)
@@ -96,23 +90,9 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "engram_serve.cli", "serve", "--model", str(checkpoint),
-                             "--port", str(port), "--log-level", "warning", *SERVE_OPTS],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"serve did not start: {proc.stdout.read().decode()[-2000:]}")
-        time.sleep(0.2)
+    proc, base = start_serve(["--model", str(checkpoint), "--log-level", "warning", *SERVE_OPTS], 120,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     yield base, proc
     proc.terminate()
     try:

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .layers import MIN_ROWS
 
 KC = 64  # key chunk: positions per chunk
 NEG_INF = float("-inf")

@@ -11,8 +11,10 @@ static (graph) buffers. Kinds of poison:
   * padding: the KV pool's trash slot, every unallocated block and the static buffers' padding
     staging rows hold NaN (no request is poisoned).
 Each trial checks that every good request's tokens equal its run alone, that the poisoned one ends
-with `error`, and that the KV pool is empty afterwards. The negative control lets attention read one
-slot past a row's length: the stale NaN left in a reused block then reaches good requests.
+with `error`, and that the KV pool is empty afterwards. Negative controls: attention reads one slot
+past a row's length (the stale NaN left in a reused block reaches good requests); attention does not
+zero a step's later non-finite values for the row's earlier queries (0 * NaN reaches them, and
+through the prefix cache a good request).
 """
 from __future__ import annotations
 
@@ -91,6 +93,10 @@ class ReadsOnePastTheEnd(PagedAttention):
     read_past = 1
 
 
+class UnguardedFreshValues(PagedAttention):
+    guard_fresh = False
+
+
 def trial(loaded, alone, seed: int, kind: str) -> list[str]:
     """Run one trial; returns what went wrong (empty = isolated)."""
     rng = np.random.default_rng(seed)
@@ -157,4 +163,13 @@ def test_poison_never_reaches_another_request(loaded, alone, kind):
 def test_negative_control_reading_one_slot_past_the_row_leaks_nan(loaded, alone, monkeypatch):
     monkeypatch.setattr(loaded.model, "paged_attention", ReadsOnePastTheEnd)
     failures = [p for s in range(10) if (p := trial(loaded, alone, s, "kv"))]
+    assert failures and any(line.startswith("m") for p in failures for line in p)  # a good request was hit
+
+
+def test_negative_control_unguarded_later_values_of_a_step_leak_through_the_prefix_cache(loaded, alone, monkeypatch):
+    """Without the guard, a poisoned token's NaN value is multiplied by 0 into its own row's earlier
+    queries; their KV blocks then hold NaN under a prefix-cache key without the poisoned token, and a
+    good request that shares the prefix reads it."""
+    monkeypatch.setattr(loaded.model, "paged_attention", UnguardedFreshValues)
+    failures = [p for s in range(20) if (p := trial(loaded, alone, s, "embedding"))]
     assert failures and any(line.startswith("m") for p in failures for line in p)  # a good request was hit

@@ -22,7 +22,7 @@ def loaded(tmp_path_factory):
 
 def runner_and_batch(loaded, runner_cls=ModelRunner, **kw):
     cfg = RunnerConfig(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=128, num_blocks=64,
-                       split=SplitConfig(2, "tokens", 0, 0, when="always"), **kw)
+                       **{"split": SplitConfig(2, "tokens", 0, 0, when="always"), **kw})
     r = runner_cls(loaded, cfg)
     rng = np.random.default_rng(0)
     lens = [30, 7, 50]
@@ -39,6 +39,17 @@ def test_every_cut_matches_the_whole_step(loaded, graph):
         out = r.execute(b, [0, c, b.num_tokens], record=True)
         assert torch.equal(out.hash_ids, whole.hash_ids) and torch.equal(out.staged, whole.staged)
         assert torch.equal(out.logits, whole.logits)
+
+
+def test_logits_bit_identical_at_every_cut_offset_for_two_and_three_microbatches(loaded):
+    """Each cut swept over every token offset of the step (the other cut fixed, for three)."""
+    r, b = runner_and_batch(loaded, split=SplitConfig(3, "tokens", 0, 0, when="always"))
+    t = b.num_tokens
+    whole = r.execute(b, [0, t]).logits
+    cuts = [[0, c, t] for c in range(1, t)]
+    cuts += [[0, c, 60, t] for c in range(1, 60)] + [[0, 20, c, t] for c in range(21, t)]
+    for bounds in cuts:
+        assert torch.equal(r.execute(b, bounds).logits, whole), bounds
 
 
 @pytest.mark.parametrize("cls,name", [(SharedTopk, "topk_idx"), (SharedStaging, "staging")])

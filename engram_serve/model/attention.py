@@ -62,7 +62,9 @@ class PagedAttention:
     """Attention of one microbatch over the paged KV cache. The plan is built once per forward and
     shared by every layer; the SELECT layer's choice lives in the microbatch's own `bufs.topk_idx`."""
 
-    read_past = 0  # keys readable past seq_len: 0 always; a test subclass raises it (negative control)
+    # protections that a test subclass turns off (negative controls), not options:
+    read_past = 0  # keys readable past seq_len
+    guard_fresh = True  # zero this step's non-finite values where a masked query would multiply them
 
     def __init__(self, ctx: ForwardContext):
         self.ctx = ctx
@@ -93,8 +95,7 @@ class PagedAttention:
         kc, vc = kv.layer(layer)
         plan = self._plan(q.shape[1] // k.shape[1])
         if mode == FULL:
-            bad = ~torch.isfinite(v).view(v.shape[0], -1).all(-1)  # [T]: cheap, on this step's values only
-            return attend_full(plan, q, kc, vc, bad)
+            return attend_full(plan, q, kc, vc, v if self.guard_fresh else None)
         if mode == SELECT:
             self._topk_buf(topk).copy_(select_keys(plan, q, kc, topk, head_mean))
         return attend_selected(plan, q, kc, vc, self._topk_buf(topk))

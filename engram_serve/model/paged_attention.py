@@ -157,21 +157,25 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 def attend_full(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                bad_tok: torch.Tensor) -> torch.Tensor:
+                v_new: torch.Tensor | None) -> torch.Tensor:
     """Causal attention of q [T, heads, hd] over one layer's pools k_cache, v_cache [slots, kvh, hd];
-    bad_tok [T] marks this step's tokens whose new value is not finite. Returns [T, heads*hd]
-    (0 for padding tokens)."""
+    v_new [T, kvh, hd] are this step's values, checked for non-finite ones only where a row holds
+    several queries (None skips the guard: the negative control of the isolation tests).
+    Returns [T, heads*hd] (0 for padding tokens)."""
     t, heads, hd = q.shape
     kvh = k_cache.shape[1]
     g = heads // kvh
     if not plan.groups:  # padding only
         return q.new_zeros(t, heads * hd)
+    guarded = [grp.multi and v_new is not None for grp in plan.groups]
+    if any(guarded):  # [T + 1] this step's tokens whose new value is not finite (the extra entry: none)
+        bad_tok = torch.cat([~torch.isfinite(v_new).view(t, -1).all(-1), v_new.new_zeros(1, dtype=torch.bool)])
     toks, ms, ls, os_, flags = [], [], [], [], []
-    for grp in plan.groups:
+    for grp, guard in zip(plan.groups, guarded):
         p_, w = grp.query.shape
         k, v = _gather(k_cache, grp.slots), _gather(v_cache, grp.slots)
-        if grp.multi:  # a non-finite key of this step, masked for the row's earlier queries: never 0 * NaN
-            bad = torch.cat([bad_tok, bad_tok.new_zeros(1)])[grp.fresh_tok]  # [P, KC]
+        if guard:  # a non-finite key of this step, masked for the row's earlier queries: never 0 * NaN
+            bad = bad_tok[grp.fresh_tok]  # [P, KC]
             v = v.masked_fill(bad[:, :, None, None], 0.0)
             flags.append((grp.visible & bad[:, None, :]).any(-1).view(-1))
         qg = _pair_queries(grp, q * (1.0 / math.sqrt(hd)), kvh)
@@ -190,7 +194,7 @@ def attend_full(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_c
     den = torch.zeros_like(big).index_add_(0, tok, l * wgt)
     out = torch.where(den[..., None] == 0, 0.0, acc / den[..., None])  # a NaN stays NaN: its request errs
     if flags:  # a query that may see such a key gets NaN itself
-        ftok = torch.cat([g.query.view(-1) for g in plan.groups if g.multi])
+        ftok = torch.cat([grp.query.view(-1) for grp, guard in zip(plan.groups, guarded) if guard])
         flagged = torch.zeros(t + 1, dtype=o.dtype, device=o.device).index_add_(0, ftok, torch.cat(flags).to(o.dtype))
         out = torch.where(flagged[:, None, None] > 0, float("nan"), out)
     return out[:t].reshape(t, heads * hd)

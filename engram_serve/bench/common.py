@@ -170,6 +170,19 @@ def positive_int(text: str) -> int:
     return v
 
 
+def bounded_int(lo: int, hi: int, why: str) -> Callable[[str], int]:
+    """argparse type: an integer in [lo, hi]; out of range, the message is '<value> <why>'."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"{v} {why}")
+        return v
+    return parse
+
+
 def positive_float(text: str) -> float:
     try:
         v = float(text)

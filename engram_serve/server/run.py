@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+from ..bench.common import bounded_int, positive_int
 from ..errors import ConfigError
 
 API_KEY_ENV = "ENGRAM_SERVE_API_KEY"
@@ -112,28 +113,11 @@ def serve(model_path: str | Path | None = None, host: str = "127.0.0.1", port: i
 
 # ---- CLI: engram-serve serve --------------------------------------------------------------------------
 
-def _port(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"{v} is not a TCP port (0..65535)")
-    return v
-
-
-def _int64(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not -(2 ** 63) <= v < 2 ** 63:
-        raise argparse.ArgumentTypeError(f"{v} does not fit in a signed 64-bit integer")
-    return v
+_port = bounded_int(0, 65535, "is not a TCP port (0..65535)")
+_int64 = bounded_int(-(2 ** 63), 2 ** 63 - 1, "does not fit in a signed 64-bit integer")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    from ..bench.common import positive_int
     a = parser.add_argument
     a("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     a("--port", type=_port, default=8000, help="TCP port (default 8000)")

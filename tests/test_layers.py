@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from engram_serve.engram.layer import EngramGate
 from engram_serve.model import layers
 from engram_serve.model.layers import MLP, MoE, apply_rotary, rms_norm, rotary_cos_sin
+from engram_serve.model.model import run_stages
 
 
 def _init(module, seed=0):
@@ -25,12 +26,7 @@ def _moe(num_experts=4, top_k=2):
 
 
 def _run_moe(moe, x):
-    gen = moe.stages(x)
-    while True:
-        try:
-            next(gen)
-        except StopIteration as stop:
-            return stop.value
+    return run_stages(moe.stages(x))
 
 
 def reference_moe(moe, x):

@@ -13,6 +13,7 @@ from engram_serve.engram.tables import EngramTables
 from engram_serve.errors import OwnershipError
 from engram_serve.inputs.ubatch import SplitConfig
 from engram_serve.model.loader import load_model
+from engram_serve.model.model import run_stages
 from engram_serve.parallel.collectives import COMM, rank_ordered_sum
 from engram_serve.parallel.launch import TPCluster
 from engram_serve.parallel.runner import ParallelModelRunner
@@ -141,14 +142,6 @@ class _Partial:
         return self.x
 
 
-def _run_stages(gen):
-    while True:
-        try:
-            next(gen)
-        except StopIteration as stop:
-            return stop.value
-
-
 @given(st.integers(1, 40), st.integers(0, 2**31 - 1))
 def test_expert_parallel_moe_partials_sum_to_the_unsharded_bits(n, seed):
     """Each rank's partial holds its experts' weighted outputs; their rank-ordered sum is bit-identical
@@ -163,14 +156,14 @@ def test_expert_parallel_moe_partials_sum_to_the_unsharded_bits(n, seed):
         for p in full.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     x = torch.randn(n, 32, generator=g)
-    want = _run_stages(full.stages(x))
+    want = run_stages(full.stages(x))
     parts = []
     orig = pl.launch_sum
     pl.launch_sum = lambda group, y, ctx, what: _Partial(y)
     try:
         for rank in range(2):
             group = type("G", (), {"rank": rank, "world": 2, "stats": CommStats()})()
-            parts.append(_run_stages(pl.ExpertParallelMoE(full, group).stages(x)))
+            parts.append(run_stages(pl.ExpertParallelMoE(full, group).stages(x)))
     finally:
         pl.launch_sum = orig
     assert torch.equal(rank_ordered_sum(torch.stack(parts)), want)

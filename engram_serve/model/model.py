@@ -71,6 +71,15 @@ def _launch_engram_sums(layers, engram_rows, ctx: ForwardContext | None):
     return kv
 
 
+def run_stages(gen: Generator):
+    """Drive a stage generator (a forward, or a layer's `stages`) to completion; returns its value."""
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            return stop.value
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -151,12 +160,7 @@ class EngramModel(nn.Module):
 
     def forward_step(self, ctx: ForwardContext) -> torch.Tensor:
         """Run `stages` to completion; returns hidden [T, hidden]."""
-        gen = self.stages(ctx)
-        while True:
-            try:
-                next(gen)
-            except StopIteration as stop:
-                return stop.value
+        return run_stages(self.stages(ctx))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
@@ -184,14 +188,9 @@ class EngramModel(nn.Module):
                 raise ValueError(f"forward_dense: {len(engram_rows)} Engram row tensors for "
                                  f"{self.config.engram.num_layers} Engram layers")
             rows_fn = lambda i: engram_rows[i].reshape(b * s, *engram_rows[i].shape[2:])  # noqa: E731
-        gen = self._run(input_ids.reshape(-1).long(), positions, None if dead is None else dead.reshape(-1),
-                        DenseAttention(b, s, dev), rows_fn, None)
-        while True:
-            try:
-                next(gen)
-            except StopIteration as stop:
-                hidden = stop.value
-                break
+        flat_dead = None if dead is None else dead.reshape(-1)
+        hidden = run_stages(self._run(input_ids.reshape(-1).long(), positions, flat_dead, DenseAttention(b, s, dev),
+                                      rows_fn, None))
         return self.compute_logits(hidden).view(b, s, -1)
 
     def forward(self, input_ids: torch.Tensor, engram_rows: list[torch.Tensor] | None = None,

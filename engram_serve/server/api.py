@@ -256,6 +256,15 @@ def build_app(async_engine: "AsyncLLMEngine", model_name: str, *, own_engine: bo
             raise ApiError(400, f"{refused[0]}={_SHORT.repr(refused[1])}: not supported by this server", refused[0])
         return body
 
+    def render_chat(messages, add_generation_prompt: bool = True) -> str:
+        """The chat template applied to `messages`; a failure is a 400 naming `messages`."""
+        try:
+            return chat.render(messages, add_generation_prompt)
+        except InvalidRequest as e:
+            raise _invalid(e) from None
+        except Exception as e:  # a template that fails to render on these messages
+            raise ApiError(400, f"messages: the chat template failed: {type(e).__name__}: {e}", "messages") from None
+
     async def tokenize(text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         """Tokenize on the worker thread, after the byte-length cut."""
         size = len(text.encode("utf-8"))
@@ -498,12 +507,7 @@ def build_app(async_engine: "AsyncLLMEngine", model_name: str, *, own_engine: bo
         rename = {"prompt": "messages"}
         if body.max_tokens is None and body.max_completion_tokens is not None:
             rename["max_tokens"] = "max_completion_tokens"
-        try:
-            text = chat.render(body.messages, body.add_generation_prompt)
-        except InvalidRequest as e:
-            raise _invalid(e) from None
-        except Exception as e:  # a template that fails to render on these messages
-            raise ApiError(400, f"messages: the chat template failed: {type(e).__name__}: {e}", "messages") from None
+        text = render_chat(body.messages, body.add_generation_prompt)
         prompt_ids = await tokenize(text, "messages", add_special_tokens=False)  # the template holds the BOS
         if len(prompt_ids) >= max_len and body.max_tokens is None and body.max_completion_tokens is None:
             raise ApiError(400, f"messages: the prompt rendered from them has {len(prompt_ids)} tokens; the model "
@@ -572,14 +576,7 @@ def build_app(async_engine: "AsyncLLMEngine", model_name: str, *, own_engine: bo
         if body.prompt is not None:
             ids = await tokenize(body.prompt, "prompt", body.add_special_tokens)
         else:
-            try:
-                text = chat.render(body.messages)
-            except InvalidRequest as e:
-                raise _invalid(e) from None
-            except Exception as e:
-                raise ApiError(400, f"messages: the chat template failed: {type(e).__name__}: {e}", "messages") \
-                    from None
-            ids = await tokenize(text, "messages", False)
+            ids = await tokenize(render_chat(body.messages), "messages", False)
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": max_len})
 
     @app.post("/detokenize", openapi_extra=_request_body(P.DetokenizeRequest),

@@ -16,18 +16,25 @@ from ..errors import StaticBufferError
 from .context import MOE_COMBINE, MOE_DISPATCH, ForwardContext
 
 
-# Batch invariance of matmuls (spec §9). On CPU, torch's float32 matmul (MKL sgemm) computes a row
-# with a different kernel when the call holds 1, 2-3 or >= 4 rows, so the same row's bits would depend
-# on how many rows share its call. Rule: every matmul of the forward goes through `linear`, which pads
-# a call of fewer than MIN_ROWS rows with zero rows. From MIN_ROWS rows on, a row's result does not
-# depend on the row count or its place in the call (tests/test_batch_invariance.py sweeps this).
-MIN_ROWS = 4
+# Batch invariance of matmuls (spec §9). On CPU, torch's float32 matmul (MKL sgemm) computes a call of
+# few rows with small-matrix kernels and a bigger call with its blocked kernel, and they round
+# differently, so the same row's bits would depend on how many rows share its call. Where the switch
+# lies depends on the CPU and on the weight's shape: at 4 rows for every shape on an AVX2 machine; at 6
+# rows for 128 inputs, 11 for 256 and 16 for 384 on an AVX-512 one. Rule: every matmul of the forward
+# goes through `linear`, which pads a call of fewer than `min_rows(weight)` rows with zero rows.
+# `min_rows` is measured once per weight shape in the process (`_calibrate`): the smallest row count
+# from which every probed call gives each row the bits of a PROBE_REF-row call. The runner pads a
+# microbatch once to the model's largest `min_rows` (`pad_rows`), so in a step only the sampled rows'
+# logits call can still need a pad. tests/test_layers.py sweeps the rule.
+MIN_ROWS = 4  # the floor of the rule (bmm in attention also wants >= 4 rows); the rule where not measured
+PROBE_REF, PROBE_MAX = 512, 96
 _exact = True  # the batch-invariance rules of this module are on; `batch_invariant(False)` turns them off
+_min_rows: dict[tuple, int] = {}
 
 
 @contextmanager
 def batch_invariant(enabled: bool):
-    """Run the block with the batch-invariance rules (MIN_ROWS, VEC_PAD) on or off. Off is the fastest
+    """Run the block with the batch-invariance rules (min_rows, VEC_PAD) on or off. Off is the fastest
     non-exact configuration (benchmarks) and the negative control of the bit-exactness tests."""
     global _exact
     before, _exact = _exact, enabled
@@ -37,16 +44,59 @@ def batch_invariant(enabled: bool):
         _exact = before
 
 
+def _calibrate(in_features: int, out_features: int, dtype: torch.dtype) -> int:
+    """The smallest row count m such that calls of every probed size >= m (1..PROBE_MAX, and a few up to
+    PROBE_REF) give each row the same bits as one call of PROBE_REF rows, for a random weight of this
+    shape (kernel choice depends on shapes and threads, not on values)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(out_features, in_features, generator=g).to(dtype)
+    x = torch.randn(PROBE_REF, in_features, generator=g).to(dtype)
+    with torch.no_grad():
+        full = F.linear(x, w)
+        sizes = [*range(1, PROBE_MAX + 1), 127, 128, 129, 255, 256, 257, PROBE_REF - 1]
+        bad = [n for n in sizes if not torch.equal(F.linear(x[:n], w), full[:n])]
+    return max(MIN_ROWS, bad[-1] + 1 if bad else 1)
+
+
+def min_rows(weight: torch.Tensor) -> int:
+    """Rows a call of `linear` with this weight is padded to (rule above); measured once per shape on CPU."""
+    if weight.device.type != "cpu":
+        return MIN_ROWS
+    key = (weight.shape[1], weight.shape[0], weight.dtype, torch.get_num_threads())
+    if key not in _min_rows:
+        _min_rows[key] = _calibrate(weight.shape[1], weight.shape[0], weight.dtype)
+    return _min_rows[key]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T -> [..., out], batch-invariant (rule above).
 
-    A call of fewer than MIN_ROWS rows is zero-padded with one `F.pad` (host-side shape check, no
-    device sync); a 2-D input needs no reshape. Fewer operators, same bits as padding with a cat."""
+    A call of fewer than min_rows(weight) rows is zero-padded with one `F.pad` (host-side shape check,
+    no device sync); a 2-D input needs no reshape."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     n = x2.shape[0]
-    y = (F.linear(x2, weight) if n >= MIN_ROWS or not _exact
-         else F.linear(F.pad(x2, (0, 0, 0, MIN_ROWS - n)), weight)[:n])
+    m = min_rows(weight) if _exact else 0
+    y = F.linear(x2, weight) if n >= m else F.linear(F.pad(x2, (0, 0, 0, m - n)), weight)[:n]
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
+
+
+def matmul_weights(module: nn.Module) -> list[torch.Tensor]:
+    """The 2-D weights that `linear` multiplies by in `module`'s forward (fused ones as used)."""
+    out = []
+    for m in module.modules():
+        if isinstance(m, Linear):
+            out.append(m.weight)
+        elif isinstance(m, MLP):
+            out.append(m.gate_up.view(2 * m.intermediate, m.hidden))
+        elif isinstance(m, MoE):
+            out += [m.w_in.view(-1, m.hidden), m.w_out.view(m.hidden, -1), m.w_in[0].view(-1, m.hidden),
+                    m.w_out[:, 0]]
+    return out
+
+
+def pad_rows(module: nn.Module) -> int:
+    """The token count a microbatch is padded to so that none of `module`'s matmuls pads its call."""
+    return max((min_rows(w) for w in matmul_weights(module)), default=MIN_ROWS)
 
 
 # Batch invariance of elementwise ops. torch's CPU loops run the vectorised form of an op over whole

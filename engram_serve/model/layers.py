@@ -18,15 +18,17 @@ from .context import MOE_COMBINE, MOE_DISPATCH, ForwardContext
 
 # Batch invariance of matmuls (spec §9). On CPU, torch's float32 matmul (MKL sgemm) computes a call of
 # few rows with small-matrix kernels and a bigger call with its blocked kernel, and they round
-# differently, so the same row's bits would depend on how many rows share its call. Where the switch
-# lies depends on the CPU and on the weight's shape: at 4 rows for every shape on an AVX2 machine; at 6
-# rows for 128 inputs, 11 for 256 and 16 for 384 on an AVX-512 one. Rule: every matmul of the forward
-# goes through `linear`, which pads a call of fewer than `min_rows(weight)` rows with zero rows.
-# `min_rows` is measured once per weight shape in the process (`_calibrate`): the smallest row count
-# from which every probed call gives each row the bits of a PROBE_REF-row call. The runner pads a
-# microbatch once to the model's largest `min_rows` (`pad_rows`), so in a step only the sampled rows'
-# logits call can still need a pad. tests/test_layers.py sweeps the rule.
-MIN_ROWS = 4  # the floor of the rule (bmm in attention also wants >= 4 rows); the rule where not measured
+# differently, so a row's bits would depend on how many rows share its call. Where the switch lies
+# depends on the CPU and on the weight's memory layout: with the usual [out, in] row-major weight it is
+# 4 rows on an AVX2 machine and 6 to 16 rows (growing with `in`) on an AVX-512 one; with the weight laid
+# out input-major (`in_major`: W.T contiguous, so MKL reads it untransposed) only a 1-row call differs
+# there. The model's matmul weights are laid out input-major (`layout_weights_`, once at load), and
+# every matmul of the forward goes through `linear`, which pads a call of fewer than `min_rows(weight)`
+# rows with zero rows. `min_rows` is measured once per shape and layout in the process (`_calibrate`):
+# the smallest row count from which every probed call gives each row the bits of a PROBE_REF-row call.
+# The runner pads a small microbatch once to the model's largest `min_rows` (`pad_rows`), so that within
+# a step only the sampled rows' logits call may still pad. tests/test_layers.py sweeps the rule.
+MIN_ROWS = 4  # bmm (attention) gives a row the same bits from 4 rows on; also the rule off the CPU
 PROBE_REF, PROBE_MAX = 512, 96
 _exact = True  # the batch-invariance rules of this module are on; `batch_invariant(False)` turns them off
 _min_rows: dict[tuple, int] = {}
@@ -44,27 +46,38 @@ def batch_invariant(enabled: bool):
         _exact = before
 
 
-def _calibrate(in_features: int, out_features: int, dtype: torch.dtype) -> int:
+def in_major(t: torch.Tensor, n_in: int = 1) -> torch.Tensor:
+    """t, same shape and values, laid out with its last `n_in` (input) dims outermost in memory: as a
+    matrix [out, in] its transpose is contiguous. A copy unless t is laid out so already."""
+    d = t.dim()
+    order = [*range(d - n_in, d), *range(d - n_in)]
+    p = t.permute(order)
+    return t if p.is_contiguous() else p.contiguous().permute([order.index(i) for i in range(d)])
+
+
+def _calibrate(in_features: int, out_features: int, dtype: torch.dtype, input_major: bool) -> int:
     """The smallest row count m such that calls of every probed size >= m (1..PROBE_MAX, and a few up to
     PROBE_REF) give each row the same bits as one call of PROBE_REF rows, for a random weight of this
-    shape (kernel choice depends on shapes and threads, not on values)."""
+    shape and layout (kernel choice depends on shapes, layout and threads, not on values)."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(out_features, in_features, generator=g).to(dtype)
+    w = in_major(w) if input_major else w
     x = torch.randn(PROBE_REF, in_features, generator=g).to(dtype)
     with torch.no_grad():
         full = F.linear(x, w)
         sizes = [*range(1, PROBE_MAX + 1), 127, 128, 129, 255, 256, 257, PROBE_REF - 1]
         bad = [n for n in sizes if not torch.equal(F.linear(x[:n], w), full[:n])]
-    return max(MIN_ROWS, bad[-1] + 1 if bad else 1)
+    return bad[-1] + 1 if bad else 1
 
 
 def min_rows(weight: torch.Tensor) -> int:
     """Rows a call of `linear` with this weight is padded to (rule above); measured once per shape on CPU."""
     if weight.device.type != "cpu":
         return MIN_ROWS
-    key = (weight.shape[1], weight.shape[0], weight.dtype, torch.get_num_threads())
+    input_major = weight.stride(0) == 1 and weight.shape[0] > 1
+    key = (weight.shape[1], weight.shape[0], weight.dtype, input_major, torch.get_num_threads())
     if key not in _min_rows:
-        _min_rows[key] = _calibrate(weight.shape[1], weight.shape[0], weight.dtype)
+        _min_rows[key] = _calibrate(weight.shape[1], weight.shape[0], weight.dtype, input_major)
     return _min_rows[key]
 
 
@@ -80,8 +93,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 
 
+def _matmul_params(module: nn.Module):
+    """(module, parameter name, input dims) of every weight `linear` multiplies by in `module`."""
+    for m in module.modules():
+        if isinstance(m, Linear):
+            yield m, "weight", 1
+        elif isinstance(m, MLP):
+            yield m, "gate_up", 1
+        elif isinstance(m, MoE):
+            yield m, "w_in", 1
+            yield m, "w_out", 2
+
+
+def layout_weights_(module: nn.Module) -> nn.Module:
+    """Lay out every matmul weight of `module` input-major in place (rule above); returns `module`."""
+    for m, name, n_in in _matmul_params(module):
+        p = getattr(m, name)
+        if p.device.type != "meta":
+            p.data = in_major(p.data, n_in)
+    return module
+
+
 def matmul_weights(module: nn.Module) -> list[torch.Tensor]:
-    """The 2-D weights that `linear` multiplies by in `module`'s forward (fused ones as used)."""
+    """The 2-D weights that `linear` multiplies by in `module`'s forward, as it views them."""
     out = []
     for m in module.modules():
         if isinstance(m, Linear):
@@ -107,9 +141,11 @@ VEC_PAD = 64
 
 
 def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
-    """fn(x) for an elementwise fn, computed on the vectorised path for every element (rule above)."""
+    """fn(x) for an elementwise fn, computed on the vectorised path for every element (rule above). An
+    input whose contiguous innermost dim is a multiple of VEC_PAD (a column slice of a fused matmul's
+    output) is already all whole vectors: torch loops over its rows."""
     n = x.numel()
-    if not _exact or (n % VEC_PAD == 0 and x.is_contiguous()):
+    if not _exact or (n % VEC_PAD == 0 and x.is_contiguous()) or (x.stride(-1) == 1 and x.shape[-1] % VEC_PAD == 0):
         return fn(x)
     return fn(F.pad(x.reshape(-1), (0, (-n) % VEC_PAD)))[:n].view(x.shape)
 

@@ -93,7 +93,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 
 
-def _matmul_params(module: nn.Module):
+def matmul_params(module: nn.Module):
     """(module, parameter name, input dims) of every weight `linear` multiplies by in `module`."""
     for m in module.modules():
         if isinstance(m, Linear):
@@ -107,7 +107,7 @@ def _matmul_params(module: nn.Module):
 
 def layout_weights_(module: nn.Module) -> nn.Module:
     """Lay out every matmul weight of `module` input-major in place (rule above); returns `module`."""
-    for m, name, n_in in _matmul_params(module):
+    for m, name, n_in in matmul_params(module):
         p = getattr(m, name)
         if p.device.type != "meta":
             p.data = in_major(p.data, n_in)

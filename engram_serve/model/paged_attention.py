@@ -136,24 +136,27 @@ def _softmax_parts(s: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor
     return m, p, p.sum(-1)
 
 
-def _pair_queries(grp: Group, q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[P, W, kvh, g, hd]: each pair's queries (zero rows for empty slots)."""
+def _head_batched_queries(grp: Group, q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[P * kvh, W * g, hd]: each (pair, KV head)'s queries, one bmm item each (zero rows for empty slots)."""
     t, heads, hd = q.shape
-    qz = torch.cat([q, q.new_zeros(1, heads, hd)])
     p_, w = grp.query.shape
-    return qz.index_select(0, grp.query.view(-1)).view(p_, w, kv_heads, heads // kv_heads, hd)
+    qz = torch.cat([q, q.new_zeros(1, heads, hd)]).index_select(0, grp.query.view(-1))  # [P*W, heads, hd]
+    return qz.view(p_, w, kv_heads, heads // kv_heads, hd).transpose(1, 2).reshape(p_ * kv_heads, -1, hd)
 
 
-def _head_scores(qg: torch.Tensor, k: torch.Tensor, j: int) -> torch.Tensor:
-    """[P, W*g, KC] scores of KV head j: queries [P, W, kvh, g, hd] against keys [P, KC, kvh, hd]."""
-    p_, w, _, g, hd = qg.shape
-    return torch.bmm(qg[:, :, j].reshape(p_, w * g, hd), k[:, :, j].transpose(1, 2))
-
-
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """[P, KC, kvh, hd] keys or values at slots [P, KC] of a pool [slots, kvh, hd] (a 2-D row gather)."""
+def _head_batched(cache: torch.Tensor, slots: torch.Tensor, keys: bool) -> torch.Tensor:
+    """The chunk of each pair at slots [P, KC] of a pool [slots, kvh, hd], one bmm item per (pair, KV head):
+    keys as [P * kvh, hd, KC], values as [P * kvh, KC, hd] (contiguous: one fixed operand layout)."""
     n, kvh, hd = cache.shape
-    return cache.view(n, kvh * hd).index_select(0, slots.view(-1)).view(*slots.shape, kvh, hd)
+    x = cache.view(n, kvh * hd).index_select(0, slots.view(-1)).view(*slots.shape, kvh, hd)  # [P, KC, kvh, hd]
+    x = x.permute(0, 2, 3, 1) if keys else x.transpose(1, 2)
+    return x.reshape(-1, *x.shape[2:])
+
+
+def _per_query(x: torch.Tensor, p_: int, kvh: int, w: int) -> torch.Tensor:
+    """[P * kvh, W * g, ...] (a result per bmm item row) -> [P * W, heads, ...] (per query slot)."""
+    x = x.view(p_, kvh, w, -1, *x.shape[2:]).transpose(1, 2)
+    return x.reshape(p_ * w, -1, *x.shape[4:])
 
 
 def attend_full(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -171,21 +174,21 @@ def attend_full(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_c
     if any(guarded):  # [T + 1] this step's tokens whose new value is not finite (the extra entry: none)
         bad_tok = torch.cat([~torch.isfinite(v_new).view(t, -1).all(-1), v_new.new_zeros(1, dtype=torch.bool)])
     toks, ms, ls, os_, flags = [], [], [], [], []
+    qs = q * (1.0 / math.sqrt(hd))
     for grp, guard in zip(plan.groups, guarded):
         p_, w = grp.query.shape
-        k, v = _gather(k_cache, grp.slots), _gather(v_cache, grp.slots)
+        k, v = _head_batched(k_cache, grp.slots, True), _head_batched(v_cache, grp.slots, False)
         if guard:  # a non-finite key of this step, masked for the row's earlier queries: never 0 * NaN
             bad = bad_tok[grp.fresh_tok]  # [P, KC]
-            v = v.masked_fill(bad[:, :, None, None], 0.0)
+            v = v.view(p_, kvh, KC, hd).masked_fill(bad[:, None, :, None], 0.0).view(p_ * kvh, KC, hd)
             flags.append((grp.visible & bad[:, None, :]).any(-1).view(-1))
-        qg = _pair_queries(grp, q * (1.0 / math.sqrt(hd)), kvh)
-        vis = grp.visible[:, :, None, :].expand(p_, w, g, KC).reshape(p_, w * g, KC)
-        parts = [_softmax_parts(_head_scores(qg, k, j), vis) for j in range(kvh)]
+        qg = _head_batched_queries(grp, qs, kvh)  # [P*kvh, W*g, hd]
+        vis = grp.visible[:, None, :, None, :].expand(p_, kvh, w, g, KC).reshape(p_ * kvh, w * g, KC)
+        m, pr, l = _softmax_parts(torch.bmm(qg, k), vis)
         toks.append(grp.query.view(-1))
-        ms.append(torch.stack([m.view(p_, w, g) for m, _, _ in parts], 2).view(p_ * w, heads))
-        ls.append(torch.stack([s.view(p_, w, g) for _, _, s in parts], 2).view(p_ * w, heads))
-        os_.append(torch.stack([torch.bmm(pr, v[:, :, j]).view(p_, w, g, hd) for j, (_, pr, _) in enumerate(parts)],
-                               2).view(p_ * w, heads, hd))
+        ms.append(_per_query(m, p_, kvh, w))  # [P*W, heads]
+        ls.append(_per_query(l, p_, kvh, w))
+        os_.append(_per_query(torch.bmm(pr, v), p_, kvh, w))  # [P*W, heads, hd]
     tok, m, l, o = torch.cat(toks), torch.cat(ms), torch.cat(ls), torch.cat(os_)
     big = torch.full((t + 1, heads), NEG_INF, dtype=m.dtype, device=m.device)
     big = big.scatter_reduce_(0, tok[:, None].expand_as(m), m, "amax")
@@ -215,10 +218,8 @@ def select_keys(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, top
     tops, poss, qids = [], [], []
     for grp in plan.groups:
         p_, w = grp.query.shape
-        k = _gather(k_cache, grp.slots)
-        qg = _pair_queries(grp, q, kvh)
-        raw = torch.stack([_head_scores(qg, k, j).view(p_, w, g, KC) for j in range(kvh)], 2)  # [P, W, kvh, g, KC]
-        score = raw.view(p_, w, heads, KC).sum(2)
+        raw = torch.bmm(_head_batched_queries(grp, q, kvh), _head_batched(k_cache, grp.slots, True))
+        score = _per_query(raw, p_, kvh, w).view(p_, w, heads, KC).sum(2)  # heads summed in head order
         score = score / heads if head_mean is None else head_mean(score)
         score = score.masked_fill(~grp.visible, NEG_INF)  # [P, W, KC]
         top, order = score.sort(dim=-1, descending=True, stable=True)  # ties: lower position first
@@ -253,11 +254,9 @@ def attend_selected(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor,
     blk = tables[plan.tok_row[:, None], (sel.clamp(min=0) // bs).clamp(max=tables.shape[1] - 1)]
     ok = (sel >= 0) & (blk >= 0)  # [T, topk]
     slots = torch.where(ok, blk * bs + sel % bs, torch.full_like(sel, plan.zero_slot))
-    k, v = _gather(k_cache, slots.view(t, topk)), _gather(v_cache, slots.view(t, topk))
-    qg = (q * (1.0 / math.sqrt(hd))).view(t, kvh, g, hd)
-    vis = ok[:, None, :].expand(t, g, topk)
-    outs = []
-    for j in range(kvh):
-        _, p, l = _softmax_parts(torch.bmm(qg[:, j].contiguous(), k[:, :, j].transpose(1, 2)), vis)
-        outs.append(torch.where(l[..., None] == 0, 0.0, torch.bmm(p, v[:, :, j]) / l[..., None]))  # [T, g, hd]
-    return torch.stack(outs, 1).reshape(t, heads * hd)
+    k, v = _head_batched(k_cache, slots, True), _head_batched(v_cache, slots, False)  # one item per (token, KV head)
+    qg = (q * (1.0 / math.sqrt(hd))).view(t * kvh, g, hd)
+    vis = ok[:, None, None, :].expand(t, kvh, g, topk).reshape(t * kvh, g, topk)
+    _, p, l = _softmax_parts(torch.bmm(qg, k), vis)
+    out = torch.where(l[..., None] == 0, 0.0, torch.bmm(p, v) / l[..., None])  # [T*kvh, g, hd]
+    return out.view(t, heads * hd)

@@ -10,7 +10,7 @@ layer reuses it. Layout, and the batch-invariance rules it follows (spec §9):
     q_len * k_len, plus at most KC - 1 keys and a doubling of query slots of padding per row.
     Rows never pad to the step's longest query or context.
   * Groups. Pairs are grouped by width (the row's query count rounded up to a power of two, at
-    least MIN_ROWS / g so that a bmm has >= MIN_ROWS rows), one bmm per group and KV head:
+    least MIN_ROWS / g so that a bmm has >= MIN_ROWS rows), one bmm per group, an item per (KV head, pair):
     scores = [W*g, hd] @ [hd, KC], the chunk max, exp, the sum over KC, then [W*g, KC] @ [KC, hd].
     CPU bmm gives a row the same bits whatever the number of items, the rows' count (>= 4) or the
     row's place (tested), and every call hands it one fixed layout (queries contiguous, keys and
@@ -137,36 +137,34 @@ def _softmax_parts(s: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor
 
 
 def _head_batched_queries(grp: Group, q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[P * kvh, W * g, hd]: each (pair, KV head)'s queries, one bmm item each (zero rows for empty slots)."""
+    """[kvh * P, W * g, hd]: each (KV head, pair)'s queries, one bmm item each (zero rows for empty slots)."""
     t, heads, hd = q.shape
     p_, w = grp.query.shape
     qz = torch.cat([q, q.new_zeros(1, heads, hd)]).index_select(0, grp.query.view(-1))  # [P*W, heads, hd]
-    return qz.view(p_, w, kv_heads, heads // kv_heads, hd).transpose(1, 2).reshape(p_ * kv_heads, -1, hd)
+    return qz.view(p_, w, kv_heads, heads // kv_heads, hd).permute(2, 0, 1, 3, 4).reshape(kv_heads * p_, -1, hd)
 
 
-def _head_batched(cache: torch.Tensor, slots: torch.Tensor, keys: bool) -> torch.Tensor:
-    """The chunk of each pair at slots [P, KC] of a pool [slots, kvh, hd], one bmm item per (pair, KV head):
-    keys as [P * kvh, hd, KC], values as [P * kvh, KC, hd] (contiguous: one fixed operand layout)."""
-    n, kvh, hd = cache.shape
-    x = cache.view(n, kvh * hd).index_select(0, slots.view(-1)).view(*slots.shape, kvh, hd)  # [P, KC, kvh, hd]
-    x = x.permute(0, 2, 3, 1) if keys else x.transpose(1, 2)
-    return x.reshape(-1, *x.shape[2:])
+def _head_batched(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[kvh * P, K, hd]: the keys or values at slots [P, K] of a pool [kvh, slots, hd], one bmm item per
+    (KV head, pair), in one contiguous layout straight from the gather."""
+    kvh, _, hd = cache.shape
+    return cache.index_select(1, slots.view(-1)).view(kvh * slots.shape[0], slots.shape[1], hd)
 
 
 def _per_query(x: torch.Tensor, p_: int, kvh: int, w: int) -> torch.Tensor:
-    """[P * kvh, W * g, ...] (a result per bmm item row) -> [P * W, heads, ...] (per query slot)."""
-    x = x.view(p_, kvh, w, -1, *x.shape[2:]).transpose(1, 2)
+    """[kvh * P, W * g, ...] (a result per bmm item row) -> [P * W, heads, ...] (per query slot)."""
+    x = x.view(kvh, p_, w, -1, *x.shape[2:]).permute(1, 2, 0, 3, *range(4, x.dim() + 2))
     return x.reshape(p_ * w, -1, *x.shape[4:])
 
 
 def attend_full(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 v_new: torch.Tensor | None) -> torch.Tensor:
-    """Causal attention of q [T, heads, hd] over one layer's pools k_cache, v_cache [slots, kvh, hd];
+    """Causal attention of q [T, heads, hd] over one layer's pools k_cache, v_cache [kvh, slots, hd];
     v_new [T, kvh, hd] are this step's values, checked for non-finite ones only where a row holds
     several queries (None skips the guard: the negative control of the isolation tests).
     Returns [T, heads*hd] (0 for padding tokens)."""
     t, heads, hd = q.shape
-    kvh = k_cache.shape[1]
+    kvh = k_cache.shape[0]
     g = heads // kvh
     if not plan.groups:  # padding only
         return q.new_zeros(t, heads * hd)
@@ -177,14 +175,14 @@ def attend_full(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_c
     qs = q * (1.0 / math.sqrt(hd))
     for grp, guard in zip(plan.groups, guarded):
         p_, w = grp.query.shape
-        k, v = _head_batched(k_cache, grp.slots, True), _head_batched(v_cache, grp.slots, False)
+        k, v = _head_batched(k_cache, grp.slots), _head_batched(v_cache, grp.slots)  # [kvh*P, KC, hd]
         if guard:  # a non-finite key of this step, masked for the row's earlier queries: never 0 * NaN
             bad = bad_tok[grp.fresh_tok]  # [P, KC]
-            v = v.view(p_, kvh, KC, hd).masked_fill(bad[:, None, :, None], 0.0).view(p_ * kvh, KC, hd)
+            v = v.view(kvh, p_, KC, hd).masked_fill(bad[None, :, :, None], 0.0).view(kvh * p_, KC, hd)
             flags.append((grp.visible & bad[:, None, :]).any(-1).view(-1))
-        qg = _head_batched_queries(grp, qs, kvh)  # [P*kvh, W*g, hd]
-        vis = grp.visible[:, None, :, None, :].expand(p_, kvh, w, g, KC).reshape(p_ * kvh, w * g, KC)
-        m, pr, l = _softmax_parts(torch.bmm(qg, k), vis)
+        qg = _head_batched_queries(grp, qs, kvh)  # [kvh*P, W*g, hd]
+        vis = grp.visible[None, :, :, None, :].expand(kvh, p_, w, g, KC).reshape(kvh * p_, w * g, KC)
+        m, pr, l = _softmax_parts(torch.bmm(qg, k.transpose(1, 2)), vis)
         toks.append(grp.query.view(-1))
         ms.append(_per_query(m, p_, kvh, w))  # [P*W, heads]
         ls.append(_per_query(l, p_, kvh, w))
@@ -210,7 +208,7 @@ def select_keys(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, top
     (tensor parallel): turns this rank's sum over its own heads into the mean over every rank's heads
     (an elementwise cross-rank sum, one per group: the plan is the same on every rank)."""
     t, heads, hd = q.shape
-    kvh = k_cache.shape[1]
+    kvh = k_cache.shape[0]
     g = heads // kvh
     kk = min(topk, KC)  # a query's best keys are among its chunks' best
     if not plan.groups:  # padding only
@@ -218,7 +216,7 @@ def select_keys(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, top
     tops, poss, qids = [], [], []
     for grp in plan.groups:
         p_, w = grp.query.shape
-        raw = torch.bmm(_head_batched_queries(grp, q, kvh), _head_batched(k_cache, grp.slots, True))
+        raw = torch.bmm(_head_batched_queries(grp, q, kvh), _head_batched(k_cache, grp.slots).transpose(1, 2))
         score = _per_query(raw, p_, kvh, w).view(p_, w, heads, KC).sum(2)  # heads summed in head order
         score = score / heads if head_mean is None else head_mean(score)
         score = score.masked_fill(~grp.visible, NEG_INF)  # [P, W, KC]
@@ -246,17 +244,17 @@ def select_keys(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, top
 def attend_selected(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     sel: torch.Tensor) -> torch.Tensor:
     """Attention of each query only to its selected key positions sel [T, topk] (-1 = none), over one
-    layer's pools [slots, kvh, hd]. Returns [T, heads*hd]."""
+    layer's pools [kvh, slots, hd]. Returns [T, heads*hd]."""
     t, heads, hd = q.shape
-    kvh, topk = k_cache.shape[1], sel.shape[1]
+    kvh, topk = k_cache.shape[0], sel.shape[1]
     g = heads // kvh
     bs, tables = plan.block_size, plan.block_tables
     blk = tables[plan.tok_row[:, None], (sel.clamp(min=0) // bs).clamp(max=tables.shape[1] - 1)]
     ok = (sel >= 0) & (blk >= 0)  # [T, topk]
     slots = torch.where(ok, blk * bs + sel % bs, torch.full_like(sel, plan.zero_slot))
-    k, v = _head_batched(k_cache, slots, True), _head_batched(v_cache, slots, False)  # one item per (token, KV head)
-    qg = (q * (1.0 / math.sqrt(hd))).view(t * kvh, g, hd)
-    vis = ok[:, None, None, :].expand(t, kvh, g, topk).reshape(t * kvh, g, topk)
-    _, p, l = _softmax_parts(torch.bmm(qg, k), vis)
-    out = torch.where(l[..., None] == 0, 0.0, torch.bmm(p, v) / l[..., None])  # [T*kvh, g, hd]
-    return out.view(t, heads * hd)
+    k, v = _head_batched(k_cache, slots), _head_batched(v_cache, slots)  # [kvh*T, topk, hd]
+    qg = (q * (1.0 / math.sqrt(hd))).view(t, kvh, g, hd).transpose(0, 1).reshape(kvh * t, g, hd)
+    vis = ok[None, :, None, :].expand(kvh, t, g, topk).reshape(kvh * t, g, topk)
+    _, p, l = _softmax_parts(torch.bmm(qg, k.transpose(1, 2)), vis)
+    out = torch.where(l[..., None] == 0, 0.0, torch.bmm(p, v) / l[..., None])  # [kvh*T, g, hd]
+    return out.view(kvh, t, g, hd).transpose(0, 1).reshape(t, heads * hd)

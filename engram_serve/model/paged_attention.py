@@ -10,11 +10,12 @@ layer reuses it. Layout, and the batch-invariance rules it follows (spec §9):
     q_len * k_len, plus at most KC - 1 keys and a doubling of query slots of padding per row.
     Rows never pad to the step's longest query or context.
   * Groups. Pairs are grouped by width (the row's query count rounded up to a power of two, at
-    least MIN_ROWS / g so that a bmm has >= MIN_ROWS rows), one bmm per group, an item per (KV head, pair):
-    scores = [W*g, hd] @ [hd, KC], the chunk max, exp, the sum over KC, then [W*g, KC] @ [KC, hd].
-    CPU bmm gives a row the same bits whatever the number of items, the rows' count (>= 4) or the
-    row's place (tested), and every call hands it one fixed layout (queries contiguous, keys and
-    values as strided views of the gathered chunk), so a query's per-chunk bits are fixed.
+    least `attention_min_rows` / g), one bmm per group, an item per (KV head, pair): scores =
+    [W*g, hd] @ [hd, KC], the chunk max, exp, the sum over KC, then [W*g, KC] @ [KC, hd]. CPU bmm
+    gives a row the same bits whatever the number of items and the row's place, and whatever the
+    rows' count from a threshold on (measured per CPU: 2 on an AVX-512 Xeon); every call hands it
+    one fixed layout (queries contiguous, keys and values contiguous per item, straight from the
+    head-major KV pool), so a query's per-chunk bits are fixed.
   * Chunks combine per query in chunk order: `index_add_` on CPU adds its sources in index order,
     so a query's result is a fold over its own chunks only, whatever else is in the step.
   * Isolation. A pair reads its row's keys only through the row's block table and only at positions
@@ -39,9 +40,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .layers import MIN_ROWS, bmm_min_rows
+
 
 KC = 64  # key chunk: positions per chunk
 NEG_INF = float("-inf")
+
+
+def attention_min_rows(kv) -> int:
+    """Rows (queries x heads per KV head) a pair's bmm calls need for a row's bits not to depend on them:
+    the scores [rows, hd] @ [hd, KC] (keys transposed) and the values [rows, KC] @ [KC, hd], measured on
+    this CPU (model/layers.py); MIN_ROWS off the CPU."""
+    if kv.device.type != "cpu":
+        return MIN_ROWS
+    return max(bmm_min_rows(kv.head_dim, KC, True, kv.dtype), bmm_min_rows(KC, kv.head_dim, False, kv.dtype))
 
 
 @dataclass

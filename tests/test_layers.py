@@ -149,3 +149,16 @@ def test_gate_rows_differ_without_the_pointwise_rule():
     assert mismatches() == 0
     with layers.batch_invariant(False):
         assert mismatches() > 0
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("k,n", [(32, 64), (64, 32), (16, 64)])
+def test_measured_bmm_rule_holds_for_other_values(k, n, transposed):
+    """`bmm_min_rows` is measured on random probes; on other values, every row count from it on gives
+    a row the bits it has in a 300-row call (the rule the attention's query widths rely on)."""
+    g = torch.Generator().manual_seed(7)
+    m = layers.bmm_min_rows(k, n, transposed)
+    b = torch.randn(1, n, k, generator=g).transpose(1, 2) if transposed else torch.randn(1, k, n, generator=g)
+    a = torch.randn(1, 300, k, generator=g)
+    full = torch.bmm(a, b)
+    assert all(torch.equal(torch.bmm(a[:, :r].contiguous(), b), full[:, :r]) for r in range(m, 80))

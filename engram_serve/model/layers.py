@@ -24,11 +24,12 @@ from .context import MOE_COMBINE, MOE_DISPATCH, ForwardContext
 # out input-major (`in_major`: W.T contiguous, so MKL reads it untransposed) only a 1-row call differs
 # there. The model's matmul weights are laid out input-major (`layout_weights_`, once at load), and
 # every matmul of the forward goes through `linear`, which pads a call of fewer than `min_rows(weight)`
-# rows with zero rows. `min_rows` is measured once per shape and layout in the process (`_calibrate`):
-# the smallest row count from which every probed call gives each row the bits of a PROBE_REF-row call.
+# rows with zero rows. `min_rows` is measured once per shape and layout in the process
+# (`first_invariant_rows`): the smallest row count from which every probed call gives each row the bits
+# of a PROBE_REF-row call. The attention's bmm calls get the same treatment (`bmm_min_rows`).
 # The runner pads a small microbatch once to the model's largest `min_rows` (`pad_rows`), so that within
 # a step only the sampled rows' logits call may still pad. tests/test_layers.py sweeps the rule.
-MIN_ROWS = 4  # bmm (attention) gives a row the same bits from 4 rows on; also the rule off the CPU
+MIN_ROWS = 4  # the rule off the CPU (not measured there)
 PROBE_REF, PROBE_MAX = 512, 96
 _exact = True  # the batch-invariance rules of this module are on; `batch_invariant(False)` turns them off
 _min_rows: dict[tuple, int] = {}
@@ -55,29 +56,43 @@ def in_major(t: torch.Tensor, n_in: int = 1) -> torch.Tensor:
     return t if p.is_contiguous() else p.contiguous().permute([order.index(i) for i in range(d)])
 
 
-def _calibrate(in_features: int, out_features: int, dtype: torch.dtype, input_major: bool) -> int:
-    """The smallest row count m such that calls of every probed size >= m (1..PROBE_MAX, and a few up to
-    PROBE_REF) give each row the same bits as one call of PROBE_REF rows, for a random weight of this
-    shape and layout (kernel choice depends on shapes, layout and threads, not on values)."""
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(out_features, in_features, generator=g).to(dtype)
-    w = in_major(w) if input_major else w
-    x = torch.randn(PROBE_REF, in_features, generator=g).to(dtype)
+def first_invariant_rows(fn, rows: torch.Tensor) -> int:
+    """The smallest row count m such that fn over the first n rows, for every probed n >= m (1..PROBE_MAX,
+    and a few up to PROBE_REF), gives each row the bits of fn over all PROBE_REF `rows`."""
     with torch.no_grad():
-        full = F.linear(x, w)
+        full = fn(rows)
         sizes = [*range(1, PROBE_MAX + 1), 127, 128, 129, 255, 256, 257, PROBE_REF - 1]
-        bad = [n for n in sizes if not torch.equal(F.linear(x[:n], w), full[:n])]
+        bad = [n for n in sizes if not torch.equal(fn(rows[:n]), full[:n])]
     return bad[-1] + 1 if bad else 1
 
 
+def _probe(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
 def min_rows(weight: torch.Tensor) -> int:
-    """Rows a call of `linear` with this weight is padded to (rule above); measured once per shape on CPU."""
+    """Rows a call of `linear` with this weight is padded to (rule above), measured once per shape and
+    layout (kernel choice depends on shapes, layout and threads, not on values)."""
     if weight.device.type != "cpu":
         return MIN_ROWS
-    input_major = weight.stride(0) == 1 and weight.shape[0] > 1
-    key = (weight.shape[1], weight.shape[0], weight.dtype, input_major, torch.get_num_threads())
+    out_f, in_f = weight.shape
+    input_major = weight.stride(0) == 1 and out_f > 1
+    key = ("linear", in_f, out_f, weight.dtype, input_major, torch.get_num_threads())
     if key not in _min_rows:
-        _min_rows[key] = _calibrate(weight.shape[1], weight.shape[0], weight.dtype, input_major)
+        w = _probe(out_f, in_f, dtype=weight.dtype)
+        w = in_major(w) if input_major else w
+        _min_rows[key] = first_invariant_rows(lambda x: F.linear(x, w), _probe(PROBE_REF, in_f, dtype=weight.dtype, seed=1))
+    return _min_rows[key]
+
+
+def bmm_min_rows(k: int, n: int, transposed: bool, dtype: torch.dtype = torch.float32) -> int:
+    """Rows from which torch.bmm gives an item's row the same bits whatever the item's row count, for items
+    [rows, k] @ [k, n] with the right operand contiguous, or the transpose of a contiguous [n, k] (measured
+    once per shape on this CPU, like `min_rows`)."""
+    key = ("bmm", k, n, transposed, dtype, torch.get_num_threads())
+    if key not in _min_rows:
+        b = _probe(1, n, k, dtype=dtype).transpose(1, 2) if transposed else _probe(1, k, n, dtype=dtype)
+        _min_rows[key] = first_invariant_rows(lambda a: torch.bmm(a[None], b)[0], _probe(PROBE_REF, k, dtype=dtype, seed=1))
     return _min_rows[key]
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..errors import EngramServeError
+from .collectives import sum_now
 from .group import ParallelError, ParallelGroup, free_port
 from .runner import ParallelModelRunner, unpack_batch
 
@@ -117,7 +118,8 @@ def bind_cpus(group: ParallelGroup, cores: list[int], bind: bool = True) -> list
     thread; threads started later inherit it) to the rank's own share of `cores` (rank 0's cores
     before any binding; the workers it spawned inherit them): rank r of N gets
     cores[r*C/N : (r+1)*C/N]. `bind=False` gives all of `cores` back. Called on every rank through
-    TPCluster.call_all by `bench step --tensor-parallel-size`; returns this rank's cores.
+    TPCluster.call_all by `bench step --tensor-parallel-size`; returns this rank's cores once every
+    rank has applied its own (a cross-rank sum at the end).
 
     Why: unpinned, N ranks and their communication threads migrate between the same few cores, and a
     rank preempted by its peer's thread leaves the other rank waiting inside a collective."""
@@ -130,6 +132,7 @@ def bind_cpus(group: ParallelGroup, cores: list[int], bind: bool = True) -> list
             os.sched_setaffinity(int(tid), mine)
         except (ProcessLookupError, PermissionError):  # a thread that just ended
             pass
+    sum_now(group, torch.zeros(1), "bind_cpus")
     return mine
 
 

@@ -19,7 +19,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..errors import StaticBufferError
 from .context import ForwardContext
-from .layers import Linear, apply_rotary
+from .layers import Linear, _fuse_on_load, _split_on_save, apply_rotary
 from .paged_attention import AttentionPlan, attend_full, attend_selected, attention_min_rows, select_keys
 
 FULL, SELECT, REUSE = "full", "select", "reuse"
@@ -102,19 +102,27 @@ class PagedAttention:
 
 
 class Attention(nn.Module):
+    """Grouped-query attention with q, k and v as ONE matmul: `qkv_proj` stacks the q, k and v
+    projections by output. Checkpoints keep `q_proj.weight`, `k_proj.weight` and `v_proj.weight`: they
+    are stacked when loading and split again by `state_dict()`."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, self.heads * self.head_dim)
-        self.k_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim)
-        self.v_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim)
+        self.qkv_proj = Linear(cfg.hidden_size, (self.heads + 2 * self.kv_heads) * self.head_dim)
         self.o_proj = Linear(self.heads * self.head_dim, cfg.hidden_size)
         self.head_mean = None  # tensor parallel: set by parallel.shard (q.k mean over every rank's heads)
+        names = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
+        self.register_load_state_dict_pre_hook(_fuse_on_load({"qkv_proj.weight": (names, lambda *w: torch.cat(w))}))
+        self.register_state_dict_post_hook(_split_on_save({"qkv_proj.weight": (names, self.split_qkv)}))
+
+    def split_qkv(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The q, k and v parts (by output rows) of a [(heads + 2 kv_heads) * head_dim, ...] tensor."""
+        return w.split([self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend, layer: int,
                 mode: str = FULL, topk: int = 0) -> torch.Tensor:
-        n = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
-        return self.o_proj(backend.attend(layer, q, k, v, mode, topk, self.head_mean))
+        n, h, kvh = x.shape[0], self.heads, self.kv_heads
+        qkv = self.qkv_proj(x).view(n, h + 2 * kvh, self.head_dim)
+        qk = apply_rotary(qkv[:, :h + kvh], cos, sin)  # q and k heads rotated in one pass
+        return self.o_proj(backend.attend(layer, qk[:, :h], qk[:, h:], qkv[:, h + kvh:], mode, topk, self.head_mean))

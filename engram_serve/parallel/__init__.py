@@ -3,7 +3,7 @@
     group.py        the process group of one tensor-parallel model: rendezvous, timeouts, broadcasts
     collectives.py  the deterministic cross-rank sum (all-gather, then a rank-ordered sum) and its
                     asynchronous form, whose buffer belongs to the launching microbatch until awaited
-    layers.py       Megatron-style ColumnParallelLinear / RowParallelLinear, expert-parallel MoE
+    layers.py       Megatron-style column-parallel q/k/v and MLP, RowParallelLinear, expert-parallel MoE
     tables.py       row-sharded Engram tables (each rank gathers only the rows it owns)
     shard.py        `shard_model`: module replacement of a loaded model for rank r of N
     runner.py       the tensor-parallel model runner (rank 0 broadcasts each step's host arrays)

@@ -26,15 +26,16 @@ def _split(n: int, world: int, rank: int, what: str) -> tuple[int, int]:
     return rank * part, (rank + 1) * part
 
 
-class ColumnParallelLinear(Linear):
-    """y = x @ W[lo:hi].T: the OUTPUT dimension is split (rank r holds output rows [lo, hi)).
-    The input is replicated; no collective follows: each rank's output slice is consumed locally
-    (its own attention heads, or the input slice of the RowParallelLinear that comes next)."""
-
-    def __init__(self, full: nn.Linear, rank: int, world: int):
-        lo, hi = _split(full.out_features, world, rank, "out_features")
-        super().__init__(full.in_features, hi - lo)
-        self.weight = nn.Parameter(full.weight.detach()[lo:hi].clone(), requires_grad=False)
+def column_parallel_qkv(attn, rank: int, world: int) -> None:
+    """Split an attention's fused q/k/v projection by heads in place: rank r keeps its slice of the q
+    heads, of the kv heads and of the v heads (each GQA group stays on one rank), fused again."""
+    parts = []
+    for w, what in zip(attn.split_qkv(attn.qkv_proj.weight.detach()), ("q heads", "kv heads", "kv heads")):
+        lo, hi = _split(w.shape[0], world, rank, what)
+        parts.append(w[lo:hi])
+    attn.qkv_proj = Linear(attn.qkv_proj.in_features, sum(p.shape[0] for p in parts))
+    attn.qkv_proj.weight = nn.Parameter(torch.cat(parts), requires_grad=False)
+    attn.heads, attn.kv_heads = attn.heads // world, attn.kv_heads // world
 
 
 def column_parallel_mlp(mlp, rank: int, world: int) -> None:

@@ -1,7 +1,7 @@
 """`shard_model`: turn a loaded (unsharded) model into rank r's shard of an N-way tensor-parallel model
 by module replacement. The model code is untouched and reads the same at any parallel size:
 
-    attention   q_proj, k_proj, v_proj -> ColumnParallelLinear (heads split: rank r has heads
+    attention   the fused q/k/v projection split by heads (column parallel: rank r has heads
                 [r*H/N, (r+1)*H/N) and kv heads [r*KV/N, ...), so each GQA group stays on one rank);
                 o_proj -> RowParallelLinear (cross-rank sum); heads / kv_heads set to the local counts;
                 index-selecting layers get a head_mean hook (q.k averaged over every rank's heads)
@@ -19,8 +19,8 @@ import dataclasses
 from ..model.layers import MoE, layout_weights_
 from ..model.loader import LoadedModel
 from .group import ParallelGroup
-from .layers import (ColumnParallelLinear, ExpertParallelMoE, PartialInputLinear, RowParallelLinear,
-                     column_parallel_mlp, head_mean_hook)
+from .layers import (ExpertParallelMoE, PartialInputLinear, RowParallelLinear, column_parallel_mlp,
+                     column_parallel_qkv, head_mean_hook)
 from .tables import ShardedEngramTables
 
 
@@ -42,11 +42,8 @@ def shard_model(loaded: LoadedModel, group: ParallelGroup, pin_tables: bool | No
     model = loaded.model
     for layer in model.layers:
         at = layer.attn
-        at.q_proj = ColumnParallelLinear(at.q_proj, rank, world)
-        at.k_proj = ColumnParallelLinear(at.k_proj, rank, world)
-        at.v_proj = ColumnParallelLinear(at.v_proj, rank, world)
+        column_parallel_qkv(at, rank, world)
         at.o_proj = RowParallelLinear(at.o_proj, group, f"layer{layer.layer_id}.attn")
-        at.heads, at.kv_heads = at.heads // world, at.kv_heads // world
         if layer.layer_id in cfg.index_layer_ids:
             at.head_mean = head_mean_hook(group, cfg.num_attention_heads)
         if isinstance(layer.mlp, MoE):

@@ -209,9 +209,11 @@ def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tupl
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rotary on x [N, heads, head_dim] with `rotary_cos_sin`'s tables:
-    x * cos + roll(x, half) * sin == (x1 cos - x2 sin, x2 cos + x1 sin), bit for bit (a - b == a + (-b))."""
+    x * cos + swap_halves(x) * sin == (x1 cos - x2 sin, x2 cos + x1 sin), bit for bit (a - b == a + (-b)).
+    The halves are swapped by a flip of a [2, half] view (fewer operators than `roll`, same values)."""
     xf = x if x.dtype == torch.float32 else x.float()
-    out = xf * cos + xf.roll(x.shape[-1] // 2, -1) * sin
+    n, h, d = xf.shape
+    out = xf * cos + xf.reshape(n, h, 2, d // 2).flip(2).view(n, h, d) * sin
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 

@@ -1,0 +1,246 @@
+/* The Engram staging gather (spec §7) for CPU tables: rows of a host table, by id, decoded straight
+ * into the staging buffer in one pass, with the step's repeated ids read and decoded once.
+ *
+ * Plain CPython C API and the buffer protocol only (see _kernel_buffers.h), like _hash_kernel.c.
+ *
+ *   gather_rows(table, scale, ids, out, dedup[, trust_slots]) -> number of rows read from the table
+ *       table  [rows, hd] uint8 (F8_E4M3 bytes) with scale [rows, hd/32] uint8 (F8_E8M0 codes),
+ *              or [rows, hd] float32 with scale None;
+ *       ids    [n] int64, every one in [0, rows) (checked before anything is written: IndexError);
+ *       out    [n, hd] float32, or int16 holding bfloat16 bits; out[i] = the decoded row ids[i];
+ *       dedup  true: each distinct id is read and decoded once (at its first position), its later
+ *              positions copy that staged row; false: every position reads the table.
+ *       trust_slots  tests only (the negative control of the dedup's key check): a filled slot of the
+ *              dedup set is taken for the id without comparing keys. Never passed by staging.py.
+ *   The GIL is released while rows are read (a row of a memory-mapped table may fault in from disk).
+ *
+ * Exactness (bit for bit the plain definition value = e4m3 * 2^(code - 127), rounded once to float32):
+ * the E4M3 byte is first made into its exact float32 value with integer operations, then multiplied
+ * by the float32 2^(code - 127) (exact, a subnormal for code 0; NaN for code 255): one IEEE multiply,
+ * so one rounding of the exact product. E4M3 bits s eeee mmm: for e >= 1 the float32 with sign s,
+ * exponent e + 120 and mantissa mmm is 2^(e-7) (1 + m/8), the E4M3 value. For e = 0 (zero and the
+ * subnormals m/8 * 2^-6) the same construction with exponent 121 gives (1 + m/8) 2^-6, and subtracting
+ * 2^-6 is exact (Sterbenz), so no float32 subnormal is ever an operand (they are slow on x86). The
+ * bytes 0x7f / 0xff are NaN. bfloat16 staging rounds that float32 to nearest even (NaN -> 0x7fc0),
+ * as torch's float32 -> bfloat16 cast does. Built without -ffast-math: the rounding is IEEE.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "_kernel_buffers.h"
+
+#define GROUP 32 /* columns per E8M0 scale */
+
+static float scale_of_code[256]; /* 2^(code - 127); NaN for 255 */
+
+static inline float f32_of_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint32_t bits_of_f32(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+/* float32 -> bfloat16 bits, round to nearest even; NaN -> 0x7fc0 (torch's rule). */
+static inline uint16_t bf16_of_f32(float f) {
+    uint32_t u = bits_of_f32(f);
+    uint32_t nan = 0u - (uint32_t)((u & 0x7fffffffu) > 0x7f800000u);
+    return (uint16_t)((((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & ~nan) | (0x7fc0u & nan));
+}
+
+/* One E4M3 row w[hd] with its scales s[hd/32] -> float32 o[hd]. Branch-free in the inner loop, so the
+ * compiler vectorises it. */
+static inline void decode_fp8_row(const uint8_t *restrict w, const uint8_t *restrict s, float *restrict o,
+                                  Py_ssize_t hd) {
+    for (Py_ssize_t g = 0; g < hd / GROUP; g++) {
+        const float sc = scale_of_code[s[g]];
+        const uint8_t *wg = w + g * GROUP;
+        float *og = o + g * GROUP;
+        for (int j = 0; j < GROUP; j++) { /* integer selects only: the loop vectorises */
+            uint32_t b = wg[j];
+            uint32_t mag = b & 0x7fu;
+            uint32_t is_sub = (mag & 0x78u) == 0;                                /* exponent bits 0 */
+            uint32_t u = (mag << 20) + ((120u + is_sub) << 23);                 /* exponent e + 120, or 121 */
+            float v = f32_of_bits(u) - f32_of_bits(is_sub * 0x3c800000u);      /* - 2^-6 or - 0: exact |e4m3| */
+            uint32_t x = bits_of_f32(f32_of_bits(bits_of_f32(v) | ((b & 0x80u) << 24)) * sc); /* one rounding */
+            uint32_t nan = 0u - (uint32_t)(mag == 0x7fu);
+            og[j] = f32_of_bits((x & ~nan) | (0x7fc00000u & nan));
+        }
+    }
+}
+
+static inline void bf16_of_row(const float *restrict x, uint16_t *restrict o, Py_ssize_t hd) {
+    for (Py_ssize_t j = 0; j < hd; j++) o[j] = bf16_of_f32(x[j]);
+}
+
+typedef struct {
+    const uint8_t *table, *scale; /* scale NULL: a float32 table */
+    const int64_t *ids;
+    uint8_t *out;
+    Py_ssize_t n, hd, out_item; /* out_item: 4 (float32) or 2 (bfloat16) */
+    int trust_slots;            /* tests only: a filled slot counts as the id (no key check) */
+} Gather;
+
+/* Decode row r of the table into staging row i. */
+static inline void stage_row(const Gather *a, int64_t r, Py_ssize_t i, float *scratch) {
+    const Py_ssize_t hd = a->hd;
+    if (a->scale) {
+        float *dst = a->out_item == 4 ? (float *)(a->out + i * hd * 4) : scratch;
+        decode_fp8_row(a->table + r * hd, a->scale + r * (hd / GROUP), dst, hd);
+        if (a->out_item == 2) bf16_of_row(scratch, (uint16_t *)(a->out + i * hd * 2), hd);
+    } else {
+        const float *src = (const float *)(a->table + r * hd * 4);
+        if (a->out_item == 4) memcpy(a->out + i * hd * 4, src, (size_t)hd * 4);
+        else bf16_of_row(src, (uint16_t *)(a->out + i * hd * 2), hd);
+    }
+}
+
+/* Hint the row of ids[i + ahead] into the CPU caches (a hint: never faults). */
+static inline void prefetch_row(const Gather *a, Py_ssize_t i) {
+    if (i >= a->n) return;
+    const Py_ssize_t w = a->scale ? a->hd : a->hd * 4;
+    const uint8_t *p = a->table + a->ids[i] * w;
+    for (Py_ssize_t k = 0; k < w; k += 64) __builtin_prefetch(p + k, 0, 0);
+    if (a->scale) __builtin_prefetch(a->scale + a->ids[i] * (a->hd / GROUP), 0, 0);
+}
+
+#define AHEAD 4 /* rows prefetched ahead */
+
+/* Every position reads the table. */
+static void gather_all(const Gather *a, float *scratch) {
+    for (Py_ssize_t i = 0; i < a->n; i++) {
+        prefetch_row(a, i + AHEAD);
+        stage_row(a, a->ids[i], i, scratch);
+    }
+}
+
+/* Each distinct id is read once, at its first position (open addressing over 2n..4n slots keyed by
+ * id; `first` holds that position); later positions copy the staged row. Returns the distinct count,
+ * or -1 if the slots cannot be allocated. */
+static Py_ssize_t gather_dedup(const Gather *a, float *scratch) {
+    size_t cap = 16;
+    while (cap < (size_t)a->n * 2) cap <<= 1;
+    int64_t *key = PyMem_RawMalloc(cap * sizeof(int64_t));
+    Py_ssize_t *first = PyMem_RawMalloc(cap * sizeof(Py_ssize_t));
+    if (!key || !first) {
+        PyMem_RawFree(key);
+        PyMem_RawFree(first);
+        return -1;
+    }
+    memset(key, 0xff, cap * sizeof(int64_t)); /* -1: empty (ids are >= 0) */
+    const size_t row_bytes = (size_t)a->hd * a->out_item;
+    Py_ssize_t distinct = 0;
+    for (Py_ssize_t i = 0; i < a->n; i++) {
+        const int64_t r = a->ids[i];
+        size_t h = (size_t)(((uint64_t)r * 0x9E3779B97F4A7C15ull) >> 32) & (cap - 1);
+        while (key[h] != -1 && key[h] != r && !a->trust_slots) h = (h + 1) & (cap - 1);
+        if (key[h] == r || (a->trust_slots && key[h] != -1)) {
+            memcpy(a->out + i * row_bytes, a->out + first[h] * row_bytes, row_bytes);
+            continue;
+        }
+        key[h] = r;
+        first[h] = i;
+        prefetch_row(a, i + AHEAD);
+        stage_row(a, r, i, scratch);
+        distinct++;
+    }
+    PyMem_RawFree(key);
+    PyMem_RawFree(first);
+    return distinct;
+}
+
+static PyObject *py_gather_rows(PyObject *Py_UNUSED(self), PyObject *args) {
+    static const char *fn = "gather_rows";
+    PyObject *table_o, *scale_o, *ids_o, *out_o;
+    int dedup, trust_slots = 0;
+    if (!PyArg_ParseTuple(args, "OOOOp|p", &table_o, &scale_o, &ids_o, &out_o, &dedup, &trust_slots)) return NULL;
+    const int fp8 = scale_o != Py_None;
+    Py_buffer table, scale, ids, out;
+    int held = 0; /* buffers held, in the order table, ids, out, scale */
+    PyObject *result = NULL;
+    if (get_array(fn, "table", table_o, fp8 ? K_U8 : K_F32, 2, 0, &table) < 0) return NULL;
+    held++;
+    if (get_array(fn, "ids", ids_o, K_I64, 1, 0, &ids) < 0) goto done;
+    held++;
+    if (PyObject_GetBuffer(out_o, &out, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_STRIDES) < 0) goto done;
+    held++;
+    {
+        const enum kind out_kind = out.itemsize == 2 ? K_I16 : K_F32;
+        if (!kind_matches(&out, out_kind) || out.ndim != 2 || !PyBuffer_IsContiguous(&out, 'C')) {
+            PyErr_Format(PyExc_ValueError, "%s: out must be a writable C-contiguous 2-D float32 array or int16 "
+                         "array of bfloat16 bits (got format '%s', itemsize %zd, ndim %d)", fn,
+                         out.format ? out.format : "B", out.itemsize, out.ndim);
+            goto done;
+        }
+    }
+    if (fp8) {
+        if (get_array(fn, "scale", scale_o, K_U8, 2, 0, &scale) < 0) goto done;
+        held++;
+    }
+    const Py_ssize_t rows = SHAPE(table, 0), hd = SHAPE(table, 1), n = SHAPE(ids, 0);
+    if (SHAPE(out, 0) != n || SHAPE(out, 1) != hd) {
+        PyErr_Format(PyExc_ValueError, "%s: out has shape [%zd, %zd], expected [len(ids), head_dim] = [%zd, %zd]",
+                     fn, SHAPE(out, 0), SHAPE(out, 1), n, hd);
+        goto done;
+    }
+    if (fp8 && (hd % GROUP || SHAPE(scale, 0) != rows || SHAPE(scale, 1) != hd / GROUP)) {
+        PyErr_Format(PyExc_ValueError, "%s: table [%zd, %zd] and scale [%zd, %zd] do not fit (scale must be "
+                     "[rows, head_dim / %d], head_dim a multiple of %d)", fn, rows, hd, SHAPE(scale, 0),
+                     SHAPE(scale, 1), GROUP, GROUP);
+        goto done;
+    }
+    const int64_t *id = (const int64_t *)ids.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (id[i] < 0 || id[i] >= rows) {
+            PyErr_Format(PyExc_IndexError, "%s: ids[%zd] = %lld is out of range for a table of %zd rows", fn, i,
+                         (long long)id[i], rows);
+            goto done;
+        }
+    }
+    Gather a = {(const uint8_t *)table.buf, fp8 ? (const uint8_t *)scale.buf : NULL, id, (uint8_t *)out.buf, n, hd,
+                out.itemsize, trust_slots};
+    float *scratch = PyMem_RawMalloc((size_t)(hd ? hd : 1) * sizeof(float)); /* bfloat16 staging of FP8 rows */
+    if (!scratch) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t read = n;
+    Py_BEGIN_ALLOW_THREADS
+    if (dedup) read = gather_dedup(&a, scratch);
+    else gather_all(&a, scratch);
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(scratch);
+    result = read < 0 ? PyErr_NoMemory() : PyLong_FromSsize_t(read);
+done:
+    if (held >= 4) PyBuffer_Release(&scale);
+    if (held >= 3) PyBuffer_Release(&out);
+    if (held >= 2) PyBuffer_Release(&ids);
+    PyBuffer_Release(&table);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"gather_rows", py_gather_rows, METH_VARARGS,
+     "gather_rows(table, scale, ids, out, dedup[, trust_slots]) -> rows read: out[i] = row ids[i] of the table, decoded "
+     "(FP8 E4M3 bytes + E8M0 codes, or float32 with scale None) into float32 or bfloat16 bits (int16)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_gather_kernel",
+    "Engram staging gather for CPU tables (FP8 or float32 rows into float32/bfloat16 staging); see "
+    "engram_serve/engram/staging.py.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__gather_kernel(void) {
+    for (int c = 0; c < 255; c++) scale_of_code[c] = ldexpf(1.0f, c - 127);
+    scale_of_code[255] = NAN;
+    return PyModule_Create(&module);
+}

@@ -20,8 +20,10 @@
  * so one rounding of the exact product. E4M3 bits s eeee mmm: for e >= 1 the float32 with sign s,
  * exponent e + 120 and mantissa mmm is 2^(e-7) (1 + m/8), the E4M3 value. For e = 0 (zero and the
  * subnormals m/8 * 2^-6) the same construction with exponent 121 gives (1 + m/8) 2^-6, and subtracting
- * 2^-6 is exact (Sterbenz), so no float32 subnormal is ever an operand (they are slow on x86). The
- * bytes 0x7f / 0xff are NaN. bfloat16 staging rounds that float32 to nearest even (NaN -> 0x7fc0),
+ * 2^-6 is exact (Sterbenz), so no float32 subnormal is an operand. (That matters: the shorter route
+ * through e4m3 * 2^-120, a float32 subnormal for e = 0, measured 4x slower on this x86, from the
+ * microcode assists of subnormal operands.) The bytes 0x7f / 0xff are NaN.
+ * bfloat16 staging rounds that float32 to nearest even (NaN -> 0x7fc0),
  * as torch's float32 -> bfloat16 cast does. Built without -ffast-math: the rounding is IEEE.
  */
 #define PY_SSIZE_T_CLEAN
@@ -34,7 +36,7 @@
 
 #define GROUP 32 /* columns per E8M0 scale */
 
-static float scale_of_code[256]; /* 2^(code - 127); NaN for 255 */
+static float scale_of_code[256]; /* 2^(code - 127), exact (a subnormal for code 0); NaN for 255 */
 
 static inline float f32_of_bits(uint32_t u) {
     float f;
@@ -55,10 +57,19 @@ static inline uint16_t bf16_of_f32(float f) {
     return (uint16_t)((((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & ~nan) | (0x7fc0u & nan));
 }
 
+/* The row loops are compiled for AVX-512, AVX2 and baseline x86-64, picked at load time by the CPU
+ * (gcc/clang function multiversioning, Linux ifunc); one plain build elsewhere. The arithmetic is the
+ * same IEEE float32 operations in every clone (no FMA: -ffp-contract=off), so the results are too. */
+#if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || defined(__GNUC__))
+#define ROW_CLONES __attribute__((target_clones("avx512f", "avx2", "default"), noinline))
+#else
+#define ROW_CLONES
+#endif
+
 /* One E4M3 row w[hd] with its scales s[hd/32] -> float32 o[hd]. Branch-free in the inner loop, so the
  * compiler vectorises it. */
-static inline void decode_fp8_row(const uint8_t *restrict w, const uint8_t *restrict s, float *restrict o,
-                                  Py_ssize_t hd) {
+ROW_CLONES static void decode_fp8_row(const uint8_t *restrict w, const uint8_t *restrict s, float *restrict o,
+                                      Py_ssize_t hd) {
     for (Py_ssize_t g = 0; g < hd / GROUP; g++) {
         const float sc = scale_of_code[s[g]];
         const uint8_t *wg = w + g * GROUP;
@@ -76,7 +87,7 @@ static inline void decode_fp8_row(const uint8_t *restrict w, const uint8_t *rest
     }
 }
 
-static inline void bf16_of_row(const float *restrict x, uint16_t *restrict o, Py_ssize_t hd) {
+ROW_CLONES static void bf16_of_row(const float *restrict x, uint16_t *restrict o, Py_ssize_t hd) {
     for (Py_ssize_t j = 0; j < hd; j++) o[j] = bf16_of_f32(x[j]);
 }
 
@@ -107,11 +118,11 @@ static inline void prefetch_row(const Gather *a, Py_ssize_t i) {
     if (i >= a->n) return;
     const Py_ssize_t w = a->scale ? a->hd : a->hd * 4;
     const uint8_t *p = a->table + a->ids[i] * w;
-    for (Py_ssize_t k = 0; k < w; k += 64) __builtin_prefetch(p + k, 0, 0);
-    if (a->scale) __builtin_prefetch(a->scale + a->ids[i] * (a->hd / GROUP), 0, 0);
+    for (Py_ssize_t k = 0; k < w; k += 64) __builtin_prefetch(p + k, 0, 3);
+    if (a->scale) __builtin_prefetch(a->scale + a->ids[i] * (a->hd / GROUP), 0, 3);
 }
 
-#define AHEAD 4 /* rows prefetched ahead */
+#define AHEAD 8 /* rows prefetched ahead */
 
 /* Every position reads the table. */
 static void gather_all(const Gather *a, float *scratch) {

@@ -122,11 +122,27 @@ static inline void prefetch_row(const Gather *a, Py_ssize_t i) {
     if (a->scale) __builtin_prefetch(a->scale + a->ids[i] * (a->hd / GROUP), 0, 3);
 }
 
+/* Load one byte of the rows ids[i..i+TOUCH) and of their scales: independent loads, so the CPU walks
+ * their page tables and fetches their first lines in parallel (a prefetch that misses the TLB may be
+ * dropped; a load is not). Returns the bytes' sum so that the loads are kept. */
+#define TOUCH 16
+static inline unsigned touch_rows(const Gather *a, Py_ssize_t i) {
+    const Py_ssize_t w = a->scale ? a->hd : a->hd * 4, end = i + TOUCH < a->n ? i + TOUCH : a->n;
+    unsigned acc = 0;
+    for (Py_ssize_t k = i; k < end; k++) {
+        acc += a->table[a->ids[k] * w];
+        if (a->scale) acc += a->scale[a->ids[k] * (a->hd / GROUP)];
+    }
+    return acc;
+}
+
 #define AHEAD 8 /* rows prefetched ahead */
 
 /* Every position reads the table. */
 static void gather_all(const Gather *a, float *scratch) {
+    volatile unsigned sink = 0;
     for (Py_ssize_t i = 0; i < a->n; i++) {
+        if (i % TOUCH == 0) sink += touch_rows(a, i);
         prefetch_row(a, i + AHEAD);
         stage_row(a, a->ids[i], i, scratch);
     }
@@ -148,7 +164,9 @@ static Py_ssize_t gather_dedup(const Gather *a, float *scratch) {
     memset(key, 0xff, cap * sizeof(int64_t)); /* -1: empty (ids are >= 0) */
     const size_t row_bytes = (size_t)a->hd * a->out_item;
     Py_ssize_t distinct = 0;
+    volatile unsigned sink = 0;
     for (Py_ssize_t i = 0; i < a->n; i++) {
+        if (i % TOUCH == 0) sink += touch_rows(a, i);
         const int64_t r = a->ids[i];
         size_t h = (size_t)(((uint64_t)r * 0x9E3779B97F4A7C15ull) >> 32) & (cap - 1);
         while (key[h] != -1 && key[h] != r && !a->trust_slots) h = (h + 1) & (cap - 1);

@@ -99,89 +99,86 @@ typedef struct {
     int trust_slots;            /* tests only: a filled slot counts as the id (no key check) */
 } Gather;
 
-/* Decode row r of the table into staging row i. */
-static inline void stage_row(const Gather *a, int64_t r, Py_ssize_t i, float *scratch) {
-    const Py_ssize_t hd = a->hd;
-    if (a->scale) {
-        float *dst = a->out_item == 4 ? (float *)(a->out + i * hd * 4) : scratch;
-        decode_fp8_row(a->table + r * hd, a->scale + r * (hd / GROUP), dst, hd);
-        if (a->out_item == 2) bf16_of_row(scratch, (uint16_t *)(a->out + i * hd * 2), hd);
-    } else {
-        const float *src = (const float *)(a->table + r * hd * 4);
-        if (a->out_item == 4) memcpy(a->out + i * hd * 4, src, (size_t)hd * 4);
-        else bf16_of_row(src, (uint16_t *)(a->out + i * hd * 2), hd);
+/* Rows are staged in blocks of BLOCK: first the stored bytes of the block's rows (E4M3 row and E8M0
+ * scales, or a float32 row) are copied into a small local buffer, all loads independent, so that the
+ * block's page walks and cache misses overlap; then the block is decoded from that buffer, which is
+ * in L1. (Decoding straight from the mapping, one row after another with prefetch hints, stalled on
+ * each row's misses: 640 ns per random row of a 4 GiB mapped table here, against ~400 in blocks.) */
+#define BLOCK 16
+
+typedef struct {
+    uint8_t *raw;  /* [BLOCK, row_bytes] stored rows */
+    float *row32;  /* [hd] float32 row before the bfloat16 rounding */
+    Py_ssize_t row_bytes, scale_bytes;
+} Scratch;
+
+/* Stage the rows ids[pos[k]] into staging rows pos[k], k < count (count <= BLOCK). */
+static void stage_block(const Gather *a, const Py_ssize_t *pos, int count, Scratch *sc) {
+    const Py_ssize_t hd = a->hd, rb = sc->row_bytes, sb = sc->scale_bytes, wb = rb - sb;
+    if (!sb && a->out_item == 4) { /* float32 rows into float32 staging: copied where they go */
+        for (int k = 0; k < count; k++) memcpy(a->out + pos[k] * rb, a->table + a->ids[pos[k]] * rb, (size_t)rb);
+        return;
+    }
+    for (int k = 0; k < count; k++) { /* independent loads */
+        const int64_t r = a->ids[pos[k]];
+        memcpy(sc->raw + k * rb, a->table + r * wb, (size_t)wb);
+        if (sb) memcpy(sc->raw + k * rb + wb, a->scale + r * sb, (size_t)sb);
+    }
+    for (int k = 0; k < count; k++) {
+        const uint8_t *src = sc->raw + k * rb;
+        const int f32 = a->out_item == 4;
+        float *dst = f32 ? (float *)(a->out + pos[k] * hd * 4) : sc->row32;
+        if (sb) decode_fp8_row(src, src + wb, dst, hd);
+        if (!f32) bf16_of_row(sb ? sc->row32 : (const float *)src, (uint16_t *)(a->out + pos[k] * hd * 2), hd);
     }
 }
-
-/* Hint the row of ids[i + ahead] into the CPU caches (a hint: never faults). */
-static inline void prefetch_row(const Gather *a, Py_ssize_t i) {
-    if (i >= a->n) return;
-    const Py_ssize_t w = a->scale ? a->hd : a->hd * 4;
-    const uint8_t *p = a->table + a->ids[i] * w;
-    for (Py_ssize_t k = 0; k < w; k += 64) __builtin_prefetch(p + k, 0, 3);
-    if (a->scale) __builtin_prefetch(a->scale + a->ids[i] * (a->hd / GROUP), 0, 3);
-}
-
-/* Load one byte of the rows ids[i..i+TOUCH) and of their scales: independent loads, so the CPU walks
- * their page tables and fetches their first lines in parallel (a prefetch that misses the TLB may be
- * dropped; a load is not). Returns the bytes' sum so that the loads are kept. */
-#define TOUCH 16
-static inline unsigned touch_rows(const Gather *a, Py_ssize_t i) {
-    const Py_ssize_t w = a->scale ? a->hd : a->hd * 4, end = i + TOUCH < a->n ? i + TOUCH : a->n;
-    unsigned acc = 0;
-    for (Py_ssize_t k = i; k < end; k++) {
-        acc += a->table[a->ids[k] * w];
-        if (a->scale) acc += a->scale[a->ids[k] * (a->hd / GROUP)];
-    }
-    return acc;
-}
-
-#define AHEAD 8 /* rows prefetched ahead */
 
 /* Every position reads the table. */
-static void gather_all(const Gather *a, float *scratch) {
-    volatile unsigned sink = 0;
-    for (Py_ssize_t i = 0; i < a->n; i++) {
-        if (i % TOUCH == 0) sink += touch_rows(a, i);
-        prefetch_row(a, i + AHEAD);
-        stage_row(a, a->ids[i], i, scratch);
+static void gather_all(const Gather *a, Scratch *sc) {
+    Py_ssize_t pos[BLOCK];
+    for (Py_ssize_t i = 0; i < a->n; i += BLOCK) {
+        int count = a->n - i < BLOCK ? (int)(a->n - i) : BLOCK;
+        for (int k = 0; k < count; k++) pos[k] = i + k;
+        stage_block(a, pos, count, sc);
     }
 }
 
 /* Each distinct id is read once, at its first position (open addressing over 2n..4n slots keyed by
- * id; `first` holds that position); later positions copy the staged row. Returns the distinct count,
- * or -1 if the slots cannot be allocated. */
-static Py_ssize_t gather_dedup(const Gather *a, float *scratch) {
+ * id; `first` holds that position); later positions copy the staged row once all first positions
+ * are staged. Returns the distinct count, or -1 if the scratch cannot be allocated. */
+static Py_ssize_t gather_dedup(const Gather *a, Scratch *sc) {
     size_t cap = 16;
     while (cap < (size_t)a->n * 2) cap <<= 1;
     int64_t *key = PyMem_RawMalloc(cap * sizeof(int64_t));
     Py_ssize_t *first = PyMem_RawMalloc(cap * sizeof(Py_ssize_t));
-    if (!key || !first) {
-        PyMem_RawFree(key);
-        PyMem_RawFree(first);
-        return -1;
-    }
+    Py_ssize_t *src = PyMem_RawMalloc(((size_t)a->n + 1) * sizeof(Py_ssize_t)); /* [n] first position of ids[i] */
+    Py_ssize_t *fresh = PyMem_RawMalloc(((size_t)a->n + 1) * sizeof(Py_ssize_t)); /* first positions, in order */
+    Py_ssize_t distinct = -1;
+    if (!key || !first || !src || !fresh) goto done;
     memset(key, 0xff, cap * sizeof(int64_t)); /* -1: empty (ids are >= 0) */
-    const size_t row_bytes = (size_t)a->hd * a->out_item;
-    Py_ssize_t distinct = 0;
-    volatile unsigned sink = 0;
+    distinct = 0;
     for (Py_ssize_t i = 0; i < a->n; i++) {
-        if (i % TOUCH == 0) sink += touch_rows(a, i);
         const int64_t r = a->ids[i];
         size_t h = (size_t)(((uint64_t)r * 0x9E3779B97F4A7C15ull) >> 32) & (cap - 1);
         while (key[h] != -1 && key[h] != r && !a->trust_slots) h = (h + 1) & (cap - 1);
         if (key[h] == r || (a->trust_slots && key[h] != -1)) {
-            memcpy(a->out + i * row_bytes, a->out + first[h] * row_bytes, row_bytes);
+            src[i] = first[h];
             continue;
         }
         key[h] = r;
-        first[h] = i;
-        prefetch_row(a, i + AHEAD);
-        stage_row(a, r, i, scratch);
-        distinct++;
+        first[h] = src[i] = i;
+        fresh[distinct++] = i;
     }
+    for (Py_ssize_t k = 0; k < distinct; k += BLOCK)
+        stage_block(a, fresh + k, distinct - k < BLOCK ? (int)(distinct - k) : BLOCK, sc);
+    const size_t row_bytes = (size_t)a->hd * a->out_item;
+    for (Py_ssize_t i = 0; i < a->n; i++)
+        if (src[i] != i) memcpy(a->out + i * row_bytes, a->out + src[i] * row_bytes, row_bytes);
+done:
     PyMem_RawFree(key);
     PyMem_RawFree(first);
+    PyMem_RawFree(src);
+    PyMem_RawFree(fresh);
     return distinct;
 }
 
@@ -235,17 +232,22 @@ static PyObject *py_gather_rows(PyObject *Py_UNUSED(self), PyObject *args) {
     }
     Gather a = {(const uint8_t *)table.buf, fp8 ? (const uint8_t *)scale.buf : NULL, id, (uint8_t *)out.buf, n, hd,
                 out.itemsize, trust_slots};
-    float *scratch = PyMem_RawMalloc((size_t)(hd ? hd : 1) * sizeof(float)); /* bfloat16 staging of FP8 rows */
-    if (!scratch) {
+    const Py_ssize_t scale_bytes = fp8 ? hd / GROUP : 0, row_bytes = (fp8 ? hd : hd * 4) + scale_bytes;
+    Scratch sc = {PyMem_RawMalloc((size_t)(BLOCK * row_bytes + 1)), PyMem_RawMalloc((size_t)(hd + 1) * sizeof(float)),
+                  row_bytes, scale_bytes};
+    if (!sc.raw || !sc.row32) {
+        PyMem_RawFree(sc.raw);
+        PyMem_RawFree(sc.row32);
         PyErr_NoMemory();
         goto done;
     }
     Py_ssize_t read = n;
     Py_BEGIN_ALLOW_THREADS
-    if (dedup) read = gather_dedup(&a, scratch);
-    else gather_all(&a, scratch);
+    if (dedup) read = gather_dedup(&a, &sc);
+    else gather_all(&a, &sc);
     Py_END_ALLOW_THREADS
-    PyMem_RawFree(scratch);
+    PyMem_RawFree(sc.raw);
+    PyMem_RawFree(sc.row32);
     result = read < 0 ? PyErr_NoMemory() : PyLong_FromSsize_t(read);
 done:
     if (held >= 4) PyBuffer_Release(&scale);

@@ -109,7 +109,7 @@ def trial(loaded, alone, seed: int, kind: str) -> list[str]:
     if kind == "padding":
         for layer in range(kv.num_layers):
             for pool in kv.layer(layer):
-                pool[kv.trash_slot] = bad
+                pool[:, kv.trash_slot] = bad  # [kv_heads, slots, hd]
         kv.k[:] = bad  # every block is unallocated now: what a request reads of them must be its own writes
         kv.v[:] = bad
     poisoned = None

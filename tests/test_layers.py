@@ -53,21 +53,25 @@ def test_moe_matches_a_plain_per_token_loop(experts, top_k):
 
 
 @settings(max_examples=20, deadline=None)
-@given(st.integers(1, 24), st.data())
-def test_every_row_is_independent_of_its_batch_mates(n, data):
-    """Bit for bit: a row computed alone, in any sub-batch, equals the same row in the whole batch."""
+@given(st.integers(1, 24), st.data(), st.booleans())
+def test_every_row_is_independent_of_its_batch_mates(n, data, input_major):
+    """Bit for bit: a row computed alone, in any sub-batch, equals the same row in the whole batch, with
+    the weights in the checkpoint's row-major layout or the serving input-major one."""
     g = torch.Generator().manual_seed(n)
     x = torch.randn(n, 32, generator=g)
     h = torch.randn(n, 2, 32, generator=g)
     rows = torch.randn(n, 6, 8, generator=g)
     dead = torch.rand(n, generator=g) < 0.2
     pos = torch.randint(0, 5000, (n,), generator=g)
-    mlp, moe, moe_sorted = _init(MLP(32, 48)), _moe(4, 2), _moe(8, 2)
+    mlp, mlp64, moe, moe_sorted = _init(MLP(32, 48)), _init(MLP(32, 64)), _moe(4, 2), _moe(8, 2)  # 64: silu on strided rows
     gate = _init(EngramGate(32, 2, 6, 8, 1e-6))
+    if input_major:
+        for m in (mlp, mlp64, moe, moe_sorted, gate):
+            layers.layout_weights_(m)
     cos, sin = rotary_cos_sin(pos, 8, 10000.0)
     q = torch.randn(n, 4, 8, generator=g)
     fns = {
-        "mlp": lambda i: mlp(x[i]), "moe": lambda i: _run_moe(moe, x[i]), "moe_sorted": lambda i: _run_moe(moe_sorted, x[i]),
+        "mlp": lambda i: mlp(x[i]), "mlp64": lambda i: mlp64(x[i]), "moe": lambda i: _run_moe(moe, x[i]), "moe_sorted": lambda i: _run_moe(moe_sorted, x[i]),
         "gate": lambda i: gate(h[i], rows[i], dead[i]), "rms_norm": lambda i: rms_norm(h[i], 1e-6),
         "rotary": lambda i: apply_rotary(q[i], cos[i], sin[i]),
     }
@@ -87,6 +91,16 @@ def test_rotary_equals_the_textbook_rotate_half():
     c, s = ang.cos()[:, None, :], ang.sin()[:, None, :]
     want = torch.cat([x[..., :half] * c - x[..., half:] * s, x[..., half:] * c + x[..., :half] * s], -1)
     assert torch.equal(apply_rotary(x, *rotary_cos_sin(pos, 16, 10000.0)), want)
+
+
+@pytest.mark.parametrize("input_major", [False, True])
+def test_input_major_layout_changes_strides_not_values(input_major):
+    mlp = _init(MLP(32, 48))
+    before = {k: v.clone() for k, v in mlp.state_dict().items()}
+    if input_major:
+        layers.layout_weights_(mlp)
+        assert mlp.gate_up.view(96, 32).t().is_contiguous() and mlp.down_proj.weight.t().is_contiguous()
+    assert all(torch.equal(before[k], v) for k, v in mlp.state_dict().items())
 
 
 def test_small_calls_differ_without_the_row_padding_rule():
@@ -135,3 +149,16 @@ def test_gate_rows_differ_without_the_pointwise_rule():
     assert mismatches() == 0
     with layers.batch_invariant(False):
         assert mismatches() > 0
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("k,n", [(32, 64), (64, 32), (16, 64)])
+def test_measured_bmm_rule_holds_for_other_values(k, n, transposed):
+    """`bmm_min_rows` is measured on random probes; on other values, every row count from it on gives
+    a row the bits it has in a 300-row call (the rule the attention's query widths rely on)."""
+    g = torch.Generator().manual_seed(7)
+    m = layers.bmm_min_rows(k, n, transposed)
+    b = torch.randn(1, n, k, generator=g).transpose(1, 2) if transposed else torch.randn(1, k, n, generator=g)
+    a = torch.randn(1, 300, k, generator=g)
+    full = torch.bmm(a, b)
+    assert all(torch.equal(torch.bmm(a[:, :r].contiguous(), b), full[:, :r]) for r in range(m, 80))

@@ -344,9 +344,9 @@ def test_kv_cache_skips_padding_slots():
     kv.write(0, torch.tensor([5, -1, 0]), k, -k)
     assert kv.k[0, 1, 1, 0].tolist() == [0.0, 1.0] and kv.k[0, 0, 0, 0].tolist() == [4.0, 5.0]
     assert kv.k.abs().sum() == 10.0  # the -1 token went nowhere visible
-    k_pool, _ = kv.layer(0)  # [slots, kv_heads, hd]
-    assert k_pool[kv.trash_slot].tolist() == [[2.0, 3.0]]  # padding writes land in the trash slot
-    assert (k_pool[kv.zero_slot] == 0).all()  # the zero slot is never written
+    k_pool, _ = kv.layer(0)  # [kv_heads, slots, hd]
+    assert k_pool[:, kv.trash_slot].tolist() == [[2.0, 3.0]]  # padding writes land in the trash slot
+    assert (k_pool[:, kv.zero_slot] == 0).all()  # the zero slot is never written
 
 
 def test_tables_gather_into_staging_in_place():

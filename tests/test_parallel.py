@@ -2,6 +2,8 @@
 the order rule of the cross-rank sum, and the row-sharded tables. (The server with 2 ranks and a
 worker killed mid-stream: tests/test_parallel_serve.py.)"""
 import dataclasses
+import os
+import time
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from engram_serve.inputs.ubatch import SplitConfig
 from engram_serve.model.loader import load_model
 from engram_serve.model.model import run_stages
 from engram_serve.parallel.collectives import COMM, rank_ordered_sum
-from engram_serve.parallel.launch import TPCluster
+from engram_serve.parallel.launch import TPCluster, bind_cpus
 from engram_serve.parallel.runner import ParallelModelRunner
 from engram_serve.parallel.tables import ShardedEngramTables
 from engram_serve.runner.model_runner import RunnerConfig
@@ -130,6 +132,70 @@ def test_in_flight_buffer_belongs_to_its_microbatch_until_waited():
     t.launch("comm", other, 1)
     with pytest.raises(OwnershipError, match=r"owned by microbatch 0.*touched by microbatch 1"):
         t.touch("comm", buf, 1)
+
+
+def _sums_under_a_simulated_link(group, seconds: float):
+    """On every rank: a sum launched over a SIMULATED link of `seconds`, awaited after `seconds` of compute
+    (another microbatch's stage); then one awaited at once. Returns the three durations and the sum."""
+    from engram_serve.parallel.collectives import launch_sum, sum_now
+    from engram_serve.parallel.group import LinkDelay, configure_link
+    sum_now(group, torch.zeros(1), "align")  # both ranks here (a worker imports this module first)
+    configure_link(group, LinkDelay(seconds), True)
+    try:
+        x = torch.full((4, 8), float(group.rank + 1))
+        t0 = time.perf_counter()
+        pending = launch_sum(group, x, None, "test")
+        launch_s = time.perf_counter() - t0
+        a = torch.randn(64, 64)
+        while time.perf_counter() - t0 < seconds:  # compute while the sum is in flight
+            a = torch.tanh(a @ a)
+        t1 = time.perf_counter()
+        out = pending.wait()
+        overlapped_s = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        launch_sum(group, x, None, "test").wait()
+        direct_s = time.perf_counter() - t2
+    finally:
+        configure_link(group, None, True)
+    return launch_s, overlapped_s, direct_s, out
+
+
+def test_simulated_link_delay_elapses_while_the_launcher_computes(cluster):
+    """The simulated link delays the completion, not the launch: compute after the launch hides it."""
+    d = 0.3
+    launch_s, overlapped_s, direct_s, out = cluster.call_all(_sums_under_a_simulated_link, d)
+    assert torch.equal(out, torch.full((4, 8), 3.0))
+    assert launch_s < d / 3, f"the launch blocked for {launch_s:.3f} s"
+    assert overlapped_s < d / 3, f"{overlapped_s:.3f} s left to wait after {d} s of compute"
+    assert direct_s >= d * 0.95, f"a sum awaited at once took {direct_s:.3f} s over a {d} s link"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_bind_cpus_gives_every_thread_of_each_rank_its_own_cores(cluster):
+    cores = sorted(os.sched_getaffinity(0))
+    half = len(cores) // 2
+
+    def threads(pid):
+        return {int(t): sorted(os.sched_getaffinity(int(t))) for t in os.listdir(f"/proc/{pid}/task")}
+    try:
+        assert cluster.call_all(bind_cpus, cores, True) == cores[:half]
+        assert set(map(tuple, threads(os.getpid()).values())) == {tuple(cores[:half])}
+        assert set(map(tuple, threads(cluster.pids[0]).values())) == {tuple(cores[half:2 * half])}
+    finally:
+        cluster.call_all(bind_cpus, cores, False)
+    assert sorted(os.sched_getaffinity(0)) == cores
+    assert set(map(tuple, threads(cluster.pids[0]).values())) == {tuple(cores)}
+
+
+def test_bench_hidden_fraction_is_exposed_comm_removed_over_the_off_steps():
+    from engram_serve.bench.step_tp import _row
+    m = {"tokens": 8, "times": {"off": [100.0, 110.0, 90.0], "dbo-sync": [120.0] * 3, "dbo": [80.0, 85.0, 90.0]},
+         "exposed": {"off": [20.0] * 3, "dbo-sync": [40.0] * 3, "dbo": [5.0] * 3}}
+    r = _row(m)
+    assert r["comm_hidden_by_dbo"] == 0.75  # (20 - 5) / 20
+    assert r["dbo_comm_hidden"] == 0.875  # 1 - 5 / 40: of DBO's own collectives
+    assert r["comm_share_of_off_step"] == 0.2 and r["dbo_speedup_over_off"] == 100 / 85
+    assert r["paired_speedup_median"] == 1.25  # median of the per-round ratios 1.25, 1.294, 1.0
 
 
 class _Partial:

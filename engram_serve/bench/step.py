@@ -21,7 +21,9 @@ WORKLOADS = {  # name -> (requests, new tokens per request, context already comp
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS))
+    parser.add_argument("--workloads", default=None,
+                        help="comma-separated: " + ", ".join(WORKLOADS) + " (default: both); with "
+                             "--tensor-parallel-size also decode-32, decode-128, prefill-2048 (default: all five)")
     parser.add_argument("--tensor-parallel-size", type=common.positive_int, default=1, metavar="N",
                         help="N >= 2: DBO on against off at N ranks (gloo), real link and a simulated one "
                              "(bench/step_tp.py)")
@@ -29,6 +31,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="simulated links: latency per cross-rank sum, one link per value (default 500,2000)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="single-process step on this device (the tensor-parallel bench runs on CPU, gloo)")
+    parser.add_argument("--cpu-bind", choices=("rank", "none"), default="rank",
+                        help="tensor-parallel bench: pin each rank to its own share of the cores (default) or "
+                             "leave placement to the OS")
     parser.add_argument("--sim-gbps", type=common.positive_float, default=1.0, metavar="GB/S",
                         help="simulated link: bandwidth in GB/s (default 1)")
 
@@ -84,9 +89,9 @@ def setup(model: str | None, workload: str, ubatches: int, device: str = "cpu"):
 def run(args: argparse.Namespace) -> list[dict]:
     if args.tensor_parallel_size > 1:
         from .step_tp import run_tp
-        return run_tp(args, WORKLOADS)
+        return run_tp(args)
     rows = []
-    for wl in args.workloads.split(","):
+    for wl in (args.workloads or ",".join(WORKLOADS)).split(","):
         if wl not in WORKLOADS:
             raise ValueError(f"--workloads: unknown workload {wl!r}; choose from {sorted(WORKLOADS)}")
         res, bufs = {}, {}

@@ -1,18 +1,24 @@
 """`bench step --tensor-parallel-size N`: one engine step at N ranks (gloo, CPU), DBO on against off.
 
-Candidates, interleaved call by call in one run (so machine noise hits them alike):
+Candidates, interleaved call by call in one run, their order rotated every round (so machine noise
+hits them alike):
   off       1 microbatch: every cross-rank sum is awaited right after its launch;
-  dbo-sync  2 microbatches, each sum awaited at its launch (the same collectives, nothing hidden);
+  dbo-sync  2 microbatches, each sum awaited at its launch (the same collectives as dbo, nothing hidden);
   dbo       2 microbatches, each sum launched at a stage boundary and awaited after the other
             microbatch's next stage (parallel/collectives.py).
-Links: the real gloo link on loopback, and a SIMULATED inter-node link (each sum completes
-`latency + bytes / bandwidth` after its launch; the wait sleeps only for what is left).
+Links: the real gloo link on loopback, and SIMULATED inter-node links: each sum completes
+`latency + bytes / bandwidth` after its launch (or when gloo completes it, if later); the wait sleeps
+only for what is left of that time, so the delay elapses while the other microbatch computes.
 
-Reported per workload and link: median step time of each candidate, the communication time exposed
-on the critical path (seconds blocked in waits, per step), its share of the off step, the fraction of
-communication hidden by DBO = 1 - exposed(dbo) / exposed(dbo-sync), and the speedup off / dbo. Also
-the Engram table bytes each rank holds (against one process) and each rank's resident set size, and
-the cost of the order rule (all-gather + rank-ordered sum against gloo's all-reduce).
+Every rank is pinned to its own share of the cores (`--cpu-bind rank`, default; `none` leaves it to
+the OS scheduler). Reported per workload and link: median step time of each candidate with its
+p10-p90 spread, the median of the per-round ratio off / dbo with its spread, the communication time
+exposed on rank 0's critical path (seconds blocked in waits: link time plus waiting for the other
+rank), its share of the off step, and the fraction of communication hidden by DBO,
+    hidden = (exposed(off) - exposed(dbo)) / exposed(off),
+beside the fraction of DBO's own (twice as many) collectives it hides, 1 - exposed(dbo) / exposed(dbo-sync).
+Also the Engram table bytes each rank holds (against one process), each rank's resident and peak
+resident set, and the cost of the order rule (all-gather + rank-ordered sum against gloo's all-reduce).
 """
 from __future__ import annotations
 
@@ -25,16 +31,27 @@ import torch
 
 from ..inputs.ubatch import SplitConfig
 from ..parallel.group import LinkDelay, ParallelGroup, configure_link
+from .step import WORKLOADS
+
+# name -> (requests, new tokens per request, context already computed): the single-process workloads and
+# larger ones, where cutting a step costs relatively less
+TP_WORKLOADS = {"decode-32": (32, 1, 512), **WORKLOADS, "decode-128": (128, 1, 512),
+                "prefill-2048": (8, 256, 0)}
 
 CANDIDATES = (("off", 1, True), ("dbo-sync", 2, False), ("dbo", 2, True))
 
 
-def _rss_mib(pid: int) -> float:
+def _status_mib(pid: int, field: str = "VmRSS") -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def _pct(values: list[float], q: float) -> float:
+    v = sorted(values)
+    return v[round(q * (len(v) - 1))]
 
 
 def sum_cost(group: ParallelGroup, tokens: int, hidden: int, repeats: int) -> dict:
@@ -73,60 +90,84 @@ def _prepare(cluster, workload: tuple[int, int, int], ubatches: int):
     return runner, runner.build(slots, np.full(reqs, ctx), np.full(reqs, new), tables, np.ones(reqs, bool))
 
 
-def run_tp(args, workloads: dict) -> list[dict]:
+def _measure(cluster, workload: tuple[int, int, int], delay: LinkDelay | None, budget_s: float) -> dict:
+    """Step times and exposed communication (ms, rank 0) of each candidate, interleaved call by call."""
+    runners = {name: _prepare(cluster, workload, n) for name, n, _ in CANDIDATES}
+    times = {name: [] for name, _, _ in CANDIDATES}
+    exposed = {name: [] for name, _, _ in CANDIDATES}
+    spent, rounds = 0.0, 0
+    try:
+        while rounds < 6 or (rounds < 300 and spent < budget_s * len(CANDIDATES)):
+            shift = rounds % len(CANDIDATES)
+            for name, _, overlap in CANDIDATES[shift:] + CANDIDATES[:shift]:
+                runner, batch = runners[name]
+                cluster.call_all(configure_link, delay, overlap)
+                st = cluster.group.stats
+                w0 = st.wait_s
+                t0 = time.perf_counter()
+                runner.execute(batch)
+                dt = time.perf_counter() - t0
+                if rounds > 0:  # round 0 is the warm-up
+                    times[name].append(dt * 1e3)
+                    exposed[name].append((st.wait_s - w0) * 1e3)
+                    spent += dt
+            rounds += 1
+    finally:
+        for runner, _ in runners.values():
+            runner.close()
+    return {"tokens": runners["off"][1].num_tokens, "times": times, "exposed": exposed}
+
+
+def _row(m: dict) -> dict:
+    t, e = m["times"], m["exposed"]
+    med = {k: statistics.median(v) for k, v in t.items()}
+    exp = {k: statistics.median(v) for k, v in e.items()}
+    paired = [a / b for a, b in zip(t["off"], t["dbo"])]  # the same round: the same machine load
+    return {
+        "tokens": m["tokens"], "rounds": len(t["off"]),
+        "off_ms": med["off"], "dbo_sync_ms": med["dbo-sync"], "dbo_ms": med["dbo"],
+        "off_ms_p10_p90": f"{_pct(t['off'], 0.1):.1f}-{_pct(t['off'], 0.9):.1f}",
+        "dbo_ms_p10_p90": f"{_pct(t['dbo'], 0.1):.1f}-{_pct(t['dbo'], 0.9):.1f}",
+        "comm_exposed_off_ms": exp["off"], "comm_exposed_dbo_sync_ms": exp["dbo-sync"],
+        "comm_exposed_dbo_ms": exp["dbo"],
+        "comm_share_of_off_step": exp["off"] / med["off"],
+        "comm_hidden_by_dbo": (exp["off"] - exp["dbo"]) / exp["off"] if exp["off"] > 0 else float("nan"),
+        "dbo_comm_hidden": 1 - exp["dbo"] / exp["dbo-sync"] if exp["dbo-sync"] > 0 else float("nan"),
+        "dbo_speedup_over_off": med["off"] / med["dbo"],
+        "paired_speedup_median": statistics.median(paired),
+        "paired_speedup_p10_p90": f"{_pct(paired, 0.1):.2f}-{_pct(paired, 0.9):.2f}",
+    }
+
+
+def run_tp(args) -> list[dict]:
     from ..model.loader import load_model
-    from ..parallel.launch import TPCluster
+    from ..parallel.launch import TPCluster, bind_cpus
     world = args.tensor_parallel_size
     torch.set_num_threads(args.threads)
+    names = args.workloads.split(",") if args.workloads else list(TP_WORKLOADS)
+    for wl in names:
+        if wl not in TP_WORKLOADS:
+            raise ValueError(f"--workloads: unknown workload {wl!r}; choose from {sorted(TP_WORKLOADS)}")
+    cores = sorted(os.sched_getaffinity(0))
+    bind = args.cpu_bind == "rank"
+    if bind and len(cores) < world:
+        raise ValueError(f"--cpu-bind rank: {len(cores)} cores for {world} ranks; use --cpu-bind none")
     cluster = TPCluster(args.model, world)
     rows = []
     try:
+        cluster.call_all(bind_cpus, cores, bind)
         links = [("gloo loopback (real)", None)] + [
             (f"SIMULATED {us:g} us + {args.sim_gbps:g} GB/s", LinkDelay(us * 1e-6, args.sim_gbps * 1e9))
             for us in args.sim_latency_us]
-        for wl in args.workloads.split(","):
-            if wl not in workloads:
-                raise ValueError(f"--workloads: unknown workload {wl!r}; choose from {sorted(workloads)}")
+        for wl in names:
             for link_name, delay in links:
-                runners = {name: _prepare(cluster, workloads[wl], n) for name, n, _ in CANDIDATES}
-                times = {name: [] for name, _, _ in CANDIDATES}
-                exposed = {name: [] for name, _, _ in CANDIDATES}
-                spent, rounds = 0.0, 0
-                while rounds < 5 or (rounds < 200 and spent < args.budget_s * len(CANDIDATES)):
-                    for name, _, overlap in CANDIDATES:
-                        runner, batch = runners[name]
-                        cluster.call_all(configure_link, delay, overlap)
-                        st = cluster.group.stats
-                        w0 = st.wait_s
-                        t0 = time.perf_counter()
-                        runner.execute(batch)
-                        dt = time.perf_counter() - t0
-                        if rounds > 0:  # round 0 is the warm-up
-                            times[name].append(dt * 1e3)
-                            exposed[name].append((st.wait_s - w0) * 1e3)
-                            spent += dt
-                    rounds += 1
-                med = {k: statistics.median(v) for k, v in times.items()}
-                exp = {k: statistics.median(v) for k, v in exposed.items()}
-                tokens = runners["off"][1].num_tokens
-                for runner, _ in runners.values():
-                    runner.close()
-                rows.append({
-                    "workload": wl, "tokens": tokens, "link": link_name, "repeats": rounds - 1,
-                    "off_ms": med["off"], "dbo_sync_ms": med["dbo-sync"], "dbo_ms": med["dbo"],
-                    "off_ms_p90": sorted(times["off"])[int(0.9 * (len(times["off"]) - 1))],
-                    "dbo_ms_p90": sorted(times["dbo"])[int(0.9 * (len(times["dbo"]) - 1))],
-                    "comm_exposed_off_ms": exp["off"], "comm_exposed_dbo_sync_ms": exp["dbo-sync"],
-                    "comm_exposed_dbo_ms": exp["dbo"],
-                    "comm_share_of_off_step": exp["off"] / med["off"],
-                    "comm_hidden_by_dbo": 1 - exp["dbo"] / exp["dbo-sync"] if exp["dbo-sync"] > 0 else float("nan"),
-                    "dbo_speedup_over_off": med["off"] / med["dbo"],
-                    "threads": args.threads,
-                })
+                row = _row(_measure(cluster, TP_WORKLOADS[wl], delay, args.budget_s))
+                rows.append({"workload": wl, "link": link_name, **row, "threads": args.threads,
+                             "cpu_bind": args.cpu_bind})
         cluster.call_all(configure_link, None, True)
         cost = {t: cluster.call_all(sum_cost, t, cluster.loaded.config.hidden_size, 50) for t in (64, 1024)}
         full = load_model(args.model)
-        rss = [_rss_mib(os.getpid())] + [_rss_mib(p) for p in cluster.pids]
+        pids = [os.getpid()] + cluster.pids
         for t, c in cost.items():
             rows.append({"order_rule_cost": f"[{t}, {cluster.loaded.config.hidden_size}] float32",
                          "rank_ordered_sum_ms": c["ordered"], "gloo_allreduce_ms": c["allreduce"],
@@ -135,7 +176,8 @@ def run_tp(args, workloads: dict) -> list[dict]:
                      "tables_mib_per_rank": cluster.loaded.tables.nbytes / 2**20,
                      "tables_mib_one_process": full.tables.nbytes / 2**20,
                      "ratio": cluster.loaded.tables.nbytes / full.tables.nbytes,
-                     "rss_mib_per_rank": [round(r, 1) for r in rss]})
+                     "rss_mib_per_rank": [round(_status_mib(p), 1) for p in pids],
+                     "peak_rss_mib_per_rank": [round(_status_mib(p, "VmHWM"), 1) for p in pids]})
     finally:
         cluster.close()
     return rows

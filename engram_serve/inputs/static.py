@@ -7,8 +7,11 @@ empty rows (qsl repeats the real token count), no sampling.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..errors import StaticBufferError
 from .batch import StepBatch
@@ -20,6 +23,18 @@ PADDING = {
     "req_slots": (-1, "row"), "num_computed": (0, "row"), "seq_lens": (0, "row"), "block_tables": (-1, "row"),
     "sample": (False, "row"), "history": (-1, "row"),
 }
+
+
+def pad_tokens(batch: StepBatch, size: int) -> StepBatch:
+    """`batch` with neutral padding tokens appended up to `size` tokens (eager mode: fresh tensors, rows
+    untouched). A padding token belongs to no row (qsl ends at the real count), writes no KV, is dead
+    and is sampled nowhere, as in `StaticInputs`."""
+    n = size - batch.num_tokens
+    if n <= 0:
+        return batch
+    return dataclasses.replace(batch, **{name: F.pad(getattr(batch, name), (0, n), value=fill)
+                                         for name, (fill, kind) in PADDING.items()
+                                         if kind == "token" and getattr(batch, name) is not None})
 
 
 class StaticInputs:

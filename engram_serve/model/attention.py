@@ -19,8 +19,8 @@ from torch import nn
 from ..config import ModelConfig
 from ..errors import StaticBufferError
 from .context import ForwardContext
-from .layers import MIN_ROWS, Linear, apply_rotary
-from .paged_attention import AttentionPlan, attend_full, attend_selected, select_keys
+from .layers import Linear, apply_rotary
+from .paged_attention import AttentionPlan, attend_full, attend_selected, attention_min_rows, select_keys
 
 FULL, SELECT, REUSE = "full", "select", "reuse"
 
@@ -72,7 +72,7 @@ class PagedAttention:
 
     def _plan(self, group: int) -> AttentionPlan:
         if self.plan is None:
-            b, zero, width = self.ctx.batch, self.ctx.kv.zero_slot, -(-MIN_ROWS // group)
+            b, zero, width = self.ctx.batch, self.ctx.kv.zero_slot, -(-attention_min_rows(self.ctx.kv) // group)
             if self.ctx.max_seq_len is not None:  # static shapes for graph capture
                 self.plan = AttentionPlan.build_static(b, zero, width, self.ctx.max_seq_len)
             else:

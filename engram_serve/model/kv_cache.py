@@ -1,4 +1,7 @@
-"""Paged KV cache: one flat slot pool per layer, addressed by `slot = block * block_size + offset`.
+"""Paged KV cache: one flat slot pool per layer and KV head, addressed by `slot = block * block_size + offset`.
+
+Layout [layers, kv_heads, slots, head_dim] (head-major): attention gathers a pair's keys for every KV
+head in one index_select that lands in its bmm's batch layout (paged_attention.py), with no copy.
 
 Invariants: a token at absolute position p of a request whose block table is `bt` lives in slot
 `bt[p // block_size] * block_size + p % block_size`; slot -1 means "write nowhere" (padding). An
@@ -24,7 +27,7 @@ class KVCache:
         self.dtype, self.device = dtype, torch.device(device)
         self.num_slots = num_blocks * block_size
         self.trash_slot, self.zero_slot = self.num_slots, self.num_slots + 1
-        shape = (num_layers, self.num_slots + 2, num_kv_heads, head_dim)  # + the trash and zero slots
+        shape = (num_layers, num_kv_heads, self.num_slots + 2, head_dim)  # + the trash and zero slots
         self._k = torch.zeros(shape, dtype=dtype, device=self.device)
         self._v = torch.zeros(shape, dtype=dtype, device=self.device)
 
@@ -35,12 +38,12 @@ class KVCache:
                    dtype, device)
 
     def _blocks(self, pool: torch.Tensor) -> torch.Tensor:
-        return pool[:, :self.num_slots].view(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
-                                             self.head_dim)
+        return pool[:, :, :self.num_slots].view(self.num_layers, self.num_kv_heads, self.num_blocks, self.block_size,
+                                                self.head_dim).permute(0, 2, 3, 1, 4)
 
     @property
     def k(self) -> torch.Tensor:
-        """[layers, num_blocks, block_size, kv_heads, head_dim] view of the key pool (no trash or zero slot)."""
+        """[layers, num_blocks, block_size, kv_heads, head_dim] (strided) view of the key pool (no trash or zero slot)."""
         return self._blocks(self._k)
 
     @property
@@ -54,9 +57,9 @@ class KVCache:
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, kv_heads, head_dim] at slot_mapping [T]; slots < 0 go to the trash slot."""
         slots = torch.where(slot_mapping < 0, torch.full_like(slot_mapping, self.trash_slot), slot_mapping)
-        self._k[layer].index_copy_(0, slots, k.to(self.dtype))
-        self._v[layer].index_copy_(0, slots, v.to(self.dtype))
+        self._k[layer].index_copy_(1, slots, k.to(self.dtype).transpose(0, 1))
+        self._v[layer].index_copy_(1, slots, v.to(self.dtype).transpose(0, 1))
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The key and value pools [slots + 2, kv_heads, head_dim] of one layer (trash and zero slots last)."""
+        """The key and value pools [kv_heads, slots + 2, head_dim] of one layer (trash and zero slots last)."""
         return self._k[layer], self._v[layer]

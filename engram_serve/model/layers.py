@@ -16,18 +16,28 @@ from ..errors import StaticBufferError
 from .context import MOE_COMBINE, MOE_DISPATCH, ForwardContext
 
 
-# Batch invariance of matmuls (spec §9). On CPU, torch's float32 matmul (MKL sgemm) computes a row
-# with a different kernel when the call holds 1, 2-3 or >= 4 rows, so the same row's bits would depend
-# on how many rows share its call. Rule: every matmul of the forward goes through `linear`, which pads
-# a call of fewer than MIN_ROWS rows with zero rows. From MIN_ROWS rows on, a row's result does not
-# depend on the row count or its place in the call (tests/test_batch_invariance.py sweeps this).
-MIN_ROWS = 4
+# Batch invariance of matmuls (spec §9). On CPU, torch's float32 matmul (MKL sgemm) computes a call of
+# few rows with small-matrix kernels and a bigger call with its blocked kernel, and they round
+# differently, so a row's bits would depend on how many rows share its call. Where the switch lies
+# depends on the CPU and on the weight's memory layout: with the usual [out, in] row-major weight it is
+# 4 rows on an AVX2 machine and 6 to 16 rows (growing with `in`) on an AVX-512 one; with the weight laid
+# out input-major (`in_major`: W.T contiguous, so MKL reads it untransposed) only a 1-row call differs
+# there. The model's matmul weights are laid out input-major (`layout_weights_`, once at load), and
+# every matmul of the forward goes through `linear`, which pads a call of fewer than `min_rows(weight)`
+# rows with zero rows. `min_rows` is measured once per shape and layout in the process
+# (`first_invariant_rows`): the smallest row count from which every probed call gives each row the bits
+# of a PROBE_REF-row call. The attention's bmm calls get the same treatment (`bmm_min_rows`).
+# The runner pads a small microbatch once to the model's largest `min_rows` (`pad_rows`), so that within
+# a step only the sampled rows' logits call may still pad. tests/test_layers.py sweeps the rule.
+MIN_ROWS = 4  # the rule off the CPU (not measured there)
+PROBE_REF, PROBE_MAX = 512, 96
 _exact = True  # the batch-invariance rules of this module are on; `batch_invariant(False)` turns them off
+_min_rows: dict[tuple, int] = {}
 
 
 @contextmanager
 def batch_invariant(enabled: bool):
-    """Run the block with the batch-invariance rules (MIN_ROWS, VEC_PAD) on or off. Off is the fastest
+    """Run the block with the batch-invariance rules (min_rows, VEC_PAD) on or off. Off is the fastest
     non-exact configuration (benchmarks) and the negative control of the bit-exactness tests."""
     global _exact
     before, _exact = _exact, enabled
@@ -37,16 +47,105 @@ def batch_invariant(enabled: bool):
         _exact = before
 
 
+def in_major(t: torch.Tensor, n_in: int = 1) -> torch.Tensor:
+    """t, same shape and values, laid out with its last `n_in` (input) dims outermost in memory: as a
+    matrix [out, in] its transpose is contiguous. A copy unless t is laid out so already."""
+    d = t.dim()
+    order = [*range(d - n_in, d), *range(d - n_in)]
+    p = t.permute(order)
+    return t if p.is_contiguous() else p.contiguous().permute([order.index(i) for i in range(d)])
+
+
+def first_invariant_rows(fn, rows: torch.Tensor) -> int:
+    """The smallest row count m such that fn over the first n rows, for every probed n >= m (1..PROBE_MAX,
+    and a few up to PROBE_REF), gives each row the bits of fn over all PROBE_REF `rows`."""
+    with torch.no_grad():
+        full = fn(rows)
+        sizes = [*range(1, PROBE_MAX + 1), 127, 128, 129, 255, 256, 257, PROBE_REF - 1]
+        bad = [n for n in sizes if not torch.equal(fn(rows[:n]), full[:n])]
+    return bad[-1] + 1 if bad else 1
+
+
+def _probe(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def min_rows(weight: torch.Tensor) -> int:
+    """Rows a call of `linear` with this weight is padded to (rule above), measured once per shape and
+    layout (kernel choice depends on shapes, layout and threads, not on values)."""
+    if weight.device.type != "cpu":
+        return MIN_ROWS
+    out_f, in_f = weight.shape
+    input_major = weight.stride(0) == 1 and out_f > 1
+    key = ("linear", in_f, out_f, weight.dtype, input_major, torch.get_num_threads())
+    if key not in _min_rows:
+        w = _probe(out_f, in_f, dtype=weight.dtype)
+        w = in_major(w) if input_major else w
+        _min_rows[key] = first_invariant_rows(lambda x: F.linear(x, w), _probe(PROBE_REF, in_f, dtype=weight.dtype, seed=1))
+    return _min_rows[key]
+
+
+def bmm_min_rows(k: int, n: int, transposed: bool, dtype: torch.dtype = torch.float32) -> int:
+    """Rows from which torch.bmm gives an item's row the same bits whatever the item's row count, for items
+    [rows, k] @ [k, n] with the right operand contiguous, or the transpose of a contiguous [n, k] (measured
+    once per shape on this CPU, like `min_rows`)."""
+    key = ("bmm", k, n, transposed, dtype, torch.get_num_threads())
+    if key not in _min_rows:
+        b = _probe(1, n, k, dtype=dtype).transpose(1, 2) if transposed else _probe(1, k, n, dtype=dtype)
+        _min_rows[key] = first_invariant_rows(lambda a: torch.bmm(a[None], b)[0], _probe(PROBE_REF, k, dtype=dtype, seed=1))
+    return _min_rows[key]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T -> [..., out], batch-invariant (rule above).
 
-    A call of fewer than MIN_ROWS rows is zero-padded with one `F.pad` (host-side shape check, no
-    device sync); a 2-D input needs no reshape. Fewer operators, same bits as padding with a cat."""
+    A call of fewer than min_rows(weight) rows is zero-padded with one `F.pad` (host-side shape check,
+    no device sync); a 2-D input needs no reshape."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     n = x2.shape[0]
-    y = (F.linear(x2, weight) if n >= MIN_ROWS or not _exact
-         else F.linear(F.pad(x2, (0, 0, 0, MIN_ROWS - n)), weight)[:n])
+    m = min_rows(weight) if _exact else 0
+    y = F.linear(x2, weight) if n >= m else F.linear(F.pad(x2, (0, 0, 0, m - n)), weight)[:n]
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
+
+
+def matmul_params(module: nn.Module):
+    """(module, parameter name, input dims) of every weight `linear` multiplies by in `module`."""
+    for m in module.modules():
+        if isinstance(m, Linear):
+            yield m, "weight", 1
+        elif isinstance(m, MLP):
+            yield m, "gate_up", 1
+        elif isinstance(m, MoE):
+            yield m, "w_in", 1
+            yield m, "w_out", 2
+
+
+def layout_weights_(module: nn.Module) -> nn.Module:
+    """Lay out every matmul weight of `module` input-major in place (rule above); returns `module`."""
+    for m, name, n_in in matmul_params(module):
+        p = getattr(m, name)
+        if p.device.type != "meta":
+            p.data = in_major(p.data, n_in)
+    return module
+
+
+def matmul_weights(module: nn.Module) -> list[torch.Tensor]:
+    """The 2-D weights that `linear` multiplies by in `module`'s forward, as it views them."""
+    out = []
+    for m in module.modules():
+        if isinstance(m, Linear):
+            out.append(m.weight)
+        elif isinstance(m, MLP):
+            out.append(m.gate_up.view(2 * m.intermediate, m.hidden))
+        elif isinstance(m, MoE):
+            out += [m.w_in.view(-1, m.hidden), m.w_out.view(m.hidden, -1), m.w_in[0].view(-1, m.hidden),
+                    m.w_out[:, 0]]
+    return out
+
+
+def pad_rows(module: nn.Module) -> int:
+    """The token count a microbatch is padded to so that none of `module`'s matmuls pads its call."""
+    return max((min_rows(w) for w in matmul_weights(module)), default=MIN_ROWS)
 
 
 # Batch invariance of elementwise ops. torch's CPU loops run the vectorised form of an op over whole
@@ -57,9 +156,11 @@ VEC_PAD = 64
 
 
 def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
-    """fn(x) for an elementwise fn, computed on the vectorised path for every element (rule above)."""
+    """fn(x) for an elementwise fn, computed on the vectorised path for every element (rule above). An
+    input whose contiguous innermost dim is a multiple of VEC_PAD (a column slice of a fused matmul's
+    output) is already all whole vectors: torch loops over its rows."""
     n = x.numel()
-    if not _exact or (n % VEC_PAD == 0 and x.is_contiguous()):
+    if not _exact or (n % VEC_PAD == 0 and x.is_contiguous()) or (x.stride(-1) == 1 and x.shape[-1] % VEC_PAD == 0):
         return fn(x)
     return fn(F.pad(x.reshape(-1), (0, (-n) % VEC_PAD)))[:n].view(x.shape)
 

@@ -7,8 +7,9 @@
 Tensor names are this project's (native) or the official DeepSeek-V4.1 ones, detected per checkpoint;
 the mapping is the one table in names.py. Tensors are read through `safetensors.safe_open`: weights
 are views of a private (copy-on-write) mapping of their shard, assigned into a model built on the
-meta device, so loading copies no float32 weight. Exceptions, each a documented copy at load:
-an F8_E4M3 weight with E8M0 block scales (the Engram `wkv`) is dequantized ONCE, at load, into
+meta device. The matmul weights are then copied once into the input-major layout that keeps a row's
+bits independent of its call's row count (model/layers.py); norms and embeddings stay mapped. Other
+copies at load: an F8_E4M3 weight with E8M0 block scales (the Engram `wkv`) is dequantized ONCE, at load, into
 float32, the model's compute dtype (so the batch-invariant `Linear` runs unchanged); BF16/F16
 weights are cast to float32; per-expert official tensors are stacked. Engram tables are never
 converted: float or FP8 (E4M3 rows + E8M0 per-32-column scales), they stay mapped and are read on
@@ -35,6 +36,7 @@ from ..engram.tables import EngramTables, table_key
 from ..engram.token_map import build_token_map, load_tokenizer
 from ..errors import CheckpointMismatch
 from .checkpoint import INDEX_FILE, WEIGHTS_FILE, CheckpointFiles
+from .layers import layout_weights_
 from .model import EngramModel, init_weights
 from .names import detect_scheme, name_in, scale_name
 
@@ -193,6 +195,7 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
         model = EngramModel(cfg)
     state = load_state(files, scheme, model.state_dict(), table_names, note)
     model.load_state_dict(state, strict=True, assign=True)
+    layout_weights_(model)  # one copy of the matmul weights, input-major (the row rule of model/layers.py)
     model.requires_grad_(False).eval()
     if torch.device(device).type != "cpu":
         model = model.to(device)

@@ -10,11 +10,12 @@ layer reuses it. Layout, and the batch-invariance rules it follows (spec §9):
     q_len * k_len, plus at most KC - 1 keys and a doubling of query slots of padding per row.
     Rows never pad to the step's longest query or context.
   * Groups. Pairs are grouped by width (the row's query count rounded up to a power of two, at
-    least MIN_ROWS / g so that a bmm has >= MIN_ROWS rows), one bmm per group and KV head:
-    scores = [W*g, hd] @ [hd, KC], the chunk max, exp, the sum over KC, then [W*g, KC] @ [KC, hd].
-    CPU bmm gives a row the same bits whatever the number of items, the rows' count (>= 4) or the
-    row's place (tested), and every call hands it one fixed layout (queries contiguous, keys and
-    values as strided views of the gathered chunk), so a query's per-chunk bits are fixed.
+    least `attention_min_rows` / g), one bmm per group, an item per (KV head, pair): scores =
+    [W*g, hd] @ [hd, KC], the chunk max, exp, the sum over KC, then [W*g, KC] @ [KC, hd]. CPU bmm
+    gives a row the same bits whatever the number of items and the row's place, and whatever the
+    rows' count from a threshold on (measured per CPU: 2 on an AVX-512 Xeon); every call hands it
+    one fixed layout (queries contiguous, keys and values contiguous per item, straight from the
+    head-major KV pool), so a query's per-chunk bits are fixed.
   * Chunks combine per query in chunk order: `index_add_` on CPU adds its sources in index order,
     so a query's result is a fold over its own chunks only, whatever else is in the step.
   * Isolation. A pair reads its row's keys only through the row's block table and only at positions
@@ -39,9 +40,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .layers import MIN_ROWS, bmm_min_rows
+
 
 KC = 64  # key chunk: positions per chunk
 NEG_INF = float("-inf")
+
+
+def attention_min_rows(kv) -> int:
+    """Rows (queries x heads per KV head) a pair's bmm calls need for a row's bits not to depend on them:
+    the scores [rows, hd] @ [hd, KC] (keys transposed) and the values [rows, KC] @ [KC, hd], measured on
+    this CPU (model/layers.py); MIN_ROWS off the CPU."""
+    if kv.device.type != "cpu":
+        return MIN_ROWS
+    return max(bmm_min_rows(kv.head_dim, KC, True, kv.dtype), bmm_min_rows(KC, kv.head_dim, False, kv.dtype))
 
 
 @dataclass
@@ -136,34 +148,35 @@ def _softmax_parts(s: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor
     return m, p, p.sum(-1)
 
 
-def _pair_queries(grp: Group, q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[P, W, kvh, g, hd]: each pair's queries (zero rows for empty slots)."""
+def _head_batched_queries(grp: Group, q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[kvh * P, W * g, hd]: each (KV head, pair)'s queries, one bmm item each (zero rows for empty slots)."""
     t, heads, hd = q.shape
-    qz = torch.cat([q, q.new_zeros(1, heads, hd)])
     p_, w = grp.query.shape
-    return qz.index_select(0, grp.query.view(-1)).view(p_, w, kv_heads, heads // kv_heads, hd)
+    qz = torch.cat([q, q.new_zeros(1, heads, hd)]).index_select(0, grp.query.view(-1))  # [P*W, heads, hd]
+    return qz.view(p_, w, kv_heads, heads // kv_heads, hd).permute(2, 0, 1, 3, 4).reshape(kv_heads * p_, -1, hd)
 
 
-def _head_scores(qg: torch.Tensor, k: torch.Tensor, j: int) -> torch.Tensor:
-    """[P, W*g, KC] scores of KV head j: queries [P, W, kvh, g, hd] against keys [P, KC, kvh, hd]."""
-    p_, w, _, g, hd = qg.shape
-    return torch.bmm(qg[:, :, j].reshape(p_, w * g, hd), k[:, :, j].transpose(1, 2))
+def _head_batched(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[kvh * P, K, hd]: the keys or values at slots [P, K] of a pool [kvh, slots, hd], one bmm item per
+    (KV head, pair), in one contiguous layout straight from the gather."""
+    kvh, _, hd = cache.shape
+    return cache.index_select(1, slots.view(-1)).view(kvh * slots.shape[0], slots.shape[1], hd)
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """[P, KC, kvh, hd] keys or values at slots [P, KC] of a pool [slots, kvh, hd] (a 2-D row gather)."""
-    n, kvh, hd = cache.shape
-    return cache.view(n, kvh * hd).index_select(0, slots.view(-1)).view(*slots.shape, kvh, hd)
+def _per_query(x: torch.Tensor, p_: int, kvh: int, w: int) -> torch.Tensor:
+    """[kvh * P, W * g, ...] (a result per bmm item row) -> [P * W, heads, ...] (per query slot)."""
+    x = x.view(kvh, p_, w, -1, *x.shape[2:]).permute(1, 2, 0, 3, *range(4, x.dim() + 2))
+    return x.reshape(p_ * w, -1, *x.shape[4:])
 
 
 def attend_full(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 v_new: torch.Tensor | None) -> torch.Tensor:
-    """Causal attention of q [T, heads, hd] over one layer's pools k_cache, v_cache [slots, kvh, hd];
+    """Causal attention of q [T, heads, hd] over one layer's pools k_cache, v_cache [kvh, slots, hd];
     v_new [T, kvh, hd] are this step's values, checked for non-finite ones only where a row holds
     several queries (None skips the guard: the negative control of the isolation tests).
     Returns [T, heads*hd] (0 for padding tokens)."""
     t, heads, hd = q.shape
-    kvh = k_cache.shape[1]
+    kvh = k_cache.shape[0]
     g = heads // kvh
     if not plan.groups:  # padding only
         return q.new_zeros(t, heads * hd)
@@ -171,21 +184,21 @@ def attend_full(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_c
     if any(guarded):  # [T + 1] this step's tokens whose new value is not finite (the extra entry: none)
         bad_tok = torch.cat([~torch.isfinite(v_new).view(t, -1).all(-1), v_new.new_zeros(1, dtype=torch.bool)])
     toks, ms, ls, os_, flags = [], [], [], [], []
+    qs = q * (1.0 / math.sqrt(hd))
     for grp, guard in zip(plan.groups, guarded):
         p_, w = grp.query.shape
-        k, v = _gather(k_cache, grp.slots), _gather(v_cache, grp.slots)
+        k, v = _head_batched(k_cache, grp.slots), _head_batched(v_cache, grp.slots)  # [kvh*P, KC, hd]
         if guard:  # a non-finite key of this step, masked for the row's earlier queries: never 0 * NaN
             bad = bad_tok[grp.fresh_tok]  # [P, KC]
-            v = v.masked_fill(bad[:, :, None, None], 0.0)
+            v = v.view(kvh, p_, KC, hd).masked_fill(bad[None, :, :, None], 0.0).view(kvh * p_, KC, hd)
             flags.append((grp.visible & bad[:, None, :]).any(-1).view(-1))
-        qg = _pair_queries(grp, q * (1.0 / math.sqrt(hd)), kvh)
-        vis = grp.visible[:, :, None, :].expand(p_, w, g, KC).reshape(p_, w * g, KC)
-        parts = [_softmax_parts(_head_scores(qg, k, j), vis) for j in range(kvh)]
+        qg = _head_batched_queries(grp, qs, kvh)  # [kvh*P, W*g, hd]
+        vis = grp.visible[None, :, :, None, :].expand(kvh, p_, w, g, KC).reshape(kvh * p_, w * g, KC)
+        m, pr, l = _softmax_parts(torch.bmm(qg, k.transpose(1, 2)), vis)
         toks.append(grp.query.view(-1))
-        ms.append(torch.stack([m.view(p_, w, g) for m, _, _ in parts], 2).view(p_ * w, heads))
-        ls.append(torch.stack([s.view(p_, w, g) for _, _, s in parts], 2).view(p_ * w, heads))
-        os_.append(torch.stack([torch.bmm(pr, v[:, :, j]).view(p_, w, g, hd) for j, (_, pr, _) in enumerate(parts)],
-                               2).view(p_ * w, heads, hd))
+        ms.append(_per_query(m, p_, kvh, w))  # [P*W, heads]
+        ls.append(_per_query(l, p_, kvh, w))
+        os_.append(_per_query(torch.bmm(pr, v), p_, kvh, w))  # [P*W, heads, hd]
     tok, m, l, o = torch.cat(toks), torch.cat(ms), torch.cat(ls), torch.cat(os_)
     big = torch.full((t + 1, heads), NEG_INF, dtype=m.dtype, device=m.device)
     big = big.scatter_reduce_(0, tok[:, None].expand_as(m), m, "amax")
@@ -207,7 +220,7 @@ def select_keys(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, top
     (tensor parallel): turns this rank's sum over its own heads into the mean over every rank's heads
     (an elementwise cross-rank sum, one per group: the plan is the same on every rank)."""
     t, heads, hd = q.shape
-    kvh = k_cache.shape[1]
+    kvh = k_cache.shape[0]
     g = heads // kvh
     kk = min(topk, KC)  # a query's best keys are among its chunks' best
     if not plan.groups:  # padding only
@@ -215,10 +228,8 @@ def select_keys(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, top
     tops, poss, qids = [], [], []
     for grp in plan.groups:
         p_, w = grp.query.shape
-        k = _gather(k_cache, grp.slots)
-        qg = _pair_queries(grp, q, kvh)
-        raw = torch.stack([_head_scores(qg, k, j).view(p_, w, g, KC) for j in range(kvh)], 2)  # [P, W, kvh, g, KC]
-        score = raw.view(p_, w, heads, KC).sum(2)
+        raw = torch.bmm(_head_batched_queries(grp, q, kvh), _head_batched(k_cache, grp.slots).transpose(1, 2))
+        score = _per_query(raw, p_, kvh, w).view(p_, w, heads, KC).sum(2)  # heads summed in head order
         score = score / heads if head_mean is None else head_mean(score)
         score = score.masked_fill(~grp.visible, NEG_INF)  # [P, W, KC]
         top, order = score.sort(dim=-1, descending=True, stable=True)  # ties: lower position first
@@ -245,19 +256,17 @@ def select_keys(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, top
 def attend_selected(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     sel: torch.Tensor) -> torch.Tensor:
     """Attention of each query only to its selected key positions sel [T, topk] (-1 = none), over one
-    layer's pools [slots, kvh, hd]. Returns [T, heads*hd]."""
+    layer's pools [kvh, slots, hd]. Returns [T, heads*hd]."""
     t, heads, hd = q.shape
-    kvh, topk = k_cache.shape[1], sel.shape[1]
+    kvh, topk = k_cache.shape[0], sel.shape[1]
     g = heads // kvh
     bs, tables = plan.block_size, plan.block_tables
     blk = tables[plan.tok_row[:, None], (sel.clamp(min=0) // bs).clamp(max=tables.shape[1] - 1)]
     ok = (sel >= 0) & (blk >= 0)  # [T, topk]
     slots = torch.where(ok, blk * bs + sel % bs, torch.full_like(sel, plan.zero_slot))
-    k, v = _gather(k_cache, slots.view(t, topk)), _gather(v_cache, slots.view(t, topk))
-    qg = (q * (1.0 / math.sqrt(hd))).view(t, kvh, g, hd)
-    vis = ok[:, None, :].expand(t, g, topk)
-    outs = []
-    for j in range(kvh):
-        _, p, l = _softmax_parts(torch.bmm(qg[:, j].contiguous(), k[:, :, j].transpose(1, 2)), vis)
-        outs.append(torch.where(l[..., None] == 0, 0.0, torch.bmm(p, v[:, :, j]) / l[..., None]))  # [T, g, hd]
-    return torch.stack(outs, 1).reshape(t, heads * hd)
+    k, v = _head_batched(k_cache, slots), _head_batched(v_cache, slots)  # [kvh*T, topk, hd]
+    qg = (q * (1.0 / math.sqrt(hd))).view(t, kvh, g, hd).transpose(0, 1).reshape(kvh * t, g, hd)
+    vis = ok[None, :, None, :].expand(kvh, t, g, topk).reshape(kvh * t, g, topk)
+    _, p, l = _softmax_parts(torch.bmm(qg, k.transpose(1, 2)), vis)
+    out = torch.where(l[..., None] == 0, 0.0, torch.bmm(p, v) / l[..., None])  # [kvh*T, g, hd]
+    return out.view(kvh, t, g, hd).transpose(0, 1).reshape(t, heads * hd)

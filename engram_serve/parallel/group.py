@@ -33,8 +33,11 @@ class ParallelError(EngramServeError, RuntimeError):
 @dataclass(frozen=True)
 class LinkDelay:
     """A SIMULATED link: every cross-rank sum completes `latency_s + bytes / bytes_per_s` after its
-    launch (on top of the real transfer). Stands in for an inter-node network in the benchmark; the
-    wait sleeps only for what is left of that time, so compute between launch and wait hides it."""
+    launch, or when the real (loopback) transfer completes if that is later. Stands in for an
+    inter-node network in the benchmark. Nothing blocks at the launch: the wait sleeps only for what
+    is left of that time since the launch, so compute between launch and wait hides it, as it would
+    hide a transfer on a real link (two sums in flight at once each take their own time: the link is
+    not modelled as shared)."""
 
     latency_s: float = 0.0
     bytes_per_s: float = float("inf")

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..errors import EngramServeError
+from .collectives import sum_now
 from .group import ParallelError, ParallelGroup, free_port
 from .runner import ParallelModelRunner, unpack_batch
 
@@ -110,6 +111,29 @@ def local_device(device: str) -> str:
     if device == "cuda" and "LOCAL_RANK" in os.environ:
         return f"cuda:{int(os.environ['LOCAL_RANK'])}"
     return device
+
+
+def bind_cpus(group: ParallelGroup, cores: list[int], bind: bool = True) -> list[int]:
+    """Pin every thread of this rank's process (the compute thread, gloo's threads, the Engram gather
+    thread; threads started later inherit it) to the rank's own share of `cores` (rank 0's cores
+    before any binding; the workers it spawned inherit them): rank r of N gets
+    cores[r*C/N : (r+1)*C/N]. `bind=False` gives all of `cores` back. Called on every rank through
+    TPCluster.call_all by `bench step --tensor-parallel-size`; returns this rank's cores once every
+    rank has applied its own (a cross-rank sum at the end).
+
+    Why: unpinned, N ranks and their communication threads migrate between the same few cores, and a
+    rank preempted by its peer's thread leaves the other rank waiting inside a collective."""
+    if len(cores) < group.world:
+        raise ValueError(f"bind_cpus: {len(cores)} cores {cores} for {group.world} ranks")
+    per = len(cores) // group.world
+    mine = cores[group.rank * per:(group.rank + 1) * per] if bind else list(cores)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), mine)
+        except (ProcessLookupError, PermissionError):  # a thread that just ended
+            pass
+    sum_now(group, torch.zeros(1), "bind_cpus")
+    return mine
 
 
 class TPCluster:

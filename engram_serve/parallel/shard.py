@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..model.layers import MoE
+from ..model.layers import MoE, layout_weights_
 from ..model.loader import LoadedModel
 from .group import ParallelGroup
 from .layers import (ColumnParallelLinear, ExpertParallelMoE, PartialInputLinear, RowParallelLinear,
@@ -56,6 +56,7 @@ def shard_model(loaded: LoadedModel, group: ParallelGroup, pin_tables: bool | No
             layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, group, f"layer{layer.layer_id}.mlp")
         if layer.engram is not None:
             layer.engram.wkv = PartialInputLinear(layer.engram.wkv, group, f"layer{layer.layer_id}.engram")
+    layout_weights_(model)  # the shards are fresh copies: input-major again (model/layers.py)
     model.to(group.device)
     local = dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // world,
                                 num_key_value_heads=cfg.num_key_value_heads // world)

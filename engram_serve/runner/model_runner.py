@@ -17,13 +17,13 @@ import torch
 
 from ..engram.hashing import hash_step
 from ..inputs.batch import StepBatch
-from ..inputs.static import StaticInputPool
+from ..inputs.static import StaticInputPool, pad_tokens
 from ..inputs.step import build_step
 from ..inputs.step_state import StepState
 from ..inputs.ubatch import SplitConfig, plan_split, split_batch
 from ..model.context import ForwardContext, UbatchBuffers
 from ..model.kv_cache import KVCache
-from ..model.layers import batch_invariant
+from ..model.layers import MIN_ROWS, batch_invariant, pad_rows
 from ..model.loader import LoadedModel
 from .executor import run_interleaved
 from .ownership import OwnershipTracker
@@ -97,7 +97,9 @@ class ModelRunner:
         self.store = TokenStore(cfg.max_num_seqs, cfg.max_model_len, self.device)
         self.state = StepState(cfg.max_num_seqs, cfg.max_blocks_per_seq, self.device,
                                pack_capacity=5 * cfg.max_num_seqs + 1 + cfg.max_num_batched_tokens)
-        cap = max(cfg.graph_sizes) if cfg.graph_sizes else cfg.max_num_batched_tokens
+        # exact: a microbatch of fewer tokens is padded once to this size (model/layers.py, the row rule)
+        self.pad_rows = pad_rows(self.model) if cfg.exact and self.device.type == "cpu" else MIN_ROWS
+        cap = max(cfg.graph_sizes) if cfg.graph_sizes else max(cfg.max_num_batched_tokens, self.pad_rows)
         self.bufs = self.allocate_buffers(cap)
         self.static = StaticInputPool(list(cfg.graph_sizes)) if cfg.graph_sizes else None
         self.graphs = None
@@ -171,6 +173,8 @@ class ModelRunner:
             sizes = self.static.part_sizes(bounds)  # bounded set of (microbatch, padded size) keys
             ubs = [self.static.get(k, s, u).refresh(u, pad=self.neutral_padding)
                    for k, (s, u) in enumerate(zip(sizes, ubs))]
+        elif self.cfg.exact:  # a small microbatch is padded once, so that no matmul pads its call
+            ubs = [pad_tokens(u, self.pad_rows) for u in ubs]
         if self.tracker is not None:
             self.tracker.reset()
         ctxs, futures = [], []

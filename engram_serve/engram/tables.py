@@ -21,7 +21,7 @@ import torch
 from ..config import EngramConfig
 from .quantized import Fp8Table, dequantize_rows
 from .row_cache import RowCache
-from .staging import gather_backend, stage_rows
+from .staging import gather_backend, stage_rows, stage_step
 
 
 def table_key(layer_id: int) -> str:
@@ -112,12 +112,15 @@ class EngramTables:
             raise ValueError(f"gather: hash_ids {tuple(hash_ids.shape)} and out {tuple(out.shape)} do not fit "
                              f"{self.num_layers} tables of width {self.head_dim}")
         with self._lock:
+            if self.caches == [None] * self.num_layers and out.is_contiguous() and self.num_layers \
+                    and all(gather_backend(tab, out[0, 0]) == "kernel" for tab in self.tables):
+                # fused: dedup, read, decode into staging, one pass per layer (and few torch ops per step)
+                stage_step(self.tables, hash_ids, out.view(n_layers, t * c, self.head_dim), self.dedup)
+                return out
             for layer, tab in enumerate(self.tables):
                 ids = hash_ids[:, layer, :].reshape(-1).to(tab.device, torch.int64)  # [T*C]
                 dst = out[layer].view(t * c, self.head_dim) if out[layer].is_contiguous() else None  # [T*C, hd]
-                if self.caches[layer] is None and dst is not None and gather_backend(tab, dst) == "kernel":
-                    stage_rows(tab, ids, dst, self.dedup)  # fused: dedup, read, decode into staging, one pass
-                elif self.dedup or self.caches[layer] is not None:
+                if self.dedup or self.caches[layer] is not None:
                     uniq, inv = torch.unique(ids, return_inverse=True) if self.dedup else (ids, None)  # [U] ascending
                     rows = self._rows(layer, uniq, out.dtype, out.device)  # [U, hd]
                     if inv is None:

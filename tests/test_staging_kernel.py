@@ -137,3 +137,17 @@ def test_backend_choice(monkeypatch):
     monkeypatch.setenv(staging.BACKEND_ENV, "fast")
     with pytest.raises(ValueError, match="ENGRAM_SERVE_GATHER_BACKEND='fast'"):
         staging.gather_backend(f, out)
+
+
+def test_a_build_without_the_kernel_gathers_through_torch(monkeypatch):
+    monkeypatch.setattr(staging, "_gather_kernel", None)
+    monkeypatch.delenv(staging.BACKEND_ENV, raising=False)
+    f = torch.randn(50, 32)
+    assert staging.gather_backend(f, torch.empty(2, 32)) == "torch"
+    ids = torch.tensor([[[3, 3]], [[49, 0]]])  # [T=2, L=1, C=2]
+    out = torch.empty(1, 2, 2, 32)
+    EngramTables((1,), [f], pin=False).gather(ids, out)
+    assert torch.equal(out[0], f[ids[:, 0]])
+    monkeypatch.setenv(staging.BACKEND_ENV, "kernel")
+    with pytest.raises(RuntimeError, match="_gather_kernel was not built"):
+        staging.gather_backend(f, torch.empty(2, 32))

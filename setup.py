@@ -1,24 +1,29 @@
-"""Build the optional C hash kernel; all other metadata lives in pyproject.toml.
+"""Build the optional C kernels; all other metadata lives in pyproject.toml.
 
-`engram_serve.engram._hash_kernel` needs only a C compiler and the CPython headers (no torch or
-numpy headers). It is optional: where it cannot be compiled, the install still succeeds with a
-warning and `engram_serve.engram.hashing` falls back to the torch path.
+`engram_serve.engram._hash_kernel` (the n-gram hash) and `engram_serve.engram._gather_kernel` (the
+staging gather of table rows) need only a C compiler and the CPython headers (no torch or numpy
+headers). They are optional: where one cannot be compiled, the install still succeeds with a warning
+and `engram_serve.engram.hashing` / `engram_serve.engram.staging` fall back to the torch path.
 """
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 
 class BuildExt(build_ext):
-    """-O3 for gcc/clang; MSVC gets /O2 (it has no unsigned __int128, so the optional build fails there)."""
+    """-O3 for gcc/clang, with IEEE float arithmetic kept as written (no contraction into FMA: the gather's
+    decode must round exactly once); MSVC gets /O2 (it has no unsigned __int128, so the optional hash
+    kernel fails there)."""
 
     def build_extensions(self):
-        flag = "/O2" if self.compiler.compiler_type == "msvc" else "-O3"
+        flags = ["/O2"] if self.compiler.compiler_type == "msvc" else ["-O3", "-ffp-contract=off"]
         for ext in self.extensions:
-            ext.extra_compile_args = [flag]
+            ext.extra_compile_args = flags
         super().build_extensions()
 
 
 setup(
-    ext_modules=[Extension("engram_serve.engram._hash_kernel", ["engram_serve/engram/_hash_kernel.c"], optional=True)],
+    ext_modules=[Extension(f"engram_serve.engram._{name}_kernel", [f"engram_serve/engram/_{name}_kernel.c"],
+                           depends=["engram_serve/engram/_kernel_buffers.h"], optional=True)
+                 for name in ("hash", "gather")],
     cmdclass={"build_ext": BuildExt},
 )

@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 
 from engram_serve.engram.quantized import (Fp8Table, block_size_of, dequantize_blocks, quantize_blocks,
                                            quantize_rows)
+from engram_serve.engram import staging
 from engram_serve.engram.row_cache import RowCache
 from engram_serve.engram.tables import EngramTables
 
@@ -126,8 +128,14 @@ class KeylessCache(RowCache):
 @settings(deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 300), t=st.integers(1, 12), c=st.integers(1, 6),
        cache_rows=st.sampled_from([0, 1, 7, 64, 1000]), dedup=st.booleans(), fp8=st.booleans(),
-       steps=st.integers(1, 3), bf16=st.booleans())
-def test_gather_equals_plain_row_reads(seed, rows, t, c, cache_rows, dedup, fp8, steps, bf16):
+       steps=st.integers(1, 3), bf16=st.booleans(), backend=st.sampled_from(["torch", "auto"]))
+def test_gather_equals_plain_row_reads(seed, rows, t, c, cache_rows, dedup, fp8, steps, bf16, backend):
+    """Both gather paths: torch ops, and (`auto`, on the CPU without a cache) the fused C kernel."""
+    with mock.patch.dict(os.environ, {staging.BACKEND_ENV: backend}):
+        gather_equals_plain_row_reads(seed, rows, t, c, cache_rows, dedup, fp8, steps, bf16)
+
+
+def gather_equals_plain_row_reads(seed, rows, t, c, cache_rows, dedup, fp8, steps, bf16):
     rng = np.random.default_rng(seed)
     hd = 32
     tabs, refs = [], []

@@ -182,6 +182,28 @@ def test_bench_hash_json_rows(capsys):
     assert rows[1]["ref_tokens"] == 16 and "first 16 tokens" in rows[1]["note"]  # capped reference says so
 
 
+def test_bench_tables_json_rows(capsys, tmp_path):
+    """`bench tables` end to end on a small sparse file: every setting warm and cold, the decode-step
+    share beside the gather, both memcpy rates, and the file deleted afterwards."""
+    code, out, err = run(capsys, "bench", "tables", "--json", "--size-gib", "0.25", "--stream-tokens", "1024",
+                         "--requests", "64", "--rounds", "1", "--cold-steps", "1", "--share-steps", "2",
+                         "--dir", str(tmp_path))
+    assert code == 0, err
+    rows = json.loads(out)
+    settings = ["torch plain", "torch dedup", "kernel plain", "kernel dedup", "kernel dedup+cache"]
+    for state in ("warm", "cold"):
+        got = [r for r in rows if r["what"] == "gather" and r["state"] == state]
+        assert [r["setting"] for r in got] == settings
+        for r in got:
+            assert r["rows_per_step"] == 64 * 2 * 24 and 0 < r["distinct_per_step"] <= r["rows_per_step"]
+            assert r["staged_gb_s"] == pytest.approx(r["rows_s"] * 256 * 4 / 1e9)
+            assert (r["cache_hit_rate"] is None) == ("cache" not in r["setting"])
+    share = [r for r in rows if r["what"] == "decode step share"]
+    assert [r["setting"] for r in share] == settings and all(0 < r["share"] < 1 for r in share)
+    assert [r["what"] for r in rows].count("memcpy") == 2 and all(r["gb_s"] > 0 for r in rows if r["what"] == "memcpy")
+    assert not any(tmp_path.iterdir())  # the table file is deleted
+
+
 def test_bench_table_and_capped_reference():
     from engram_serve.bench.common import format_table, time_callable
     table = format_table([{"tokens": 1, "x_ms": 0.5, "note": ""}, {"tokens": 65536, "x_ms": 1234.5, "note": "capped"}])

@@ -9,23 +9,28 @@ The stream: real text (the Python standard library's sources) through the built-
 into `requests` sequences that decode side by side, one token per request per step; their hash ids
 (production `hash_step`) are Zipfian like the text. Each step stages its rows with the production
 gather (`EngramTables.gather`, float32 staging, opened through the production loader path), under
-three settings: plain (every id read), dedup (each distinct row of a step read once), dedup + a
-hot-row cache; warm (the written rows are in the page cache; a first pass maps them and fills the
-cache, the second is timed) and cold (page cache dropped with posix_fadvise DONTNEED, the file
-re-opened, the first --cold-steps steps timed; cold is last, since it undoes the warm-up). Candidates run one after another in this one process, since
-the page cache is the variable; torch threads are set by --threads.
+five settings: the torch path (the baseline) plain and with dedup, the fused C kernel
+(`engram.staging`) plain and with dedup, and the kernel with dedup behind the hot-row cache. Warm:
+the written rows are in the page cache; a first pass per setting maps them and fills the cache, then
+--rounds rounds time every setting in turn over the whole stream (alternating, so that all see the
+same load). Cold: page cache dropped with posix_fadvise DONTNEED, the file re-opened, the first
+--cold-steps steps timed, one setting after another (the page cache is the variable; cold is last,
+since it undoes the warm-up). Torch threads are set by --threads.
 
-Reported per row: median and p90 ms per step, staged rows/s and staged bytes/s (float32 rows written
-into staging: the effective staging rate), stored bytes/s read from the table (distinct rows x 264
-bytes), the cache hit rate and the process's peak RSS. Extra rows: this machine's memcpy rate
-(torch copy_ of 512 MiB) and the built-in model's decode step (64 requests, `ModelRunner.execute`)
-beside the warm gather of a 64-request step: the gather's share of a decode step.
+Reported per row: median and p90 ms per step; at the median step, staged rows/s and staged bytes/s
+(float32 rows written into staging, duplicates included: the effective staging rate) and stored
+bytes/s read from the table (distinct rows x 264 bytes); the cache hit rate and the process's peak RSS. Extra rows: the built-in
+model's decode step (64 requests, `ModelRunner.execute`) alternating step by step with the warm
+64-request gather of every setting (the gather's share of step + gather), and this machine's memcpy
+rate (torch copy_ of 512 MiB, and of a 64-request step's staging size, which stays in the CPU caches
+as the staging buffer does).
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import math
 import os
 import resource
 import shutil
@@ -55,6 +60,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="hot-row cache size (default 256)")
     parser.add_argument("--cold-steps", type=common.positive_int, default=2, metavar="S",
                         help="steps timed cold per stream and setting (default 2: cold reads are disk-bound)")
+    parser.add_argument("--rounds", type=common.positive_int, default=3, metavar="K",
+                        help="warm rounds, each timing every setting in turn over the whole stream (default 3)")
+    parser.add_argument("--share-steps", type=common.positive_int, default=16, metavar="S",
+                        help="steps of the 64-request stream timed beside the decode step, per round (default 16)")
     parser.add_argument("--keep", action="store_true", help="keep the table file (default: delete it)")
 
 
@@ -165,7 +174,9 @@ def _open_tables(root: Path, cfg, dedup: bool, cache_bytes: int):
     return read_tables(CheckpointFiles.open(root), OFFICIAL_SCHEME, cfg, pin=False, dedup=dedup, cache_bytes=cache_bytes)
 
 
-def _pass(tables, hashes, staging) -> list[float]:
+def _pass(tables, hashes, staging, backend: str = "auto") -> list[float]:
+    from ..engram.staging import BACKEND_ENV
+    os.environ[BACKEND_ENV] = backend
     times = []
     for s in range(hashes.shape[0]):
         t0 = time.perf_counter()
@@ -174,7 +185,10 @@ def _pass(tables, hashes, staging) -> list[float]:
     return times
 
 
-SETTINGS = (("plain", False, 0), ("dedup", True, 0), ("dedup+cache", True, 1))  # (name, dedup, cache on)
+# (name, gather backend, dedup, cache on): the fused C kernel beside the torch path it replaces (the
+# baseline); with the cache, hits are torch copies out of the cache and misses go through the kernel
+SETTINGS = (("torch plain", "torch", False, 0), ("torch dedup", "torch", True, 0), ("kernel plain", "auto", False, 0),
+            ("kernel dedup", "auto", True, 0), ("kernel dedup+cache", "auto", True, 1))
 
 
 def _staging(requests: int, hashes):
@@ -182,42 +196,56 @@ def _staging(requests: int, hashes):
     return torch.empty(len(LAYERS), requests, hashes.shape[-1], HEAD_DIM)  # [L, T, C, hd] float32
 
 
+def _p90(times: list[float]) -> float:
+    """Nearest-rank 90th percentile."""
+    return sorted(times)[max(0, math.ceil(0.9 * len(times)) - 1)]
+
+
 def _row(tables, hashes, times: list[float], r: int, name: str, state: str, dedup: bool) -> dict:
     import torch
     steps, per_step = hashes.shape[0], r * len(LAYERS) * hashes.shape[-1]
     distinct = sum(int(torch.unique(hashes[s, :, layer]).numel()) for s in range(steps) for layer in range(len(LAYERS)))
-    total_s = sum(times) / 1e3
     caches = [c for c in tables.caches if c is not None]
     hit_rate = (sum(c.hits for c in caches) / max(1, sum(c.lookups for c in caches))) if caches else None
     for c in caches:
         c.hits = c.lookups = 0
+    med_s = statistics.median(times) / 1e3  # rates from the median step: one slow step (a shared machine) is noise
     return {"what": "gather", "requests": r, "setting": name, "state": state, "steps": steps, "rows_per_step": per_step,
-            "distinct_per_step": distinct / steps, "median_ms": statistics.median(times),
-            "p90_ms": sorted(times)[int(0.9 * (len(times) - 1))], "rows_s": steps * per_step / total_s,
-            "staged_gb_s": steps * per_step * HEAD_DIM * 4 / total_s / 1e9,
-            "stored_mb_s": (distinct if dedup else steps * per_step) * ROW_BYTES / total_s / 1e6,
+            "distinct_per_step": distinct / steps, "median_ms": statistics.median(times), "p90_ms": _p90(times),
+            "rows_s": per_step / med_s, "staged_gb_s": per_step * HEAD_DIM * 4 / med_s / 1e9,
+            "stored_mb_s": (distinct / steps if dedup else per_step) * ROW_BYTES / med_s / 1e6,
             "cache_hit_rate": hit_rate, "peak_rss_mib": _peak_rss_mib()}
 
 
-def _memcpy_gbs() -> float:
+def _memcpy_gbs(nbytes: int, repeats: int) -> float:
+    """torch copy_ of nbytes of float32: median GB/s (copied bytes per second)."""
     import torch
-    src = torch.ones(128 * 2**20)  # 512 MiB float32
+    src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)
     ts = []
-    for _ in range(5):
+    for _ in range(repeats):
         t0 = time.perf_counter()
         dst.copy_(src)
         ts.append(time.perf_counter() - t0)
     return src.numel() * 4 / statistics.median(ts) / 1e9
 
 
-def _decode_step_ms(budget_s: float) -> float:
-    from .step import _runner
-    runner, batch = _runner(None, "decode-heavy", 1)
-    t = common.time_callable(lambda: runner.execute(batch), warmup=2, budget_s=budget_s)
-    runner.close()
-    return t.median_ms
+def _share_rows(runner, batch, tables, hashes, rounds: int) -> list[dict]:
+    """The built-in model's decode step and the warm 64-request gather, alternating step by step (each
+    gather setting in turn after one decode step), so that both see the same load."""
+    step_ms, gather_ms = [], {name: [] for name, *_ in SETTINGS}
+    for _ in range(rounds):
+        for s in range(hashes.shape[0]):
+            t0 = time.perf_counter()
+            runner.execute(batch)
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+            for name, backend, _, _ in SETTINGS:
+                gather_ms[name] += _pass(tables[name], hashes[s:s + 1], _staging(hashes.shape[1], hashes), backend)
+    step = statistics.median(step_ms)
+    return [{"what": "decode step share", "setting": name, "decode_step_ms": step,
+             "decode_step_p90_ms": _p90(step_ms), "gather_ms": statistics.median(g), "gather_p90_ms": _p90(g),
+             "share": statistics.median(g) / (step + statistics.median(g))} for name, g in gather_ms.items()]
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -230,8 +258,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     if free - size < 10 * 2**30:
         raise ValueError(f"--size-gib {size / 2**30:.1f}: {where} has {free / 2**30:.1f} GiB free; at least 10 GiB "
                          f"must stay free (the file is sparse, but its apparent size is reserved here to be safe)")
-    memcpy = {"what": "memcpy", "gb_s": _memcpy_gbs(), "threads": args.threads}
-    step_ms = _decode_step_ms(args.budget_s)  # measured first: nothing of the big file is resident yet
+    from .step import _runner
+    runner, batch = _runner(None, "decode-heavy", 1)  # the built-in model's 64-request decode step
+    runner.execute(batch)
     cfg, layout = _config(size)
     ids, tmap = _stream(args.stream_tokens)
     streams = {r: _hash_stream(ids, r, layout, tmap) for r in args.requests}
@@ -249,32 +278,41 @@ def run(args: argparse.Namespace) -> list[dict]:
                      "on_disk_gib": allocated / 2**30, "table_rows": sum(cfg.engram_num_embeddings),
                      "stream_tokens": len(ids), "distinct_rows": int(sum(len(t) for t in touched)),
                      "write_s": time.perf_counter() - t0})
-        # warm first: the rows just written are in the page cache; the first pass maps them, the second is timed
+        # warm first: the rows just written are in the page cache; a first pass maps them (and fills the
+        # caches), then --rounds rounds time every setting in turn, one pass over the stream each
         for r, hashes in streams.items():
-            for name, dedup, cache in SETTINGS:
-                tables = _open_tables(root, cfg, dedup, cache * args.cache_mib * 2**20)
-                _pass(tables, hashes, _staging(r, hashes))
-                for c in tables.caches:  # count the timed pass only
+            tables = {name: _open_tables(root, cfg, dedup, cache * args.cache_mib * 2**20)
+                      for name, _, dedup, cache in SETTINGS}
+            times: dict[str, list[float]] = {name: [] for name in tables}
+            for name, backend, _, _ in SETTINGS:
+                _pass(tables[name], hashes, _staging(r, hashes), backend)
+                for c in tables[name].caches:  # count the timed passes only
                     if c is not None:
                         c.hits = c.lookups = 0
-                rows.append(_row(tables, hashes, _pass(tables, hashes, _staging(r, hashes)), r, name, "warm", dedup))
+            for _ in range(args.rounds):
+                for name, backend, _, _ in SETTINGS:
+                    times[name] += _pass(tables[name], hashes, _staging(r, hashes), backend)
+            for name, _, dedup, _ in SETTINGS:
+                rows.append(_row(tables[name], hashes, times[name], r, name, "warm", dedup))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress
-                del tables
+            if r == 64:
+                rows += _share_rows(runner, batch, tables, hashes[: args.share_steps], args.rounds)
+            del tables
         # cold last (dropping the page cache undoes the warm-up): the first --cold-steps steps of each stream
         for r, hashes in streams.items():
             cold = hashes[: args.cold_steps]
-            for name, dedup, cache in SETTINGS:
+            for name, backend, dedup, cache in SETTINGS:
                 _drop_cache(path)
                 tables = _open_tables(root, cfg, dedup, cache * args.cache_mib * 2**20)
-                rows.append(_row(tables, cold, _pass(tables, cold, _staging(r, cold)), r, name, "cold", dedup))
+                rows.append(_row(tables, cold, _pass(tables, cold, _staging(r, cold), backend), r, name, "cold", dedup))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress
                 del tables
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
-    warm64 = [x for x in rows if x.get("requests") == 64 and x.get("state") == "warm"]
-    for g in warm64:
-        rows.append({"what": "decode step share", "setting": g["setting"], "decode_step_ms": step_ms,
-                     "gather_ms": g["median_ms"], "share": g["median_ms"] / (step_ms + g["median_ms"])})
-    rows.append(memcpy)
+    runner.close()
+    staging_bytes = 64 * len(LAYERS) * (N - 1) * H * HEAD_DIM * 4  # a 64-request step's float32 staging
+    rows.append({"what": "memcpy", "bytes": "512 MiB", "gb_s": _memcpy_gbs(512 * 2**20, 5), "threads": args.threads})
+    rows.append({"what": "memcpy", "bytes": f"{staging_bytes / 2**20:.0f} MiB (staging size)",
+                 "gb_s": _memcpy_gbs(staging_bytes, 50), "threads": args.threads})
     return rows

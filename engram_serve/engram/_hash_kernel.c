@@ -53,65 +53,7 @@ static inline uint64_t floor_mod(uint64_t x, uint64_t d, uint64_t magic) {
     return r ? d - r : 0;
 }
 
-/* ---- argument checking ---- */
-
-enum kind { K_I64, K_U64, K_BOOL };
-
-static const char *kind_name(enum kind k) {
-    return k == K_I64 ? "int64" : k == K_U64 ? "uint64" : "bool";
-}
-
-/* Native-order format char of a buffer, or 0 for one we do not accept ('>' / '!' byte order,
- * multi-char formats). */
-static char format_char(const Py_buffer *v) {
-    const char *f = v->format ? v->format : "B";
-    if (*f == '@' || *f == '=' || *f == '<') f++;
-    if (f[0] == 0 || f[1] != 0) return 0;
-    return f[0];
-}
-
-static int kind_matches(const Py_buffer *v, enum kind k) {
-    char c = format_char(v);
-    switch (k) {
-    case K_I64: return v->itemsize == 8 && (c == 'l' || c == 'q');
-    case K_U64: return v->itemsize == 8 && (c == 'L' || c == 'Q');
-    case K_BOOL: return v->itemsize == 1 && c == '?';
-    }
-    return 0;
-}
-
-/* Get a C-contiguous buffer of `kind` with `ndim` dimensions; on failure set ValueError naming the
- * argument and what it got. */
-static int get_array(const char *fn, const char *name, PyObject *obj, enum kind k, int ndim, int writable,
-                     Py_buffer *view) {
-    int flags = (writable ? PyBUF_WRITABLE : 0) | PyBUF_FORMAT | PyBUF_STRIDES;
-    if (PyObject_GetBuffer(obj, view, flags) < 0) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_ValueError, "%s: %s must be a %s%s array supporting the buffer protocol "
-                     "(e.g. tensor.numpy()), got %.200s", fn, name, writable ? "writable " : "",
-                     kind_name(k), Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    const char *why = NULL;
-    if (!kind_matches(view, k)) why = "dtype";
-    else if (view->ndim != ndim) why = "number of dimensions";
-    else if (!PyBuffer_IsContiguous(view, 'C')) why = "layout (not C-contiguous)";
-    if (why) {
-        PyErr_Format(PyExc_ValueError, "%s: %s must be a C-contiguous %s array with %d dimension(s); wrong %s "
-                     "(got format '%s', itemsize %zd, ndim %d)", fn, name, kind_name(k), ndim, why,
-                     view->format ? view->format : "B", view->itemsize, view->ndim);
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
-}
-
-#define SHAPE(v, i) ((v).shape[i])
-
-static int shape_error(const char *fn, const char *what, Py_ssize_t got, Py_ssize_t want) {
-    PyErr_Format(PyExc_ValueError, "%s: %s is %zd, expected %zd", fn, what, got, want);
-    return -1;
-}
+#include "_kernel_buffers.h"
 
 /* The per-layer constants shared by both hash entry points. */
 typedef struct {

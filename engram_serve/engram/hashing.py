@@ -14,11 +14,10 @@ in int64 `remainder`, which it cannot vectorise). The torch path (`hash_step_tor
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
+from .kernels import choose_backend
 from .layout import EngramLayout
 
 try:
@@ -27,7 +26,6 @@ except ImportError:  # installed without a C compiler: the torch path serves CPU
     _hash_kernel = None
 
 BACKEND_ENV = "ENGRAM_SERVE_HASH_BACKEND"
-BACKENDS = ("auto", "torch", "kernel")
 
 BEFORE_START = -1  # history column whose position is < 0
 DEAD = -2  # a dead token (e.g. an image placeholder): blocks every n-gram that reaches it
@@ -71,19 +69,10 @@ def compress(window: torch.Tensor, token_map: torch.Tensor) -> torch.Tensor:
 def hash_backend(*tensors: torch.Tensor) -> str:
     """'kernel' or 'torch': the path that hashes these tensors.
 
-    `ENGRAM_SERVE_HASH_BACKEND` (read per call): `auto` (default) uses the C kernel when every
-    tensor is on the CPU and the kernel was built; `torch` always uses the torch path; `kernel`
-    is `auto` but raises if the kernel was not built. Non-CPU tensors always take the torch path.
+    `ENGRAM_SERVE_HASH_BACKEND` (read per call): `auto`, `torch` or `kernel`, as `kernels.choose_backend`
+    says. Non-CPU tensors always take the torch path.
     """
-    choice = os.environ.get(BACKEND_ENV, "auto")
-    if choice not in BACKENDS:
-        raise ValueError(f"{BACKEND_ENV}={choice!r}: expected one of {', '.join(BACKENDS)}")
-    if choice == "kernel" and _hash_kernel is None:
-        raise RuntimeError(f"{BACKEND_ENV}=kernel, but engram_serve.engram._hash_kernel was not built "
-                           "(reinstall with a C compiler: pip install -e .)")
-    if choice == "torch" or _hash_kernel is None or any(t.device.type != "cpu" for t in tensors):
-        return "torch"
-    return "kernel"
+    return choose_backend(BACKEND_ENV, _hash_kernel, "_hash_kernel", tensors)
 
 
 def _host(t: torch.Tensor) -> np.ndarray:

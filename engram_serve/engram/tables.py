@@ -8,8 +8,8 @@ hash id of layer l (spec §2) is a valid row of `tables[l]`.
 
 The gather, per layer: the step's ids [T*C] are deduplicated (a step repeats many ids: Zipfian text,
 shared prefixes, the same n-gram in many requests), each distinct row is read once (through the
-optional byte-bounded `RowCache` of hot rows, in stored form) and dequantized once, then expanded
-into the staging rows. Dedup and cache change which bytes are read, never the staged values: the
+optional byte-bounded `RowCache` of hot rows) and dequantized once, then expanded into the staging
+rows. On the CPU without a cache this is one fused C kernel (staging.py); otherwise torch ops. Dedup and cache change which bytes are read, never the staged values: the
 staged rows are bit for bit those of a direct row-by-row read (tests/test_checkpoint_tables.py).
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from ..config import EngramConfig
 from .quantized import Fp8Table, dequantize_rows
 from .row_cache import RowCache
+from .staging import gather_backend, stage_rows, stage_step
 
 
 def table_key(layer_id: int) -> str:
@@ -111,6 +112,11 @@ class EngramTables:
             raise ValueError(f"gather: hash_ids {tuple(hash_ids.shape)} and out {tuple(out.shape)} do not fit "
                              f"{self.num_layers} tables of width {self.head_dim}")
         with self._lock:
+            if self.caches == [None] * self.num_layers and out.is_contiguous() and self.num_layers \
+                    and all(gather_backend(tab, out[0, 0]) == "kernel" for tab in self.tables):
+                # fused: dedup, read, decode into staging, one pass per layer (and few torch ops per step)
+                stage_step(self.tables, hash_ids, out.view(n_layers, t * c, self.head_dim), self.dedup)
+                return out
             for layer, tab in enumerate(self.tables):
                 ids = hash_ids[:, layer, :].reshape(-1).to(tab.device, torch.int64)  # [T*C]
                 dst = out[layer].view(t * c, self.head_dim) if out[layer].is_contiguous() else None  # [T*C, hd]
@@ -143,12 +149,11 @@ class EngramTables:
         from it, misses fetched, dequantized, inserted."""
         cache = self.caches[layer]
         if cache is None:
-            return self._dequantize(self._fetch(layer, ids), dtype, device)
+            return self._decode(layer, ids, dtype, device)
         hit, slot = cache.lookup(ids)
         miss = (~hit).nonzero().squeeze(1)  # [M]
         hit_idx = hit.nonzero().squeeze(1)  # [n - M]
-        fresh = self._dequantize(self._fetch(layer, ids.index_select(0, miss)), cache.parts[0].dtype,
-                                 cache.parts[0].device)  # [M, hd]
+        fresh = self._decode(layer, ids.index_select(0, miss), cache.parts[0].dtype, cache.parts[0].device)  # [M, hd]
         if miss.numel() == 0:
             rows = cache.read(slot)[0]
         else:
@@ -157,6 +162,14 @@ class EngramTables:
             rows.index_copy_(0, miss, fresh)  # faster than rows[idx] = ... on CPU)
             cache.insert(ids.index_select(0, miss), slot.index_select(0, miss), [fresh])
         return rows.to(device, dtype, non_blocking=True)
+
+    def _decode(self, layer: int, ids: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Rows [n, hd] dtype on device of ids [n]: the fused kernel where it fits, else fetch + dequantize."""
+        rows = torch.empty((ids.numel(), self.head_dim), dtype=dtype, device=device)
+        if gather_backend(self.tables[layer], rows) == "kernel":
+            stage_rows(self.tables[layer], ids, rows, dedup=False)
+            return rows
+        return self._dequantize(self._fetch(layer, ids), dtype, device, rows)
 
     @staticmethod
     def _dequantize(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device,

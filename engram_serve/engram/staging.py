@@ -1,0 +1,71 @@
+"""The fused staging gather of one table on the CPU: the optional C kernel `_gather_kernel`.
+
+One pass per table: the step's ids are deduplicated in the kernel (an open-addressing set, O(n), no
+sort), each distinct row is read from the (memory-mapped) table once and decoded straight into its
+first staging row (FP8 E4M3 bytes x E8M0 scale, or a float32 row copied), and the later positions of
+the same id copy that staged row. The torch path (`EngramTables.gather` without the kernel: unique,
+index_select of the stored bytes, the bit-trick decode, an index_select into staging) is the fallback
+for a build without a C compiler, for tables or staging off the CPU, for other dtypes, and for
+`ENGRAM_SERVE_GATHER_BACKEND=torch` (`auto` / `torch` / `kernel`, see `kernels.choose_backend`).
+Both decode bit for bit the plain definition (tests/test_staging_kernel.py, against each other and a
+plain loop).
+"""
+from __future__ import annotations
+
+import torch
+
+from .kernels import choose_backend
+from .quantized import Fp8Table
+
+try:
+    from . import _gather_kernel
+except ImportError:  # installed without a C compiler: the torch path serves CPU too
+    _gather_kernel = None
+
+BACKEND_ENV = "ENGRAM_SERVE_GATHER_BACKEND"
+
+
+def kernel_fits(tab: torch.Tensor | Fp8Table, out: torch.Tensor) -> bool:
+    """Whether the kernel can stage rows of `tab` into `out` [n, hd]: an FP8 table or a contiguous float32
+    one, a contiguous float32 or bfloat16 `out`, all on the CPU."""
+    if isinstance(tab, Fp8Table):
+        ok_tab = tab.weight.is_contiguous() and tab.scale.is_contiguous()
+    else:
+        ok_tab = tab.dtype == torch.float32 and tab.is_contiguous()
+    return ok_tab and out.dtype in (torch.float32, torch.bfloat16) and out.is_contiguous() and out.ndim == 2
+
+
+def gather_backend(tab: torch.Tensor | Fp8Table, out: torch.Tensor) -> str:
+    """'kernel' or 'torch': the path that stages rows of `tab` into `out` (ENGRAM_SERVE_GATHER_BACKEND)."""
+    parts = (tab.weight, tab.scale) if isinstance(tab, Fp8Table) else (tab,)
+    if choose_backend(BACKEND_ENV, _gather_kernel, "_gather_kernel", (*parts, out)) == "kernel" \
+            and kernel_fits(tab, out):
+        return "kernel"
+    return "torch"
+
+
+def _kernel_args(tab: torch.Tensor | Fp8Table, out: torch.Tensor) -> tuple:
+    """(table, scale or None, staging) as the kernel takes them: zero-copy numpy views."""
+    if isinstance(tab, Fp8Table):
+        table, scale = tab.weight.view(torch.uint8).numpy(), tab.scale.view(torch.uint8).numpy()
+    else:
+        table, scale = tab.numpy(), None
+    return table, scale, (out.numpy() if out.dtype == torch.float32 else out.view(torch.int16).numpy())  # bf16 bits
+
+
+def stage_step(tables: list, hash_ids: torch.Tensor, out: torch.Tensor, dedup: bool) -> None:
+    """Every layer of a step: out[l, t*C + c] = row hash_ids[t, l, c] of tables[l] (hash_ids [T, L, C]; out
+    [L, T*C, hd] contiguous; `kernel_fits` for every table). A handful of torch ops per step, whatever L:
+    at 64 decode requests the per-layer slicing and conversions cost ~0.2 ms of a ~0.75 ms gather."""
+    ids = hash_ids.to("cpu", torch.int64).permute(1, 0, 2).contiguous().view(len(tables), -1).numpy()  # [L, T*C]
+    for layer, tab in enumerate(tables):
+        table, scale, staged = _kernel_args(tab, out[layer])
+        _gather_kernel.gather_rows(table, scale, ids[layer], staged, dedup)
+
+
+def stage_rows(tab: torch.Tensor | Fp8Table, ids: torch.Tensor, out: torch.Tensor, dedup: bool) -> int:
+    """out[i] = row ids[i] of tab, decoded (ids [n] int64 on the CPU, out [n, hd] float32 or bfloat16, in
+    place; `kernel_fits(tab, out)` must hold). Returns the number of rows read from the table: the
+    distinct ids with dedup, else n. An id outside the table raises IndexError before anything is written."""
+    table, scale, staged = _kernel_args(tab, out)
+    return _gather_kernel.gather_rows(table, scale, ids.contiguous().numpy(), staged, dedup)

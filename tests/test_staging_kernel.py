@@ -1,0 +1,153 @@
+"""The fused staging gather (`engram_serve.engram._gather_kernel`, wrapped by `engram.staging`) against
+the torch path (`dequantize_rows` of `index_select`ed bytes) and the plain-loop bit decoder of
+tests/test_checkpoint_tables.py: every E4M3 byte under every E8M0 code, random tables with odd row
+counts, duplicates, NaN bytes and extreme scales, float32 and bfloat16 staging, float32 tables; the
+dedup's key check with its negative control; ids out of range."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_checkpoint_tables import reference_rows, same_bits, table_from_bytes
+
+from engram_serve.engram import staging
+from engram_serve.engram.quantized import dequantize_rows
+from engram_serve.engram.tables import EngramTables
+
+kernel = pytest.importorskip("engram_serve.engram._gather_kernel",
+                             reason="the C gather kernel was not built (no C compiler at install time)")
+
+EXTREME_CODES = [0, 1, 2, 126, 127, 128, 134, 135, 200, 253, 254, 255]  # subnormal scales, x1, the 2^127 edge, NaN
+
+
+def torch_path(w: np.ndarray, s: np.ndarray, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
+    idx = torch.tensor(ids, dtype=torch.int64)
+    out = torch.empty(len(ids), w.shape[1], dtype=dtype)
+    return dequantize_rows(torch.from_numpy(w).index_select(0, idx), torch.from_numpy(s).index_select(0, idx), out)
+
+
+def staged(tab, ids: list[int], dtype: torch.dtype, dedup: bool) -> tuple[torch.Tensor, int]:
+    out = torch.full((len(ids), tab.shape[1]), 3.0, dtype=dtype)
+    read = staging.stage_rows(tab, torch.tensor(ids, dtype=torch.int64), out, dedup)
+    return out, read
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_e4m3_byte_under_every_scale_code_equals_the_plain_decoder(dtype):
+    w = np.tile(np.arange(256, dtype=np.uint8), (256, 1))  # row k: every byte
+    s = np.repeat(np.arange(256, dtype=np.uint8)[:, None], 8, axis=1)  # row k: scale code k
+    got, read = staged(table_from_bytes(w, s), list(range(256)), dtype, dedup=True)
+    with np.errstate(over="ignore"):
+        ref = reference_rows(w, s, list(range(256)))
+    assert read == 256
+    assert same_bits(got.float().numpy(), torch.from_numpy(ref).to(dtype).float().numpy())
+    assert same_bits(got.float().numpy(), torch_path(w, s, list(range(256)), dtype).float().numpy())
+
+
+@settings(deadline=None, max_examples=60)
+@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 41), groups=st.integers(1, 3), n=st.integers(0, 37),
+       dedup=st.booleans(), bf16=st.booleans(), extremes=st.booleans())
+def test_kernel_equals_torch_path_and_plain_loop(seed, rows, groups, n, dedup, bf16, extremes):
+    rng = np.random.default_rng(seed)
+    hd = 32 * groups
+    w = rng.integers(0, 256, (rows, hd), dtype=np.uint8)
+    w[rng.random((rows, hd)) < 0.05] = rng.choice([0x7F, 0xFF, 0x00, 0x80, 0x01, 0x7E])  # NaN, +-0, edges
+    codes = EXTREME_CODES if extremes else list(range(110, 140))
+    s = rng.choice(np.array(codes, dtype=np.uint8), (rows, groups))
+    ids = (np.minimum(rng.zipf(1.5, n), rows) - 1).tolist()  # duplicates, like real text
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    got, read = staged(table_from_bytes(w, s), ids, dtype, dedup)
+    assert read == (len(set(ids)) if dedup else n)
+    with np.errstate(over="ignore"):
+        ref = torch.from_numpy(reference_rows(w, s, ids)).to(dtype).float().numpy()
+    assert same_bits(got.float().numpy(), ref)
+    assert same_bits(got.float().numpy(), torch_path(w, s, ids, dtype).float().numpy())
+
+
+@settings(deadline=None, max_examples=30)
+@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 23), n=st.integers(0, 29), dedup=st.booleans(),
+       bf16=st.booleans())
+def test_float32_table_rows_equal_index_select(seed, rows, n, dedup, bf16):
+    rng = np.random.default_rng(seed)
+    f = rng.standard_normal((rows, 32)).astype(np.float32)
+    f.flat[rng.integers(0, f.size, 4)] = [np.nan, np.inf, -0.0, 3.4e38]
+    tab = torch.from_numpy(f)
+    ids = (np.minimum(rng.zipf(1.5, n), rows) - 1).tolist()
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    got, read = staged(tab, ids, dtype, dedup)
+    assert read == (len(set(ids)) if dedup else n)
+    assert same_bits(got.float().numpy(), tab.index_select(0, torch.tensor(ids, dtype=torch.int64)).to(dtype).float().numpy())
+
+
+def colliding_ids(count: int, cap: int = 16) -> list[int]:
+    """Distinct ids that all hash to one slot of the kernel's dedup set of `cap` slots."""
+    out, r = [], 0
+    while len(out) < count:
+        if ((r * 0x9E3779B97F4A7C15 % 2**64) >> 32) & (cap - 1) == 0:
+            out.append(r)
+        r += 1
+    return out
+
+
+def test_dedup_compares_keys_in_a_crowded_slot_and_its_negative_control_fails():
+    ids = colliding_ids(6)  # n = 8 ids -> 16 slots: all of these probe from slot 0
+    ids = [ids[0], ids[1], ids[0], *ids[2:], ids[3]]
+    f = torch.arange((max(ids) + 1) * 32, dtype=torch.float32).view(-1, 32)
+    idx = torch.tensor(ids, dtype=torch.int64)
+    out = torch.empty(len(ids), 32)
+    assert kernel.gather_rows(f.numpy(), None, idx.numpy(), out.numpy(), True) == 6
+    assert torch.equal(out, f.index_select(0, idx))
+    assert kernel.gather_rows(f.numpy(), None, idx.numpy(), out.numpy(), True, True) == 1  # trusts the slot
+    assert not torch.equal(out, f.index_select(0, idx))  # the control breaks the property
+
+
+@pytest.mark.parametrize("bad", [-1, 10, 2**40])
+def test_id_out_of_range_raises_before_anything_is_written(bad):
+    f = torch.randn(10, 32)
+    out = torch.full((3, 32), 7.0)
+    with pytest.raises(IndexError, match=rf"ids\[2\] = {bad} is out of range for a table of 10 rows"):
+        staging.stage_rows(f, torch.tensor([0, 1, bad]), out, True)
+    assert torch.equal(out, torch.full((3, 32), 7.0))
+    tables = EngramTables((1,), [f], pin=False)  # the production gather refuses it the same way
+    with pytest.raises(IndexError):
+        tables.gather(torch.tensor([[[bad]]]), torch.empty(1, 1, 1, 32))
+
+
+def test_shapes_and_dtypes_are_checked():
+    f = torch.randn(10, 32)
+    with pytest.raises(ValueError, match="out has shape"):
+        kernel.gather_rows(f.numpy(), None, np.zeros(2, np.int64), np.zeros((3, 32), np.float32), True)
+    with pytest.raises(ValueError, match="scale"):
+        kernel.gather_rows(np.zeros((4, 64), np.uint8), np.zeros((4, 3), np.uint8), np.zeros(1, np.int64),
+                           np.zeros((1, 64), np.float32), True)
+    with pytest.raises(ValueError, match="ids must be"):
+        kernel.gather_rows(f.numpy(), None, np.zeros(1, np.int32), np.zeros((1, 32), np.float32), True)
+
+
+def test_backend_choice(monkeypatch):
+    f, out = torch.randn(4, 32), torch.empty(2, 32)
+    monkeypatch.delenv(staging.BACKEND_ENV, raising=False)
+    assert staging.gather_backend(f, out) == "kernel"
+    assert staging.gather_backend(f.to(torch.bfloat16), out) == "torch"  # a bfloat16 table: torch path
+    assert staging.gather_backend(f, torch.empty(2, 64)[:, :32]) == "torch"  # strided staging
+    monkeypatch.setenv(staging.BACKEND_ENV, "torch")
+    assert staging.gather_backend(f, out) == "torch"
+    monkeypatch.setenv(staging.BACKEND_ENV, "fast")
+    with pytest.raises(ValueError, match="ENGRAM_SERVE_GATHER_BACKEND='fast'"):
+        staging.gather_backend(f, out)
+
+
+def test_a_build_without_the_kernel_gathers_through_torch(monkeypatch):
+    monkeypatch.setattr(staging, "_gather_kernel", None)
+    monkeypatch.delenv(staging.BACKEND_ENV, raising=False)
+    f = torch.randn(50, 32)
+    assert staging.gather_backend(f, torch.empty(2, 32)) == "torch"
+    ids = torch.tensor([[[3, 3]], [[49, 0]]])  # [T=2, L=1, C=2]
+    out = torch.empty(1, 2, 2, 32)
+    EngramTables((1,), [f], pin=False).gather(ids, out)
+    assert torch.equal(out[0], f[ids[:, 0]])
+    monkeypatch.setenv(staging.BACKEND_ENV, "kernel")
+    with pytest.raises(RuntimeError, match="_gather_kernel was not built"):
+        staging.gather_backend(f, torch.empty(2, 32))

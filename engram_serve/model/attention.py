@@ -19,7 +19,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..errors import StaticBufferError
 from .context import ForwardContext
-from .layers import Linear, _fuse_on_load, _split_on_save, apply_rotary
+from .layers import Linear, fuse_on_load, split_on_save, apply_rotary
 from .paged_attention import AttentionPlan, attend_full, attend_selected, attention_min_rows, select_keys
 
 FULL, SELECT, REUSE = "full", "select", "reuse"
@@ -113,8 +113,8 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.heads * self.head_dim, cfg.hidden_size)
         self.head_mean = None  # tensor parallel: set by parallel.shard (q.k mean over every rank's heads)
         names = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
-        self.register_load_state_dict_pre_hook(_fuse_on_load({"qkv_proj.weight": (names, lambda *w: torch.cat(w))}))
-        self.register_state_dict_post_hook(_split_on_save({"qkv_proj.weight": (names, self.split_qkv)}))
+        self.register_load_state_dict_pre_hook(fuse_on_load({"qkv_proj.weight": (names, lambda *w: torch.cat(w))}))
+        self.register_state_dict_post_hook(split_on_save({"qkv_proj.weight": (names, self.split_qkv)}))
 
     def split_qkv(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The q, k and v parts (by output rows) of a [(heads + 2 kv_heads) * head_dim, ...] tensor."""

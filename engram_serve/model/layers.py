@@ -217,7 +217,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
-def _fuse_on_load(names: dict[str, tuple[tuple[str, ...], callable]]):
+def fuse_on_load(names: dict[str, tuple[tuple[str, ...], callable]]):
     """A load_state_dict pre-hook: build fused parameter `k` from checkpoint tensors `parts` with `fuse`."""
     def hook(module, state_dict, prefix, *_):
         for fused, (parts, fuse) in names.items():
@@ -227,7 +227,7 @@ def _fuse_on_load(names: dict[str, tuple[tuple[str, ...], callable]]):
     return hook
 
 
-def _split_on_save(names: dict[str, tuple[tuple[str, ...], callable]]):
+def split_on_save(names: dict[str, tuple[tuple[str, ...], callable]]):
     """A state_dict post-hook: write fused parameter `k` back as its checkpoint tensors (`split`)."""
     def hook(module, state_dict, prefix, *_):
         for fused, (parts, split) in names.items():
@@ -250,9 +250,9 @@ class MLP(nn.Module):
         self.hidden, self.intermediate = hidden, intermediate
         self.gate_up = nn.Parameter(torch.empty(2, intermediate, hidden))
         self.down_proj = Linear(intermediate, hidden)
-        self.register_load_state_dict_pre_hook(_fuse_on_load(
+        self.register_load_state_dict_pre_hook(fuse_on_load(
             {"gate_up": (("gate_proj.weight", "up_proj.weight"), lambda g, u: torch.stack([g, u]))}))
-        self.register_state_dict_post_hook(_split_on_save(
+        self.register_state_dict_post_hook(split_on_save(
             {"gate_up": (("gate_proj.weight", "up_proj.weight"), lambda gu: (gu[0], gu[1]))}))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -293,10 +293,10 @@ class MoE(nn.Module):
         self.w_in = nn.Parameter(torch.empty(num_experts, 2, intermediate, hidden))
         self.w_out = nn.Parameter(torch.empty(hidden, num_experts, intermediate))
         names = ("w_gate", "w_up", "w_down")
-        self.register_load_state_dict_pre_hook(_fuse_on_load(
+        self.register_load_state_dict_pre_hook(fuse_on_load(
             {"w_in": (names[:2], lambda g, u: torch.stack([g, u], 1)),
              "w_out": (names[2:], lambda d: d.permute(1, 0, 2).contiguous())}))
-        self.register_state_dict_post_hook(_split_on_save(
+        self.register_state_dict_post_hook(split_on_save(
             {"w_in": (names[:2], lambda w: (w[:, 0], w[:, 1])),
              "w_out": (names[2:], lambda w: (w.permute(1, 0, 2),))}))
 

@@ -19,7 +19,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..errors import StaticBufferError
 from .context import ForwardContext
-from .layers import Linear, fuse_on_load, split_on_save, apply_rotary
+from .layers import Linear, apply_rotary, fuse_on_load, split_on_save
 from .paged_attention import AttentionPlan, attend_full, attend_selected, attention_min_rows, select_keys
 
 FULL, SELECT, REUSE = "full", "select", "reuse"

@@ -3,11 +3,12 @@
 Two servers run in this process on loopback (127.0.0.1, free ports), one per setting, over the
 same loaded model (one model user at a time: the other engine thread sleeps on its command
 queue). For each client count, waves of that many concurrent streaming completions (ignore_eos,
-exactly --max-tokens each) go to the DBO-off server, then the DBO-on one, alternating which goes
-first from size to size; waves repeat until --budget-s of timed waves per setting (at least one,
-at most --max-waves). Reported per setting: tokens/s (all clients' tokens / wall time of the
-waves), p50/p99 time to first token and inter-token latency (nearest rank, over every token of
-every client), and the share of engine steps that were split. Clients share the process (and
+exactly --max-tokens each, the same prompts for both settings) alternate between the DBO-off and
+the DBO-on server, the order flipping every wave, until --budget-s of timed waves per setting (at
+least one, at most --max-waves). Reported per setting: tokens/s (all clients' tokens / wall time of
+the waves), p50/p99 time to first token and inter-token latency (nearest rank, over every token of
+every client), and the share of engine steps that were split; and the on/off ratio of each pair of
+waves run back to back (median, min, max). Clients share the process (and
 the GIL) with the server: absolute numbers are pessimistic, the on/off ratio is the point.
 Steps are split only above the SplitConfig thresholds (32 decode tokens, 128 with prefill), so
 below ~32 clients both settings run the same unsplit steps.
@@ -49,10 +50,10 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
-async def _client(http, body: dict, ttft: list, itl: list) -> int:
+async def _client(http, base_url: str, body: dict, ttft: list, itl: list) -> int:
     t0 = time.perf_counter()
     last, n = None, 0
-    async with http.stream("POST", "/v1/completions", json=body) as r:
+    async with http.stream("POST", base_url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"bench request failed: HTTP {r.status_code}: {(await r.aread())[:200]!r}")
         async for line in r.aiter_lines():
@@ -67,25 +68,41 @@ async def _client(http, body: dict, ttft: list, itl: list) -> int:
     return n
 
 
-async def _waves(base_url: str, clients: int, args, seed: int) -> dict:
+def _bodies(rng: random.Random, clients: int, args) -> list[dict]:
+    return [{"prompt": " ".join(rng.choice(WORDS) for _ in range(args.prompt_words)),
+             "max_tokens": args.max_tokens, "temperature": 0.8, "seed": rng.randrange(2**31),
+             "ignore_eos": True, "stream": True, "return_token_ids": True} for _ in range(clients)]
+
+
+async def _duel(urls: dict[str, str], clients: int, args, seed: int, max_waves: int | None = None) -> dict:
+    """Waves of `clients` concurrent streams, one wave per setting in turn (the order flips every wave,
+    so a change in machine load hits both settings alike), until every setting has run --budget-s of
+    timed waves (at least one, at most --max-waves). Both settings get the same prompts, wave by wave."""
     import httpx
     rng = random.Random(seed)
-    ttft, itl, tokens, waves = [], [], 0, 0
+    names = list(urls)
+    stats = {n: {"ttft": [], "itl": [], "tokens": 0, "spent": 0.0, "waves": 0, "wave_tok_s": []} for n in names}
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
-    async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as http:
-        spent = 0.0
-        while waves < 1 or (waves < args.max_waves and spent < args.budget_s):
-            bodies = [{"prompt": " ".join(rng.choice(WORDS) for _ in range(args.prompt_words)),
-                       "max_tokens": args.max_tokens, "temperature": 0.8, "seed": rng.randrange(2**31),
-                       "ignore_eos": True, "stream": True, "return_token_ids": True} for _ in range(clients)]
-            t0 = time.perf_counter()
-            counts = await asyncio.gather(*[_client(http, b, ttft, itl) for b in bodies])
-            spent += time.perf_counter() - t0
-            tokens += sum(counts)
-            waves += 1
-    return {"waves": waves, "requests": waves * clients, "tokens": tokens, "wall_s": spent,
-            "tok_s": tokens / spent, "ttft_p50_ms": _pct(ttft, 0.5) * 1e3, "ttft_p99_ms": _pct(ttft, 0.99) * 1e3,
-            "itl_p50_ms": _pct(itl, 0.5) * 1e3, "itl_p99_ms": _pct(itl, 0.99) * 1e3}
+    most = max_waves or args.max_waves
+    async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+        w = 0
+        while w < 1 or (w < most and min(st["spent"] for st in stats.values()) < args.budget_s):
+            bodies = _bodies(rng, clients, args)
+            for name in (names if w % 2 == 0 else names[::-1]):
+                st = stats[name]
+                t0 = time.perf_counter()
+                counts = await asyncio.gather(*[_client(http, urls[name], b, st["ttft"], st["itl"]) for b in bodies])
+                dt = time.perf_counter() - t0
+                st["spent"] += dt
+                st["tokens"] += sum(counts)
+                st["waves"] += 1
+                st["wave_tok_s"].append(sum(counts) / dt)
+            w += 1
+    return {n: {"waves": st["waves"], "requests": st["waves"] * clients, "tokens": st["tokens"], "wall_s": st["spent"],
+                "tok_s": st["tokens"] / st["spent"], "wave_tok_s": st["wave_tok_s"],
+                "ttft_p50_ms": _pct(st["ttft"], 0.5) * 1e3, "ttft_p99_ms": _pct(st["ttft"], 0.99) * 1e3,
+                "itl_p50_ms": _pct(st["itl"], 0.5) * 1e3, "itl_p99_ms": _pct(st["itl"], 0.99) * 1e3}
+            for n, st in stats.items()}
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -111,26 +128,24 @@ def run(args: argparse.Namespace) -> list[dict]:
                                split=split)
             engine = AsyncLLMEngine(LLMEngine(loaded, cfg))
             servers[name] = (engine, BackgroundServer(build_app(engine, "bench")).start())
-        for name, (_, server) in servers.items():  # warm-up: first-call costs are not the setting's
-            asyncio.run(_waves(server.base_url, 2, argparse.Namespace(**{**vars(args), "max_waves": 1, "budget_s": 0}),
-                               seed=0))
+        urls = {name: server.base_url for name, (_, server) in servers.items()}
+        asyncio.run(_duel(urls, 2, argparse.Namespace(**{**vars(args), "budget_s": 0}), seed=0, max_waves=1))  # warm-up
         rows = []
-        for i, clients in enumerate(args.clients):
-            order = ["off", "on"] if i % 2 == 0 else ["on", "off"]
-            res = {}
-            for name in order:
-                engine, server = servers[name]
-                before = engine.metrics()
-                res[name] = asyncio.run(_waves(server.base_url, clients, args, seed=clients))
+        for clients in args.clients:
+            before = {name: engine.metrics() for name, (engine, _) in servers.items()}
+            res = asyncio.run(_duel(urls, clients, args, seed=clients))
+            for name, (engine, _) in servers.items():
                 after = engine.metrics()
-                steps = after["steps_total"] - before["steps_total"]
+                steps = after["steps_total"] - before[name]["steps_total"]
                 res[name]["split_steps_pct"] = 100 * (after["microbatched_steps_total"] -
-                                                      before["microbatched_steps_total"]) / max(steps, 1)
+                                                      before[name]["microbatched_steps_total"]) / max(steps, 1)
             row = {"clients": clients, "max_tokens": args.max_tokens, "requests": res["on"]["requests"]}
             for key in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "split_steps_pct"):
                 row[f"off_{key}"] = res["off"][key]
                 row[f"on_{key}"] = res["on"][key]
             row["tok_s_ratio_on_off"] = res["on"]["tok_s"] / res["off"]["tok_s"]
+            pairs = sorted(on / off for on, off in zip(res["on"]["wave_tok_s"], res["off"]["wave_tok_s"]))
+            row["wave_ratio_median"], row["wave_ratio_min"], row["wave_ratio_max"] = _pct(pairs, 0.5), pairs[0], pairs[-1]
             row["threads"] = args.threads
             rows.append(row)
     finally:

@@ -103,11 +103,14 @@ def test_input_major_layout_changes_strides_not_values(input_major):
     assert all(torch.equal(before[k], v) for k, v in mlp.state_dict().items())
 
 
-def test_small_calls_differ_without_the_row_padding_rule():
-    """Negative control for `linear`'s rule: with MIN_ROWS = 1 a row computed alone differs from the same
-    row in a bigger call (MKL's small-M kernels), so the padding is what makes rows batch-invariant."""
+@pytest.mark.parametrize("input_major", [False, True])
+def test_small_calls_differ_without_the_row_padding_rule(input_major):
+    """Negative control for `linear`'s rule: with the rule off a row computed alone differs from the same
+    row in a bigger call (MKL's small-call kernels), in either weight layout, so the padding is what
+    makes rows batch-invariant."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(384, 128, generator=g)
+    w = layers.in_major(w) if input_major else w
     x = torch.randn(16, 128, generator=g)
 
     def mismatches():

@@ -14,7 +14,7 @@
  *              dedup set is taken for the id without comparing keys. Never passed by staging.py.
  *   gather_rows_cached(table, scale, ids, out, keys, ref, hand, slab[, trust_keys]) -> (read, hits)
  *       the same with dedup, behind a hot-row cache (see Cache): each distinct id is looked up; hits copy
- *       the cached staged row, misses are read and decoded as above, then admitted. read = misses.
+ *       the cached stored row and decode it, misses are read and decoded as above, then admitted. read = misses.
  *   The GIL is released while rows are read (a row of a memory-mapped table may fault in from disk).
  *
  * Exactness (bit for bit the plain definition value = e4m3 * 2^(code - 127), rounded once to float32):
@@ -104,9 +104,11 @@ typedef struct {
 
 /* The hot-row cache (engram/row_cache.py HotRowCache owns the arrays): WAYS-way set associative over
  * `sets` sets, in anonymous memory apart from the table's mapping. Way w of set s is slot s*WAYS + w:
- * key[slot] the row id or -1 (empty), slab[slot] that row decoded exactly as staged (out_item bytes per
- * value), ref[slot] its CLOCK bit, hand[s] the set's CLOCK hand. A row id lives only in set
- * set_of(id). Invariant: key[slot] = r >= 0 implies slab[slot] == the staged row r. Lookups happen
+ * key[slot] the row id or -1 (empty), slab[slot] that row's stored bytes (264 for an FP8 row of 256: a
+ * hit is decoded from the slab like a miss from the table, 3.9x more rows than decoded float32 would
+ * hold, and 4x fewer bytes read per hit), ref[slot] its CLOCK bit, hand[s] the set's CLOCK hand. A row id lives only in set
+ * set_of(id). Invariant: key[slot] = r >= 0 implies slab[slot] == the stored bytes of row r (E4M3 row
+ * then its E8M0 scales, or the float32 row) once the call that admitted r has returned. Lookups happen
  * after the step's dedup (each distinct id once). A hit sets the ref bit; a miss is staged from the
  * table, then admitted: into an empty way, else the first way under the CLOCK hand whose ref bit is
  * clear (bits passed over are cleared). Admitted rows start with the bit clear, so a row seen once
@@ -162,18 +164,29 @@ typedef struct {
     Py_ssize_t row_bytes, scale_bytes;
 } Scratch;
 
-/* Stage the rows ids[pos[k]] into staging rows pos[k], k < count (count <= BLOCK). */
-static void stage_block(const Gather *a, const Py_ssize_t *pos, int count, Scratch *sc) {
+/* Stage the rows ids[pos[k]] into staging rows pos[k], k < count (count <= BLOCK). With a cache c:
+ * hit[k] >= 0 reads row k's stored bytes from that cache slot instead of the table, and put[k] >= 0
+ * stores them into that slot once the block's rows are all read (so a slot both read and replaced
+ * within the block is read first). */
+static void stage_block(const Gather *a, const Py_ssize_t *pos, int count, Scratch *sc, Cache *c,
+                        const Py_ssize_t *hit, const Py_ssize_t *put) {
     const Py_ssize_t hd = a->hd, rb = sc->row_bytes, sb = sc->scale_bytes, wb = rb - sb;
-    if (!sb && a->out_item == 4) { /* float32 rows into float32 staging: copied where they go */
-        for (int k = 0; k < count; k++) memcpy(a->out + pos[k] * rb, a->table + a->ids[pos[k]] * rb, (size_t)rb);
-        return;
-    }
+    const int direct = !sb && a->out_item == 4; /* float32 rows into float32 staging: copied where they go */
     for (int k = 0; k < count; k++) { /* independent loads */
         const int64_t r = a->ids[pos[k]];
-        memcpy(sc->raw + k * rb, a->table + r * wb, (size_t)wb);
-        if (sb) memcpy(sc->raw + k * rb + wb, a->scale + r * sb, (size_t)sb);
+        const uint8_t *w = a->table + r * wb, *s = sb ? a->scale + r * sb : NULL;
+        if (c && hit[k] >= 0) {
+            w = c->slab + hit[k] * rb;
+            s = w + wb;
+        }
+        uint8_t *dst = direct ? a->out + pos[k] * rb : sc->raw + k * rb;
+        memcpy(dst, w, (size_t)wb);
+        if (sb) memcpy(dst + wb, s, (size_t)sb);
     }
+    if (c)
+        for (int k = 0; k < count; k++)
+            if (put[k] >= 0) memcpy(c->slab + put[k] * rb, direct ? a->out + pos[k] * rb : sc->raw + k * rb, (size_t)rb);
+    if (direct) return;
     for (int k = 0; k < count; k++) {
         const uint8_t *src = sc->raw + k * rb;
         const int f32 = a->out_item == 4;
@@ -189,7 +202,7 @@ static void gather_all(const Gather *a, Scratch *sc) {
     for (Py_ssize_t i = 0; i < a->n; i += BLOCK) {
         int count = a->n - i < BLOCK ? (int)(a->n - i) : BLOCK;
         for (int k = 0; k < count; k++) pos[k] = i + k;
-        stage_block(a, pos, count, sc);
+        stage_block(a, pos, count, sc, NULL, NULL, NULL);
     }
 }
 
@@ -220,33 +233,26 @@ static Py_ssize_t gather_dedup(const Gather *a, Scratch *sc, Cache *cache) {
         fresh[distinct++] = i;
     }
     const size_t row_bytes = (size_t)a->hd * a->out_item;
-    Py_ssize_t misses = distinct;
-    if (cache) { /* hits are copied from the cache; `fresh` keeps the misses, in order */
-        misses = 0;
-        for (Py_ssize_t k = 0; k < distinct; k++) {
-            const Py_ssize_t slot = cache_find(cache, a->ids[fresh[k]]);
-            if (slot < 0) {
-                fresh[misses++] = fresh[k];
+    Py_ssize_t misses = 0, hit[BLOCK], put[BLOCK];
+    for (Py_ssize_t k0 = 0; k0 < distinct; k0 += BLOCK) {
+        const int count = distinct - k0 < BLOCK ? (int)(distinct - k0) : BLOCK;
+        for (int k = 0; cache && k < count; k++) { /* hits read the cache; misses get a slot, filled after the read */
+            const int64_t r = a->ids[fresh[k0 + k]];
+            hit[k] = cache_find(cache, r);
+            put[k] = -1;
+            if (hit[k] >= 0) {
+                cache->ref[hit[k]] = 1;
+                cache->hits++;
                 continue;
             }
-            if (k + 1 < distinct) __builtin_prefetch(cache->key + set_of(a->ids[fresh[k + 1]], cache->sets) * WAYS);
-            memcpy(a->out + fresh[k] * row_bytes, cache->slab + slot * row_bytes, row_bytes);
-            cache->ref[slot] = 1;
-            cache->hits++;
+            put[k] = cache_victim(cache, r);
+            cache->key[put[k]] = r;
+            cache->ref[put[k]] = 0;
+            misses++;
         }
+        stage_block(a, fresh + k0, count, sc, cache, hit, put);
     }
-    for (Py_ssize_t k = 0; k < misses; k += BLOCK)
-        stage_block(a, fresh + k, misses - k < BLOCK ? (int)(misses - k) : BLOCK, sc);
-    if (cache) {
-        for (Py_ssize_t k = 0; k < misses; k++) {
-            const int64_t r = a->ids[fresh[k]];
-            const Py_ssize_t slot = cache_victim(cache, r);
-            cache->key[slot] = r;
-            cache->ref[slot] = 0;
-            memcpy(cache->slab + slot * row_bytes, a->out + fresh[k] * row_bytes, row_bytes);
-        }
-        distinct = misses; /* rows read from the table */
-    }
+    if (cache) distinct = misses; /* rows read from the table */
     for (Py_ssize_t i = 0; i < a->n; i++)
         if (src[i] != i) memcpy(a->out + i * row_bytes, a->out + src[i] * row_bytes, row_bytes);
 done:
@@ -333,9 +339,9 @@ static PyObject *gather_common(const char *fn, PyObject *table_o, PyObject *scal
                      SHAPE(scale, 1), GROUP, GROUP);
         goto done;
     }
-    if (cv && SHAPE(cv->slab, 1) != hd * out.itemsize) {
-        PyErr_Format(PyExc_ValueError, "%s: cache slab rows of %zd bytes do not hold a staged row of %zd bytes", fn,
-                     SHAPE(cv->slab, 1), hd * out.itemsize);
+    if (cv && SHAPE(cv->slab, 1) != (fp8 ? hd + hd / GROUP : hd * 4)) {
+        PyErr_Format(PyExc_ValueError, "%s: cache slab rows of %zd bytes do not hold a stored row of %zd bytes", fn,
+                     SHAPE(cv->slab, 1), fp8 ? hd + hd / GROUP : hd * 4);
         goto done;
     }
     const int64_t *id = (const int64_t *)ids.buf;

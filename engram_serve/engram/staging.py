@@ -68,7 +68,7 @@ def stage_step(tables: list, hash_ids: torch.Tensor, out: torch.Tensor, dedup: b
             _gather_kernel.gather_rows(table, scale, ids[layer], staged, dedup)
             continue
         misses, hits = _gather_kernel.gather_rows_cached(table, scale, ids[layer], staged,
-                                                         *cache.arrays(out.element_size()), cache.trust_keys)
+                                                         *cache.arrays(), cache.trust_keys)
         cache.hits += hits
         cache.lookups += hits + misses  # the step's distinct ids
 

@@ -127,7 +127,7 @@ class KeylessCache(RowCache):
 
 @settings(deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 300), t=st.integers(1, 12), c=st.integers(1, 6),
-       cache_rows=st.sampled_from([0, 1, 7, 64, 1000]), dedup=st.booleans(), fp8=st.booleans(),
+       cache_rows=st.sampled_from([0, 8, 16, 64, 1000]), dedup=st.booleans(), fp8=st.booleans(),
        steps=st.integers(1, 3), bf16=st.booleans(), backend=st.sampled_from(["torch", "auto"]))
 def test_gather_equals_plain_row_reads(seed, rows, t, c, cache_rows, dedup, fp8, steps, bf16, backend):
     """Both gather paths: torch ops, and (`auto`, on the CPU without a cache) the fused C kernel."""
@@ -149,7 +149,7 @@ def gather_equals_plain_row_reads(seed, rows, t, c, cache_rows, dedup, fp8, step
             f = rng.standard_normal((rows, hd)).astype(np.float32)
             tabs.append(torch.from_numpy(f))
             refs.append(lambda ids, f=f: np.stack([f[i] for i in ids]) if ids else np.zeros((0, hd), np.float32))
-    row_bytes = hd * 4  # cached rows are dequantized float32
+    row_bytes = hd * 4 + 10  # cached rows are dequantized float32 (+ key and CLOCK bit in the kernel's cache)
     tables = EngramTables((1, 2), tabs, pin=False, dedup=dedup, cache_bytes=2 * cache_rows * row_bytes)
     dtype = torch.bfloat16 if bf16 else torch.float32
     for _ in range(steps):  # later steps hit (and collide in) the cache filled by earlier ones
@@ -164,10 +164,11 @@ def gather_equals_plain_row_reads(seed, rows, t, c, cache_rows, dedup, fp8, step
             assert same_bits(out[layer].float().numpy(), ref)
 
 
-def test_keyless_cache_serves_wrong_rows():
+def test_keyless_cache_serves_wrong_rows(monkeypatch):
     """Negative control for the cache's key check: without it, a slot filled by another row id is
     served, and the staged rows differ from the table's."""
     tab = torch.arange(64 * 32, dtype=torch.float32).view(64, 32)
+    monkeypatch.setenv(staging.BACKEND_ENV, "torch")  # the torch path's RowCache (the kernel's: test_staging_kernel)
     tables = EngramTables((1,), [tab], pin=False, cache_bytes=8 * 32 * 4)
     tables.caches = [KeylessCache(8 * 32 * 4, [(32,)], [torch.float32])]
     ids = torch.tensor([[[3]], [[11]]])  # 3 and 11 share slot 3 of 8
@@ -181,7 +182,8 @@ def test_keyless_cache_serves_wrong_rows():
     assert torch.equal(out[0, 1, 0], tab[11])
 
 
-def test_cache_hits_and_byte_bound():
+def test_cache_hits_and_byte_bound(monkeypatch):
+    monkeypatch.setenv(staging.BACKEND_ENV, "torch")  # the torch RowCache (the kernel's: test_staging_kernel)
     tab = Fp8Table.from_float(torch.randn(1000, 64))
     tables = EngramTables((1,), [tab], pin=False, cache_bytes=100 * 64 * 4)
     cache = tables.caches[0]

@@ -14,6 +14,8 @@ from test_checkpoint_tables import reference_rows, same_bits, table_from_bytes
 
 from engram_serve.engram import staging
 from engram_serve.engram.quantized import dequantize_rows
+from engram_serve.engram.quantized import Fp8Table
+from engram_serve.engram.row_cache import HotRowCache
 from engram_serve.engram.tables import EngramTables
 
 kernel = pytest.importorskip("engram_serve.engram._gather_kernel",
@@ -151,3 +153,84 @@ def test_a_build_without_the_kernel_gathers_through_torch(monkeypatch):
     monkeypatch.setenv(staging.BACKEND_ENV, "kernel")
     with pytest.raises(RuntimeError, match="_gather_kernel was not built"):
         staging.gather_backend(f, torch.empty(2, 32))
+
+
+# ---- the kernel's hot-row cache: hits copy cached staged rows, never other values ----
+
+class KeylessHotRowCache(HotRowCache):
+    """Negative control: a hit is any filled way 0 of the id's set, without comparing the row id."""
+    trust_keys = True
+
+
+def cached_steps(cache_cls, tab, steps: list[list[int]], dtype, cache_rows: int) -> tuple[list[torch.Tensor], list]:
+    """Stage each step through stage_step with one cache of ~cache_rows rows; the staged rows and (hits, lookups)."""
+    row_bytes = tab.shape[1] + tab.shape[1] // 32 if isinstance(tab, Fp8Table) else tab.shape[1] * 4
+    cache = cache_cls(cache_rows * (row_bytes + 10), row_bytes)
+    assert cache.num_slots == cache_rows and cache.nbytes <= cache_rows * (row_bytes + 10)
+    outs, stats = [], []
+    for ids in steps:
+        out = torch.full((1, len(ids), tab.shape[1]), 3.0, dtype=dtype)
+        h0 = cache.hits
+        staging.stage_step([tab], torch.tensor(ids, dtype=torch.int64).view(-1, 1, 1), out, True, [cache])
+        outs.append(out[0])
+        stats.append((cache.hits - h0, len(set(ids))))
+    return outs, stats
+
+
+@settings(deadline=None, max_examples=60)
+@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 400), steps=st.integers(1, 6), n=st.integers(0, 60),
+       cache_rows=st.sampled_from([8, 16, 24, 64, 512]), fp8=st.booleans(), bf16=st.booleans(),
+       zipf=st.sampled_from([1.1, 1.5, 3.0]))
+def test_cached_kernel_equals_uncached_and_plain_loop(seed, rows, steps, n, cache_rows, fp8, bf16, zipf):
+    """Streams with heavy repetition across and within steps, caches from one set (constant eviction) up."""
+    rng = np.random.default_rng(seed)
+    hd = 32
+    if fp8:
+        w = rng.integers(0, 256, (rows, hd), dtype=np.uint8)
+        s = rng.choice(np.array(EXTREME_CODES, dtype=np.uint8), (rows, 1))
+        tab = table_from_bytes(w, s)
+    else:
+        f = rng.standard_normal((rows, hd)).astype(np.float32)
+        tab = torch.from_numpy(f)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    stream = [(np.minimum(rng.zipf(zipf, n), rows) - 1).tolist() for _ in range(steps)]
+    got, stats = cached_steps(HotRowCache, tab, stream, dtype, cache_rows)
+    for ids, out, (hits, distinct) in zip(stream, got, stats):
+        plain, read = staged(tab, ids, dtype, dedup=True)
+        assert read == distinct and 0 <= hits <= distinct
+        assert same_bits(out.float().numpy(), plain.float().numpy())  # cached == uncached kernel
+        with np.errstate(over="ignore"):
+            ref = reference_rows(w, s, ids) if fp8 else (np.stack([f[i] for i in ids]) if ids else np.zeros((0, hd)))
+        assert same_bits(out.float().numpy(), torch.from_numpy(ref.astype(np.float32)).to(dtype).float().numpy())
+
+
+def test_cache_hits_evicts_within_its_bound_and_its_negative_control_fails():
+    f = torch.arange(4000 * 32, dtype=torch.float32).view(4000, 32)
+    steps = [[5, 5, 17, 5, 17, 42], [5, 17, 42, 99], list(range(100, 400)), [5, 17, 42]]
+    outs, stats = cached_steps(HotRowCache, f, steps, torch.float32, 64)
+    assert stats[:2] == [(0, 3), (3, 4)]  # dedup: 3 distinct cold; then 3 hits and one miss
+    assert stats[3][0] < 3  # 300 distinct rows through 64 slots evicted some of 5, 17, 42 (hit once each)
+    for ids, out in zip(steps, outs):
+        assert torch.equal(out, f[ids])
+    # the control: skip the key compare on a hit, and a stream that revisits sets serves wrong rows
+    bad, _ = cached_steps(KeylessHotRowCache, f, steps, torch.float32, 64)
+    assert any(not torch.equal(out, f[ids]) for ids, out in zip(steps, bad))
+
+
+def test_tables_gather_through_the_kernel_cache_equals_no_cache(monkeypatch):
+    monkeypatch.delenv(staging.BACKEND_ENV, raising=False)
+    tab = Fp8Table.from_float(torch.randn(3000, 64))
+    cached = EngramTables((1,), [tab], pin=False, cache_bytes=256 * (64 * 4 + 10))
+    plain = EngramTables((1,), [tab], pin=False)
+    assert isinstance(cached.caches[0], HotRowCache)
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        ids = torch.from_numpy(np.minimum(rng.zipf(1.2, (40, 1, 4)), 3000) - 1)
+        a, b = torch.empty(1, 40, 4, 64), torch.empty(1, 40, 4, 64)
+        cached.gather(ids, a)
+        plain.gather(ids, b)
+        assert same_bits(a.numpy(), b.numpy())
+    assert cached.caches[0].hits > 0
+    monkeypatch.setenv(staging.BACKEND_ENV, "torch")  # the torch path swaps in its own (empty) RowCache
+    cached.gather(ids, a)
+    assert not isinstance(cached.caches[0], HotRowCache) and same_bits(a.numpy(), b.numpy())

@@ -186,7 +186,7 @@ def _pass(tables, hashes, staging, backend: str = "auto") -> list[float]:
 
 
 # (name, gather backend, dedup, cache on): the fused C kernel beside the torch path it replaces (the
-# baseline); with the cache, hits are torch copies out of the cache and misses go through the kernel
+# baseline); with the cache (the kernel's HotRowCache), hits are copied out of it inside the same kernel call
 SETTINGS = (("torch plain", "torch", False, 0), ("torch dedup", "torch", True, 0), ("kernel plain", "auto", False, 0),
             ("kernel dedup", "auto", True, 0), ("kernel dedup+cache", "auto", True, 1))
 

@@ -12,6 +12,9 @@
  *              positions copy that staged row; false: every position reads the table.
  *       trust_slots  tests only (the negative control of the dedup's key check): a filled slot of the
  *              dedup set is taken for the id without comparing keys. Never passed by staging.py.
+ *   gather_rows_cached(table, scale, ids, out, keys, ref, hand, slab[, trust_keys]) -> (read, hits)
+ *       the same with dedup, behind a hot-row cache (see Cache): each distinct id is looked up; hits copy
+ *       the cached stored row and decode it, misses are read and decoded as above, then admitted. read = misses.
  *   The GIL is released while rows are read (a row of a memory-mapped table may fault in from disk).
  *
  * Exactness (bit for bit the plain definition value = e4m3 * 2^(code - 127), rounded once to float32):
@@ -99,6 +102,55 @@ typedef struct {
     int trust_slots;            /* tests only: a filled slot counts as the id (no key check) */
 } Gather;
 
+/* The hot-row cache (engram/row_cache.py HotRowCache owns the arrays): WAYS-way set associative over
+ * `sets` sets, in anonymous memory apart from the table's mapping. Way w of set s is slot s*WAYS + w:
+ * key[slot] the row id or -1 (empty), slab[slot] that row's stored bytes (264 for an FP8 row of 256: a
+ * hit is decoded from the slab like a miss from the table, 3.9x more rows than decoded float32 would
+ * hold, and 4x fewer bytes read per hit), ref[slot] its CLOCK bit, hand[s] the set's CLOCK hand. A row id lives only in set
+ * set_of(id). Invariant: key[slot] = r >= 0 implies slab[slot] == the stored bytes of row r (E4M3 row
+ * then its E8M0 scales, or the float32 row) once the call that admitted r has returned. Lookups happen
+ * after the step's dedup (each distinct id once). A hit sets the ref bit; a miss is staged from the
+ * table, then admitted: into an empty way, else the first way under the CLOCK hand whose ref bit is
+ * clear (bits passed over are cleared). Admitted rows start with the bit clear, so a row seen once
+ * is the next victim of its set, and a row hit again survives one sweep: a frequency filter that
+ * keeps Zipfian heads. Deterministic: the state depends only on the ids in order. */
+#define WAYS 8
+
+typedef struct {
+    int64_t *key;
+    uint8_t *ref, *hand, *slab;
+    Py_ssize_t sets;
+    int trust_keys; /* tests only (the negative control): a filled way 0 counts as a hit, no key check */
+    Py_ssize_t hits;
+} Cache;
+
+static inline Py_ssize_t set_of(int64_t r, Py_ssize_t sets) {
+    uint64_t h = ((uint64_t)r * 0xD6E8FEB86659FD93ull) >> 32; /* 32 mixed bits, then onto [0, sets) */
+    return (Py_ssize_t)((h * (uint64_t)sets) >> 32);
+}
+
+/* The slot of row r in the cache, or -1. */
+static inline Py_ssize_t cache_find(const Cache *c, int64_t r) {
+    const Py_ssize_t base = set_of(r, c->sets) * WAYS;
+    if (c->trust_keys) return c->key[base] != -1 ? base : -1;
+    for (int w = 0; w < WAYS; w++)
+        if (c->key[base + w] == r) return base + w;
+    return -1;
+}
+
+/* The slot row r (not cached) is admitted into (see Cache). */
+static inline Py_ssize_t cache_victim(Cache *c, int64_t r) {
+    const Py_ssize_t s = set_of(r, c->sets), base = s * WAYS;
+    for (int w = 0; w < WAYS; w++)
+        if (c->key[base + w] == -1) return base + w;
+    for (;;) {
+        const Py_ssize_t slot = base + c->hand[s];
+        c->hand[s] = (uint8_t)((c->hand[s] + 1) % WAYS);
+        if (!c->ref[slot]) return slot;
+        c->ref[slot] = 0;
+    }
+}
+
 /* Rows are staged in blocks of BLOCK: first the stored bytes of the block's rows (E4M3 row and E8M0
  * scales, or a float32 row) are copied into a small local buffer, all loads independent, so that the
  * block's page walks and cache misses overlap; then the block is decoded from that buffer, which is
@@ -112,18 +164,29 @@ typedef struct {
     Py_ssize_t row_bytes, scale_bytes;
 } Scratch;
 
-/* Stage the rows ids[pos[k]] into staging rows pos[k], k < count (count <= BLOCK). */
-static void stage_block(const Gather *a, const Py_ssize_t *pos, int count, Scratch *sc) {
+/* Stage the rows ids[pos[k]] into staging rows pos[k], k < count (count <= BLOCK). With a cache c:
+ * hit[k] >= 0 reads row k's stored bytes from that cache slot instead of the table, and put[k] >= 0
+ * stores them into that slot once the block's rows are all read (so a slot both read and replaced
+ * within the block is read first). */
+static void stage_block(const Gather *a, const Py_ssize_t *pos, int count, Scratch *sc, Cache *c,
+                        const Py_ssize_t *hit, const Py_ssize_t *put) {
     const Py_ssize_t hd = a->hd, rb = sc->row_bytes, sb = sc->scale_bytes, wb = rb - sb;
-    if (!sb && a->out_item == 4) { /* float32 rows into float32 staging: copied where they go */
-        for (int k = 0; k < count; k++) memcpy(a->out + pos[k] * rb, a->table + a->ids[pos[k]] * rb, (size_t)rb);
-        return;
-    }
+    const int direct = !sb && a->out_item == 4; /* float32 rows into float32 staging: copied where they go */
     for (int k = 0; k < count; k++) { /* independent loads */
         const int64_t r = a->ids[pos[k]];
-        memcpy(sc->raw + k * rb, a->table + r * wb, (size_t)wb);
-        if (sb) memcpy(sc->raw + k * rb + wb, a->scale + r * sb, (size_t)sb);
+        const uint8_t *w = a->table + r * wb, *s = sb ? a->scale + r * sb : NULL;
+        if (c && hit[k] >= 0) {
+            w = c->slab + hit[k] * rb;
+            s = w + wb;
+        }
+        uint8_t *dst = direct ? a->out + pos[k] * rb : sc->raw + k * rb;
+        memcpy(dst, w, (size_t)wb);
+        if (sb) memcpy(dst + wb, s, (size_t)sb);
     }
+    if (c)
+        for (int k = 0; k < count; k++)
+            if (put[k] >= 0) memcpy(c->slab + put[k] * rb, direct ? a->out + pos[k] * rb : sc->raw + k * rb, (size_t)rb);
+    if (direct) return;
     for (int k = 0; k < count; k++) {
         const uint8_t *src = sc->raw + k * rb;
         const int f32 = a->out_item == 4;
@@ -139,14 +202,14 @@ static void gather_all(const Gather *a, Scratch *sc) {
     for (Py_ssize_t i = 0; i < a->n; i += BLOCK) {
         int count = a->n - i < BLOCK ? (int)(a->n - i) : BLOCK;
         for (int k = 0; k < count; k++) pos[k] = i + k;
-        stage_block(a, pos, count, sc);
+        stage_block(a, pos, count, sc, NULL, NULL, NULL);
     }
 }
 
 /* Each distinct id is read once, at its first position (open addressing over 2n..4n slots keyed by
  * id; `first` holds that position); later positions copy the staged row once all first positions
  * are staged. Returns the distinct count, or -1 if the scratch cannot be allocated. */
-static Py_ssize_t gather_dedup(const Gather *a, Scratch *sc) {
+static Py_ssize_t gather_dedup(const Gather *a, Scratch *sc, Cache *cache) {
     size_t cap = 16;
     while (cap < (size_t)a->n * 2) cap <<= 1;
     int64_t *key = PyMem_RawMalloc(cap * sizeof(int64_t));
@@ -169,9 +232,27 @@ static Py_ssize_t gather_dedup(const Gather *a, Scratch *sc) {
         first[h] = src[i] = i;
         fresh[distinct++] = i;
     }
-    for (Py_ssize_t k = 0; k < distinct; k += BLOCK)
-        stage_block(a, fresh + k, distinct - k < BLOCK ? (int)(distinct - k) : BLOCK, sc);
     const size_t row_bytes = (size_t)a->hd * a->out_item;
+    Py_ssize_t misses = 0, hit[BLOCK], put[BLOCK];
+    for (Py_ssize_t k0 = 0; k0 < distinct; k0 += BLOCK) {
+        const int count = distinct - k0 < BLOCK ? (int)(distinct - k0) : BLOCK;
+        for (int k = 0; cache && k < count; k++) { /* hits read the cache; misses get a slot, filled after the read */
+            const int64_t r = a->ids[fresh[k0 + k]];
+            hit[k] = cache_find(cache, r);
+            put[k] = -1;
+            if (hit[k] >= 0) {
+                cache->ref[hit[k]] = 1;
+                cache->hits++;
+                continue;
+            }
+            put[k] = cache_victim(cache, r);
+            cache->key[put[k]] = r;
+            cache->ref[put[k]] = 0;
+            misses++;
+        }
+        stage_block(a, fresh + k0, count, sc, cache, hit, put);
+    }
+    if (cache) distinct = misses; /* rows read from the table */
     for (Py_ssize_t i = 0; i < a->n; i++)
         if (src[i] != i) memcpy(a->out + i * row_bytes, a->out + src[i] * row_bytes, row_bytes);
 done:
@@ -182,11 +263,47 @@ done:
     return distinct;
 }
 
-static PyObject *py_gather_rows(PyObject *Py_UNUSED(self), PyObject *args) {
-    static const char *fn = "gather_rows";
-    PyObject *table_o, *scale_o, *ids_o, *out_o;
-    int dedup, trust_slots = 0;
-    if (!PyArg_ParseTuple(args, "OOOOp|p", &table_o, &scale_o, &ids_o, &out_o, &dedup, &trust_slots)) return NULL;
+/* The cache arrays (keys, ref, hand, slab; see Cache) of a staging row of row_bytes, held in views. */
+typedef struct {
+    Py_buffer key, ref, hand, slab;
+    int held;
+} CacheViews;
+
+static void release_cache(CacheViews *v) {
+    if (v->held >= 4) PyBuffer_Release(&v->slab);
+    if (v->held >= 3) PyBuffer_Release(&v->hand);
+    if (v->held >= 2) PyBuffer_Release(&v->ref);
+    if (v->held >= 1) PyBuffer_Release(&v->key);
+    v->held = 0;
+}
+
+static int get_cache(const char *fn, PyObject *key_o, PyObject *ref_o, PyObject *hand_o, PyObject *slab_o,
+                     CacheViews *v) {
+    v->held = 0;
+    if (get_array(fn, "cache keys", key_o, K_I64, 1, 1, &v->key) < 0) return -1;
+    v->held++;
+    if (get_array(fn, "cache ref", ref_o, K_U8, 1, 1, &v->ref) < 0) goto fail;
+    v->held++;
+    if (get_array(fn, "cache hand", hand_o, K_U8, 1, 1, &v->hand) < 0) goto fail;
+    v->held++;
+    if (get_array(fn, "cache slab", slab_o, K_U8, 2, 1, &v->slab) < 0) goto fail;
+    v->held++;
+    const Py_ssize_t slots = SHAPE(v->key, 0);
+    if (slots < WAYS || slots % WAYS || SHAPE(v->ref, 0) != slots || SHAPE(v->hand, 0) != slots / WAYS ||
+        SHAPE(v->slab, 0) != slots) {
+        PyErr_Format(PyExc_ValueError, "%s: cache keys [%zd], ref [%zd], hand [%zd], slab [%zd, ...] do not fit (keys "
+                     "a positive multiple of %d, ref and slab as many, hand keys / %d)", fn, slots,
+                     SHAPE(v->ref, 0), SHAPE(v->hand, 0), SHAPE(v->slab, 0), WAYS, WAYS);
+        goto fail;
+    }
+    return 0;
+fail:
+    release_cache(v);
+    return -1;
+}
+
+static PyObject *gather_common(const char *fn, PyObject *table_o, PyObject *scale_o, PyObject *ids_o, PyObject *out_o,
+                               int dedup, int trust_slots, CacheViews *cv, int trust_keys) {
     const int fp8 = scale_o != Py_None;
     Py_buffer table, scale, ids, out;
     int held = 0; /* buffers held, in the order table, ids, out, scale */
@@ -222,6 +339,11 @@ static PyObject *py_gather_rows(PyObject *Py_UNUSED(self), PyObject *args) {
                      SHAPE(scale, 1), GROUP, GROUP);
         goto done;
     }
+    if (cv && SHAPE(cv->slab, 1) != (fp8 ? hd + hd / GROUP : hd * 4)) {
+        PyErr_Format(PyExc_ValueError, "%s: cache slab rows of %zd bytes do not hold a stored row of %zd bytes", fn,
+                     SHAPE(cv->slab, 1), fp8 ? hd + hd / GROUP : hd * 4);
+        goto done;
+    }
     const int64_t *id = (const int64_t *)ids.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (id[i] < 0 || id[i] >= rows) {
@@ -241,14 +363,22 @@ static PyObject *py_gather_rows(PyObject *Py_UNUSED(self), PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
+    Cache cache = {0};
+    if (cv) {
+        cache = (Cache){(int64_t *)cv->key.buf, (uint8_t *)cv->ref.buf, (uint8_t *)cv->hand.buf,
+                        (uint8_t *)cv->slab.buf, SHAPE(cv->key, 0) / WAYS, trust_keys, 0};
+        for (Py_ssize_t s = 0; s < cache.sets; s++) /* a corrupt hand would index past its set */
+            if (cache.hand[s] >= WAYS) cache.hand[s] = 0;
+    }
     Py_ssize_t read = n;
     Py_BEGIN_ALLOW_THREADS
-    if (dedup) read = gather_dedup(&a, &sc);
+    if (dedup || cv) read = gather_dedup(&a, &sc, cv ? &cache : NULL);
     else gather_all(&a, &sc);
     Py_END_ALLOW_THREADS
     PyMem_RawFree(sc.raw);
     PyMem_RawFree(sc.row32);
-    result = read < 0 ? PyErr_NoMemory() : PyLong_FromSsize_t(read);
+    if (read < 0) result = PyErr_NoMemory();
+    else result = cv ? Py_BuildValue("nn", read, cache.hits) : PyLong_FromSsize_t(read);
 done:
     if (held >= 4) PyBuffer_Release(&scale);
     if (held >= 3) PyBuffer_Release(&out);
@@ -257,10 +387,34 @@ done:
     return result;
 }
 
+static PyObject *py_gather_rows(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *table_o, *scale_o, *ids_o, *out_o;
+    int dedup, trust_slots = 0;
+    if (!PyArg_ParseTuple(args, "OOOOp|p", &table_o, &scale_o, &ids_o, &out_o, &dedup, &trust_slots)) return NULL;
+    return gather_common("gather_rows", table_o, scale_o, ids_o, out_o, dedup, trust_slots, NULL, 0);
+}
+
+static PyObject *py_gather_rows_cached(PyObject *Py_UNUSED(self), PyObject *args) {
+    static const char *fn = "gather_rows_cached";
+    PyObject *table_o, *scale_o, *ids_o, *out_o, *key_o, *ref_o, *hand_o, *slab_o;
+    int trust_keys = 0;
+    if (!PyArg_ParseTuple(args, "OOOOOOOO|p", &table_o, &scale_o, &ids_o, &out_o, &key_o, &ref_o, &hand_o, &slab_o,
+                          &trust_keys))
+        return NULL;
+    CacheViews cv;
+    if (get_cache(fn, key_o, ref_o, hand_o, slab_o, &cv) < 0) return NULL;
+    PyObject *result = gather_common(fn, table_o, scale_o, ids_o, out_o, 1, 0, &cv, trust_keys);
+    release_cache(&cv);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"gather_rows", py_gather_rows, METH_VARARGS,
      "gather_rows(table, scale, ids, out, dedup[, trust_slots]) -> rows read: out[i] = row ids[i] of the table, decoded "
      "(FP8 E4M3 bytes + E8M0 codes, or float32 with scale None) into float32 or bfloat16 bits (int16)."},
+    {"gather_rows_cached", py_gather_rows_cached, METH_VARARGS,
+     "gather_rows_cached(table, scale, ids, out, keys, ref, hand, slab[, trust_keys]) -> (rows read from the table, "
+     "cache hits): gather_rows with dedup, behind the hot-row cache held in keys/ref/hand/slab (updated in place)."},
     {NULL, NULL, 0, NULL},
 };
 

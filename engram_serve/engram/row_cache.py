@@ -53,3 +53,55 @@ class RowCache:
         self.keys.index_copy_(0, uslot, ids.index_select(0, first))
         for p, r in zip(self.parts, rows):
             p.index_copy_(0, uslot, r.index_select(0, first))
+
+
+class HotRowCache:
+    """The hot-row cache of the fused C gather (`_gather_kernel.gather_rows_cached`, which owns the policy:
+    8-way set associative, CLOCK within a set, rows admitted with their bit clear; see `Cache` in
+    _gather_kernel.c). Its arrays live in anonymous memory apart from the table's mapping, the slab on
+    transparent huge pages where the kernel allows (madvise), so that hits read a compact region and
+    only misses touch the big mapping.
+
+    Rows are held in their stored form (`row_bytes`: an E4M3 row then its E8M0 scales, 264 bytes at
+    width 256, or a float32 row) and decoded on a hit exactly as a miss is from the table, so
+    `capacity_bytes` holds capacity_bytes // (row_bytes + 10) rows (with key and CLOCK bit), rounded
+    down to whole sets of 8.
+
+    Invariant (kept by the kernel): keys[s] = r >= 0 implies slab[s] == the stored bytes of row r.
+    Not thread-safe by itself: EngramTables serialises its use."""
+
+    WAYS = 8
+    trust_keys = False  # tests only (negative control): a subclass sets it to skip the key compare on a hit
+
+    def __init__(self, capacity_bytes: int, row_bytes: int):
+        import mmap
+
+        import numpy as np
+        self.row_bytes = row_bytes
+        self.num_slots = capacity_bytes // (row_bytes + 10) // self.WAYS * self.WAYS
+        if self.num_slots < self.WAYS:
+            raise ValueError(f"HotRowCache: capacity_bytes={capacity_bytes} holds no set of {self.WAYS} rows "
+                             f"of {row_bytes} bytes")
+        self._buf = mmap.mmap(-1, self.num_slots * row_bytes)  # anonymous, zero-filled
+        try:  # a hint: fewer TLB misses on hits where transparent huge pages are available
+            self._buf.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError):
+            pass
+        self.keys = np.full(self.num_slots, -1, dtype=np.int64)  # [S] row id or -1
+        self.ref = np.zeros(self.num_slots, dtype=np.uint8)  # [S] CLOCK bits
+        self.hand = np.zeros(self.num_slots // self.WAYS, dtype=np.uint8)  # [S/8] CLOCK hand per set
+        self.slab = np.frombuffer(self._buf, dtype=np.uint8).reshape(self.num_slots, row_bytes)  # [S, row_bytes]
+        self.hits = self.lookups = 0
+
+    @classmethod
+    def for_table(cls, capacity_bytes: int, tab) -> "HotRowCache":
+        """A cache for rows of tab (an Fp8Table: E4M3 row + scales; else a float32 table)."""
+        hd = tab.shape[1]
+        return cls(capacity_bytes, hd + hd // 32 if hasattr(tab, "scale") else hd * 4)
+
+    def arrays(self) -> tuple:
+        return self.keys, self.ref, self.hand, self.slab
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * (self.row_bytes + 10)

@@ -16,6 +16,7 @@ import torch
 
 from .kernels import choose_backend
 from .quantized import Fp8Table
+from .row_cache import HotRowCache
 
 try:
     from . import _gather_kernel
@@ -53,14 +54,23 @@ def _kernel_args(tab: torch.Tensor | Fp8Table, out: torch.Tensor) -> tuple:
     return table, scale, (out.numpy() if out.dtype == torch.float32 else out.view(torch.int16).numpy())  # bf16 bits
 
 
-def stage_step(tables: list, hash_ids: torch.Tensor, out: torch.Tensor, dedup: bool) -> None:
+def stage_step(tables: list, hash_ids: torch.Tensor, out: torch.Tensor, dedup: bool,
+               caches: list[HotRowCache | None] | None = None) -> None:
     """Every layer of a step: out[l, t*C + c] = row hash_ids[t, l, c] of tables[l] (hash_ids [T, L, C]; out
     [L, T*C, hd] contiguous; `kernel_fits` for every table). A handful of torch ops per step, whatever L:
-    at 64 decode requests the per-layer slicing and conversions cost ~0.2 ms of a ~0.75 ms gather."""
+    at 64 decode requests the per-layer slicing and conversions cost ~0.2 ms of a ~0.75 ms gather.
+    caches[l], if given, is layer l's hot-row cache, looked up inside the kernel call (which then dedups)."""
     ids = hash_ids.to("cpu", torch.int64).permute(1, 0, 2).contiguous().view(len(tables), -1).numpy()  # [L, T*C]
     for layer, tab in enumerate(tables):
         table, scale, staged = _kernel_args(tab, out[layer])
-        _gather_kernel.gather_rows(table, scale, ids[layer], staged, dedup)
+        cache = caches[layer] if caches else None
+        if cache is None:
+            _gather_kernel.gather_rows(table, scale, ids[layer], staged, dedup)
+            continue
+        misses, hits = _gather_kernel.gather_rows_cached(table, scale, ids[layer], staged,
+                                                         *cache.arrays(), cache.trust_keys)
+        cache.hits += hits
+        cache.lookups += hits + misses  # the step's distinct ids
 
 
 def stage_rows(tab: torch.Tensor | Fp8Table, ids: torch.Tensor, out: torch.Tensor, dedup: bool) -> int:

@@ -8,8 +8,10 @@ hash id of layer l (spec §2) is a valid row of `tables[l]`.
 
 The gather, per layer: the step's ids [T*C] are deduplicated (a step repeats many ids: Zipfian text,
 shared prefixes, the same n-gram in many requests), each distinct row is read once (through the
-optional byte-bounded `RowCache` of hot rows) and dequantized once, then expanded into the staging
-rows. On the CPU without a cache this is one fused C kernel (staging.py); otherwise torch ops. Dedup and cache change which bytes are read, never the staged values: the
+optional byte-bounded cache of hot rows) and dequantized once, then expanded into the staging rows.
+On the CPU this is one fused C kernel per layer (staging.py), its cache the kernel's `HotRowCache`,
+looked up inside the same call; otherwise torch ops, with the torch `RowCache` (row_cache.py). Dedup
+and cache change which bytes are read, never the staged values: the
 staged rows are bit for bit those of a direct row-by-row read (tests/test_checkpoint_tables.py).
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from ..config import EngramConfig
 from .quantized import Fp8Table, dequantize_rows
-from .row_cache import RowCache
+from .row_cache import HotRowCache, RowCache
 from .staging import gather_backend, stage_rows, stage_step
 
 
@@ -47,20 +49,34 @@ class EngramTables:
         self.layer_ids = tuple(int(x) for x in layer_ids)
         self.tables = list(tables)
         self.dedup = dedup
-        self.caches: list[RowCache | None] = [None] * len(tables)
+        self.caches: list[RowCache | HotRowCache | None] = [None] * len(tables)
+        self.cache_bytes = 0
         if cache_bytes > 0:
             self.set_cache(cache_bytes)
         self._lock = threading.Lock()  # the caches are shared state; a gather holds the lock
 
-    def set_cache(self, cache_bytes: int) -> None:
-        """Replace the hot-row caches by empty ones of cache_bytes in all (0: no cache)."""
-        per = cache_bytes // max(1, len(self.tables))
-        self.caches = [None if cache_bytes <= 0 else self._make_cache(t, per) for t in self.tables]
+    def set_cache(self, cache_bytes: int, kernel: bool | None = None) -> None:
+        """Replace the hot-row caches by empty ones of cache_bytes in all (0: no cache): the C kernel's
+        HotRowCache where the fused gather serves these tables (`kernel`; None: as the `auto` backend
+        would choose for float32 staging), else the torch RowCache. A gather that takes the other path
+        replaces them by empty ones of its kind (the rows cached are the same values either way)."""
+        self.cache_bytes = max(0, cache_bytes)
+        if kernel is None:
+            kernel = self._kernel_serves(torch.empty(1, self.head_dim if self.tables else 1))
+        per = self.cache_bytes // max(1, len(self.tables))
+        self.caches = [None if self.cache_bytes <= 0 else self._make_cache(t, per, kernel) for t in self.tables]
+
+    def _kernel_serves(self, out_row: torch.Tensor) -> bool:
+        return bool(self.tables) and all(gather_backend(tab, out_row) == "kernel" for tab in self.tables)
 
     @staticmethod
-    def _make_cache(tab, nbytes: int) -> RowCache:
-        """Cached rows are dequantized float32 (1 KiB per 256-wide row): a hit costs one row copy, no
-        decoding. (Caching the stored FP8 bytes would hold 3.9x more rows but decode every hit.)"""
+    def _make_cache(tab, nbytes: int, kernel: bool) -> RowCache | HotRowCache:
+        """The kernel's cache holds stored rows (264 bytes per 256-wide FP8 row), decoded on a hit: a
+        dequantized float32 row is 1 KiB, and copying it from a cache larger than the CPU caches took
+        as long as reading and decoding the row from the mapped table (measured: the cache with 88%
+        hits was slower than none). The torch RowCache holds dequantized float32 rows."""
+        if kernel:
+            return HotRowCache.for_table(nbytes, tab)
         return RowCache(nbytes, [(tab.shape[1],)], [torch.float32], tab.device)
 
     @property
@@ -112,10 +128,13 @@ class EngramTables:
             raise ValueError(f"gather: hash_ids {tuple(hash_ids.shape)} and out {tuple(out.shape)} do not fit "
                              f"{self.num_layers} tables of width {self.head_dim}")
         with self._lock:
-            if self.caches == [None] * self.num_layers and out.is_contiguous() and self.num_layers \
-                    and all(gather_backend(tab, out[0, 0]) == "kernel" for tab in self.tables):
-                # fused: dedup, read, decode into staging, one pass per layer (and few torch ops per step)
-                stage_step(self.tables, hash_ids, out.view(n_layers, t * c, self.head_dim), self.dedup)
+            kernel = out.is_contiguous() and self._kernel_serves(out[0, 0])
+            if self.cache_bytes and kernel != isinstance(self.caches[0], HotRowCache):
+                self.set_cache(self.cache_bytes, kernel)  # the other path serves now: empty caches of its kind
+            if kernel:
+                # fused: dedup, cache, read, decode into staging, one pass per layer (few torch ops per step)
+                stage_step(self.tables, hash_ids, out.view(n_layers, t * c, self.head_dim), self.dedup,
+                           self.caches if self.cache_bytes else None)
                 return out
             for layer, tab in enumerate(self.tables):
                 ids = hash_ids[:, layer, :].reshape(-1).to(tab.device, torch.int64)  # [T*C]

@@ -90,6 +90,53 @@ ROW_CLONES static void decode_fp8_row(const uint8_t *restrict w, const uint8_t *
     }
 }
 
+/* The same decode written with AVX-512F intrinsics, 16 values a vector: the same integer construction
+ * and the same two IEEE float32 operations per value (the exact subtraction of 2^-6 for E4M3 exponent 0,
+ * then the one rounding multiply by the scale), so the same bits as decode_fp8_row for every byte and
+ * scale code (subnormal scales and results, NaN). The compiler's vectorisation of decode_fp8_row works
+ * in 8-lane vectors with byte/word widening shuffles and spills (~213 ns a row of 256 here); this
+ * path widens each byte once (vpmovzxbd) and needs no shuffle. Picked at load time (have_avx512). */
+#if defined(__x86_64__) && (defined(__clang__) || defined(__GNUC__))
+#include <immintrin.h>
+#define HAVE_AVX512_DECODE 1
+static int have_avx512; /* set once in PyInit: the CPU has AVX-512F */
+
+__attribute__((target("avx512f"))) static void decode_fp8_row_avx512(const uint8_t *restrict w,
+                                                                   const uint8_t *restrict s, float *restrict o,
+                                                                   Py_ssize_t hd) {
+    const __m512i k7f = _mm512_set1_epi32(0x7f), k78 = _mm512_set1_epi32(0x78), ksign = _mm512_set1_epi32((int)0x80000000u);
+    const __m512i bias = _mm512_set1_epi32(120 << 23), bias_sub = _mm512_set1_epi32(121 << 23);
+    const __m512i qnan = _mm512_set1_epi32(0x7fc00000);
+    const __m512 two_m6 = _mm512_castsi512_ps(_mm512_set1_epi32(0x3c800000)); /* 2^-6 */
+    for (Py_ssize_t g = 0; g < hd / GROUP; g++) {
+        const __m512 sc = _mm512_set1_ps(scale_of_code[s[g]]);
+        for (int h = 0; h < GROUP; h += 16) {
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + g * GROUP + h)));
+            const __m512i mag = _mm512_and_si512(b, k7f);
+            const __mmask16 is_sub = _mm512_testn_epi32_mask(b, k78); /* exponent bits 0 */
+            const __m512i u = _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_mask_blend_epi32(is_sub, bias, bias_sub));
+            const __m512 v = _mm512_mask_sub_ps(_mm512_castsi512_ps(u), is_sub, _mm512_castsi512_ps(u), two_m6);
+            /* v | (b << 24 & sign bit): the E4M3 sign onto the exact |e4m3| */
+            const __m512i sv = _mm512_ternarylogic_epi32(_mm512_castps_si512(v), _mm512_slli_epi32(b, 24), ksign, 0xF8);
+            const __m512 x = _mm512_mul_ps(_mm512_castsi512_ps(sv), sc); /* one rounding */
+            const __mmask16 nan = _mm512_cmpeq_epi32_mask(mag, k7f);
+            _mm512_storeu_ps(o + g * GROUP + h, _mm512_castsi512_ps(_mm512_mask_mov_epi32(_mm512_castps_si512(x), nan, qnan)));
+        }
+    }
+}
+#endif
+
+/* decode_fp8_row through the fastest path this CPU has. */
+static inline void decode_row(const uint8_t *w, const uint8_t *s, float *o, Py_ssize_t hd) {
+#ifdef HAVE_AVX512_DECODE
+    if (have_avx512) {
+        decode_fp8_row_avx512(w, s, o, hd);
+        return;
+    }
+#endif
+    decode_fp8_row(w, s, o, hd);
+}
+
 ROW_CLONES static void bf16_of_row(const float *restrict x, uint16_t *restrict o, Py_ssize_t hd) {
     for (Py_ssize_t j = 0; j < hd; j++) o[j] = bf16_of_f32(x[j]);
 }
@@ -191,7 +238,7 @@ static void stage_block(const Gather *a, const Py_ssize_t *pos, int count, Scrat
         const uint8_t *src = sc->raw + k * rb;
         const int f32 = a->out_item == 4;
         float *dst = f32 ? (float *)(a->out + pos[k] * hd * 4) : sc->row32;
-        if (sb) decode_fp8_row(src, src + wb, dst, hd);
+        if (sb) decode_row(src, src + wb, dst, hd);
         if (!f32) bf16_of_row(sb ? sc->row32 : (const float *)src, (uint16_t *)(a->out + pos[k] * hd * 2), hd);
     }
 }
@@ -427,5 +474,9 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__gather_kernel(void) {
     for (int c = 0; c < 255; c++) scale_of_code[c] = ldexpf(1.0f, c - 127);
     scale_of_code[255] = NAN;
+#ifdef HAVE_AVX512_DECODE
+    __builtin_cpu_init();
+    have_avx512 = __builtin_cpu_supports("avx512f");
+#endif
     return PyModule_Create(&module);
 }

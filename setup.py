@@ -1,9 +1,10 @@
 """Build the optional C kernels; all other metadata lives in pyproject.toml.
 
-`engram_serve.engram._hash_kernel` (the n-gram hash) and `engram_serve.engram._gather_kernel` (the
-staging gather of table rows) need only a C compiler and the CPython headers (no torch or numpy
-headers). They are optional: where one cannot be compiled, the install still succeeds with a warning
-and `engram_serve.engram.hashing` / `engram_serve.engram.staging` fall back to the torch path.
+`engram_serve.engram._hash_kernel` (the n-gram hash), `engram_serve.engram._gather_kernel` (the
+staging gather of table rows) and `engram_serve.model._linear_kernel` (small matmul calls) need only
+a C compiler and the CPython headers (no torch or numpy headers). They are optional: where one cannot be compiled, the install still succeeds with a warning
+and `engram_serve.engram.hashing` / `engram_serve.engram.staging` fall back to the torch path
+(`engram_serve.model.layers` pads small matmul calls instead).
 """
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -22,8 +23,8 @@ class BuildExt(build_ext):
 
 
 setup(
-    ext_modules=[Extension(f"engram_serve.engram._{name}_kernel", [f"engram_serve/engram/_{name}_kernel.c"],
+    ext_modules=[Extension(f"engram_serve.{pkg}._{name}_kernel", [f"engram_serve/{pkg}/_{name}_kernel.c"],
                            depends=["engram_serve/engram/_kernel_buffers.h"], optional=True)
-                 for name in ("hash", "gather")],
+                 for pkg, name in (("engram", "hash"), ("engram", "gather"), ("model", "linear"))],
     cmdclass={"build_ext": BuildExt},
 )

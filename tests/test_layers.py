@@ -1,6 +1,9 @@
 """Token-wise layers with fewer operators (model/layers.py, engram/layer.py): each row's bits are
 independent of its batch mates, the MoE matches a plain per-token loop, fused weights load from and
 save to the usual checkpoint names."""
+from fractions import Fraction
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -119,6 +122,63 @@ def test_small_calls_differ_without_the_row_padding_rule(input_major):
     assert mismatches() == 0
     with layers.batch_invariant(False):
         assert mismatches() > 0
+
+
+def _round_f32(q: Fraction) -> np.float32:
+    """q rounded to the nearest float32, ties to even (q non-zero and in range)."""
+    y = np.float32(float(q))  # float() rounds to float64 first: y is within one float32 step of the answer
+    near = [np.nextafter(y, np.float32(-np.inf)), y, np.nextafter(y, np.float32(np.inf))]
+    return min(near, key=lambda c: (abs(Fraction(float(c)) - q), int(c.view(np.uint32)) & 1))
+
+
+def plain_rows(x: np.ndarray, wt: np.ndarray, kc: int) -> np.ndarray:
+    """y = x @ wt, the row kernel's definition as a plain loop in exact rational arithmetic: per output,
+    fma chains (one rounding each) over blocks of kc inputs from 0, the blocks' sums added in order."""
+    m, k = x.shape
+    y = np.zeros((m, wt.shape[1]), np.float32)
+    for i in range(m):
+        for j in range(wt.shape[1]):
+            total = None
+            for k0 in range(0, k, kc):
+                acc = np.float32(0)
+                for t in range(k0, min(k, k0 + kc)):
+                    acc = _round_f32(Fraction(float(x[i, t])) * Fraction(float(wt[t, j])) + Fraction(float(acc)))
+                total = acc if total is None else _round_f32(Fraction(float(total)) + Fraction(float(acc)))
+            y[i, j] = total
+    return y
+
+
+@pytest.mark.skipif(layers._linear_kernel is None, reason="the row kernel was not built (no C compiler)")
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 70), st.integers(1, 40), st.data())
+def test_row_kernel_equals_a_plain_exact_loop_whatever_its_row_count(m, k, n, data):
+    """`_linear_kernel.linear_rows` against its definition computed in exact arithmetic, with strided
+    rows, and each row alone against the same row in the call (the kernel's batch invariance)."""
+    kc = data.draw(st.integers(1, k))
+    g = torch.Generator().manual_seed(m * 10007 + k * 101 + n)
+    x = torch.randn(m, k + 3, generator=g)[:, 1:k + 1]  # rows 3 floats apart beyond k
+    wt = torch.randn(k, n + 5, generator=g)[:, :n]
+    y = layers._rows_kernel(x, wt.numpy(), kc)
+    assert np.array_equal(y.numpy().view(np.uint32), plain_rows(x.numpy(), wt.numpy(), kc).view(np.uint32))
+    for i in range(m):
+        assert torch.equal(layers._rows_kernel(x[i:i + 1], wt.numpy(), kc), y[i:i + 1])
+
+
+@pytest.mark.parametrize("out_f,in_f", [(384, 128), (128, 512), (4096, 128), (7, 100)])
+def test_small_calls_through_the_row_kernel_get_the_batch_bits(out_f, in_f):
+    """Where the probe accepts the row kernel for a shape (`small_call_kc`), a row computed alone through
+    it equals the row in a big call, on values other than the probe's; a block size the probe did not
+    pick gives other bits (the accumulation order is what makes the rows equal)."""
+    g = torch.Generator().manual_seed(out_f + in_f)
+    w = layers.in_major(torch.randn(out_f, in_f, generator=g))
+    kc = layers.small_call_kc(w)
+    if kc is None:
+        pytest.skip(f"the row kernel does not reproduce this CPU's batch bits for [{out_f}, {in_f}]: small calls pad")
+    x = torch.randn(64, in_f, generator=g)
+    whole = layers.linear(x, w)
+    assert all(torch.equal(layers.linear(x[i:i + 1], w), whole[i:i + 1]) for i in range(64))
+    wrong = kc // 2 + 1
+    assert not torch.equal(layers._rows_kernel(x, w.t().numpy(), wrong), whole)
 
 
 def test_fused_weights_keep_the_checkpoint_names():

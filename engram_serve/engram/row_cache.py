@@ -82,12 +82,18 @@ class HotRowCache:
         if self.num_slots < self.WAYS:
             raise ValueError(f"HotRowCache: capacity_bytes={capacity_bytes} holds no set of {self.WAYS} rows "
                              f"of {row_bytes} bytes")
-        self._buf = mmap.mmap(-1, self.num_slots * row_bytes)  # anonymous, zero-filled
+        self._buf = mmap.mmap(-1, self.num_slots * row_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled
         try:  # a hint: fewer TLB misses on hits where transparent huge pages are available
             self._buf.madvise(mmap.MADV_HUGEPAGE)
         except (AttributeError, OSError):
             pass
-        self.keys = np.full(self.num_slots, -1, dtype=np.int64)  # [S] row id or -1
+        self._kbuf = mmap.mmap(-1, self.num_slots * 8, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            self._kbuf.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError):
+            pass
+        self.keys = np.frombuffer(self._kbuf, dtype=np.int64)  # [S] row id or -1
+        self.keys[:] = -1
         self.ref = np.zeros(self.num_slots, dtype=np.uint8)  # [S] CLOCK bits
         self.hand = np.zeros(self.num_slots // self.WAYS, dtype=np.uint8)  # [S/8] CLOCK hand per set
         self.slab = np.frombuffer(self._buf, dtype=np.uint8).reshape(self.num_slots, row_bytes)  # [S, row_bytes]

@@ -8,12 +8,18 @@ from __future__ import annotations
 from collections.abc import Generator
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..errors import StaticBufferError
 from .context import MOE_COMBINE, MOE_DISPATCH, ForwardContext
+
+try:
+    from . import _linear_kernel
+except ImportError:  # installed without a C compiler: small calls are padded
+    _linear_kernel = None
 
 
 # Batch invariance of matmuls (spec §9). On CPU, torch's float32 matmul (MKL sgemm) computes a call of
@@ -23,12 +29,16 @@ from .context import MOE_COMBINE, MOE_DISPATCH, ForwardContext
 # 4 rows on an AVX2 machine and 6 to 16 rows (growing with `in`) on an AVX-512 one; with the weight laid
 # out input-major (`in_major`: W.T contiguous, so MKL reads it untransposed) only a 1-row call differs
 # there. The model's matmul weights are laid out input-major (`layout_weights_`, once at load), and
-# every matmul of the forward goes through `linear`, which pads a call of fewer than `min_rows(weight)`
-# rows with zero rows. `min_rows` is measured once per shape and layout in the process
-# (`first_invariant_rows`): the smallest row count from which every probed call gives each row the bits
-# of a PROBE_REF-row call. The attention's bmm calls get the same treatment (`bmm_min_rows`).
-# The runner pads a small microbatch once to the model's largest `min_rows` (`pad_rows`), so that within
-# a step only the sampled rows' logits call may still pad. tests/test_layers.py sweeps the rule.
+# every matmul of the forward goes through `linear`. A call of fewer than `min_rows(weight)` rows is
+# either computed row by row by the C kernel `_linear_kernel`, in the blocked kernel's accumulation
+# order (fma chains over blocks of `kc` inputs, the blocks then added), where a probe shows that this
+# gives the batch's bits for this shape (`small_call_kc`: on this Xeon for every weight of the
+# built-in model); or padded with zero rows. Both are measured once per shape and layout in the process
+# (`first_invariant_rows`: the smallest row count from which every probed call gives each row the bits
+# of a PROBE_REF-row call). The attention's bmm calls get the padding (`bmm_min_rows`). The runner pads
+# a small microbatch once to the row count the model's matmuls still need (`pad_rows`: 1 where the
+# kernel serves every weight), so that within a step only the sampled rows' logits call may still
+# pad. tests/test_layers.py sweeps the rule.
 MIN_ROWS = 4  # the rule off the CPU (not measured there)
 PROBE_REF, PROBE_MAX = 512, 96
 _exact = True  # the batch-invariance rules of this module are on; `batch_invariant(False)` turns them off
@@ -96,15 +106,65 @@ def bmm_min_rows(k: int, n: int, transposed: bool, dtype: torch.dtype = torch.fl
     return _min_rows[key]
 
 
+def small_call_kc(weight: torch.Tensor) -> int | None:
+    """The block size kc for which `_linear_kernel` gives a call of fewer than min_rows(weight) rows the
+    bits of a batch (rule above), or None: no kernel, not a float32 CPU weight laid out input-major, or
+    no probed kc (the inputs in 1 to 4 equal blocks) matches. Measured once per shape, like `min_rows`."""
+    if _linear_kernel is None or weight.device.type != "cpu" or weight.dtype != torch.float32 \
+            or weight.stride(0) != 1 or weight.shape[0] < 2:
+        return None
+    out_f, in_f = weight.shape
+    key = ("kc", in_f, out_f, torch.get_num_threads())
+    if key not in _min_rows:
+        w, x = in_major(_probe(out_f, in_f)), _probe(PROBE_REF, in_f, seed=1)
+        m = min(min_rows(weight), PROBE_MAX)
+        with torch.no_grad():
+            full = F.linear(x, w)[:m]
+        _min_rows[key] = next((kc for kc in {-(-in_f // b): None for b in range(1, 5)}
+                               if torch.equal(_rows_kernel(x[:m], w.t().numpy(), kc), full)), None)
+    return _min_rows[key]
+
+
+def _rows_kernel(x: torch.Tensor, wt, kc: int) -> torch.Tensor:
+    """x [n, in] @ wt (the weight's transpose [in, out], a numpy view) through `_linear_kernel`."""
+    y = np.empty((x.shape[0], wt.shape[1]), np.float32)
+    _linear_kernel.linear_rows(x.numpy(), wt, y, kc)
+    return torch.from_numpy(y)
+
+
+_plans: dict[tuple, tuple] = {}
+
+
+def _plan(weight: torch.Tensor) -> tuple:
+    """(min_rows, kc or None, the weight's transpose as a numpy view where kc) for this weight view, memoised
+    by address and layout: ~1 us a call instead of ~12 us for measuring keys and views each time. A cached
+    view keeps its weight alive, so its address cannot be reused by another tensor while it is cached."""
+    key = (weight.data_ptr(), weight.shape, weight.stride(), weight.dtype, weight.is_cuda, torch.get_num_threads())
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= 4096:  # weights replaced many times over (tests): start again
+            _plans.clear()
+        kc = small_call_kc(weight)
+        plan = _plans[key] = (min_rows(weight), kc, weight.detach().t().numpy() if kc else None)
+    return plan
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T -> [..., out], batch-invariant (rule above).
 
-    A call of fewer than min_rows(weight) rows is zero-padded with one `F.pad` (host-side shape check,
-    no device sync); a 2-D input needs no reshape."""
+    A call of fewer than min_rows(weight) rows goes to the row kernel where `small_call_kc` allows
+    (not under autograd), else it is zero-padded with one `F.pad` (host-side shape checks, no device
+    sync); a 2-D input needs no reshape."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     n = x2.shape[0]
-    m = min_rows(weight) if _exact else 0
-    y = F.linear(x2, weight) if n >= m else F.linear(F.pad(x2, (0, 0, 0, m - n)), weight)[:n]
+    m, kc, wt = _plan(weight) if _exact else (0, None, None)
+    if n >= m:
+        y = F.linear(x2, weight)
+    elif kc is not None and x2.dtype == torch.float32 and x2.stride(-1) == 1 and not x2.requires_grad \
+            and not (weight.requires_grad and torch.is_grad_enabled()):
+        y = _rows_kernel(x2, wt, kc)
+    else:
+        y = F.linear(F.pad(x2, (0, 0, 0, m - n)), weight)[:n]
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -145,7 +205,7 @@ def matmul_weights(module: nn.Module) -> list[torch.Tensor]:
 
 def pad_rows(module: nn.Module) -> int:
     """The token count a microbatch is padded to so that none of `module`'s matmuls pads its call."""
-    return max((min_rows(w) for w in matmul_weights(module)), default=MIN_ROWS)
+    return max((1 if small_call_kc(w) else min_rows(w) for w in matmul_weights(module)), default=MIN_ROWS)
 
 
 # Batch invariance of elementwise ops. torch's CPU loops run the vectorised form of an op over whole

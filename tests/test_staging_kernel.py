@@ -234,3 +234,21 @@ def test_tables_gather_through_the_kernel_cache_equals_no_cache(monkeypatch):
     monkeypatch.setenv(staging.BACKEND_ENV, "torch")  # the torch path swaps in its own (empty) RowCache
     cached.gather(ids, a)
     assert not isinstance(cached.caches[0], HotRowCache) and same_bits(a.numpy(), b.numpy())
+
+
+def test_a_token_prefix_of_a_persistent_staging_buffer_is_gathered_by_the_kernel(monkeypatch):
+    """The runner stages a microbatch into staging[:, :T] of a [L, T_cap, C, hd] buffer: not contiguous as
+    a whole, each layer contiguous. The kernel serves it (one call per layer) and writes what the torch
+    path writes, leaving the rest of the buffer alone."""
+    monkeypatch.delenv(staging.BACKEND_ENV, raising=False)
+    tabs = EngramTables((1, 3), [Fp8Table.from_float(torch.randn(500, 64)) for _ in range(2)], pin=False)
+    ids = torch.randint(0, 500, (5, 2, 4))
+    buf = torch.full((2, 9, 4, 64), 7.0)
+    calls = []
+    monkeypatch.setattr("engram_serve.engram.tables.stage_step", lambda *a: calls.append(1) or staging.stage_step(*a))
+    tabs.gather(ids, buf[:, :5])
+    assert calls and not buf[:, :5].is_contiguous()
+    want = torch.empty(2, 5, 4, 64)
+    monkeypatch.setenv(staging.BACKEND_ENV, "torch")
+    tabs.gather(ids, want)
+    assert same_bits(buf[:, :5].numpy(), want.numpy()) and bool((buf[:, 5:] == 7.0).all())

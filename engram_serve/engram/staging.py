@@ -57,7 +57,7 @@ def _kernel_args(tab: torch.Tensor | Fp8Table, out: torch.Tensor) -> tuple:
 def stage_step(tables: list, hash_ids: torch.Tensor, out: torch.Tensor, dedup: bool,
                caches: list[HotRowCache | None] | None = None) -> None:
     """Every layer of a step: out[l, t*C + c] = row hash_ids[t, l, c] of tables[l] (hash_ids [T, L, C]; out
-    [L, T*C, hd] contiguous; `kernel_fits` for every table). A handful of torch ops per step, whatever L:
+    [L, T*C, hd], each layer contiguous; `kernel_fits` for every table). A handful of torch ops per step, whatever L:
     at 64 decode requests the per-layer slicing and conversions cost ~0.2 ms of a ~0.75 ms gather.
     caches[l], if given, is layer l's hot-row cache, looked up inside the kernel call (which then dedups)."""
     ids = hash_ids.to("cpu", torch.int64).permute(1, 0, 2).contiguous().view(len(tables), -1).numpy()  # [L, T*C]

@@ -128,7 +128,8 @@ class EngramTables:
             raise ValueError(f"gather: hash_ids {tuple(hash_ids.shape)} and out {tuple(out.shape)} do not fit "
                              f"{self.num_layers} tables of width {self.head_dim}")
         with self._lock:
-            kernel = out.is_contiguous() and self._kernel_serves(out[0, 0])
+            # per layer contiguous (a token-prefix slice of a persistent staging buffer is): one kernel call per layer
+            kernel = out[0].is_contiguous() and self._kernel_serves(out[0, 0])
             if self.cache_bytes and kernel != isinstance(self.caches[0], HotRowCache):
                 self.set_cache(self.cache_bytes, kernel)  # the other path serves now: empty caches of its kind
             if kernel:

@@ -40,10 +40,20 @@ CLONES static void chain(float *restrict a, const float *restrict x, const float
                          Py_ssize_t nk, Py_ssize_t nb) {
     for (Py_ssize_t j = 0; j < nb; j++) a[j] = 0.0f;
     Py_ssize_t k = 0;
-    for (; k + 4 <= nk; k += 4) { /* four inputs a pass: the same chain, a quarter of the loads and stores of a */
-        const float x0 = x[k], x1 = x[k + 1], x2 = x[k + 2], x3 = x[k + 3];
-        const float *restrict w0 = w + k * ldw, *restrict w1 = w0 + ldw, *restrict w2 = w1 + ldw, *restrict w3 = w2 + ldw;
-        for (Py_ssize_t j = 0; j < nb; j++) a[j] = fmaf(x3, w3[j], fmaf(x2, w2[j], fmaf(x1, w1[j], fmaf(x0, w0[j], a[j]))));
+    for (; k + 8 <= nk; k += 8) { /* eight inputs a pass: the same chain, 8 streams of w, an eighth of a's traffic */
+        const float *restrict w0 = w + k * ldw;
+        for (Py_ssize_t j = 0; j < nb; j++) {
+            float t = a[j];
+            t = fmaf(x[k], w0[j], t);
+            t = fmaf(x[k + 1], w0[ldw + j], t);
+            t = fmaf(x[k + 2], w0[2 * ldw + j], t);
+            t = fmaf(x[k + 3], w0[3 * ldw + j], t);
+            t = fmaf(x[k + 4], w0[4 * ldw + j], t);
+            t = fmaf(x[k + 5], w0[5 * ldw + j], t);
+            t = fmaf(x[k + 6], w0[6 * ldw + j], t);
+            t = fmaf(x[k + 7], w0[7 * ldw + j], t);
+            a[j] = t;
+        }
     }
     for (; k < nk; k++) {
         const float xv = x[k];

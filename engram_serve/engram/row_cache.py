@@ -55,11 +55,24 @@ class RowCache:
             p.index_copy_(0, uslot, r.index_select(0, first))
 
 
+def _huge_pages(nbytes: int):
+    """Zero-filled private anonymous memory, on transparent huge pages where the kernel allows (a hint: fewer
+    TLB misses on random reads). Private: a shared anonymous mapping is shmem, which gets no huge pages
+    unless shmem_enabled says so (measured: AnonHugePages 0 for the cache with MAP_SHARED)."""
+    import mmap
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):
+        pass
+    return buf
+
+
 class HotRowCache:
     """The hot-row cache of the fused C gather (`_gather_kernel.gather_rows_cached`, which owns the policy:
     8-way set associative, CLOCK within a set, rows admitted with their bit clear; see `Cache` in
-    _gather_kernel.c). Its arrays live in anonymous memory apart from the table's mapping, the slab on
-    transparent huge pages where the kernel allows (madvise), so that hits read a compact region and
+    _gather_kernel.c). Its arrays live in anonymous memory apart from the table's mapping, the slab and
+    the keys on transparent huge pages where the kernel allows (`_huge_pages`), so that hits read a compact region and
     only misses touch the big mapping.
 
     Rows are held in their stored form (`row_bytes`: an E4M3 row then its E8M0 scales, 264 bytes at
@@ -74,24 +87,13 @@ class HotRowCache:
     trust_keys = False  # tests only (negative control): a subclass sets it to skip the key compare on a hit
 
     def __init__(self, capacity_bytes: int, row_bytes: int):
-        import mmap
-
         import numpy as np
         self.row_bytes = row_bytes
         self.num_slots = capacity_bytes // (row_bytes + 10) // self.WAYS * self.WAYS
         if self.num_slots < self.WAYS:
             raise ValueError(f"HotRowCache: capacity_bytes={capacity_bytes} holds no set of {self.WAYS} rows "
                              f"of {row_bytes} bytes")
-        self._buf = mmap.mmap(-1, self.num_slots * row_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled
-        try:  # a hint: fewer TLB misses on hits where transparent huge pages are available
-            self._buf.madvise(mmap.MADV_HUGEPAGE)
-        except (AttributeError, OSError):
-            pass
-        self._kbuf = mmap.mmap(-1, self.num_slots * 8, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        try:
-            self._kbuf.madvise(mmap.MADV_HUGEPAGE)
-        except (AttributeError, OSError):
-            pass
+        self._buf, self._kbuf = _huge_pages(self.num_slots * row_bytes), _huge_pages(self.num_slots * 8)
         self.keys = np.frombuffer(self._kbuf, dtype=np.int64)  # [S] row id or -1
         self.keys[:] = -1
         self.ref = np.zeros(self.num_slots, dtype=np.uint8)  # [S] CLOCK bits

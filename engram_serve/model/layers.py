@@ -32,8 +32,8 @@ except ImportError:  # installed without a C compiler: small calls are padded
 # every matmul of the forward goes through `linear`. A call of fewer than `min_rows(weight)` rows is
 # either computed row by row by the C kernel `_linear_kernel`, in the blocked kernel's accumulation
 # order (fma chains over blocks of `kc` inputs, the blocks then added), where a probe shows that this
-# gives the batch's bits for this shape (`small_call_kc`: on this Xeon for every weight of the
-# built-in model); or padded with zero rows. Both are measured once per shape and layout in the process
+# gives the batch's bits for this shape (`small_call_kc`: on the Xeon of the README for every weight of
+# the built-in model); or padded with zero rows. Both are measured once per shape and layout in the process
 # (`first_invariant_rows`: the smallest row count from which every probed call gives each row the bits
 # of a PROBE_REF-row call). The attention's bmm calls get the padding (`bmm_min_rows`). The runner pads
 # a small microbatch once to the row count the model's matmuls still need (`pad_rows`: 1 where the
@@ -120,7 +120,7 @@ def small_call_kc(weight: torch.Tensor) -> int | None:
         m = min(min_rows(weight), PROBE_MAX)
         with torch.no_grad():
             full = F.linear(x, w)[:m]
-        _min_rows[key] = next((kc for kc in {-(-in_f // b): None for b in range(1, 5)}
+        _min_rows[key] = next((kc for kc in dict.fromkeys(-(-in_f // b) for b in range(1, 5))
                                if torch.equal(_rows_kernel(x[:m], w.t().numpy(), kc), full)), None)
     return _min_rows[key]
 

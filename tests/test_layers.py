@@ -158,10 +158,10 @@ def test_row_kernel_equals_a_plain_exact_loop_whatever_its_row_count(m, k, n, da
     g = torch.Generator().manual_seed(m * 10007 + k * 101 + n)
     x = torch.randn(m, k + 3, generator=g)[:, 1:k + 1]  # rows 3 floats apart beyond k
     wt = torch.randn(k, n + 5, generator=g)[:, :n]
-    y = layers._rows_kernel(x, wt.numpy(), kc)
+    y = layers._rows_kernel(x, wt, kc)
     assert np.array_equal(y.numpy().view(np.uint32), plain_rows(x.numpy(), wt.numpy(), kc).view(np.uint32))
     for i in range(m):
-        assert torch.equal(layers._rows_kernel(x[i:i + 1], wt.numpy(), kc), y[i:i + 1])
+        assert torch.equal(layers._rows_kernel(x[i:i + 1], wt, kc), y[i:i + 1])
 
 
 @pytest.mark.parametrize("out_f,in_f", [(384, 128), (128, 512), (4096, 128), (7, 100)])
@@ -178,7 +178,7 @@ def test_small_calls_through_the_row_kernel_get_the_batch_bits(out_f, in_f):
     whole = layers.linear(x, w)
     assert all(torch.equal(layers.linear(x[i:i + 1], w), whole[i:i + 1]) for i in range(64))
     wrong = kc // 2 + 1
-    assert not torch.equal(layers._rows_kernel(x, w.t().numpy(), wrong), whole)
+    assert not torch.equal(layers._rows_kernel(x, w.t(), wrong), whole)
 
 
 def test_fused_weights_keep_the_checkpoint_names():

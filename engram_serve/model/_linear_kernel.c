@@ -4,15 +4,18 @@
  * on a call of one row. layers.py uses it for a weight only where a probe on this CPU shows it gives
  * those bits (`small_call_kc`); elsewhere the call is padded as before.
  *
- * Plain CPython C API and the buffer protocol only (see engram/_kernel_buffers.h), like the other kernels.
+ * Plain CPython C API. The arrays come as addresses (torch's `data_ptr()`), not through the buffer
+ * protocol: numpy conversions around each call cost more than the arithmetic of a one-row call
+ * (~5 us against ~1 us at [128, 128]). The one caller, layers.py `_rows_kernel`, checks dtype, device,
+ * shapes and strides and keeps the tensors alive; the kernel checks sizes only.
  *
- *   linear_rows(x, w, y, kc) -> None
- *       x  [m, k] float32, each row contiguous (any row stride);
- *       w  [k, n] float32, each row contiguous (any row stride): an input-major weight's transpose;
- *       y  [m, n] float32, C-contiguous, written: for every (i, j), the k products summed as blocks of
+ *   linear_rows(x, ldx, w, ldw, y, m, k, n, kc) -> None
+ *       x  [m, k] float32, rows ldx floats apart;
+ *       w  [k, n] float32, rows ldw floats apart: an input-major weight's transpose;
+ *       y  [m, n] float32, contiguous, written: for every (i, j), the k products summed as blocks of
  *          kc inputs: within a block one fused multiply-add chain over the inputs in order, from 0
- *          (one rounding per step); the blocks' sums then added in order, the first one taken as is. The same operations whatever m, so the row's bits do
- *          not depend on the call's row count.
+ *          (one rounding per step); the blocks' sums then added in order, the first one taken as is.
+ *          The same operations whatever m, so the row's bits do not depend on the call's row count.
  *   The GIL is released during the arithmetic.
  *
  * Built without -ffast-math and with -ffp-contract=off: every operation is the IEEE one written
@@ -21,8 +24,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
-
-#include "../engram/_kernel_buffers.h"
+#include <stdint.h>
 
 /* The column loops are compiled for AVX-512, FMA (with AVX) and baseline x86-64 (where fmaf is the libm
  * call), picked at load time by the CPU (gcc/clang function multiversioning, Linux ifunc); one plain
@@ -59,49 +61,17 @@ CLONES static void add_to(float *restrict y, const float *restrict a, Py_ssize_t
     for (Py_ssize_t j = 0; j < nb; j++) y[j] = y[j] + a[j];
 }
 
-/* A 2-D float32 buffer whose rows are contiguous, rows any whole number of floats apart. */
-static int get_rows(const char *name, PyObject *obj, int writable, Py_buffer *v) {
-    if (PyObject_GetBuffer(obj, v, (writable ? PyBUF_WRITABLE : 0) | PyBUF_FORMAT | PyBUF_STRIDES) < 0) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_ValueError, "linear_rows: %s must be a %sfloat32 array supporting the buffer protocol, "
-                     "got %.200s", name, writable ? "writable " : "", Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    if (!kind_matches(v, K_F32) || v->ndim != 2 || (SHAPE(*v, 1) > 1 && v->strides[1] != 4) ||
-        (SHAPE(*v, 0) > 1 && (v->strides[0] % 4 || v->strides[0] < 4 * SHAPE(*v, 1)))) {
-        PyErr_Format(PyExc_ValueError, "linear_rows: %s must be a 2-D float32 array with contiguous, "
-                     "non-overlapping rows (got format '%s', ndim %d)", name, v->format ? v->format : "B", v->ndim);
-        PyBuffer_Release(v);
-        return -1;
-    }
-    return 0;
-}
-
 static PyObject *py_linear_rows(PyObject *Py_UNUSED(self), PyObject *args) {
-    PyObject *x_o, *w_o, *y_o;
-    Py_ssize_t kc;
-    if (!PyArg_ParseTuple(args, "OOOn", &x_o, &w_o, &y_o, &kc)) return NULL;
-    Py_buffer x, w, y;
-    if (get_rows("x", x_o, 0, &x) < 0) return NULL;
-    if (get_rows("w", w_o, 0, &w) < 0) {
-        PyBuffer_Release(&x);
+    unsigned long long xa, wa, ya;
+    Py_ssize_t ldx, ldw, m, k, n, kc;
+    if (!PyArg_ParseTuple(args, "KnKnKnnnn", &xa, &ldx, &wa, &ldw, &ya, &m, &k, &n, &kc)) return NULL;
+    if (m < 0 || k < 1 || n < 0 || kc < 1 || ldx < k || ldw < n || (m && n && (!xa || !wa || !ya))) {
+        PyErr_Format(PyExc_ValueError, "linear_rows: m %zd, k %zd, n %zd, kc %zd, ldx %zd, ldw %zd do not fit (k and kc "
+                     "at least 1, ldx >= k, ldw >= n, non-null addresses)", m, k, n, kc, ldx, ldw);
         return NULL;
     }
-    if (get_array("linear_rows", "y", y_o, K_F32, 2, 1, &y) < 0) {
-        PyBuffer_Release(&w);
-        PyBuffer_Release(&x);
-        return NULL;
-    }
-    const Py_ssize_t m = SHAPE(x, 0), k = SHAPE(x, 1), n = SHAPE(w, 1);
-    PyObject *result = NULL;
-    if (SHAPE(w, 0) != k || SHAPE(y, 0) != m || SHAPE(y, 1) != n || k < 1 || kc < 1) {
-        PyErr_Format(PyExc_ValueError, "linear_rows: x [%zd, %zd], w [%zd, %zd], y [%zd, %zd], kc %zd do not fit "
-                     "(w [k, n], y [m, n], k and kc at least 1)", m, k, SHAPE(w, 0), n, SHAPE(y, 0), SHAPE(y, 1), kc);
-        goto done;
-    }
-    const Py_ssize_t ldx = m > 1 ? x.strides[0] / 4 : k, ldw = k > 1 ? w.strides[0] / 4 : n;
-    const float *xp = x.buf, *wp = w.buf;
-    float *yp = y.buf;
+    const float *xp = (const float *)(uintptr_t)xa, *wp = (const float *)(uintptr_t)wa;
+    float *yp = (float *)(uintptr_t)ya;
     Py_BEGIN_ALLOW_THREADS
     float acc[JB];
     for (Py_ssize_t i = 0; i < m; i++)
@@ -115,19 +85,14 @@ static PyObject *py_linear_rows(PyObject *Py_UNUSED(self), PyObject *args) {
             }
         }
     Py_END_ALLOW_THREADS
-    result = Py_None;
-    Py_INCREF(result);
-done:
-    PyBuffer_Release(&y);
-    PyBuffer_Release(&w);
-    PyBuffer_Release(&x);
-    return result;
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"linear_rows", py_linear_rows, METH_VARARGS,
-     "linear_rows(x, w, y, kc) -> None: y = x @ w row by row, the products summed in fma chains of kc inputs, "
-     "the chains then added in order (x [m, k], w [k, n], y [m, n] float32)."},
+     "linear_rows(x, ldx, w, ldw, y, m, k, n, kc) -> None: y = x @ w row by row (addresses of float32 data: x [m, k] "
+     "rows ldx apart, w [k, n] rows ldw apart, y [m, n] contiguous), the products summed in fma chains of kc inputs, "
+     "the chains then added in order."},
     {NULL, NULL, 0, NULL},
 };
 

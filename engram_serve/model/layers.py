@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Generator
 from contextlib import contextmanager
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -121,31 +120,34 @@ def small_call_kc(weight: torch.Tensor) -> int | None:
         with torch.no_grad():
             full = F.linear(x, w)[:m]
         _min_rows[key] = next((kc for kc in dict.fromkeys(-(-in_f // b) for b in range(1, 5))
-                               if torch.equal(_rows_kernel(x[:m], w.t().numpy(), kc), full)), None)
+                               if torch.equal(_rows_kernel(x[:m], w.t(), kc), full)), None)
     return _min_rows[key]
 
 
-def _rows_kernel(x: torch.Tensor, wt, kc: int) -> torch.Tensor:
-    """x [n, in] @ wt (the weight's transpose [in, out], a numpy view) through `_linear_kernel`."""
-    y = np.empty((x.shape[0], wt.shape[1]), np.float32)
-    _linear_kernel.linear_rows(x.numpy(), wt, y, kc)
-    return torch.from_numpy(y)
+def _rows_kernel(x: torch.Tensor, wt: torch.Tensor, kc: int) -> torch.Tensor:
+    """x [n, in] @ wt [in, out] through `_linear_kernel`, which takes addresses: the caller guarantees
+    float32 CPU tensors, rows contiguous (stride 1 in the last dim), x.shape[1] == wt.shape[0]."""
+    (m, k), n = x.shape, wt.shape[1]
+    y = torch.empty(m, n)
+    _linear_kernel.linear_rows(x.data_ptr(), x.stride(0) if m > 1 else k, wt.data_ptr(), wt.stride(0) if k > 1 else n,
+                               y.data_ptr(), m, k, n, kc)
+    return y
 
 
 _plans: dict[tuple, tuple] = {}
 
 
 def _plan(weight: torch.Tensor) -> tuple:
-    """(min_rows, kc or None, the weight's transpose as a numpy view where kc) for this weight view, memoised
-    by address and layout: ~1 us a call instead of ~12 us for measuring keys and views each time. A cached
-    view keeps its weight alive, so its address cannot be reused by another tensor while it is cached."""
+    """(min_rows, kc or None, the weight's transpose where kc) for this weight view, memoised by address and
+    layout: ~1 us a call instead of ~12 us for measuring keys each time. A cached transpose keeps its
+    weight alive, so its address cannot be reused by another tensor while it is cached."""
     key = (weight.data_ptr(), weight.shape, weight.stride(), weight.dtype, weight.is_cuda, torch.get_num_threads())
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) >= 4096:  # weights replaced many times over (tests): start again
             _plans.clear()
         kc = small_call_kc(weight)
-        plan = _plans[key] = (min_rows(weight), kc, weight.detach().t().numpy() if kc else None)
+        plan = _plans[key] = (min_rows(weight), kc, weight.detach().t() if kc else None)
     return plan
 
 
@@ -160,8 +162,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     m, kc, wt = _plan(weight) if _exact else (0, None, None)
     if n >= m:
         y = F.linear(x2, weight)
-    elif kc is not None and x2.dtype == torch.float32 and x2.stride(-1) == 1 and not x2.requires_grad \
-            and not (weight.requires_grad and torch.is_grad_enabled()):
+    elif kc is not None and x2.is_cpu and x2.dtype == torch.float32 and x2.stride(-1) == 1 \
+            and x2.shape[1] == wt.shape[0] and not (torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad)):
         y = _rows_kernel(x2, wt, kc)
     else:
         y = F.linear(F.pad(x2, (0, 0, 0, m - n)), weight)[:n]

@@ -24,7 +24,7 @@ class BuildExt(build_ext):
 
 setup(
     ext_modules=[Extension(f"engram_serve.{pkg}._{name}_kernel", [f"engram_serve/{pkg}/_{name}_kernel.c"],
-                           depends=["engram_serve/engram/_kernel_buffers.h"], optional=True)
+                           depends=[f"engram_serve/{pkg}/_kernel_buffers.h"] if pkg == "engram" else [], optional=True)
                  for pkg, name in (("engram", "hash"), ("engram", "gather"), ("model", "linear"))],
     cmdclass={"build_ext": BuildExt},
 )

@@ -162,8 +162,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     m, kc, wt = _plan(weight) if _exact else (0, None, None)
     if n >= m:
         y = F.linear(x2, weight)
-    elif kc is not None and x2.is_cpu and x2.dtype == torch.float32 and x2.stride(-1) == 1 \
-            and x2.shape[1] == wt.shape[0] and not (torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad)):
+    elif kc is not None and x2.is_cpu and x2.dtype == torch.float32 and x2.stride(-1) == 1 and x2.shape[1] == wt.shape[0] \
+            and (n == 1 or x2.stride(0) >= x2.shape[1]) \
+            and not (torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad)):
         y = _rows_kernel(x2, wt, kc)
     else:
         y = F.linear(F.pad(x2, (0, 0, 0, m - n)), weight)[:n]

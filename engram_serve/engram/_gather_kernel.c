@@ -313,28 +313,20 @@ done:
 /* The cache arrays (keys, ref, hand, slab; see Cache) of a staging row of row_bytes, held in views. */
 typedef struct {
     Py_buffer key, ref, hand, slab;
-    int held;
 } CacheViews;
 
 static void release_cache(CacheViews *v) {
-    if (v->held >= 4) PyBuffer_Release(&v->slab);
-    if (v->held >= 3) PyBuffer_Release(&v->hand);
-    if (v->held >= 2) PyBuffer_Release(&v->ref);
-    if (v->held >= 1) PyBuffer_Release(&v->key);
-    v->held = 0;
+    PyBuffer_Release(&v->slab);
+    PyBuffer_Release(&v->hand);
+    PyBuffer_Release(&v->ref);
+    PyBuffer_Release(&v->key);
 }
 
 static int get_cache(const char *fn, PyObject *key_o, PyObject *ref_o, PyObject *hand_o, PyObject *slab_o,
                      CacheViews *v) {
-    v->held = 0;
-    if (get_array(fn, "cache keys", key_o, K_I64, 1, 1, &v->key) < 0) return -1;
-    v->held++;
-    if (get_array(fn, "cache ref", ref_o, K_U8, 1, 1, &v->ref) < 0) goto fail;
-    v->held++;
-    if (get_array(fn, "cache hand", hand_o, K_U8, 1, 1, &v->hand) < 0) goto fail;
-    v->held++;
-    if (get_array(fn, "cache slab", slab_o, K_U8, 2, 1, &v->slab) < 0) goto fail;
-    v->held++;
+    const ArraySpec spec[] = {{"cache keys", key_o, K_I64, 1, 1, &v->key}, {"cache ref", ref_o, K_U8, 1, 1, &v->ref},
+                              {"cache hand", hand_o, K_U8, 1, 1, &v->hand}, {"cache slab", slab_o, K_U8, 2, 1, &v->slab}};
+    if (get_arrays(fn, spec, 4) < 0) return -1;
     const Py_ssize_t slots = SHAPE(v->key, 0);
     if (slots < WAYS || slots % WAYS || SHAPE(v->ref, 0) != slots || SHAPE(v->hand, 0) != slots / WAYS ||
         SHAPE(v->slab, 0) != slots) {

@@ -58,31 +58,28 @@ static inline uint64_t floor_mod(uint64_t x, uint64_t d, uint64_t magic) {
 /* The per-layer constants shared by both hash entry points. */
 typedef struct {
     Py_buffer mult, mod, off, magic, out;
-    int held; /* how many of the above are held, in declaration order */
+    int held; /* the above are held (all or none) */
     Py_ssize_t tokens, layers, n, cols, heads;
     int64_t pad_id;
 } HashArgs;
 
 static void release_hash_args(HashArgs *a) {
-    Py_buffer *all[] = {&a->mult, &a->mod, &a->off, &a->magic, &a->out};
-    for (int i = 0; i < a->held; i++) PyBuffer_Release(all[i]);
+    if (a->held) {
+        Py_buffer *all[] = {&a->mult, &a->mod, &a->off, &a->magic, &a->out};
+        for (int i = 0; i < 5; i++) PyBuffer_Release(all[i]);
+    }
     a->held = 0;
 }
 
 /* Check multipliers [L, N], moduli/offsets/magic [L, C] with C = (N-1)*H, out [T, L, C]. */
 static int get_hash_args(const char *fn, HashArgs *a, Py_ssize_t tokens, Py_ssize_t n_expected,
                          PyObject *mult, PyObject *mod, PyObject *off, PyObject *magic, PyObject *out) {
+    const ArraySpec spec[] = {{"multipliers", mult, K_I64, 2, 0, &a->mult}, {"moduli", mod, K_I64, 2, 0, &a->mod},
+                              {"offsets", off, K_I64, 2, 0, &a->off}, {"magic", magic, K_U64, 2, 0, &a->magic},
+                              {"out", out, K_I64, 3, 1, &a->out}};
     a->held = 0;
-    if (get_array(fn, "multipliers", mult, K_I64, 2, 0, &a->mult) < 0) return -1;
-    a->held++;
-    if (get_array(fn, "moduli", mod, K_I64, 2, 0, &a->mod) < 0) goto fail;
-    a->held++;
-    if (get_array(fn, "offsets", off, K_I64, 2, 0, &a->off) < 0) goto fail;
-    a->held++;
-    if (get_array(fn, "magic", magic, K_U64, 2, 0, &a->magic) < 0) goto fail;
-    a->held++;
-    if (get_array(fn, "out", out, K_I64, 3, 1, &a->out) < 0) goto fail;
-    a->held++;
+    if (get_arrays(fn, spec, 5) < 0) return -1;
+    a->held = 1;
     a->tokens = tokens;
     a->layers = SHAPE(a->mult, 0);
     a->n = SHAPE(a->mult, 1);

@@ -67,6 +67,29 @@ static int get_array(const char *fn, const char *name, PyObject *obj, enum kind 
     return 0;
 }
 
+/* One array of a group that get_arrays takes: get_array's arguments and where its view goes. */
+typedef struct {
+    const char *name;
+    PyObject *obj;
+    enum kind kind;
+    int ndim, writable;
+    Py_buffer *view;
+} ArraySpec;
+
+static void release_arrays(const ArraySpec *spec, int n) {
+    while (n > 0) PyBuffer_Release(spec[--n].view);
+}
+
+/* get_array for each of spec[0..n): all held on success (0); on failure none is held (-1). */
+static int get_arrays(const char *fn, const ArraySpec *spec, int n) {
+    for (int i = 0; i < n; i++)
+        if (get_array(fn, spec[i].name, spec[i].obj, spec[i].kind, spec[i].ndim, spec[i].writable, spec[i].view) < 0) {
+            release_arrays(spec, i);
+            return -1;
+        }
+    return 0;
+}
+
 #define SHAPE(v, i) ((v).shape[i])
 
 static inline int shape_error(const char *fn, const char *what, Py_ssize_t got, Py_ssize_t want) {

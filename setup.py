@@ -25,6 +25,6 @@ class BuildExt(build_ext):
 setup(
     ext_modules=[Extension(f"engram_serve.{pkg}._{name}_kernel", [f"engram_serve/{pkg}/_{name}_kernel.c"],
                            depends=[f"engram_serve/{pkg}/_kernel_buffers.h"] if pkg == "engram" else [], optional=True)
-                 for pkg, name in (("engram", "hash"), ("engram", "gather"), ("model", "linear"))],
+                 for pkg, name in (("engram", "hash"), ("engram", "gather"), ("model", "linear"), ("model", "attention"), ("model", "token"))],
     cmdclass={"build_ext": BuildExt},
 )

@@ -10,12 +10,11 @@ Input: the residual stream h [T, hc_mult, hidden] and the staged table rows [T, 
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
-from ..model.layers import Linear, pointwise, rms_norm
+from ..model import fused
+from ..model.layers import Linear
 
 
 class EngramGate(nn.Module):
@@ -38,19 +37,8 @@ class EngramGate(nn.Module):
 
     def gate_from_kv(self, h: torch.Tensor, kv: torch.Tensor, dead: torch.Tensor | None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """gate [T, hc_mult] and value [T, hidden] for h [T, hc, hidden] and the projection kv.
-
-        Computed in float32; dtype conversions happen only where a dtype differs (each is an operator)."""
-        t = h.shape[0]
-        keys = kv[:, :self.hc_mult * self.hidden].view(t, self.hc_mult, self.hidden)
-        value = kv[:, self.hc_mult * self.hidden:]  # [T, hidden], shared by all branches
-        q = rms_norm(h.float() if h.dtype != torch.float32 else h, self.eps, self.q_w)  # [T, hc, hidden] float32
-        k = rms_norm(keys.float() if keys.dtype != torch.float32 else keys, self.eps, self.k_w)
-        dot = (q * k).sum(-1) / math.sqrt(self.hidden)  # [T, hc]
-        g = pointwise(torch.sigmoid, torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=1e-6)))
-        if dead is not None:
-            g = g.masked_fill(dead[:, None], 0.0)
-        return (g if g.dtype == h.dtype else g.to(h.dtype)), value
+        """gate [T, hc_mult] and value [T, hidden] for h [T, hc, hidden] and the projection kv (torch form)."""
+        return fused.gate_torch(h, kv, self.q_w, self.k_w, dead, self.eps)
 
     def gate(self, h: torch.Tensor, rows: torch.Tensor, dead: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """gate [T, hc_mult] and value [T, hidden] for h [T, hc, hidden], rows [T, C, hd], dead [T] bool."""
@@ -58,10 +46,7 @@ class EngramGate(nn.Module):
 
     def apply(self, h: torch.Tensor, kv: torch.Tensor, dead: torch.Tensor | None = None) -> torch.Tensor:
         """h with the gated value added, from an already computed (e.g. cross-rank summed) projection kv."""
-        g, value = self.gate_from_kv(h, kv, dead)
-        return h + g[..., None] * value[:, None, :]
+        return fused.engram_gate(h, kv, self.q_w, self.k_w, dead, self.eps)
 
     def forward(self, h: torch.Tensor, rows: torch.Tensor, dead: torch.Tensor | None = None) -> torch.Tensor:
-        g, value = self.gate(h, rows, dead)
-        return h + g[..., None] * value[:, None, :]  # (not addcmul: a fused multiply-add may round differently
-        # in the vectorised body and the scalar tail, which would make a row's bits depend on its place)
+        return self.apply(h, self.project(rows), dead)

@@ -20,7 +20,8 @@ from ..config import ModelConfig
 from ..errors import StaticBufferError
 from .context import ForwardContext
 from .layers import Linear, apply_rotary, fuse_on_load, split_on_save
-from .paged_attention import AttentionPlan, attend_full, attend_selected, attention_min_rows, select_keys
+from .paged_attention import (AttentionPlan, attend_full, attend_native, attend_selected, attention_min_rows,
+                              native_available, rotate_store, select_keys)
 
 FULL, SELECT, REUSE = "full", "select", "reuse"
 
@@ -32,6 +33,14 @@ def _select_dense(scores: torch.Tensor, topk: int) -> torch.Tensor:
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, keep)
 
 
+def rotate_and_attend(backend, layer: int, qkv: torch.Tensor, heads: int, cos, sin, mode: str, topk: int,
+                      head_mean=None) -> torch.Tensor:
+    """Rotary on the q and k heads of qkv [T, heads + 2 kv_heads, hd] (one pass), then `backend.attend`."""
+    kvh = (qkv.shape[1] - heads) // 2
+    qk = apply_rotary(qkv[:, :heads + kvh], cos, sin)
+    return backend.attend(layer, qk[:, :heads], qk[:, heads:], qkv[:, heads + kvh:], mode, topk, head_mean)
+
+
 class DenseAttention:
     """Causal attention over [B, S] sequences (training). Keeps the SELECT layer's choice for REUSE."""
 
@@ -40,6 +49,9 @@ class DenseAttention:
         pos = torch.arange(seq, device=device)
         self.causal = (pos[None, :] <= pos[:, None])[None].expand(batch, seq, seq)  # [B, S, S]
         self.chosen: torch.Tensor | None = None
+
+    def attend_qkv(self, layer: int, qkv, heads: int, cos, sin, mode: str, topk: int, head_mean=None) -> torch.Tensor:
+        return rotate_and_attend(self, layer, qkv, heads, cos, sin, mode, topk, head_mean)
 
     def attend(self, layer: int, q, k, v, mode: str, topk: int, head_mean=None) -> torch.Tensor:
         b, s = self.b, self.s
@@ -64,7 +76,9 @@ class PagedAttention:
 
     # protections that a test subclass turns off (negative controls), not options:
     read_past = 0  # keys readable past seq_len
-    guard_fresh = True  # zero this step's non-finite values where a masked query would multiply them
+    guard_fresh = True  # torch kernels: zero this step's non-finite values where a masked query would multiply
+    # them; C kernel: a query reads no key later than itself (off: it reads them with weight 0)
+    native = True  # the C kernel where it can run (a test subclass turns it off to test the torch kernels)
 
     def __init__(self, ctx: ForwardContext):
         self.ctx = ctx
@@ -88,6 +102,19 @@ class PagedAttention:
         view = buf[:n]
         self.ctx.touch("topk_idx", view)
         return view
+
+    def attend_qkv(self, layer: int, qkv, heads: int, cos, sin, mode: str, topk: int, head_mean=None) -> torch.Tensor:
+        """Attention of qkv [T, heads + 2 kv_heads, hd] (the fused projection, before rotary). In one process
+        on a float32 CPU it runs as two C calls (rotary in place and the KV writes, then the attention);
+        elsewhere (CUDA, tensor parallel, no compiler) through the torch kernels."""
+        kv = self.ctx.kv
+        kc, vc = kv.layer(layer)
+        if not (self.native and head_mean is None and native_available(qkv, kc) and qkv.is_contiguous()):
+            return rotate_and_attend(self, layer, qkv, heads, cos, sin, mode, topk, head_mean)
+        sel = None if mode == FULL else self._topk_buf(topk)
+        b = self.ctx.batch
+        rotate_store(qkv, heads, cos, sin, b.slot_mapping, kc, vc, kv.num_slots)  # this microbatch's keys first
+        return attend_native(b, qkv[:, :heads], kc, vc, kv.zero_slot, mode, sel, self.read_past, not self.guard_fresh)
 
     def attend(self, layer: int, q, k, v, mode: str, topk: int, head_mean=None) -> torch.Tensor:
         kv = self.ctx.kv
@@ -122,7 +149,6 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend, layer: int,
                 mode: str = FULL, topk: int = 0) -> torch.Tensor:
-        n, h, kvh = x.shape[0], self.heads, self.kv_heads
-        qkv = self.qkv_proj(x).view(n, h + 2 * kvh, self.head_dim)
-        qk = apply_rotary(qkv[:, :h + kvh], cos, sin)  # q and k heads rotated in one pass
-        return self.o_proj(backend.attend(layer, qk[:, :h], qk[:, h:], qkv[:, h + kvh:], mode, topk, self.head_mean))
+        n = x.shape[0]
+        qkv = self.qkv_proj(x).view(n, self.heads + 2 * self.kv_heads, self.head_dim)
+        return self.o_proj(backend.attend_qkv(layer, qkv, self.heads, cos, sin, mode, topk, self.head_mean))

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import StaticBufferError
+from . import fused
 from .context import MOE_COMBINE, MOE_DISPATCH, ForwardContext
 
 try:
@@ -108,7 +109,8 @@ def bmm_min_rows(k: int, n: int, transposed: bool, dtype: torch.dtype = torch.fl
 def small_call_kc(weight: torch.Tensor) -> int | None:
     """The block size kc for which `_linear_kernel` gives a call of fewer than min_rows(weight) rows the
     bits of a batch (rule above), or None: no kernel, not a float32 CPU weight laid out input-major, or
-    no probed kc (the inputs in 1 to 4 equal blocks) matches. Measured once per shape, like `min_rows`."""
+    no probed kc matches (the inputs in 1 to 4 equal blocks, or blocks of any multiple of 16: MKL on the
+    Xeon of the README splits 512 inputs in two halves, on an AMD EPYC into blocks of 192). Measured once per shape, like `min_rows`."""
     if _linear_kernel is None or weight.device.type != "cpu" or weight.dtype != torch.float32 \
             or weight.stride(0) != 1 or weight.shape[0] < 2:
         return None
@@ -119,8 +121,8 @@ def small_call_kc(weight: torch.Tensor) -> int | None:
         m = min(min_rows(weight), PROBE_MAX)
         with torch.no_grad():
             full = F.linear(x, w)[:m]
-        _min_rows[key] = next((kc for kc in dict.fromkeys(-(-in_f // b) for b in range(1, 5))
-                               if torch.equal(_rows_kernel(x[:m], w.t(), kc), full)), None)
+        candidates = dict.fromkeys([*(-(-in_f // b) for b in range(1, 5)), *range(16, in_f, 16)])
+        _min_rows[key] = next((kc for kc in candidates if torch.equal(_rows_kernel(x[:m], w.t(), kc), full)), None)
     return _min_rows[key]
 
 
@@ -320,7 +322,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = linear(x, self.gate_up.view(2 * self.intermediate, self.hidden))  # [N, 2I]
-        return self.down_proj(pointwise(F.silu, gu[:, :self.intermediate]) * gu[:, self.intermediate:])
+        return self.down_proj(fused.silu_mul(gu, self.intermediate))
 
 
 # Dense MoE evaluation costs num_experts / top_k times the routed compute; up to this ratio it runs
@@ -411,7 +413,7 @@ class MoE(nn.Module):
         if ys is not None:
             ctx.touch(MOE_DISPATCH, xs)  # read after the yield
         gu = linear(xs, self.w_in.view(e * 2 * i, self.hidden)).view(n, e, 2, i)  # every expert, one matmul
-        act = pointwise(F.silu, gu[:, :, 0]) * gu[:, :, 1] * dense_w[:, :, None]  # [N, E, I], 0 for experts not chosen
+        act = fused.silu_mul(gu.view(n, e, 2 * i), i, dense_w)  # [N, E, I], 0 for experts not chosen
         y = linear(act.view(n, e * i), self.w_out.view(self.hidden, e * i))  # [N, H]: experts summed per row
         if ys is not None:
             ys.copy_(y)

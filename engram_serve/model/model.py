@@ -22,6 +22,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..engram.layer import EngramGate
 from ..errors import StaticBufferError
+from . import fused
 from .attention import FULL, REUSE, SELECT, Attention, DenseAttention, PagedAttention
 from .context import ForwardContext, UbatchBuffers
 from .layers import MLP, Linear, MoE, RMSNorm, linear, rotary_cos_sin
@@ -121,10 +122,12 @@ class EngramModel(nn.Module):
         cfg = self.config
         n = input_ids.shape[0]
         cos, sin = rotary_cos_sin(positions, cfg.head_dim, cfg.rope_theta)  # once per forward
-        h = self.embed_tokens(input_ids)[:, None, :].expand(n, cfg.hc_mult, cfg.hidden_size)  # [N, hc, hidden]
+        h = self.embed_tokens(input_ids)[:, None, :].expand(n, cfg.hc_mult, cfg.hidden_size).contiguous()  # [N, hc, hidden]
         early = _launch_engram_sums(self.layers, engram_rows, ctx)  # tensor parallel only
+        delta = None  # the previous block's output [N, hidden], added to every branch with the next norm
         for layer in self.layers:
             if layer.engram is not None:
+                h, delta = fused.add_branches(h, delta), None
                 yield STAGE_ENGRAM_GATHER
                 if early is not None:
                     h = layer.engram.apply(h, early(layer.engram_index), dead)
@@ -134,19 +137,18 @@ class EngramModel(nn.Module):
                         ctx.touch("staging", rows)
                     h = layer.engram(h, rows, dead)
                 yield STAGE_ENGRAM
-            a = layer.attn(layer.attn_norm(h.mean(1)), cos, sin, backend, layer.layer_id,
-                           layer.attn_mode, cfg.index_topk)
+            h, x = fused.residual_norm(h, delta, layer.attn_norm.weight, layer.attn_norm.eps)
+            a = layer.attn(x, cos, sin, backend, layer.layer_id, layer.attn_mode, cfg.index_topk)
             a = yield from _collective_point(a, layer.attn.o_proj, STAGE_ATTN, ctx)
-            h = h + a[:, None, :]
-            x = layer.mlp_norm(h.mean(1))
+            h, x = fused.residual_norm(h, a, layer.mlp_norm.weight, layer.mlp_norm.eps)
             if layer.is_moe:
-                m = yield from layer.mlp.stages(x, ctx)
+                delta = yield from layer.mlp.stages(x, ctx)  # (a view of the microbatch's combine buffer:
+                # consumed by the next norm, before the next yield)
             else:
-                m = layer.mlp(x)
+                delta = layer.mlp(x)
                 if hasattr(layer.mlp.down_proj, "launch_reduce"):  # tensor parallel: one more overlap point
-                    m = yield from _collective_point(m, layer.mlp.down_proj, STAGE_MLP, ctx)
-            h = h + m[:, None, :]
-        return self.norm(h.mean(1))  # [N, hidden]
+                    delta = yield from _collective_point(delta, layer.mlp.down_proj, STAGE_MLP, ctx)
+        return fused.residual_norm(h, delta, self.norm.weight, self.norm.eps)[1]  # [N, hidden]
 
     # ---- serving path ------------------------------------------------------------------------
     def stages(self, ctx: ForwardContext) -> Generator[str, None, torch.Tensor]:

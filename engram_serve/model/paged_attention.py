@@ -42,6 +42,10 @@ import torch
 
 from .layers import MIN_ROWS, bmm_min_rows
 
+try:
+    from . import _attention_kernel
+except ImportError:  # installed without a C compiler: the torch kernels below run
+    _attention_kernel = None
 
 KC = 64  # key chunk: positions per chunk
 NEG_INF = float("-inf")
@@ -270,3 +274,65 @@ def attend_selected(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor,
     _, p, l = _softmax_parts(torch.bmm(qg, k.transpose(1, 2)), vis)
     out = torch.where(l[..., None] == 0, 0.0, torch.bmm(p, v) / l[..., None])  # [kvh*T, g, hd]
     return out.view(kvh, t, g, hd).transpose(0, 1).reshape(t, heads * hd)
+
+
+NATIVE_MODES = {"full": 0, "select": 1, "reuse": 2}
+
+
+def native_available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether `attend_native` can run: the C kernel was built, and float32 CPU tensors."""
+    return (_attention_kernel is not None and q.device.type == "cpu" and k_cache.device.type == "cpu"
+            and q.dtype == torch.float32 and k_cache.dtype == torch.float32)
+
+
+def rotate_store(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, num_slots: int) -> None:
+    """Through the C kernel: rotary (model/layers.py apply_rotary's arithmetic, the same bits) on the q and
+    k heads of qkv [T, heads + 2 kvh, hd] in place, then each token's k and v stored at its slot of one
+    layer's pools [kvh, slots, hd] (slot -1: nowhere). qkv contiguous, cos/sin [T, 1, hd] contiguous."""
+    t, width, hd = qkv.shape
+    kvh = (width - heads) // 2
+    slots = slot_mapping.contiguous()
+    if not (cos.is_contiguous() and sin.is_contiguous() and cos.shape == (t, 1, hd) and sin.shape == cos.shape) \
+            or slots.dtype != torch.int64 or slots.shape != (t,) or not k_cache.is_contiguous() \
+            or not v_cache.is_contiguous() or k_cache.shape != (kvh, k_cache.shape[1], hd):
+        raise ValueError(f"rotate_store: qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)}, slots {tuple(slots.shape)} "
+                         f"{slots.dtype}, pools {tuple(k_cache.shape)}: layouts the kernel cannot read")
+    _attention_kernel.rotate_store(qkv.data_ptr(), t, heads, kvh, hd, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                                   k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), num_slots)
+
+
+def attend_native(batch, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, zero_slot: int, mode: str,
+                  sel: torch.Tensor | None, read_past: int = 0, later_keys: bool = False) -> torch.Tensor:
+    """Attention of q [T, heads, hd] over one layer's pools [kvh, slots, hd] through the C kernel
+    (`_attention_kernel.c`): one query at a time, in a fixed order per query, so a query's bits do not
+    depend on its batch mates, the cut, the chunk or padding by construction, and a query reads its own
+    row's key positions <= its own only. mode "select" writes each query's chosen positions into
+    sel [T, topk] int64 and attends to them, "reuse" attends to those in sel. Returns [T, heads*hd]
+    (0 for padding tokens). `read_past` / `later_keys`: negative controls of the isolation tests only.
+
+    Checks the layouts the kernel reads (it takes addresses): head rows of q contiguous, pools
+    contiguous, block-table rows contiguous, int64 row fields."""
+    t, heads, hd = q.shape
+    kvh = k_cache.shape[0]
+    if q.stride(2) != 1 or q.stride(1) != hd or not k_cache.is_contiguous() or not v_cache.is_contiguous() \
+            or v_cache.shape != k_cache.shape or k_cache.shape[2] != hd:
+        raise ValueError(f"attend_native: q {tuple(q.shape)} strides {q.stride()}, pools {tuple(k_cache.shape)} / "
+                         f"{tuple(v_cache.shape)}: need head rows of q contiguous and contiguous pools of head_dim {hd}")
+    tables = batch.block_tables
+    if tables.stride(1) != 1 and tables.shape[1] > 1:
+        tables = tables.contiguous()
+    qsl, computed = batch.qsl.contiguous(), batch.num_computed.contiguous()
+    for name, x in (("block_tables", tables), ("qsl", qsl), ("num_computed", computed)):
+        if x.dtype != torch.int64 or x.device.type != "cpu":
+            raise ValueError(f"attend_native: {name} is {x.dtype} on {x.device}; needs int64 on the CPU")
+    topk = 0 if sel is None else sel.shape[1]
+    if mode != "full" and (sel is None or sel.shape[0] < t or not sel.is_contiguous() or sel.dtype != torch.int64):
+        raise ValueError(f"attend_native: mode {mode} needs a contiguous int64 sel of at least {t} rows")
+    out = torch.empty(t, heads * hd)
+    _attention_kernel.attend(NATIVE_MODES[mode], q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                             k_cache.stride(0), tables.data_ptr(), tables.stride(0), tables.shape[1], batch.block_size,
+                             zero_slot, qsl.data_ptr(), computed.data_ptr(), batch.num_rows, t, heads, kvh, hd,
+                             1.0 / math.sqrt(hd), out.data_ptr(), 0 if sel is None else sel.data_ptr(), topk,
+                             read_past, later_keys)
+    return out

@@ -1,0 +1,285 @@
+/* Paged attention over the KV pool, one query at a time (model/paged_attention.py, `NativeAttention`).
+ *
+ * Every query is computed alone, by the same operations in the same order whatever else is in the
+ * call: its scores over its own keys in position order, their max, expf of each minus the max, the sum
+ * and the value accumulation in position order, one division. So a query's bits depend only on its
+ * own q, its own keys and values, and its position: not on the batch, the cut, the chunk or padding
+ * (spec §9), with no padding rule to keep. The same holds for index selection and for attention over
+ * a selection.
+ *
+ * Isolation (spec §9) is structural: a query at absolute position p of row r reads key positions
+ * 0..p only (p < seq_len[r]), each through row r's block table; a position whose block is null reads
+ * the pool's zero slot. No key it may not read is ever loaded, so nothing needs masking, and a
+ * non-finite value reaches exactly the queries that read it.
+ *
+ * Plain CPython C API; the arrays come as addresses (torch's `data_ptr()`), checked by the one caller
+ * (`NativeAttention` in paged_attention.py: dtypes, device, strides, shapes); the kernel checks sizes.
+ *
+ *   attend(mode, q, ldq, k, v, ld_head, tables, ld_table, width, block_size, zero_slot,
+ *          qsl, computed, rows, num_tokens, heads, kv_heads, head_dim, scale, out, sel, topk,
+ *          read_past, later_keys) -> None
+ *     mode 0 (full): every visible key; 1 (select): choose each query's `topk` keys into sel, then
+ *     attend to them; 2 (reuse): attend to the keys already in sel.
+ *     q [T, heads, head_dim] float32, head rows contiguous, tokens ldq floats apart;
+ *     k, v: one layer's pools [kv_heads, slots, head_dim] float32, heads ld_head floats apart;
+ *     tables [rows, width] int64 (ld_table apart), -1 = null block; qsl [rows + 1], computed [rows] int64;
+ *     out [T, heads * head_dim] float32 contiguous: written for every token, 0 for padding tokens
+ *     (t >= qsl[rows]); sel [T, topk] int64 contiguous (modes 1, 2): absolute key positions best first,
+ *     -1 = none (written by mode 1 for every token).
+ *     Selection: score = (sum over heads in head order of q_h . k) / heads; the `topk` highest, ties to
+ *     the lower position, a NaN score above every number.
+ *     read_past, later_keys: 0 in serving. They exist only for the negative controls of the isolation
+ *     tests: read_past reads that many positions past the query; later_keys reads the row's later keys
+ *     of this step too, each weighted 0 (a product, as a masked dense kernel would).
+ *
+ *   rotate_store(qkv, num_tokens, heads, kv_heads, head_dim, cos, sin, slot_mapping, k, v, ld_head, num_slots)
+ *     qkv [T, heads + 2 kv_heads, head_dim] float32 contiguous (q heads, k heads, v heads): the q and k
+ *     heads rotated in place, x * cos + swap_halves(x) * sin with cos, sin [T, head_dim] (rotary_cos_sin's
+ *     tables: the same two products and one sum per value as model/layers.py apply_rotary, so the same
+ *     bits); then every token's rotated k and its v stored at slot_mapping[t] of the pools (slot < 0:
+ *     nowhere; a slot >= num_slots is an error).
+ *   The GIL is released during the arithmetic.
+ *
+ * Built without -ffast-math and with -ffp-contract=off: every operation is the IEEE one written, in
+ * every clone below, and expf is the C library's (one function, one result per input).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || defined(__GNUC__))
+#define CLONES __attribute__((target_clones("avx512f", "avx2", "default"), noinline))
+#else
+#define CLONES
+#endif
+
+#define LANES 16
+
+/* q . k over d values: lane l sums the products of indices l, l + 16, ... in order; the 16 lanes are
+ * then added pairwise in a fixed tree. */
+static inline float dot(const float *restrict a, const float *restrict b, Py_ssize_t d) {
+    float acc[LANES] = {0};
+    Py_ssize_t i = 0;
+    for (; i + LANES <= d; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] = acc[l] + a[i + l] * b[i + l];
+    for (int l = 0; i + l < d; l++) acc[l] = acc[l] + a[i + l] * b[i + l];
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) acc[l] = acc[l] + acc[l + w];
+    return acc[0];
+}
+
+typedef struct {
+    const float *q, *k, *v;
+    Py_ssize_t ldq, ld_head, heads, kvh, hd;
+    float scale;
+} Attn;
+
+/* out[h] for one query over n keys at `slots` with weights: softmax of scale * q_h . k_j in key order;
+ * `zero_from` >= 0: keys from there on get weight exactly 0 (negative control only), else n. */
+CLONES static void softmax_attend(const Attn *a, const float *restrict qt, const int64_t *restrict slots,
+                                  Py_ssize_t n, Py_ssize_t zero_from, float *restrict s, float *restrict out) {
+    const Py_ssize_t g = a->heads / a->kvh, hd = a->hd;
+    for (Py_ssize_t h = 0; h < a->heads; h++) {
+        const float *qh = qt + h * hd;
+        const float *kh = a->k + (h / g) * a->ld_head, *vh = a->v + (h / g) * a->ld_head;
+        float *o = out + h * hd;
+        float m = -INFINITY;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            s[j] = dot(qh, kh + slots[j] * hd, hd) * a->scale;
+            if (j < zero_from && s[j] > m) m = s[j];
+        }
+        for (Py_ssize_t d = 0; d < hd; d++) o[d] = 0.0f;
+        float l = 0.0f;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            const float e = j < zero_from ? expf(s[j] - m) : 0.0f;
+            l = l + e;
+            const float *vj = vh + slots[j] * hd;
+            for (Py_ssize_t d = 0; d < hd; d++) o[d] = o[d] + e * vj[d];
+        }
+        /* l == 0 only when nothing is visible: 0, as a dense kernel's guard; a NaN stays NaN */
+        for (Py_ssize_t d = 0; d < hd; d++) o[d] = l == 0.0f ? 0.0f : o[d] / l;
+    }
+}
+
+/* Orderable key of a selection score: larger score -> larger key, -0.0 == +0.0, NaN above everything. */
+static inline uint32_t score_key(float s) {
+    if (s != s) return UINT32_MAX;
+    s = s + 0.0f;
+    uint32_t b;
+    memcpy(&b, &s, 4);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+/* The topk best of n candidates (positions 0..n-1 at `slots`), best first, into sel (-1 padded). */
+CLONES static void select_top(const Attn *a, const float *restrict qt, const int64_t *restrict slots,
+                              Py_ssize_t n, Py_ssize_t topk, uint64_t *restrict best, int64_t *restrict sel) {
+    const Py_ssize_t g = a->heads / a->kvh, hd = a->hd;
+    Py_ssize_t cnt = 0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        float sc = 0.0f;
+        for (Py_ssize_t h = 0; h < a->heads; h++)
+            sc = sc + dot(qt + h * hd, a->k + (h / g) * a->ld_head + slots[j] * hd, hd);
+        sc = sc / (float)a->heads;
+        const uint64_t key = ((uint64_t)score_key(sc) << 32) | (uint64_t)(UINT32_MAX - (uint32_t)j);
+        if (cnt == topk && key <= best[cnt - 1]) continue;
+        Py_ssize_t i = cnt < topk ? cnt++ : topk - 1;
+        while (i > 0 && best[i - 1] < key) {
+            best[i] = best[i - 1];
+            i--;
+        }
+        best[i] = key;
+    }
+    for (Py_ssize_t i = 0; i < topk; i++) sel[i] = i < cnt ? (int64_t)(UINT32_MAX - (uint32_t)best[i]) : -1;
+}
+
+static inline int64_t slot_of(const int64_t *table, Py_ssize_t width, Py_ssize_t bs, int64_t zero, int64_t pos) {
+    const int64_t b = pos / bs;
+    const int64_t blk = b < width ? table[b] : -1;
+    return blk >= 0 ? blk * bs + pos % bs : zero;
+}
+
+static PyObject *py_attend(PyObject *Py_UNUSED(self), PyObject *args) {
+    int mode;
+    unsigned long long qa, ka, va, ta, qsla, ca, oa, sa;
+    Py_ssize_t ldq, ld_head, ld_table, width, bs, zero, rows, ntok, heads, kvh, hd, topk, read_past;
+    int later_keys;
+    double scale;
+    if (!PyArg_ParseTuple(args, "iKnKKnKnnnnKKnnnnndKKnnp", &mode, &qa, &ldq, &ka, &va, &ld_head, &ta, &ld_table,
+                          &width, &bs, &zero, &qsla, &ca, &rows, &ntok, &heads, &kvh, &hd, &scale, &oa, &sa, &topk,
+                          &read_past, &later_keys))
+        return NULL;
+    if (mode < 0 || mode > 2 || heads < 1 || kvh < 1 || heads % kvh || hd < 1 || bs < 1 || rows < 0 || ntok < 0 ||
+        ldq < heads * hd || ld_head < 1 || width < 0 || read_past < 0 || (mode && topk < 1) ||
+        (ntok && (!qa || !oa || (mode && !sa))) || (rows && (!qsla || !ca || !ka || !va || (width && !ta)))) {
+        PyErr_Format(PyExc_ValueError, "attend: mode %d, heads %zd, kv_heads %zd, head_dim %zd, block_size %zd, rows %zd, "
+                     "tokens %zd, ldq %zd, topk %zd do not fit", mode, heads, kvh, hd, bs, rows, ntok, ldq, topk);
+        return NULL;
+    }
+    const int64_t *qsl = (const int64_t *)(uintptr_t)qsla, *computed = (const int64_t *)(uintptr_t)ca;
+    const int64_t *tables = (const int64_t *)(uintptr_t)ta;
+    float *out = (float *)(uintptr_t)oa;
+    int64_t *sel = (int64_t *)(uintptr_t)sa;
+    Py_ssize_t maxn = 1, end = rows ? (Py_ssize_t)qsl[rows] : 0;
+    if (end > ntok || (rows && qsl[0] != 0)) {
+        PyErr_Format(PyExc_ValueError, "attend: qsl spans %zd tokens of %zd", end, ntok);
+        return NULL;
+    }
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const Py_ssize_t n = (Py_ssize_t)(computed[r] + qsl[r + 1] - qsl[r]) + read_past;
+        if (qsl[r + 1] < qsl[r] || computed[r] < 0) {
+            PyErr_Format(PyExc_ValueError, "attend: row %zd has qsl %lld..%lld and %lld computed", r,
+                         (long long)qsl[r], (long long)qsl[r + 1], (long long)computed[r]);
+            return NULL;
+        }
+        if (n > maxn) maxn = n;
+    }
+    const Py_ssize_t nsel = mode ? topk : 0;
+    float *s = malloc(sizeof(float) * (size_t)(maxn > nsel ? maxn : nsel));
+    int64_t *slots = malloc(sizeof(int64_t) * (size_t)(maxn > nsel ? maxn : nsel));
+    uint64_t *best = malloc(sizeof(uint64_t) * (size_t)(nsel ? nsel : 1));
+    if (!s || !slots || !best) {
+        free(s), free(slots), free(best);
+        return PyErr_NoMemory();
+    }
+    const Attn a = {(const float *)(uintptr_t)qa, (const float *)(uintptr_t)ka, (const float *)(uintptr_t)va,
+                    ldq, ld_head, heads, kvh, hd, (float)scale};
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const int64_t *table = tables + r * ld_table;
+        const Py_ssize_t first = (Py_ssize_t)computed[r], seq = first + (Py_ssize_t)(qsl[r + 1] - qsl[r]);
+        for (Py_ssize_t t = (Py_ssize_t)qsl[r]; t < (Py_ssize_t)qsl[r + 1]; t++) {
+            const Py_ssize_t p = first + (t - (Py_ssize_t)qsl[r]);  /* the query's absolute position */
+            const float *qt = a.q + t * ldq;
+            float *ot = out + t * heads * hd;
+            if (mode == 0) {
+                const Py_ssize_t n = (later_keys ? seq : p + 1) + read_past;
+                for (Py_ssize_t j = 0; j < n; j++) slots[j] = slot_of(table, width, bs, zero, j);
+                softmax_attend(&a, qt, slots, n, later_keys ? p + 1 + read_past : n, s, ot);
+                continue;
+            }
+            int64_t *st = sel + t * topk;
+            if (mode == 1) {
+                const Py_ssize_t n = p + 1 + read_past;
+                for (Py_ssize_t j = 0; j < n; j++) slots[j] = slot_of(table, width, bs, zero, j);
+                select_top(&a, qt, slots, n, topk, best, st);
+            }
+            Py_ssize_t n = 0;
+            while (n < topk && st[n] >= 0) {
+                slots[n] = slot_of(table, width, bs, zero, st[n]);
+                n++;
+            }
+            softmax_attend(&a, qt, slots, n, n, s, ot);
+        }
+    }
+    if (end < ntok) memset(out + end * heads * hd, 0, sizeof(float) * (size_t)((ntok - end) * heads * hd));
+    if (mode == 1)
+        for (Py_ssize_t i = end * topk; i < ntok * topk; i++) sel[i] = -1;
+    Py_END_ALLOW_THREADS
+    free(s), free(slots), free(best);
+    Py_RETURN_NONE;
+}
+
+CLONES static void rotate(float *restrict x, const float *restrict c, const float *restrict sn, Py_ssize_t hd) {
+    const Py_ssize_t half = hd / 2;
+    float tmp[512];
+    for (Py_ssize_t d = 0; d < hd; d++) tmp[d] = x[d];
+    for (Py_ssize_t d = 0; d < hd; d++) x[d] = tmp[d] * c[d] + tmp[d < half ? d + half : d - half] * sn[d];
+}
+
+static PyObject *py_rotate_store(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long xa, ca, sa, ma, ka, va;
+    Py_ssize_t ntok, heads, kvh, hd, ld_head, nslots;
+    if (!PyArg_ParseTuple(args, "KnnnnKKKKKnn", &xa, &ntok, &heads, &kvh, &hd, &ca, &sa, &ma, &ka, &va, &ld_head,
+                          &nslots))
+        return NULL;
+    if (ntok < 0 || heads < 1 || kvh < 1 || hd < 2 || hd % 2 || hd > 512 || ld_head < 1 ||
+        (ntok && (!xa || !ca || !sa || !ma || !ka || !va))) {
+        PyErr_Format(PyExc_ValueError, "rotate_store: tokens %zd, heads %zd, kv_heads %zd, head_dim %zd (even, <= 512) "
+                     "do not fit", ntok, heads, kvh, hd);
+        return NULL;
+    }
+    float *x = (float *)(uintptr_t)xa, *kp = (float *)(uintptr_t)ka, *vp = (float *)(uintptr_t)va;
+    const float *cs = (const float *)(uintptr_t)ca, *sn = (const float *)(uintptr_t)sa;
+    const int64_t *slots = (const int64_t *)(uintptr_t)ma;
+    const Py_ssize_t width = (heads + 2 * kvh) * hd;
+    for (Py_ssize_t t = 0; t < ntok; t++)
+        if (slots[t] >= nslots) {
+            PyErr_Format(PyExc_ValueError, "rotate_store: slot_mapping[%zd] = %lld is outside the pool's %zd slots", t,
+                         (long long)slots[t], nslots);
+            return NULL;
+        }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t t = 0; t < ntok; t++) {
+        float *xt = x + t * width;
+        for (Py_ssize_t h = 0; h < heads + kvh; h++) rotate(xt + h * hd, cs + t * hd, sn + t * hd, hd);
+        if (slots[t] < 0) continue;
+        for (Py_ssize_t h = 0; h < kvh; h++) {
+            memcpy(kp + h * ld_head + slots[t] * hd, xt + (heads + h) * hd, sizeof(float) * (size_t)hd);
+            memcpy(vp + h * ld_head + slots[t] * hd, xt + (heads + kvh + h) * hd, sizeof(float) * (size_t)hd);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"rotate_store", py_rotate_store, METH_VARARGS,
+     "rotate_store(qkv, num_tokens, heads, kv_heads, head_dim, cos, sin, slot_mapping, k, v, ld_head, num_slots) -> None: rotary on "
+     "the q and k heads of qkv in place, then k and v stored at their slots (see the module source)."},
+    {"attend", py_attend, METH_VARARGS,
+     "attend(mode, q, ldq, k, v, ld_head, tables, ld_table, width, block_size, zero_slot, qsl, computed, rows, "
+     "num_tokens, heads, kv_heads, head_dim, scale, out, sel, topk, read_past, later_keys) -> None: paged attention "
+     "one query at a time (addresses of float32 / int64 data; see the module source)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_attention_kernel",
+    "Paged attention one query at a time, in a fixed order per query, for model/paged_attention.py.",
+    -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__attention_kernel(void) { return PyModule_Create(&module); }

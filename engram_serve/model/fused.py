@@ -1,0 +1,99 @@
+"""Fused token-wise steps of the forward: one C call each (`_token_kernel.c`) where it can run, else torch.
+
+Each function has two forms that compute the same formula: the C kernel, taken for float32 CPU tensors
+outside autograd when the kernel was built, and the torch operators, taken everywhere else (CUDA,
+training, an install without a C compiler). Which form runs depends only on devices, dtypes and the
+build, never on a batch, so a serving config always takes the same one. The C form computes each token
+alone, in an order fixed per token (see the kernel's header): a token's bits do not depend on its batch
+mates, the cut or padding, by construction. The torch form keeps the batch-invariance rules of
+model/layers.py (`pointwise`).
+
+Inputs are never modified: a new residual stream comes back as a new tensor.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import layers  # (layers imports this module too: names are looked up at call time)
+
+try:
+    from . import _token_kernel
+except ImportError:  # installed without a C compiler: the torch forms run
+    _token_kernel = None
+
+
+def native(*tensors: torch.Tensor | None) -> bool:
+    """Whether the C form can run on these tensors: built, float32, CPU, contiguous, no autograd."""
+    if _token_kernel is None:
+        return False
+    grad = torch.is_grad_enabled()
+    return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+                             and not (grad and t.requires_grad)) for t in tensors)
+
+
+def residual_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta on every branch, rmsnorm(mean over branches) * weight) for h [N, hc, hidden] and
+    delta [N, hidden] or None; the second is [N, hidden]."""
+    if native(h, delta, weight):
+        n, hc, dim = h.shape
+        x = torch.empty(n, dim)
+        out = h if delta is None else torch.empty(n, hc, dim)
+        _token_kernel.residual_norm(h.data_ptr(), n, hc, dim, 0 if delta is None else delta.data_ptr(),
+                                    weight.data_ptr(), eps, out.data_ptr(), x.data_ptr())
+        return out, x
+    if delta is not None:
+        h = h + delta[:, None, :]
+    return h, layers.rms_norm(h.mean(1), eps, weight)
+
+
+def add_branches(h: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+    """h + delta on every branch (h [N, hc, hidden], delta [N, hidden] or None)."""
+    return h if delta is None else h + delta[:, None, :]
+
+
+def engram_gate(h: torch.Tensor, kv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor,
+                dead: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The Engram gate of spec §7 (engram/layer.py): h [N, hc, hidden] with gate_i * value added to
+    branch i, from the projection kv [N, (hc + 1) * hidden]; dead [N] bool tokens get gate 0."""
+    n, hc, dim = h.shape
+    if native(h, kv, q_w, k_w) and (dead is None or (dead.dtype == torch.bool and dead.is_contiguous())):
+        out = torch.empty(n, hc, dim)
+        _token_kernel.engram_gate(h.data_ptr(), n, hc, dim, kv.data_ptr(), q_w.data_ptr(), k_w.data_ptr(),
+                                  0 if dead is None else dead.data_ptr(), eps, out.data_ptr())
+        return out
+    g, value = gate_torch(h, kv, q_w, k_w, dead, eps)
+    return h + g[..., None] * value[:, None, :]  # (not addcmul: a fused multiply-add may round differently
+    # in the vectorised body and the scalar tail, which would make a row's bits depend on its place)
+
+
+def gate_torch(h: torch.Tensor, kv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor,
+               dead: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch form's gate [N, hc] and value [N, hidden], computed in float32; dtype conversions only
+    where a dtype differs (each is an operator)."""
+    n, hc, dim = h.shape
+    keys = kv[:, :hc * dim].view(n, hc, dim)
+    value = kv[:, hc * dim:]  # [N, hidden], shared by all branches
+    q = layers.rms_norm(h.float() if h.dtype != torch.float32 else h, eps, q_w)  # [N, hc, hidden] float32
+    k = layers.rms_norm(keys.float() if keys.dtype != torch.float32 else keys, eps, k_w)
+    dot = (q * k).sum(-1) / math.sqrt(dim)  # [N, hc]
+    g = layers.pointwise(torch.sigmoid, torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=1e-6)))
+    if dead is not None:
+        g = g.masked_fill(dead[:, None], 0.0)
+    return (g if g.dtype == h.dtype else g.to(h.dtype)), value
+
+
+def silu_mul(gu: torch.Tensor, inter: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up [* weights] for gu [..., 2 * inter] holding (gate, up) per row: [..., inter];
+    weights [...] (one per row) or None."""
+    lead = gu.shape[:-1]
+    if native(gu, weights):
+        rows = gu.numel() // (2 * inter)
+        out = torch.empty(*lead, inter)
+        _token_kernel.silu_mul(gu.data_ptr(), rows, inter, 0 if weights is None else weights.data_ptr(), out.data_ptr())
+        return out
+    act = layers.pointwise(F.silu, gu[..., :inter]) * gu[..., inter:]
+    return act if weights is None else act * weights[..., None]

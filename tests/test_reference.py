@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engram_serve.config import ModelConfig, read_json
-from engram_serve.engram.layer import EngramGate
+from engram_serve.model import fused
 from engram_serve.inputs.ubatch import SplitConfig
 from engram_serve.model.layers import pointwise
 from engram_serve.model.loader import TINY_DIR, load_model, make_random_checkpoint
@@ -85,23 +85,23 @@ def test_serving_path_matches_the_independent_reference(worlds, variant, seed, n
 
 
 def broken_gate(kind: str):
-    def gate(self, h, rows, dead):
-        t = h.shape[0]
-        kv = self.wkv(rows.reshape(t, -1))
-        keys = kv[:, :self.hc_mult * self.hidden].view(t, self.hc_mult, self.hidden)
-        value = kv[:, self.hc_mult * self.hidden:]
+    """The Engram gate of model/fused.py with one mistake (the sign dropped, or the dot scaled by hidden)."""
+    def engram_gate(h, kv, q_w, k_w, dead, eps):
+        t, hc, hidden = h.shape
+        keys, value = kv[:, :hc * hidden].view(t, hc, hidden), kv[:, hc * hidden:]
         from engram_serve.model.layers import rms_norm
-        dot = (rms_norm(h, self.eps) * self.q_w * rms_norm(keys, self.eps) * self.k_w).sum(-1)
-        dot = dot / (self.hidden if kind == "scale" else math.sqrt(self.hidden))
+        dot = (rms_norm(h, eps) * q_w * rms_norm(keys, eps) * k_w).sum(-1)
+        dot = dot / (hidden if kind == "scale" else math.sqrt(hidden))
         pre = torch.sqrt(dot.abs().clamp(min=1e-6))
         g = pointwise(torch.sigmoid, pre if kind == "sign" else torch.sign(dot) * pre)
-        return g.masked_fill(dead[:, None], 0.0) if dead is not None else g, value
-    return gate
+        g = g.masked_fill(dead[:, None], 0.0) if dead is not None else g
+        return h + g[..., None] * value[:, None, :]
+    return engram_gate
 
 
 @pytest.mark.parametrize("kind", ["sign", "scale"])
 def test_negative_control_a_broken_gate_is_caught(worlds, monkeypatch, kind):
     lm, ref = worlds["everything"]
     assert serve_and_compare(lm, ref, 5, 2, 64, None) < TOL  # the comparison passes with the real gate...
-    monkeypatch.setattr(EngramGate, "gate", broken_gate(kind))
+    monkeypatch.setattr(fused, "engram_gate", broken_gate(kind))  # what the serving forward calls
     assert serve_and_compare(lm, ref, 5, 2, 64, None) > 10 * TOL  # ...and fails with the broken one

@@ -1,7 +1,7 @@
 /* Paged attention over the KV pool, one query at a time (model/paged_attention.py, `NativeAttention`).
  *
  * Every query is computed alone, by the same operations in the same order whatever else is in the
- * call: its scores over its own keys in position order, their max, expf of each minus the max, the sum
+ * call: its scores over its own keys in position order, their max, exp of each minus the max, the sum
  * and the value accumulation in position order, one division. So a query's bits depend only on its
  * own q, its own keys and values, and its position: not on the batch, the cut, the chunk or padding
  * (spec §9), with no padding rule to keep. The same holds for index selection and for attention over
@@ -41,7 +41,7 @@
  *   The GIL is released during the arithmetic.
  *
  * Built without -ffast-math and with -ffp-contract=off: every operation is the IEEE one written, in
- * every clone below, and expf is the C library's (one function, one result per input).
+ * every clone below; exp is `exp_fixed` (_fexp.h), the same operations for every element.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -49,6 +49,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "_fexp.h"
 
 #if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || defined(__GNUC__))
 #define CLONES __attribute__((target_clones("avx512f", "avx2", "default"), noinline))
@@ -91,13 +93,13 @@ CLONES static void softmax_attend(const Attn *a, const float *restrict qt, const
             s[j] = dot(qh, kh + slots[j] * hd, hd) * a->scale;
             if (j < zero_from && s[j] > m) m = s[j];
         }
+        for (Py_ssize_t j = 0; j < n; j++) s[j] = j < zero_from ? exp_fixed(s[j] - m) : 0.0f;
         for (Py_ssize_t d = 0; d < hd; d++) o[d] = 0.0f;
         float l = 0.0f;
         for (Py_ssize_t j = 0; j < n; j++) {
-            const float e = j < zero_from ? expf(s[j] - m) : 0.0f;
-            l = l + e;
+            l = l + s[j];
             const float *vj = vh + slots[j] * hd;
-            for (Py_ssize_t d = 0; d < hd; d++) o[d] = o[d] + e * vj[d];
+            for (Py_ssize_t d = 0; d < hd; d++) o[d] = o[d] + s[j] * vj[d];
         }
         /* l == 0 only when nothing is visible: 0, as a dense kernel's guard; a NaN stays NaN */
         for (Py_ssize_t d = 0; d < hd; d++) o[d] = l == 0.0f ? 0.0f : o[d] / l;

@@ -19,12 +19,14 @@
  *   Sums run over 16 lanes (index mod 16, in order) added in a fixed tree. The GIL is released.
  *
  * Built without -ffast-math and with -ffp-contract=off: every operation is the IEEE one written, in
- * every clone; expf and sqrtf are the C library's.
+ * every clone; exp is `exp_fixed` (_fexp.h, the same operations for every element), sqrtf the IEEE one.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+
+#include "_fexp.h"
 
 #if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || defined(__GNUC__))
 #define CLONES __attribute__((target_clones("avx512f", "avx2", "default"), noinline))
@@ -91,7 +93,7 @@ CLONES static void engram_gate_rows(const float *restrict h, Py_ssize_t n, Py_ss
             const float dot = lane_sum(qn, kn, dim) / root;
             const float mag = sqrtf(fmaxf(fabsf(dot), 1e-6f));
             const float z = dot > 0.0f ? mag : (dot < 0.0f ? -mag : (dot == dot ? 0.0f * mag : dot));
-            const float gate = (dead && dead[t]) ? 0.0f : 1.0f / (1.0f + expf(-z));
+            const float gate = (dead && dead[t]) ? 0.0f : 1.0f / (1.0f + exp_fixed(-z));
             for (Py_ssize_t d = 0; d < dim; d++) hot[i * dim + d] = hi[d] + gate * value[d];
         }
     }
@@ -102,7 +104,7 @@ CLONES static void silu_mul_rows(const float *restrict gu, Py_ssize_t rows, Py_s
     for (Py_ssize_t r = 0; r < rows; r++) {
         const float *g = gu + r * 2 * inter, *u = g + inter;
         float *o = out + r * inter;
-        for (Py_ssize_t d = 0; d < inter; d++) o[d] = g[d] / (1.0f + expf(-g[d])) * u[d];
+        for (Py_ssize_t d = 0; d < inter; d++) o[d] = g[d] / (1.0f + exp_fixed(-g[d])) * u[d];
         if (wt)
             for (Py_ssize_t d = 0; d < inter; d++) o[d] = o[d] * wt[r];
     }

@@ -61,8 +61,26 @@
 #define LANES 16
 
 /* q . k over d values: lane l sums the products of indices l, l + 16, ... in order; the 16 lanes are
- * then added pairwise in a fixed tree. */
-static inline float dot(const float *restrict a, const float *restrict b, Py_ssize_t d) {
+ * then added pairwise in a fixed tree (l + 8, l + 4, l + 2, l + 1). For d a multiple of 16 the same
+ * operations run as GCC/clang vector types (lane-wise IEEE operations, lowered to whatever the target
+ * has), which keeps the lanes in registers. */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline __attribute__((always_inline)) float dot(const float *restrict a, const float *restrict b, Py_ssize_t d) {
+    if (d % LANES == 0) {
+        v16 acc = {0}, x, y;
+        for (Py_ssize_t i = 0; i < d; i += LANES) {
+            memcpy(&x, a + i, sizeof x);
+            memcpy(&y, b + i, sizeof y);
+            acc = acc + x * y;
+        }
+        const v8 s8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
+                      __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+        const v4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+        return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+    }
     float acc[LANES] = {0};
     Py_ssize_t i = 0;
     for (; i + LANES <= d; i += LANES)
@@ -79,30 +97,59 @@ typedef struct {
     float scale;
 } Attn;
 
-/* out[h] for one query over n keys at `slots` with weights: softmax of scale * q_h . k_j in key order;
- * `zero_from` >= 0: keys from there on get weight exactly 0 (negative control only), else n. */
-CLONES static void softmax_attend(const Attn *a, const float *restrict qt, const int64_t *restrict slots,
-                                  Py_ssize_t n, Py_ssize_t zero_from, float *restrict s, float *restrict out) {
-    const Py_ssize_t g = a->heads / a->kvh, hd = a->hd;
-    for (Py_ssize_t h = 0; h < a->heads; h++) {
-        const float *qh = qt + h * hd;
-        const float *kh = a->k + (h / g) * a->ld_head, *vh = a->v + (h / g) * a->ld_head;
-        float *o = out + h * hd;
-        float m = -INFINITY;
+/* out[h] for one query over n keys at `slots`: softmax of scale * q_h . k_j in key order, every head;
+ * keys from `zero_from` on get weight exactly 0 (negative control only; else zero_from == n). The g query
+ * heads of a KV head share each key's loads; every head's operations are its own, in key order.
+ * s holds g * n scores. */
+static inline __attribute__((always_inline)) void softmax_attend_hd(
+        const Attn *a, const float *restrict qt, const int64_t *restrict slots, Py_ssize_t n, Py_ssize_t zero_from,
+        float *restrict s, float *restrict out, const Py_ssize_t hd) {
+    const Py_ssize_t g = a->heads / a->kvh;
+    float m[64], l[64];
+    for (Py_ssize_t kh = 0; kh < a->kvh; kh++) {
+        const float *kbase = a->k + kh * a->ld_head, *vbase = a->v + kh * a->ld_head;
+        const float *q0 = qt + kh * g * hd;
+        float *o0 = out + kh * g * hd;
+        for (Py_ssize_t i = 0; i < g; i++) m[i] = -INFINITY;
         for (Py_ssize_t j = 0; j < n; j++) {
-            s[j] = dot(qh, kh + slots[j] * hd, hd) * a->scale;
-            if (j < zero_from && s[j] > m) m = s[j];
+            const float *kj = kbase + slots[j] * hd;
+            for (Py_ssize_t i = 0; i < g; i++) {
+                const float sc = dot(q0 + i * hd, kj, hd) * a->scale;
+                s[i * n + j] = sc;
+                if (j < zero_from && sc > m[i]) m[i] = sc;
+            }
         }
-        for (Py_ssize_t j = 0; j < n; j++) s[j] = j < zero_from ? exp_fixed(s[j] - m) : 0.0f;
-        for (Py_ssize_t d = 0; d < hd; d++) o[d] = 0.0f;
-        float l = 0.0f;
+        for (Py_ssize_t i = 0; i < g; i++) {
+            float *si = s + i * n;
+            const float mi = m[i];
+            for (Py_ssize_t j = 0; j < n; j++) si[j] = j < zero_from ? exp_fixed(si[j] - mi) : 0.0f;
+            l[i] = 0.0f;
+            for (Py_ssize_t d = 0; d < hd; d++) o0[i * hd + d] = 0.0f;
+        }
         for (Py_ssize_t j = 0; j < n; j++) {
-            l = l + s[j];
-            const float *vj = vh + slots[j] * hd;
-            for (Py_ssize_t d = 0; d < hd; d++) o[d] = o[d] + s[j] * vj[d];
+            const float *vj = vbase + slots[j] * hd;
+            for (Py_ssize_t i = 0; i < g; i++) {
+                const float e = s[i * n + j];
+                float *o = o0 + i * hd;
+                l[i] = l[i] + e;
+                for (Py_ssize_t d = 0; d < hd; d++) o[d] = o[d] + e * vj[d];
+            }
         }
         /* l == 0 only when nothing is visible: 0, as a dense kernel's guard; a NaN stays NaN */
-        for (Py_ssize_t d = 0; d < hd; d++) o[d] = l == 0.0f ? 0.0f : o[d] / l;
+        for (Py_ssize_t i = 0; i < g; i++)
+            for (Py_ssize_t d = 0; d < hd; d++) o0[i * hd + d] = l[i] == 0.0f ? 0.0f : o0[i * hd + d] / l[i];
+    }
+}
+
+/* softmax_attend_hd with the common head sizes as constants (the compiler keeps a dot's lanes in
+ * registers); the same operations as the general case. */
+CLONES static void softmax_attend(const Attn *a, const float *restrict qt, const int64_t *restrict slots,
+                                  Py_ssize_t n, Py_ssize_t zero_from, float *restrict s, float *restrict out) {
+    switch (a->hd) {
+    case 32: softmax_attend_hd(a, qt, slots, n, zero_from, s, out, 32); break;
+    case 64: softmax_attend_hd(a, qt, slots, n, zero_from, s, out, 64); break;
+    case 128: softmax_attend_hd(a, qt, slots, n, zero_from, s, out, 128); break;
+    default: softmax_attend_hd(a, qt, slots, n, zero_from, s, out, a->hd);
     }
 }
 
@@ -116,9 +163,10 @@ static inline uint32_t score_key(float s) {
 }
 
 /* The topk best of n candidates (positions 0..n-1 at `slots`), best first, into sel (-1 padded). */
-CLONES static void select_top(const Attn *a, const float *restrict qt, const int64_t *restrict slots,
-                              Py_ssize_t n, Py_ssize_t topk, uint64_t *restrict best, int64_t *restrict sel) {
-    const Py_ssize_t g = a->heads / a->kvh, hd = a->hd;
+static inline __attribute__((always_inline)) void select_top_hd(
+        const Attn *a, const float *restrict qt, const int64_t *restrict slots, Py_ssize_t n, Py_ssize_t topk,
+        uint64_t *restrict best, int64_t *restrict sel, const Py_ssize_t hd) {
+    const Py_ssize_t g = a->heads / a->kvh;
     Py_ssize_t cnt = 0;
     for (Py_ssize_t j = 0; j < n; j++) {
         float sc = 0.0f;
@@ -137,10 +185,14 @@ CLONES static void select_top(const Attn *a, const float *restrict qt, const int
     for (Py_ssize_t i = 0; i < topk; i++) sel[i] = i < cnt ? (int64_t)(UINT32_MAX - (uint32_t)best[i]) : -1;
 }
 
-static inline int64_t slot_of(const int64_t *table, Py_ssize_t width, Py_ssize_t bs, int64_t zero, int64_t pos) {
-    const int64_t b = pos / bs;
-    const int64_t blk = b < width ? table[b] : -1;
-    return blk >= 0 ? blk * bs + pos % bs : zero;
+CLONES static void select_top(const Attn *a, const float *restrict qt, const int64_t *restrict slots,
+                              Py_ssize_t n, Py_ssize_t topk, uint64_t *restrict best, int64_t *restrict sel) {
+    switch (a->hd) { /* as softmax_attend */
+    case 32: select_top_hd(a, qt, slots, n, topk, best, sel, 32); break;
+    case 64: select_top_hd(a, qt, slots, n, topk, best, sel, 64); break;
+    case 128: select_top_hd(a, qt, slots, n, topk, best, sel, 128); break;
+    default: select_top_hd(a, qt, slots, n, topk, best, sel, a->hd);
+    }
 }
 
 static PyObject *py_attend(PyObject *Py_UNUSED(self), PyObject *args) {
@@ -178,12 +230,16 @@ static PyObject *py_attend(PyObject *Py_UNUSED(self), PyObject *args) {
         }
         if (n > maxn) maxn = n;
     }
-    const Py_ssize_t nsel = mode ? topk : 0;
-    float *s = malloc(sizeof(float) * (size_t)(maxn > nsel ? maxn : nsel));
-    int64_t *slots = malloc(sizeof(int64_t) * (size_t)(maxn > nsel ? maxn : nsel));
-    uint64_t *best = malloc(sizeof(uint64_t) * (size_t)(nsel ? nsel : 1));
-    if (!s || !slots || !best) {
-        free(s), free(slots), free(best);
+    const Py_ssize_t nsel = mode ? topk : 1, g = heads / kvh;
+    if (g > 64) {
+        PyErr_Format(PyExc_ValueError, "attend: %zd query heads per KV head (at most 64)", g);
+        return NULL;
+    }
+    float *s = malloc(sizeof(float) * (size_t)(g * (maxn > nsel ? maxn : nsel)));
+    int64_t *slots = malloc(sizeof(int64_t) * (size_t)maxn), *chosen = malloc(sizeof(int64_t) * (size_t)nsel);
+    uint64_t *best = malloc(sizeof(uint64_t) * (size_t)nsel);
+    if (!s || !slots || !chosen || !best) {
+        free(s), free(slots), free(chosen), free(best);
         return PyErr_NoMemory();
     }
     const Attn a = {(const float *)(uintptr_t)qa, (const float *)(uintptr_t)ka, (const float *)(uintptr_t)va,
@@ -192,35 +248,33 @@ static PyObject *py_attend(PyObject *Py_UNUSED(self), PyObject *args) {
     for (Py_ssize_t r = 0; r < rows; r++) {
         const int64_t *table = tables + r * ld_table;
         const Py_ssize_t first = (Py_ssize_t)computed[r], seq = first + (Py_ssize_t)(qsl[r + 1] - qsl[r]);
+        if (qsl[r + 1] == qsl[r]) continue;
+        const Py_ssize_t nrow = seq + read_past; /* the row's readable positions: slots once per row */
+        for (Py_ssize_t b = 0, j = 0; j < nrow; b++) {
+            const int64_t blk = b < width ? table[b] : -1;
+            for (Py_ssize_t o = 0; o < bs && j < nrow; o++, j++) slots[j] = blk >= 0 ? blk * bs + o : zero;
+        }
         for (Py_ssize_t t = (Py_ssize_t)qsl[r]; t < (Py_ssize_t)qsl[r + 1]; t++) {
             const Py_ssize_t p = first + (t - (Py_ssize_t)qsl[r]);  /* the query's absolute position */
             const float *qt = a.q + t * ldq;
             float *ot = out + t * heads * hd;
             if (mode == 0) {
                 const Py_ssize_t n = (later_keys ? seq : p + 1) + read_past;
-                for (Py_ssize_t j = 0; j < n; j++) slots[j] = slot_of(table, width, bs, zero, j);
                 softmax_attend(&a, qt, slots, n, later_keys ? p + 1 + read_past : n, s, ot);
                 continue;
             }
             int64_t *st = sel + t * topk;
-            if (mode == 1) {
-                const Py_ssize_t n = p + 1 + read_past;
-                for (Py_ssize_t j = 0; j < n; j++) slots[j] = slot_of(table, width, bs, zero, j);
-                select_top(&a, qt, slots, n, topk, best, st);
-            }
+            if (mode == 1) select_top(&a, qt, slots, p + 1 + read_past, topk, best, st);
             Py_ssize_t n = 0;
-            while (n < topk && st[n] >= 0) {
-                slots[n] = slot_of(table, width, bs, zero, st[n]);
-                n++;
-            }
-            softmax_attend(&a, qt, slots, n, n, s, ot);
+            for (; n < topk && st[n] >= 0; n++) chosen[n] = st[n] < nrow ? slots[st[n]] : zero;
+            softmax_attend(&a, qt, chosen, n, n, s, ot);
         }
     }
     if (end < ntok) memset(out + end * heads * hd, 0, sizeof(float) * (size_t)((ntok - end) * heads * hd));
     if (mode == 1)
         for (Py_ssize_t i = end * topk; i < ntok * topk; i++) sel[i] = -1;
     Py_END_ALLOW_THREADS
-    free(s), free(slots), free(best);
+    free(s), free(slots), free(chosen), free(best);
     Py_RETURN_NONE;
 }
 

@@ -6,6 +6,10 @@ B requests of 64 random prompt tokens are prefilled, a few decode steps warm up,
 - `aten_ops`: every `aten::` event torch.profiler records during ONE decode step (nested ones
   included: a composite operator counts with the operators it calls);
 - `top_level_ops`: those not called from another aten operator (what Python code launched);
+- `native_calls`: calls into this project's C kernels (attention, token-wise steps, row matmuls, hash,
+  gather) in that step, which the profiler does not record: each is one call from Python, like an
+  operator;
+- `python_calls`: Python function calls (cProfile) in the next decode step;
 - `step_ms`: median (and p90) wall time of a decode step without the profiler, after warm-up.
 Dual-batch overlap off (`SplitConfig(1)`) and on (`SplitConfig(2)`, the planner decides whether to
 cut) are measured side by side, each in its own fresh process.
@@ -49,15 +53,51 @@ def _engine(model, batch: int, ubatches: int):
     return eng
 
 
+def _native_modules():
+    """The project's C kernel modules that a step may call (those built)."""
+    import importlib
+    mods = []
+    for name in ("engram._hash_kernel", "engram._gather_kernel", "model._linear_kernel", "model._attention_kernel",
+                 "model._token_kernel"):
+        try:
+            mods.append(importlib.import_module(f"engram_serve.{name}"))
+        except ImportError:
+            pass
+    return mods
+
+
 def count_ops(model, batch: int, ubatches: int) -> dict:
-    """Profile one decode step; returns aten_ops, top_level_ops and the rows of that step."""
+    """Profile one decode step; returns aten_ops, top_level_ops, native_calls (calls into the project's
+    C kernels, which the profiler does not see), python_calls (Python function calls, cProfile) and the
+    rows of that step."""
+    import cProfile
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
     eng = _engine(model, batch, ubatches)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        res = eng.step()
+    calls = [0]
+
+    def counted(fn):
+        def call(*a):
+            calls[0] += 1
+            return fn(*a)
+        return call
+    originals = [(m, k, getattr(m, k)) for m in _native_modules() for k in dir(m)
+                 if not k.startswith("_") and callable(getattr(m, k))]
+    for m, k, fn in originals:
+        setattr(m, k, counted(fn))
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            res = eng.step()
+    finally:
+        for m, k, fn in originals:
+            setattr(m, k, fn)
     aten = [e for e in prof.events() if e.name.startswith("aten::")]
     top = [e for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
-    return {"aten_ops": len(aten), "top_level_ops": len(top), "rows": len(res.scheduled.rows),
+    pr = cProfile.Profile()
+    pr.runcall(eng.step)
+    return {"aten_ops": len(aten), "top_level_ops": len(top), "native_calls": calls[0],
+            "python_calls": pstats.Stats(pr).total_calls, "rows": len(res.scheduled.rows),
             "split": len(res.output.bounds) > 2}
 
 
@@ -84,6 +124,6 @@ def run(args: argparse.Namespace) -> list[dict]:
                 raise RuntimeError(f"the profiled step held {ops['rows']} rows, expected {b} decodes")
             t = common.measure(setup, dict(model=args.model, batch=b, ubatches=n), **common.timing_kwargs(args))
             rows.append({"batch": b, "dbo": name, "aten_ops": ops["aten_ops"], "top_level_ops": ops["top_level_ops"],
-                         "step_cut": ops["split"], "step_ms": t["median_ms"], "step_p90_ms": t["p90_ms"],
+                         "native_calls": ops["native_calls"], "python_calls": ops["python_calls"], "step_cut": ops["split"], "step_ms": t["median_ms"], "step_p90_ms": t["p90_ms"],
                          "tok_s": b / t["median_ms"] * 1e3, "threads": args.threads})
     return rows

@@ -89,9 +89,21 @@ def _new_output(num_tokens: int, layout: EngramLayout) -> np.ndarray:
     return np.empty((num_tokens, *layout.moduli.shape), dtype=np.int64)
 
 
-def _kernel_constants(layout: EngramLayout) -> tuple[np.ndarray, ...]:
-    return (_host(layout.multipliers), _host(layout.moduli), _host(layout.offsets),
-            layout.div_magic.contiguous().numpy())
+_constants: dict[int, tuple] = {}
+
+
+def _kernel_constants(layout: EngramLayout, token_map: torch.Tensor) -> tuple[np.ndarray, ...]:
+    """(token map, multipliers, moduli, offsets, div magic) as host arrays, converted once per (layout,
+    token map): they are the same every step (memoised by identity and version; the entry keeps both
+    objects alive, so an id is not reused while cached)."""
+    key = (id(layout), id(token_map), token_map._version)
+    hit = _constants.get(key)
+    if hit is None:
+        if len(_constants) >= 64:
+            _constants.clear()
+        hit = _constants[key] = (layout, token_map, _host(token_map), _host(layout.multipliers), _host(layout.moduli),
+                                 _host(layout.offsets), layout.div_magic.contiguous().numpy())
+    return hit[2:]
 
 
 def hash_windows(window_c: torch.Tensor, layout: EngramLayout, pad_id: int) -> torch.Tensor:
@@ -99,7 +111,7 @@ def hash_windows(window_c: torch.Tensor, layout: EngramLayout, pad_id: int) -> t
     if hash_backend(window_c, layout.moduli) == "torch":
         return hash_windows_torch(window_c, layout, pad_id)
     out = _new_output(window_c.shape[0], layout)  # [T, L, C]
-    _hash_kernel.hash_windows(_host(window_c), *_kernel_constants(layout), int(pad_id), out)
+    _hash_kernel.hash_windows(_host(window_c), *_kernel_constants(layout, layout.moduli)[1:], int(pad_id), out)
     return torch.from_numpy(out)
 
 
@@ -138,8 +150,8 @@ def hash_step(input_ids: torch.Tensor, qsl: torch.Tensor, history: torch.Tensor,
     host = _new_output(input_ids.shape[0], layout) if out is None else out.numpy()  # [T, L, C]
     dead_np = None if dead is None else dead.bool().contiguous().numpy()
     # the C loop is step_windows + compress + hash_windows fused: no [T, N] or [T, L, C] temporaries
-    _hash_kernel.hash_step(_host(input_ids), _host(qsl), _host(history), dead_np, _host(token_map),
-                           *_kernel_constants(layout), int(pad_id), host)
+    _hash_kernel.hash_step(_host(input_ids), _host(qsl), _host(history), dead_np,
+                           *_kernel_constants(layout, token_map), int(pad_id), host)
     return torch.from_numpy(host) if out is None else out
 
 

@@ -26,12 +26,15 @@ except ImportError:  # installed without a C compiler: the torch forms run
 
 
 def native(*tensors: torch.Tensor | None) -> bool:
-    """Whether the C form can run on these tensors: built, float32, CPU, contiguous, no autograd."""
+    """Whether the C form can run on these tensors: built, float32, CPU (the engine's devices: CPU or CUDA),
+    contiguous, no autograd."""
     if _token_kernel is None:
         return False
     grad = torch.is_grad_enabled()
-    return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
-                             and not (grad and t.requires_grad)) for t in tensors)
+    for t in tensors:  # a plain loop: this runs a few times per layer
+        if t is not None and (t.dtype != torch.float32 or t.is_cuda or not t.is_contiguous() or (grad and t.requires_grad)):
+            return False
+    return True
 
 
 def residual_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float

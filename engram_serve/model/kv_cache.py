@@ -30,6 +30,7 @@ class KVCache:
         shape = (num_layers, num_kv_heads, self.num_slots + 2, head_dim)  # + the trash and zero slots
         self._k = torch.zeros(shape, dtype=dtype, device=self.device)
         self._v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._layers = [(self._k[i], self._v[i]) for i in range(num_layers)]  # views, made once
 
     @classmethod
     def for_config(cls, cfg, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
@@ -62,4 +63,4 @@ class KVCache:
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value pools [kv_heads, slots + 2, head_dim] of one layer (trash and zero slots last)."""
-        return self._k[layer], self._v[layer]
+        return self._layers[layer]

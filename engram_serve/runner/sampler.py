@@ -185,12 +185,12 @@ class SamplingBatch:
         dev = torch.device(device)
 
         def ix(a) -> torch.Tensor:
-            return torch.as_tensor(np.asarray(a, dtype=np.int64)).to(dev)
+            return torch.as_tensor(np.asarray(a, dtype=np.int64), device=dev)
 
         processed = set()
         b = m = None
         if bias is not None and len(bias[0]):
-            b = (ix(bias[0]), ix(bias[1]), torch.as_tensor(np.asarray(bias[2], np.float32)).to(dev))
+            b = (ix(bias[0]), ix(bias[1]), torch.as_tensor(np.asarray(bias[2], np.float32), device=dev))
             processed.update(np.asarray(bias[0]).tolist())
         if ban is not None and len(ban[0]):
             m = (ix(ban[0]), ix(ban[1]))
@@ -204,10 +204,11 @@ class SamplingBatch:
         kr, pr = k[random][filt], p[random][filt]
         any_full = bool((((kr == 0) | (kr >= cands)) & (pr < 1)).any())
         return cls(
-            temperature=torch.as_tensor(np.where(greedy, 1.0, t).astype(np.float32)).to(dev),
-            top_k=torch.as_tensor(k).to(dev), top_p=torch.as_tensor(p).to(dev), min_p=torch.as_tensor(mp).to(dev),
-            seeds=torch.as_tensor(np.asarray(seeds, dtype=np.int64)).to(dev),
-            counters=torch.as_tensor(np.asarray(counters, dtype=np.int64)).to(dev),
+            temperature=torch.as_tensor(np.where(greedy, 1.0, t).astype(np.float32), device=dev),
+            top_k=torch.as_tensor(k, device=dev), top_p=torch.as_tensor(p, device=dev),
+            min_p=torch.as_tensor(mp, device=dev),
+            seeds=torch.as_tensor(np.asarray(seeds, dtype=np.int64), device=dev),
+            counters=torch.as_tensor(np.asarray(counters, dtype=np.int64), device=dev),
             greedy=ix(np.flatnonzero(greedy)), random=ix(random), filtered=ix(np.flatnonzero(filt)),
             plain=ix(np.flatnonzero(~filt)), max_top_k=int(kf.max()) if len(kf) else 0,
             any_min_p=bool((mp[random] > 0).any()), any_full_norm=any_full, bias=b, ban=m, penalties=penalties,

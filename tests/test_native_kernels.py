@@ -254,3 +254,24 @@ def test_token_kernels_match_the_plain_loops_and_a_row_alone(n, hc, dim, seed):
         one = slice(t, t + 1)  # a token alone: the same bits
         assert torch.equal(fused.residual_norm(h[one], delta[one], w, 1e-6)[1], x[one])
         assert torch.equal(fused.engram_gate(h[one], kv[one], qw, kw, dead[one], 1e-6), gated[one])
+
+
+def test_the_form_taken_does_not_depend_on_the_layout():
+    """A column slice of one row is contiguous, of several rows not (tensor parallelism's summed Engram
+    projections are such slices): the C form must run for both, or a token's bits would depend on
+    its batch. (Choosing the form by contiguity broke verify at TP=2 across cuts.)"""
+    g = torch.Generator().manual_seed(0)
+    hc, dim = 2, 16
+    h = torch.randn(3, hc, dim, generator=g)
+    both = torch.randn(3, 2 * (hc + 1) * dim, generator=g)
+    kv = both[:, :(hc + 1) * dim]  # not contiguous
+    qw, kw = torch.randn(hc, dim, generator=g), torch.randn(hc, dim, generator=g)
+    assert not kv.is_contiguous() and kv[1:2].is_contiguous()
+    batch = fused.engram_gate(h, kv, qw, kw, None, 1e-6)
+    for t in range(3):
+        assert torch.equal(fused.engram_gate(h[t:t + 1], kv[t:t + 1], qw, kw, None, 1e-6), batch[t:t + 1])
+    gu = torch.randn(3, 2 * 2 * 8, generator=g)[:, :2 * 8]
+    assert torch.equal(fused.silu_mul(gu, 8)[1:2], fused.silu_mul(gu[1:2], 8))
+    delta = torch.randn(3, 2 * dim, generator=g)[:, :dim]
+    w = torch.randn(dim, generator=g)
+    assert torch.equal(fused.residual_norm(h, delta, w, 1e-6)[1][2:], fused.residual_norm(h[2:], delta[2:], w, 1e-6)[1])

@@ -192,7 +192,11 @@ class Scheduler:
                     continue  # remaining == 0: the caller has not appended the sampled token yet
                 if budget == 0:
                     break
-                n = self._fit_or_preempt(seq, min(remaining, budget), scheduled, out)
+                n = min(remaining, budget)
+                if len(seq.block_ids) * cfg.block_size >= seq.num_computed_tokens + n:
+                    add_row(seq, n)  # its blocks already hold the tokens (most decodes): nothing to allocate
+                    continue
+                n = self._fit_or_preempt(seq, n, scheduled, out)
                 if n:
                     bm.allocate(seq, seq.num_computed_tokens + n)
                     add_row(seq, n)

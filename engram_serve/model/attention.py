@@ -109,8 +109,9 @@ class PagedAttention:
         elsewhere (CUDA, tensor parallel, no compiler) through the torch kernels."""
         kv = self.ctx.kv
         kc, vc = kv.layer(layer)
-        if not (self.native and head_mean is None and native_available(qkv, kc) and qkv.is_contiguous()):
+        if not (self.native and head_mean is None and native_available(qkv, kc)):
             return rotate_and_attend(self, layer, qkv, heads, cos, sin, mode, topk, head_mean)
+        qkv = qkv.contiguous()  # (a fresh projection: already)
         sel = None if mode == FULL else self._topk_buf(topk)
         b = self.ctx.batch
         rotate_store(qkv, heads, cos, sin, b.slot_mapping, kc, vc, kv.num_slots)  # this microbatch's keys first

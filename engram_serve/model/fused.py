@@ -26,13 +26,15 @@ except ImportError:  # installed without a C compiler: the torch forms run
 
 
 def native(*tensors: torch.Tensor | None) -> bool:
-    """Whether the C form can run on these tensors: built, float32, CPU (the engine's devices: CPU or CUDA),
-    contiguous, no autograd."""
+    """Whether the C form runs on these tensors: built, float32, on the CPU (the engine's devices: CPU or
+    CUDA), no autograd. Never a question of shapes or layouts (a column slice of one row is contiguous,
+    of two rows not): the C form takes a contiguous copy where it needs one, so the same form runs
+    whatever the batch."""
     if _token_kernel is None:
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:  # a plain loop: this runs a few times per layer
-        if t is not None and (t.dtype != torch.float32 or t.is_cuda or not t.is_contiguous() or (grad and t.requires_grad)):
+        if t is not None and (t.dtype != torch.float32 or t.is_cuda or (grad and t.requires_grad)):
             return False
     return True
 
@@ -42,6 +44,7 @@ def residual_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
     """(h + delta on every branch, rmsnorm(mean over branches) * weight) for h [N, hc, hidden] and
     delta [N, hidden] or None; the second is [N, hidden]."""
     if native(h, delta, weight):
+        h, delta, weight = h.contiguous(), None if delta is None else delta.contiguous(), weight.contiguous()
         n, hc, dim = h.shape
         x = torch.empty(n, dim)
         out = h if delta is None else torch.empty(n, hc, dim)
@@ -63,7 +66,9 @@ def engram_gate(h: torch.Tensor, kv: torch.Tensor, q_w: torch.Tensor, k_w: torch
     """The Engram gate of spec §7 (engram/layer.py): h [N, hc, hidden] with gate_i * value added to
     branch i, from the projection kv [N, (hc + 1) * hidden]; dead [N] bool tokens get gate 0."""
     n, hc, dim = h.shape
-    if native(h, kv, q_w, k_w) and (dead is None or (dead.dtype == torch.bool and dead.is_contiguous())):
+    if native(h, kv, q_w, k_w) and (dead is None or dead.dtype == torch.bool):
+        h, kv, q_w, k_w = h.contiguous(), kv.contiguous(), q_w.contiguous(), k_w.contiguous()
+        dead = None if dead is None else dead.contiguous()
         out = torch.empty(n, hc, dim)
         _token_kernel.engram_gate(h.data_ptr(), n, hc, dim, kv.data_ptr(), q_w.data_ptr(), k_w.data_ptr(),
                                   0 if dead is None else dead.data_ptr(), eps, out.data_ptr())
@@ -94,6 +99,7 @@ def silu_mul(gu: torch.Tensor, inter: int, weights: torch.Tensor | None = None) 
     weights [...] (one per row) or None."""
     lead = gu.shape[:-1]
     if native(gu, weights):
+        gu, weights = gu.contiguous(), None if weights is None else weights.contiguous()
         rows = gu.numel() // (2 * inter)
         out = torch.empty(*lead, inter)
         _token_kernel.silu_mul(gu.data_ptr(), rows, inter, 0 if weights is None else weights.data_ptr(), out.data_ptr())

@@ -1,10 +1,12 @@
 """Build the optional C kernels; all other metadata lives in pyproject.toml.
 
 `engram_serve.engram._hash_kernel` (the n-gram hash), `engram_serve.engram._gather_kernel` (the
-staging gather of table rows) and `engram_serve.model._linear_kernel` (small matmul calls) need only
-a C compiler and the CPython headers (no torch or numpy headers). They are optional: where one cannot be compiled, the install still succeeds with a warning
-and `engram_serve.engram.hashing` / `engram_serve.engram.staging` fall back to the torch path
-(`engram_serve.model.layers` pads small matmul calls instead).
+staging gather of table rows), `engram_serve.model._linear_kernel` (small matmul calls),
+`engram_serve.model._attention_kernel` (attention one query at a time) and
+`engram_serve.model._token_kernel` (the token-wise steps of the forward) need only a C compiler and
+the CPython headers (no torch or numpy headers). They are optional: where one cannot be compiled, the
+install still succeeds with a warning and the torch paths run (`engram_serve.model.layers` pads small
+matmul calls instead).
 """
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext

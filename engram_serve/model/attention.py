@@ -104,12 +104,13 @@ class PagedAttention:
         return view
 
     def attend_qkv(self, layer: int, qkv, heads: int, cos, sin, mode: str, topk: int, head_mean=None) -> torch.Tensor:
-        """Attention of qkv [T, heads + 2 kv_heads, hd] (the fused projection, before rotary). In one process
-        on a float32 CPU it runs as two C calls (rotary in place and the KV writes, then the attention);
-        elsewhere (CUDA, tensor parallel, no compiler) through the torch kernels."""
+        """Attention of qkv [T, heads + 2 kv_heads, hd] (the fused projection, before rotary). On a float32 CPU
+        it runs as two C calls (rotary in place and the KV writes, then the attention); elsewhere (CUDA, no
+        compiler), and for a selecting layer under tensor parallelism (its scores are summed across
+        ranks' heads), through the torch kernels."""
         kv = self.ctx.kv
         kc, vc = kv.layer(layer)
-        if not (self.native and head_mean is None and native_available(qkv, kc)):
+        if not (self.native and (head_mean is None or mode != SELECT) and native_available(qkv, kc)):
             return rotate_and_attend(self, layer, qkv, heads, cos, sin, mode, topk, head_mean)
         qkv = qkv.contiguous()  # (a fresh projection: already)
         sel = None if mode == FULL else self._topk_buf(topk)

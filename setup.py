@@ -26,7 +26,7 @@ class BuildExt(build_ext):
 
 setup(
     ext_modules=[Extension(f"engram_serve.{pkg}._{name}_kernel", [f"engram_serve/{pkg}/_{name}_kernel.c"],
-                           depends=[f"engram_serve/{pkg}/_kernel_buffers.h" if pkg == "engram" else "engram_serve/model/_fexp.h"],
+                           depends=[f"engram_serve/{pkg}/_kernel_buffers.h" if pkg == "engram" else "engram_serve/model/_kernel_math.h"],
                            optional=True)
                  for pkg, name in (("engram", "hash"), ("engram", "gather"), ("model", "linear"), ("model", "attention"), ("model", "token"))],
     cmdclass={"build_ext": BuildExt},

@@ -1,4 +1,4 @@
-"""The C kernels of the CPU forward (model/_attention_kernel.c, model/_token_kernel.c, model/_fexp.h)
+"""The C kernels of the CPU forward (model/_attention_kernel.c, model/_token_kernel.c, model/_kernel_math.h)
 against independent float64 plain loops, and the property they exist for: a token's bits do not depend
 on its batch mates, on how its row is chunked, or on its place in a call. Negative controls: the
 isolation switches of the attention kernel make a planted NaN reach a query."""

@@ -41,7 +41,7 @@
  *   The GIL is released during the arithmetic.
  *
  * Built without -ffast-math and with -ffp-contract=off: every operation is the IEEE one written, in
- * every clone below; exp is `exp_fixed` (_fexp.h), the same operations for every element.
+ * every clone below; exp is `exp_fixed` (_kernel_math.h), the same operations for every element.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -50,46 +50,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "_fexp.h"
-
-#if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || defined(__GNUC__))
-#define CLONES __attribute__((target_clones("avx512f", "avx2", "default"), noinline))
-#else
-#define CLONES
-#endif
-
-#define LANES 16
-
-/* q . k over d values: lane l sums the products of indices l, l + 16, ... in order; the 16 lanes are
- * then added pairwise in a fixed tree (l + 8, l + 4, l + 2, l + 1). For d a multiple of 16 the same
- * operations run as GCC/clang vector types (lane-wise IEEE operations, lowered to whatever the target
- * has), which keeps the lanes in registers. */
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
-static inline __attribute__((always_inline)) float dot(const float *restrict a, const float *restrict b, Py_ssize_t d) {
-    if (d % LANES == 0) {
-        v16 acc = {0}, x, y;
-        for (Py_ssize_t i = 0; i < d; i += LANES) {
-            memcpy(&x, a + i, sizeof x);
-            memcpy(&y, b + i, sizeof y);
-            acc = acc + x * y;
-        }
-        const v8 s8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
-                      __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
-        const v4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
-        return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-    }
-    float acc[LANES] = {0};
-    Py_ssize_t i = 0;
-    for (; i + LANES <= d; i += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] = acc[l] + a[i + l] * b[i + l];
-    for (int l = 0; i + l < d; l++) acc[l] = acc[l] + a[i + l] * b[i + l];
-    for (int w = LANES / 2; w > 0; w /= 2)
-        for (int l = 0; l < w; l++) acc[l] = acc[l] + acc[l + w];
-    return acc[0];
-}
+#include "_kernel_math.h"
 
 /* Keys and values are read from the pool in DRAM-sized hops (a row's blocks lie anywhere): the key of
  * PREFETCH positions ahead and the value of this position are requested early. No effect on results. */

@@ -19,37 +19,18 @@
  *   Sums run over 16 lanes (index mod 16, in order) added in a fixed tree. The GIL is released.
  *
  * Built without -ffast-math and with -ffp-contract=off: every operation is the IEEE one written, in
- * every clone; exp is `exp_fixed` (_fexp.h, the same operations for every element), sqrtf the IEEE one.
+ * every clone; exp is `exp_fixed` (_kernel_math.h, the same operations for every element), sqrtf the IEEE one.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
 
-#include "_fexp.h"
-
-#if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || defined(__GNUC__))
-#define CLONES __attribute__((target_clones("avx512f", "avx2", "default"), noinline))
-#else
-#define CLONES
-#endif
-
-#define LANES 16
-
-static inline float lane_sum(const float *restrict a, const float *restrict b, Py_ssize_t d) {
-    float acc[LANES] = {0};
-    Py_ssize_t i = 0;
-    for (; i + LANES <= d; i += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] = acc[l] + a[i + l] * b[i + l];
-    for (int l = 0; i + l < d; l++) acc[l] = acc[l] + a[i + l] * b[i + l];
-    for (int w = LANES / 2; w > 0; w /= 2)
-        for (int l = 0; l < w; l++) acc[l] = acc[l] + acc[l + w];
-    return acc[0];
-}
+#include "_kernel_math.h"
 
 /* 1 / sqrt(mean of x^2 + eps) over d values */
 static inline float rms_scale(const float *restrict x, Py_ssize_t d, float eps) {
-    return 1.0f / sqrtf(lane_sum(x, x, d) / (float)d + eps);
+    return 1.0f / sqrtf(dot(x, x, d) / (float)d + eps);
 }
 
 CLONES static void residual_norm_rows(const float *restrict h, Py_ssize_t n, Py_ssize_t hc, Py_ssize_t dim,
@@ -90,9 +71,9 @@ CLONES static void engram_gate_rows(const float *restrict h, Py_ssize_t n, Py_ss
                 qn[d] = hi[d] * rq * qw[i * dim + d];
                 kn[d] = key[d] * rk * kw[i * dim + d];
             }
-            const float dot = lane_sum(qn, kn, dim) / root;
-            const float mag = sqrtf(fmaxf(fabsf(dot), 1e-6f));
-            const float z = dot > 0.0f ? mag : (dot < 0.0f ? -mag : (dot == dot ? 0.0f * mag : dot));
+            const float qk = dot(qn, kn, dim) / root;
+            const float mag = sqrtf(fmaxf(fabsf(qk), 1e-6f));
+            const float z = qk > 0.0f ? mag : (qk < 0.0f ? -mag : (qk == qk ? 0.0f * mag : qk));  /* sign(qk) * mag */
             const float gate = (dead && dead[t]) ? 0.0f : 1.0f / (1.0f + exp_fixed(-z));
             for (Py_ssize_t d = 0; d < dim; d++) hot[i * dim + d] = hi[d] + gate * value[d];
         }

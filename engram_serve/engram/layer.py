@@ -35,14 +35,10 @@ class EngramGate(nn.Module):
         e = rows.reshape(t, self.num_columns * self.head_dim)
         return self.wkv(e if e.dtype == self.wkv.weight.dtype else e.to(self.wkv.weight.dtype))
 
-    def gate_from_kv(self, h: torch.Tensor, kv: torch.Tensor, dead: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """gate [T, hc_mult] and value [T, hidden] for h [T, hc, hidden] and the projection kv (torch form)."""
-        return fused.gate_torch(h, kv, self.q_w, self.k_w, dead, self.eps)
-
     def gate(self, h: torch.Tensor, rows: torch.Tensor, dead: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """gate [T, hc_mult] and value [T, hidden] for h [T, hc, hidden], rows [T, C, hd], dead [T] bool."""
-        return self.gate_from_kv(h, self.project(rows), dead)
+        """gate [T, hc_mult] and value [T, hidden] for h [T, hc, hidden], rows [T, C, hd], dead [T] bool (the
+        torch form of model/fused.py; the forward adds them in `apply`)."""
+        return fused.gate_torch(h, self.project(rows), self.q_w, self.k_w, dead, self.eps)
 
     def apply(self, h: torch.Tensor, kv: torch.Tensor, dead: torch.Tensor | None = None) -> torch.Tensor:
         """h with the gated value added, from an already computed (e.g. cross-rank summed) projection kv."""

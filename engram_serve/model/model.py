@@ -122,7 +122,7 @@ class EngramModel(nn.Module):
         cfg = self.config
         n = input_ids.shape[0]
         cos, sin = rotary_cos_sin(positions, cfg.head_dim, cfg.rope_theta)  # once per forward
-        h = self.embed_tokens(input_ids)[:, None, :].expand(n, cfg.hc_mult, cfg.hidden_size).contiguous()  # [N, hc, hidden]
+        h = self.embed_tokens(input_ids)[:, None, :].expand(n, cfg.hc_mult, cfg.hidden_size).contiguous()  # [N, hc, H]
         early = _launch_engram_sums(self.layers, engram_rows, ctx)  # tensor parallel only
         delta = None  # the previous block's output [N, hidden], added to every branch with the next norm
         for layer in self.layers:

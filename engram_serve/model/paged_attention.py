@@ -298,8 +298,8 @@ def rotate_store(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Te
             or not v_cache.is_contiguous() or k_cache.shape != (kvh, k_cache.shape[1], hd):
         raise ValueError(f"rotate_store: qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)}, slots {tuple(slots.shape)} "
                          f"{slots.dtype}, pools {tuple(k_cache.shape)}: layouts the kernel cannot read")
-    _attention_kernel.rotate_store(qkv.data_ptr(), t, heads, kvh, hd, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                                   k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), num_slots)
+    _attention_kernel.rotate_store(qkv.data_ptr(), t, heads, kvh, hd, cos.data_ptr(), sin.data_ptr(),
+                                   slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), num_slots)
 
 
 def attend_native(batch, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, zero_slot: int, mode: str,

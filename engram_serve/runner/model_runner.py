@@ -204,7 +204,8 @@ class ModelRunner:
         finally:
             for f in futures:
                 f.cancel()
-        straddling = int(np.isin(bounds[1:-1], batch.qsl_host, invert=True).sum()) if len(bounds) > 2 else 0  # cuts inside a row
+        # cuts inside a row
+        straddling = int(np.isin(bounds[1:-1], batch.qsl_host, invert=True).sum()) if len(bounds) > 2 else 0
         out = StepOutput(logits, bounds, straddling)
         if record:
             out.staged = torch.cat([self._staged(f)[:, :n] for f, n in zip(futures, real)], dim=1)

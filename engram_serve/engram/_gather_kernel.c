@@ -124,11 +124,52 @@ __attribute__((target("avx512f"))) static void decode_fp8_row_avx512(const uint8
         }
     }
 }
+/* The same decode, 64 values a step, through byte tables (AVX-512 VBMI + BW): the float32 bits of the
+ * exact |e4m3| value of every 7-bit magnitude have their low 16 bits zero (3 mantissa bits), so two
+ * 128-entry byte tables (vpermi2b) give the high and the low byte of the upper half, for 64 bytes at
+ * once; the E4M3 sign is ORed into the high byte (not for the NaN magnitude 0x7f, whose entry is the
+ * quiet NaN 0x7fc00000, as decode_fp8_row gives); bytes are then interleaved into 32-bit lanes, and
+ * the one rounding multiply by the scale is the same IEEE operation on the same operands as in
+ * decode_fp8_row, so the bits are the same (tested on every byte under every scale code). The input
+ * dwords are first transposed in 4 x 4 blocks (vpermd) so that the in-lane unpacks leave the values
+ * in order. ~20 instructions per 64 values against ~52 for decode_fp8_row_avx512. Built in PyInit
+ * (tables from decode_fp8_row); picked at load time (have_vbmi). */
+static uint8_t mag_hi[128], mag_lo[128]; /* bits 31..24 and 23..16 of the float32 |e4m3| of each magnitude */
+static int have_vbmi;
+
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) static void decode_fp8_row_vbmi(
+    const uint8_t *restrict w, const uint8_t *restrict s, float *restrict o, Py_ssize_t hd) {
+    const __m512i thi0 = _mm512_loadu_si512(mag_hi), thi1 = _mm512_loadu_si512(mag_hi + 64);
+    const __m512i tlo0 = _mm512_loadu_si512(mag_lo), tlo1 = _mm512_loadu_si512(mag_lo + 64);
+    const __m512i k80 = _mm512_set1_epi8((char)0x80), kff = _mm512_set1_epi8((char)0xff), zero = _mm512_setzero_si512();
+    /* dword 4l + q of the input goes to 4q + l: after the unpacks, lane l's k-th quarter holds bytes 16k + 4l .. + 3 */
+    const __m512i transpose = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    Py_ssize_t g = 0;
+    for (; g + 2 <= hd / GROUP; g += 2) {
+        const __m512i x = _mm512_permutexvar_epi32(transpose, _mm512_loadu_si512(w + g * GROUP));
+        const __mmask64 nan = _mm512_cmpeq_epi8_mask(_mm512_or_si512(x, k80), kff); /* magnitude 0x7f */
+        const __m512i t = _mm512_permutex2var_epi8(thi0, x, thi1);
+        const __m512i h = _mm512_mask_blend_epi8(nan, _mm512_ternarylogic_epi32(t, x, k80, 0xF8), t); /* t | (x & 0x80); NaN: t */
+        const __m512i l = _mm512_permutex2var_epi8(tlo0, x, tlo1);
+        const __m512i w0 = _mm512_unpacklo_epi8(l, h), w1 = _mm512_unpackhi_epi8(l, h);
+        const __m512 sc0 = _mm512_set1_ps(scale_of_code[s[g]]), sc1 = _mm512_set1_ps(scale_of_code[s[g + 1]]);
+        float *og = o + g * GROUP;
+        _mm512_storeu_ps(og, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w0)), sc0));
+        _mm512_storeu_ps(og + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, w0)), sc0));
+        _mm512_storeu_ps(og + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w1)), sc1));
+        _mm512_storeu_ps(og + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, w1)), sc1));
+    }
+    if (g < hd / GROUP) decode_fp8_row_avx512(w + g * GROUP, s + g, o + g * GROUP, GROUP); /* an odd last group */
+}
 #endif
 
 /* decode_fp8_row through the fastest path this CPU has. */
 static inline void decode_row(const uint8_t *w, const uint8_t *s, float *o, Py_ssize_t hd) {
 #ifdef HAVE_AVX512_DECODE
+    if (have_vbmi) {
+        decode_fp8_row_vbmi(w, s, o, hd);
+        return;
+    }
     if (have_avx512) {
         decode_fp8_row_avx512(w, s, o, hd);
         return;
@@ -540,6 +581,15 @@ PyMODINIT_FUNC PyInit__gather_kernel(void) {
 #ifdef HAVE_AVX512_DECODE
     __builtin_cpu_init();
     have_avx512 = __builtin_cpu_supports("avx512f");
+    have_vbmi = have_avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi");
+    for (int m = 0; m < 128; m++) { /* the exact float32 |e4m3| of each magnitude: decode_fp8_row at scale 1 */
+        uint8_t row[GROUP] = {(uint8_t)m}, one = 127;
+        float v[GROUP];
+        decode_fp8_row(row, &one, v, GROUP);
+        const uint32_t u = bits_of_f32(v[0]);
+        mag_hi[m] = (uint8_t)(u >> 24);
+        mag_lo[m] = (uint8_t)(u >> 16);
+    }
 #endif
     return PyModule_Create(&module);
 }

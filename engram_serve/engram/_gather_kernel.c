@@ -325,7 +325,7 @@ static void gather_all(const Gather *a, Scratch *sc) {
 }
 
 /* Each distinct id is read once, at its first position (open addressing over 2n..4n slots keyed by
- * id; `last` holds its latest position, `next` chains its positions in order), and its staged row is
+ * id, beside its latest position; `next` chains its positions in order), and its staged row is
  * copied to its later positions while it is in L1. With a cache, all distinct ids are looked up
  * first, in order (a hit sets its bit, a miss is admitted: the cache ends as if they were looked up
  * one by one); then the hits are decoded from their slots, one after another with the slots' lines
@@ -338,27 +338,29 @@ static Py_ssize_t gather_dedup(const Gather *a, Scratch *sc, Cache *cache) {
     size_t cap = 16;
     while (cap < (size_t)a->n * 2) cap <<= 1;
     const size_t n1 = (size_t)a->n + 1;
-    int64_t *key = PyMem_RawMalloc(cap * sizeof(int64_t));
-    Py_ssize_t *last = PyMem_RawMalloc(cap * sizeof(Py_ssize_t));
+    struct {
+        int64_t key;     /* the id, or -1: empty (ids are >= 0) */
+        Py_ssize_t last; /* its latest position */
+    } *set = PyMem_RawMalloc(cap * sizeof *set); /* key and position side by side: one line a lookup */
     Py_ssize_t *next = PyMem_RawMalloc(n1 * sizeof(Py_ssize_t));  /* [n] next position of the same id, or -1 */
     Py_ssize_t *fresh = PyMem_RawMalloc(n1 * sizeof(Py_ssize_t)); /* [distinct] first positions, in order */
     Py_ssize_t *lists = cache ? PyMem_RawMalloc(3 * n1 * sizeof(Py_ssize_t)) : NULL; /* hit slots, miss positions, miss slots */
     Py_ssize_t distinct = -1;
-    if (!key || !last || !next || !fresh || (cache && !lists)) goto done;
-    memset(key, 0xff, cap * sizeof(int64_t)); /* -1: empty (ids are >= 0) */
+    if (!set || !next || !fresh || (cache && !lists)) goto done;
+    memset(set, 0xff, cap * sizeof *set); /* every key -1 */
     distinct = 0;
     for (Py_ssize_t i = 0; i < a->n; i++) {
         const int64_t r = a->ids[i];
         size_t h = (size_t)(((uint64_t)r * 0x9E3779B97F4A7C15ull) >> 32) & (cap - 1);
-        while (key[h] != -1 && key[h] != r && !a->trust_slots) h = (h + 1) & (cap - 1);
+        while (set[h].key != -1 && set[h].key != r && !a->trust_slots) h = (h + 1) & (cap - 1);
         next[i] = -1;
-        if (key[h] == r || (a->trust_slots && key[h] != -1)) {
-            next[last[h]] = i;
-            last[h] = i;
+        if (set[h].key == r || (a->trust_slots && set[h].key != -1)) {
+            next[set[h].last] = i;
+            set[h].last = i;
             continue;
         }
-        key[h] = r;
-        last[h] = i;
+        set[h].key = r;
+        set[h].last = i;
         fresh[distinct++] = i;
     }
     const Py_ssize_t d = prefetch_distance, rb = sc->row_bytes;
@@ -401,8 +403,7 @@ static Py_ssize_t gather_dedup(const Gather *a, Scratch *sc, Cache *cache) {
                     miss_slot ? miss_slot + k0 : NULL, next);
     if (cache) distinct = nmiss; /* rows read from the table */
 done:
-    PyMem_RawFree(key);
-    PyMem_RawFree(last);
+    PyMem_RawFree(set);
     PyMem_RawFree(next);
     PyMem_RawFree(fresh);
     PyMem_RawFree(lists);

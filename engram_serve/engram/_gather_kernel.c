@@ -135,7 +135,7 @@ __attribute__((target("avx512f"))) static void decode_fp8_row_avx512(const uint8
  * in order. ~20 instructions per 64 values against ~52 for decode_fp8_row_avx512. Built in PyInit
  * (tables from decode_fp8_row); picked at load time (have_vbmi). */
 static uint8_t mag_hi[128], mag_lo[128]; /* bits 31..24 and 23..16 of the float32 |e4m3| of each magnitude */
-static int have_vbmi;
+static int have_vbmi; /* set once in PyInit: the CPU has AVX-512 VBMI and BW */
 
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) static void decode_fp8_row_vbmi(
     const uint8_t *restrict w, const uint8_t *restrict s, float *restrict o, Py_ssize_t hd) {
@@ -164,13 +164,15 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) static void decode_fp8_ro
 #endif
 
 /* decode_fp8_row through the fastest path this CPU has. */
+static int decode_path = 2; /* the best path up to: 2 VBMI, 1 AVX-512F, 0 decode_fp8_row (_set_decode_path, tests) */
+
 static inline void decode_row(const uint8_t *w, const uint8_t *s, float *o, Py_ssize_t hd) {
 #ifdef HAVE_AVX512_DECODE
-    if (have_vbmi) {
+    if (have_vbmi && decode_path >= 2) {
         decode_fp8_row_vbmi(w, s, o, hd);
         return;
     }
-    if (have_avx512) {
+    if (have_avx512 && decode_path >= 1) {
         decode_fp8_row_avx512(w, s, o, hd);
         return;
     }
@@ -557,6 +559,23 @@ static PyObject *py_set_prefetch_distance(PyObject *Py_UNUSED(self), PyObject *a
     return PyLong_FromSsize_t(old);
 }
 
+static PyObject *py_set_decode_path(PyObject *Py_UNUSED(self), PyObject *args) {
+    int level;
+    if (!PyArg_ParseTuple(args, "i", &level)) return NULL;
+    if (level < 0 || level > 2) {
+        PyErr_Format(PyExc_ValueError, "_set_decode_path: level %d is not 0, 1 or 2", level);
+        return NULL;
+    }
+    const int old = decode_path;
+    decode_path = level;
+#ifdef HAVE_AVX512_DECODE
+    const int best = have_vbmi ? 2 : have_avx512 ? 1 : 0;
+#else
+    const int best = 0;
+#endif
+    return Py_BuildValue("ii", old, level < best ? level : best);
+}
+
 static PyMethodDef methods[] = {
     {"gather_rows", py_gather_rows, METH_VARARGS,
      "gather_rows(table, scale, ids, out, dedup[, trust_slots]) -> rows read: out[i] = row ids[i] of the table, decoded "
@@ -567,6 +586,10 @@ static PyMethodDef methods[] = {
     {"_set_prefetch_distance", py_set_prefetch_distance, METH_VARARGS,
      "_set_prefetch_distance(rows) -> the previous distance. Tests and benchmarks only: how many rows ahead the "
      "gather prefetches (0: none); staged values never depend on it."},
+    {"_set_decode_path", py_set_decode_path, METH_VARARGS,
+     "_set_decode_path(level) -> (previous level, the path now used). Tests only: decode FP8 rows through the best "
+     "path up to level (2 AVX-512 VBMI, 1 AVX-512F, 0 the portable loop) that this CPU has; every path gives the "
+     "same bits."},
     {NULL, NULL, 0, NULL},
 };
 

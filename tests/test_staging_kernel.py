@@ -356,3 +356,18 @@ def test_a_hit_evicted_later_in_the_same_call_is_staged_from_its_slot_first(dist
             assert set(cache.keys.tolist()) - set(warm), "the misses replaced rows hit in the same call"
             for slot, r in enumerate(cache.keys.tolist()):
                 assert cache.slab[slot].tobytes() == stored(r)
+
+
+def test_tables_replaced_after_a_gather_are_the_ones_staged(monkeypatch):
+    """EngramTables keeps the kernel's views of its tables; a table replaced in `tables` is staged from,
+    not the one the views were made of (they are remade when the table objects change)."""
+    monkeypatch.delenv(staging.BACKEND_ENV, raising=False)
+    a, b = Fp8Table.from_float(torch.randn(50, 32)), Fp8Table.from_float(torch.randn(50, 32) + 3)
+    tabs = EngramTables((1,), [a], pin=False)
+    ids = torch.tensor([[[3, 7]], [[3, 49]]])  # [T=2, L=1, C=2]
+    out = torch.empty(1, 2, 2, 32)
+    tabs.gather(ids, out)
+    assert same_bits(out[0].reshape(4, 32).numpy(), a.dequantize()[ids.reshape(-1)].numpy())
+    tabs.tables[0] = b
+    tabs.gather(ids, out)
+    assert same_bits(out[0].reshape(4, 32).numpy(), b.dequantize()[ids.reshape(-1)].numpy())

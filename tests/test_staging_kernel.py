@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_checkpoint_tables import reference_rows, same_bits, table_from_bytes
 
@@ -36,8 +36,22 @@ def staged(tab, ids: list[int], dtype: torch.dtype, dedup: bool) -> tuple[torch.
     return out, read
 
 
+@pytest.fixture
+def decode_path(request):
+    """Decode through the best path up to request.param (2 AVX-512 VBMI byte tables, 1 AVX-512F, 0 the
+    portable loop) that this CPU has; skips a path it does not have."""
+    old, used = kernel._set_decode_path(request.param)
+    try:
+        if used != request.param:
+            pytest.skip(f"this CPU has no decode path {request.param} (best: {used})")
+        yield used
+    finally:
+        kernel._set_decode_path(old)
+
+
+@pytest.mark.parametrize("decode_path", [2, 1, 0], indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_e4m3_byte_under_every_scale_code_equals_the_plain_decoder(dtype):
+def test_every_e4m3_byte_under_every_scale_code_equals_the_plain_decoder(dtype, decode_path):
     w = np.tile(np.arange(256, dtype=np.uint8), (256, 1))  # row k: every byte
     s = np.repeat(np.arange(256, dtype=np.uint8)[:, None], 8, axis=1)  # row k: scale code k
     got, read = staged(table_from_bytes(w, s), list(range(256)), dtype, dedup=True)
@@ -48,10 +62,12 @@ def test_every_e4m3_byte_under_every_scale_code_equals_the_plain_decoder(dtype):
     assert same_bits(got.float().numpy(), torch_path(w, s, list(range(256)), dtype).float().numpy())
 
 
-@settings(deadline=None, max_examples=60)
-@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 41), groups=st.integers(1, 3), n=st.integers(0, 37),
+@pytest.mark.parametrize("decode_path", [2, 1], indirect=True)
+@settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])  # set per test
+@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 41), groups=st.integers(1, 5), n=st.integers(0, 37),
        dedup=st.booleans(), bf16=st.booleans(), extremes=st.booleans())
-def test_kernel_equals_torch_path_and_plain_loop(seed, rows, groups, n, dedup, bf16, extremes):
+def test_kernel_equals_torch_path_and_plain_loop(decode_path, seed, rows, groups, n, dedup, bf16, extremes):
+    """Widths of 1 to 5 groups of 32: the VBMI path takes two groups a step, and an odd last one apart."""
     rng = np.random.default_rng(seed)
     hd = 32 * groups
     w = rng.integers(0, 256, (rows, hd), dtype=np.uint8)
@@ -252,3 +268,106 @@ def test_a_token_prefix_of_a_persistent_staging_buffer_is_gathered_by_the_kernel
     monkeypatch.setenv(staging.BACKEND_ENV, "torch")
     tabs.gather(ids, want)
     assert same_bits(buf[:, :5].numpy(), want.numpy()) and bool((buf[:, 5:] == 7.0).all())
+
+
+# ---- prefetch distance: a hint, never a value ----
+
+@pytest.fixture
+def distance():
+    old = kernel._set_prefetch_distance(16)
+    yield kernel._set_prefetch_distance
+    kernel._set_prefetch_distance(old)
+
+
+def cache_state(cache: HotRowCache) -> list[bytes]:
+    return [cache.keys.tobytes(), cache.ref.tobytes(), cache.hand.tobytes(), cache.slab.tobytes()]
+
+
+@settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])  # a setter
+@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 60), n=st.sampled_from([0, 1, 2, 5, 17, 40, 90]),
+       dups_only=st.booleans(), cache_rows=st.sampled_from([0, 8, 64]), fp8=st.booleans(), bf16=st.booleans())
+def test_prefetch_distance_changes_no_staged_value_and_no_cache_state(distance, seed, rows, n, dups_only, cache_rows,
+                                                                       fp8, bf16):
+    """Distances 0 (none), 1, 16 (the default) and beyond the row count, over 0 and 1 rows, a step of one id
+    repeated, and Zipfian steps, with and without a cache (hits, misses, evictions within a call): the staged
+    rows equal the plain loop's, and the cache ends in the same state whatever the distance."""
+    rng = np.random.default_rng(seed)
+    hd = 64
+    if fp8:
+        w = rng.integers(0, 256, (rows, hd), dtype=np.uint8)
+        s = rng.choice(np.array(EXTREME_CODES, dtype=np.uint8), (rows, 2))
+        tab = table_from_bytes(w, s)
+    else:
+        f = rng.standard_normal((rows, hd)).astype(np.float32)
+        tab = torch.from_numpy(f)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    steps = [([int(rng.integers(0, rows))] * n) if dups_only else (np.minimum(rng.zipf(1.3, n), rows) - 1).tolist()
+             for _ in range(3)]
+    row_bytes = hd + hd // 32 if fp8 else hd * 4
+    results, states = [], []
+    for d in (0, 1, 16, 10 * n + 3):
+        distance(d)
+        got = []  # (ids, staged rows)
+        if cache_rows:
+            cache = HotRowCache(cache_rows * (row_bytes + 10), row_bytes)
+            for ids in steps:
+                out = torch.full((1, len(ids), hd), 3.0, dtype=dtype)
+                staging.stage_step([tab], torch.tensor(ids, dtype=torch.int64).view(-1, 1, 1), out, True, [cache])
+                got.append((ids, out[0].float().numpy()))
+            states.append(cache_state(cache) + [cache.hits])
+        else:
+            for ids in steps:
+                for dedup in (True, False):
+                    out, read = staged(tab, ids, dtype, dedup)
+                    assert read == (len(set(ids)) if dedup else len(ids))
+                    got.append((ids, out.float().numpy()))
+        for ids, out in got:
+            with np.errstate(over="ignore"):
+                ref = reference_rows(w, s, ids) if fp8 else (np.stack([f[i] for i in ids]) if ids else np.zeros((0, hd)))
+            assert same_bits(out, torch.from_numpy(ref.astype(np.float32)).to(dtype).float().numpy())
+        results.append(got)
+    for other in results[1:]:
+        assert all(same_bits(a, b) for (_, a), (_, b) in zip(results[0], other))
+    assert all(state == states[0] for state in states)
+
+
+def test_a_hit_evicted_later_in_the_same_call_is_staged_from_its_slot_first(distance):
+    """One set of 8 ways, all hit again (bits set), then 12 misses in the same call: their CLOCK sweep clears
+    the bits and replaces rows that this very call hit, some twice over. Every hit is staged before any
+    slot is rewritten, and each slot ends holding the stored row its key names (the cache's invariant), at
+    every distance."""
+    rows = 64
+    f = torch.arange(rows * 32, dtype=torch.float32).view(rows, 32)
+    w, s = (np.random.default_rng(1).integers(0, 127, (rows, 32), dtype=np.uint8),
+            np.full((rows, 1), 120, dtype=np.uint8))
+    for tab, stored in ((f, lambda r: f[r].numpy().tobytes()),
+                        (table_from_bytes(w, s), lambda r: w[r].tobytes() + s[r].tobytes())):
+        for d in (0, 1, 16, 100):
+            distance(d)
+            cache = HotRowCache(8 * (tab.shape[1] * 4 + 10) if tab is f else 8 * (33 + 10), 128 if tab is f else 33)
+            assert cache.num_slots == 8
+            warm = list(range(8))
+            step = warm + list(range(8, 20)) + warm[:3]  # 8 hits, 12 misses, then 3 repeats of hits
+            for ids in (warm, warm, step):
+                out = torch.full((1, len(ids), 32), 3.0)
+                staging.stage_step([tab], torch.tensor(ids, dtype=torch.int64).view(-1, 1, 1), out, True, [cache])
+            want = f[step].numpy() if tab is f else reference_rows(w, s, step)
+            assert same_bits(out[0].numpy(), want)
+            assert set(cache.keys.tolist()) - set(warm), "the misses replaced rows hit in the same call"
+            for slot, r in enumerate(cache.keys.tolist()):
+                assert cache.slab[slot].tobytes() == stored(r)
+
+
+def test_tables_replaced_after_a_gather_are_the_ones_staged(monkeypatch):
+    """EngramTables keeps the kernel's views of its tables; a table replaced in `tables` is staged from,
+    not the one the views were made of (they are remade when the table objects change)."""
+    monkeypatch.delenv(staging.BACKEND_ENV, raising=False)
+    a, b = Fp8Table.from_float(torch.randn(50, 32)), Fp8Table.from_float(torch.randn(50, 32) + 3)
+    tabs = EngramTables((1,), [a], pin=False)
+    ids = torch.tensor([[[3, 7]], [[3, 49]]])  # [T=2, L=1, C=2]
+    out = torch.empty(1, 2, 2, 32)
+    tabs.gather(ids, out)
+    assert same_bits(out[0].reshape(4, 32).numpy(), a.dequantize()[ids.reshape(-1)].numpy())
+    tabs.tables[0] = b
+    tabs.gather(ids, out)
+    assert same_bits(out[0].reshape(4, 32).numpy(), b.dequantize()[ids.reshape(-1)].numpy())

@@ -13,8 +13,9 @@
  *       trust_slots  tests only (the negative control of the dedup's key check): a filled slot of the
  *              dedup set is taken for the id without comparing keys. Never passed by staging.py.
  *   gather_rows_cached(table, scale, ids, out, keys, ref, hand, slab[, trust_keys]) -> (read, hits)
- *       the same with dedup, behind a hot-row cache (see Cache): each distinct id is looked up; hits copy
- *       the cached stored row and decode it, misses are read and decoded as above, then admitted. read = misses.
+ *       the same with dedup, behind a hot-row cache (see Cache): each distinct id is looked up; hits are
+ *       decoded from the cached stored row, misses are read and decoded as above, then admitted. read = misses.
+ *   _set_prefetch_distance(rows), _set_decode_path(level): tests and benchmarks only (see below).
  *   The GIL is released while rows are read (a row of a memory-mapped table may fault in from disk).
  *
  * Exactness (bit for bit the plain definition value = e4m3 * 2^(code - 127), rounded once to float32):
@@ -25,7 +26,8 @@
  * subnormals m/8 * 2^-6) the same construction with exponent 121 gives (1 + m/8) 2^-6, and subtracting
  * 2^-6 is exact (Sterbenz), so no float32 subnormal is an operand. (That matters: the shorter route
  * through e4m3 * 2^-120, a float32 subnormal for e = 0, measured 4x slower on this x86, from the
- * microcode assists of subnormal operands.) The bytes 0x7f / 0xff are NaN.
+ * microcode assists of subnormal operands.) The bytes 0x7f / 0xff are NaN. The VBMI path takes the same
+ * exact float32 values from byte tables built with that construction, and the same multiply.
  * bfloat16 staging rounds that float32 to nearest even (NaN -> 0x7fc0),
  * as torch's float32 -> bfloat16 cast does. Built without -ffast-math: the rounding is IEEE.
  */
@@ -124,12 +126,55 @@ __attribute__((target("avx512f"))) static void decode_fp8_row_avx512(const uint8
         }
     }
 }
+/* The same decode, 64 values a step, through byte tables (AVX-512 VBMI + BW): the float32 bits of the
+ * exact |e4m3| value of every 7-bit magnitude have their low 16 bits zero (3 mantissa bits), so two
+ * 128-entry byte tables (vpermi2b) give the high and the low byte of the upper half, for 64 bytes at
+ * once; the E4M3 sign is ORed into the high byte (not for the NaN magnitude 0x7f, whose entry is the
+ * quiet NaN 0x7fc00000, as decode_fp8_row gives); bytes are then interleaved into 32-bit lanes, and
+ * the one rounding multiply by the scale is the same IEEE operation on the same operands as in
+ * decode_fp8_row, so the bits are the same (tested on every byte under every scale code). The input
+ * dwords are first transposed in 4 x 4 blocks (vpermd) so that the in-lane unpacks leave the values
+ * in order. ~20 instructions per 64 values against ~52 for decode_fp8_row_avx512. Built in PyInit
+ * (tables from decode_fp8_row); picked at load time (have_vbmi). */
+static uint8_t mag_hi[128], mag_lo[128]; /* bits 31..24 and 23..16 of the float32 |e4m3| of each magnitude */
+static int have_vbmi; /* set once in PyInit: the CPU has AVX-512 VBMI and BW */
+
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) static void decode_fp8_row_vbmi(
+    const uint8_t *restrict w, const uint8_t *restrict s, float *restrict o, Py_ssize_t hd) {
+    const __m512i thi0 = _mm512_loadu_si512(mag_hi), thi1 = _mm512_loadu_si512(mag_hi + 64);
+    const __m512i tlo0 = _mm512_loadu_si512(mag_lo), tlo1 = _mm512_loadu_si512(mag_lo + 64);
+    const __m512i k80 = _mm512_set1_epi8((char)0x80), kff = _mm512_set1_epi8((char)0xff), zero = _mm512_setzero_si512();
+    /* dword 4l + q of the input goes to 4q + l: after the unpacks, lane l's k-th quarter holds bytes 16k + 4l .. + 3 */
+    const __m512i transpose = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    Py_ssize_t g = 0;
+    for (; g + 2 <= hd / GROUP; g += 2) {
+        const __m512i x = _mm512_permutexvar_epi32(transpose, _mm512_loadu_si512(w + g * GROUP));
+        const __mmask64 nan = _mm512_cmpeq_epi8_mask(_mm512_or_si512(x, k80), kff); /* magnitude 0x7f */
+        const __m512i t = _mm512_permutex2var_epi8(thi0, x, thi1);
+        const __m512i h = _mm512_mask_blend_epi8(nan, _mm512_ternarylogic_epi32(t, x, k80, 0xF8), t); /* t | (x & 0x80); NaN: t */
+        const __m512i l = _mm512_permutex2var_epi8(tlo0, x, tlo1);
+        const __m512i w0 = _mm512_unpacklo_epi8(l, h), w1 = _mm512_unpackhi_epi8(l, h);
+        const __m512 sc0 = _mm512_set1_ps(scale_of_code[s[g]]), sc1 = _mm512_set1_ps(scale_of_code[s[g + 1]]);
+        float *og = o + g * GROUP;
+        _mm512_storeu_ps(og, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w0)), sc0));
+        _mm512_storeu_ps(og + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, w0)), sc0));
+        _mm512_storeu_ps(og + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w1)), sc1));
+        _mm512_storeu_ps(og + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, w1)), sc1));
+    }
+    if (g < hd / GROUP) decode_fp8_row_avx512(w + g * GROUP, s + g, o + g * GROUP, GROUP); /* an odd last group */
+}
 #endif
 
 /* decode_fp8_row through the fastest path this CPU has. */
+static int decode_path = 2; /* the best path up to: 2 VBMI, 1 AVX-512F, 0 decode_fp8_row (_set_decode_path, tests) */
+
 static inline void decode_row(const uint8_t *w, const uint8_t *s, float *o, Py_ssize_t hd) {
 #ifdef HAVE_AVX512_DECODE
-    if (have_avx512) {
+    if (have_vbmi && decode_path >= 2) {
+        decode_fp8_row_vbmi(w, s, o, hd);
+        return;
+    }
+    if (have_avx512 && decode_path >= 1) {
         decode_fp8_row_avx512(w, s, o, hd);
         return;
     }
@@ -190,6 +235,8 @@ static inline Py_ssize_t cache_victim(Cache *c, int64_t r) {
     const Py_ssize_t s = set_of(r, c->sets), base = s * WAYS;
     for (int w = 0; w < WAYS; w++)
         if (c->key[base + w] == -1) return base + w;
+    if (c->hand[s] >= WAYS) c->hand[s] = 0; /* a corrupt hand would index past its set (checked where used:
+                                               a check of every set per call took ~12% of a cached gather) */
     for (;;) {
         const Py_ssize_t slot = base + c->hand[s];
         c->hand[s] = (uint8_t)((c->hand[s] + 1) % WAYS);
@@ -198,49 +245,78 @@ static inline Py_ssize_t cache_victim(Cache *c, int64_t r) {
     }
 }
 
-/* Rows are staged in blocks of BLOCK: first the stored bytes of the block's rows (E4M3 row and E8M0
- * scales, or a float32 row) are copied into a small local buffer, all loads independent, so that the
- * block's page walks and cache misses overlap; then the block is decoded from that buffer, which is
- * in L1. (Decoding straight from the mapping, one row after another with prefetch hints, stalled on
- * each row's misses: 640 ns per random row of a 4 GiB mapped table here, against ~400 in blocks.) */
+/* Rows from the table are staged in blocks of BLOCK: first the stored bytes of the block's rows (E4M3
+ * row and E8M0 scales, or a float32 row) are copied into a small local buffer, all loads independent,
+ * so that the block's page walks and cache misses overlap; then the block is decoded from that buffer,
+ * which is in L1. (Decoding straight from the mapping with software prefetches 4 to 64 rows ahead
+ * measured 1.6x to 3x slower here, on the 35 GiB bench file: perf puts the time on the instruction
+ * after each prefetch, so a prefetch that misses holds up retirement, and with a ~200-instruction
+ * decode between prefetches only one or two rows are in flight.) Hits of the hot-row cache, whose
+ * slab is anonymous memory on huge pages, are decoded straight from their slots with their lines
+ * prefetched `prefetch_distance` rows ahead, and the cache's key sets are prefetched as far ahead in
+ * the lookups: there the loop is light enough, and it saved 15 to 25% of a cached gather. Default
+ * DISTANCE; _set_prefetch_distance (tests and benchmarks only) changes it, 0 for no prefetch.
+ * Prefetches are hints: they never change a staged value. */
 #define BLOCK 16
+#define DISTANCE 16
+#define LINE 64
+static Py_ssize_t prefetch_distance = DISTANCE;
+
+/* Prefetch the lines of [p, p + len) (len > 0) into the L2 (prefetcht1: on this AMD, 10 to 25% faster
+ * than into the L1 with prefetcht0, which measured as holding up the loop on the L1's few miss buffers). */
+static inline void prefetch_read(const uint8_t *p, Py_ssize_t len) {
+    for (Py_ssize_t o = 0; o < len; o += LINE) __builtin_prefetch(p + o, 0, 2);
+    __builtin_prefetch(p + len - 1, 0, 2); /* a row need not start on a line */
+}
 
 typedef struct {
     uint8_t *raw;  /* [BLOCK, row_bytes] stored rows */
     float *row32;  /* [hd] float32 row before the bfloat16 rounding */
-    Py_ssize_t row_bytes, scale_bytes;
+    Py_ssize_t row_bytes, scale_bytes; /* a stored row (E4M3 row + E8M0 scales, or float32 row); its scales */
 } Scratch;
 
-/* Stage the rows ids[pos[k]] into staging rows pos[k], k < count (count <= BLOCK). With a cache c:
- * hit[k] >= 0 reads row k's stored bytes from that cache slot instead of the table, and put[k] >= 0
- * stores them into that slot once the block's rows are all read (so a slot both read and replaced
- * within the block is read first). */
+/* Stage the stored row at src (its scales at its end, if any) into staging row pos: decoded (FP8),
+ * copied (float32 into float32) or rounded to bfloat16. */
+static inline void stage_row(const Gather *a, const Scratch *sc, const uint8_t *src, Py_ssize_t pos) {
+    const Py_ssize_t hd = a->hd, sb = sc->scale_bytes;
+    if (a->out_item == 4) {
+        float *dst = (float *)(a->out + pos * hd * 4);
+        if (sb) decode_row(src, src + sc->row_bytes - sb, dst, hd);
+        else memcpy(dst, src, (size_t)hd * 4);
+        return;
+    }
+    const float *f = (const float *)src;
+    if (sb) {
+        decode_row(src, src + sc->row_bytes - sb, sc->row32, hd);
+        f = sc->row32;
+    }
+    bf16_of_row(f, (uint16_t *)(a->out + pos * hd * 2), hd);
+}
+
+/* Copy staging row pos to the later positions of its id (next[p]: the next position of the id at p, or -1). */
+static inline void copy_repeats(const Gather *a, const Py_ssize_t *next, Py_ssize_t pos) {
+    const Py_ssize_t ob = a->hd * a->out_item;
+    const uint8_t *row = a->out + pos * ob;
+    for (Py_ssize_t j = next[pos]; j >= 0; j = next[j]) memcpy(a->out + j * ob, row, (size_t)ob);
+}
+
+/* Stage the table rows ids[pos[k]] into staging rows pos[k], k < count (count <= BLOCK). With a cache
+ * c, put[k] is the slot row k was admitted into: its stored bytes are written there, in order of k.
+ * With next (dedup), each staged row is then copied to the later positions of its id. */
 static void stage_block(const Gather *a, const Py_ssize_t *pos, int count, Scratch *sc, Cache *c,
-                        const Py_ssize_t *hit, const Py_ssize_t *put) {
-    const Py_ssize_t hd = a->hd, rb = sc->row_bytes, sb = sc->scale_bytes, wb = rb - sb;
+                        const Py_ssize_t *put, const Py_ssize_t *next) {
+    const Py_ssize_t rb = sc->row_bytes, sb = sc->scale_bytes, wb = rb - sb;
     const int direct = !sb && a->out_item == 4; /* float32 rows into float32 staging: copied where they go */
     for (int k = 0; k < count; k++) { /* independent loads */
         const int64_t r = a->ids[pos[k]];
-        const uint8_t *w = a->table + r * wb, *s = sb ? a->scale + r * sb : NULL;
-        if (c && hit[k] >= 0) {
-            w = c->slab + hit[k] * rb;
-            s = w + wb;
-        }
         uint8_t *dst = direct ? a->out + pos[k] * rb : sc->raw + k * rb;
-        memcpy(dst, w, (size_t)wb);
-        if (sb) memcpy(dst + wb, s, (size_t)sb);
+        memcpy(dst, a->table + r * wb, (size_t)wb);
+        if (sb) memcpy(dst + wb, a->scale + r * sb, (size_t)sb);
     }
-    if (c)
-        for (int k = 0; k < count; k++)
-            if (put[k] >= 0) memcpy(c->slab + put[k] * rb, direct ? a->out + pos[k] * rb : sc->raw + k * rb, (size_t)rb);
-    if (direct) return;
-    for (int k = 0; k < count; k++) {
-        const uint8_t *src = sc->raw + k * rb;
-        const int f32 = a->out_item == 4;
-        float *dst = f32 ? (float *)(a->out + pos[k] * hd * 4) : sc->row32;
-        if (sb) decode_row(src, src + wb, dst, hd);
-        if (!f32) bf16_of_row(sb ? sc->row32 : (const float *)src, (uint16_t *)(a->out + pos[k] * hd * 2), hd);
-    }
+    for (int k = 0; c && k < count; k++)
+        memcpy(c->slab + put[k] * rb, direct ? a->out + pos[k] * rb : sc->raw + k * rb, (size_t)rb);
+    for (int k = 0; !direct && k < count; k++) stage_row(a, sc, sc->raw + k * rb, pos[k]);
+    for (int k = 0; next && k < count; k++) copy_repeats(a, next, pos[k]);
 }
 
 /* Every position reads the table. */
@@ -254,59 +330,88 @@ static void gather_all(const Gather *a, Scratch *sc) {
 }
 
 /* Each distinct id is read once, at its first position (open addressing over 2n..4n slots keyed by
- * id; `first` holds that position); later positions copy the staged row once all first positions
- * are staged. Returns the distinct count, or -1 if the scratch cannot be allocated. */
+ * id, beside its latest position; `next` chains its positions in order), and its staged row is
+ * copied to its later positions while it is in L1. With a cache, all distinct ids are looked up
+ * first, in order (a hit sets its bit, a miss is admitted: the cache ends as if they were looked up
+ * one by one); then the hits are decoded from their slots, one after another with the slots' lines
+ * prefetched `distance` rows ahead; then the misses are staged from the table in blocks, and their
+ * stored bytes written into the slots they were given, in order. So every hit reads its slot before
+ * any slot is rewritten, and a slot given to two misses ends with the later one, as its key says.
+ * Returns the rows read from the table (the distinct count; the misses with a cache), or -1 if the
+ * scratch cannot be allocated. */
 static Py_ssize_t gather_dedup(const Gather *a, Scratch *sc, Cache *cache) {
     size_t cap = 16;
     while (cap < (size_t)a->n * 2) cap <<= 1;
-    int64_t *key = PyMem_RawMalloc(cap * sizeof(int64_t));
-    Py_ssize_t *first = PyMem_RawMalloc(cap * sizeof(Py_ssize_t));
-    Py_ssize_t *src = PyMem_RawMalloc(((size_t)a->n + 1) * sizeof(Py_ssize_t)); /* [n] first position of ids[i] */
-    Py_ssize_t *fresh = PyMem_RawMalloc(((size_t)a->n + 1) * sizeof(Py_ssize_t)); /* first positions, in order */
+    const size_t n1 = (size_t)a->n + 1;
+    struct {
+        int64_t key;     /* the id, or -1: empty (ids are >= 0) */
+        Py_ssize_t last; /* its latest position */
+    } *set = PyMem_RawMalloc(cap * sizeof *set); /* key and position side by side: one line a lookup */
+    Py_ssize_t *next = PyMem_RawMalloc(n1 * sizeof(Py_ssize_t));  /* [n] next position of the same id, or -1 */
+    Py_ssize_t *fresh = PyMem_RawMalloc(n1 * sizeof(Py_ssize_t)); /* [distinct] first positions, in order */
+    Py_ssize_t *lists = cache ? PyMem_RawMalloc(3 * n1 * sizeof(Py_ssize_t)) : NULL; /* hit slots, miss positions, miss slots */
     Py_ssize_t distinct = -1;
-    if (!key || !first || !src || !fresh) goto done;
-    memset(key, 0xff, cap * sizeof(int64_t)); /* -1: empty (ids are >= 0) */
+    if (!set || !next || !fresh || (cache && !lists)) goto done;
+    memset(set, 0xff, cap * sizeof *set); /* every key -1 */
     distinct = 0;
     for (Py_ssize_t i = 0; i < a->n; i++) {
         const int64_t r = a->ids[i];
         size_t h = (size_t)(((uint64_t)r * 0x9E3779B97F4A7C15ull) >> 32) & (cap - 1);
-        while (key[h] != -1 && key[h] != r && !a->trust_slots) h = (h + 1) & (cap - 1);
-        if (key[h] == r || (a->trust_slots && key[h] != -1)) {
-            src[i] = first[h];
+        while (set[h].key != -1 && set[h].key != r && !a->trust_slots) h = (h + 1) & (cap - 1);
+        next[i] = -1;
+        if (set[h].key == r || (a->trust_slots && set[h].key != -1)) {
+            next[set[h].last] = i;
+            set[h].last = i;
             continue;
         }
-        key[h] = r;
-        first[h] = src[i] = i;
+        set[h].key = r;
+        set[h].last = i;
         fresh[distinct++] = i;
     }
-    const size_t row_bytes = (size_t)a->hd * a->out_item;
-    Py_ssize_t misses = 0, hit[BLOCK], put[BLOCK];
-    for (Py_ssize_t k0 = 0; k0 < distinct; k0 += BLOCK) {
-        const int count = distinct - k0 < BLOCK ? (int)(distinct - k0) : BLOCK;
-        for (int k = 0; cache && k < count; k++) { /* hits read the cache; misses get a slot, filled after the read */
-            const int64_t r = a->ids[fresh[k0 + k]];
-            hit[k] = cache_find(cache, r);
-            put[k] = -1;
-            if (hit[k] >= 0) {
-                cache->ref[hit[k]] = 1;
-                cache->hits++;
+    const Py_ssize_t d = prefetch_distance, rb = sc->row_bytes;
+    Py_ssize_t nhit = 0, nmiss = distinct, *miss_pos = fresh, *miss_slot = NULL;
+    if (cache) {
+        Py_ssize_t *hit_slot = lists, *hit_pos = fresh; /* hits compact into the front of fresh */
+        miss_pos = lists + n1;
+        miss_slot = lists + 2 * n1;
+        nmiss = 0;
+        for (Py_ssize_t k = 0; k < distinct; k++) { /* the lookups, in order */
+            if (d && k + d < distinct) {
+                const Py_ssize_t base = set_of(a->ids[fresh[k + d]], cache->sets) * WAYS;
+                __builtin_prefetch(cache->key + base, 1, 3); /* a set's 8 keys: one line */
+                __builtin_prefetch(cache->ref + base, 1, 3);
+            }
+            const Py_ssize_t pos = fresh[k];
+            const int64_t r = a->ids[pos];
+            Py_ssize_t s = cache_find(cache, r);
+            if (s >= 0) {
+                cache->ref[s] = 1;
+                hit_slot[nhit] = s;
+                hit_pos[nhit++] = pos; /* nhit <= k: fresh[k] already read */
                 continue;
             }
-            put[k] = cache_victim(cache, r);
-            cache->key[put[k]] = r;
-            cache->ref[put[k]] = 0;
-            misses++;
+            s = cache_victim(cache, r);
+            cache->key[s] = r;
+            cache->ref[s] = 0;
+            miss_pos[nmiss] = pos;
+            miss_slot[nmiss++] = s;
         }
-        stage_block(a, fresh + k0, count, sc, cache, hit, put);
+        cache->hits += nhit;
+        for (Py_ssize_t k = 0; k < nhit; k++) { /* the hits, from their slots */
+            if (d && k + d < nhit) prefetch_read(cache->slab + hit_slot[k + d] * rb, rb);
+            stage_row(a, sc, cache->slab + hit_slot[k] * rb, hit_pos[k]);
+            copy_repeats(a, next, hit_pos[k]);
+        }
     }
-    if (cache) distinct = misses; /* rows read from the table */
-    for (Py_ssize_t i = 0; i < a->n; i++)
-        if (src[i] != i) memcpy(a->out + i * row_bytes, a->out + src[i] * row_bytes, row_bytes);
+    for (Py_ssize_t k0 = 0; k0 < nmiss; k0 += BLOCK) /* the rest, from the table */
+        stage_block(a, miss_pos + k0, nmiss - k0 < BLOCK ? (int)(nmiss - k0) : BLOCK, sc, cache,
+                    miss_slot ? miss_slot + k0 : NULL, next);
+    if (cache) distinct = nmiss; /* rows read from the table */
 done:
-    PyMem_RawFree(key);
-    PyMem_RawFree(first);
-    PyMem_RawFree(src);
+    PyMem_RawFree(set);
+    PyMem_RawFree(next);
     PyMem_RawFree(fresh);
+    PyMem_RawFree(lists);
     return distinct;
 }
 
@@ -406,8 +511,6 @@ static PyObject *gather_common(const char *fn, PyObject *table_o, PyObject *scal
     if (cv) {
         cache = (Cache){(int64_t *)cv->key.buf, (uint8_t *)cv->ref.buf, (uint8_t *)cv->hand.buf,
                         (uint8_t *)cv->slab.buf, SHAPE(cv->key, 0) / WAYS, trust_keys, 0};
-        for (Py_ssize_t s = 0; s < cache.sets; s++) /* a corrupt hand would index past its set */
-            if (cache.hand[s] >= WAYS) cache.hand[s] = 0;
     }
     Py_ssize_t read = n;
     Py_BEGIN_ALLOW_THREADS
@@ -447,6 +550,35 @@ static PyObject *py_gather_rows_cached(PyObject *Py_UNUSED(self), PyObject *args
     return result;
 }
 
+static PyObject *py_set_prefetch_distance(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_ssize_t d;
+    if (!PyArg_ParseTuple(args, "n", &d)) return NULL;
+    if (d < 0) {
+        PyErr_Format(PyExc_ValueError, "_set_prefetch_distance: distance %zd is negative", d);
+        return NULL;
+    }
+    const Py_ssize_t old = prefetch_distance;
+    prefetch_distance = d;
+    return PyLong_FromSsize_t(old);
+}
+
+static PyObject *py_set_decode_path(PyObject *Py_UNUSED(self), PyObject *args) {
+    int level;
+    if (!PyArg_ParseTuple(args, "i", &level)) return NULL;
+    if (level < 0 || level > 2) {
+        PyErr_Format(PyExc_ValueError, "_set_decode_path: level %d is not 0, 1 or 2", level);
+        return NULL;
+    }
+    const int old = decode_path;
+    decode_path = level;
+#ifdef HAVE_AVX512_DECODE
+    const int best = have_vbmi ? 2 : have_avx512 ? 1 : 0;
+#else
+    const int best = 0;
+#endif
+    return Py_BuildValue("ii", old, level < best ? level : best);
+}
+
 static PyMethodDef methods[] = {
     {"gather_rows", py_gather_rows, METH_VARARGS,
      "gather_rows(table, scale, ids, out, dedup[, trust_slots]) -> rows read: out[i] = row ids[i] of the table, decoded "
@@ -454,6 +586,13 @@ static PyMethodDef methods[] = {
     {"gather_rows_cached", py_gather_rows_cached, METH_VARARGS,
      "gather_rows_cached(table, scale, ids, out, keys, ref, hand, slab[, trust_keys]) -> (rows read from the table, "
      "cache hits): gather_rows with dedup, behind the hot-row cache held in keys/ref/hand/slab (updated in place)."},
+    {"_set_prefetch_distance", py_set_prefetch_distance, METH_VARARGS,
+     "_set_prefetch_distance(rows) -> the previous distance. Tests and benchmarks only: how many rows ahead the "
+     "gather prefetches (0: none); staged values never depend on it."},
+    {"_set_decode_path", py_set_decode_path, METH_VARARGS,
+     "_set_decode_path(level) -> (previous level, the path now used). Tests only: decode FP8 rows through the best "
+     "path up to level (2 AVX-512 VBMI, 1 AVX-512F, 0 the portable loop) that this CPU has; every path gives the "
+     "same bits."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -469,6 +608,15 @@ PyMODINIT_FUNC PyInit__gather_kernel(void) {
 #ifdef HAVE_AVX512_DECODE
     __builtin_cpu_init();
     have_avx512 = __builtin_cpu_supports("avx512f");
+    have_vbmi = have_avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi");
+    for (int m = 0; m < 128; m++) { /* the exact float32 |e4m3| of each magnitude: decode_fp8_row at scale 1 */
+        uint8_t row[GROUP] = {(uint8_t)m}, one = 127;
+        float v[GROUP];
+        decode_fp8_row(row, &one, v, GROUP);
+        const uint32_t u = bits_of_f32(v[0]);
+        mag_hi[m] = (uint8_t)(u >> 24);
+        mag_lo[m] = (uint8_t)(u >> 16);
+    }
 #endif
     return PyModule_Create(&module);
 }

@@ -23,7 +23,10 @@ import torch
 from ..config import EngramConfig
 from .quantized import Fp8Table, dequantize_rows
 from .row_cache import HotRowCache, RowCache
-from .staging import gather_backend, stage_rows, stage_step
+from . import staging
+from .kernels import choose_backend
+from .staging import BACKEND_ENV, gather_backend, stage_rows, stage_step, staging_fits, table_fits, table_parts, \
+    table_views
 
 
 def table_key(layer_id: int) -> str:
@@ -49,6 +52,8 @@ class EngramTables:
         self.layer_ids = tuple(int(x) for x in layer_ids)
         self.tables = list(tables)
         self.dedup = dedup
+        self._kernel_tables: tuple = ()  # the tables that _kernel_facts was computed for (see _kernel_serves)
+        self._kernel_facts: tuple = (False, None)
         self.caches: list[RowCache | HotRowCache | None] = [None] * len(tables)
         self.cache_bytes = 0
         if cache_bytes > 0:
@@ -67,7 +72,23 @@ class EngramTables:
         self.caches = [None if self.cache_bytes <= 0 else self._make_cache(t, per, kernel) for t in self.tables]
 
     def _kernel_serves(self, out_row: torch.Tensor) -> bool:
-        return bool(self.tables) and all(gather_backend(tab, out_row) == "kernel" for tab in self.tables)
+        """Whether the fused kernel stages every table into staging like out_row: `gather_backend(tab, out_row)`
+        for each table, with what depends only on the tables (on the CPU, their layout, the kernel's views
+        of them) computed once for these table objects; the backend variable is still read per call."""
+        fit, _ = self._table_facts()
+        return fit and staging_fits(out_row) and choose_backend(
+            BACKEND_ENV, staging._gather_kernel, "_gather_kernel", (out_row,)) == "kernel"
+
+    def _table_facts(self) -> tuple[bool, list | None]:
+        """(every table on the CPU in a layout the kernel reads, their `table_views` or None)."""
+        same = len(self._kernel_tables) == len(self.tables) and all(
+            a is b for a, b in zip(self._kernel_tables, self.tables))
+        if not same:  # first call, or self.tables was changed
+            fit = bool(self.tables) and all(
+                table_fits(t) and all(p.device.type == "cpu" for p in table_parts(t)) for t in self.tables)
+            views = [table_views(t) for t in self.tables] if fit else None
+            self._kernel_tables, self._kernel_facts = tuple(self.tables), (fit, views)
+        return self._kernel_facts
 
     @staticmethod
     def _make_cache(tab, nbytes: int, kernel: bool) -> RowCache | HotRowCache:
@@ -135,7 +156,7 @@ class EngramTables:
             if kernel:
                 # fused: dedup, cache, read, decode into staging, one pass per layer (few torch ops per step)
                 stage_step(self.tables, hash_ids, out.view(n_layers, t * c, self.head_dim), self.dedup,
-                           self.caches if self.cache_bytes else None)
+                           self.caches if self.cache_bytes else None, self._table_facts()[1])
                 return out
             for layer, tab in enumerate(self.tables):
                 ids = hash_ids[:, layer, :].reshape(-1).to(tab.device, torch.int64)  # [T*C]

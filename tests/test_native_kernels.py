@@ -86,7 +86,7 @@ def run(world: World, rows, mode: str = "full", sel=None, topk: int = 8, read_pa
     b, q = world.batch(rows)
     if mode != "full" and sel is None:
         sel = torch.full((q.shape[0], topk), -1, dtype=torch.int64)
-    return pa.attend_native(b, q, world.k, world.v, world.zero, mode, sel, read_past, later), sel
+    return pa.attend_native(b, q, world.k, world.v, world.zero, world.zero, mode, sel, read_past, later), sel
 
 
 def reference(world: World, r: int, p: int, keys: list[int] | None = None) -> np.ndarray:
@@ -275,3 +275,10 @@ def test_the_form_taken_does_not_depend_on_the_layout():
     delta = torch.randn(3, 2 * dim, generator=g)[:, :dim]
     w = torch.randn(dim, generator=g)
     assert torch.equal(fused.residual_norm(h, delta, w, 1e-6)[1][2:], fused.residual_norm(h[2:], delta[2:], w, 1e-6)[1])
+
+
+def test_a_block_outside_the_pool_is_refused():
+    world = World(torch.randn(1, 2 * 4 + 1, 8), torch.randn(1, 2 * 4 + 1, 8), {}, [[0, 5]], [6], 4, 2)
+    world.q = {(0, p): torch.randn(2, 8) for p in range(6)}
+    with pytest.raises(ValueError, match="block 5, outside the pool's 8 slots"):
+        run(world, [(0, 0, 6)])  # row 0 reads positions 0..5: its second block is block 5

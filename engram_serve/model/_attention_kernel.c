@@ -15,14 +15,15 @@
  * Plain CPython C API; the arrays come as addresses (torch's `data_ptr()`), checked by the one caller
  * (`NativeAttention` in paged_attention.py: dtypes, device, strides, shapes); the kernel checks sizes.
  *
- *   attend(mode, q, ldq, k, v, ld_head, tables, ld_table, width, block_size, zero_slot,
+ *   attend(mode, q, ldq, k, v, ld_head, tables, ld_table, width, block_size, zero_slot, num_slots,
  *          qsl, computed, rows, num_tokens, heads, kv_heads, head_dim, scale, out, sel, topk,
  *          read_past, later_keys) -> None
  *     mode 0 (full): every visible key; 1 (select): choose each query's `topk` keys into sel, then
  *     attend to them; 2 (reuse): attend to the keys already in sel.
  *     q [T, heads, head_dim] float32, head rows contiguous, tokens ldq floats apart;
  *     k, v: one layer's pools [kv_heads, slots, head_dim] float32, heads ld_head floats apart;
- *     tables [rows, width] int64 (ld_table apart), -1 = null block; qsl [rows + 1], computed [rows] int64;
+ *     tables [rows, width] int64 (ld_table apart), -1 = null block, every other block within the pool's
+ *     num_slots slots (else ValueError, nothing read); qsl [rows + 1], computed [rows] int64;
  *     out [T, heads * head_dim] float32 contiguous: written for every token, 0 for padding tokens
  *     (t >= qsl[rows]); sel [T, topk] int64 contiguous (modes 1, 2): absolute key positions best first,
  *     -1 = none (written by mode 1 for every token).
@@ -172,12 +173,12 @@ CLONES static void select_top(const Attn *a, const float *restrict qt, const int
 static PyObject *py_attend(PyObject *Py_UNUSED(self), PyObject *args) {
     int mode;
     unsigned long long qa, ka, va, ta, qsla, ca, oa, sa;
-    Py_ssize_t ldq, ld_head, ld_table, width, bs, zero, rows, ntok, heads, kvh, hd, topk, read_past;
+    Py_ssize_t ldq, ld_head, ld_table, width, bs, zero, nslots, rows, ntok, heads, kvh, hd, topk, read_past;
     int later_keys;
     double scale;
-    if (!PyArg_ParseTuple(args, "iKnKKnKnnnnKKnnnnndKKnnp", &mode, &qa, &ldq, &ka, &va, &ld_head, &ta, &ld_table,
-                          &width, &bs, &zero, &qsla, &ca, &rows, &ntok, &heads, &kvh, &hd, &scale, &oa, &sa, &topk,
-                          &read_past, &later_keys))
+    if (!PyArg_ParseTuple(args, "iKnKKnKnnnnnKKnnnnndKKnnp", &mode, &qa, &ldq, &ka, &va, &ld_head, &ta, &ld_table,
+                          &width, &bs, &zero, &nslots, &qsla, &ca, &rows, &ntok, &heads, &kvh, &hd, &scale, &oa, &sa,
+                          &topk, &read_past, &later_keys))
         return NULL;
     if (mode < 0 || mode > 2 || heads < 1 || kvh < 1 || heads % kvh || hd < 1 || bs < 1 || rows < 0 || ntok < 0 ||
         ldq < heads * hd || ld_head < 1 || width < 0 || read_past < 0 || (mode && topk < 1) ||
@@ -216,6 +217,8 @@ static PyObject *py_attend(PyObject *Py_UNUSED(self), PyObject *args) {
         free(s), free(slots), free(chosen), free(best);
         return PyErr_NoMemory();
     }
+    Py_ssize_t bad_row = -1;
+    int64_t bad_block = 0;
     const Attn a = {(const float *)(uintptr_t)qa, (const float *)(uintptr_t)ka, (const float *)(uintptr_t)va,
                     ldq, ld_head, heads, kvh, hd, (float)scale};
     Py_BEGIN_ALLOW_THREADS
@@ -226,8 +229,13 @@ static PyObject *py_attend(PyObject *Py_UNUSED(self), PyObject *args) {
         const Py_ssize_t nrow = seq + read_past; /* the row's readable positions: slots once per row */
         for (Py_ssize_t b = 0, j = 0; j < nrow; b++) {
             const int64_t blk = b < width ? table[b] : -1;
+            if (blk >= 0 && (blk + 1) * bs > nslots) { /* a block outside the pool: refuse, never read it */
+                bad_row = r, bad_block = blk;
+                break;
+            }
             for (Py_ssize_t o = 0; o < bs && j < nrow; o++, j++) slots[j] = blk >= 0 ? blk * bs + o : zero;
         }
+        if (bad_row >= 0) break;
         for (Py_ssize_t t = (Py_ssize_t)qsl[r]; t < (Py_ssize_t)qsl[r + 1]; t++) {
             const Py_ssize_t p = first + (t - (Py_ssize_t)qsl[r]);  /* the query's absolute position */
             const float *qt = a.q + t * ldq;
@@ -249,6 +257,11 @@ static PyObject *py_attend(PyObject *Py_UNUSED(self), PyObject *args) {
         for (Py_ssize_t i = end * topk; i < ntok * topk; i++) sel[i] = -1;
     Py_END_ALLOW_THREADS
     free(s), free(slots), free(chosen), free(best);
+    if (bad_row >= 0) {
+        PyErr_Format(PyExc_ValueError, "attend: row %zd's block table holds block %lld, outside the pool's %zd slots",
+                     bad_row, (long long)bad_block, nslots);
+        return NULL;
+    }
     Py_RETURN_NONE;
 }
 
@@ -300,7 +313,7 @@ static PyMethodDef methods[] = {
      "rotate_store(qkv, num_tokens, heads, kv_heads, head_dim, cos, sin, slot_mapping, k, v, ld_head, num_slots) -> None: rotary on "
      "the q and k heads of qkv in place, then k and v stored at their slots (see the module source)."},
     {"attend", py_attend, METH_VARARGS,
-     "attend(mode, q, ldq, k, v, ld_head, tables, ld_table, width, block_size, zero_slot, qsl, computed, rows, "
+     "attend(mode, q, ldq, k, v, ld_head, tables, ld_table, width, block_size, zero_slot, num_slots, qsl, computed, rows, "
      "num_tokens, heads, kv_heads, head_dim, scale, out, sel, topk, read_past, later_keys) -> None: paged attention "
      "one query at a time (addresses of float32 / int64 data; see the module source)."},
     {NULL, NULL, 0, NULL},

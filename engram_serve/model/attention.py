@@ -116,7 +116,8 @@ class PagedAttention:
         sel = None if mode == FULL else self._topk_buf(topk)
         b = self.ctx.batch
         rotate_store(qkv, heads, cos, sin, b.slot_mapping, kc, vc, kv.num_slots)  # this microbatch's keys first
-        return attend_native(b, qkv[:, :heads], kc, vc, kv.zero_slot, mode, sel, self.read_past, not self.guard_fresh)
+        return attend_native(b, qkv[:, :heads], kc, vc, kv.zero_slot, kv.num_slots, mode, sel, self.read_past,
+                             not self.guard_fresh)
 
     def attend(self, layer: int, q, k, v, mode: str, topk: int, head_mean=None) -> torch.Tensor:
         kv = self.ctx.kv

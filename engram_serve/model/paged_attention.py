@@ -302,8 +302,8 @@ def rotate_store(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Te
                                    slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), num_slots)
 
 
-def attend_native(batch, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, zero_slot: int, mode: str,
-                  sel: torch.Tensor | None, read_past: int = 0, later_keys: bool = False) -> torch.Tensor:
+def attend_native(batch, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, zero_slot: int, num_slots: int,
+                  mode: str, sel: torch.Tensor | None, read_past: int = 0, later_keys: bool = False) -> torch.Tensor:
     """Attention of q [T, heads, hd] over one layer's pools [kvh, slots, hd] through the C kernel
     (`_attention_kernel.c`): one query at a time, in a fixed order per query, so a query's bits do not
     depend on its batch mates, the cut, the chunk or padding by construction, and a query reads its own
@@ -312,7 +312,8 @@ def attend_native(batch, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     (0 for padding tokens). `read_past` / `later_keys`: negative controls of the isolation tests only.
 
     Checks the layouts the kernel reads (it takes addresses): head rows of q contiguous, pools
-    contiguous, block-table rows contiguous, int64 row fields."""
+    contiguous, block-table rows contiguous, int64 row fields; the kernel refuses a block outside the
+    pool's `num_slots` slots (ValueError)."""
     t, heads, hd = q.shape
     kvh = k_cache.shape[0]
     if q.stride(2) != 1 or q.stride(1) != hd or not k_cache.is_contiguous() or not v_cache.is_contiguous() \
@@ -332,7 +333,7 @@ def attend_native(batch, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     out = torch.empty(t, heads * hd)
     _attention_kernel.attend(NATIVE_MODES[mode], q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                              k_cache.stride(0), tables.data_ptr(), tables.stride(0), tables.shape[1], batch.block_size,
-                             zero_slot, qsl.data_ptr(), computed.data_ptr(), batch.num_rows, t, heads, kvh, hd,
+                             zero_slot, num_slots, qsl.data_ptr(), computed.data_ptr(), batch.num_rows, t, heads, kvh, hd,
                              1.0 / math.sqrt(hd), out.data_ptr(), 0 if sel is None else sel.data_ptr(), topk,
                              read_past, later_keys)
     return out

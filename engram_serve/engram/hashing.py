@@ -89,21 +89,25 @@ def _new_output(num_tokens: int, layout: EngramLayout) -> np.ndarray:
     return np.empty((num_tokens, *layout.moduli.shape), dtype=np.int64)
 
 
-_constants: dict[int, tuple] = {}
+_memo: dict[tuple, tuple] = {}
 
 
-def _kernel_constants(layout: EngramLayout, token_map: torch.Tensor) -> tuple[np.ndarray, ...]:
-    """(token map, multipliers, moduli, offsets, div magic) as host arrays, converted once per (layout,
-    token map): they are the same every step (memoised by identity and version; the entry keeps both
-    objects alive, so an id is not reused while cached)."""
-    key = (id(layout), id(token_map), token_map._version)
-    hit = _constants.get(key)
+def _once(tensors: tuple[torch.Tensor, ...], convert) -> tuple[np.ndarray, ...]:
+    """convert(tensors): host arrays of constant tensors (the layout's, the token map), made once, not
+    every step. Memoised by identity and version; the entry keeps the tensors alive, so an id is not
+    reused while cached."""
+    key = tuple((id(t), t._version) for t in tensors)
+    hit = _memo.get(key)
     if hit is None:
-        if len(_constants) >= 64:
-            _constants.clear()
-        hit = _constants[key] = (layout, token_map, _host(token_map), _host(layout.multipliers), _host(layout.moduli),
-                                 _host(layout.offsets), layout.div_magic.contiguous().numpy())
-    return hit[2:]
+        if len(_memo) >= 64:
+            _memo.clear()
+        hit = _memo[key] = (tensors, convert(*tensors))
+    return hit[1]
+
+
+def _kernel_constants(layout: EngramLayout) -> tuple[np.ndarray, ...]:
+    return _once((layout.multipliers, layout.moduli, layout.offsets, layout.div_magic),
+                 lambda m, d, o, r: (_host(m), _host(d), _host(o), r.contiguous().numpy()))  # r: uint64
 
 
 def hash_windows(window_c: torch.Tensor, layout: EngramLayout, pad_id: int) -> torch.Tensor:
@@ -111,7 +115,7 @@ def hash_windows(window_c: torch.Tensor, layout: EngramLayout, pad_id: int) -> t
     if hash_backend(window_c, layout.moduli) == "torch":
         return hash_windows_torch(window_c, layout, pad_id)
     out = _new_output(window_c.shape[0], layout)  # [T, L, C]
-    _hash_kernel.hash_windows(_host(window_c), *_kernel_constants(layout, layout.moduli)[1:], int(pad_id), out)
+    _hash_kernel.hash_windows(_host(window_c), *_kernel_constants(layout), int(pad_id), out)
     return torch.from_numpy(out)
 
 
@@ -150,8 +154,9 @@ def hash_step(input_ids: torch.Tensor, qsl: torch.Tensor, history: torch.Tensor,
     host = _new_output(input_ids.shape[0], layout) if out is None else out.numpy()  # [T, L, C]
     dead_np = None if dead is None else dead.bool().contiguous().numpy()
     # the C loop is step_windows + compress + hash_windows fused: no [T, N] or [T, L, C] temporaries
-    _hash_kernel.hash_step(_host(input_ids), _host(qsl), _host(history), dead_np,
-                           *_kernel_constants(layout, token_map), int(pad_id), host)
+    token_map_np = _once((token_map,), lambda t: (_host(t),))[0]
+    _hash_kernel.hash_step(_host(input_ids), _host(qsl), _host(history), dead_np, token_map_np,
+                           *_kernel_constants(layout), int(pad_id), host)
     return torch.from_numpy(host) if out is None else out
 
 

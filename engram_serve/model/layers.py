@@ -110,7 +110,8 @@ def small_call_kc(weight: torch.Tensor) -> int | None:
     """The block size kc for which `_linear_kernel` gives a call of fewer than min_rows(weight) rows the
     bits of a batch (rule above), or None: no kernel, not a float32 CPU weight laid out input-major, or
     no probed kc matches (the inputs in 1 to 4 equal blocks, or blocks of any multiple of 16: MKL on the
-    Xeon of the README splits 512 inputs in two halves, on an AMD EPYC into blocks of 192). Measured once per shape, like `min_rows`."""
+    Xeon of the README splits 512 inputs in two halves, on an AMD EPYC into blocks of 192). Measured once
+    per shape, like `min_rows`."""
     if _linear_kernel is None or weight.device.type != "cpu" or weight.dtype != torch.float32 \
             or weight.stride(0) != 1 or weight.shape[0] < 2:
         return None

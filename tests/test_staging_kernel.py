@@ -193,24 +193,22 @@ def cached_steps(cache_cls, tab, steps: list[list[int]], dtype, cache_rows: int)
     return outs, stats
 
 
-def random_table(rng, rows: int, hd: int, fp8: bool, bf16: bool):
-    """(a random table, the staging dtype): FP8 bytes under extreme scale codes, or float32 rows."""
-    if fp8:
-        w = rng.integers(0, 256, (rows, hd), dtype=np.uint8)
-        tab = table_from_bytes(w, rng.choice(np.array(EXTREME_CODES, dtype=np.uint8), (rows, hd // 32)))
-    else:
-        tab = torch.from_numpy(rng.standard_normal((rows, hd)).astype(np.float32))
-    return tab, torch.bfloat16 if bf16 else torch.float32
-
-
 @settings(deadline=None, max_examples=60)
 @given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 400), steps=st.integers(1, 6), n=st.integers(0, 60),
        cache_rows=st.sampled_from([8, 16, 24, 64, 512]), fp8=st.booleans(), bf16=st.booleans(),
        zipf=st.sampled_from([1.1, 1.5, 3.0]))
 def test_cached_kernel_equals_uncached_and_plain_loop(seed, rows, steps, n, cache_rows, fp8, bf16, zipf):
     """Streams with heavy repetition across and within steps, caches from one set (constant eviction) up."""
-    rng, hd = np.random.default_rng(seed), 32
-    tab, dtype = random_table(rng, rows, hd, fp8, bf16)
+    rng = np.random.default_rng(seed)
+    hd = 32
+    if fp8:
+        w = rng.integers(0, 256, (rows, hd), dtype=np.uint8)
+        s = rng.choice(np.array(EXTREME_CODES, dtype=np.uint8), (rows, 1))
+        tab = table_from_bytes(w, s)
+    else:
+        f = rng.standard_normal((rows, hd)).astype(np.float32)
+        tab = torch.from_numpy(f)
+    dtype = torch.bfloat16 if bf16 else torch.float32
     stream = [(np.minimum(rng.zipf(zipf, n), rows) - 1).tolist() for _ in range(steps)]
     got, stats = cached_steps(HotRowCache, tab, stream, dtype, cache_rows)
     for ids, out, (hits, distinct) in zip(stream, got, stats):
@@ -293,8 +291,16 @@ def test_prefetch_distance_changes_no_staged_value_and_no_cache_state(distance, 
     """Distances 0 (none), 1, 16 (the default) and beyond the row count, over 0 and 1 rows, a step of one id
     repeated, and Zipfian steps, with and without a cache (hits, misses, evictions within a call): the staged
     rows equal the plain loop's, and the cache ends in the same state whatever the distance."""
-    rng, hd = np.random.default_rng(seed), 64
-    tab, dtype = random_table(rng, rows, hd, fp8, bf16)
+    rng = np.random.default_rng(seed)
+    hd = 64
+    if fp8:
+        w = rng.integers(0, 256, (rows, hd), dtype=np.uint8)
+        s = rng.choice(np.array(EXTREME_CODES, dtype=np.uint8), (rows, 2))
+        tab = table_from_bytes(w, s)
+    else:
+        f = rng.standard_normal((rows, hd)).astype(np.float32)
+        tab = torch.from_numpy(f)
+    dtype = torch.bfloat16 if bf16 else torch.float32
     steps = [([int(rng.integers(0, rows))] * n) if dups_only else (np.minimum(rng.zipf(1.3, n), rows) - 1).tolist()
              for _ in range(3)]
     row_bytes = hd + hd // 32 if fp8 else hd * 4

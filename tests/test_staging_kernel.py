@@ -193,21 +193,25 @@ def cached_steps(cache_cls, tab, steps: list[list[int]], dtype, cache_rows: int)
     return outs, stats
 
 
+def random_table(rng, rows: int, hd: int, fp8: bool):
+    """A random table (FP8 bytes under extreme scale codes, or float32 rows) and its plain-loop
+    reference: reference(ids) -> the rows [len(ids), hd] as the spec defines them."""
+    if fp8:
+        w = rng.integers(0, 256, (rows, hd), dtype=np.uint8)
+        s = rng.choice(np.array(EXTREME_CODES, dtype=np.uint8), (rows, hd // 32))
+        return table_from_bytes(w, s), lambda ids: reference_rows(w, s, ids)
+    f = rng.standard_normal((rows, hd)).astype(np.float32)
+    return torch.from_numpy(f), lambda ids: np.stack([f[i] for i in ids]) if ids else np.zeros((0, hd))
+
+
 @settings(deadline=None, max_examples=60)
 @given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 400), steps=st.integers(1, 6), n=st.integers(0, 60),
        cache_rows=st.sampled_from([8, 16, 24, 64, 512]), fp8=st.booleans(), bf16=st.booleans(),
        zipf=st.sampled_from([1.1, 1.5, 3.0]))
 def test_cached_kernel_equals_uncached_and_plain_loop(seed, rows, steps, n, cache_rows, fp8, bf16, zipf):
     """Streams with heavy repetition across and within steps, caches from one set (constant eviction) up."""
-    rng = np.random.default_rng(seed)
-    hd = 32
-    if fp8:
-        w = rng.integers(0, 256, (rows, hd), dtype=np.uint8)
-        s = rng.choice(np.array(EXTREME_CODES, dtype=np.uint8), (rows, 1))
-        tab = table_from_bytes(w, s)
-    else:
-        f = rng.standard_normal((rows, hd)).astype(np.float32)
-        tab = torch.from_numpy(f)
+    rng, hd = np.random.default_rng(seed), 32
+    tab, reference = random_table(rng, rows, hd, fp8)
     dtype = torch.bfloat16 if bf16 else torch.float32
     stream = [(np.minimum(rng.zipf(zipf, n), rows) - 1).tolist() for _ in range(steps)]
     got, stats = cached_steps(HotRowCache, tab, stream, dtype, cache_rows)
@@ -216,7 +220,7 @@ def test_cached_kernel_equals_uncached_and_plain_loop(seed, rows, steps, n, cach
         assert read == distinct and 0 <= hits <= distinct
         assert same_bits(out.float().numpy(), plain.float().numpy())  # cached == uncached kernel
         with np.errstate(over="ignore"):
-            ref = reference_rows(w, s, ids) if fp8 else (np.stack([f[i] for i in ids]) if ids else np.zeros((0, hd)))
+            ref = reference(ids)
         assert same_bits(out.float().numpy(), torch.from_numpy(ref.astype(np.float32)).to(dtype).float().numpy())
 
 
@@ -291,15 +295,8 @@ def test_prefetch_distance_changes_no_staged_value_and_no_cache_state(distance, 
     """Distances 0 (none), 1, 16 (the default) and beyond the row count, over 0 and 1 rows, a step of one id
     repeated, and Zipfian steps, with and without a cache (hits, misses, evictions within a call): the staged
     rows equal the plain loop's, and the cache ends in the same state whatever the distance."""
-    rng = np.random.default_rng(seed)
-    hd = 64
-    if fp8:
-        w = rng.integers(0, 256, (rows, hd), dtype=np.uint8)
-        s = rng.choice(np.array(EXTREME_CODES, dtype=np.uint8), (rows, 2))
-        tab = table_from_bytes(w, s)
-    else:
-        f = rng.standard_normal((rows, hd)).astype(np.float32)
-        tab = torch.from_numpy(f)
+    rng, hd = np.random.default_rng(seed), 64
+    tab, reference = random_table(rng, rows, hd, fp8)
     dtype = torch.bfloat16 if bf16 else torch.float32
     steps = [([int(rng.integers(0, rows))] * n) if dups_only else (np.minimum(rng.zipf(1.3, n), rows) - 1).tolist()
              for _ in range(3)]
@@ -323,7 +320,7 @@ def test_prefetch_distance_changes_no_staged_value_and_no_cache_state(distance, 
                     got.append((ids, out.float().numpy()))
         for ids, out in got:
             with np.errstate(over="ignore"):
-                ref = reference_rows(w, s, ids) if fp8 else (np.stack([f[i] for i in ids]) if ids else np.zeros((0, hd)))
+                ref = reference(ids)
             assert same_bits(out, torch.from_numpy(ref.astype(np.float32)).to(dtype).float().numpy())
         results.append(got)
     for other in results[1:]:

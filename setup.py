@@ -18,7 +18,7 @@ class BuildExt(build_ext):
     kernel fails there)."""
 
     def build_extensions(self):
-        flags = ["/O2"] if self.compiler.compiler_type == "msvc" else ["-O3", "-ffp-contract=off"]
+        flags = ["/O2"] if self.compiler.compiler_type == "msvc" else ["-O3", "-ffp-contract=off", "-fno-trapping-math"]
         for ext in self.extensions:
             ext.extra_compile_args = flags
         super().build_extensions()

@@ -47,3 +47,11 @@ class SharedTopk(ModelRunner):
         for b in bufs[1:]:
             b.topk_idx = bufs[0].topk_idx
         return bufs
+
+
+class NoRowsWait(ModelRunner):
+    """An Engram layer reads its microbatch's staging buffer without waiting for the gather running on
+    the worker: it reads whatever the buffer held before the rows land."""
+
+    def _rows_fn(self, future, staging):
+        return lambda i: staging[i]

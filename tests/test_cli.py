@@ -184,7 +184,7 @@ def test_bench_hash_json_rows(capsys):
 
 def test_bench_tables_json_rows(capsys, tmp_path):
     """`bench tables` end to end on a small sparse file: every setting warm and cold, the decode-step
-    share beside the gather, both memcpy rates, and the file deleted afterwards."""
+    share (the engine's step, gather overlapped and inline), both memcpy rates, and the file deleted afterwards."""
     code, out, err = run(capsys, "bench", "tables", "--json", "--size-gib", "0.25", "--stream-tokens", "1024",
                          "--requests", "64", "--rounds", "1", "--cold-steps", "1", "--share-steps", "2",
                          "--dir", str(tmp_path))
@@ -199,7 +199,9 @@ def test_bench_tables_json_rows(capsys, tmp_path):
             assert r["staged_gb_s"] == pytest.approx(r["rows_s"] * 256 * 4 / 1e9)
             assert (r["cache_hit_rate"] is None) == ("cache" not in r["setting"])
     share = [r for r in rows if r["what"] == "decode step share"]
-    assert [r["setting"] for r in share] == settings and all(0 < r["share"] < 1 for r in share)
+    assert [r["setting"] for r in share] == settings[3:]
+    for r in share:
+        assert 0 <= r["share_overlapped"] < 1 and 0 < r["share_inline"] < 1 and r["step_overlapped_ms"] > 0
     assert [r["what"] for r in rows].count("memcpy") == 2 and all(r["gb_s"] > 0 for r in rows if r["what"] == "memcpy")
     assert not any(tmp_path.iterdir())  # the table file is deleted
 

@@ -10,7 +10,7 @@ from engram_serve.errors import OwnershipError
 from engram_serve.inputs.ubatch import SplitConfig
 from engram_serve.model.loader import load_model, make_random_checkpoint
 from engram_serve.runner.model_runner import ModelRunner, RunnerConfig
-from runner_controls import SharedStaging, SharedTopk
+from runner_controls import NoRowsWait, SharedStaging, SharedTopk
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +136,28 @@ def test_the_planner_cuts_only_when_a_cut_hides_something(loaded):
     r.loaded = dataclasses.replace(loaded, tables=_SlowTables(loaded.tables))
     r.execute(b)  # measures the slow gather (the step itself still ran whole)
     assert r.plan(b) == [0, 44, 87]
+
+
+def _slow_after_one_step(r, b):
+    """Swap in the slow tables and run one step, so that the runner measures the slow gather."""
+    r.loaded = dataclasses.replace(r.loaded, tables=_SlowTables(r.loaded.tables))
+    r.execute(b)
+
+
+def test_a_whole_step_with_a_slow_gather_overlaps_it_and_waits_for_the_rows(loaded):
+    """A whole step whose gather is measured slow (50 ms here) starts it on the worker, overlapped with
+    the layers before the first Engram layer, and that layer waits for the rows: the bits of the gather
+    run inline. Negative control: without the wait, the Engram layers read the staging buffer before
+    the rows land (here zeroed, as a buffer's earlier contents), and the logits are wrong."""
+    r, b = runner_and_batch(loaded, split=SplitConfig(1))
+    inline = r.execute(b).logits  # nothing measured yet: the gather runs inline
+    _slow_after_one_step(r, b)
+    r.bufs[0].staging.zero_()
+    out = r.execute(b)
+    assert r.gather_wait_ms > 10  # on the worker, and the step blocked on it
+    assert torch.equal(out.logits, inline)
+    bad, b2 = runner_and_batch(loaded, NoRowsWait, split=SplitConfig(1))
+    _slow_after_one_step(bad, b2)
+    bad.bufs[0].staging.zero_()
+    wrong = bad.execute(b2).logits
+    assert not torch.equal(wrong, inline) and (wrong - inline).abs().max() > 1e-3

@@ -19,11 +19,14 @@ since it undoes the warm-up). Torch threads are set by --threads.
 
 Reported per row: median and p90 ms per step; at the median step, staged rows/s and staged bytes/s
 (float32 rows written into staging, duplicates included: the effective staging rate) and stored
-bytes/s read from the table (distinct rows x 264 bytes); the cache hit rate and the process's peak RSS. Extra rows: the built-in
-model's decode step (64 requests, `ModelRunner.execute`) alternating step by step with the warm
-64-request gather of every setting (the gather's share of step + gather), and this machine's memcpy
-rate (torch copy_ of 512 MiB, and of a 64-request step's staging size, which stays in the CPU caches
-as the staging buffer does).
+bytes/s read from the table (distinct rows x 264 bytes); the cache hit rate and the process's peak RSS. Extra rows:
+the gather's share of a decode step, in the engine: the built-in backbone (its config, random weights)
+with this geometry as its Engram layers 1 and 2, reading the table file, 64 requests decoding their
+slices of the 64-request stream (`ModelRunner.execute`); the runner's gather on its worker, overlapped
+with layer 0, against the gather inline, step by step; the share = time the step blocked waiting for its
+rows / step time (and, inline, the gather's time / step time). And this machine's memcpy rate (torch
+copy_ of 512 MiB, and of a 64-request step's staging size, which stays in the CPU caches as the
+staging buffer does).
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ from pathlib import Path
 from . import common
 
 NAME = "tables"
-HEAD_DIM, N, H, LAYERS = 256, 4, 8, (1, 14)
+HEAD_DIM, N, H, LAYERS = 256, 4, 8, (1, 2)  # V4.1's Engram geometry; layers 1 and 2 of the built-in backbone
 ROW_BYTES = HEAD_DIM + HEAD_DIM // 32  # E4M3 row + its E8M0 scales
 
 
@@ -76,7 +79,8 @@ def _peak_rss_mib() -> float:
 
 
 def _config(total_bytes: int):
-    """An EngramConfig of the V4.1 geometry whose two tables hold about total_bytes."""
+    """(the Engram fields, their EngramConfig, its layout) of the V4.1 geometry whose two tables hold about
+    total_bytes."""
     from ..config import EngramConfig
     from ..engram.layout import build_layout
     rows_per_layer = total_bytes // (len(LAYERS) * ROW_BYTES)
@@ -86,7 +90,7 @@ def _config(total_bytes: int):
              engram_pad_token_id=1)
     d["engram_num_embeddings"] = build_layout(EngramConfig(**d), check_rows=False).table_rows
     cfg = EngramConfig(**d)
-    return cfg, build_layout(cfg)
+    return d, cfg, build_layout(cfg)
 
 
 def _stream(tokens: int):
@@ -231,21 +235,73 @@ def _memcpy_gbs(nbytes: int, repeats: int) -> float:
     return src.numel() * 4 / statistics.median(ts) / 1e9
 
 
-def _share_rows(runner, batch, tables, hashes, rounds: int) -> list[dict]:
-    """The built-in model's decode step and the warm 64-request gather, alternating step by step (each
-    gather setting in turn after one decode step), so that both see the same load."""
-    step_ms, gather_ms = [], {name: [] for name, *_ in SETTINGS}
-    for _ in range(rounds):
-        for s in range(hashes.shape[0]):
-            t0 = time.perf_counter()
-            runner.execute(batch)
-            step_ms.append((time.perf_counter() - t0) * 1e3)
-            for name, backend, _, _ in SETTINGS:
-                gather_ms[name] += _pass(tables[name], hashes[s:s + 1], _staging(hashes.shape[1], hashes), backend)
-    step = statistics.median(step_ms)
-    return [{"what": "decode step share", "setting": name, "decode_step_ms": step,
-             "decode_step_p90_ms": _p90(step_ms), "gather_ms": statistics.median(g), "gather_p90_ms": _p90(g),
-             "share": statistics.median(g) / (step + statistics.median(g))} for name, g in gather_ms.items()]
+def _share_model(engram: dict, tables, tmap):
+    """The built-in backbone (its config, random weights) with this file's Engram geometry, reading `tables`."""
+    from ..config import ModelConfig, read_json
+    from ..engram.layout import build_layout
+    from ..engram.token_map import load_tokenizer
+    from ..model.layers import layout_weights_
+    from ..model.loader import TINY_DIR, LoadedModel
+    from ..model.model import EngramModel, init_weights
+    cfg = ModelConfig.from_dict({**read_json(TINY_DIR / "config.json"), **engram})
+    model = layout_weights_(init_weights(EngramModel(cfg), 0)).requires_grad_(False).eval()
+    return LoadedModel(cfg, model, tables, build_layout(cfg.engram), load_tokenizer(TINY_DIR / "tokenizer.json"),
+                       tmap, TINY_DIR)
+
+
+def _share_rows(engram: dict, tables: dict, ids: list[int], tmap, steps: int, rounds: int) -> list[dict]:
+    """The engine's decode step (`ModelRunner.execute`, 64 requests) of a model whose Engram layers read
+    the table file: request r holds its slice of the 64-request stream and decodes its last `steps`
+    tokens, one per step (the stream's own hash ids, so only written rows are read). The gather on the
+    runner's worker, overlapped with layer 0 (the default), against the gather inline (PREFETCH_MIN_MS
+    infinite), alternating step by step. Exposed = the time the step blocked waiting for its rows."""
+    import numpy as np
+    import torch
+
+    from ..engram.staging import BACKEND_ENV
+    from ..inputs.ubatch import SplitConfig
+    from ..runner.model_runner import ModelRunner, RunnerConfig
+    os.environ[BACKEND_ENV] = "auto"
+    requests, block = 64, 16
+    length = len(ids) // requests // block * block
+    ctx = length - steps
+    text = np.asarray(ids[: requests * (len(ids) // requests)], dtype=np.int64).reshape(requests, -1)[:, :length]
+    staging = torch.empty(len(LAYERS), requests, (N - 1) * H, HEAD_DIM)
+    out = []
+    for name in ("kernel dedup", "kernel dedup+cache"):
+        runner = ModelRunner(_share_model(engram, tables[name], tmap), RunnerConfig(
+            max_num_seqs=requests, max_model_len=length, max_num_batched_tokens=requests, block_size=block,
+            num_blocks=requests * length // block, split=SplitConfig(1)))
+        slots = np.array([runner.store.add(row.tolist()) for row in text])
+        bt = np.arange(requests * (length // block)).reshape(requests, -1)
+        batches = [runner.build(slots, np.full(requests, ctx + s), np.ones(requests, np.int64), bt, np.ones(requests, bool))
+                   for s in range(steps)]
+        for b in batches:  # warm-up: maps the rows, fills the cache, feeds the runner's gather estimate
+            runner.execute(b)
+        ms = {"overlapped": [], "inline": [], "exposed": [], "gather": []}
+        for _ in range(rounds):
+            for b in batches:
+                for mode, min_ms in (("overlapped", ModelRunner.PREFETCH_MIN_MS), ("inline", math.inf)):
+                    runner.PREFETCH_MIN_MS = min_ms
+                    t0 = time.perf_counter()
+                    runner.execute(b)
+                    ms[mode].append((time.perf_counter() - t0) * 1e3)
+                    if mode == "overlapped":
+                        ms["exposed"].append(runner.gather_wait_ms)
+                hashes = runner.bufs[0].hash_ids[:requests]  # this step's ids: its gather, timed alone
+                t0 = time.perf_counter()
+                tables[name].gather(hashes, staging)
+                ms["gather"].append((time.perf_counter() - t0) * 1e3)
+        runner.close()
+        med = {k: statistics.median(v) for k, v in ms.items()}
+        out.append({"what": "decode step share", "setting": name, "requests": requests, "context": f"{ctx}-{length - 1}",
+                    "step_overlapped_ms": med["overlapped"], "step_overlapped_p90_ms": _p90(ms["overlapped"]),
+                    "step_inline_ms": med["inline"], "step_inline_p90_ms": _p90(ms["inline"]),
+                    "gather_ms": med["gather"], "exposed_ms": med["exposed"], "exposed_p90_ms": _p90(ms["exposed"]),
+                    "share_overlapped": med["exposed"] / med["overlapped"],
+                    "share_inline": med["gather"] / med["inline"],
+                    "inline_over_overlapped": med["inline"] / med["overlapped"]})
+    return out
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -258,10 +314,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     if free - size < 10 * 2**30:
         raise ValueError(f"--size-gib {size / 2**30:.1f}: {where} has {free / 2**30:.1f} GiB free; at least 10 GiB "
                          f"must stay free (the file is sparse, but its apparent size is reserved here to be safe)")
-    from .step import _runner
-    runner, batch = _runner(None, "decode-heavy", 1)  # the built-in model's 64-request decode step
-    runner.execute(batch)
-    cfg, layout = _config(size)
+    engram, cfg, layout = _config(size)
     ids, tmap = _stream(args.stream_tokens)
     streams = {r: _hash_stream(ids, r, layout, tmap) for r in args.requests}
     touched = [torch.unique(torch.cat([h[:, :, layer].reshape(-1) for h in streams.values()])).numpy()
@@ -296,7 +349,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 rows.append(_row(tables[name], hashes, times[name], r, name, "warm", dedup))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress
             if r == 64:
-                rows += _share_rows(runner, batch, tables, hashes[: args.share_steps], args.rounds)
+                rows += _share_rows(engram, tables, ids, tmap, args.share_steps, args.rounds)
             del tables
         # cold last (dropping the page cache undoes the warm-up): the first --cold-steps steps of each stream
         for r, hashes in streams.items():
@@ -310,7 +363,6 @@ def run(args: argparse.Namespace) -> list[dict]:
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
-    runner.close()
     staging_bytes = 64 * len(LAYERS) * (N - 1) * H * HEAD_DIM * 4  # a 64-request step's float32 staging
     rows.append({"what": "memcpy", "bytes": "512 MiB", "gb_s": _memcpy_gbs(512 * 2**20, 5), "threads": args.threads})
     rows.append({"what": "memcpy", "bytes": f"{staging_bytes / 2**20:.0f} MiB (staging size)",

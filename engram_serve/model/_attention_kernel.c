@@ -93,7 +93,8 @@ static inline __attribute__((always_inline)) void softmax_attend_hd(
         for (Py_ssize_t i = 0; i < g; i++) {
             float *si = s + i * n;
             const float mi = m[i];
-            for (Py_ssize_t j = 0; j < n; j++) si[j] = j < zero_from ? exp_fixed(si[j] - mi) : 0.0f;
+            for (Py_ssize_t j = 0; j < zero_from; j++) si[j] = exp_fixed(si[j] - mi);
+            for (Py_ssize_t j = zero_from; j < n; j++) si[j] = 0.0f;
             l[i] = 0.0f;
             for (Py_ssize_t d = 0; d < hd; d++) o0[i * hd + d] = 0.0f;
         }
@@ -107,8 +108,13 @@ static inline __attribute__((always_inline)) void softmax_attend_hd(
             }
         }
         /* l == 0 only when nothing is visible: 0, as a dense kernel's guard; a NaN stays NaN */
-        for (Py_ssize_t i = 0; i < g; i++)
-            for (Py_ssize_t d = 0; d < hd; d++) o0[i * hd + d] = l[i] == 0.0f ? 0.0f : o0[i * hd + d] / l[i];
+        for (Py_ssize_t i = 0; i < g; i++) {
+            const float li = l[i];
+            if (li == 0.0f)
+                for (Py_ssize_t d = 0; d < hd; d++) o0[i * hd + d] = 0.0f;
+            else
+                for (Py_ssize_t d = 0; d < hd; d++) o0[i * hd + d] = o0[i * hd + d] / li;
+        }
     }
 }
 

@@ -3,7 +3,8 @@
 Per step: build the StepBatch from the schedule (vectorised, from the token store), plan the cut,
 slice, and for each microbatch compute its hash ids from its own inputs (tokens, positions,
 history) and start gathering its Engram rows from the host tables into its OWN staging buffer on a
-worker thread, so the lookup overlaps the other microbatch's compute. The executor interleaves the
+worker thread, so the lookup overlaps the other microbatch's compute (in a whole step whose gather
+takes long enough, the layers before the first Engram layer). The executor interleaves the
 microbatches' stage generators; logits are computed once over the merged step's sampled rows.
 """
 from __future__ import annotations
@@ -80,6 +81,9 @@ class ModelRunner:
     neutral_padding = True  # static-buffer padding rewritten every step
     HIDE_FRACTION = 0.25  # planning (a tuning constant, not a protection): a measured gather below this
     # share of a step's time is not worth a cut
+    PREFETCH_MIN_MS = 0.1  # a whole step's gather expected to take at least this long runs on the worker,
+    # overlapped with the layers before the first Engram layer; a shorter one runs inline (a thread
+    # handoff costs tens of microseconds)
 
     def __init__(self, loaded: LoadedModel, cfg: RunnerConfig):
         self.cfg, self.loaded = cfg, loaded
@@ -116,6 +120,7 @@ class ModelRunner:
         self._tables_off_device = bool(tabs) and tabs[0].device != self.device
         self._gather_ms_per_token = 0.0  # moving average over recent steps, measured in _stage_rows
         self._step_ms_per_token = 0.0  # moving average of execute's wall time per token
+        self.gather_wait_ms = 0.0  # the last step's time blocked waiting for staged rows (exposed gather)
 
     def allocate_buffers(self, capacity: int) -> list[UbatchBuffers]:
         """One set of buffers per microbatch, each its own (spec §5)."""
@@ -178,6 +183,7 @@ class ModelRunner:
         if self.tracker is not None:
             self.tracker.reset()
         ctxs, futures = [], []
+        self.gather_wait_ms = 0.0
         for k, u in enumerate(ubs):
             bufs = self.bufs[k]
             u.hash_ids = hash_step(u.input_ids, u.qsl, u.history, self.layout, self.token_map, self.pad_id,
@@ -190,9 +196,11 @@ class ModelRunner:
             if self.copy_stream is not None:  # the copy stream waits for this microbatch's hash ids
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(self.device))
-            if len(ubs) > 1 or self._tables_off_device:  # overlap the gather with another microbatch's compute
+            # on the worker, the gather overlaps another microbatch's compute and this one's layers before
+            # its first Engram layer (the C gather and torch's operators release the GIL)
+            if len(ubs) > 1 or self._tables_off_device or self._gather_ms_per_token * real[k] >= self.PREFETCH_MIN_MS:
                 futures.append(self._gather_pool.submit(self._stage_rows, u.hash_ids, staging, real[k], ready))
-            else:  # a whole step with host tables: nothing to overlap, a thread handoff would only cost
+            else:  # a short gather: a thread handoff would cost more than it hides
                 futures.append(Future())
                 futures[-1].set_result(self._stage_rows(u.hash_ids, staging, real[k], ready))
             ctxs.append(ForwardContext(u, self.kv, bufs, self._rows_fn(futures[-1], staging), self.tracker))
@@ -247,7 +255,12 @@ class ModelRunner:
 
     def _rows_fn(self, future: Future, staging: torch.Tensor):
         def rows(i: int) -> torch.Tensor:
-            self._staged(future)  # wait for this microbatch's gather (already running on the worker)
+            if future.done():
+                self._staged(future)
+            else:  # wait for this microbatch's gather (already running on the worker): exposed time
+                t0 = time.perf_counter()
+                self._staged(future)
+                self.gather_wait_ms += (time.perf_counter() - t0) * 1e3
             return staging[i]  # [T_k, C, hd]
         return rows
 

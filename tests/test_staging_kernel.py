@@ -38,8 +38,8 @@ def staged(tab, ids: list[int], dtype: torch.dtype, dedup: bool) -> tuple[torch.
 
 @pytest.fixture
 def decode_path(request):
-    """Decode through the best path up to request.param (2 AVX-512 VBMI byte tables, 1 AVX-512F, 0 the
-    portable loop) that this CPU has; skips a path it does not have."""
+    """Decode through the best path up to request.param (3 AVX-512 VBMI byte tables, 2 AVX-512F, 1 AVX2,
+    0 the portable loop) that this CPU has; skips a path it does not have."""
     old, used = kernel._set_decode_path(request.param)
     try:
         if used != request.param:
@@ -49,7 +49,7 @@ def decode_path(request):
         kernel._set_decode_path(old)
 
 
-@pytest.mark.parametrize("decode_path", [2, 1, 0], indirect=True)
+@pytest.mark.parametrize("decode_path", [3, 2, 1, 0], indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_e4m3_byte_under_every_scale_code_equals_the_plain_decoder(dtype, decode_path):
     w = np.tile(np.arange(256, dtype=np.uint8), (256, 1))  # row k: every byte
@@ -62,7 +62,7 @@ def test_every_e4m3_byte_under_every_scale_code_equals_the_plain_decoder(dtype, 
     assert same_bits(got.float().numpy(), torch_path(w, s, list(range(256)), dtype).float().numpy())
 
 
-@pytest.mark.parametrize("decode_path", [2, 1], indirect=True)
+@pytest.mark.parametrize("decode_path", [3, 2, 1], indirect=True)
 @settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])  # set per test
 @given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 41), groups=st.integers(1, 5), n=st.integers(0, 37),
        dedup=st.booleans(), bf16=st.booleans(), extremes=st.booleans())

@@ -14,7 +14,8 @@ from setuptools.command.build_ext import build_ext
 
 class BuildExt(build_ext):
     """-O3 for gcc/clang, with IEEE float arithmetic kept as written (no contraction into FMA: the gather's
-    decode must round exactly once); MSVC gets /O2 (it has no unsigned __int128, so the optional hash
+    decode must round exactly once) and no FP traps assumed (-fno-trapping-math: the compiler may then
+    if-convert a loop's selects, so the AVX2 clones vectorise too; no value changes); MSVC gets /O2 (it has no unsigned __int128, so the optional hash
     kernel fails there)."""
 
     def build_extensions(self):

@@ -15,7 +15,8 @@
  *                 results), a NaN gives a NaN. No table and no branch: a loop of it vectorises, and an
  *                 element in the vector body or the scalar tail goes through the same operations.
  *
- * Built with -ffp-contract=off (setup.py): no multiply-add is contracted, in any clone.
+ * Built with -ffp-contract=off (setup.py): no multiply-add is contracted, in any clone; and with
+ * -fno-trapping-math, so that exp_fixed's selects if-convert in the AVX2 clones (no value changes).
  */
 #ifndef ENGRAM_SERVE_KERNEL_MATH_H
 #define ENGRAM_SERVE_KERNEL_MATH_H

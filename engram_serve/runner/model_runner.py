@@ -255,12 +255,9 @@ class ModelRunner:
 
     def _rows_fn(self, future: Future, staging: torch.Tensor):
         def rows(i: int) -> torch.Tensor:
-            if future.done():
-                self._staged(future)
-            else:  # wait for this microbatch's gather (already running on the worker): exposed time
-                t0 = time.perf_counter()
-                self._staged(future)
-                self.gather_wait_ms += (time.perf_counter() - t0) * 1e3
+            t0 = time.perf_counter()
+            self._staged(future)  # wait for this microbatch's gather (may be running on the worker)
+            self.gather_wait_ms += (time.perf_counter() - t0) * 1e3  # the exposed gather time
             return staging[i]  # [T_k, C, hd]
         return rows
 

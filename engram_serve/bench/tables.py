@@ -195,9 +195,9 @@ SETTINGS = (("torch plain", "torch", False, 0), ("torch dedup", "torch", True, 0
             ("kernel dedup", "auto", True, 0), ("kernel dedup+cache", "auto", True, 1))
 
 
-def _staging(requests: int, hashes):
+def _staging(requests: int):
     import torch
-    return torch.empty(len(LAYERS), requests, hashes.shape[-1], HEAD_DIM)  # [L, T, C, hd] float32
+    return torch.empty(len(LAYERS), requests, (N - 1) * H, HEAD_DIM)  # [L, T, C, hd] float32
 
 
 def _p90(times: list[float]) -> float:
@@ -256,17 +256,16 @@ def _share_rows(engram: dict, tables: dict, ids: list[int], tmap, steps: int, ro
     runner's worker, overlapped with layer 0 (the default), against the gather inline (PREFETCH_MIN_MS
     infinite), alternating step by step. Exposed = the time the step blocked waiting for its rows."""
     import numpy as np
-    import torch
 
-    from ..engram.staging import BACKEND_ENV
     from ..inputs.ubatch import SplitConfig
+    from ..engram.staging import BACKEND_ENV
     from ..runner.model_runner import ModelRunner, RunnerConfig
-    os.environ[BACKEND_ENV] = "auto"
+    os.environ[BACKEND_ENV] = "auto"  # the kernel, as the settings named below
     requests, block = 64, 16
     length = len(ids) // requests // block * block
     ctx = length - steps
     text = np.asarray(ids[: requests * (len(ids) // requests)], dtype=np.int64).reshape(requests, -1)[:, :length]
-    staging = torch.empty(len(LAYERS), requests, (N - 1) * H, HEAD_DIM)
+    staging = _staging(requests)
     out = []
     for name in ("kernel dedup", "kernel dedup+cache"):
         runner = ModelRunner(_share_model(engram, tables[name], tmap), RunnerConfig(
@@ -288,10 +287,7 @@ def _share_rows(engram: dict, tables: dict, ids: list[int], tmap, steps: int, ro
                     ms[mode].append((time.perf_counter() - t0) * 1e3)
                     if mode == "overlapped":
                         ms["exposed"].append(runner.gather_wait_ms)
-                hashes = runner.bufs[0].hash_ids[:requests]  # this step's ids: its gather, timed alone
-                t0 = time.perf_counter()
-                tables[name].gather(hashes, staging)
-                ms["gather"].append((time.perf_counter() - t0) * 1e3)
+                ms["gather"] += _pass(tables[name], runner.bufs[0].hash_ids[None, :requests], staging)  # timed alone
         runner.close()
         med = {k: statistics.median(v) for k, v in ms.items()}
         out.append({"what": "decode step share", "setting": name, "requests": requests, "context": f"{ctx}-{length - 1}",
@@ -338,13 +334,13 @@ def run(args: argparse.Namespace) -> list[dict]:
                       for name, _, dedup, cache in SETTINGS}
             times: dict[str, list[float]] = {name: [] for name in tables}
             for name, backend, _, _ in SETTINGS:
-                _pass(tables[name], hashes, _staging(r, hashes), backend)
+                _pass(tables[name], hashes, _staging(r), backend)
                 for c in tables[name].caches:  # count the timed passes only
                     if c is not None:
                         c.hits = c.lookups = 0
             for _ in range(args.rounds):
                 for name, backend, _, _ in SETTINGS:
-                    times[name] += _pass(tables[name], hashes, _staging(r, hashes), backend)
+                    times[name] += _pass(tables[name], hashes, _staging(r), backend)
             for name, _, dedup, _ in SETTINGS:
                 rows.append(_row(tables[name], hashes, times[name], r, name, "warm", dedup))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress
@@ -357,7 +353,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             for name, backend, dedup, cache in SETTINGS:
                 _drop_cache(path)
                 tables = _open_tables(root, cfg, dedup, cache * args.cache_mib * 2**20)
-                rows.append(_row(tables, cold, _pass(tables, cold, _staging(r, cold), backend), r, name, "cold", dedup))
+                rows.append(_row(tables, cold, _pass(tables, cold, _staging(r), backend), r, name, "cold", dedup))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress
                 del tables
     finally:

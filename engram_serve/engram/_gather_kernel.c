@@ -100,7 +100,7 @@ ROW_CLONES static void decode_fp8_row(const uint8_t *restrict w, const uint8_t *
  * path widens each byte once (vpmovzxbd) and needs no shuffle. Picked at load time (have_avx512). */
 #if defined(__x86_64__) && (defined(__clang__) || defined(__GNUC__))
 #include <immintrin.h>
-#define HAVE_AVX512_DECODE 1
+#define HAVE_X86_DECODE 1
 static int have_avx512; /* set once in PyInit: the CPU has AVX-512F */
 
 __attribute__((target("avx512f"))) static void decode_fp8_row_avx512(const uint8_t *restrict w,
@@ -163,7 +163,6 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) static void decode_fp8_ro
     }
     if (g < hd / GROUP) decode_fp8_row_avx512(w + g * GROUP, s + g, o + g * GROUP, GROUP); /* an odd last group */
 }
-#endif
 
 /* decode_fp8_row_avx512 in AVX2, 8 values a vector (for CPUs without AVX-512): the same integer
  * construction and the same two IEEE float32 operations per value as decode_fp8_row (2^-6 subtracted,
@@ -193,11 +192,13 @@ __attribute__((target("avx2"))) static void decode_fp8_row_avx2(const uint8_t *r
     }
 }
 
+#endif
+
 /* decode_fp8_row through the fastest path this CPU has. */
 static int decode_path = 3; /* the best path up to: 3 VBMI, 2 AVX-512F, 1 AVX2, 0 decode_fp8_row (_set_decode_path, tests) */
 
 static inline void decode_row(const uint8_t *w, const uint8_t *s, float *o, Py_ssize_t hd) {
-#ifdef HAVE_AVX512_DECODE
+#ifdef HAVE_X86_DECODE
     if (have_vbmi && decode_path >= 3) {
         decode_fp8_row_vbmi(w, s, o, hd);
         return;
@@ -603,7 +604,7 @@ static PyObject *py_set_decode_path(PyObject *Py_UNUSED(self), PyObject *args) {
     }
     const int old = decode_path;
     decode_path = level;
-#ifdef HAVE_AVX512_DECODE
+#ifdef HAVE_X86_DECODE
     const int best = have_vbmi ? 3 : have_avx512 ? 2 : have_avx2 ? 1 : 0;
 #else
     const int best = 0;
@@ -637,7 +638,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__gather_kernel(void) {
     for (int c = 0; c < 255; c++) scale_of_code[c] = ldexpf(1.0f, c - 127);
     scale_of_code[255] = NAN;
-#ifdef HAVE_AVX512_DECODE
+#ifdef HAVE_X86_DECODE
     __builtin_cpu_init();
     have_avx512 = __builtin_cpu_supports("avx512f");
     have_avx2 = __builtin_cpu_supports("avx2");

@@ -164,31 +164,46 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) static void decode_fp8_ro
     if (g < hd / GROUP) decode_fp8_row_avx512(w + g * GROUP, s + g, o + g * GROUP, GROUP); /* an odd last group */
 }
 
-/* decode_fp8_row_avx512 in AVX2, 8 values a vector (for CPUs without AVX-512): the same integer
- * construction and the same two IEEE float32 operations per value as decode_fp8_row (2^-6 subtracted,
- * or +0 where the exponent is not 0: exact either way, as there), so the same bits. The compiler's
- * AVX2 vectorisation of decode_fp8_row widens through byte/word shuffles; this widens each byte once
- * (vpmovzxbd). Picked at load time (have_avx2). */
+/* The same decode in AVX2 (for CPUs without AVX-512), 32 values (one scale group) a step, through
+ * 16-entry byte tables (vpshufb), the AVX2 form of decode_fp8_row_vbmi: the high and the low byte of
+ * the upper half of the float32 |e4m3| (its low half is zero) are, for an exponent field e >= 1, a
+ * table of e (the low byte ORed with the mantissa m << 4), and for e = 0 (zero and the subnormals) a
+ * table of m; the E4M3 sign is ORed into the high byte, the NaN magnitude 0x7f gets the quiet NaN
+ * 0x7fc00000, bytes are interleaved into 32-bit lanes (the input dwords permuted first so that the
+ * in-lane unpacks leave the values in order), and the one rounding multiply by the scale is the same
+ * IEEE operation on the same operands as in decode_fp8_row, so the bits are the same (tested on every
+ * byte under every scale code). ~37 instructions per 32 values against ~68 for widening each byte to
+ * 32 bits and constructing the value there. Tables built in PyInit from mag_hi / mag_lo; picked at
+ * load time (have_avx2). */
+static uint8_t exp_hi[32], exp_lo[32], sub_hi[32], sub_lo[32]; /* [e] for e >= 1, [m] for e = 0; both lanes */
 static int have_avx2; /* set once in PyInit: the CPU has AVX2 */
 
 __attribute__((target("avx2"))) static void decode_fp8_row_avx2(const uint8_t *restrict w, const uint8_t *restrict s,
                                                                float *restrict o, Py_ssize_t hd) {
-    const __m256i k7f = _mm256_set1_epi32(0x7f), k78 = _mm256_set1_epi32(0x78), ksign = _mm256_set1_epi32((int)0x80000000u);
-    const __m256i bias = _mm256_set1_epi32(120 << 23), one_exp = _mm256_set1_epi32(1 << 23), zero = _mm256_setzero_si256();
-    const __m256i qnan = _mm256_set1_epi32(0x7fc00000), two_m6 = _mm256_set1_epi32(0x3c800000); /* 2^-6 */
+    const __m256i ehi = _mm256_loadu_si256((const __m256i *)exp_hi), elo = _mm256_loadu_si256((const __m256i *)exp_lo);
+    const __m256i shi = _mm256_loadu_si256((const __m256i *)sub_hi), slo = _mm256_loadu_si256((const __m256i *)sub_lo);
+    const __m256i k0f = _mm256_set1_epi8(0x0f), k07 = _mm256_set1_epi8(0x07), k70 = _mm256_set1_epi8(0x70);
+    const __m256i k80 = _mm256_set1_epi8((char)0x80), kff = _mm256_set1_epi8((char)0xff), zero = _mm256_setzero_si256();
+    const __m256i nan_hi = _mm256_set1_epi8(0x7f), nan_lo = _mm256_set1_epi8((char)0xc0);
+    /* dword q of the input goes to lane q % 2, place q / 2: after the unpacks, values stay in order */
+    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     for (Py_ssize_t g = 0; g < hd / GROUP; g++) {
+        const __m256i x = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(w + g * GROUP)), order);
+        const __m256i e = _mm256_and_si256(_mm256_srli_epi16(x, 3), k0f), m = _mm256_and_si256(x, k07);
+        const __m256i sub = _mm256_cmpeq_epi8(e, zero);
+        const __m256i mant = _mm256_and_si256(_mm256_slli_epi16(x, 4), k70); /* m << 4 */
+        __m256i h = _mm256_blendv_epi8(_mm256_shuffle_epi8(ehi, e), _mm256_shuffle_epi8(shi, m), sub);
+        __m256i l = _mm256_blendv_epi8(_mm256_or_si256(_mm256_shuffle_epi8(elo, e), mant), _mm256_shuffle_epi8(slo, m), sub);
+        const __m256i nan = _mm256_cmpeq_epi8(_mm256_or_si256(x, k80), kff); /* magnitude 0x7f */
+        h = _mm256_blendv_epi8(_mm256_or_si256(h, _mm256_and_si256(x, k80)), nan_hi, nan);
+        l = _mm256_blendv_epi8(l, nan_lo, nan);
+        const __m256i w0 = _mm256_unpacklo_epi8(l, h), w1 = _mm256_unpackhi_epi8(l, h);
         const __m256 sc = _mm256_set1_ps(scale_of_code[s[g]]);
-        for (int h = 0; h < GROUP; h += 8) {
-            const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + g * GROUP + h)));
-            const __m256i mag = _mm256_and_si256(b, k7f);
-            const __m256i is_sub = _mm256_cmpeq_epi32(_mm256_and_si256(b, k78), zero); /* exponent bits 0: all ones */
-            const __m256i u = _mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_add_epi32(bias, _mm256_and_si256(is_sub, one_exp)));
-            const __m256 v = _mm256_sub_ps(_mm256_castsi256_ps(u), _mm256_castsi256_ps(_mm256_and_si256(is_sub, two_m6)));
-            const __m256i sv = _mm256_or_si256(_mm256_castps_si256(v), _mm256_and_si256(_mm256_slli_epi32(b, 24), ksign));
-            const __m256 x = _mm256_mul_ps(_mm256_castsi256_ps(sv), sc); /* one rounding */
-            const __m256i nan = _mm256_cmpeq_epi32(mag, k7f);
-            _mm256_storeu_ps(o + g * GROUP + h, _mm256_castsi256_ps(_mm256_blendv_epi8(_mm256_castps_si256(x), qnan, nan)));
-        }
+        float *og = o + g * GROUP;
+        _mm256_storeu_ps(og, _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w0)), sc)); /* one rounding */
+        _mm256_storeu_ps(og + 8, _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w0)), sc));
+        _mm256_storeu_ps(og + 16, _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w1)), sc));
+        _mm256_storeu_ps(og + 24, _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w1)), sc));
     }
 }
 
@@ -650,6 +665,12 @@ PyMODINIT_FUNC PyInit__gather_kernel(void) {
         const uint32_t u = bits_of_f32(v[0]);
         mag_hi[m] = (uint8_t)(u >> 24);
         mag_lo[m] = (uint8_t)(u >> 16);
+    }
+    for (int i = 0; i < 16; i++) { /* the AVX2 tables, in both 128-bit lanes */
+        exp_hi[i] = exp_hi[i + 16] = i ? mag_hi[i << 3] : 0;
+        exp_lo[i] = exp_lo[i + 16] = i ? mag_lo[i << 3] : 0;
+        sub_hi[i] = sub_hi[i + 16] = i < 8 ? mag_hi[i] : 0;
+        sub_lo[i] = sub_lo[i + 16] = i < 8 ? mag_lo[i] : 0;
     }
 #endif
     return PyModule_Create(&module);

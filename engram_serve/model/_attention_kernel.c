@@ -66,6 +66,53 @@ typedef struct {
     float scale;
 } Attn;
 
+/* The largest non-NaN x[j], j < n (-inf if none), through 8 running maxima (x > m ? x : m, lane j % 8)
+ * then the 8 in order: the same value as one running maximum in j order, up to the sign of a zero
+ * maximum, which changes no exp(x - max) (x - (+0) and x - (-0) are equal but for x = -0, where both
+ * exps are 1). */
+static inline __attribute__((always_inline)) float max_of(const float *restrict x, Py_ssize_t n) {
+    float m[8];
+    for (int l = 0; l < 8; l++) m[l] = -INFINITY;
+    Py_ssize_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; l++) m[l] = x[j + l] > m[l] ? x[j + l] : m[l];
+    for (int l = 0; j + l < n; l++) m[l] = x[j + l] > m[l] ? x[j + l] : m[l];
+    float r = m[0];
+    for (int l = 1; l < 8; l++) r = m[l] > r ? m[l] : r;
+    return r;
+}
+
+/* o[d] = sum over j in order of e[j] * v_j[d] (from 0: 0 + e0 v0 + e1 v1 + ...), v_j at vbase + slots[j] * hd;
+ * returns the sum of e[j] in order. The accumulators stay in registers for a constant hd. */
+static inline __attribute__((always_inline)) float sum_weighted(const float *restrict e, const float *restrict vbase,
+                                                                const int64_t *restrict slots, Py_ssize_t n,
+                                                                float *restrict o, const Py_ssize_t hd) {
+    float l = 0.0f;
+    if (hd % 8 == 0 && hd <= 128) {
+        v8 acc[16];
+        for (Py_ssize_t c = 0; c < hd / 8; c++) acc[c] = (v8){0};
+        for (Py_ssize_t j = 0; j < n; j++) {
+            const float *vj = vbase + slots[j] * hd;
+            const float ej = e[j];
+            l = l + ej;
+            for (Py_ssize_t c = 0; c < hd / 8; c++) {
+                v8 x;
+                memcpy(&x, vj + 8 * c, sizeof x);
+                acc[c] = acc[c] + ej * x;
+            }
+        }
+        memcpy(o, acc, sizeof(float) * (size_t)hd);
+        return l;
+    }
+    for (Py_ssize_t d = 0; d < hd; d++) o[d] = 0.0f;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        const float *vj = vbase + slots[j] * hd;
+        l = l + e[j];
+        for (Py_ssize_t d = 0; d < hd; d++) o[d] = o[d] + e[j] * vj[d];
+    }
+    return l;
+}
+
 /* out[h] for one query over n keys at `slots`: softmax of scale * q_h . k_j in key order, every head;
  * keys from `zero_from` on get weight exactly 0 (negative control only; else zero_from == n). The g query
  * heads of a KV head share each key's loads; every head's operations are its own, in key order.
@@ -74,38 +121,23 @@ static inline __attribute__((always_inline)) void softmax_attend_hd(
         const Attn *a, const float *restrict qt, const int64_t *restrict slots, Py_ssize_t n, Py_ssize_t zero_from,
         float *restrict s, float *restrict out, const Py_ssize_t hd) {
     const Py_ssize_t g = a->heads / a->kvh;
-    float m[64], l[64];
+    float l[64];
     for (Py_ssize_t kh = 0; kh < a->kvh; kh++) {
         const float *kbase = a->k + kh * a->ld_head, *vbase = a->v + kh * a->ld_head;
         const float *q0 = qt + kh * g * hd;
         float *o0 = out + kh * g * hd;
-        for (Py_ssize_t i = 0; i < g; i++) m[i] = -INFINITY;
         for (Py_ssize_t j = 0; j < n; j++) {
             const float *kj = kbase + slots[j] * hd;
             if (j + PREFETCH < n) prefetch_row(kbase + slots[j + PREFETCH] * hd, hd);
             prefetch_row(vbase + slots[j] * hd, hd);  /* read in the value pass below */
-            for (Py_ssize_t i = 0; i < g; i++) {
-                const float sc = dot(q0 + i * hd, kj, hd) * a->scale;
-                s[i * n + j] = sc;
-                if (j < zero_from && sc > m[i]) m[i] = sc;
-            }
+            for (Py_ssize_t i = 0; i < g; i++) s[i * n + j] = dot(q0 + i * hd, kj, hd) * a->scale;
         }
         for (Py_ssize_t i = 0; i < g; i++) {
             float *si = s + i * n;
-            const float mi = m[i];
+            const float mi = max_of(si, zero_from);
             for (Py_ssize_t j = 0; j < zero_from; j++) si[j] = exp_fixed(si[j] - mi);
             for (Py_ssize_t j = zero_from; j < n; j++) si[j] = 0.0f;
-            l[i] = 0.0f;
-            for (Py_ssize_t d = 0; d < hd; d++) o0[i * hd + d] = 0.0f;
-        }
-        for (Py_ssize_t j = 0; j < n; j++) {
-            const float *vj = vbase + slots[j] * hd;
-            for (Py_ssize_t i = 0; i < g; i++) {
-                const float e = s[i * n + j];
-                float *o = o0 + i * hd;
-                l[i] = l[i] + e;
-                for (Py_ssize_t d = 0; d < hd; d++) o[d] = o[d] + e * vj[d];
-            }
+            l[i] = sum_weighted(si, vbase, slots, n, o0 + i * hd, hd);
         }
         /* l == 0 only when nothing is visible: 0, as a dense kernel's guard; a NaN stays NaN */
         for (Py_ssize_t i = 0; i < g; i++) {

@@ -27,6 +27,7 @@ from ..model.kv_cache import KVCache
 from ..model.layers import MIN_ROWS, batch_invariant, pad_rows
 from ..model.loader import LoadedModel
 from .executor import run_interleaved
+from .host_memory import keep_freed_memory
 from .ownership import OwnershipTracker
 
 
@@ -92,6 +93,8 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         if cfg.exact and self.device.type == "cpu" and torch.get_num_threads() != 1:
             torch.set_num_threads(1)  # see RunnerConfig: exactness on CPU needs one intra-op thread
+        if self.device.type == "cpu":
+            keep_freed_memory()  # each step reuses the last one's freed activations instead of faulting them in
         self.layout = loaded.layout.to(self.device)
         self.token_map = loaded.token_map.to(self.device)
         self.pad_id = int(loaded.token_map[mcfg.engram.engram_pad_token_id])

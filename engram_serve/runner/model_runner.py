@@ -27,7 +27,7 @@ from ..model.kv_cache import KVCache
 from ..model.layers import MIN_ROWS, batch_invariant, pad_rows
 from ..model.loader import LoadedModel
 from .executor import run_interleaved
-from .host_memory import keep_freed_memory
+from .process import freeze_startup_objects, keep_freed_memory
 from .ownership import OwnershipTracker
 
 
@@ -124,6 +124,7 @@ class ModelRunner:
         self._gather_ms_per_token = 0.0  # moving average over recent steps, measured in _stage_rows
         self._step_ms_per_token = 0.0  # moving average of execute's wall time per token
         self.gather_wait_ms = 0.0  # the last step's time blocked waiting for staged rows (exposed gather)
+        freeze_startup_objects()  # once per process: the collector's full passes skip what startup made
 
     def allocate_buffers(self, capacity: int) -> list[UbatchBuffers]:
         """One set of buffers per microbatch, each its own (spec §5)."""

@@ -1,5 +1,6 @@
 """Runner safety: per-microbatch buffers, the ownership check, failures mid-forward (spec §5)."""
 import dataclasses
+import threading
 import time
 
 import numpy as np
@@ -123,6 +124,28 @@ class _SlowTables:
         return self.inner.gather(hash_ids, out)
 
 
+class _SlowOffMainThread(_SlowTables):
+    """A gather that takes 50 ms off the main thread only: the worker's wait for the GIL, which the
+    forward holds, stretched out."""
+
+    def gather(self, hash_ids, out):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.05)
+        return self.inner.gather(hash_ids, out)
+
+
+def test_the_gather_estimate_comes_from_inline_runs_only(loaded):
+    """The planner's gather estimate counts gathers run inline (one step in MEASURE_EVERY), never the
+    worker's wall time, which includes its waits for the GIL: a short gather is not mistaken for a slow one."""
+    r, b = runner_and_batch(loaded, split=SplitConfig(1))
+    r.loaded = dataclasses.replace(loaded, tables=_SlowOffMainThread(loaded.tables))
+    r.MEASURE_EVERY, r.PREFETCH_MIN_MS = 3, 0.0  # every step's gather on the worker but the measuring ones
+    for _ in range(7):  # steps 0, 3 and 6 measure
+        r.execute(b)
+    assert r._gather_ms_per_token * b.num_tokens < 25, "the worker's 50 ms counted as the gather's time"
+    assert r.gather_wait_ms < 5  # step 6 ran its gather inline (no 50 ms wait)
+
+
 def test_the_planner_cuts_only_when_a_cut_hides_something(loaded):
     cfg = RunnerConfig(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=128, num_blocks=64,
                        split=SplitConfig(2, "tokens", 0, 0, min_hidden_ms=0.5))
@@ -134,6 +157,7 @@ def test_the_planner_cuts_only_when_a_cut_hides_something(loaded):
     assert r.plan(b) == [0, 44, 87]
     r.collectives = False
     r.loaded = dataclasses.replace(loaded, tables=_SlowTables(loaded.tables))
+    r._steps = 0  # the next step measures its gather (ModelRunner.MEASURE_EVERY)
     r.execute(b)  # measures the slow gather (the step itself still ran whole)
     assert r.plan(b) == [0, 44, 87]
 
@@ -141,6 +165,7 @@ def test_the_planner_cuts_only_when_a_cut_hides_something(loaded):
 def _slow_after_one_step(r, b):
     """Swap in the slow tables and run one step, so that the runner measures the slow gather."""
     r.loaded = dataclasses.replace(r.loaded, tables=_SlowTables(r.loaded.tables))
+    r._steps = 0  # the next step measures its gather (ModelRunner.MEASURE_EVERY)
     r.execute(b)
 
 

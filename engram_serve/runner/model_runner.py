@@ -85,6 +85,9 @@ class ModelRunner:
     PREFETCH_MIN_MS = 0.1  # a whole step's gather expected to take at least this long runs on the worker,
     # overlapped with the layers before the first Engram layer; a shorter one runs inline (a thread
     # handoff costs tens of microseconds)
+    MEASURE_EVERY = 32  # planning: one step in this many runs its gathers inline, which measures them. Only
+    # those runs update the estimate: on the worker a gather's wall time also counts its waits for the GIL,
+    # which the forward holds, so a 0.04 ms gather of one token measured 0.3 ms there and stayed there
 
     def __init__(self, loaded: LoadedModel, cfg: RunnerConfig):
         self.cfg, self.loaded = cfg, loaded
@@ -121,7 +124,8 @@ class ModelRunner:
         self.collectives = False  # True where each layer launches a collective (tensor/expert parallelism)
         tabs = loaded.tables.tables
         self._tables_off_device = bool(tabs) and tabs[0].device != self.device
-        self._gather_ms_per_token = 0.0  # moving average over recent steps, measured in _stage_rows
+        self._gather_ms_per_token = 0.0  # moving average of inline gathers (MEASURE_EVERY), in _stage_rows
+        self._steps = 0  # steps executed (which of them measure the gather)
         self._step_ms_per_token = 0.0  # moving average of execute's wall time per token
         self.gather_wait_ms = 0.0  # the last step's time blocked waiting for staged rows (exposed gather)
         freeze_startup_objects()  # once per process: the collector's full passes skip what startup made
@@ -188,6 +192,8 @@ class ModelRunner:
             self.tracker.reset()
         ctxs, futures = [], []
         self.gather_wait_ms = 0.0
+        measure = self._steps % self.MEASURE_EVERY == 0
+        self._steps += 1
         for k, u in enumerate(ubs):
             bufs = self.bufs[k]
             u.hash_ids = hash_step(u.input_ids, u.qsl, u.history, self.layout, self.token_map, self.pad_id,
@@ -202,11 +208,12 @@ class ModelRunner:
                 ready.record(torch.cuda.current_stream(self.device))
             # on the worker, the gather overlaps another microbatch's compute and this one's layers before
             # its first Engram layer (the C gather and torch's operators release the GIL)
-            if len(ubs) > 1 or self._tables_off_device or self._gather_ms_per_token * real[k] >= self.PREFETCH_MIN_MS:
+            if not measure and (len(ubs) > 1 or self._tables_off_device
+                                or self._gather_ms_per_token * real[k] >= self.PREFETCH_MIN_MS):
                 futures.append(self._gather_pool.submit(self._stage_rows, u.hash_ids, staging, real[k], ready))
-            else:  # a short gather: a thread handoff would cost more than it hides
+            else:  # a short gather (a thread handoff would cost more than it hides), or a measuring step
                 futures.append(Future())
-                futures[-1].set_result(self._stage_rows(u.hash_ids, staging, real[k], ready))
+                futures[-1].set_result(self._stage_rows(u.hash_ids, staging, real[k], ready, measure))
             ctxs.append(ForwardContext(u, self.kv, bufs, self._rows_fn(futures[-1], staging), self.tracker))
         try:
             with batch_invariant(self.cfg.exact):
@@ -235,11 +242,12 @@ class ModelRunner:
             return [self.graphs.forward(c) for c in ctxs]  # replays in microbatch order
         return run_interleaved([self.model.stages(c) for c in ctxs])
 
-    def _stage_rows(self, hash_ids: torch.Tensor, staging: torch.Tensor, real: int, ready=None) -> torch.Tensor:
+    def _stage_rows(self, hash_ids: torch.Tensor, staging: torch.Tensor, real: int, ready=None,
+                    measure: bool = False) -> torch.Tensor:
         """Gather the real tokens' rows; zero the padding rows (fresh every step). On CUDA the copies run
         on `copy_stream` after the event `ready` (the hash ids, and every earlier use of the buffer, are
         done) and the result is [staging, event]: `_staged` makes the compute stream wait on that event.
-        The gather's time per token feeds the planner (a plain float written by this worker only)."""
+        With `measure` (run inline, see MEASURE_EVERY) the gather's time per token feeds the planner."""
         t0 = time.perf_counter()
         if self.copy_stream is None:
             self.loaded.tables.gather(hash_ids[:real], staging[:, :real])
@@ -253,7 +261,7 @@ class ModelRunner:
                 done = torch.cuda.Event()
                 done.record(self.copy_stream)
             out = [staging, done]
-        if real:
+        if measure and real:
             self._gather_ms_per_token += 0.25 * ((time.perf_counter() - t0) * 1e3 / real - self._gather_ms_per_token)
         return out
 

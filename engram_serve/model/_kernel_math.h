@@ -7,7 +7,9 @@
  *   dot(a, b, d)  sum of a[i] * b[i]: lane l (of 16) sums the products of indices l, l + 16, ... in
  *                 order, then the lanes are added pairwise in a fixed tree (l + 8, l + 4, l + 2, l + 1).
  *                 For d a multiple of 16 the same operations run as GCC/clang vector types (lane-wise
- *                 IEEE operations, lowered to whatever the target has), which keeps the lanes in registers.
+ *                 IEEE operations, lowered to whatever the target has), which keeps the lanes in registers:
+ *                 one 16-lane vector for a d known at compile time (the loop unrolled), two 8-lane ones
+ *                 otherwise (lanes 0-7 and 8-15, added lane by lane first, as the tree does).
  *   exp_fixed(x)  e^x in float32 from plain IEEE operations only (Cephes' expf: the range reduction
  *                 x = n ln2 + r with n rounded to nearest by the 1.5 * 2^23 trick, a degree-6 polynomial
  *                 in r, the power of two put in the exponent bits). Within 2 ulp of e^x for normal
@@ -37,6 +39,23 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 
 static inline __attribute__((always_inline)) float dot(const float *restrict a, const float *restrict b, Py_ssize_t d) {
+    if (d % LANES == 0 && !__builtin_constant_p(d)) {
+        /* a length known only at run time: lanes 0-7 and 8-15 as two 8-lane vectors, the same lane-wise
+         * operations (a 16-lane accumulator in a loop of unknown trip count was kept in memory by GCC's
+         * AVX2 clone, a store-to-load chain per iteration: engram_gate 2x slower) */
+        v8 lo = {0}, hi = {0}, x, y;
+        for (Py_ssize_t i = 0; i < d; i += LANES) {
+            memcpy(&x, a + i, sizeof x);
+            memcpy(&y, b + i, sizeof y);
+            lo = lo + x * y;
+            memcpy(&x, a + i + 8, sizeof x);
+            memcpy(&y, b + i + 8, sizeof y);
+            hi = hi + x * y;
+        }
+        const v8 s8 = lo + hi;
+        const v4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+        return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+    }
     if (d % LANES == 0) {
         v16 acc = {0}, x, y;
         for (Py_ssize_t i = 0; i < d; i += LANES) {

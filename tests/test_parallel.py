@@ -196,6 +196,11 @@ def test_bench_hidden_fraction_is_exposed_comm_removed_over_the_off_steps():
     assert r["dbo_comm_hidden"] == 0.875  # 1 - 5 / 40: of DBO's own collectives
     assert r["comm_share_of_off_step"] == 0.2 and r["dbo_speedup_over_off"] == 100 / 85
     assert r["paired_speedup_median"] == 1.25  # median of the per-round ratios 1.25, 1.294, 1.0
+    assert r["ideal_dbo_speedup"] == 100 / 80  # the cut step computes 120 - 40 = 80 ms, communicates 40
+    assert r["ideal_comm_hidden"] == 1.0  # its 40 ms fit inside its 80 ms of compute
+    m["exposed"]["dbo-sync"] = [70.0] * 3  # latency-bound sums, doubled by the cut: more than the compute
+    r = _row(m)
+    assert r["ideal_dbo_speedup"] == 100 / 70 and r["ideal_comm_hidden"] == 1 - (70 - 50) / 20
 
 
 class _Partial:

@@ -27,8 +27,8 @@ from ..model.kv_cache import KVCache
 from ..model.layers import MIN_ROWS, batch_invariant, pad_rows
 from ..model.loader import LoadedModel
 from .executor import run_interleaved
-from .process import freeze_startup_objects, keep_freed_memory
 from .ownership import OwnershipTracker
+from .process import freeze_startup_objects, keep_freed_memory
 
 
 @dataclass(frozen=True)

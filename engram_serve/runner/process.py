@@ -1,7 +1,8 @@
 """Process-wide settings for serving, applied once per process by the first ModelRunner.
 
-`keep_freed_memory`: freed host memory kept for the next step (glibc). glibc's malloc gives large freed blocks back to the kernel: a block above the mmap threshold is
-unmapped when freed, and free memory at the top of the heap beyond the trim threshold is trimmed. A
+`keep_freed_memory`: freed host memory kept for the next step (glibc). glibc's malloc gives large
+freed blocks back to the kernel: a block above the mmap threshold is unmapped when freed, and free
+memory at the top of the heap beyond the trim threshold is trimmed. A
 CPU step allocates the same large activations as the step before, so each step then faults in and
 zeroes them again: about 25,000 minor faults (100 MiB) per 8,192-token prefill step of the built-in
 model, 8% of its time (measured). `keep_freed_memory` raises both thresholds once per process, so

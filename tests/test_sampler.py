@@ -486,3 +486,20 @@ def test_sampling_params_from_dict():
         SamplingParams.from_dict({"best_of": 2})
     with pytest.raises(InvalidRequest, match="top_k=-2"):
         SamplingParams.from_dict({"top_k": -2})
+
+
+@given(rows=st.integers(1, 12), vocab=st.integers(2, 300), seed=st.integers(0, 2**31), bad=st.sets(st.integers(0, 11)),
+       ties=st.booleans())
+def test_the_greedy_shortcut_gives_what_sample_gives_greedy_rows(rows, vocab, seed, bad, ties):
+    """Sampler.greedy (the engine's path when every row is plain greedy) gives the tokens and finite
+    flags that Sampler.sample gives the same rows: ties to the lowest id, a NaN or inf row flagged."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g)
+    if ties:
+        logits = logits.round()  # many equal maxima
+    for r in bad:
+        if r < rows:
+            logits[r, r % vocab] = (float("nan"), float("inf"), float("-inf"))[r % 3]
+    batch = SamplingBatch.build(vocab, [0.0] * rows, [0] * rows, [1.0] * rows, list(range(rows)), [0] * rows)
+    full, short = Sampler().sample(logits, batch), Sampler().greedy(logits)
+    assert torch.equal(full.tokens, short.tokens) and torch.equal(full.finite, short.finite)

@@ -19,7 +19,7 @@ from ..engine.sequence import Sequence
 from ..errors import InvalidRequest, OwnershipError, SliceError, StaticBufferError
 from ..model.loader import LoadedModel
 from ..runner.model_runner import ModelRunner, RunnerConfig, StepOutput
-from ..runner.sampler import Penalties, Sampler, SamplingBatch
+from ..runner.sampler import GREEDY_BELOW, Penalties, Sampler, SamplingBatch
 from ..sampling_params import SamplingParams
 from .threads import set_torch_threads
 
@@ -290,6 +290,7 @@ class LLMEngine:
         p = [s.params for s in seqs]
         ban_rows, ban_tokens, bias_rows, bias_tokens, bias_values = [], [], [], [], []
         pen_rows = []
+        plain_greedy = all(x.temperature < GREEDY_BELOW and x.logprobs is None for x in p)
         for i, (s, x) in enumerate(zip(seqs, p)):  # host bookkeeping of the few rows that ask for extras
             if x.min_tokens and s.num_output_tokens < x.min_tokens:
                 stops = [t for t in x.stop_token_ids + ([] if x.ignore_eos or self.eos is None else [self.eos])
@@ -302,6 +303,8 @@ class LLMEngine:
                 bias_values += list(x.logit_bias.values())
             if x.penalised:
                 pen_rows.append(i)
+        if plain_greedy and not (ban_rows or bias_rows or pen_rows):  # the common case: one argmax, no batch to build
+            return self._commit(seqs, self.sampler.greedy(logits), None)
         penalties = None
         if pen_rows:
             ps = [seqs[i] for i in pen_rows]
@@ -321,12 +324,17 @@ class LLMEngine:
             bias=(bias_rows, bias_tokens, bias_values) if bias_rows else None,
             ban=(ban_rows, ban_tokens) if ban_rows else None, penalties=penalties,
             logprobs=[x.logprobs for x in p])
-        out = self.sampler.sample(logits, batch)
+        return self._commit(seqs, self.sampler.sample(logits, batch), batch)
+
+    def _commit(self, seqs: list[Sequence], out, batch: SamplingBatch | None) -> list[TokenEvent]:
+        """Append the sampled tokens (SamplerOutput `out`) to their sequences; the step's token events.
+        `batch` None: no row wants logprobs."""
+        dev = out.tokens.device
         slots = torch.tensor([s.slot for s in seqs], device=dev)
         self.runner.store.append(slots, out.tokens)  # on the device; rows that fail are freed below
         packed = torch.stack([out.tokens.double(), out.finite.double()], dim=1)  # [R, 2]
-        n = batch.num_logprobs
-        if batch.logprob_rows is not None:
+        n = 0 if batch is None else batch.num_logprobs
+        if batch is not None and batch.logprob_rows is not None:
             lp = torch.cat([out.logprob.double()[:, None], out.top_ids.double(), out.top_logprobs.double()], 1) \
                 if n else out.logprob.double()[:, None]  # [Q, 1 + 2n]
             full = torch.full((len(seqs), lp.shape[1]), float("nan"), dtype=torch.float64, device=dev)

@@ -249,6 +249,11 @@ class Sampler:
         """Gumbel noise at `index` ([R, N] or [N]); a subclass may replace it (negative controls)."""
         return gumbel(hash_uniform_at(seeds, counters, index))
 
+    def greedy(self, logits: torch.Tensor) -> SamplerOutput:
+        """`sample` for rows that are all greedy with nothing to process and no logprobs: one argmax per row
+        (the same tokens and finite flags as `sample` gives them), without a SamplingBatch."""
+        return SamplerOutput(logits.argmax(dim=1), torch.isfinite(logits.sum(dim=1)))
+
     def sample(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         """logits [R, V] float32 -> SamplerOutput. Row r uses only row r of every input."""
         rows, vocab = logits.shape

@@ -66,11 +66,12 @@ def test_a_request_is_bit_identical_alone_and_in_any_batch(loaded, seed, mates, 
     assert torch.equal(logits, alone_logits), float((logits - alone_logits).abs().max())
 
 
-@pytest.mark.parametrize("off", ["fixed matmul tile only", "row kernel in another order", "every rule (exact=False)"])
+@pytest.mark.parametrize("off", ["fixed matmul tile only", "matmul kernel in another order for few rows",
+                                 "every rule (exact=False)"])
 def test_negative_control_without_the_batch_invariance_rules_logits_differ(loaded, monkeypatch, off):
-    """Alone, the target's decode steps hold one row (MKL's 1-row kernel, or the row kernel); in a batch
-    they hold many: without the fixed-tile rule, or with the row kernel summing in other blocks than
-    the blocked kernel, the bits differ."""
+    """Alone, the target's decode steps hold one row; in a batch they hold many. Without the C matmul
+    kernel and the fixed-tile rule (MKL's 1-row kernel), or with a kernel that sums a call of few rows
+    in other blocks than a bigger call (as BLAS small-call kernels do), the bits differ."""
     work = workload(1, 7, loaded.config.vocab_size)
     alone, _ = run(loaded, Workload(work.prompts[:1], GEN))  # with the rules on, the case passes
     assert torch.equal(alone, run(loaded, work, ubatches=2)[0])
@@ -78,10 +79,13 @@ def test_negative_control_without_the_batch_invariance_rules_logits_differ(loade
     monkeypatch.setattr(layers, "_plans", {})  # the rules below are consulted afresh
     if off.startswith("fixed"):
         monkeypatch.setattr(layers, "min_rows", lambda weight: 1)
-    elif off.startswith("row kernel"):
+        monkeypatch.setattr(layers, "small_call_kc", lambda weight: None)
+    elif off.startswith("matmul kernel"):
         if layers.pad_rows(loaded.model) != 1:
-            pytest.skip("the row kernel does not serve this model's small calls here")
-        monkeypatch.setattr(layers, "small_call_kc", lambda weight: weight.shape[1] // 2 + 1)
+            pytest.skip("the C matmul kernel does not serve this model's matmuls here")
+        kernel = layers._kernel
+        monkeypatch.setattr(layers, "_kernel", lambda x, panels, n, kc, *args, **kw: kernel(
+            x, panels, n, kc if x.shape[0] > 3 else kc // 2 + 1, *args, **kw))
     else:
         exact = False
     alone, _ = run(loaded, Workload(work.prompts[:1], GEN), exact=exact)

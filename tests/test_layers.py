@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engram_serve.engram.layer import EngramGate
-from engram_serve.model import layers
+from engram_serve.model import fused, layers
 from engram_serve.model.layers import MLP, MoE, apply_rotary, rms_norm, rotary_cos_sin
 from engram_serve.model.model import run_stages
 
@@ -132,7 +132,7 @@ def _round_f32(q: Fraction) -> np.float32:
 
 
 def plain_rows(x: np.ndarray, wt: np.ndarray, kc: int) -> np.ndarray:
-    """y = x @ wt, the row kernel's definition as a plain loop in exact rational arithmetic: per output,
+    """y = x @ wt, the matmul kernel's definition as a plain loop in exact rational arithmetic: per output,
     fma chains (one rounding each) over blocks of kc inputs from 0, the blocks' sums added in order."""
     m, k = x.shape
     y = np.zeros((m, wt.shape[1]), np.float32)
@@ -148,37 +148,40 @@ def plain_rows(x: np.ndarray, wt: np.ndarray, kc: int) -> np.ndarray:
     return y
 
 
-@pytest.mark.skipif(layers._linear_kernel is None, reason="the row kernel was not built (no C compiler)")
+@pytest.mark.skipif(layers._linear_kernel is None, reason="the matmul kernel was not built (no C compiler)")
 @settings(max_examples=25, deadline=None)
-@given(st.integers(1, 3), st.integers(1, 70), st.integers(1, 40), st.data())
-def test_row_kernel_equals_a_plain_exact_loop_whatever_its_row_count(m, k, n, data):
-    """`_linear_kernel.linear_rows` against its definition computed in exact arithmetic, with strided
-    rows, and each row alone against the same row in the call (the kernel's batch invariance)."""
+@given(st.integers(1, 14), st.integers(1, 70), st.integers(1, 40), st.booleans(), st.data())
+def test_matmul_kernel_equals_a_plain_exact_loop_whatever_its_row_count(m, k, n, simd, data):
+    """`_linear_kernel.linear_packed` (vector or portable tile) against its definition computed in exact
+    arithmetic, with strided rows, partial tiles and panels, and each row alone against the same row in
+    the call (the kernel's batch invariance)."""
     kc = data.draw(st.integers(1, k))
     g = torch.Generator().manual_seed(m * 10007 + k * 101 + n)
     x = torch.randn(m, k + 3, generator=g)[:, 1:k + 1]  # rows 3 floats apart beyond k
     wt = torch.randn(k, n + 5, generator=g)[:, :n]
-    y = layers._rows_kernel(x, wt, kc)
+    panels = layers.pack_panels(wt)
+    y = layers._kernel(x, panels, n, kc, simd)
     assert np.array_equal(y.numpy().view(np.uint32), plain_rows(x.numpy(), wt.numpy(), kc).view(np.uint32))
     for i in range(m):
-        assert torch.equal(layers._rows_kernel(x[i:i + 1], wt, kc), y[i:i + 1])
+        assert torch.equal(layers._kernel(x[i:i + 1], panels, n, kc, not simd), y[i:i + 1])
 
 
 @pytest.mark.parametrize("out_f,in_f", [(384, 128), (128, 512), (4096, 128), (7, 100)])
-def test_small_calls_through_the_row_kernel_get_the_batch_bits(out_f, in_f):
-    """Where the probe accepts the row kernel for a shape (`small_call_kc`), a row computed alone through
-    it equals the row in a big call, on values other than the probe's; a block size the probe did not
-    pick gives other bits (the accumulation order is what makes the rows equal)."""
+def test_calls_through_the_matmul_kernel_get_torchs_bits(out_f, in_f):
+    """Where the probe accepts the C kernel for a shape (`small_call_kc`), a row computed alone through it
+    equals the row in a big call and in torch's matmul of the batch, on values other than the probe's; a
+    block size the probe did not pick gives other bits (the accumulation order is what makes them equal)."""
     g = torch.Generator().manual_seed(out_f + in_f)
     w = layers.in_major(torch.randn(out_f, in_f, generator=g))
     kc = layers.small_call_kc(w)
     if kc is None:
-        pytest.skip(f"the row kernel does not reproduce this CPU's batch bits for [{out_f}, {in_f}]: small calls pad")
-    x = torch.randn(64, in_f, generator=g)
+        pytest.skip(f"the C kernel does not reproduce this CPU's matmul bits for [{out_f}, {in_f}]: small calls pad")
+    x = torch.randn(700, in_f, generator=g)
     whole = layers.linear(x, w)
+    assert torch.equal(whole, F.linear(x, w))
     assert all(torch.equal(layers.linear(x[i:i + 1], w), whole[i:i + 1]) for i in range(64))
     wrong = kc // 2 + 1
-    assert not torch.equal(layers._rows_kernel(x, w.t(), wrong), whole)
+    assert not torch.equal(layers._kernel(x, layers.pack_panels(w.t()), out_f, wrong), whole)
 
 
 def test_fused_weights_keep_the_checkpoint_names():
@@ -225,3 +228,41 @@ def test_measured_bmm_rule_holds_for_other_values(k, n, transposed):
     a = torch.randn(1, 300, k, generator=g)
     full = torch.bmm(a, b)
     assert all(torch.equal(torch.bmm(a[:, :r].contiguous(), b), full[:, :r]) for r in range(m, 80))
+
+
+def test_a_weight_changed_in_place_is_packed_again():
+    """`linear` caches the C kernel's packed copy of a weight: an in-place change (load_state_dict, an
+    optimizer step) must reach the next call, and a new weight at a freed one's address is not confused."""
+    mlp = layers.layout_weights_(_init(MLP(32, 48)))
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        before = mlp(x)
+        mlp.gate_up.mul_(2)
+        after = mlp(x)
+        assert not torch.equal(after, before)
+        fresh = MLP(32, 48)
+        fresh.load_state_dict(mlp.state_dict())
+        assert torch.equal(after, layers.layout_weights_(fresh)(x))
+    for seed in range(20):  # fresh weights, likely at recycled addresses
+        w = layers.in_major(torch.randn(48, 32, generator=torch.Generator().manual_seed(seed)))
+        assert torch.equal(layers.linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.skipif(layers._linear_kernel is None, reason="the matmul kernel was not built (no C compiler)")
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 14), st.sampled_from([16, 32, 48]), st.integers(1, 4), st.booleans(), st.booleans())
+def test_the_fused_swiglu_gives_the_bits_of_the_product_then_silu_mul(m, inter, groups, weighted, simd):
+    """`linear_swiglu` (the kernel's SwiGLU epilogue, vector or portable tile) against the product stored
+    and then `fused.silu_mul`, with per-group weights (the dense MoE) or none (the MLP)."""
+    g = torch.Generator().manual_seed(m * 1000 + inter * 10 + groups)
+    w = layers.in_major(torch.randn(groups * 2 * inter, 40, generator=g))
+    x = torch.randn(m, 40, generator=g) * 3
+    weights = torch.rand(m, groups, generator=g) if weighted else None
+    want = fused.silu_mul(layers.linear(x, w).view(m, groups, 2 * inter), inter, weights).view(m, groups * inter)
+    kc = layers.small_call_kc(w) or 40
+    got = layers._kernel(x, layers.pack_panels(w.t()), w.shape[0], kc, simd, inter, weights)
+    if layers.small_call_kc(w):
+        assert torch.equal(layers.linear_swiglu(x, w, inter, weights), want)
+    y = layers._kernel(x, layers.pack_panels(w.t()), w.shape[0], kc, simd)
+    want = fused.silu_mul(y.view(m, groups, 2 * inter), inter, weights).view(m, groups * inter)
+    assert torch.equal(got, want)

@@ -1,104 +1,188 @@
-/* A matmul for the calls of few rows that batch invariance would otherwise pad (model/layers.py,
- * `linear`): each row computed alone, with the accumulation order of the BLAS's blocked kernel, so
- * that the row gets the bits it gets in a batch without the padded rows and the blocked kernel's cost
- * on a call of one row. layers.py uses it for a weight only where a probe on this CPU shows it gives
- * those bits (`small_call_kc`); elsewhere the call is padded as before.
+/* The float32 matmul of model/layers.py `linear` on the CPU, in a fixed accumulation order: every
+ * output y[i][j] is the k products x[i][t] * w[t][j] summed as blocks of kc inputs: within a block one
+ * fused multiply-add chain over the inputs in order, from 0 (one rounding per step); the blocks' sums
+ * then added in order, the first one taken as is. That is the order of MKL's blocked sgemm kernel for
+ * the right kc, so layers.py uses it for a weight only where a probe on this CPU shows it gives the
+ * bits of torch's matmul (`small_call_kc`). The same operations for every row whatever the call's row
+ * count, its tile or the tile's place: a row's bits do not depend on its batch mates, by construction.
+ * So no call pads, and a call of one row costs one row.
+ *
+ * Blocked for the cache: the weight comes packed in panels of 16 columns ([panels][k][16], zero
+ * beyond n, layers.py `pack_panels`, once per weight); tiles of 6 rows x 16 columns keep their 12
+ * accumulators in AVX2 registers (a portable tile with fmaf elsewhere, the same bits); a pass over
+ * the rows reuses a group of panels that stays in L2.
  *
  * Plain CPython C API. The arrays come as addresses (torch's `data_ptr()`), not through the buffer
  * protocol: numpy conversions around each call cost more than the arithmetic of a one-row call
- * (~5 us against ~1 us at [128, 128]). The one caller, layers.py `_rows_kernel`, checks dtype, device,
+ * (~5 us against ~1 us at [128, 128]). The one caller, layers.py `_kernel`, checks dtype, device,
  * shapes and strides and keeps the tensors alive; the kernel checks sizes only.
  *
- *   linear_rows(x, ldx, w, ldw, y, m, k, n, kc) -> None
+ *   linear_packed(x, ldx, panels, y, m, k, n, kc, inter, weights, simd) -> None
  *       x  [m, k] float32, rows ldx floats apart;
- *       w  [k, n] float32, rows ldw floats apart: an input-major weight's transpose;
- *       y  [m, n] float32, contiguous, written: for every (i, j), the k products summed as blocks of
- *          kc inputs: within a block one fused multiply-add chain over the inputs in order, from 0
- *          (one rounding per step); the blocks' sums then added in order, the first one taken as is.
- *          The same operations whatever m, so the row's bits do not depend on the call's row count.
+ *       panels [ceil(n / 16), k, 16] float32: the weight w [k, n] (an input-major weight's transpose);
+ *       y  [m, n] float32, contiguous, written; or, with inter > 0 (a multiple of 16), the SwiGLU of the
+ *          product, never stored: w's columns are groups of 2 * inter (gate, then up), and y [m, n / 2]
+ *          holds silu(gate) * up per group [* weights[i][group], weights [m, groups] or 0], computed
+ *          as _token_kernel.c `silu_mul` computes it (the same bits as the product, then silu_mul);
+ *       simd False takes the portable tile (tests: both tiles give the same bits).
  *   The GIL is released during the arithmetic.
  *
  * Built without -ffast-math and with -ffp-contract=off: every operation is the IEEE one written
- * (fmaf rounds once), in every clone below.
+ * (fmaf and the vector fused multiply-add round once).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
-/* The column loops are compiled for AVX-512, FMA (with AVX) and baseline x86-64 (where fmaf is the libm
- * call), picked at load time by the CPU (gcc/clang function multiversioning, Linux ifunc); one plain
- * build elsewhere. The same correctly rounded fmaf everywhere, so the same bits. */
-#if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || defined(__GNUC__))
-#define CLONES __attribute__((target_clones("avx512f", "fma", "default"), noinline))
+#include "_kernel_math.h"
+
+#if defined(__x86_64__) && (defined(__clang__) || defined(__GNUC__))
+#define HAVE_X86_TILE 1
+#include <immintrin.h>
 #else
-#define CLONES
+#define HAVE_X86_TILE 0
 #endif
 
-#define JB 4096 /* columns per block: its accumulators stay in L1 while the rows of w stream past */
+/* ---- the blocked form: panels of 16 columns, tiles of up to 6 rows ---------------------------------- */
 
-/* a[j] = 0, then fma(x[k], w[k][j], a[j]) for the nk inputs in order, j < nb (w rows ldw floats apart). */
-CLONES static void chain(float *restrict a, const float *restrict x, const float *restrict w, Py_ssize_t ldw,
-                         Py_ssize_t nk, Py_ssize_t nb) {
-    for (Py_ssize_t j = 0; j < nb; j++) a[j] = 0.0f;
-    Py_ssize_t k = 0;
-    for (; k + 16 <= nk; k += 16) { /* 16 inputs a pass: the same chain, 16 streams of w, 1/16 of a's traffic */
-        const float *restrict w0 = w + k * ldw;
-        for (Py_ssize_t j = 0; j < nb; j++) {
-            float t = a[j];
-            for (int u = 0; u < 16; u++) t = fmaf(x[k + u], w0[u * ldw + j], t);
-            a[j] = t;
-        }
-    }
-    for (; k < nk; k++) {
-        const float xv = x[k];
-        const float *restrict wk = w + k * ldw;
-        for (Py_ssize_t j = 0; j < nb; j++) a[j] = fmaf(xv, wk[j], a[j]);
-    }
-}
+#define NR 16 /* columns of a panel: the packed weight is [panels][k][NR], zero beyond n */
+#define MR 6  /* rows of a tile: 6 x 16 accumulators fill 12 of AVX2's 16 vector registers */
+#define PANEL_BYTES (192 * 1024) /* the panels one pass over the rows reuses: they stay in L2 */
 
-CLONES static void add_to(float *restrict y, const float *restrict a, Py_ssize_t nb) {
-    for (Py_ssize_t j = 0; j < nb; j++) y[j] = y[j] + a[j];
-}
-
-static PyObject *py_linear_rows(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long xa, wa, ya;
-    Py_ssize_t ldx, ldw, m, k, n, kc;
-    if (!PyArg_ParseTuple(args, "KnKnKnnnn", &xa, &ldx, &wa, &ldw, &ya, &m, &k, &n, &kc)) return NULL;
-    if (m < 0 || k < 1 || n < 0 || kc < 1 || ldx < k || ldw < n || (m && n && (!xa || !wa || !ya))) {
-        PyErr_Format(PyExc_ValueError, "linear_rows: m %zd, k %zd, n %zd, kc %zd, ldx %zd, ldw %zd do not fit (k and kc "
-                     "at least 1, ldx >= k, ldw >= n, non-null addresses)", m, k, n, kc, ldx, ldw);
-        return NULL;
-    }
-    const float *xp = (const float *)(uintptr_t)xa, *wp = (const float *)(uintptr_t)wa;
-    float *yp = (float *)(uintptr_t)ya;
-    Py_BEGIN_ALLOW_THREADS
-    float acc[JB];
-    for (Py_ssize_t i = 0; i < m; i++)
-        for (Py_ssize_t j0 = 0; j0 < n; j0 += JB) {
-            const Py_ssize_t nb = n - j0 < JB ? n - j0 : JB;
-            float *out = yp + i * n + j0;
-            for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
-                const Py_ssize_t nk = k - k0 < kc ? k - k0 : kc;
-                chain(k0 ? acc : out, xp + i * ldx + k0, wp + k0 * ldw + j0, ldw, nk, nb);
-                if (k0) add_to(out, acc, nb);
+#if HAVE_X86_TILE
+/* out[r][0..16) for r < mr: the formula above over x rows (ldx apart) and one packed panel bp [k][16];
+ * out rows ldo apart. Each block of kc inputs: a chain from 0, stored (the first block) or added. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+tile_avx2(const int mr, const float *restrict x, Py_ssize_t ldx, const float *restrict bp, Py_ssize_t k,
+          Py_ssize_t kc, float *restrict out, Py_ssize_t ldo) {
+    for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
+        const Py_ssize_t ke = k - k0 < kc ? k : k0 + kc;
+        __m256 c[MR][2];
+        for (int r = 0; r < mr; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+        for (Py_ssize_t t = k0; t < ke; t++) {
+            const __m256 b0 = _mm256_loadu_ps(bp + t * NR), b1 = _mm256_loadu_ps(bp + t * NR + 8);
+            for (int r = 0; r < mr; r++) {
+                const __m256 a = _mm256_broadcast_ss(x + r * ldx + t);
+                c[r][0] = _mm256_fmadd_ps(a, b0, c[r][0]);
+                c[r][1] = _mm256_fmadd_ps(a, b1, c[r][1]);
             }
         }
+        for (int r = 0; r < mr; r++) {
+            float *o = out + r * ldo;
+            if (k0) {
+                c[r][0] = _mm256_add_ps(_mm256_loadu_ps(o), c[r][0]);
+                c[r][1] = _mm256_add_ps(_mm256_loadu_ps(o + 8), c[r][1]);
+            }
+            _mm256_storeu_ps(o, c[r][0]);
+            _mm256_storeu_ps(o + 8, c[r][1]);
+        }
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void tile_x86(int mr, const float *x, Py_ssize_t ldx, const float *bp,
+                                                         Py_ssize_t k, Py_ssize_t kc, float *out, Py_ssize_t ldo) {
+    switch (mr) { /* each case a tile of constant rows: its accumulators stay in registers */
+    case 6: tile_avx2(6, x, ldx, bp, k, kc, out, ldo); break;
+    case 5: tile_avx2(5, x, ldx, bp, k, kc, out, ldo); break;
+    case 4: tile_avx2(4, x, ldx, bp, k, kc, out, ldo); break;
+    case 3: tile_avx2(3, x, ldx, bp, k, kc, out, ldo); break;
+    case 2: tile_avx2(2, x, ldx, bp, k, kc, out, ldo); break;
+    default: tile_avx2(1, x, ldx, bp, k, kc, out, ldo); break;
+    }
+}
+#endif
+
+/* The same tile in portable C (fmaf: one rounding, as the vector fused multiply-add). */
+static void tile_plain(int mr, const float *restrict x, Py_ssize_t ldx, const float *restrict bp, Py_ssize_t k,
+                       Py_ssize_t kc, float *restrict out, Py_ssize_t ldo) {
+    for (int r = 0; r < mr; r++)
+        for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
+            const Py_ssize_t ke = k - k0 < kc ? k : k0 + kc;
+            float c[NR] = {0};
+            for (Py_ssize_t t = k0; t < ke; t++)
+                for (int j = 0; j < NR; j++) c[j] = fmaf(x[r * ldx + t], bp[t * NR + j], c[j]);
+            for (int j = 0; j < NR; j++) out[r * ldo + j] = k0 ? out[r * ldo + j] + c[j] : c[j];
+        }
+}
+
+typedef void (*tile_fn)(int, const float *, Py_ssize_t, const float *, Py_ssize_t, Py_ssize_t, float *, Py_ssize_t);
+
+/* out[r][j] = silu(g[r][j]) * u[r][j] [* w[r * ws]] for r < mr, j < 16 (tiles 16 floats a row): the
+ * formula of _token_kernel.c `silu_mul`, operation for operation, so the same bits. */
+CLONES static void silu_store(int mr, const float *restrict g, const float *restrict u, const float *restrict w,
+                              Py_ssize_t ws, float *restrict out, Py_ssize_t ldo) {
+    for (int r = 0; r < mr; r++) {
+        float *o = out + r * ldo;
+        for (int j = 0; j < NR; j++) o[j] = g[r * NR + j] / (1.0f + exp_fixed(-g[r * NR + j])) * u[r * NR + j];
+        if (w)
+            for (int j = 0; j < NR; j++) o[j] = o[j] * w[r * ws];
+    }
+}
+
+static PyObject *py_linear_packed(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long xa, pa, ya, wa;
+    Py_ssize_t ldx, m, k, n, kc, inter;
+    int simd;
+    if (!PyArg_ParseTuple(args, "KnKKnnnnnKp", &xa, &ldx, &pa, &ya, &m, &k, &n, &kc, &inter, &wa, &simd)) return NULL;
+    if (m < 0 || k < 1 || n < 0 || kc < 1 || ldx < k || inter < 0 || (m && n && (!xa || !pa || !ya))
+            || (inter && (inter % NR || n % (2 * inter))) || (wa && !inter)) {
+        PyErr_Format(PyExc_ValueError, "linear_packed: m %zd, k %zd, n %zd, kc %zd, ldx %zd, inter %zd do not fit (k and "
+                     "kc at least 1, ldx >= k, inter a multiple of %d dividing n / 2, weights only with inter, "
+                     "non-null addresses)", m, k, n, kc, ldx, inter, NR);
+        return NULL;
+    }
+    const float *xp = (const float *)(uintptr_t)xa, *bp = (const float *)(uintptr_t)pa, *wp = (const float *)(uintptr_t)wa;
+    float *yp = (float *)(uintptr_t)ya;
+    tile_fn tile = tile_plain;
+#if HAVE_X86_TILE
+    if (simd && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) tile = tile_x86;
+#endif
+    /* output panels: of y itself, or (inter) of silu(gate) * up, whose gate and up panels lie inter columns
+     * apart in each group of 2 * inter columns of w */
+    const Py_ssize_t reads = inter ? 2 : 1, ny = inter ? n / 2 : n, panels = (ny + NR - 1) / NR,
+                     ip = inter / NR, groups = inter ? n / (2 * inter) : 1;
+    const Py_ssize_t group = PANEL_BYTES / (reads * k * NR * 4) > 1 ? PANEL_BYTES / (reads * k * NR * 4) : 1;
+    Py_BEGIN_ALLOW_THREADS
+    float part[MR * NR], up[MR * NR]; /* a partial panel's tile; the up tile */
+    for (Py_ssize_t p0 = 0; p0 < panels; p0 += group) {
+        const Py_ssize_t p1 = p0 + group < panels ? p0 + group : panels;
+        for (Py_ssize_t i = 0; i < m; i += MR) {
+            const int mr = m - i < MR ? (int)(m - i) : MR;
+            for (Py_ssize_t p = p0; p < p1; p++) {
+                const Py_ssize_t j = p * NR, nv = ny - j < NR ? ny - j : NR;
+                float *out = yp + i * ny + j;
+                if (inter) {
+                    const Py_ssize_t e = p / ip, gp = e * 2 * ip + p % ip;
+                    tile(mr, xp + i * ldx, ldx, bp + gp * k * NR, k, kc, part, NR);
+                    tile(mr, xp + i * ldx, ldx, bp + (gp + ip) * k * NR, k, kc, up, NR);
+                    silu_store(mr, part, up, wp ? wp + i * groups + e : NULL, groups, out, ny);
+                    continue;
+                }
+                tile(mr, xp + i * ldx, ldx, bp + p * k * NR, k, kc, nv == NR ? out : part, nv == NR ? ny : NR);
+                if (nv < NR)
+                    for (int r = 0; r < mr; r++) memcpy(out + r * ny, part + r * NR, nv * sizeof(float));
+            }
+        }
+    }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
-    {"linear_rows", py_linear_rows, METH_VARARGS,
-     "linear_rows(x, ldx, w, ldw, y, m, k, n, kc) -> None: y = x @ w row by row (addresses of float32 data: x [m, k] "
-     "rows ldx apart, w [k, n] rows ldw apart, y [m, n] contiguous), the products summed in fma chains of kc inputs, "
-     "the chains then added in order."},
+    {"linear_packed", py_linear_packed, METH_VARARGS,
+     "linear_packed(x, ldx, panels, y, m, k, n, kc, inter, weights, simd) -> None: y = x @ w in fma chains of kc "
+     "inputs, the chains then added in order (addresses of float32 data); w packed as [ceil(n / 16), k, 16] (zero "
+     "beyond n), y [m, n] contiguous; inter > 0: y [m, n / 2] = silu(gate) * up [* weights [m, n / (2 inter)]] per "
+     "group of 2 inter columns (gate, up); simd False takes the portable tile."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_linear_kernel",
-    "Row-by-row float32 matmul in a fixed accumulation order, for the small calls of model/layers.py `linear`.",
+    "Float32 matmul in a fixed accumulation order, for model/layers.py `linear`.",
     -1, methods,
 };
 

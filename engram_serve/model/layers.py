@@ -41,6 +41,7 @@ except ImportError:  # installed without a C compiler: small calls are padded
 # pad. tests/test_layers.py sweeps the rule.
 MIN_ROWS = 4  # the rule off the CPU (not measured there)
 PROBE_REF, PROBE_MAX = 512, 96
+PANEL = 16  # columns per packed panel of `_linear_kernel`
 _exact = True  # the batch-invariance rules of this module are on; `batch_invariant(False)` turns them off
 _min_rows: dict[tuple, int] = {}
 
@@ -107,11 +108,11 @@ def bmm_min_rows(k: int, n: int, transposed: bool, dtype: torch.dtype = torch.fl
 
 
 def small_call_kc(weight: torch.Tensor) -> int | None:
-    """The block size kc for which `_linear_kernel` gives a call of fewer than min_rows(weight) rows the
-    bits of a batch (rule above), or None: no kernel, not a float32 CPU weight laid out input-major, or
-    no probed kc matches (the inputs in 1 to 4 equal blocks, or blocks of any multiple of 16: MKL on the
-    Xeon of the README splits 512 inputs in two halves, on an AMD EPYC into blocks of 192). Measured once
-    per shape, like `min_rows`."""
+    """The block size kc for which `_linear_kernel` gives every call of this weight the bits of a batch
+    (rule above), or None: no kernel, not a float32 CPU weight laid out input-major, or no probed kc
+    matches (the inputs in 1 to 4 equal blocks, or blocks of any multiple of 16: MKL on the Xeon of the
+    README splits 512 inputs in two halves, on an AMD EPYC into blocks of 192). Measured once per shape,
+    like `min_rows`."""
     if _linear_kernel is None or weight.device.type != "cpu" or weight.dtype != torch.float32 \
             or weight.stride(0) != 1 or weight.shape[0] < 2:
         return None
@@ -121,19 +122,31 @@ def small_call_kc(weight: torch.Tensor) -> int | None:
         w, x = in_major(_probe(out_f, in_f)), _probe(PROBE_REF, in_f, seed=1)
         m = min(min_rows(weight), PROBE_MAX)
         with torch.no_grad():
-            full = F.linear(x, w)[:m]
+            full = F.linear(x, w)
+        panels = pack_panels(w.t())
         candidates = dict.fromkeys([*(-(-in_f // b) for b in range(1, 5)), *range(16, in_f, 16)])
-        _min_rows[key] = next((kc for kc in candidates if torch.equal(_rows_kernel(x[:m], w.t(), kc), full)), None)
+        kc = next((kc for kc in candidates if torch.equal(_kernel(x[:m], panels, out_f, kc), full[:m])), None)
+        _min_rows[key] = kc if kc is not None and torch.equal(_kernel(x, panels, out_f, kc), full) else None
     return _min_rows[key]
 
 
-def _rows_kernel(x: torch.Tensor, wt: torch.Tensor, kc: int) -> torch.Tensor:
-    """x [n, in] @ wt [in, out] through `_linear_kernel`, which takes addresses: the caller guarantees
-    float32 CPU tensors, rows contiguous (stride 1 in the last dim), x.shape[1] == wt.shape[0]."""
-    (m, k), n = x.shape, wt.shape[1]
-    y = torch.empty(m, n)
-    _linear_kernel.linear_rows(x.data_ptr(), x.stride(0) if m > 1 else k, wt.data_ptr(), wt.stride(0) if k > 1 else n,
-                               y.data_ptr(), m, k, n, kc)
+def pack_panels(wt: torch.Tensor) -> torch.Tensor:
+    """wt [in, out] as `_linear_kernel`'s panels: [ceil(out / 16), in, 16] float32, zero beyond out."""
+    k, n = wt.shape
+    p = -(-n // PANEL)
+    return F.pad(wt.float(), (0, p * PANEL - n)).view(k, p, PANEL).permute(1, 0, 2).contiguous()
+
+
+def _kernel(x: torch.Tensor, panels: torch.Tensor, n: int, kc: int, simd: bool = True, inter: int = 0,
+            weights: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, in] @ the packed weight -> [m, n] through `_linear_kernel`, which takes addresses: the caller
+    guarantees float32 CPU tensors, x's rows contiguous (stride 1 in the last dim), panels from
+    `pack_panels` of an [x.shape[1], n] weight. inter > 0: the SwiGLU of the product instead, [m, n / 2]
+    (see the kernel; weights [m, n / (2 inter)] contiguous or None)."""
+    m, k = x.shape
+    y = torch.empty(m, n // 2 if inter else n)
+    _linear_kernel.linear_packed(x.data_ptr(), x.stride(0) if m > 1 else k, panels.data_ptr(), y.data_ptr(),
+                                 m, k, n, kc, inter, 0 if weights is None else weights.data_ptr(), simd)
     return y
 
 
@@ -141,37 +154,57 @@ _plans: dict[tuple, tuple] = {}
 
 
 def _plan(weight: torch.Tensor) -> tuple:
-    """(min_rows, kc or None, the weight's transpose where kc) for this weight view, memoised by address and
-    layout: ~1 us a call instead of ~12 us for measuring keys each time. A cached transpose keeps its
-    weight alive, so its address cannot be reused by another tensor while it is cached."""
+    """(min_rows, kc or None, the weight's packed panels where kc) for this weight view, memoised by address
+    and layout: ~1 us a call instead of ~12 us for measuring keys each time. The panels are a copy (the
+    weight's memory once more), made again when the weight was modified in place (its version counter).
+    A cached plan keeps its weight alive, so its address cannot be reused by another tensor while cached."""
     key = (weight.data_ptr(), weight.shape, weight.stride(), weight.dtype, weight.is_cuda, torch.get_num_threads())
     plan = _plans.get(key)
-    if plan is None:
+    if plan is None or plan[4] != weight._version:
         if len(_plans) >= 4096:  # weights replaced many times over (tests): start again
             _plans.clear()
         kc = small_call_kc(weight)
-        plan = _plans[key] = (min_rows(weight), kc, weight.detach().t() if kc else None)
+        plan = _plans[key] = (min_rows(weight), kc, pack_panels(weight.detach().t()) if kc else None, weight,
+                              weight._version)
     return plan
+
+
+def _kernel_takes(x2: torch.Tensor, weight: torch.Tensor, kc: int | None) -> bool:
+    return (kc is not None and x2.is_cpu and x2.dtype == torch.float32 and x2.stride(-1) == 1
+            and x2.shape[1] == weight.shape[1] and (x2.shape[0] == 1 or x2.stride(0) >= x2.shape[1])
+            and not (torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad)))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T -> [..., out], batch-invariant (rule above).
 
-    A call of fewer than min_rows(weight) rows goes to the row kernel where `small_call_kc` allows
-    (not under autograd), else it is zero-padded with one `F.pad` (host-side shape checks, no device
+    Where `small_call_kc` allows (not under autograd), every call goes to the C kernel; else a call of
+    fewer than min_rows(weight) rows is zero-padded with one `F.pad` (host-side shape checks, no device
     sync); a 2-D input needs no reshape."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     n = x2.shape[0]
-    m, kc, wt = _plan(weight) if _exact else (0, None, None)
-    if n >= m:
+    m, kc, panels = _plan(weight)[:3] if _exact else (0, None, None)
+    if _kernel_takes(x2, weight, kc):
+        y = _kernel(x2, panels, weight.shape[0], kc)
+    elif n >= m:
         y = F.linear(x2, weight)
-    elif kc is not None and x2.is_cpu and x2.dtype == torch.float32 and x2.stride(-1) == 1 and x2.shape[1] == wt.shape[0] \
-            and (n == 1 or x2.stride(0) >= x2.shape[1]) \
-            and not (torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad)):
-        y = _rows_kernel(x2, wt, kc)
     else:
         y = F.linear(F.pad(x2, (0, 0, 0, m - n)), weight)[:n]
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
+
+
+def linear_swiglu(x: torch.Tensor, weight: torch.Tensor, inter: int, weights: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """fused.silu_mul(linear(x, weight), inter, weights) for x [N, in] and weight [G * 2 * inter, in] (G
+    groups of gate then up rows): [N, G * inter], the same bits. In one C kernel call where `linear`
+    takes it, so the product [N, G * 2 * inter] is never stored; weights [N, G] or None."""
+    m, kc, panels = _plan(weight)[:3] if _exact else (0, None, None)
+    if inter % PANEL == 0 and _kernel_takes(x, weight, kc) and (weights is None or fused.native(weights)):
+        return _kernel(x, panels, weight.shape[0], kc, inter=inter,
+                       weights=None if weights is None else weights.contiguous())
+    groups = weight.shape[0] // (2 * inter)
+    return fused.silu_mul(linear(x, weight).view(x.shape[0], groups, 2 * inter), inter, weights
+                          ).view(x.shape[0], groups * inter)
 
 
 def matmul_params(module: nn.Module):
@@ -322,8 +355,9 @@ class MLP(nn.Module):
             {"gate_up": (("gate_proj.weight", "up_proj.weight"), lambda gu: (gu[0], gu[1]))}))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = linear(x, self.gate_up.view(2 * self.intermediate, self.hidden))  # [N, 2I]
-        return self.down_proj(fused.silu_mul(gu, self.intermediate))
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        act = linear_swiglu(x2, self.gate_up.view(2 * self.intermediate, self.hidden), self.intermediate)  # [N, I]
+        return self.down_proj(act.view(*x.shape[:-1], self.intermediate))
 
 
 # Dense MoE evaluation costs num_experts / top_k times the routed compute; up to this ratio it runs
@@ -413,9 +447,9 @@ class MoE(nn.Module):
         yield "moe_dispatch"
         if ys is not None:
             ctx.touch(MOE_DISPATCH, xs)  # read after the yield
-        gu = linear(xs, self.w_in.view(e * 2 * i, self.hidden)).view(n, e, 2, i)  # every expert, one matmul
-        act = fused.silu_mul(gu.view(n, e, 2 * i), i, dense_w)  # [N, E, I], 0 for experts not chosen
-        y = linear(act.view(n, e * i), self.w_out.view(self.hidden, e * i))  # [N, H]: experts summed per row
+        act = linear_swiglu(xs, self.w_in.view(e * 2 * i, self.hidden), i, dense_w)  # [N, E*I]: every expert
+        # in one matmul, 0 for experts not chosen
+        y = linear(act, self.w_out.view(self.hidden, e * i))  # [N, H]: experts summed per row
         if ys is not None:
             ys.copy_(y)
             ctx.touch(MOE_COMBINE, ys)

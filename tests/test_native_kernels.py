@@ -282,3 +282,28 @@ def test_a_block_outside_the_pool_is_refused():
     world.q = {(0, p): torch.randn(2, 8) for p in range(6)}
     with pytest.raises(ValueError, match="block 5, outside the pool's 8 slots"):
         run(world, [(0, 0, 6)])  # row 0 reads positions 0..5: its second block is block 5
+
+
+def plain_argmax(row: list[float]) -> int:
+    """The first index of the row's maximum, a NaN above every number: a plain loop."""
+    best = 0
+    for j, v in enumerate(row):
+        b = row[best]
+        if math.isnan(b):
+            break
+        if math.isnan(v) or v > b:
+            best = j
+    return best
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 6), v=st.integers(1, 70), data=st.data())
+def test_argmax_rows_is_the_first_maximum_with_nan_first(rows, v, data):
+    """`fused.argmax_rows` (the sampler's argmax) against a plain loop and torch.argmax, on rows with ties,
+    +-0, +-inf and NaN, in the vector body and the tail."""
+    special = st.sampled_from([0.0, -0.0, 1.0, -1.0, math.inf, -math.inf, math.nan, 3.5])
+    x = torch.tensor([[data.draw(special | st.floats(-4, 4, width=32)) for _ in range(v)] for _ in range(rows)],
+                     dtype=torch.float32)
+    got = fused.argmax_rows(x)
+    assert got.tolist() == [plain_argmax(r) for r in x.tolist()]
+    assert torch.equal(got, x.argmax(dim=1))

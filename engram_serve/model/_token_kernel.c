@@ -16,6 +16,9 @@
  *   silu_mul(gu, rows, inter, weights, out) -> None
  *     gu [rows, 2, inter] (gate, up), out [rows, inter] = silu(gate) * up [* weights[row]] (weights
  *     [rows] or 0); silu(x) = x / (1 + exp(-x)).
+ *   argmax_rows(x, rows, v, out) -> None
+ *     x [rows, v] float32 contiguous (v >= 1), out [rows] int64: per row the first index of its maximum,
+ *     a NaN above every number (torch.argmax's order: the first NaN if there is one).
  *   Sums run over 16 lanes (index mod 16, in order) added in a fixed tree. The GIL is released.
  *
  * Built without -ffast-math and with -ffp-contract=off: every operation is the IEEE one written, in
@@ -91,6 +94,69 @@ CLONES static void silu_mul_rows(const float *restrict gu, Py_ssize_t rows, Py_s
     }
 }
 
+/* The row's maximum over its numbers (a NaN compares false: skipped), and whether it holds a NaN. */
+static float row_max_plain(const float *restrict xr, Py_ssize_t v, Py_ssize_t j, float mx, int *restrict has_nan) {
+    for (; j < v; j++) {
+        mx = xr[j] > mx ? xr[j] : mx;
+        *has_nan |= xr[j] != xr[j];
+    }
+    return mx;
+}
+
+#if defined(__x86_64__) && (defined(__clang__) || defined(__GNUC__))
+#include <immintrin.h>
+/* The same in AVX2 where the CPU has it (GCC does not vectorise the select): vmaxps(x, m) is x > m ? x : m. */
+__attribute__((target("avx2"))) static float row_max_avx2(const float *restrict xr, Py_ssize_t v, int *restrict has_nan) {
+    __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, n0 = _mm256_setzero_ps(), n1 = n0;
+    Py_ssize_t j = 0;
+    for (; j + 16 <= v; j += 16) {
+        const __m256 a = _mm256_loadu_ps(xr + j), b = _mm256_loadu_ps(xr + j + 8);
+        m0 = _mm256_max_ps(a, m0), m1 = _mm256_max_ps(b, m1);
+        n0 = _mm256_or_ps(n0, _mm256_cmp_ps(a, a, _CMP_UNORD_Q)), n1 = _mm256_or_ps(n1, _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
+    }
+    float lanes[16];
+    _mm256_storeu_ps(lanes, m0), _mm256_storeu_ps(lanes + 8, m1);
+    *has_nan = _mm256_movemask_ps(_mm256_or_ps(n0, n1)) != 0;
+    return row_max_plain(lanes, 16, 0, row_max_plain(xr, v, j, -INFINITY, has_nan), has_nan);
+}
+#endif
+
+static float row_max(const float *restrict xr, Py_ssize_t v, int *restrict has_nan) {
+#if defined(__x86_64__) && (defined(__clang__) || defined(__GNUC__))
+    if (__builtin_cpu_supports("avx2")) return row_max_avx2(xr, v, has_nan);
+#endif
+    *has_nan = 0;
+    return row_max_plain(xr, v, 0, -INFINITY, has_nan);
+}
+
+static void argmax_rows(const float *restrict x, Py_ssize_t rows, Py_ssize_t v, int64_t *restrict out) {
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const float *xr = x + r * v;
+        int has_nan;
+        const float mx = row_max(xr, v, &has_nan);
+        Py_ssize_t at = 0;
+        if (has_nan)
+            while (xr[at] == xr[at]) at++;
+        else
+            while (xr[at] != mx) at++;
+        out[r] = at;
+    }
+}
+
+static PyObject *py_argmax_rows(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long xa, oa;
+    Py_ssize_t rows, v;
+    if (!PyArg_ParseTuple(args, "KnnK", &xa, &rows, &v, &oa)) return NULL;
+    if (rows < 0 || v < 1 || (rows && (!xa || !oa))) {
+        PyErr_Format(PyExc_ValueError, "argmax_rows: rows %zd, v %zd do not fit (v at least 1)", rows, v);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    argmax_rows((const float *)(uintptr_t)xa, rows, v, (int64_t *)(uintptr_t)oa);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_residual_norm(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long ha, da, wa, oa, xa;
     Py_ssize_t n, hc, dim;
@@ -144,6 +210,8 @@ static PyMethodDef methods[] = {
      "engram_gate(h, n, hc, hidden, kv, q_w, k_w, dead, eps, h_out) -> None: the Engram gate into h_out."},
     {"silu_mul", py_silu_mul, METH_VARARGS,
      "silu_mul(gu, rows, inter, weights, out) -> None: out = silu(gate) * up [* weight of the row]."},
+    {"argmax_rows", py_argmax_rows, METH_VARARGS,
+     "argmax_rows(x, rows, v, out) -> None: out[r] = the first index of row r's maximum, NaN first (torch.argmax)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -47,6 +47,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..model.fused import argmax_rows
+
 _M32 = 0xFFFFFFFF
 # Temperatures below this are greedy: dividing the logits by them could overflow float32.
 GREEDY_BELOW = 1e-5
@@ -252,7 +254,7 @@ class Sampler:
     def greedy(self, logits: torch.Tensor) -> SamplerOutput:
         """`sample` for rows that are all greedy with nothing to process and no logprobs: one argmax per row
         (the same tokens and finite flags as `sample` gives them), without a SamplingBatch."""
-        return SamplerOutput(logits.argmax(dim=1), torch.isfinite(logits.sum(dim=1)))
+        return SamplerOutput(argmax_rows(logits), torch.isfinite(logits.sum(dim=1)))
 
     def sample(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         """logits [R, V] float32 -> SamplerOutput. Row r uses only row r of every input."""
@@ -269,9 +271,9 @@ class Sampler:
         if b.greedy.shape[0]:
             g = b.greedy
             if g.shape[0] == rows:
-                out.tokens = work.argmax(dim=1)
+                out.tokens = argmax_rows(work)
             else:
-                out.tokens.index_copy_(0, g, work.index_select(0, g).argmax(dim=1))
+                out.tokens.index_copy_(0, g, argmax_rows(work.index_select(0, g)))
         if b.random.shape[0]:
             out.tokens.index_copy_(0, b.random, self._draw(work, b))
         if b.logprob_rows is not None:
@@ -317,7 +319,7 @@ class Sampler:
             scaled = zp / temp.index_select(0, pl)[:, None]  # [Sp, V]
             noise = self.noise_at(seeds.index_select(0, pl), counters.index_select(0, pl),
                                   torch.arange(vocab, device=work.device))
-            tokens.index_copy_(0, pl, (scaled + noise).argmax(dim=1))
+            tokens.index_copy_(0, pl, argmax_rows(scaled + noise))
         if b.filtered.shape[0]:
             f = b.filtered
             fr = s_rows.index_select(0, f)  # batch rows
@@ -386,7 +388,7 @@ class Sampler:
         scaled = z / temp[:, None]  # [F, V]
         keep = full_sort_keep(scaled, k, p, min_p)
         noise = self.noise_at(seeds, counters, torch.arange(vocab, device=z.device))
-        return (scaled.masked_fill(~keep, float("-inf")) + noise).argmax(dim=1)
+        return argmax_rows(scaled.masked_fill(~keep, float("-inf")) + noise)
 
     # ---- logprobs -----------------------------------------------------------------------------
     @staticmethod

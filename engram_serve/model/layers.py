@@ -198,7 +198,7 @@ def linear_swiglu(x: torch.Tensor, weight: torch.Tensor, inter: int, weights: to
     """fused.silu_mul(linear(x, weight), inter, weights) for x [N, in] and weight [G * 2 * inter, in] (G
     groups of gate then up rows): [N, G * inter], the same bits. In one C kernel call where `linear`
     takes it, so the product [N, G * 2 * inter] is never stored; weights [N, G] or None."""
-    m, kc, panels = _plan(weight)[:3] if _exact else (0, None, None)
+    kc, panels = _plan(weight)[1:3] if _exact else (None, None)
     if inter % PANEL == 0 and _kernel_takes(x, weight, kc) and (weights is None or fused.native(weights)):
         return _kernel(x, panels, weight.shape[0], kc, inter=inter,
                        weights=None if weights is None else weights.contiguous())

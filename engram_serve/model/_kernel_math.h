@@ -32,6 +32,14 @@
 #define CLONES
 #endif
 
+/* AVX2 intrinsics in functions marked target("avx2"), called where __builtin_cpu_supports says so. */
+#if defined(__x86_64__) && (defined(__clang__) || defined(__GNUC__))
+#define HAVE_X86_AVX2 1
+#include <immintrin.h>
+#else
+#define HAVE_X86_AVX2 0
+#endif
+
 #define LANES 16
 
 typedef float v16 __attribute__((vector_size(64)));

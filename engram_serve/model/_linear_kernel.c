@@ -38,20 +38,13 @@
 
 #include "_kernel_math.h"
 
-#if defined(__x86_64__) && (defined(__clang__) || defined(__GNUC__))
-#define HAVE_X86_TILE 1
-#include <immintrin.h>
-#else
-#define HAVE_X86_TILE 0
-#endif
-
 /* ---- the blocked form: panels of 16 columns, tiles of up to 6 rows ---------------------------------- */
 
 #define NR 16 /* columns of a panel: the packed weight is [panels][k][NR], zero beyond n */
 #define MR 6  /* rows of a tile: 6 x 16 accumulators fill 12 of AVX2's 16 vector registers */
 #define PANEL_BYTES (192 * 1024) /* the panels one pass over the rows reuses: they stay in L2 */
 
-#if HAVE_X86_TILE
+#if HAVE_X86_AVX2
 /* out[r][0..16) for r < mr: the formula above over x rows (ldx apart) and one packed panel bp [k][16];
  * out rows ldo apart. Each block of kc inputs: a chain from 0, stored (the first block) or added. */
 __attribute__((target("avx2,fma"), always_inline)) static inline void
@@ -137,7 +130,7 @@ static PyObject *py_linear_packed(PyObject *Py_UNUSED(self), PyObject *args) {
     const float *xp = (const float *)(uintptr_t)xa, *bp = (const float *)(uintptr_t)pa, *wp = (const float *)(uintptr_t)wa;
     float *yp = (float *)(uintptr_t)ya;
     tile_fn tile = tile_plain;
-#if HAVE_X86_TILE
+#if HAVE_X86_AVX2
     if (simd && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) tile = tile_x86;
 #endif
     /* output panels: of y itself, or (inter) of silu(gate) * up, whose gate and up panels lie inter columns

@@ -103,8 +103,7 @@ static float row_max_plain(const float *restrict xr, Py_ssize_t v, Py_ssize_t j,
     return mx;
 }
 
-#if defined(__x86_64__) && (defined(__clang__) || defined(__GNUC__))
-#include <immintrin.h>
+#if HAVE_X86_AVX2
 /* The same in AVX2 where the CPU has it (GCC does not vectorise the select): vmaxps(x, m) is x > m ? x : m. */
 __attribute__((target("avx2"))) static float row_max_avx2(const float *restrict xr, Py_ssize_t v, int *restrict has_nan) {
     __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, n0 = _mm256_setzero_ps(), n1 = n0;
@@ -122,7 +121,7 @@ __attribute__((target("avx2"))) static float row_max_avx2(const float *restrict 
 #endif
 
 static float row_max(const float *restrict xr, Py_ssize_t v, int *restrict has_nan) {
-#if defined(__x86_64__) && (defined(__clang__) || defined(__GNUC__))
+#if HAVE_X86_AVX2
     if (__builtin_cpu_supports("avx2")) return row_max_avx2(xr, v, has_nan);
 #endif
     *has_nan = 0;

@@ -18,7 +18,7 @@ from .context import MOE_COMBINE, MOE_DISPATCH, ForwardContext
 
 try:
     from . import _linear_kernel
-except ImportError:  # installed without a C compiler: small calls are padded
+except ImportError:  # installed without a C compiler: torch's matmul, small calls padded
     _linear_kernel = None
 
 
@@ -29,15 +29,16 @@ except ImportError:  # installed without a C compiler: small calls are padded
 # 4 rows on an AVX2 machine and 6 to 16 rows (growing with `in`) on an AVX-512 one; with the weight laid
 # out input-major (`in_major`: W.T contiguous, so MKL reads it untransposed) only a 1-row call differs
 # there. The model's matmul weights are laid out input-major (`layout_weights_`, once at load), and
-# every matmul of the forward goes through `linear`. A call of fewer than `min_rows(weight)` rows is
-# either computed row by row by the C kernel `_linear_kernel`, in the blocked kernel's accumulation
-# order (fma chains over blocks of `kc` inputs, the blocks then added), where a probe shows that this
-# gives the batch's bits for this shape (`small_call_kc`: on the Xeon of the README for every weight of
-# the built-in model); or padded with zero rows. Both are measured once per shape and layout in the process
-# (`first_invariant_rows`: the smallest row count from which every probed call gives each row the bits
-# of a PROBE_REF-row call). The attention's bmm calls get the padding (`bmm_min_rows`). The runner pads
-# a small microbatch once to the row count the model's matmuls still need (`pad_rows`: 1 where the
-# kernel serves every weight), so that within a step only the sampled rows' logits call may still
+# every matmul of the forward goes through `linear`. Where a probe shows that the C kernel
+# `_linear_kernel` gives MKL's bits for this shape (`small_call_kc`: it computes the blocked kernel's
+# accumulation order, fma chains over blocks of `kc` inputs, the blocks then added), every call goes to
+# it: it computes each row by the same operations whatever the call's size, so no call pads. Elsewhere
+# (another BLAS, no C compiler, autograd) a call of fewer than `min_rows(weight)` rows is padded with
+# zero rows. Both are measured once per shape and layout in the process (`first_invariant_rows`: the
+# smallest row count from which every probed call gives each row the bits of a PROBE_REF-row call). The
+# attention's bmm calls get the padding (`bmm_min_rows`). The runner pads a small microbatch once to the
+# row count the model's matmuls still need (`pad_rows`: 1 where the kernel serves every weight), so that
+# within a step only the sampled rows' logits call may still
 # pad. tests/test_layers.py sweeps the rule.
 MIN_ROWS = 4  # the rule off the CPU (not measured there)
 PROBE_REF, PROBE_MAX = 512, 96

@@ -12,6 +12,7 @@ plain loop).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .kernels import choose_backend
@@ -79,10 +80,12 @@ def stage_step(tables: list, hash_ids: torch.Tensor, out: torch.Tensor, dedup: b
     at 64 decode requests the per-layer slicing and conversions cost ~0.2 ms of a ~0.75 ms gather.
     caches[l], if given, is layer l's hot-row cache, looked up inside the kernel call (which then dedups).
     views[l], if given, is `table_views(tables[l])` (EngramTables keeps them: ~10 us a step at 64 requests)."""
-    ids = hash_ids.to("cpu", torch.int64).permute(1, 0, 2).contiguous().view(len(tables), -1).numpy()  # [L, T*C]
+    ids = np.ascontiguousarray(hash_ids.to("cpu", torch.int64).numpy().transpose(1, 0, 2).reshape(len(tables), -1))
+    # [L, T*C] above, in numpy: ~8 us a step less than the same in torch at 64 requests
+    staged_all = _staging_view(out)  # numpy views: indexing them costs ~0.2 us against ~2 us for a tensor's
     for layer, tab in enumerate(tables):
         table, scale = views[layer] if views is not None else table_views(tab)
-        staged = _staging_view(out[layer])
+        staged = staged_all[layer]
         cache = caches[layer] if caches else None
         if cache is None:
             _gather_kernel.gather_rows(table, scale, ids[layer], staged, dedup)

@@ -12,6 +12,7 @@ from engram_serve.errors import SliceError, StaticBufferError
 from engram_serve.inputs.batch import StepBatch
 from engram_serve.inputs.static import PADDING, StaticInputPool
 from engram_serve.inputs.step import build_step
+from engram_serve.inputs.step_state import StepState
 from engram_serve.inputs.token_store import TokenStore
 from engram_serve.inputs.ubatch import SLICE_RULES, SplitConfig, check_slice_invariants, plan_split, slice_batch
 
@@ -83,7 +84,35 @@ def random_step(seed: int, long_context: bool):
     max_blocks = -(-max_len // BLOCK)
     tables = np.arange(num_req * max_blocks).reshape(num_req, max_blocks)
     batch = build_step(store, np.array(slots), np.array(computed), np.array(new), tables, BLOCK, CFG.history_len)
-    return batch, rng
+    return batch, rng, store
+
+
+@given(seed=st.integers(0, 2**32 - 1), long_context=st.booleans(), persistent=st.booleans(),
+       sample=st.booleans())
+def test_the_numpy_build_on_a_cpu_store_equals_the_torch_build(seed, long_context, persistent, sample):
+    """build_step computes a CPU store's batch in numpy (`on_host`); every field equals, in dtype, shape
+    and value, what the torch ops that serve device stores give, from explicit block tables (with null
+    blocks) and from the persistent StepState."""
+    batch, rng, store = random_step(seed, long_context)
+    rows = batch.num_rows
+    args = (batch.req_slots.numpy(), batch.num_computed.numpy(), np.diff(batch.qsl_host))
+    tables = batch.block_tables.numpy().copy()
+    tables[rng.random(tables.shape) < 0.2] = -1
+    if persistent:
+        state = StepState(store.max_slots, tables.shape[1])
+        for slot, row in zip(args[0], tables):
+            state.sync(int(slot), row.tolist())
+        tables = state
+    flags = rng.random(rows) < 0.5 if sample else None
+    host, dev = (build_step(store, *args, tables, BLOCK, CFG.history_len, flags, on_host=h) for h in (True, False))
+    for name, want in dev.fields().items():
+        got = host.fields()[name]
+        if isinstance(want, torch.Tensor):
+            assert got.dtype == want.dtype and torch.equal(got, want), name
+        elif isinstance(want, np.ndarray):
+            assert np.array_equal(got, want), name
+        else:
+            assert got == want, name
 
 
 def step_hash(b: StepBatch) -> torch.Tensor:
@@ -116,7 +145,7 @@ def sweep_mismatches(batch: StepBatch, rebuild_history: bool = True) -> int:
 
 @given(seed=st.integers(0, 2**32 - 1), long_context=st.booleans())
 def test_hash_ids_identical_for_every_cut(seed, long_context):
-    batch, _ = random_step(seed, long_context)
+    batch, _, _ = random_step(seed, long_context)
     assert sweep_mismatches(batch) == 0
 
 
@@ -168,7 +197,7 @@ def assert_padding_neutral(view: StepBatch, n_tok: int, n_rows: int):
 
 @given(seed=st.integers(0, 2**32 - 1), extra=st.integers(0, 20))
 def test_static_buffers_pad_neutrally_and_keep_pointers(seed, extra):
-    batch, _ = random_step(seed, False)
+    batch, _, _ = random_step(seed, False)
     size = batch.num_tokens + extra
     static, view = padded_view(batch, size)
     assert_padding_neutral(view, batch.num_tokens, batch.num_rows)
@@ -180,14 +209,14 @@ def test_static_buffers_pad_neutrally_and_keep_pointers(seed, extra):
 
 
 def test_negative_control_stale_padding_is_caught():
-    batch, _ = random_step(3, False)
+    batch, _, _ = random_step(3, False)
     _, view = padded_view(batch, batch.num_tokens + 5, pad=False)
     with pytest.raises(AssertionError, match="stale padding"):
         assert_padding_neutral(view, batch.num_tokens, batch.num_rows)
 
 
 def test_static_buffer_shape_and_dtype_errors_name_the_buffer():
-    batch, _ = random_step(5, False)
+    batch, _, _ = random_step(5, False)
     static = StaticInputPool([64]).get(0, 64, batch)
     wide = StepBatch(**{**batch.fields(), "block_tables": torch.zeros(batch.num_rows, 99, dtype=torch.int64)})
     with pytest.raises(StaticBufferError, match="block_tables"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..engram.hashing import BEFORE_START, DEAD
 from .batch import StepBatch
 from .step_state import StepState
 from .token_store import TokenStore
@@ -11,7 +12,8 @@ from .token_store import TokenStore
 
 def build_step(store: TokenStore, slots: np.ndarray, num_computed: np.ndarray, num_new: np.ndarray,
                block_tables: np.ndarray | StepState, block_size: int, history_len: int,
-               sample: np.ndarray | None = None, table_width: int | None = None) -> StepBatch:
+               sample: np.ndarray | None = None, table_width: int | None = None, on_host: bool | None = None
+               ) -> StepBatch:
     """One step over rows r with `num_new[r]` tokens starting at absolute position `num_computed[r]`.
 
     The tokens are read from the token store (prompts and committed samples live there), so a
@@ -21,7 +23,8 @@ def build_step(store: TokenStore, slots: np.ndarray, num_computed: np.ndarray, n
     `block_tables` is either an explicit [R, max_blocks] array (-1 = null) or the persistent
     `StepState`, whose rows for these slots are gathered on the device, `table_width` columns wide
     (default: the blocks this step's longest row needs). The host arrays (slots, computed, new,
-    sample, qsl and each token's row) travel to the device in ONE copy.
+    sample, qsl and each token's row) travel to the device in ONE copy. With a CPU store the batch is
+    computed in numpy instead (`on_host`, default: the store is on the CPU; the same values, tested).
     """
     dev = store.device
     num_new = np.asarray(num_new, dtype=np.int64)
@@ -40,14 +43,19 @@ def build_step(store: TokenStore, slots: np.ndarray, num_computed: np.ndarray, n
     host[4 * r:5 * r + 1] = qsl_host
     host[5 * r + 1:] = np.repeat(np.arange(num_rows), num_new)
     if isinstance(block_tables, StepState):
+        width = table_width if table_width is not None else max(1, -(-int(host[2 * r:3 * r].max(initial=1))
+                                                                   // block_size))
+    if dev.type == "cpu" if on_host is None else on_host:  # numpy views: ~0.25 ms a step less than the torch ops
+        tables = block_tables.host_rows(host[:r], width) if isinstance(block_tables, StepState) else \
+            np.asarray(block_tables, dtype=np.int64).reshape(num_rows, -1)
+        return _host_batch(store, host, r, tables, block_size, history_len, qsl_host)
+    if isinstance(block_tables, StepState):
         packed = block_tables.upload(host)
     else:
         packed = torch.from_numpy(host).to(dev)
     slot_t, computed, seq_lens = packed[:r], packed[r:2 * r], packed[2 * r:3 * r]
     sample_t, qsl, row = packed[3 * r:4 * r].bool(), packed[4 * r:5 * r + 1], packed[5 * r + 1:]  # row: [T]
     if isinstance(block_tables, StepState):
-        width = table_width if table_width is not None else max(1, -(-int(host[2 * r:3 * r].max(initial=1))
-                                                                   // block_size))
         tables = block_tables.rows(slot_t, width)  # [R, W] device gather, no host work per block
     else:
         tables = torch.from_numpy(np.asarray(block_tables, dtype=np.int64).reshape(num_rows, -1)).to(dev)  # [R, B]
@@ -67,6 +75,35 @@ def build_step(store: TokenStore, slots: np.ndarray, num_computed: np.ndarray, n
         sample=sample_t,
         qsl=qsl,
         history=store.history(slot_t, computed, history_len),
+        qsl_host=qsl_host,
+        block_size=block_size,
+    )
+
+
+def _host_batch(store: TokenStore, host: np.ndarray, r: int, tables: np.ndarray, block_size: int, history_len: int,
+                qsl_host: np.ndarray) -> StepBatch:
+    """build_step's batch for a CPU store, computed in numpy over views of its tensors (the same values)."""
+    slots, computed, qsl, row = host[:r], host[r:2 * r], host[4 * r:5 * r + 1], host[5 * r + 1:]
+    positions = computed[row] + np.arange(len(row)) - qsl[row]  # [T] absolute
+    tok_slot = slots[row]
+    block = tables[row, positions // block_size]
+    ids, dead = store.ids.numpy(), store.dead.numpy()
+    hist = computed[:, None] - 1 - np.arange(history_len)[None, :]  # [R, D] positions, as TokenStore.history
+    at = (slots[:, None], np.maximum(hist, 0))
+    history = np.where(hist < 0, BEFORE_START, np.where(dead[at], DEAD, ids[at]))
+    t = torch.from_numpy
+    return StepBatch(
+        input_ids=t(ids[tok_slot, positions].astype(np.int64)),
+        positions=t(positions),
+        dead=t(dead[tok_slot, positions]),
+        slot_mapping=t(np.where(block >= 0, block * block_size + positions % block_size, -1)),
+        req_slots=t(slots),
+        num_computed=t(computed),
+        seq_lens=t(host[2 * r:3 * r]),
+        block_tables=t(tables),
+        sample=t(host[3 * r:4 * r].astype(bool)),
+        qsl=t(qsl),
+        history=t(history.astype(np.int64)),
         qsl_host=qsl_host,
         block_size=block_size,
     )

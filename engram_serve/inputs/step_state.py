@@ -77,6 +77,11 @@ class StepState:
         self.flush()
         return self.tables[:, :width].index_select(0, slots)
 
+    def host_rows(self, slots: np.ndarray, width: int) -> np.ndarray:
+        """`rows` for a CPU state, in numpy: [R, width] copies of the rows of host slots [R]."""
+        self.flush()
+        return self.tables.numpy()[slots, :width]
+
     # ---- the step's one copy ------------------------------------------------------------------
     def _to_device(self, host: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(host)

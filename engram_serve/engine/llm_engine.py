@@ -288,6 +288,9 @@ class LLMEngine:
         logits = logits[:, : self.num_token_ids]  # ids outside the tokenizer are never sampled
         vocab = logits.shape[1]
         p = [s.params for s in seqs]
+        if all(x.temperature < GREEDY_BELOW and x.logprobs is None and not x.logit_bias and not x.penalised
+               and not (x.min_tokens and s.num_output_tokens < x.min_tokens) for s, x in zip(seqs, p)):
+            return self._commit(seqs, self.sampler.greedy(logits), None)  # the common case: one argmax, one pass
         ban_rows, ban_tokens, bias_rows, bias_tokens, bias_values = [], [], [], [], []
         pen_rows = []
         plain_greedy = all(x.temperature < GREEDY_BELOW and x.logprobs is None for x in p)
@@ -303,7 +306,7 @@ class LLMEngine:
                 bias_values += list(x.logit_bias.values())
             if x.penalised:
                 pen_rows.append(i)
-        if plain_greedy and not (ban_rows or bias_rows or pen_rows):  # the common case: one argmax, no batch to build
+        if plain_greedy and not (ban_rows or bias_rows or pen_rows):  # greedy rows past their extras: no batch to build
             return self._commit(seqs, self.sampler.greedy(logits), None)
         penalties = None
         if pen_rows:
@@ -340,24 +343,23 @@ class LLMEngine:
             full = torch.full((len(seqs), lp.shape[1]), float("nan"), dtype=torch.float64, device=dev)
             packed = torch.cat([packed, full.index_copy_(0, batch.logprob_rows, lp)], dim=1)
         host = packed.cpu().numpy()  # the one transfer of the step
+        toks, finite = host[:, 0].astype(np.int64).tolist(), (host[:, 1] != 0).tolist()  # two calls, not 2 a row
         events = []
-        for seq, row in zip(seqs, host):
-            if not row[1]:
+        for k, (seq, tok) in enumerate(zip(seqs, toks)):
+            if not finite[k]:
                 self.stats.errors += 1
                 events.append(self._finish(seq, "error", "non-finite logits (NaN or Inf) for this request"))
                 continue
-            tok = int(row[0])
             seq.append_token(tok)
-            self.stats.generated_tokens += 1
-            lp = top = None
             want = seq.params.logprobs
-            if want is not None:
-                lp = float(row[2])
-                top = [(int(i), float(v)) for i, v in zip(row[3:3 + want], row[3 + n:3 + n + want])]
             reason = self._stop_reason(seq, tok)
             ev = self._finish(seq, reason, token=tok) if reason else TokenEvent(seq.request_id, tok, False)
-            ev.logprob, ev.top_logprobs = lp, top
+            if want is not None:
+                row = host[k]
+                ev.logprob = float(row[2])
+                ev.top_logprobs = [(int(i), float(v)) for i, v in zip(row[3:3 + want], row[3 + n:3 + n + want])]
             events.append(ev)
+        self.stats.generated_tokens += sum(finite)  # (bools)
         return events
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:

@@ -113,6 +113,81 @@ static inline __attribute__((always_inline)) float sum_weighted(const float *res
     return l;
 }
 
+/* dot(q, k_j, hd) for 8 keys k_j (rows at kbase + slots[j] * hd) as lanes j, hd a multiple of 16: each
+ * key's 16 lanes summed as `dot` sums them (lane l over indices l, l + 16, ... from 0, then l + 8, l + 4 and
+ * the last two pairs), the 8 keys side by side: after the lanes l + 8 are added (one vector a key), the
+ * 8 x 8 block is transposed so that lane j of vector l holds key j's lane l, and the remaining tree runs
+ * on whole vectors, without a horizontal step per key. The same operations on the same values as
+ * dot(), so the same bits. */
+static inline __attribute__((always_inline)) void dots8(const float *restrict q, const float *restrict kbase,
+                                                        const int64_t *restrict slots, v8 *restrict d, const Py_ssize_t hd) {
+    v8 r[8];
+    for (int j = 0; j < 8; j++) {
+        const float *k = kbase + slots[j] * hd;
+        v8 lo = {0}, hi = {0}, x, y;
+        for (Py_ssize_t i = 0; i < hd; i += LANES) {
+            memcpy(&x, q + i, sizeof x);
+            memcpy(&y, k + i, sizeof y);
+            lo = lo + x * y;
+            memcpy(&x, q + i + 8, sizeof x);
+            memcpy(&y, k + i + 8, sizeof y);
+            hi = hi + x * y;
+        }
+        r[j] = lo + hi; /* lane l: lanes l and l + 8 of the 16 */
+    }
+    v8 t[8], u[8];
+    for (int j = 0; j < 8; j += 2) {
+        t[j] = __builtin_shufflevector(r[j], r[j + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        t[j + 1] = __builtin_shufflevector(r[j], r[j + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    }
+    for (int j = 0; j < 8; j += 4) {
+        u[j] = __builtin_shufflevector(t[j], t[j + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+        u[j + 1] = __builtin_shufflevector(t[j], t[j + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+        u[j + 2] = __builtin_shufflevector(t[j + 1], t[j + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+        u[j + 3] = __builtin_shufflevector(t[j + 1], t[j + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+    v8 lane[8]; /* lane[l][j] = r[j][l] */
+    for (int l = 0; l < 4; l++) {
+        lane[l] = __builtin_shufflevector(u[l], u[l + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+        lane[l + 4] = __builtin_shufflevector(u[l], u[l + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    }
+    const v8 s0 = lane[0] + lane[4], s1 = lane[1] + lane[5], s2 = lane[2] + lane[6], s3 = lane[3] + lane[7];
+    *d = (s0 + s2) + (s1 + s3);
+}
+
+/* sum_weighted for two heads' weights e0, e1 over the same values in one pass: each head's operations
+ * and order are sum_weighted's (so the same bits); the two heads' chains interleave, each value row is
+ * loaded once. l[0], l[1] get the two sums. */
+static inline __attribute__((always_inline)) void sum_weighted2(const float *restrict e0, const float *restrict e1,
+                                                                const float *restrict vbase,
+                                                                const int64_t *restrict slots, Py_ssize_t n,
+                                                                float *restrict o0, float *restrict o1,
+                                                                float *restrict l, const Py_ssize_t hd) {
+    if (!(hd % 8 == 0 && hd <= 64)) {
+        l[0] = sum_weighted(e0, vbase, slots, n, o0, hd);
+        l[1] = sum_weighted(e1, vbase, slots, n, o1, hd);
+        return;
+    }
+    v8 a0[8], a1[8];
+    float l0 = 0.0f, l1 = 0.0f;
+    for (Py_ssize_t c = 0; c < hd / 8; c++) a0[c] = a1[c] = (v8){0};
+    for (Py_ssize_t j = 0; j < n; j++) {
+        const float *vj = vbase + slots[j] * hd;
+        const float x0 = e0[j], x1 = e1[j];
+        l0 = l0 + x0;
+        l1 = l1 + x1;
+        for (Py_ssize_t c = 0; c < hd / 8; c++) {
+            v8 x;
+            memcpy(&x, vj + 8 * c, sizeof x);
+            a0[c] = a0[c] + x0 * x;
+            a1[c] = a1[c] + x1 * x;
+        }
+    }
+    memcpy(o0, a0, sizeof(float) * (size_t)hd);
+    memcpy(o1, a1, sizeof(float) * (size_t)hd);
+    l[0] = l0, l[1] = l1;
+}
+
 /* out[h] for one query over n keys at `slots`: softmax of scale * q_h . k_j in key order, every head;
  * keys from `zero_from` on get weight exactly 0 (negative control only; else zero_from == n). The g query
  * heads of a KV head share each key's loads; every head's operations are its own, in key order.
@@ -126,7 +201,21 @@ static inline __attribute__((always_inline)) void softmax_attend_hd(
         const float *kbase = a->k + kh * a->ld_head, *vbase = a->v + kh * a->ld_head;
         const float *q0 = qt + kh * g * hd;
         float *o0 = out + kh * g * hd;
-        for (Py_ssize_t j = 0; j < n; j++) {
+        Py_ssize_t j = 0;
+        if (hd % LANES == 0)
+            for (; j + 8 <= n; j += 8) { /* 8 keys at a time, the same bits (dots8) */
+                for (Py_ssize_t p = j; p < j + 8; p++) {
+                    if (p + PREFETCH < n) prefetch_row(kbase + slots[p + PREFETCH] * hd, hd);
+                    prefetch_row(vbase + slots[p] * hd, hd);
+                }
+                for (Py_ssize_t i = 0; i < g; i++) {
+                    v8 sc;
+                    dots8(q0 + i * hd, kbase, slots + j, &sc, hd);
+                    sc = sc * a->scale;
+                    memcpy(s + i * n + j, &sc, sizeof sc);
+                }
+            }
+        for (; j < n; j++) {
             const float *kj = kbase + slots[j] * hd;
             if (j + PREFETCH < n) prefetch_row(kbase + slots[j + PREFETCH] * hd, hd);
             prefetch_row(vbase + slots[j] * hd, hd);  /* read in the value pass below */
@@ -137,8 +226,11 @@ static inline __attribute__((always_inline)) void softmax_attend_hd(
             const float mi = max_of(si, zero_from);
             for (Py_ssize_t j = 0; j < zero_from; j++) si[j] = exp_fixed(si[j] - mi);
             for (Py_ssize_t j = zero_from; j < n; j++) si[j] = 0.0f;
-            l[i] = sum_weighted(si, vbase, slots, n, o0 + i * hd, hd);
         }
+        Py_ssize_t i = 0;
+        for (; i + 2 <= g; i += 2) /* two heads a pass: their sums are independent chains */
+            sum_weighted2(s + i * n, s + (i + 1) * n, vbase, slots, n, o0 + i * hd, o0 + (i + 1) * hd, l + i, hd);
+        for (; i < g; i++) l[i] = sum_weighted(s + i * n, vbase, slots, n, o0 + i * hd, hd);
         /* l == 0 only when nothing is visible: 0, as a dense kernel's guard; a NaN stays NaN */
         for (Py_ssize_t i = 0; i < g; i++) {
             const float li = l[i];
@@ -177,15 +269,30 @@ static inline __attribute__((always_inline)) void select_top_hd(
         uint64_t *restrict best, int64_t *restrict sel, const Py_ssize_t hd) {
     const Py_ssize_t g = a->heads / a->kvh;
     Py_ssize_t cnt = 0;
+    float sc8[8];
     for (Py_ssize_t j = 0; j < n; j++) {
         if (j + PREFETCH < n)
             for (Py_ssize_t kh = 0; kh < a->kvh; kh++) prefetch_row(a->k + kh * a->ld_head + slots[j + PREFETCH] * hd, hd);
         float sc = 0.0f;
-        for (Py_ssize_t kh = 0; kh < a->kvh; kh++) {  /* heads kh * g .. kh * g + g - 1: head order */
-            const float *kj = a->k + kh * a->ld_head + slots[j] * hd;
-            for (Py_ssize_t i = 0; i < g; i++) sc = sc + dot(qt + (kh * g + i) * hd, kj, hd);
+        if (hd % LANES == 0 && j % 8 == 0 && j + 8 <= n) { /* this key and the next 7 scored at once (dots8) */
+            v8 acc = {0}, d;
+            for (Py_ssize_t kh = 0; kh < a->kvh; kh++)
+                for (Py_ssize_t i = 0; i < g; i++) {
+                    dots8(qt + (kh * g + i) * hd, a->k + kh * a->ld_head, slots + j, &d, hd);
+                    acc = acc + d; /* head order, from 0, as the per-key sum below */
+                }
+            acc = acc / (float)a->heads;
+            memcpy(sc8, &acc, sizeof acc);
         }
-        sc = sc / (float)a->heads;
+        if (hd % LANES == 0 && j < n / 8 * 8) {
+            sc = sc8[j % 8];
+        } else {
+            for (Py_ssize_t kh = 0; kh < a->kvh; kh++) {  /* heads kh * g .. kh * g + g - 1: head order */
+                const float *kj = a->k + kh * a->ld_head + slots[j] * hd;
+                for (Py_ssize_t i = 0; i < g; i++) sc = sc + dot(qt + (kh * g + i) * hd, kj, hd);
+            }
+            sc = sc / (float)a->heads;
+        }
         const uint64_t key = ((uint64_t)score_key(sc) << 32) | (uint64_t)(UINT32_MAX - (uint32_t)j);
         if (cnt == topk && key <= best[cnt - 1]) continue;
         Py_ssize_t i = cnt < topk ? cnt++ : topk - 1;

@@ -638,28 +638,25 @@ static PyObject *py_gather_rows_cached(PyObject *Py_UNUSED(self), PyObject *args
     return result;
 }
 
-static PyObject *py_set_prefetch_distance(PyObject *Py_UNUSED(self), PyObject *args) {
-    Py_ssize_t d;
-    if (!PyArg_ParseTuple(args, "n", &d)) return NULL;
-    if (d < 0) {
-        PyErr_Format(PyExc_ValueError, "_set_prefetch_distance: distance %zd is negative", d);
+/* *var = the one non-negative integer in args (a tests-and-benchmarks setter named fn); returns the old value. */
+static PyObject *set_size(PyObject *args, const char *fn, Py_ssize_t *var) {
+    Py_ssize_t v;
+    if (!PyArg_ParseTuple(args, "n", &v)) return NULL;
+    if (v < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd is negative", fn, v);
         return NULL;
     }
-    const Py_ssize_t old = prefetch_distance;
-    prefetch_distance = d;
+    const Py_ssize_t old = *var;
+    *var = v;
     return PyLong_FromSsize_t(old);
 }
 
+static PyObject *py_set_prefetch_distance(PyObject *Py_UNUSED(self), PyObject *args) {
+    return set_size(args, "_set_prefetch_distance", &prefetch_distance);
+}
+
 static PyObject *py_set_stream_bytes(PyObject *Py_UNUSED(self), PyObject *args) {
-    Py_ssize_t b;
-    if (!PyArg_ParseTuple(args, "n", &b)) return NULL;
-    if (b < 0) {
-        PyErr_Format(PyExc_ValueError, "_set_stream_bytes: %zd bytes is negative", b);
-        return NULL;
-    }
-    const Py_ssize_t old = stream_bytes;
-    stream_bytes = b;
-    return PyLong_FromSsize_t(old);
+    return set_size(args, "_set_stream_bytes", &stream_bytes);
 }
 
 static PyObject *py_set_decode_path(PyObject *Py_UNUSED(self), PyObject *args) {

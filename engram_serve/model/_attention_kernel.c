@@ -122,19 +122,7 @@ static inline __attribute__((always_inline)) float sum_weighted(const float *res
 static inline __attribute__((always_inline)) void dots8(const float *restrict q, const float *restrict kbase,
                                                         const int64_t *restrict slots, v8 *restrict d, const Py_ssize_t hd) {
     v8 r[8];
-    for (int j = 0; j < 8; j++) {
-        const float *k = kbase + slots[j] * hd;
-        v8 lo = {0}, hi = {0}, x, y;
-        for (Py_ssize_t i = 0; i < hd; i += LANES) {
-            memcpy(&x, q + i, sizeof x);
-            memcpy(&y, k + i, sizeof y);
-            lo = lo + x * y;
-            memcpy(&x, q + i + 8, sizeof x);
-            memcpy(&y, k + i + 8, sizeof y);
-            hi = hi + x * y;
-        }
-        r[j] = lo + hi; /* lane l: lanes l and l + 8 of the 16 */
-    }
+    for (int j = 0; j < 8; j++) dot_lanes8(q, kbase + slots[j] * hd, hd, &r[j]); /* lane l: lanes l and l + 8 */
     v8 t[8], u[8];
     for (int j = 0; j < 8; j += 2) {
         t[j] = __builtin_shufflevector(r[j], r[j + 1], 0, 8, 1, 9, 4, 12, 5, 13);

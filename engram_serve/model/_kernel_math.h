@@ -46,21 +46,29 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 
+/* *s8 = dot's 16 lanes after its first tree level (lane l + 8 added to lane l), d a multiple of 16: lanes
+ * 0-7 and 8-15 as two 8-lane vectors, the same lane-wise operations as one 16-lane accumulator. */
+static inline __attribute__((always_inline)) void dot_lanes8(const float *restrict a, const float *restrict b,
+                                                             Py_ssize_t d, v8 *restrict s8) {
+    v8 lo = {0}, hi = {0}, x, y;
+    for (Py_ssize_t i = 0; i < d; i += LANES) {
+        memcpy(&x, a + i, sizeof x);
+        memcpy(&y, b + i, sizeof y);
+        lo = lo + x * y;
+        memcpy(&x, a + i + 8, sizeof x);
+        memcpy(&y, b + i + 8, sizeof y);
+        hi = hi + x * y;
+    }
+    *s8 = lo + hi;
+}
+
 static inline __attribute__((always_inline)) float dot(const float *restrict a, const float *restrict b, Py_ssize_t d) {
     if (d % LANES == 0 && !__builtin_constant_p(d)) {
-        /* a length known only at run time: lanes 0-7 and 8-15 as two 8-lane vectors, the same lane-wise
-         * operations (a 16-lane accumulator in a loop of unknown trip count was kept in memory by GCC's
-         * AVX2 clone, a store-to-load chain per iteration: engram_gate 2x slower) */
-        v8 lo = {0}, hi = {0}, x, y;
-        for (Py_ssize_t i = 0; i < d; i += LANES) {
-            memcpy(&x, a + i, sizeof x);
-            memcpy(&y, b + i, sizeof y);
-            lo = lo + x * y;
-            memcpy(&x, a + i + 8, sizeof x);
-            memcpy(&y, b + i + 8, sizeof y);
-            hi = hi + x * y;
-        }
-        const v8 s8 = lo + hi;
+        /* a length known only at run time: two 8-lane vectors (a 16-lane accumulator in a loop of unknown
+         * trip count was kept in memory by GCC's AVX2 clone, a store-to-load chain per iteration:
+         * engram_gate 2x slower) */
+        v8 s8;
+        dot_lanes8(a, b, d, &s8);
         const v4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
         return (s4[0] + s4[2]) + (s4[1] + s4[3]);
     }

@@ -359,7 +359,7 @@ class LLMEngine:
                 ev.logprob = float(row[2])
                 ev.top_logprobs = [(int(i), float(v)) for i, v in zip(row[3:3 + want], row[3 + n:3 + n + want])]
             events.append(ev)
-        self.stats.generated_tokens += sum(finite)  # (bools)
+        self.stats.generated_tokens += sum(finite)  # the rows that got a token (True counts 1)
         return events
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..engram.hashing import BEFORE_START, DEAD
 from .batch import StepBatch
 from .step_state import StepState
 from .token_store import TokenStore
@@ -88,9 +87,6 @@ def _host_batch(store: TokenStore, host: np.ndarray, r: int, tables: np.ndarray,
     tok_slot = slots[row]
     block = tables[row, positions // block_size]
     ids, dead = store.ids.numpy(), store.dead.numpy()
-    hist = computed[:, None] - 1 - np.arange(history_len)[None, :]  # [R, D] positions, as TokenStore.history
-    at = (slots[:, None], np.maximum(hist, 0))
-    history = np.where(hist < 0, BEFORE_START, np.where(dead[at], DEAD, ids[at]))
     t = torch.from_numpy
     return StepBatch(
         input_ids=t(ids[tok_slot, positions].astype(np.int64)),
@@ -103,7 +99,7 @@ def _host_batch(store: TokenStore, host: np.ndarray, r: int, tables: np.ndarray,
         block_tables=t(tables),
         sample=t(host[3 * r:4 * r].astype(bool)),
         qsl=t(qsl),
-        history=t(history.astype(np.int64)),
+        history=t(store.history_host(slots, computed, history_len)),
         qsl_host=qsl_host,
         block_size=block_size,
     )

@@ -6,6 +6,7 @@ per token position. Invariant: positions `< lengths[slot]` hold the request's co
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..engram.hashing import BEFORE_START, DEAD
@@ -68,3 +69,10 @@ class TokenStore:
         """[R, D] int64: column j = token at position first_pos-1-j of each row's request (spec §3)."""
         pos = first_pos.long()[:, None] - 1 - torch.arange(d, device=self.device)[None, :]  # [R, D]
         return self.gather(slots.long()[:, None].expand_as(pos), pos)
+
+    def history_host(self, slots: np.ndarray, first_pos: np.ndarray, d: int) -> np.ndarray:
+        """`history` for a CPU store, in numpy over views of its tensors (int64 host arrays in, the same values)."""
+        pos = first_pos[:, None] - 1 - np.arange(d)[None, :]  # [R, D]
+        at = (slots[:, None], np.maximum(pos, 0))
+        out = np.where(self.dead.numpy()[at], DEAD, self.ids.numpy()[at])
+        return np.where(pos < 0, BEFORE_START, out).astype(np.int64)

@@ -290,10 +290,10 @@ class LLMEngine:
         p = [s.params for s in seqs]
         if all(x.temperature < GREEDY_BELOW and x.logprobs is None and not x.logit_bias and not x.penalised
                and not (x.min_tokens and s.num_output_tokens < x.min_tokens) for s, x in zip(seqs, p)):
-            return self._commit(seqs, self.sampler.greedy(logits), None)  # the common case: one argmax, one pass
+            return self._commit(seqs, self.sampler.greedy(logits), None)  # the common case: one argmax, no batch
+        # (`greedy` gives the tokens and finite flags that `sample` gives greedy rows)
         ban_rows, ban_tokens, bias_rows, bias_tokens, bias_values = [], [], [], [], []
         pen_rows = []
-        plain_greedy = all(x.temperature < GREEDY_BELOW and x.logprobs is None for x in p)
         for i, (s, x) in enumerate(zip(seqs, p)):  # host bookkeeping of the few rows that ask for extras
             if x.min_tokens and s.num_output_tokens < x.min_tokens:
                 stops = [t for t in x.stop_token_ids + ([] if x.ignore_eos or self.eos is None else [self.eos])
@@ -306,8 +306,6 @@ class LLMEngine:
                 bias_values += list(x.logit_bias.values())
             if x.penalised:
                 pen_rows.append(i)
-        if plain_greedy and not (ban_rows or bias_rows or pen_rows):  # greedy rows past their extras: no batch to build
-            return self._commit(seqs, self.sampler.greedy(logits), None)
         penalties = None
         if pen_rows:
             ps = [seqs[i] for i in pen_rows]

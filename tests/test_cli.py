@@ -191,6 +191,7 @@ def test_bench_tables_json_rows(capsys, tmp_path):
     assert code == 0, err
     rows = json.loads(out)
     settings = ["torch plain", "torch dedup", "kernel plain", "kernel dedup", "kernel dedup+cache"]
+    memcpy = [r for r in rows if r["what"] == "memcpy"]
     for state in ("warm", "cold"):
         got = [r for r in rows if r["what"] == "gather" and r["state"] == state]
         assert [r["setting"] for r in got] == settings
@@ -198,6 +199,10 @@ def test_bench_tables_json_rows(capsys, tmp_path):
             assert r["rows_per_step"] == 64 * 2 * 24 and 0 < r["distinct_per_step"] <= r["rows_per_step"]
             assert r["staged_gb_s"] == pytest.approx(r["rows_s"] * 256 * 4 / 1e9)
             assert (r["cache_hit_rate"] is None) == ("cache" not in r["setting"])
+            # one round: the ratio is the row's rate over that round's memcpy, the only one measured
+            assert ("x_memcpy" in r) == (state == "warm")
+            if state == "warm":
+                assert r["x_memcpy"] == r["x_memcpy_min"] == pytest.approx(r["staged_gb_s"] / memcpy[0]["gb_s"])
     share = [r for r in rows if r["what"] == "decode step share"]
     assert [r["setting"] for r in share] == settings[3:]
     for r in share:

@@ -19,13 +19,17 @@ since it undoes the warm-up). Torch threads are set by --threads.
 
 Reported per row: median and p90 ms per step; at the median step, staged rows/s and staged bytes/s
 (float32 rows written into staging, duplicates included: the effective staging rate) and stored
-bytes/s read from the table (distinct rows x 264 bytes); the cache hit rate and the process's peak RSS. Extra rows:
+bytes/s read from the table (distinct rows x 264 bytes); the cache hit rate and the process's peak RSS.
+Warm rows also give x_memcpy: each round ends with this machine's memcpy rate (torch copy_ of 512 MiB,
+DRAM to DRAM), so the baseline is measured under the same load as the round's gathers; x_memcpy is the
+median over rounds of (the round's staged bytes/s at its median step) / (that round's memcpy), with
+its range. Extra rows:
 the gather's share of a decode step, in the engine: the built-in backbone (its config, random weights)
 with this geometry as its Engram layers 1 and 2, reading the table file, 64 requests decoding their
 slices of the 64-request stream (`ModelRunner.execute`); the runner's gather on its worker, overlapped
 with layer 0, against the gather inline, step by step; the share = time the step blocked waiting for its
-rows / step time (and, inline, the gather's time / step time). And this machine's memcpy rate (torch
-copy_ of 512 MiB, and of a 64-request step's staging size, which stays in the CPU caches as the
+rows / step time (and, inline, the gather's time / step time). And the memcpy rates (of 512 MiB: the median
+of the rounds' figures; and of a 64-request step's staging size, which stays in the CPU caches as the
 staging buffer does).
 """
 from __future__ import annotations
@@ -49,6 +53,7 @@ from . import common
 NAME = "tables"
 HEAD_DIM, N, H, LAYERS = 256, 4, 8, (1, 2)  # V4.1's Engram geometry; layers 1 and 2 of the built-in backbone
 ROW_BYTES = HEAD_DIM + HEAD_DIM // 32  # E4M3 row + its E8M0 scales
+MEMCPY_BYTES = 512 * 2**20  # the memcpy baseline: DRAM to DRAM
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -205,7 +210,10 @@ def _p90(times: list[float]) -> float:
     return sorted(times)[max(0, math.ceil(0.9 * len(times)) - 1)]
 
 
-def _row(tables, hashes, times: list[float], r: int, name: str, state: str, dedup: bool) -> dict:
+def _row(tables, hashes, times: list[float], r: int, name: str, state: str, dedup: bool,
+         memcpy: list[float] | None = None) -> dict:
+    """A gather row; with memcpy (GB/s, one per warm round, each round's steps in turn in times), the
+    per-round ratios to it."""
     import torch
     steps, per_step = hashes.shape[0], r * len(LAYERS) * hashes.shape[-1]
     distinct = sum(int(torch.unique(hashes[s, :, layer]).numel()) for s in range(steps) for layer in range(len(LAYERS)))
@@ -214,18 +222,19 @@ def _row(tables, hashes, times: list[float], r: int, name: str, state: str, dedu
     for c in caches:
         c.hits = c.lookups = 0
     med_s = statistics.median(times) / 1e3  # rates from the median step: one slow step (a shared machine) is noise
-    return {"what": "gather", "requests": r, "setting": name, "state": state, "steps": steps, "rows_per_step": per_step,
+    ratios = [per_step * HEAD_DIM * 4 / (statistics.median(times[k * steps:(k + 1) * steps]) / 1e3) / 1e9 / gbs
+              for k, gbs in enumerate(memcpy or [])]
+    vs = {"x_memcpy": statistics.median(ratios), "x_memcpy_min": min(ratios), "x_memcpy_max": max(ratios)} if ratios else {}
+    return {**vs, "what": "gather", "requests": r, "setting": name, "state": state, "steps": steps, "rows_per_step": per_step,
             "distinct_per_step": distinct / steps, "median_ms": statistics.median(times), "p90_ms": _p90(times),
             "rows_s": per_step / med_s, "staged_gb_s": per_step * HEAD_DIM * 4 / med_s / 1e9,
             "stored_mb_s": (distinct / steps if dedup else per_step) * ROW_BYTES / med_s / 1e6,
             "cache_hit_rate": hit_rate, "peak_rss_mib": _peak_rss_mib()}
 
 
-def _memcpy_gbs(nbytes: int, repeats: int) -> float:
-    """torch copy_ of nbytes of float32: median GB/s (copied bytes per second)."""
-    import torch
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
+def _memcpy_gbs(src, repeats: int) -> float:
+    """torch copy_ of the float32 tensor src: median GB/s (copied bytes per second)."""
+    dst = src.new_empty(src.shape)
     dst.copy_(src)
     ts = []
     for _ in range(repeats):
@@ -318,7 +327,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     root = where / "engram-bench-tables"
     root.mkdir(exist_ok=True)
     path = root / "model.safetensors"
-    rows = []
+    rows, memcpy, memcpy_src = [], [], torch.ones(MEMCPY_BYTES // 4)
     try:
         t0 = time.perf_counter()
         file_bytes = _write_file(path, cfg, touched)
@@ -341,8 +350,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             for _ in range(args.rounds):
                 for name, backend, _, _ in SETTINGS:
                     times[name] += _pass(tables[name], hashes, _staging(r), backend)
+                memcpy.append(_memcpy_gbs(memcpy_src, 5))  # the baseline, under this round's load
             for name, _, dedup, _ in SETTINGS:
-                rows.append(_row(tables[name], hashes, times[name], r, name, "warm", dedup))
+                rows.append(_row(tables[name], hashes, times[name], r, name, "warm", dedup, memcpy[-args.rounds:]))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress
             if r == 64:
                 rows += _share_rows(engram, tables, ids, tmap, args.share_steps, args.rounds)
@@ -360,7 +370,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     staging_bytes = 64 * len(LAYERS) * (N - 1) * H * HEAD_DIM * 4  # a 64-request step's float32 staging
-    rows.append({"what": "memcpy", "bytes": "512 MiB", "gb_s": _memcpy_gbs(512 * 2**20, 5), "threads": args.threads})
+    rows.append({"what": "memcpy", "bytes": "512 MiB (median of the warm rounds)", "gb_s": statistics.median(memcpy),
+                 "min_gb_s": min(memcpy), "max_gb_s": max(memcpy), "threads": args.threads})
     rows.append({"what": "memcpy", "bytes": f"{staging_bytes / 2**20:.0f} MiB (staging size)",
-                 "gb_s": _memcpy_gbs(staging_bytes, 50), "threads": args.threads})
+                 "gb_s": _memcpy_gbs(torch.ones(staging_bytes // 4), 50), "threads": args.threads})
     return rows

@@ -7,6 +7,7 @@ the value.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import numbers
@@ -166,6 +167,15 @@ class SamplingParams:
             put("logprobs", _int("logprobs", self.logprobs))
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 _fail("logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}] (0 = the sampled token only)")
+
+    def with_seed(self, seed: int) -> "SamplingParams":
+        """These params with `seed` (an int64), the rest as validated already: what `dataclasses.replace`
+        gives, without checking every field again (the engine gives each seedless request one)."""
+        new = copy.copy(self)
+        for name, value in (("seed", _int("seed", seed)), ("stop", list(self.stop)), ("stop_token_ids", list(self.stop_token_ids)),
+                            ("logit_bias", dict(self.logit_bias))):  # containers of its own, as replace() makes
+            object.__setattr__(new, name, value)
+        return new
 
     @property
     def greedy(self) -> bool:

@@ -164,9 +164,16 @@ def test_python_api_refuses_malformed_arguments(loaded):
         e.add_request("s", ids, SamplingParams(stop_token_ids=[1, 4096]))
     with pytest.raises(InvalidRequest, match="logit_bias: token id 5000"):
         e.add_request("b", ids, SamplingParams(logit_bias={5000: 1.0}))
-    with pytest.raises(InvalidRequest, match="prompt: token 1 is True"):
-        e.add_request("t", [5, True], SamplingParams())
+    for prompt, needle in (([5, True], "prompt: token 1 is True"), ([5, 6.0], r"prompt: token 1 is 6.0 \(float\)"),
+                           ([5, 4096], r"prompt: token id 4096 at index 1 is outside the tokenizer's ids \[0, 4096\)"),
+                           ([-1, 5], "prompt: token id -1 at index 0"),
+                           (np.array([7, 5000]), "prompt: token id 5000 at index 1"),
+                           (np.array([7, 2**64 - 1], dtype=np.uint64), f"prompt: token id {2**64 - 1} at index 1"),
+                           (np.array([True, False]), "prompt: token 0 is (np.)?True")):
+        with pytest.raises(InvalidRequest, match=needle):
+            e.add_request("t", prompt, SamplingParams())
     e.add_request("ok", np.array([5, 6, 7], dtype=np.int64), SamplingParams(max_tokens=2))
+    assert e.seqs["ok"].token_ids == [5, 6, 7] and all(type(t) is int for t in e.seqs["ok"].token_ids)
     for bounds in ([1, 3], [0, 2], [0, 3, 3], [0, "a", 3], [0, 1, 2, 3], "0,3", [0]):
         with pytest.raises(InvalidRequest, match="bounds="):
             e.step(bounds=bounds)

@@ -480,6 +480,16 @@ def test_sampling_params_validation_names_field_and_value(kwargs, message):
     assert isinstance(e.value, ValueError)
 
 
+def test_with_seed_is_replace_with_the_seed_and_containers_of_its_own():
+    p = SamplingParams(temperature=0.7, top_k=5, stop=["x"], stop_token_ids=[3], logit_bias={7: 1.5}, logprobs=2)
+    q = p.with_seed(2**62 - 1)
+    assert q == dataclasses.replace(p, seed=2**62 - 1) and p.seed is None
+    assert q.stop is not p.stop and q.stop_token_ids is not p.stop_token_ids and q.logit_bias is not p.logit_bias
+    for bad in (2**63, True, 1.0):
+        with pytest.raises(InvalidRequest, match="seed="):
+            p.with_seed(bad)
+
+
 def test_sampling_params_from_dict():
     assert SamplingParams.from_dict({"temperature": 0.5, "stop": ["x"]}) == SamplingParams(temperature=0.5, stop=["x"])
     with pytest.raises(InvalidRequest, match=r"unknown sampling parameter\(s\) \['best_of'\]"):

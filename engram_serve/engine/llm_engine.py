@@ -6,7 +6,6 @@ and, with one host transfer for the whole step, to the sequences -> finish what 
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import numbers
 from dataclasses import dataclass, field
@@ -101,11 +100,13 @@ class LLMEngine:
             raise InvalidRequest(f"prompt: expected a list of token ids, got {type(prompt_ids).__name__}")
         if isinstance(prompt_ids, np.ndarray) and prompt_ids.ndim != 1:
             raise InvalidRequest(f"prompt: expected a 1-D array of token ids, got shape {prompt_ids.shape}")
-        ids = list(prompt_ids)
+        integers = isinstance(prompt_ids, np.ndarray) and prompt_ids.dtype.kind in "iu"
+        ids = prompt_ids.tolist() if integers else list(prompt_ids)  # Python ints from an integer array
         if not ids:
             raise InvalidRequest("prompt: must hold at least one token")
         n = self.num_token_ids
-        for i, t in enumerate(ids):
+        plain = set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < n  # the common case, at C speed
+        for i, t in enumerate(() if plain else ids):  # else find the first bad token and name it
             if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
                 raise InvalidRequest(f"prompt: token {i} is {t!r} ({type(t).__name__}), not an integer token id")
             if not 0 <= t < n:
@@ -126,7 +127,7 @@ class LLMEngine:
         if -(-total // cfg.block_size) > cfg.num_blocks:
             raise InvalidRequest(f"prompt: {len(ids)} tokens + max_tokens={params.max_tokens} need "
                                  f"{-(-total // cfg.block_size)} KV blocks, the cache has num_blocks={cfg.num_blocks}")
-        return [int(t) for t in ids]
+        return ids if plain else [int(t) for t in ids]
 
     @staticmethod
     def validate_dead(dead, num_tokens: int) -> list[bool] | None:
@@ -157,7 +158,7 @@ class LLMEngine:
         if len(self.seqs) >= MAX_QUEUED:
             raise InvalidRequest(f"the engine is full ({len(self.seqs)} requests); retry later")
         if params.seed is None:
-            params = dataclasses.replace(params, seed=int(self._next_seed.integers(0, 2**62)))
+            params = params.with_seed(int(self._next_seed.integers(0, 2**62)))
         seq = Sequence(request_id, ids, params, dead=dead)
         self.scheduler.add(seq)  # its token-store slot is taken when it is first scheduled
         self.seqs[request_id] = seq

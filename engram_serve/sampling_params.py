@@ -172,8 +172,9 @@ class SamplingParams:
         """These params with `seed` (an int64), the rest as validated already: what `dataclasses.replace`
         gives, without checking every field again (the engine gives each seedless request one)."""
         new = copy.copy(self)
-        for name, value in (("seed", _int("seed", seed)), ("stop", list(self.stop)), ("stop_token_ids", list(self.stop_token_ids)),
-                            ("logit_bias", dict(self.logit_bias))):  # containers of its own, as replace() makes
+        own = {"seed": _int("seed", seed), "stop": list(self.stop), "stop_token_ids": list(self.stop_token_ids),
+               "logit_bias": dict(self.logit_bias)}  # containers of its own, as replace() makes
+        for name, value in own.items():
             object.__setattr__(new, name, value)
         return new
 

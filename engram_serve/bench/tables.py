@@ -222,12 +222,14 @@ def _row(tables, hashes, times: list[float], r: int, name: str, state: str, dedu
     for c in caches:
         c.hits = c.lookups = 0
     med_s = statistics.median(times) / 1e3  # rates from the median step: one slow step (a shared machine) is noise
-    ratios = [per_step * HEAD_DIM * 4 / (statistics.median(times[k * steps:(k + 1) * steps]) / 1e3) / 1e9 / gbs
+    staged = per_step * HEAD_DIM * 4 / 1e9  # GB a step
+    ratios = [staged / (statistics.median(times[k * steps:(k + 1) * steps]) / 1e3) / gbs
               for k, gbs in enumerate(memcpy or [])]
-    vs = {"x_memcpy": statistics.median(ratios), "x_memcpy_min": min(ratios), "x_memcpy_max": max(ratios)} if ratios else {}
-    return {**vs, "what": "gather", "requests": r, "setting": name, "state": state, "steps": steps, "rows_per_step": per_step,
-            "distinct_per_step": distinct / steps, "median_ms": statistics.median(times), "p90_ms": _p90(times),
-            "rows_s": per_step / med_s, "staged_gb_s": per_step * HEAD_DIM * 4 / med_s / 1e9,
+    vs = {"x_memcpy": statistics.median(ratios), "x_memcpy_min": min(ratios), "x_memcpy_max": max(ratios)} \
+        if ratios else {}
+    return {**vs, "what": "gather", "requests": r, "setting": name, "state": state, "steps": steps,
+            "rows_per_step": per_step, "distinct_per_step": distinct / steps, "median_ms": statistics.median(times),
+            "p90_ms": _p90(times), "rows_s": per_step / med_s, "staged_gb_s": staged / med_s,
             "stored_mb_s": (distinct / steps if dedup else per_step) * ROW_BYTES / med_s / 1e6,
             "cache_hit_rate": hit_rate, "peak_rss_mib": _peak_rss_mib()}
 

@@ -16,6 +16,17 @@
  *   silu_mul(gu, rows, inter, weights, out) -> None
  *     gu [rows, 2, inter] (gate, up), out [rows, inter] = silu(gate) * up [* weights[row]] (weights
  *     [rows] or 0); silu(x) = x / (1 + exp(-x)).
+ *   gather_rows(src, rows, width, ids, n, copies, out) -> None
+ *     out [n, copies, width] = src[ids[t]] on each copy, src [rows, width] float32 contiguous, ids [n]
+ *     int64 (the embedding, the rotary tables); ValueError, and nothing written, if an id is outside
+ *     [0, rows).
+ *   add_branches(h, n, hc, hidden, delta, out) -> None
+ *     out [n, hc, hidden] = h + delta on every branch (delta [n, hidden]).
+ *   moe_route(logits, n, e, k, ids, w, dense) -> None
+ *     The MoE router of model/layers.py for logits [n, e] (e <= 256, k <= e): probs = softmax (p_j =
+ *     exp(l_j - max) / sum in index order), ids [n, k] int64 the k largest probs, best first (ties: lower
+ *     index first), w [n, k] = those probs / their sum (in that order), dense [n, e] (or 0) = w at ids,
+ *     0 elsewhere. A row with a non-finite logit gets ids 0..k-1 and NaN weights: its request errs.
  *   argmax_rows(x, rows, v, out) -> None
  *     x [rows, v] float32 contiguous (v >= 1), out [rows] int64: per row the first index of its maximum,
  *     a NaN above every number (torch.argmax's order: the first NaN if there is one).
@@ -28,6 +39,7 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "_kernel_math.h"
 
@@ -142,6 +154,121 @@ static void argmax_rows(const float *restrict x, Py_ssize_t rows, Py_ssize_t v, 
     }
 }
 
+static Py_ssize_t gather_rows(const float *restrict src, Py_ssize_t rows, Py_ssize_t width, const int64_t *restrict ids,
+                              Py_ssize_t n, Py_ssize_t copies, float *restrict out) {
+    for (Py_ssize_t t = 0; t < n; t++)
+        if (ids[t] < 0 || ids[t] >= rows) return t;
+    for (Py_ssize_t t = 0; t < n; t++)
+        for (Py_ssize_t c = 0; c < copies; c++)
+            memcpy(out + (t * copies + c) * width, src + ids[t] * width, (size_t)width * sizeof(float));
+    return -1;
+}
+
+CLONES static void add_branches_rows(const float *restrict h, Py_ssize_t n, Py_ssize_t hc, Py_ssize_t dim,
+                                     const float *restrict delta, float *restrict out) {
+    for (Py_ssize_t t = 0; t < n; t++)
+        for (Py_ssize_t i = 0; i < hc; i++)
+            for (Py_ssize_t d = 0; d < dim; d++)
+                out[(t * hc + i) * dim + d] = h[(t * hc + i) * dim + d] + delta[t * dim + d];
+}
+
+#define MAX_EXPERTS 256
+static void moe_route_rows(const float *restrict logits, Py_ssize_t n, Py_ssize_t e, Py_ssize_t k,
+                           int64_t *restrict ids, float *restrict w, float *restrict dense) {
+    float p[MAX_EXPERTS];
+    unsigned char taken[MAX_EXPERTS];
+    for (Py_ssize_t t = 0; t < n; t++) {
+        const float *l = logits + t * e;
+        int64_t *it = ids + t * k;
+        float *wt = w + t * k, *dt = dense ? dense + t * e : NULL;
+        int finite = 1;
+        float m = -INFINITY;
+        for (Py_ssize_t j = 0; j < e; j++) {
+            finite &= isfinite(l[j]) != 0;
+            m = l[j] > m ? l[j] : m;
+        }
+        if (dt)
+            for (Py_ssize_t j = 0; j < e; j++) dt[j] = 0.0f;
+        if (!finite) {
+            for (Py_ssize_t i = 0; i < k; i++) {
+                it[i] = i, wt[i] = NAN;
+                if (dt) dt[i] = NAN;
+            }
+            continue;
+        }
+        float sum = 0.0f;
+        for (Py_ssize_t j = 0; j < e; j++) {
+            p[j] = exp_fixed(l[j] - m);
+            sum = sum + p[j];
+            taken[j] = 0;
+        }
+        for (Py_ssize_t j = 0; j < e; j++) p[j] = p[j] / sum;
+        float wsum = 0.0f;
+        for (Py_ssize_t i = 0; i < k; i++) {
+            Py_ssize_t best = -1;
+            for (Py_ssize_t j = 0; j < e; j++)
+                if (!taken[j] && (best < 0 || p[j] > p[best])) best = j;
+            taken[best] = 1, it[i] = best, wt[i] = p[best];
+            wsum = wsum + p[best];
+        }
+        for (Py_ssize_t i = 0; i < k; i++) {
+            wt[i] = wt[i] / wsum;
+            if (dt) dt[it[i]] = wt[i];
+        }
+    }
+}
+
+static PyObject *py_gather_rows(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long sa, ia, oa;
+    Py_ssize_t rows, width, n, copies;
+    if (!PyArg_ParseTuple(args, "KnnKnnK", &sa, &rows, &width, &ia, &n, &copies, &oa)) return NULL;
+    if (rows < 0 || width < 1 || n < 0 || copies < 1 || (n && (!sa || !ia || !oa))) {
+        PyErr_Format(PyExc_ValueError, "gather_rows: rows %zd, width %zd, n %zd, copies %zd do not fit", rows, width, n,
+                     copies);
+        return NULL;
+    }
+    Py_ssize_t bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = gather_rows((const float *)(uintptr_t)sa, rows, width, (const int64_t *)(uintptr_t)ia, n, copies,
+                      (float *)(uintptr_t)oa);
+    Py_END_ALLOW_THREADS
+    if (bad >= 0) {
+        PyErr_Format(PyExc_ValueError, "gather_rows: index %lld at entry %zd is outside the %zd rows",
+                     (long long)((const int64_t *)(uintptr_t)ia)[bad], bad, rows);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_add_branches(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long ha, da, oa;
+    Py_ssize_t n, hc, dim;
+    if (!PyArg_ParseTuple(args, "KnnnKK", &ha, &n, &hc, &dim, &da, &oa)) return NULL;
+    if (n < 0 || hc < 1 || dim < 1 || (n && (!ha || !da || !oa))) {
+        PyErr_Format(PyExc_ValueError, "add_branches: n %zd, hc %zd, hidden %zd do not fit", n, hc, dim);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    add_branches_rows((const float *)(uintptr_t)ha, n, hc, dim, (const float *)(uintptr_t)da, (float *)(uintptr_t)oa);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_moe_route(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long la, ia, wa, da;
+    Py_ssize_t n, e, k;
+    if (!PyArg_ParseTuple(args, "KnnnKKK", &la, &n, &e, &k, &ia, &wa, &da)) return NULL;
+    if (n < 0 || e < 1 || e > MAX_EXPERTS || k < 1 || k > e || (n && (!la || !ia || !wa))) {
+        PyErr_Format(PyExc_ValueError, "moe_route: n %zd, %zd experts (<= %d), top %zd do not fit", n, e, MAX_EXPERTS, k);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    moe_route_rows((const float *)(uintptr_t)la, n, e, k, (int64_t *)(uintptr_t)ia, (float *)(uintptr_t)wa,
+                   (float *)(uintptr_t)da);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_argmax_rows(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long xa, oa;
     Py_ssize_t rows, v;
@@ -209,6 +336,12 @@ static PyMethodDef methods[] = {
      "engram_gate(h, n, hc, hidden, kv, q_w, k_w, dead, eps, h_out) -> None: the Engram gate into h_out."},
     {"silu_mul", py_silu_mul, METH_VARARGS,
      "silu_mul(gu, rows, inter, weights, out) -> None: out = silu(gate) * up [* weight of the row]."},
+    {"gather_rows", py_gather_rows, METH_VARARGS,
+     "gather_rows(src, rows, width, ids, n, copies, out) -> None: out[t, c] = src[ids[t]] (ValueError: id out of range)."},
+    {"add_branches", py_add_branches, METH_VARARGS,
+     "add_branches(h, n, hc, hidden, delta, out) -> None: out = h + delta on every branch."},
+    {"moe_route", py_moe_route, METH_VARARGS,
+     "moe_route(logits, n, e, k, ids, w, dense) -> None: softmax, top-k (ties: lower index), renormalised weights."},
     {"argmax_rows", py_argmax_rows, METH_VARARGS,
      "argmax_rows(x, rows, v, out) -> None: out[r] = the first index of row r's maximum, NaN first (torch.argmax)."},
     {NULL, NULL, 0, NULL},

@@ -58,7 +58,43 @@ def residual_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
 
 def add_branches(h: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
     """h + delta on every branch (h [N, hc, hidden], delta [N, hidden] or None)."""
-    return h if delta is None else h + delta[:, None, :]
+    if delta is None:
+        return h
+    if native(h, delta):
+        h, delta = h.contiguous(), delta.contiguous()
+        out = torch.empty(h.shape)
+        _token_kernel.add_branches(h.data_ptr(), h.shape[0], h.shape[1], h.shape[2], delta.data_ptr(), out.data_ptr())
+        return out
+    return h + delta[:, None, :]
+
+
+def gather_rows(src: torch.Tensor, ids: torch.Tensor, copies: int = 1) -> torch.Tensor:
+    """[N, copies, width]: row ids[t] of src [rows, width] on each copy (the embedding, the rotary tables);
+    ids [N] int64. An id outside [0, rows) raises (ValueError in C, IndexError in torch)."""
+    if native(src) and ids.dtype == torch.int64 and ids.is_cpu:
+        src, ids = src.contiguous(), ids.contiguous()
+        out = torch.empty(ids.shape[0], copies, src.shape[1])
+        _token_kernel.gather_rows(src.data_ptr(), src.shape[0], src.shape[1], ids.data_ptr(), ids.shape[0], copies,
+                                  out.data_ptr())
+        return out
+    rows = src[ids][:, None, :]
+    return rows if copies == 1 else rows.expand(ids.shape[0], copies, src.shape[1]).contiguous()
+
+
+def moe_route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The MoE router on logits [N, E]: (ids [N, k] int64 of the k most probable experts, best first,
+    weights [N, k] float32 = their softmax probabilities renormalised to sum 1, the same weights as a
+    dense [N, E] matrix with 0 for experts not chosen). C form: see the kernel (ties to the lower id)."""
+    n, e = logits.shape
+    if native(logits):
+        logits = logits.contiguous()
+        ids, w, dense = torch.empty(n, k, dtype=torch.int64), torch.empty(n, k), torch.empty(n, e)
+        _token_kernel.moe_route(logits.data_ptr(), n, e, k, ids.data_ptr(), w.data_ptr(), dense.data_ptr())
+        return ids, w, dense
+    probs = torch.softmax(logits if logits.dtype == torch.float32 else logits.float(), dim=-1)  # [N, E]
+    w, ids = torch.topk(probs, k, dim=-1)
+    w = w / w.sum(-1, keepdim=True)
+    return ids, w, torch.zeros_like(probs).scatter_(1, ids, w)
 
 
 def engram_gate(h: torch.Tensor, kv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor,

@@ -307,6 +307,32 @@ def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tupl
     return torch.cat([cos, cos], -1)[:, None, :], torch.cat([-sin, sin], -1)[:, None, :]
 
 
+class RotaryTable:
+    """`rotary_cos_sin` of positions 0..rows-1, computed once (grown on demand by `ensure`) and gathered
+    per forward by position: two row copies instead of eight operators. The bits are those of
+    `rotary_cos_sin` on the step's own positions: its cos and sin run elementwise on whole vectors
+    ([N, head_dim / 2] float32, N * head_dim / 2 a multiple of the vector width), whatever N."""
+
+    def __init__(self, head_dim: int, theta: float, rows: int = 4096):
+        self.head_dim, self.theta, self.initial = head_dim, theta, rows
+        self.cos = self.sin = None
+
+    def ensure(self, rows: int, device: torch.device | str = "cpu") -> None:
+        """Hold at least `rows` positions on `device` (doubling, so growth is rare)."""
+        have = 0 if self.cos is None else self.cos.shape[0]
+        if have >= rows and self.cos.device == torch.device(device):
+            return
+        n = max(rows, 2 * have, self.initial)
+        cos, sin = rotary_cos_sin(torch.arange(n, device=device), self.head_dim, self.theta)
+        self.cos, self.sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()  # [n, head_dim]
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, 1, head_dim] for positions [N] int64 (a position past the table raises)."""
+        if self.cos is None or self.cos.device != positions.device:
+            self.ensure(self.initial, positions.device)
+        return fused.gather_rows(self.cos, positions), fused.gather_rows(self.sin, positions)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rotary on x [N, heads, head_dim] with `rotary_cos_sin`'s tables:
     x * cos + swap_halves(x) * sin == (x1 cos - x2 sin, x2 cos + x1 sin), bit for bit (a - b == a + (-b)).
@@ -409,12 +435,10 @@ class MoE(nn.Module):
         gu = linear(x, self.w_in[e].view(2 * self.intermediate, self.hidden))  # [n, 2I]
         return linear(pointwise(F.silu, gu[:, :self.intermediate]) * gu[:, self.intermediate:], self.w_out[:, e])
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k expert ids [N, k] int64 and renormalised weights [N, k] float32."""
-        logits = self.router(x)
-        probs = torch.softmax(logits if logits.dtype == torch.float32 else logits.float(), dim=-1)  # [N, E]
-        w, ids = torch.topk(probs, self.top_k, dim=-1)
-        return ids, w / w.sum(-1, keepdim=True)
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Top-k expert ids [N, k] int64, renormalised weights [N, k] float32, and the weights as a dense
+        [N, E] matrix (0 for experts not chosen): `fused.moe_route`."""
+        return fused.moe_route(self.router(x), self.top_k)
 
     def _scratch(self, ctx: ForwardContext | None, x: torch.Tensor, rows: int):
         """The microbatch's persistent dispatch/combine buffers when serving; None otherwise (training)."""
@@ -436,9 +460,8 @@ class MoE(nn.Module):
 
     def _dense_stages(self, x: torch.Tensor, ctx: ForwardContext | None) -> Generator[str, None, torch.Tensor]:
         n, e, i = x.shape[0], self.num_experts, self.intermediate
-        ids, w = self.route(x)
-        dense_w = torch.zeros(n, e, dtype=x.dtype, device=x.device).scatter_(
-            1, ids, w if w.dtype == x.dtype else w.to(x.dtype))  # [N, E]
+        dense_w = self.route(x)[2]  # [N, E]
+        dense_w = dense_w if dense_w.dtype == x.dtype else dense_w.to(x.dtype)
         xs, ys = self._scratch(ctx, x, n)
         if xs is not None:
             xs.copy_(x)
@@ -463,7 +486,7 @@ class MoE(nn.Module):
 
     def _sorted_stages(self, x: torch.Tensor, ctx: ForwardContext | None) -> Generator[str, None, torch.Tensor]:
         n, k = x.shape[0], self.top_k
-        ids, w = self.route(x)
+        ids, w, _ = self.route(x)
         flat = ids.reshape(-1)  # [N*k]
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order kept inside
         tok = order // k  # [N*k] source token of each dispatched row

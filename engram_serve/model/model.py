@@ -25,7 +25,7 @@ from ..errors import StaticBufferError
 from . import fused
 from .attention import FULL, REUSE, SELECT, Attention, DenseAttention, PagedAttention
 from .context import ForwardContext, UbatchBuffers
-from .layers import MLP, Linear, MoE, RMSNorm, linear, rotary_cos_sin
+from .layers import MLP, Linear, MoE, RMSNorm, RotaryTable, linear
 
 STAGE_ENGRAM_GATHER, STAGE_ENGRAM, STAGE_ATTN = "engram_gather", "engram", "attn"
 STAGE_MOE_DISPATCH, STAGE_MOE_COMBINE = "moe_dispatch", "moe_combine"
@@ -114,15 +114,15 @@ class EngramModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.rotary = RotaryTable(cfg.head_dim, cfg.rope_theta)  # the serving runner ensures max_model_len
 
     # ---- shared layer loop -------------------------------------------------------------------
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, dead: torch.Tensor | None, backend,
              engram_rows: Callable[[int], torch.Tensor] | None, ctx: ForwardContext | None
              ) -> Generator[str, None, torch.Tensor]:
         cfg = self.config
-        n = input_ids.shape[0]
-        cos, sin = rotary_cos_sin(positions, cfg.head_dim, cfg.rope_theta)  # once per forward
-        h = self.embed_tokens(input_ids)[:, None, :].expand(n, cfg.hc_mult, cfg.hidden_size).contiguous()  # [N, hc, H]
+        cos, sin = self.rotary(positions)  # once per forward
+        h = fused.gather_rows(self.embed_tokens.weight, input_ids, cfg.hc_mult)  # [N, hc, H]
         early = _launch_engram_sums(self.layers, engram_rows, ctx)  # tensor parallel only
         delta = None  # the previous block's output [N, hidden], added to every branch with the next norm
         for layer in self.layers:
@@ -184,6 +184,7 @@ class EngramModel(nn.Module):
         b, s = input_ids.shape
         dev = input_ids.device
         positions = torch.arange(s, device=dev).repeat(b)  # [B*S]
+        self.rotary.ensure(s, dev)
         rows_fn = None
         if engram_rows is not None:
             if len(engram_rows) != self.config.engram.num_layers:

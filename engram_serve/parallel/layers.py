@@ -109,7 +109,7 @@ class ExpertParallelMoE(MoE):
 
     def stages(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> Generator[str, None, torch.Tensor]:
         n, k, e_loc = x.shape[0], self.top_k, self.num_local
-        ids, w = self.route(x)  # [N, k] global expert ids, identical on every rank
+        ids, w, _ = self.route(x)  # [N, k] global expert ids, identical on every rank
         loc = ids - self.lo
         own = (loc >= 0) & (loc < e_loc)
         key = torch.where(own, loc, torch.full_like(loc, e_loc)).reshape(-1)  # [N*k]; other ranks' pairs last

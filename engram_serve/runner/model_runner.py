@@ -98,6 +98,7 @@ class ModelRunner:
             torch.set_num_threads(1)  # see RunnerConfig: exactness on CPU needs one intra-op thread
         if self.device.type == "cpu":
             keep_freed_memory()  # each step reuses the last one's freed activations instead of faulting them in
+        self.model.rotary.ensure(cfg.max_model_len, self.device)  # every position a request can reach
         self.layout = loaded.layout.to(self.device)
         self.token_map = loaded.token_map.to(self.device)
         self.pad_id = int(loaded.token_map[mcfg.engram.engram_pad_token_id])

@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import layers  # (layers imports this module too: names are looked up at call time)
+from . import capture, layers  # (layers imports this module too: names are looked up at call time)
 
 try:
     from . import _token_kernel
@@ -48,8 +48,8 @@ def residual_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
         n, hc, dim = h.shape
         x = torch.empty(n, dim)
         out = h if delta is None else torch.empty(n, hc, dim)
-        _token_kernel.residual_norm(h.data_ptr(), n, hc, dim, 0 if delta is None else delta.data_ptr(),
-                                    weight.data_ptr(), eps, out.data_ptr(), x.data_ptr())
+        capture.call(_token_kernel.residual_norm, h.data_ptr(), n, hc, dim, 0 if delta is None else delta.data_ptr(),
+                     weight.data_ptr(), eps, out.data_ptr(), x.data_ptr())
         return out, x
     if delta is not None:
         h = h + delta[:, None, :]
@@ -63,7 +63,8 @@ def add_branches(h: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
     if native(h, delta):
         h, delta = h.contiguous(), delta.contiguous()
         out = torch.empty(h.shape)
-        _token_kernel.add_branches(h.data_ptr(), h.shape[0], h.shape[1], h.shape[2], delta.data_ptr(), out.data_ptr())
+        capture.call(_token_kernel.add_branches, h.data_ptr(), h.shape[0], h.shape[1], h.shape[2], delta.data_ptr(),
+                     out.data_ptr())
         return out
     return h + delta[:, None, :]
 
@@ -74,8 +75,8 @@ def gather_rows(src: torch.Tensor, ids: torch.Tensor, copies: int = 1) -> torch.
     if native(src) and ids.dtype == torch.int64 and ids.is_cpu:
         src, ids = src.contiguous(), ids.contiguous()
         out = torch.empty(ids.shape[0], copies, src.shape[1])
-        _token_kernel.gather_rows(src.data_ptr(), src.shape[0], src.shape[1], ids.data_ptr(), ids.shape[0], copies,
-                                  out.data_ptr())
+        capture.call(_token_kernel.gather_rows, src.data_ptr(), src.shape[0], src.shape[1], ids.data_ptr(),
+                     ids.shape[0], copies, out.data_ptr())
         return out
     rows = src[ids][:, None, :]
     return rows if copies == 1 else rows.expand(ids.shape[0], copies, src.shape[1]).contiguous()
@@ -89,7 +90,8 @@ def moe_route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
     if native(logits):
         logits = logits.contiguous()
         ids, w, dense = torch.empty(n, k, dtype=torch.int64), torch.empty(n, k), torch.empty(n, e)
-        _token_kernel.moe_route(logits.data_ptr(), n, e, k, ids.data_ptr(), w.data_ptr(), dense.data_ptr())
+        capture.call(_token_kernel.moe_route, logits.data_ptr(), n, e, k, ids.data_ptr(), w.data_ptr(),
+                     dense.data_ptr())
         return ids, w, dense
     probs = torch.softmax(logits if logits.dtype == torch.float32 else logits.float(), dim=-1)  # [N, E]
     w, ids = torch.topk(probs, k, dim=-1)
@@ -106,8 +108,8 @@ def engram_gate(h: torch.Tensor, kv: torch.Tensor, q_w: torch.Tensor, k_w: torch
         h, kv, q_w, k_w = h.contiguous(), kv.contiguous(), q_w.contiguous(), k_w.contiguous()
         dead = None if dead is None else dead.contiguous()
         out = torch.empty(n, hc, dim)
-        _token_kernel.engram_gate(h.data_ptr(), n, hc, dim, kv.data_ptr(), q_w.data_ptr(), k_w.data_ptr(),
-                                  0 if dead is None else dead.data_ptr(), eps, out.data_ptr())
+        capture.call(_token_kernel.engram_gate, h.data_ptr(), n, hc, dim, kv.data_ptr(), q_w.data_ptr(),
+                     k_w.data_ptr(), 0 if dead is None else dead.data_ptr(), eps, out.data_ptr())
         return out
     g, value = gate_torch(h, kv, q_w, k_w, dead, eps)
     return h + g[..., None] * value[:, None, :]  # (not addcmul: a fused multiply-add may round differently
@@ -138,7 +140,8 @@ def silu_mul(gu: torch.Tensor, inter: int, weights: torch.Tensor | None = None) 
         gu, weights = gu.contiguous(), None if weights is None else weights.contiguous()
         rows = gu.numel() // (2 * inter)
         out = torch.empty(*lead, inter)
-        _token_kernel.silu_mul(gu.data_ptr(), rows, inter, 0 if weights is None else weights.data_ptr(), out.data_ptr())
+        capture.call(_token_kernel.silu_mul, gu.data_ptr(), rows, inter, 0 if weights is None else weights.data_ptr(),
+                     out.data_ptr())
         return out
     act = layers.pointwise(F.silu, gu[..., :inter]) * gu[..., inter:]
     return act if weights is None else act * weights[..., None]

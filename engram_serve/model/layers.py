@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import StaticBufferError
-from . import fused
+from . import capture, fused
 from .context import MOE_COMBINE, MOE_DISPATCH, ForwardContext
 
 try:
@@ -146,8 +146,8 @@ def _kernel(x: torch.Tensor, panels: torch.Tensor, n: int, kc: int, simd: bool =
     (see the kernel; weights [m, n / (2 inter)] contiguous or None)."""
     m, k = x.shape
     y = torch.empty(m, n // 2 if inter else n)
-    _linear_kernel.linear_packed(x.data_ptr(), x.stride(0) if m > 1 else k, panels.data_ptr(), y.data_ptr(),
-                                 m, k, n, kc, inter, 0 if weights is None else weights.data_ptr(), simd)
+    capture.call(_linear_kernel.linear_packed, x.data_ptr(), x.stride(0) if m > 1 else k, panels.data_ptr(),
+                 y.data_ptr(), m, k, n, kc, inter, 0 if weights is None else weights.data_ptr(), simd)
     return y
 
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import capture
 from .layers import MIN_ROWS, bmm_min_rows
 
 try:
@@ -298,8 +299,8 @@ def rotate_store(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Te
             or not v_cache.is_contiguous() or k_cache.shape != (kvh, k_cache.shape[1], hd):
         raise ValueError(f"rotate_store: qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)}, slots {tuple(slots.shape)} "
                          f"{slots.dtype}, pools {tuple(k_cache.shape)}: layouts the kernel cannot read")
-    _attention_kernel.rotate_store(qkv.data_ptr(), t, heads, kvh, hd, cos.data_ptr(), sin.data_ptr(),
-                                   slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), num_slots)
+    capture.call(_attention_kernel.rotate_store, qkv.data_ptr(), t, heads, kvh, hd, cos.data_ptr(), sin.data_ptr(),
+                 slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), num_slots)
 
 
 def attend_native(batch, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, zero_slot: int, num_slots: int,
@@ -331,9 +332,9 @@ def attend_native(batch, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if mode != "full" and (sel is None or sel.shape[0] < t or not sel.is_contiguous() or sel.dtype != torch.int64):
         raise ValueError(f"attend_native: mode {mode} needs a contiguous int64 sel of at least {t} rows")
     out = torch.empty(t, heads * hd)
-    _attention_kernel.attend(NATIVE_MODES[mode], q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                             k_cache.stride(0), tables.data_ptr(), tables.stride(0), tables.shape[1], batch.block_size,
-                             zero_slot, num_slots, qsl.data_ptr(), computed.data_ptr(), batch.num_rows, t, heads, kvh, hd,
-                             1.0 / math.sqrt(hd), out.data_ptr(), 0 if sel is None else sel.data_ptr(), topk,
-                             read_past, later_keys)
+    capture.call(_attention_kernel.attend, NATIVE_MODES[mode], q.data_ptr(), q.stride(0), k_cache.data_ptr(),
+                 v_cache.data_ptr(), k_cache.stride(0), tables.data_ptr(), tables.stride(0), tables.shape[1],
+                 batch.block_size, zero_slot, num_slots, qsl.data_ptr(), computed.data_ptr(), batch.num_rows, t,
+                 heads, kvh, hd, 1.0 / math.sqrt(hd), out.data_ptr(), 0 if sel is None else sel.data_ptr(), topk,
+                 read_past, later_keys)
     return out

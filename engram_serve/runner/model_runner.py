@@ -26,6 +26,7 @@ from ..model.context import ForwardContext, UbatchBuffers
 from ..model.kv_cache import KVCache
 from ..model.layers import MIN_ROWS, batch_invariant, pad_rows
 from ..model.loader import LoadedModel
+from .cpu_graphs import CpuGraphs
 from .executor import run_interleaved
 from .ownership import OwnershipTracker
 from .process import freeze_startup_objects, keep_freed_memory
@@ -45,6 +46,7 @@ class RunnerConfig:
     num_blocks: int = 1024
     split: SplitConfig = field(default_factory=SplitConfig)
     graph_sizes: tuple[int, ...] = ()  # padded step sizes for graph mode; () = eager, unpadded
+    cpu_graphs: bool = True  # CPU: decode forwards captured once per layout and replayed (runner/cpu_graphs.py)
     debug_ownership: bool = False
     device: str = "cpu"
     exact: bool = True
@@ -113,11 +115,13 @@ class ModelRunner:
         cap = max(cfg.graph_sizes) if cfg.graph_sizes else max(cfg.max_num_batched_tokens, self.pad_rows)
         self.bufs = self.allocate_buffers(cap)
         self.static = StaticInputPool(list(cfg.graph_sizes)) if cfg.graph_sizes else None
+        self.tracker = OwnershipTracker() if cfg.debug_ownership else None
         self.graphs = None
         if self.static is not None and self.device.type == "cuda":
             from .graphs import CudaGraphs
             self.graphs = CudaGraphs(self.model, cfg.max_blocks_per_seq * cfg.block_size)
-        self.tracker = OwnershipTracker() if cfg.debug_ownership else None
+        elif self.device.type == "cpu" and cfg.cpu_graphs and self.tracker is None and CpuGraphs.available():
+            self.graphs = CpuGraphs(self.model)
         self._gather_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-gather")
         # CUDA: the Engram host-to-device copies run on their own stream, ordered by events
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -141,10 +145,14 @@ class ModelRunner:
               block_tables: np.ndarray | None = None, sample: np.ndarray | None = None) -> StepBatch:
         """The step batch. `block_tables` None (the engine): the rows of the persistent `self.state`,
         which the caller keeps in sync; graph mode gathers them at the fixed width max_blocks_per_seq,
-        eager mode at the width this step needs. An explicit array [R, <=max_blocks_per_seq] (tests,
-        benchmarks) is padded to the fixed width."""
+        eager mode at the width this step needs (with CPU graphs, that rounded up to a power of two, so
+        that few layouts are captured). An explicit array [R, <=max_blocks_per_seq] (tests, benchmarks)
+        is padded to the fixed width."""
         if block_tables is None:
             width = self.cfg.max_blocks_per_seq if self.static is not None else None
+            if width is None and isinstance(self.graphs, CpuGraphs):
+                need = -(-int(np.max(np.add(num_computed, num_new), initial=1)) // self.cfg.block_size)
+                width = min(self.cfg.max_blocks_per_seq, 1 << (need - 1).bit_length())
             return build_step(self.store, slots, num_computed, num_new, self.state, self.cfg.block_size,
                               self.history_len, sample, table_width=width)
         width = self.cfg.max_blocks_per_seq

@@ -134,7 +134,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
       help="KV-cache size in blocks of --block-size tokens (default 1024)")
     a("--block-size", type=positive_int, default=16, metavar="N", help="tokens per KV block (16)")
     a("--enforce-eager", action="store_true",
-      help="never replay CUDA graphs (on CPU every step is eager anyway)")
+      help="never replay graphs: CUDA graphs, or on the CPU the captured decode forwards (cpu_graphs)")
     a("--ubatches", type=positive_int, default=2, metavar="N",
       help="microbatches per large step (default 2: dual-batch overlap; 1 = off)")
     a("--no-dual-batch-overlap", action="store_true", help="same as --ubatches 1")
@@ -165,7 +165,9 @@ def run_serve(args: argparse.Namespace) -> int:
         options["max_model_len"] = args.max_model_len
     from ..parallel.options import engine_options
     options.update(engine_options(args))
-    if not args.enforce_eager and str(options.get("device", "cpu")).startswith("cuda"):
+    if args.enforce_eager:
+        options["cpu_graphs"] = False
+    elif str(options.get("device", "cpu")).startswith("cuda"):
         sizes, size = [], 8
         while not sizes or sizes[-1] < args.max_num_batched_tokens:  # decode graphs per padded size
             sizes.append(size)

@@ -1,0 +1,31 @@
+"""The forward's C kernel calls, recordable: every call into `_linear_kernel`, `_token_kernel` and
+`_attention_kernel` goes through `call`, so that a CPU graph capture (runner/cpu_graphs.py) can
+record it. The kernels take addresses, sizes and flags only, and return nothing the forward reads,
+so a recorded call can be made again by itself."""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+_local = threading.local()  # .tape: the capture in progress on this thread, if any (one at a time)
+
+
+def call(fn, *args) -> None:
+    """fn(*args), recorded as (fn, args) while `recording` on this thread."""
+    if fn(*args) is not None:
+        raise RuntimeError(f"{fn.__name__} returned a value: a recorded kernel call must return nothing")
+    tape = getattr(_local, "tape", None)
+    if tape is not None:
+        tape.append((fn, args))
+
+
+@contextmanager
+def recording(tape: list):
+    """Append every kernel call this thread makes inside the block to `tape`, in call order."""
+    if getattr(_local, "tape", None) is not None:
+        raise RuntimeError("a kernel capture is already in progress on this thread")
+    _local.tape = tape
+    try:
+        yield tape
+    finally:
+        _local.tape = None

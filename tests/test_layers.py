@@ -150,11 +150,12 @@ def plain_rows(x: np.ndarray, wt: np.ndarray, kc: int) -> np.ndarray:
 
 @pytest.mark.skipif(layers._linear_kernel is None, reason="the matmul kernel was not built (no C compiler)")
 @settings(max_examples=25, deadline=None)
-@given(st.integers(1, 14), st.integers(1, 70), st.integers(1, 40), st.booleans(), st.data())
+@given(st.integers(1, 14), st.integers(1, 70), st.integers(1, 80), st.sampled_from([0, 1, 2]), st.data())
 def test_matmul_kernel_equals_a_plain_exact_loop_whatever_its_row_count(m, k, n, simd, data):
-    """`_linear_kernel.linear_packed` (vector or portable tile) against its definition computed in exact
-    arithmetic, with strided rows, partial tiles and panels, and each row alone against the same row in
-    the call (the kernel's batch invariance)."""
+    """`_linear_kernel.linear_packed` (portable tile, AVX2, or AVX-512 panel pairs where the CPU has them)
+    against its definition computed in exact arithmetic, with strided rows, partial tiles, odd and partial
+    panels, and each row alone, through another tile, against the same row in the call (the kernel's
+    batch invariance)."""
     kc = data.draw(st.integers(1, k))
     g = torch.Generator().manual_seed(m * 10007 + k * 101 + n)
     x = torch.randn(m, k + 3, generator=g)[:, 1:k + 1]  # rows 3 floats apart beyond k
@@ -163,7 +164,7 @@ def test_matmul_kernel_equals_a_plain_exact_loop_whatever_its_row_count(m, k, n,
     y = layers._kernel(x, panels, n, kc, simd)
     assert np.array_equal(y.numpy().view(np.uint32), plain_rows(x.numpy(), wt.numpy(), kc).view(np.uint32))
     for i in range(m):
-        assert torch.equal(layers._kernel(x[i:i + 1], panels, n, kc, not simd), y[i:i + 1])
+        assert torch.equal(layers._kernel(x[i:i + 1], panels, n, kc, (simd + 1) % 3), y[i:i + 1])
 
 
 @pytest.mark.parametrize("out_f,in_f", [(384, 128), (128, 512), (4096, 128), (7, 100)])
@@ -250,10 +251,10 @@ def test_a_weight_changed_in_place_is_packed_again():
 
 @pytest.mark.skipif(layers._linear_kernel is None, reason="the matmul kernel was not built (no C compiler)")
 @settings(max_examples=20, deadline=None)
-@given(st.integers(1, 14), st.sampled_from([16, 32, 48]), st.integers(1, 4), st.booleans(), st.booleans(),
+@given(st.integers(1, 14), st.sampled_from([16, 32, 48]), st.integers(1, 4), st.booleans(), st.sampled_from([0, 1, 2]),
        st.sampled_from([3.0, 40.0]))
 def test_the_fused_swiglu_gives_the_bits_of_the_product_then_silu_mul(m, inter, groups, weighted, simd, scale):
-    """`linear_swiglu` (the kernel's SwiGLU epilogue, vector or portable tile) against the product stored
+    """`linear_swiglu` (the kernel's SwiGLU epilogue, portable, AVX2 or AVX-512 tile) against the product stored
     and then `fused.silu_mul`, with per-group weights (the dense MoE) or none (the MLP). Scale 40 puts
     many gates beyond exp's clamps (|-g| > 87), where e^-g is 0 or inf."""
     g = torch.Generator().manual_seed(m * 1000 + inter * 10 + groups)

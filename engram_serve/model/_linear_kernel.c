@@ -9,8 +9,9 @@
  *
  * Blocked for the cache: the weight comes packed in panels of 16 columns ([panels][k][16], zero
  * beyond n, layers.py `pack_panels`, once per weight); tiles of 6 rows x 16 columns keep their 12
- * accumulators in AVX2 registers (a portable tile with fmaf elsewhere, the same bits); a pass over
- * the rows reuses a group of panels that stays in L2.
+ * accumulators in AVX2 registers, or with AVX-512 tiles of 6 rows x two panels their 12 16-lane ones (a
+ * portable tile with fmaf elsewhere; the same bits); a pass over the rows reuses a group of panels that
+ * stays in L2.
  *
  * Plain CPython C API. The arrays come as addresses (torch's `data_ptr()`), not through the buffer
  * protocol: numpy conversions around each call cost more than the arithmetic of a one-row call
@@ -24,7 +25,8 @@
  *          product, never stored: w's columns are groups of 2 * inter (gate, then up), and y [m, n / 2]
  *          holds silu(gate) * up per group [* weights[i][group], weights [m, groups] or 0], computed
  *          as _token_kernel.c `silu_mul` computes it (the same bits as the product, then silu_mul);
- *       simd False takes the portable tile and SwiGLU epilogue (tests: both give the same bits).
+ *       simd: 0 the portable tile and SwiGLU epilogue, 1 AVX2 at most, 2 AVX-512 where the CPU has it
+ *       (tests: all give the same bits).
  *   The GIL is released during the arithmetic.
  *
  * Built without -ffast-math and with -ffp-contract=off: every operation is the IEEE one written
@@ -86,6 +88,51 @@ __attribute__((target("avx2,fma"))) static void tile_x86(int mr, const float *x,
     default: tile_avx2(1, x, ldx, bp, k, kc, out, ldo); break;
     }
 }
+/* Two panels at once in AVX-512 (where the CPU has it): out0 / out1 [r][0..16) from panels bp0 / bp1, one
+ * 16-lane accumulator per row and panel, so each broadcast of x feeds two 16-lane fused multiply-adds
+ * (AVX2's tile: two 8-lane ones). Each output's chain is the same operations in the same order as
+ * tile_avx2's: the same bits. */
+__attribute__((target("avx512f"), always_inline)) static inline void
+pair_avx512(const int mr, const float *restrict x, Py_ssize_t ldx, const float *restrict bp0,
+            const float *restrict bp1, Py_ssize_t k, Py_ssize_t kc, float *restrict out0, float *restrict out1,
+            Py_ssize_t ldo) {
+    for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
+        const Py_ssize_t ke = k - k0 < kc ? k : k0 + kc;
+        __m512 c[MR][2];
+        for (int r = 0; r < mr; r++) c[r][0] = c[r][1] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (Py_ssize_t t = k0; t < ke; t++) {
+            const __m512 b0 = _mm512_loadu_ps(bp0 + t * NR), b1 = _mm512_loadu_ps(bp1 + t * NR);
+            for (int r = 0; r < mr; r++) {
+                const __m512 a = _mm512_set1_ps(x[r * ldx + t]);
+                c[r][0] = _mm512_fmadd_ps(a, b0, c[r][0]);
+                c[r][1] = _mm512_fmadd_ps(a, b1, c[r][1]);
+            }
+        }
+        for (int r = 0; r < mr; r++) {
+            float *o0 = out0 + r * ldo, *o1 = out1 + r * ldo;
+            if (k0) {
+                c[r][0] = _mm512_add_ps(_mm512_loadu_ps(o0), c[r][0]);
+                c[r][1] = _mm512_add_ps(_mm512_loadu_ps(o1), c[r][1]);
+            }
+            _mm512_storeu_ps(o0, c[r][0]);
+            _mm512_storeu_ps(o1, c[r][1]);
+        }
+    }
+}
+
+__attribute__((target("avx512f"))) static void pair_x86(int mr, const float *x, Py_ssize_t ldx, const float *bp0,
+                                                        const float *bp1, Py_ssize_t k, Py_ssize_t kc, float *out0,
+                                                        float *out1, Py_ssize_t ldo) {
+    switch (mr) {
+    case 6: pair_avx512(6, x, ldx, bp0, bp1, k, kc, out0, out1, ldo); break;
+    case 5: pair_avx512(5, x, ldx, bp0, bp1, k, kc, out0, out1, ldo); break;
+    case 4: pair_avx512(4, x, ldx, bp0, bp1, k, kc, out0, out1, ldo); break;
+    case 3: pair_avx512(3, x, ldx, bp0, bp1, k, kc, out0, out1, ldo); break;
+    case 2: pair_avx512(2, x, ldx, bp0, bp1, k, kc, out0, out1, ldo); break;
+    default: pair_avx512(1, x, ldx, bp0, bp1, k, kc, out0, out1, ldo); break;
+    }
+}
 #endif
 
 /* The same tile in portable C (fmaf: one rounding, as the vector fused multiply-add). */
@@ -102,6 +149,8 @@ static void tile_plain(int mr, const float *restrict x, Py_ssize_t ldx, const fl
 }
 
 typedef void (*tile_fn)(int, const float *, Py_ssize_t, const float *, Py_ssize_t, Py_ssize_t, float *, Py_ssize_t);
+typedef void (*pair_fn)(int, const float *, Py_ssize_t, const float *, const float *, Py_ssize_t, Py_ssize_t, float *,
+                        float *, Py_ssize_t);
 
 /* out[r][j] = silu(g[r][j]) * u[r][j] [* w[r * ws]] for r < mr, j < 16 (tiles 16 floats a row): the
  * formula of _token_kernel.c `silu_mul`, operation for operation, so the same bits. */
@@ -140,7 +189,7 @@ static PyObject *py_linear_packed(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long xa, pa, ya, wa;
     Py_ssize_t ldx, m, k, n, kc, inter;
     int simd;
-    if (!PyArg_ParseTuple(args, "KnKKnnnnnKp", &xa, &ldx, &pa, &ya, &m, &k, &n, &kc, &inter, &wa, &simd)) return NULL;
+    if (!PyArg_ParseTuple(args, "KnKKnnnnnKi", &xa, &ldx, &pa, &ya, &m, &k, &n, &kc, &inter, &wa, &simd)) return NULL;
     if (m < 0 || k < 1 || n < 0 || kc < 1 || ldx < k || inter < 0 || (m && n && (!xa || !pa || !ya))
             || (inter && (inter % NR || n % (2 * inter))) || (wa && !inter)) {
         PyErr_Format(PyExc_ValueError, "linear_packed: m %zd, k %zd, n %zd, kc %zd, ldx %zd, inter %zd do not fit (k and "
@@ -151,11 +200,13 @@ static PyObject *py_linear_packed(PyObject *Py_UNUSED(self), PyObject *args) {
     const float *xp = (const float *)(uintptr_t)xa, *bp = (const float *)(uintptr_t)pa, *wp = (const float *)(uintptr_t)wa;
     float *yp = (float *)(uintptr_t)ya;
     tile_fn tile = tile_plain;
+    pair_fn pair = NULL; /* two full panels at once, where the CPU has AVX-512 */
     silu_fn silu = silu_store;
 #if HAVE_X86_AVX2
-    if (simd && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    if (simd >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
         tile = tile_x86;
         silu = silu_store_avx2;
+        if (simd >= 2 && __builtin_cpu_supports("avx512f")) pair = pair_x86;
     }
 #endif
     /* output panels: of y itself, or (inter) of silu(gate) * up, whose gate and up panels lie inter columns
@@ -174,9 +225,19 @@ static PyObject *py_linear_packed(PyObject *Py_UNUSED(self), PyObject *args) {
                 float *out = yp + i * ny + j;
                 if (inter) {
                     const Py_ssize_t e = p / ip, gp = e * 2 * ip + p % ip;
-                    tile(mr, xp + i * ldx, ldx, bp + gp * k * NR, k, kc, part, NR);
-                    tile(mr, xp + i * ldx, ldx, bp + (gp + ip) * k * NR, k, kc, up, NR);
+                    const float *gate = bp + gp * k * NR, *upp = bp + (gp + ip) * k * NR;
+                    if (pair) {
+                        pair(mr, xp + i * ldx, ldx, gate, upp, k, kc, part, up, NR);
+                    } else {
+                        tile(mr, xp + i * ldx, ldx, gate, k, kc, part, NR);
+                        tile(mr, xp + i * ldx, ldx, upp, k, kc, up, NR);
+                    }
                     silu(mr, part, up, wp ? wp + i * groups + e : NULL, groups, out, ny);
+                    continue;
+                }
+                if (pair && p + 1 < p1 && ny - j >= 2 * NR) { /* this panel and the next, both full */
+                    pair(mr, xp + i * ldx, ldx, bp + p * k * NR, bp + (p + 1) * k * NR, k, kc, out, out + NR, ny);
+                    p++;
                     continue;
                 }
                 tile(mr, xp + i * ldx, ldx, bp + p * k * NR, k, kc, nv == NR ? out : part, nv == NR ? ny : NR);
@@ -194,7 +255,8 @@ static PyMethodDef methods[] = {
      "linear_packed(x, ldx, panels, y, m, k, n, kc, inter, weights, simd) -> None: y = x @ w in fma chains of kc "
      "inputs, the chains then added in order (addresses of float32 data); w packed as [ceil(n / 16), k, 16] (zero "
      "beyond n), y [m, n] contiguous; inter > 0: y [m, n / 2] = silu(gate) * up [* weights [m, n / (2 inter)]] per "
-     "group of 2 inter columns (gate, up); simd False takes the portable tile and epilogue."},
+     "group of 2 inter columns (gate, up); simd 0 takes the portable tile and epilogue, 1 AVX2 at most, 2 AVX-512 "
+     "where the CPU has it."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -138,12 +138,13 @@ def pack_panels(wt: torch.Tensor) -> torch.Tensor:
     return F.pad(wt.float(), (0, p * PANEL - n)).view(k, p, PANEL).permute(1, 0, 2).contiguous()
 
 
-def _kernel(x: torch.Tensor, panels: torch.Tensor, n: int, kc: int, simd: bool = True, inter: int = 0,
+def _kernel(x: torch.Tensor, panels: torch.Tensor, n: int, kc: int, simd: int = 2, inter: int = 0,
             weights: torch.Tensor | None = None) -> torch.Tensor:
     """x [m, in] @ the packed weight -> [m, n] through `_linear_kernel`, which takes addresses: the caller
     guarantees float32 CPU tensors, x's rows contiguous (stride 1 in the last dim), panels from
     `pack_panels` of an [x.shape[1], n] weight. inter > 0: the SwiGLU of the product instead, [m, n / 2]
-    (see the kernel; weights [m, n / (2 inter)] contiguous or None)."""
+    (see the kernel; weights [m, n / (2 inter)] contiguous or None). simd: 0 the portable tile, 1 AVX2 at
+    most, 2 AVX-512 where the CPU has it (the same bits)."""
     m, k = x.shape
     y = torch.empty(m, n // 2 if inter else n)
     capture.call(_linear_kernel.linear_packed, x.data_ptr(), x.stride(0) if m > 1 else k, panels.data_ptr(),

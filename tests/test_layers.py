@@ -167,6 +167,20 @@ def test_matmul_kernel_equals_a_plain_exact_loop_whatever_its_row_count(m, k, n,
         assert torch.equal(layers._kernel(x[i:i + 1], panels, n, kc, (simd + 1) % 3), y[i:i + 1])
 
 
+@pytest.mark.skipif(layers._linear_kernel is None, reason="the matmul kernel was not built (no C compiler)")
+@pytest.mark.parametrize("m", [1, 2, 3, 7])
+def test_wide_matmul_tiles_give_the_exact_bits(m):
+    """The wide AVX-512 tiles (8 panels a row, 4 for two rows, where the CPU has AVX-512) and the group
+    remainders after them: every level of the kernel against the exact definition, at 9 and 13 panels."""
+    g = torch.Generator().manual_seed(m)
+    for n in (130, 200):
+        x, wt = torch.randn(m, 37, generator=g), torch.randn(37, n, generator=g)
+        want = plain_rows(x.numpy(), wt.numpy(), 16).view(np.uint32)
+        for simd in (0, 1, 2):
+            got = layers._kernel(x, layers.pack_panels(wt), n, 16, simd)
+            assert np.array_equal(got.numpy().view(np.uint32), want), (n, simd)
+
+
 @pytest.mark.parametrize("out_f,in_f", [(384, 128), (128, 512), (4096, 128), (7, 100)])
 def test_calls_through_the_matmul_kernel_get_torchs_bits(out_f, in_f):
     """Where the probe accepts the C kernel for a shape (`small_call_kc`), a row computed alone through it

@@ -9,8 +9,8 @@
  *
  * Blocked for the cache: the weight comes packed in panels of 16 columns ([panels][k][16], zero
  * beyond n, layers.py `pack_panels`, once per weight); tiles of 6 rows x 16 columns keep their 12
- * accumulators in AVX2 registers, or with AVX-512 tiles of 6 rows x two panels their 12 16-lane ones (a
- * portable tile with fmaf elsewhere; the same bits); a pass over the rows reuses a group of panels that
+ * accumulators in AVX2 registers, or with AVX-512 tiles of 6 rows x two panels (1 row x 8, 2 x 4) their
+ * 16-lane ones (a portable tile with fmaf elsewhere; the same bits); a pass over the rows reuses a group of panels that
  * stays in L2.
  *
  * Plain CPython C API. The arrays come as addresses (torch's `data_ptr()`), not through the buffer
@@ -88,49 +88,63 @@ __attribute__((target("avx2,fma"))) static void tile_x86(int mr, const float *x,
     default: tile_avx2(1, x, ldx, bp, k, kc, out, ldo); break;
     }
 }
-/* Two panels at once in AVX-512 (where the CPU has it): out0 / out1 [r][0..16) from panels bp0 / bp1, one
- * 16-lane accumulator per row and panel, so each broadcast of x feeds two 16-lane fused multiply-adds
- * (AVX2's tile: two 8-lane ones). Each output's chain is the same operations in the same order as
- * tile_avx2's: the same bits. */
+/* np adjacent panels at once in AVX-512 (where the CPU has it): out + q * NR [r][0..16) from panel
+ * bp + q * k * NR, q < np, with one 16-lane accumulator per row and panel, so each broadcast of x feeds
+ * np 16-lane fused multiply-adds (AVX2's tile: two 8-lane ones), and a tile of few rows still has 8 or
+ * more independent chains (a chain is latency-bound). `bp1` (np = 2 only, else NULL) names the second
+ * panel's place instead (the SwiGLU's up panel, and out1 its output). Each output's chain is the same
+ * operations in the same order as tile_avx2's: the same bits. */
 __attribute__((target("avx512f"), always_inline)) static inline void
-pair_avx512(const int mr, const float *restrict x, Py_ssize_t ldx, const float *restrict bp0,
-            const float *restrict bp1, Py_ssize_t k, Py_ssize_t kc, float *restrict out0, float *restrict out1,
+wide_avx512(const int mr, const int np, const float *restrict x, Py_ssize_t ldx, const float *restrict bp,
+            const float *restrict bp1, Py_ssize_t k, Py_ssize_t kc, float *restrict out, float *restrict out1,
             Py_ssize_t ldo) {
+    const float *b[8];
+    float *o[8];
+    for (int q = 0; q < np; q++) {
+        b[q] = q == 1 && bp1 ? bp1 : bp + q * k * NR;
+        o[q] = q == 1 && out1 ? out1 : out + q * NR;
+    }
     for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
         const Py_ssize_t ke = k - k0 < kc ? k : k0 + kc;
-        __m512 c[MR][2];
-        for (int r = 0; r < mr; r++) c[r][0] = c[r][1] = _mm512_setzero_ps();
-#pragma GCC unroll 4
+        __m512 c[MR * 8];
+        for (int i = 0; i < mr * np; i++) c[i] = _mm512_setzero_ps();
+#pragma GCC unroll 2
         for (Py_ssize_t t = k0; t < ke; t++) {
-            const __m512 b0 = _mm512_loadu_ps(bp0 + t * NR), b1 = _mm512_loadu_ps(bp1 + t * NR);
+            __m512 w[8];
+            for (int q = 0; q < np; q++) w[q] = _mm512_loadu_ps(b[q] + t * NR);
             for (int r = 0; r < mr; r++) {
                 const __m512 a = _mm512_set1_ps(x[r * ldx + t]);
-                c[r][0] = _mm512_fmadd_ps(a, b0, c[r][0]);
-                c[r][1] = _mm512_fmadd_ps(a, b1, c[r][1]);
+                for (int q = 0; q < np; q++) c[r * np + q] = _mm512_fmadd_ps(a, w[q], c[r * np + q]);
             }
         }
-        for (int r = 0; r < mr; r++) {
-            float *o0 = out0 + r * ldo, *o1 = out1 + r * ldo;
-            if (k0) {
-                c[r][0] = _mm512_add_ps(_mm512_loadu_ps(o0), c[r][0]);
-                c[r][1] = _mm512_add_ps(_mm512_loadu_ps(o1), c[r][1]);
+        for (int r = 0; r < mr; r++)
+            for (int q = 0; q < np; q++) {
+                float *d = o[q] + r * ldo;
+                if (k0) c[r * np + q] = _mm512_add_ps(_mm512_loadu_ps(d), c[r * np + q]);
+                _mm512_storeu_ps(d, c[r * np + q]);
             }
-            _mm512_storeu_ps(o0, c[r][0]);
-            _mm512_storeu_ps(o1, c[r][1]);
-        }
     }
 }
 
-__attribute__((target("avx512f"))) static void pair_x86(int mr, const float *x, Py_ssize_t ldx, const float *bp0,
-                                                        const float *bp1, Py_ssize_t k, Py_ssize_t kc, float *out0,
+/* The panels a wide tile of mr rows takes at once: enough for 8 chains (two FMA units, 4 cycles each). */
+static inline int wide_panels(int mr) { return mr == 1 ? 8 : mr == 2 ? 4 : 2; }
+
+__attribute__((target("avx512f"))) static void wide_x86(int mr, const float *x, Py_ssize_t ldx, const float *bp,
+                                                        const float *bp1, Py_ssize_t k, Py_ssize_t kc, float *out,
                                                         float *out1, Py_ssize_t ldo) {
-    switch (mr) {
-    case 6: pair_avx512(6, x, ldx, bp0, bp1, k, kc, out0, out1, ldo); break;
-    case 5: pair_avx512(5, x, ldx, bp0, bp1, k, kc, out0, out1, ldo); break;
-    case 4: pair_avx512(4, x, ldx, bp0, bp1, k, kc, out0, out1, ldo); break;
-    case 3: pair_avx512(3, x, ldx, bp0, bp1, k, kc, out0, out1, ldo); break;
-    case 2: pair_avx512(2, x, ldx, bp0, bp1, k, kc, out0, out1, ldo); break;
-    default: pair_avx512(1, x, ldx, bp0, bp1, k, kc, out0, out1, ldo); break;
+    switch (mr) { /* constant rows and panels: the accumulators stay in registers */
+    case 6: wide_avx512(6, 2, x, ldx, bp, bp1, k, kc, out, out1, ldo); break;
+    case 5: wide_avx512(5, 2, x, ldx, bp, bp1, k, kc, out, out1, ldo); break;
+    case 4: wide_avx512(4, 2, x, ldx, bp, bp1, k, kc, out, out1, ldo); break;
+    case 3: wide_avx512(3, 2, x, ldx, bp, bp1, k, kc, out, out1, ldo); break;
+    case 2:
+        if (bp1) wide_avx512(2, 2, x, ldx, bp, bp1, k, kc, out, out1, ldo);
+        else wide_avx512(2, 4, x, ldx, bp, NULL, k, kc, out, NULL, ldo);
+        break;
+    default:
+        if (bp1) wide_avx512(1, 2, x, ldx, bp, bp1, k, kc, out, out1, ldo);
+        else wide_avx512(1, 8, x, ldx, bp, NULL, k, kc, out, NULL, ldo);
+        break;
     }
 }
 #endif
@@ -149,7 +163,7 @@ static void tile_plain(int mr, const float *restrict x, Py_ssize_t ldx, const fl
 }
 
 typedef void (*tile_fn)(int, const float *, Py_ssize_t, const float *, Py_ssize_t, Py_ssize_t, float *, Py_ssize_t);
-typedef void (*pair_fn)(int, const float *, Py_ssize_t, const float *, const float *, Py_ssize_t, Py_ssize_t, float *,
+typedef void (*wide_fn)(int, const float *, Py_ssize_t, const float *, const float *, Py_ssize_t, Py_ssize_t, float *,
                         float *, Py_ssize_t);
 
 /* out[r][j] = silu(g[r][j]) * u[r][j] [* w[r * ws]] for r < mr, j < 16 (tiles 16 floats a row): the
@@ -200,13 +214,13 @@ static PyObject *py_linear_packed(PyObject *Py_UNUSED(self), PyObject *args) {
     const float *xp = (const float *)(uintptr_t)xa, *bp = (const float *)(uintptr_t)pa, *wp = (const float *)(uintptr_t)wa;
     float *yp = (float *)(uintptr_t)ya;
     tile_fn tile = tile_plain;
-    pair_fn pair = NULL; /* two full panels at once, where the CPU has AVX-512 */
+    wide_fn wide = NULL; /* several full panels at once, where the CPU has AVX-512 */
     silu_fn silu = silu_store;
 #if HAVE_X86_AVX2
     if (simd >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
         tile = tile_x86;
         silu = silu_store_avx2;
-        if (simd >= 2 && __builtin_cpu_supports("avx512f")) pair = pair_x86;
+        if (simd >= 2 && __builtin_cpu_supports("avx512f")) wide = wide_x86;
     }
 #endif
     /* output panels: of y itself, or (inter) of silu(gate) * up, whose gate and up panels lie inter columns
@@ -226,8 +240,8 @@ static PyObject *py_linear_packed(PyObject *Py_UNUSED(self), PyObject *args) {
                 if (inter) {
                     const Py_ssize_t e = p / ip, gp = e * 2 * ip + p % ip;
                     const float *gate = bp + gp * k * NR, *upp = bp + (gp + ip) * k * NR;
-                    if (pair) {
-                        pair(mr, xp + i * ldx, ldx, gate, upp, k, kc, part, up, NR);
+                    if (wide) {
+                        wide(mr, xp + i * ldx, ldx, gate, upp, k, kc, part, up, NR);
                     } else {
                         tile(mr, xp + i * ldx, ldx, gate, k, kc, part, NR);
                         tile(mr, xp + i * ldx, ldx, upp, k, kc, up, NR);
@@ -235,9 +249,9 @@ static PyObject *py_linear_packed(PyObject *Py_UNUSED(self), PyObject *args) {
                     silu(mr, part, up, wp ? wp + i * groups + e : NULL, groups, out, ny);
                     continue;
                 }
-                if (pair && p + 1 < p1 && ny - j >= 2 * NR) { /* this panel and the next, both full */
-                    pair(mr, xp + i * ldx, ldx, bp + p * k * NR, bp + (p + 1) * k * NR, k, kc, out, out + NR, ny);
-                    p++;
+                if (wide && p + wide_panels(mr) <= p1 && ny - j >= wide_panels(mr) * NR) { /* full panels */
+                    wide(mr, xp + i * ldx, ldx, bp + p * k * NR, NULL, k, kc, out, NULL, ny);
+                    p += wide_panels(mr) - 1;
                     continue;
                 }
                 tile(mr, xp + i * ldx, ldx, bp + p * k * NR, k, kc, nv == NR ? out : part, nv == NR ? ny : NR);

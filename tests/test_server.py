@@ -25,6 +25,8 @@ from engram_serve.server.run import BackgroundServer
 
 MODEL = "engram-test"
 POISON = "POISON marker"  # prompts starting with this get NaN logits from their 3rd token on
+SLOW = "SLOW marker"  # a step with a prompt starting with this takes 5 ms more (disconnect tests: the engine
+# would otherwise finish a request before the client is gone)
 
 
 def strict_json(text: str):
@@ -40,12 +42,14 @@ def served(tmp_path_factory):
         make_random_checkpoint(tmp_path_factory.mktemp("ckpt"), seed=1)
     loaded = load_model(path)
     engine = build_engine(loaded, max_model_len=128, num_blocks=64, max_num_seqs=8)
-    marker = loaded.tokenizer.encode(POISON).ids
+    marker, slow = loaded.tokenizer.encode(POISON).ids, loaded.tokenizer.encode(SLOW).ids
     original = engine.runner.execute
 
     def execute(batch, bounds=None, record=False):  # runs on the engine thread, like every engine call
         out = original(batch, bounds, record)
         by_slot = {s.slot: s for s in engine.seqs.values()}
+        if any(by_slot[slot].token_ids[:len(slow)] == slow for slot in batch.req_slots.tolist()):
+            time.sleep(0.005)
         for i, slot in enumerate(batch.req_slots[batch.sample].tolist()):
             s = by_slot[slot]
             if s.token_ids[:len(marker)] == marker and s.num_output_tokens >= 2:
@@ -231,7 +235,7 @@ def test_client_disconnect_mid_stream_frees_the_request(served):
     engine = served[1]
     before = engine.metrics()["generated_tokens_total"]
     with httpx.stream("POST", served[0].base_url + "/v1/completions", timeout=30,
-                      json={"prompt": "a long one", "max_tokens": 100, "stream": True, "ignore_eos": True}) as r:
+                      json={"prompt": SLOW + " a long one", "max_tokens": 100, "stream": True, "ignore_eos": True}) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(4)]  # two chunks (each a data line and a blank line)
         assert got[0].startswith("data: ")
@@ -246,7 +250,7 @@ def test_non_streaming_disconnect_aborts(served):
     engine = served[1]
     before = engine.metrics()["generated_tokens_total"]
     with pytest.raises(httpx.ReadTimeout):
-        post(served, "/v1/completions", {"prompt": "slow", "max_tokens": 120, "ignore_eos": True}, timeout=0.1)
+        post(served, "/v1/completions", {"prompt": SLOW, "max_tokens": 120, "ignore_eos": True}, timeout=0.1)
     m = wait_idle(engine)
     assert m["generated_tokens_total"] - before < 120
 

@@ -332,7 +332,7 @@ class LLMEngine:
         """Append the sampled tokens (SamplerOutput `out`) to their sequences; the step's token events.
         `batch` None: no row wants logprobs."""
         dev = out.tokens.device
-        slots = torch.tensor([s.slot for s in seqs], device=dev)
+        slots = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
         self.runner.store.append(slots, out.tokens)  # on the device; rows that fail are freed below
         packed = torch.stack([out.tokens.double(), out.finite.double()], dim=1)  # [R, 2]
         n = 0 if batch is None else batch.num_logprobs

@@ -43,9 +43,19 @@ class TokenStore:
         self.lengths[slot] = n
         return slot
 
-    def append(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Commit one sampled token per slot, on the device, without a round trip through Python."""
-        slots = slots.to(self.device, torch.int64)
+    def append(self, slots: np.ndarray | torch.Tensor, tokens: torch.Tensor) -> None:
+        """Commit one sampled token per slot (host slot numbers), on the device, without a round trip of
+        the tokens through Python; a CPU store through numpy views (a few us instead of ~20 of torch's
+        indexing operators)."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if self.device.type == "cpu":
+            ids, dead, lengths = self.ids.numpy(), self.dead.numpy(), self.lengths.numpy()
+            pos = lengths[slots]
+            ids[slots, pos] = tokens.numpy()
+            dead[slots, pos] = False
+            lengths[slots] = pos + 1
+            return
+        slots = torch.from_numpy(slots).to(self.device)
         pos = self.lengths[slots]
         self.ids[slots, pos] = tokens.to(self.device, torch.int32)
         self.dead[slots, pos] = False

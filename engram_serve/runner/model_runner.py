@@ -151,7 +151,7 @@ class ModelRunner:
         if block_tables is None:
             width = self.cfg.max_blocks_per_seq if self.static is not None else None
             if width is None and isinstance(self.graphs, CpuGraphs):
-                need = -(-int(np.max(np.add(num_computed, num_new), initial=1)) // self.cfg.block_size)
+                need = -(-int((num_computed + num_new).max() if len(slots) else 1) // self.cfg.block_size)
                 width = min(self.cfg.max_blocks_per_seq, 1 << (need - 1).bit_length())
             return build_step(self.store, slots, num_computed, num_new, self.state, self.cfg.block_size,
                               self.history_len, sample, table_width=width)
@@ -163,7 +163,8 @@ class ModelRunner:
 
     @staticmethod
     def decode_only(batch: StepBatch) -> bool:
-        return bool((np.diff(batch.qsl_host) == 1).all())
+        q = batch.qsl_host
+        return bool((q[1:] - q[:-1] == 1).all())
 
     def hideable_ms(self, num_tokens: int) -> float:
         """What cutting a step of `num_tokens` tokens could hide behind another microbatch's compute:
@@ -227,8 +228,9 @@ class ModelRunner:
         try:
             with batch_invariant(self.cfg.exact):
                 hidden = self.forward(batch, ctxs, futures)
-                merged = torch.cat([h[:n] for h, n in zip(hidden, real)])  # [T, hidden] real tokens only
-                logits = self.model.compute_logits(merged[batch.logits_indices])  # once over the merged step
+                merged = hidden[0][:real[0]] if len(hidden) == 1 else torch.cat([h[:n] for h, n in zip(hidden, real)])
+                idx = batch.logits_indices  # increasing token indices: all T of them is every token, in order
+                logits = self.model.compute_logits(merged if len(idx) == len(merged) else merged[idx])  # once a step
         finally:
             for f in futures:
                 f.cancel()

@@ -7,8 +7,8 @@ B requests of 64 random prompt tokens are prefilled, a few decode steps warm up,
   included: a composite operator counts with the operators it calls);
 - `top_level_ops`: those not called from another aten operator (what Python code launched);
 - `native_calls`: calls into this project's C kernels (attention, token-wise steps, row matmuls, hash,
-  gather) in that step, which the profiler does not record: each is one call from Python, like an
-  operator;
+  gather) in that step, which the profiler does not record, those a CPU graph replay makes included:
+  each is one call from Python, like an operator;
 - `python_calls`: Python function calls (cProfile) in the next decode step;
 - `step_ms`: median (and p90) wall time of a decode step without the profiler, after warm-up.
 Dual-batch overlap off (`SplitConfig(1)`) and on (`SplitConfig(2)`, the planner decides whether to
@@ -82,10 +82,18 @@ def count_ops(model, batch: int, ubatches: int) -> dict:
             calls[0] += 1
             return fn(*a)
         return call
-    originals = [(m, k, getattr(m, k)) for m in _native_modules() for k in dir(m)
-                 if not k.startswith("_") and callable(getattr(m, k))]
-    for m, k, fn in originals:
+    from ..runner.cpu_graphs import _Graph
+    native = _native_modules()
+    replay = _Graph.replay
+
+    def counted_replay(graph, *a):  # a CPU graph replay calls the kernels it recorded, not the module's names
+        calls[0] += sum(getattr(fn, "__self__", None) in native for fn, _, _ in graph.calls)
+        return replay(graph, *a)
+    originals = [(m, k, getattr(m, k)) for m in native for k in dir(m)
+                 if not k.startswith("_") and callable(getattr(m, k))] + [(_Graph, "replay", replay)]
+    for m, k, fn in originals[:-1]:
         setattr(m, k, counted(fn))
+    _Graph.replay = counted_replay
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             res = eng.step()

@@ -10,8 +10,8 @@
  * Blocked for the cache: the weight comes packed in panels of 16 columns ([panels][k][16], zero
  * beyond n, layers.py `pack_panels`, once per weight); tiles of 6 rows x 16 columns keep their 12
  * accumulators in AVX2 registers, or with AVX-512 tiles of 6 rows x two panels (1 row x 8, 2 x 4) their
- * 16-lane ones (a portable tile with fmaf elsewhere; the same bits); a pass over the rows reuses a group of panels that
- * stays in L2.
+ * 16-lane ones (a portable tile with fmaf elsewhere; the same bits); a pass over the rows reuses a group
+ * of panels that stays in L2.
  *
  * Plain CPython C API. The arrays come as addresses (torch's `data_ptr()`), not through the buffer
  * protocol: numpy conversions around each call cost more than the arithmetic of a one-row call
@@ -88,6 +88,7 @@ __attribute__((target("avx2,fma"))) static void tile_x86(int mr, const float *x,
     default: tile_avx2(1, x, ldx, bp, k, kc, out, ldo); break;
     }
 }
+
 /* np adjacent panels at once in AVX-512 (where the CPU has it): out + q * NR [r][0..16) from panel
  * bp + q * k * NR, q < np, with one 16-lane accumulator per row and panel, so each broadcast of x feeds
  * np 16-lane fused multiply-adds (AVX2's tile: two 8-lane ones), and a tile of few rows still has 8 or
@@ -106,7 +107,7 @@ wide_avx512(const int mr, const int np, const float *restrict x, Py_ssize_t ldx,
     }
     for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
         const Py_ssize_t ke = k - k0 < kc ? k : k0 + kc;
-        __m512 c[MR * 8];
+        __m512 c[2 * MR]; /* mr * np <= 12 */
         for (int i = 0; i < mr * np; i++) c[i] = _mm512_setzero_ps();
 #pragma GCC unroll 2
         for (Py_ssize_t t = k0; t < ke; t++) {

@@ -375,3 +375,13 @@ def test_argmax_rows_is_the_first_maximum_with_nan_first(rows, v, data):
     got = fused.argmax_rows(x)
     assert got.tolist() == [plain_argmax(r) for r in x.tolist()]
     assert torch.equal(got, x.argmax(dim=1))
+
+
+def test_the_router_of_a_model_with_more_experts_than_the_c_router_takes():
+    """A model with more than MAX_EXPERTS experts routes in torch (the C router would refuse it): the
+    top k, best first, weights summing to 1."""
+    e, k = fused.MAX_EXPERTS + 44, 6
+    logits = torch.randn(5, e, generator=torch.Generator().manual_seed(0))
+    ids, w, dense = fused.moe_route(logits, k)
+    assert torch.equal(ids, logits.topk(k, dim=1).indices)
+    assert torch.allclose(w.sum(1), torch.ones(5)) and torch.equal(dense.gather(1, ids), w)

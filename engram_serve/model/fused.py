@@ -82,12 +82,15 @@ def gather_rows(src: torch.Tensor, ids: torch.Tensor, copies: int = 1) -> torch.
     return rows if copies == 1 else rows.expand(ids.shape[0], copies, src.shape[1]).contiguous()
 
 
+MAX_EXPERTS = 256  # the C router's bound (_token_kernel.c); a model with more experts routes in torch
+
+
 def moe_route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The MoE router on logits [N, E]: (ids [N, k] int64 of the k most probable experts, best first,
     weights [N, k] float32 = their softmax probabilities renormalised to sum 1, the same weights as a
     dense [N, E] matrix with 0 for experts not chosen). C form: see the kernel (ties to the lower id)."""
     n, e = logits.shape
-    if native(logits):
+    if native(logits) and e <= MAX_EXPERTS:  # (the expert count is the model's: one form per model)
         logits = logits.contiguous()
         ids, w, dense = torch.empty(n, k, dtype=torch.int64), torch.empty(n, k), torch.empty(n, e)
         capture.call(_token_kernel.moe_route, logits.data_ptr(), n, e, k, ids.data_ptr(), w.data_ptr(),

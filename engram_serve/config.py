@@ -23,10 +23,17 @@ log = logging.getLogger(__name__)
 TEXT_CONFIG = "text_config"  # where a multimodal (published V4.1) config keeps the text model's fields
 
 
+# Per-(sub-)config metadata: a multimodal config's top level and its text_config each describe themselves
+# (model_type "deepseek_v41" vs "deepseek_v41_text", ...), so these never conflict; the text model's win.
+METADATA_FIELDS = frozenset({"model_type", "architectures", "dtype", "torch_dtype", "transformers_version",
+                             "auto_map", "_name_or_path", "name_or_path"})
+
+
 def flatten_config(d: dict) -> dict:
     """One flat dict of a config, nested (`text_config`) or flat. Invariant: every key of
     `d[TEXT_CONFIG]` keeps its value; a top-level key is kept unless text_config has it too, in
-    which case both values must agree."""
+    which case both values must agree, except per-config metadata (METADATA_FIELDS), where the text
+    model's value is kept."""
     if TEXT_CONFIG not in d:
         return dict(d)
     text = d[TEXT_CONFIG]
@@ -34,7 +41,7 @@ def flatten_config(d: dict) -> dict:
         raise ConfigError(f"config field {TEXT_CONFIG}={text!r}: must be a JSON object")
     out = {k: v for k, v in d.items() if k != TEXT_CONFIG}
     for k, v in text.items():
-        if k in out and out[k] != v:
+        if k in out and out[k] != v and k not in METADATA_FIELDS:
             raise ConfigError(f"config field {k}: the top level says {out[k]!r}, {TEXT_CONFIG} says {v!r}")
         out[k] = v
     return out
@@ -214,3 +221,162 @@ def read_json(path: str | Path) -> dict:
     if not isinstance(d, dict):
         raise ConfigError(f"config {path} must hold a JSON object, got {type(d).__name__}")
     return d
+
+
+# ---- DeepSeek-V4.1 --------------------------------------------------------------------------------------
+SUPPORTED = {  # fields whose other values would change the math in ways this project does not implement
+    "num_key_value_heads": (1,), "n_shared_experts": (1,), "hidden_act": ("silu",), "attention_bias": (False,),
+    "scoring_func": ("sqrtsoftplus",), "topk_method": ("noaux_tc",), "n_group": (1, None), "topk_group": (1, None),
+    "gate_temp": (1, 1.0, None),
+}
+NOT_TEXT_FORWARD = ("num_nextn_predict_layers", "dspark_", "vision_config", "image_token_id")  # DSpark, vision
+
+
+@dataclass(frozen=True)
+class V41Config:
+    """DeepSeek-V4.1's text model (docs/deepseek_v41.md), read from a published `config.json` as is.
+
+    Invariants (checked here, ConfigError naming the field): `compress_ratios` covers every layer (entries
+    past `num_hidden_layers` are the DSpark layers' and are not used) with ratios in {0, 1, 2}; every kv
+    source is an index source; ratio-0 layers are neither; every compressed layer has a kv source at or
+    before it, and the last such has its ratio; the candidate source, if any (>= 0), is a kv source;
+    `num_attention_heads % o_groups == 0`; `qk_rope_head_dim` is even and fits head_dim and index_head_dim.
+    `layer_roles` derives each layer's role from these fields alone."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_lora_rank: int
+    o_groups: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    engram: EngramConfig
+    compress_ratios: tuple[int, ...] = ()
+    kv_source_layer_ids: tuple[int, ...] = ()
+    index_source_layer_ids: tuple[int, ...] = ()
+    candidate_source_layer_id: int = -1
+    candidate_topk_blocks: int = 2048
+    candidate_block_size: int = 8
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    index_topk: int = 512
+    sliding_window: int = 128
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 1048576
+    swiglu_limit: float = 10.0
+    rms_norm_eps: float = 1e-20
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.5
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    quantization: dict = field(default_factory=dict, compare=False)  # the top-level quantization_config
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids"):
+            object.__setattr__(self, name, tuple(int(x) for x in getattr(self, name)))
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+                     "qk_rope_head_dim", "q_lora_rank", "o_lora_rank", "o_groups", "moe_intermediate_size",
+                     "n_routed_experts", "num_experts_per_tok", "index_n_heads", "index_head_dim", "index_topk",
+                     "sliding_window", "hc_mult", "hc_sinkhorn_iters", "max_position_embeddings",
+                     "candidate_block_size", "candidate_topk_blocks"):
+            _check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        n = self.num_hidden_layers
+        _check(self.num_attention_heads % self.o_groups == 0, "o_groups", self.o_groups,
+               f"must divide num_attention_heads={self.num_attention_heads}")
+        _check(self.qk_rope_head_dim % 2 == 0 and self.qk_rope_head_dim <= min(self.head_dim, self.index_head_dim),
+               "qk_rope_head_dim", self.qk_rope_head_dim, "must be even and <= head_dim and index_head_dim")
+        _check(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok", self.num_experts_per_tok,
+               f"must be <= n_routed_experts={self.n_routed_experts}")
+        _check(len(self.compress_ratios) >= n, "compress_ratios", list(self.compress_ratios),
+               f"needs an entry for each of the {n} layers")
+        _check(all(r in (0, 1, 2) for r in self.compress_ratios[:n]), "compress_ratios", list(self.compress_ratios),
+               "ratios other than 0, 1 and 2 are not supported")
+        ratios = self.compress_ratios[:n]
+        for name in ("kv_source_layer_ids", "index_source_layer_ids"):
+            ids = getattr(self, name)
+            _check(list(ids) == sorted(set(ids)) and all(0 <= i < n for i in ids), name, list(ids),
+                   f"must be increasing layer ids in [0, {n})")
+            _check(all(ratios[i] > 0 for i in ids), name, list(ids), "a source layer must have a compress ratio > 0")
+        _check(set(self.kv_source_layer_ids) <= set(self.index_source_layer_ids), "index_source_layer_ids",
+               list(self.index_source_layer_ids), f"must contain every kv source {list(self.kv_source_layer_ids)}")
+        owner = None
+        for i, r in enumerate(ratios):
+            owner = r if i in self.kv_source_layer_ids else owner
+            _check(r == 0 or owner == r, "compress_ratios", list(self.compress_ratios),
+                   f"layer {i} (ratio {r}) needs a kv source at or before it with the same ratio")
+        c = self.candidate_source_layer_id
+        _check(c == -1 or c in self.kv_source_layer_ids, "candidate_source_layer_id", c,
+               "must be -1 (none) or a kv source")
+        _check(c == -1 or max(self.kv_source_layer_ids) == c, "kv_source_layer_ids", list(self.kv_source_layer_ids),
+               f"no kv source may follow the candidate source {c}: its blocks index that source's entries")
+        _check(self.engram.hidden_size == self.hidden_size and self.engram.hc_mult == self.hc_mult, "hidden_size",
+               self.hidden_size, "differs from the Engram block's")
+        bad = [i for i in self.engram.engram_layer_ids if i >= n]
+        _check(not bad, "engram_layer_ids", list(self.engram.engram_layer_ids), f"layer ids must be < {n}")
+        for name in ("bos_token_id", "eos_token_id"):
+            _check(0 <= getattr(self, name) < self.vocab_size, name, getattr(self, name),
+                   f"must be in [0, vocab_size={self.vocab_size})")
+        _check(0 <= self.engram.engram_pad_token_id < self.vocab_size, "engram_pad_token_id",
+               self.engram.engram_pad_token_id, f"must be in [0, vocab_size={self.vocab_size})")
+        rs = self.rope_scaling
+        _check(rs is None or (isinstance(rs, dict) and rs.get("rope_type", rs.get("type")) == "yarn"), "rope_scaling",
+               rs, "only YaRN scaling (rope_type 'yarn') is supported")
+        _check(self.rms_norm_eps > 0 and self.hc_eps > 0, "rms_norm_eps", self.rms_norm_eps, "eps must be > 0")
+
+    @property
+    def ratios(self) -> tuple[int, ...]:
+        """The compress ratio of each backbone layer (the DSpark layers' entries dropped)."""
+        return self.compress_ratios[: self.num_hidden_layers]
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "V41Config":
+        """From a published V4.1 config, nested or flat. Fields that change the math are implemented or
+        refused (ConfigError); DSpark and vision fields are not part of the text forward; other unknown
+        fields are kept in `extra` and listed once at debug level."""
+        quant = d.get("quantization_config") or {}
+        d = flatten_config(d)
+        for name, ok in SUPPORTED.items():  # absent: the published value
+            if d.get(name, ok[0]) not in ok:
+                raise ConfigError(f"config field {name}={d.get(name)!r}: only {[v for v in ok if v is not None]} "
+                                  "is supported")
+        engram = EngramConfig.from_dict({**d, "hidden_size": d.get("hidden_size", 0), "hc_mult": d.get("hc_mult", 4)})
+        names = {f.name for f in dataclasses.fields(cls)} - {"engram", "extra", "quantization"}
+        known = names | {f.name for f in dataclasses.fields(EngramConfig)} | set(SUPPORTED) | METADATA_FIELDS
+        unused = sorted(k for k in d if k not in known)
+        if unused:
+            log.debug("config: %d field(s) not used by the text forward: %s", len(unused), unused)
+        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
+                    and f.default_factory is dataclasses.MISSING and f.name != "engram"]
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise ConfigError(f"config is missing field(s) {missing}")
+        for k in names & d.keys():
+            v = d[k]
+            if k.endswith("_ids") or k == "compress_ratios":
+                if not _is_int(v, True):
+                    raise ConfigError(f"config field {k}={v!r}: must be a list of integers")
+            elif k in ("rope_scaling",):
+                continue
+            elif isinstance(getattr(cls, k, None), float) or k in ("rope_theta", "compress_rope_theta", "swiglu_limit",
+                                                                   "rms_norm_eps", "routed_scaling_factor", "hc_eps"):
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise ConfigError(f"config field {k}={v!r}: must be a number")
+            elif k in ("norm_topk_prob", "tie_word_embeddings"):
+                if not isinstance(v, bool):
+                    raise ConfigError(f"config field {k}={v!r}: must be true or false")
+            elif not _is_int(v, False):
+                raise ConfigError(f"config field {k}={v!r}: must be an integer")
+        return cls(engram=engram, quantization=dict(quant), extra={k: d[k] for k in unused},
+                   **{k: d[k] for k in names & d.keys()})

@@ -4,7 +4,7 @@ Input: the residual stream h [T, hc_mult, hidden] and the staged table rows [T, 
 (C = (N-1)*H hash columns). Output: h with a gated, shared value added to every branch:
     e          = rows flattened to [T, C*head_dim]
     keys, v    = wkv(e) split into hc_mult keys and one value (each [T, hidden])
-    dot_i      = sum(rmsnorm(h_i) * q_w[i] * rmsnorm(key_i) * k_w[i]) / sqrt(hidden)
+    dot_i      = sum(rmsnorm(h_i) * q_weight[i] * rmsnorm(key_i) * k_weight[i]) / sqrt(hidden)
     gate_i     = sigmoid(sign(dot_i) * sqrt(max(|dot_i|, 1e-6)))   (0 for dead / padding tokens)
     h_i       += gate_i * v
 """
@@ -22,8 +22,8 @@ class EngramGate(nn.Module):
         super().__init__()
         self.hidden, self.hc_mult, self.num_columns, self.head_dim, self.eps = hidden, hc_mult, num_columns, head_dim, eps
         self.wkv = Linear(num_columns * head_dim, (hc_mult + 1) * hidden)
-        self.q_w = nn.Parameter(torch.ones(hc_mult, hidden))
-        self.k_w = nn.Parameter(torch.ones(hc_mult, hidden))
+        self.q_weight = nn.Parameter(torch.ones(hc_mult, hidden))
+        self.k_weight = nn.Parameter(torch.ones(hc_mult, hidden))
 
     def project(self, rows: torch.Tensor) -> torch.Tensor:
         """kv [T, (hc+1)*hidden] = wkv(rows flattened) for rows [T, C, hd]. Linear in the rows: under
@@ -38,11 +38,11 @@ class EngramGate(nn.Module):
     def gate(self, h: torch.Tensor, rows: torch.Tensor, dead: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """gate [T, hc_mult] and value [T, hidden] for h [T, hc, hidden], rows [T, C, hd], dead [T] bool (the
         torch form of model/fused.py; the forward adds them in `apply`)."""
-        return fused.gate_torch(h, self.project(rows), self.q_w, self.k_w, dead, self.eps)
+        return fused.gate_torch(h, self.project(rows), self.q_weight, self.k_weight, dead, self.eps)
 
     def apply(self, h: torch.Tensor, kv: torch.Tensor, dead: torch.Tensor | None = None) -> torch.Tensor:
         """h with the gated value added, from an already computed (e.g. cross-rank summed) projection kv."""
-        return fused.engram_gate(h, kv, self.q_w, self.k_w, dead, self.eps)
+        return fused.engram_gate(h, kv, self.q_weight, self.k_weight, dead, self.eps)
 
     def forward(self, h: torch.Tensor, rows: torch.Tensor, dead: torch.Tensor | None = None) -> torch.Tensor:
         return self.apply(h, self.project(rows), dead)

@@ -11,7 +11,7 @@
  *   engram_gate(h, n, hc, hidden, kv, q_w, k_w, dead, eps, h_out) -> None
  *     The Engram gate of spec §7, h_out = h with the gated value added: kv [n, (hc + 1) * hidden] (hc keys, then the value),
  *     q_w, k_w [hc, hidden], dead [n] bool or 0. Per branch i: dot = sum(rmsnorm(h_i) * q_w[i] *
- *     rmsnorm(key_i) * k_w[i]) / sqrt(hidden), gate = sigmoid(sign(dot) * sqrt(max(|dot|, 1e-6))),
+ *     rmsnorm(key_i) * k_w[i]) / sqrt(hidden), gate = sigmoid(s * sqrt(max(|dot|, 1e-6))) with s = -1 if dot < 0 else +1 (the positive root at +-0),
  *     0 for a dead token; h_out_i = h_i + gate * value.
  *   silu_mul(gu, rows, inter, weights, out) -> None
  *     gu [rows, 2, inter] (gate, up), out [rows, inter] = silu(gate) * up [* weights[row]] (weights
@@ -88,7 +88,7 @@ CLONES static void engram_gate_rows(const float *restrict h, Py_ssize_t n, Py_ss
             }
             const float qk = dot(qn, kn, dim) / root;
             const float mag = sqrtf(fmaxf(fabsf(qk), 1e-6f));
-            const float z = qk > 0.0f ? mag : (qk < 0.0f ? -mag : (qk == qk ? 0.0f * mag : qk));  /* sign(qk) * mag */
+            const float z = qk < 0.0f ? -mag : (qk == qk ? mag : qk);  /* the positive root at qk = +-0; NaN stays */
             const float gate = (dead && dead[t]) ? 0.0f : 1.0f / (1.0f + exp_fixed(-z));
             for (Py_ssize_t d = 0; d < dim; d++) hot[i * dim + d] = hi[d] + gate * value[d];
         }

@@ -129,7 +129,8 @@ def gate_torch(h: torch.Tensor, kv: torch.Tensor, q_w: torch.Tensor, k_w: torch.
     q = layers.rms_norm(h.float() if h.dtype != torch.float32 else h, eps, q_w)  # [N, hc, hidden] float32
     k = layers.rms_norm(keys.float() if keys.dtype != torch.float32 else keys, eps, k_w)
     dot = (q * k).sum(-1) / math.sqrt(dim)  # [N, hc]
-    g = layers.pointwise(torch.sigmoid, torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=1e-6)))
+    mag = torch.sqrt(dot.abs().clamp(min=1e-6))  # (NaN stays NaN)
+    g = layers.pointwise(torch.sigmoid, torch.where(dot < 0, -mag, mag))  # the positive root at dot = +-0
     if dead is not None:
         g = g.masked_fill(dead[:, None], 0.0)
     return (g if g.dtype == h.dtype else g.to(h.dtype)), value

@@ -202,11 +202,11 @@ class EngramModel(nn.Module):
 
 
 def init_weights(model: EngramModel, seed: int, std: float = 0.02) -> EngramModel:
-    """Deterministic random init: norms and Engram q_w/k_w at 1, everything else N(0, std)."""
+    """Deterministic random init: norms and Engram q_weight/k_weight at 1, everything else N(0, std)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".q_w") or name.endswith(".k_w"):
+            if name.endswith("norm.weight") or name.endswith(".q_weight") or name.endswith(".k_weight"):
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * std)

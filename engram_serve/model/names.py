@@ -32,8 +32,8 @@ OFFICIAL: dict[str, str] = {
     "layers.{i}.mlp.w_down": "layers.{i}.ffn.experts.{e}.w2.weight",
     "layers.{i}.mlp.w_up": "layers.{i}.ffn.experts.{e}.w3.weight",
     "layers.{i}.engram.wkv.weight": "layers.{i}.engram.wkv.weight",
-    "layers.{i}.engram.q_w": "layers.{i}.engram.q_weight",
-    "layers.{i}.engram.k_w": "layers.{i}.engram.k_weight",
+    "layers.{i}.engram.q_weight": "layers.{i}.engram.q_weight",
+    "layers.{i}.engram.k_weight": "layers.{i}.engram.k_weight",
     "engram.{i}.table": "layers.{i}.engram.embed.weight",  # the Engram table of model layer i
 }
 SCALE_SUFFIX = ".scale"  # official: X.weight (F8_E4M3) -> X.scale (F8_E8M0); native: X -> X.scale

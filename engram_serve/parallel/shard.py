@@ -8,7 +8,7 @@ by module replacement. The model code is untouched and reads the same at any par
     dense MLP   the fused gate/up projection split by output (column parallel); down_proj -> RowParallelLinear
     MoE         -> ExpertParallelMoE (experts split; router replicated)
     Engram      wkv -> PartialInputLinear; the tables -> ShardedEngramTables (rows split)
-    replicated  embeddings, norms, lm_head, Engram q_w / k_w (small)
+    replicated  embeddings, norms, lm_head, Engram q_weight / k_weight (small)
 
 The returned LoadedModel's config carries the LOCAL head counts (the KV cache is sized from it).
 """

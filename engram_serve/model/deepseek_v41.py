@@ -1,0 +1,521 @@
+"""DeepSeek-V4.1's text model, top to bottom (docs/deepseek_v41.md is its definition).
+
+Parameter names are the official checkpoint names (`embed.weight`, `layers.{l}.attn.wq_a.weight`,
+`layers.{l}.hc_attn_fn`, `layers.{l}.ffn.experts.{e}.w1.weight` (stacked here as `ffn.w13` / `ffn.w2`),
+`layers.{l}.engram.wkv.weight`, `head.weight`, ...), so a checkpoint loads by name.
+
+One forward runs a microbatch of flattened tokens [T] of many requests (positions absolute) over the
+paged state of `v41_cache.py`; a full-sequence forward (training, scoring) is the same code over a
+fresh cache whose block tables give each sequence its own slots (`forward_dense`). `stages` is a
+generator that yields a stage name at each overlap point (the executor interleaves microbatches there);
+the yield points are data-independent, so microbatches stay in lock step.
+
+Row invariance (docs/contract.md §9): every matmul goes through `layers.linear` (the same bits for a
+row whatever the call), transcendental elementwise functions through `layers.pointwise`, reductions run
+over a fixed-length last dimension or as explicit loops over streams, and the attention and indexer
+products are batched matmuls whose per-item shapes are fixed by the config (KEY_CHUNK entries per
+indexer item), so a token's bits never depend on its batch mates, the cut or padding.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import V41Config
+from ..engram.layer import EngramGate
+from .layers import Linear, RMSNorm, linear, pointwise, rms_norm
+from .v41_cache import SlotPlan, V41Cache
+
+KEY_CHUNK = 64  # indexer entries per batched-matmul item: a fixed per-item shape whatever the context
+NEG_INF = float("-inf")
+STAGE_ENGRAM_GATHER, STAGE_ENGRAM, STAGE_ATTN = "engram_gather", "engram", "attn"
+STAGE_MOE_DISPATCH, STAGE_MOE_COMBINE = "moe_dispatch", "moe_combine"
+
+
+# ---- roles ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerRole:
+    """What layer `layer` does, from the config alone. `kv_source`: the layer whose compressed entries it
+    reads (None for a window-only layer); `index_source`: the layer whose top-k it attends to (itself
+    when it runs the indexer); `key_source`: for an indexer, the layer whose index keys it scores."""
+
+    layer: int
+    ratio: int
+    kv_source: int | None
+    index_source: int | None
+    owns_compressor: bool
+    runs_indexer: bool
+    publishes_candidates: bool
+    uses_candidates: bool
+
+
+def layer_roles(cfg: V41Config) -> tuple[LayerRole, ...]:
+    """The role of every backbone layer (docs/deepseek_v41.md, "Layer roles")."""
+    roles, kv_src, idx_src = [], None, None
+    c = cfg.candidate_source_layer_id
+    for layer, r in enumerate(cfg.ratios):
+        kv_src = layer if layer in cfg.kv_source_layer_ids else kv_src
+        idx_src = layer if layer in cfg.index_source_layer_ids else idx_src
+        runs = layer in cfg.index_source_layer_ids
+        roles.append(LayerRole(layer, r, kv_src if r else None, idx_src if r else None,
+                               layer in cfg.kv_source_layer_ids, runs, layer == c, runs and 0 <= c < layer))
+    return tuple(roles)
+
+
+# ---- rotary ----------------------------------------------------------------------------------------
+def rope_frequencies(rd: int, theta: float, yarn: dict | None) -> torch.Tensor:
+    """f_j [rd / 2] float64, with YaRN's frequency ramp (attention factor 1) where `yarn` is given."""
+    f = theta ** (-torch.arange(0, rd, 2, dtype=torch.float64) / rd)
+    if yarn:
+        factor, orig = float(yarn.get("factor", 1.0)), float(yarn["original_max_position_embeddings"])
+        corr = lambda b: rd * math.log(orig / (b * 2 * math.pi)) / (2 * math.log(theta))  # noqa: E731
+        lo = max(math.floor(corr(float(yarn.get("beta_fast", 32)))), 0)
+        hi = min(math.ceil(corr(float(yarn.get("beta_slow", 1)))), rd - 1)
+        ramp = ((torch.arange(rd // 2, dtype=torch.float64) - lo) / max(hi - lo, 1e-3)).clamp(0, 1)
+        f = f / factor * ramp + f * (1 - ramp)
+    return f
+
+
+class RopeTable:
+    """cos, sin [positions, rd / 2] float32 of angles computed in float64, grown on demand (doubling); a
+    token's values depend on its position alone."""
+
+    def __init__(self, rd: int, theta: float, yarn: dict | None, rows: int = 4096):
+        self.freqs, self.initial = rope_frequencies(rd, theta, yarn), rows
+        self.cos = self.sin = None
+
+    def ensure(self, rows: int, device: torch.device | str = "cpu") -> None:
+        have = 0 if self.cos is None else self.cos.shape[0]
+        if have >= rows and self.cos.device == torch.device(device):
+            return
+        ang = torch.arange(max(rows, 2 * have, self.initial), dtype=torch.float64)[:, None] * self.freqs[None, :]
+        self.cos, self.sin = ang.cos().float().to(device), ang.sin().float().to(device)
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top = int(positions.max()) + 1 if positions.numel() else 1
+        if self.cos is None or self.cos.shape[0] < top or self.cos.device != positions.device:
+            self.ensure(top, positions.device)
+        return self.cos[positions], self.sin[positions]
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Interleaved RoPE on the last rd = 2 * cos.shape[-1] dims of x [N, ..., width]; cos, sin [N, rd / 2]."""
+    rd = 2 * cos.shape[-1]
+    while cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    tail = x[..., x.shape[-1] - rd:]
+    x0, x1 = tail[..., 0::2], tail[..., 1::2]
+    if inverse:
+        y0, y1 = x0 * cos + x1 * sin, x1 * cos - x0 * sin
+    else:
+        y0, y1 = x0 * cos - x1 * sin, x0 * sin + x1 * cos
+    return torch.cat([x[..., : x.shape[-1] - rd], torch.stack([y0, y1], -1).flatten(-2)], -1)
+
+
+# ---- mHC ---------------------------------------------------------------------------------------------
+def hyper_mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, cfg: V41Config
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pre [N, hc], post [N, hc], comb [N, hc, hc]) of one sublayer from its streams x [N, hc, D]."""
+    n, hc, _ = x.shape
+    v = x.reshape(n, -1)  # [N, hc*D]
+    r = torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    seg = torch.cat([scale[0].expand(hc), scale[1].expand(hc), scale[2].expand(hc * hc)])
+    m = linear(v, fn) * r * seg + base  # [N, (2+hc)*hc]
+    pre = pointwise(torch.sigmoid, m[:, :hc]) + cfg.hc_eps
+    post = 2 * pointwise(torch.sigmoid, m[:, hc:2 * hc])
+    c = m[:, 2 * hc:].reshape(n, hc, hc)
+    c = pointwise(torch.exp, c - c.amax(-1, keepdim=True))
+    c = c / c.sum(-1, keepdim=True) + cfg.hc_eps
+    c = c / (c.sum(-2, keepdim=True) + cfg.hc_eps)
+    for _ in range(cfg.hc_sinkhorn_iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + cfg.hc_eps)
+        c = c / (c.sum(-2, keepdim=True) + cfg.hc_eps)
+    return pre, post, c
+
+
+def collapse(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+    """sum_i mix[:, i] * x[:, i] for x [N, hc, D], mix [N, hc]: [N, D] (streams added in order)."""
+    out = mix[:, :1] * x[:, 0]
+    for i in range(1, x.shape[1]):
+        out = out + mix[:, i:i + 1] * x[:, i]
+    return out
+
+
+def expand(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """x'[b] = post[b] * o + sum_a comb[a, b] * x[a] for o [N, D], x [N, hc, D]: [N, hc, D]."""
+    hc = x.shape[1]
+    outs = []
+    for b in range(hc):
+        acc = post[:, b:b + 1] * o
+        for a in range(hc):
+            acc = acc + comb[:, a, b:b + 1] * x[:, a]
+        outs.append(acc)
+    return torch.stack(outs, 1)
+
+
+# ---- top-k with the written tie rule ----------------------------------------------------------------
+def topk_first(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The k best of scores [N, n] by value, ties to the lower index, -1 where fewer than k are finite (or
+    above -inf): [N, k] int64."""
+    n = scores.shape[1]
+    if n < k:
+        scores = F.pad(scores, (0, k - n), value=NEG_INF)
+    vals, ids = torch.sort(scores, dim=1, descending=True, stable=True)
+    return torch.where(vals[:, :k] != NEG_INF, ids[:, :k], -1)  # (a NaN is kept: its request errs, alone)
+
+
+# ---- the per-forward context --------------------------------------------------------------------------
+@dataclass
+class V41Step:
+    """What one microbatch's forward reads and writes besides activations: the cache, its slot plan, the
+    rope tables, and the microbatch's own cross-layer buffers `topk` [T, index_topk] int64 and
+    `candidates` [T, candidate_topk_blocks] int64 (block ids, -1 none), owned by this microbatch alone
+    (docs/contract.md §5). `touch(name, t)` reports a buffer use to the debug ownership check."""
+
+    cache: V41Cache
+    plan: SlotPlan
+    topk: torch.Tensor
+    candidates: torch.Tensor
+    touch: Callable[[str, torch.Tensor], None] = lambda name, t: None
+
+
+# ---- attention -------------------------------------------------------------------------------------
+def attend(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention with a sink logit, key = value. q [N, H, hd], keys [N, K, hd], ok [N, K] bool,
+    sink [H] -> [N, H, hd]. Per-item shapes of the two batched matmuls are fixed by the caller."""
+    z = torch.bmm(q, keys.transpose(1, 2)) * scale  # [N, H, K]
+    z = z.masked_fill(~ok[:, None, :], NEG_INF)
+    m = torch.maximum(z.amax(-1), sink[None, :])  # [N, H]
+    e = pointwise(torch.exp, z - m[..., None])
+    denom = e.sum(-1) + pointwise(torch.exp, sink[None, :] - m)
+    return torch.bmm(e, keys) / denom[..., None]
+
+
+class Compressor(nn.Module):
+    """A kv source's compressor (docs/deepseek_v41.md, "Compressor")."""
+
+    def __init__(self, cfg: V41Config, ratio: int):
+        super().__init__()
+        self.ratio = ratio
+        self.wkv = Linear(cfg.hidden_size, cfg.head_dim)
+        self.wgate = Linear(cfg.hidden_size, cfg.head_dim) if ratio == 2 else None
+        self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def latent(self, x: torch.Tensor, step: V41Step, layer: int) -> torch.Tensor:
+        """The normed latent [T, hd] of the entry each token completes (garbage where it completes none;
+        its writes go to the trash slot). Ratio 2 stores every token's [kv, gate] row first, then pools
+        each token with the row of position p - 1, wherever that was computed."""
+        a = linear(x, self.wkv.weight)  # [T, hd]
+        if self.ratio == 1:
+            return self.norm(a)
+        hd = a.shape[1]
+        row = torch.cat([a, linear(x, self.wgate.weight)], 1).float()  # [T, 2hd]
+        pool = step.cache.open[layer]
+        step.cache.write(pool, step.plan.slots, row)
+        prev = pool[step.plan.prev_slots]  # [T, 2hd]: the open group's partner
+        s0, s1 = prev[:, hd:], row[:, hd:]
+        m = torch.maximum(s0, s1)
+        e0, e1 = pointwise(torch.exp, s0 - m), pointwise(torch.exp, s1 - m)
+        pooled = (e0 * prev[:, :hd] + e1 * row[:, :hd]) / (e0 + e1)
+        return self.norm(pooled.to(x.dtype))
+
+
+class Indexer(nn.Module):
+    """An index source's indexer (docs/deepseek_v41.md, "Indexer"); `wk`/`k_norm` on kv sources only."""
+
+    def __init__(self, cfg: V41Config, owns_keys: bool):
+        super().__init__()
+        self.heads, self.dim = cfg.index_n_heads, cfg.index_head_dim
+        self.wq_b = Linear(cfg.q_lora_rank, self.heads * self.dim)
+        self.weights_proj = Linear(cfg.hidden_size, self.heads)
+        self.wk = Linear(cfg.head_dim, self.dim) if owns_keys else None
+        self.k_norm = RMSNorm(self.dim, cfg.rms_norm_eps) if owns_keys else None
+
+    def scores(self, x: torch.Tensor, qr: torch.Tensor, cos, sin, keys: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+        """s [T, E]: sum_h w_h relu(q_h . k_g) for every entry slot of each token; -inf where not visible.
+        keys [T, E, ihd] with E a multiple of KEY_CHUNK (each batched-matmul item is one chunk)."""
+        t, e = ok.shape
+        q = rope(linear(qr, self.wq_b.weight).view(t, self.heads, self.dim), cos, sin)  # [T, nh, ihd]
+        w = linear(x, self.weights_proj.weight) * (self.dim ** -0.5 * self.heads ** -0.5)  # [T, nh]
+        c = e // KEY_CHUNK
+        qc = q[:, None].expand(t, c, self.heads, self.dim).reshape(t * c, self.heads, self.dim)
+        dots = torch.bmm(qc, keys.view(t * c, KEY_CHUNK, self.dim).transpose(1, 2))  # [T*C, nh, CH]
+        wc = w[:, None, :, None].expand(t, c, self.heads, 1).reshape(t * c, self.heads, 1)
+        s = (torch.relu(dots) * wc).transpose(1, 2).contiguous().sum(-1).view(t, e)  # heads summed per entry
+        return s.masked_fill(~ok, NEG_INF)
+
+
+def candidate_blocks(s: torch.Tensor, count: torch.Tensor, block: int, k: int) -> torch.Tensor:
+    """The candidate source's blocks [T, k] (ids, -1 none): block scores are the max of their entries'
+    scores s [T, E] (E a multiple of `block`), the newest visible block (count - 1) // block is +inf."""
+    t, e = s.shape
+    bs = s.view(t, e // block, block).amax(-1)  # [T, B]
+    newest = torch.where(count > 0, torch.div(count - 1, block, rounding_mode="floor"), -1)
+    bs = bs.masked_fill(torch.arange(bs.shape[1], device=s.device)[None, :] == newest[:, None], float("inf"))
+    return topk_first(bs, k)
+
+
+class Attention(nn.Module):
+    """One layer's attention (docs/deepseek_v41.md, "Attention"), with its compressor and indexer."""
+
+    def __init__(self, cfg: V41Config, role: LayerRole):
+        super().__init__()
+        self.cfg, self.role = cfg, role
+        h, hd, og = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
+        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, h * hd)
+        self.wkv = Linear(cfg.hidden_size, hd)
+        self.kv_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.wo_a = Linear(h * hd // og, og * cfg.o_lora_rank)  # block-diagonal: group g is rows g*ol .. (g+1)*ol
+        self.wo_b = Linear(og * cfg.o_lora_rank, cfg.hidden_size)
+        self.attn_sink = nn.Parameter(torch.zeros(h))
+        self.compressor = Compressor(cfg, role.ratio) if role.owns_compressor else None
+        self.indexer = Indexer(cfg, role.owns_compressor) if role.runs_indexer else None
+
+    def forward(self, x: torch.Tensor, step: V41Step, rope_cs: tuple[torch.Tensor, torch.Tensor],
+                entry_cs: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """x [T, D] -> [T, D]. rope_cs: this layer kind's cos, sin at the tokens' positions; entry_cs: at the
+        first position of the entry each token completes (compressed layers)."""
+        cfg, role, plan, t = self.cfg, self.role, step.plan, x.shape[0]
+        h, hd = cfg.num_attention_heads, cfg.head_dim
+        qr = self.q_norm(linear(x, self.wq_a.weight))  # [T, ql]
+        q = rope(linear(qr, self.wq_b.weight).view(t, h, hd), *rope_cs)  # [T, H, hd]
+        kv = rope(self.kv_norm(linear(x, self.wkv.weight)), *rope_cs)  # [T, hd]
+        window = step.cache.window[role.layer]
+        step.cache.write(window, plan.slots, kv)  # this microbatch's keys first: a token attends to itself
+        keys, ok = window[plan.window], plan.window_ok  # [T, W, hd]
+        if role.ratio:
+            if self.compressor is not None:
+                self._compress(x, step, entry_cs)
+            if self.indexer is not None:
+                self._select(x, qr, step, rope_cs)
+            topk = step.topk[:t]
+            step.touch("topk", topk)
+            eslots = plan.entry_slots[role.ratio]
+            picked = eslots.gather(1, topk.clamp(min=0)).masked_fill(topk < 0, step.cache.zero_slot)  # [T, K]
+            keys = torch.cat([keys, step.cache.entries[role.kv_source][picked]], 1)
+            ok = torch.cat([ok, topk >= 0], 1)
+        o = attend(q, keys, ok, self.attn_sink, hd ** -0.5)  # [T, H, hd]
+        o = rope(o, *rope_cs, inverse=True).reshape(t, cfg.o_groups, -1)
+        ol = cfg.o_lora_rank
+        u = torch.cat([linear(o[:, g], self.wo_a.weight[g * ol:(g + 1) * ol]) for g in range(cfg.o_groups)], 1)
+        return linear(u, self.wo_b.weight)
+
+    def _compress(self, x: torch.Tensor, step: V41Step, entry_cs) -> None:
+        """Store the entries (and index keys) completed by this microbatch's tokens."""
+        layer, r, plan = self.role.layer, self.role.ratio, step.plan
+        latent = self.compressor.latent(x, step, layer)  # [T, hd]
+        complete = (plan.positions % r == r - 1) & (plan.slots >= 0)
+        slots = torch.where(complete, plan.slots, -1)
+        step.cache.write(step.cache.entries[layer], slots, rope(latent, *entry_cs))
+        ik = rope(self.indexer.k_norm(linear(latent, self.indexer.wk.weight)), *entry_cs)
+        step.cache.write(step.cache.index_keys[layer], slots, ik)
+
+    def _select(self, x: torch.Tensor, qr: torch.Tensor, step: V41Step, rope_cs) -> None:
+        """Score the key source's entries and write this microbatch's top-k (and candidate blocks)."""
+        cfg, role, plan, t = self.cfg, self.role, step.plan, x.shape[0]
+        eslots, count = plan.entry_slots[role.ratio], plan.entry_count[role.ratio]  # [T, E], [T]
+        unit = math.lcm(KEY_CHUNK, cfg.candidate_block_size)  # whole indexer items and whole candidate blocks
+        e = eslots.shape[1]
+        width = max(1, -(-e // unit)) * unit
+        slots = F.pad(eslots, (0, width - e), value=step.cache.zero_slot)  # [T, E'] padded
+        ok = torch.arange(width, device=x.device)[None, :] < count[:, None]
+        keys = step.cache.index_keys[role.kv_source][slots]  # [T, E', ihd]
+        s = self.indexer.scores(x, qr, *rope_cs, keys, ok)
+        cands = step.candidates[:t]
+        if role.publishes_candidates:
+            cands.copy_(candidate_blocks(s, count, cfg.candidate_block_size, cfg.candidate_topk_blocks))
+            step.touch("candidates", cands)
+        elif role.uses_candidates:
+            step.touch("candidates", cands)
+            nb = width // cfg.candidate_block_size
+            chosen = torch.zeros(t, nb + 1, dtype=torch.bool, device=x.device)
+            chosen.scatter_(1, torch.where(cands < 0, nb, cands), True)  # [T, blocks + 1]: the last column is "none"
+            keep = chosen[:, :nb].repeat_interleave(cfg.candidate_block_size, 1)  # [T, E']
+            s = s.masked_fill(~keep, NEG_INF)
+        step.topk[:t].copy_(topk_first(s, cfg.index_topk))
+        step.touch("topk", step.topk[:t])
+
+
+# ---- MoE -------------------------------------------------------------------------------------------
+def swiglu(gu: torch.Tensor, inter: int, limit: float) -> torch.Tensor:
+    """silu(min(g, L)) * clamp(u, -L, L) for gu [N, 2 * inter] = (g, u); no clamp when L <= 0."""
+    g, u = gu[:, :inter], gu[:, inter:]
+    if limit > 0:
+        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+    return pointwise(F.silu, g.contiguous()) * u
+
+
+class MoE(nn.Module):
+    """Routed experts with sqrt(softplus) scores and a bias that only chooses, plus one shared expert.
+
+    Parameters: `gate.weight` [E, D], `gate.bias` [E]; the experts stacked as `w13` [E, 2I, D] (w1 then w3
+    by rows) and `w2` [E, D, I]; `shared_experts.{w1,w2,w3}` (checkpoints keep one tensor per expert:
+    `experts.{e}.w{1,2,3}.weight`, stacked when loading). A token's output adds its experts' weighted
+    outputs in ascending expert order, then the shared expert's: an order fixed per token."""
+
+    def __init__(self, cfg: V41Config):
+        super().__init__()
+        e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.cfg, self.inter = cfg, i
+        self.gate = Linear(d, e)
+        self.gate.register_parameter("bias", nn.Parameter(torch.zeros(e)))  # chooses experts, never weighs them
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, d))
+        self.w2 = nn.Parameter(torch.empty(e, d, i))
+        self.shared_experts = nn.Module()
+        self.shared_experts.w1, self.shared_experts.w3 = Linear(d, i), Linear(d, i)
+        self.shared_experts.w2 = Linear(i, d)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [N, k] best first, ties to the lower id; their weights [N, k])."""
+        cfg = self.cfg
+        score = torch.sqrt(pointwise(F.softplus, linear(x, self.gate.weight)))  # [N, E]
+        ids = topk_first(score + self.gate.bias, cfg.num_experts_per_tok)
+        w = score.gather(1, ids)
+        if cfg.norm_topk_prob:
+            w = w / w.sum(-1, keepdim=True)
+        return ids, w * cfg.routed_scaling_factor
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return linear(swiglu(linear(x, self.w13[e]), self.inter, self.cfg.swiglu_limit), self.w2[e])
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.shared_experts
+        gu = torch.cat([linear(x, s.w1.weight), linear(x, s.w3.weight)], 1)
+        return linear(swiglu(gu, self.inter, self.cfg.swiglu_limit), s.w2.weight)
+
+    def stages(self, x: torch.Tensor) -> Generator[str, None, torch.Tensor]:
+        """Yields at dispatch and combine (the expert-parallel overlap points); returns [N, D]."""
+        n, k = x.shape[0], self.cfg.num_experts_per_tok
+        ids, w = self.route(x)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order kept inside
+        tok = torch.div(order, k, rounding_mode="floor")
+        xs = x[tok]  # [N*k, D]
+        yield STAGE_MOE_DISPATCH
+        counts = torch.bincount(flat, minlength=self.cfg.n_routed_experts).tolist()  # one host read
+        parts, start = [], 0
+        for e, c in enumerate(counts):
+            if c:
+                parts.append(self.expert(e, xs[start:start + c]))
+            start += c
+        ys = torch.cat(parts) if parts else xs
+        yield STAGE_MOE_COMBINE
+        routed = torch.zeros_like(x).index_add_(0, tok, ys * w.reshape(-1)[order][:, None])
+        return routed + self.shared(x)
+
+
+# ---- the model -------------------------------------------------------------------------------------
+class Block(nn.Module):
+    def __init__(self, cfg: V41Config, role: LayerRole):
+        super().__init__()
+        hc, d = cfg.hc_mult, cfg.hidden_size
+        e = cfg.engram
+        self.role = role
+        self.engram_index = e.engram_layer_ids.index(role.layer) if role.layer in e.engram_layer_ids else None
+        self.engram = (EngramGate(d, hc, e.num_columns, e.engram_head_dim, cfg.rms_norm_eps)
+                       if self.engram_index is not None else None)
+        mix = (2 + hc) * hc
+        for s in ("attn", "ffn"):
+            self.register_parameter(f"hc_{s}_fn", nn.Parameter(torch.zeros(mix, hc * d)))
+            self.register_parameter(f"hc_{s}_base", nn.Parameter(torch.zeros(mix)))
+            self.register_parameter(f"hc_{s}_scale", nn.Parameter(torch.ones(3)))
+        self.attn_norm, self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, role)
+        self.ffn = MoE(cfg)
+
+
+class DeepseekV41(nn.Module):
+    def __init__(self, cfg: V41Config):
+        super().__init__()
+        self.config = cfg
+        self.roles = layer_roles(cfg)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, role) for role in self.roles)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.rope_plain = RopeTable(cfg.qk_rope_head_dim, cfg.rope_theta, None)
+        self.rope_comp = RopeTable(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling)
+
+    def stages(self, ids: torch.Tensor, dead: torch.Tensor | None, step: V41Step,
+               engram_rows: Callable[[int], torch.Tensor] | None) -> Generator[str, None, torch.Tensor]:
+        """The forward of one microbatch: ids [T] -> final hidden [T, D]; yields at overlap points.
+        `engram_rows(i)` gives Engram layer i's staged rows [T, C, hd] (None: Engram ablated)."""
+        cfg, plan = self.config, step.plan
+        pos = plan.positions
+        plain, comp = self.rope_plain(pos), self.rope_comp(pos)
+        ratios = {r for r in cfg.ratios if r}
+        entry_cs = {r: self.rope_comp((pos - (r - 1)).clamp(min=0)) if r > 1 else comp for r in ratios}
+        x = self.embed.weight[ids][:, None, :].expand(-1, cfg.hc_mult, -1)  # [T, hc, D]
+        pre = torch.zeros(ids.shape[0], cfg.hc_mult, device=ids.device)
+        pre[:, 0] = 1.0
+        for blk in self.layers:
+            role = blk.role
+            if blk.engram is not None:
+                yield STAGE_ENGRAM_GATHER
+                if engram_rows is not None:
+                    rows = engram_rows(blk.engram_index)
+                    step.touch("staging", rows)
+                    x = blk.engram(x.contiguous(), rows, dead)
+                yield STAGE_ENGRAM
+            pre_a, post_a, comb_a = hyper_mix(x, blk.hc_attn_fn, blk.hc_attn_base, blk.hc_attn_scale, cfg)
+            h = blk.attn_norm(collapse(x, pre))
+            cs = comp if role.ratio else plain
+            a = blk.attn(h, step, cs, entry_cs.get(role.ratio))
+            yield STAGE_ATTN
+            x = expand(a, x, post_a, comb_a)
+            pre_f, post_f, comb_f = hyper_mix(x, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale, cfg)
+            f = yield from blk.ffn.stages(blk.ffn_norm(collapse(x, pre_a)))
+            x = expand(f, x, post_f, comb_f)
+            pre = pre_f
+        return self.norm(collapse(x, pre))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, D] -> [N, vocab] float32."""
+        w = self.embed.weight if self.head is None else self.head.weight
+        return linear(hidden, w).float()
+
+    def forward_dense(self, input_ids: torch.Tensor, engram_rows: list[torch.Tensor] | None,
+                      dead: torch.Tensor | None = None) -> torch.Tensor:
+        """Full sequences input_ids [B, S] at positions 0..S-1 -> logits [B, S, V] float32, through the
+        serving code over a fresh cache (sequence b owns slots b*S .. b*S + S - 1). engram_rows[i]
+        [B, S, C, hd] (None: Engram ablated); dead [B, S] bool."""
+        b, s = input_ids.shape
+        dev = input_ids.device
+        cache = V41Cache(self.config, b, s, device=dev, dtype=self.embed.weight.dtype)
+        positions = torch.arange(s, device=dev).repeat(b)
+        rows = torch.arange(b, device=dev).repeat_interleave(s)
+        step = self.make_step(cache, positions, rows, torch.arange(b, device=dev)[:, None], s,
+                              rows * s + positions)
+        fn = None if engram_rows is None else (lambda i: engram_rows[i].reshape(b * s, *engram_rows[i].shape[2:]))
+        gen = self.stages(input_ids.reshape(-1), None if dead is None else dead.reshape(-1), step, fn)
+        hidden = run_stages(gen)
+        return self.compute_logits(hidden).view(b, s, -1)
+
+    def make_step(self, cache: V41Cache, positions: torch.Tensor, rows: torch.Tensor, block_tables: torch.Tensor,
+                  block_size: int, slots: torch.Tensor, topk: torch.Tensor | None = None,
+                  candidates: torch.Tensor | None = None, touch=None, max_position: int | None = None) -> V41Step:
+        """A V41Step over `cache` for tokens at `positions` of `rows` of `block_tables` (fresh cross-layer
+        buffers unless given)."""
+        cfg, t, dev = self.config, positions.shape[0], positions.device
+        plan = SlotPlan.build(positions, rows, block_tables, block_size, slots, cache.zero_slot, cfg.sliding_window,
+                              cfg.ratios, max_position)
+        topk = topk if topk is not None else torch.full((t, cfg.index_topk), -1, dtype=torch.int64, device=dev)
+        if candidates is None:
+            candidates = torch.full((t, cfg.candidate_topk_blocks), -1, dtype=torch.int64, device=dev)
+        return V41Step(cache, plan, topk, candidates, touch or (lambda name, x: None))
+
+
+def run_stages(gen: Generator):
+    """Drive a stage generator to completion; returns its value."""
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            return stop.value

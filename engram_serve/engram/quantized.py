@@ -188,3 +188,41 @@ class Fp8Table:
         """The whole table as float32 [rows, hd]. For tests and conversions of small tables only: serving
         never calls this (it dequantizes the rows a step needs)."""
         return dequantize_rows(self.weight, self.scale, torch.empty(self.shape, dtype=torch.float32))
+
+
+# MXFP4 (the routed experts of a V4.1 checkpoint, quantization_config.expert_dtype = "fp4"): int8 [O, I/2],
+# two E2M1 values a byte (the even column in the low nibble), with one E8M0 scale per row and 32 columns.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP4_MAX = 6.0
+
+
+def dequantize_fp4(w: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """w [O, I/2] int8/uint8 packed E2M1 with s [O, I/32] E8M0 -> [O, I] dtype (exact: a 3-bit E2M1 value
+    times a power of two is a float32)."""
+    o, half = w.shape
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    b = w.view(torch.uint8).long()
+    v = torch.stack([lut[b & 15], lut[b >> 4]], -1).view(o, 2 * half)  # even column from the low nibble
+    scales = s.view(E8M0).to(torch.float32).repeat_interleave(SCALE_COLS, 1)[:, : 2 * half]
+    return (v * scales).to(dtype)
+
+
+def quantize_fp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [O, I] (I a multiple of 32) -> (w [O, I/2] int8 packed E2M1, s [O, I/32] E8M0): per 32 columns the
+    smallest power of two 2^k with max|x| / 2^k <= 6, then the nearest E2M1 value (ties to the even code)."""
+    o, i = x.shape
+    if i % SCALE_COLS:
+        raise ValueError(f"quantize_fp4: {i} columns is not a multiple of {SCALE_COLS}")
+    g = x.float().view(o, i // SCALE_COLS, SCALE_COLS)
+    amax = g.abs().amax(-1, keepdim=True)
+    k = torch.where(amax > 0, torch.ceil(torch.log2(amax / FP4_MAX)), torch.zeros_like(amax)).clamp(-127, 127)
+    y = (g / torch.exp2(k)).view(o, i)
+    mags = torch.tensor(FP4_VALUES[:8])
+    dist = (y.abs()[..., None] - mags).abs()  # [O, I, 8]
+    best = dist.min(-1, keepdim=True).values
+    code = torch.where(dist == best, torch.arange(8), 99).amin(-1)  # nearest; a tie between two: the even code
+    odd_tie = ((dist == best).sum(-1) > 1) & (code % 2 == 1)
+    code = code + odd_tie.long()
+    code = code + 8 * (y < 0).long()
+    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    return packed, (k + E8M0_BIAS).to(torch.uint8).view(o, -1).view(E8M0)

@@ -70,13 +70,13 @@ def layer_roles(cfg: V41Config) -> tuple[LayerRole, ...]:
 # ---- rotary ----------------------------------------------------------------------------------------
 def rope_frequencies(rd: int, theta: float, yarn: dict | None) -> torch.Tensor:
     """f_j [rd / 2] float64, with YaRN's frequency ramp (attention factor 1) where `yarn` is given."""
-    f = theta ** (-torch.arange(0, rd, 2, dtype=torch.float64) / rd)
+    f = theta ** (-torch.arange(0, rd, 2, dtype=torch.float64, device="cpu") / rd)  # (not on a meta device)
     if yarn:
         factor, orig = float(yarn.get("factor", 1.0)), float(yarn["original_max_position_embeddings"])
         corr = lambda b: rd * math.log(orig / (b * 2 * math.pi)) / (2 * math.log(theta))  # noqa: E731
         lo = max(math.floor(corr(float(yarn.get("beta_fast", 32)))), 0)
         hi = min(math.ceil(corr(float(yarn.get("beta_slow", 1)))), rd - 1)
-        ramp = ((torch.arange(rd // 2, dtype=torch.float64) - lo) / max(hi - lo, 1e-3)).clamp(0, 1)
+        ramp = ((torch.arange(rd // 2, dtype=torch.float64, device="cpu") - lo) / max(hi - lo, 1e-3)).clamp(0, 1)
         f = f / factor * ramp + f * (1 - ramp)
     return f
 
@@ -93,7 +93,7 @@ class RopeTable:
         have = 0 if self.cos is None else self.cos.shape[0]
         if have >= rows and self.cos.device == torch.device(device):
             return
-        ang = torch.arange(max(rows, 2 * have, self.initial), dtype=torch.float64)[:, None] * self.freqs[None, :]
+        ang = torch.arange(max(rows, 2 * have, self.initial), dtype=torch.float64, device="cpu")[:, None] * self.freqs[None, :]
         self.cos, self.sin = ang.cos().float().to(device), ang.sin().float().to(device)
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -476,6 +476,34 @@ class DeepseekV41(nn.Module):
             pre = pre_f
         return self.norm(collapse(x, pre))
 
+    def matmul_params(self):
+        """(module, parameter name, input dims) of every weight `linear` multiplies by (layers.layout_weights_)."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                yield m, "weight", 1
+            elif isinstance(m, MoE):
+                yield m, "w13", 1
+                yield m, "w2", 1
+            elif isinstance(m, Block):
+                yield m, "hc_attn_fn", 1
+                yield m, "hc_ffn_fn", 1
+
+    def matmul_weights(self) -> list[torch.Tensor]:
+        """The 2-D weights `linear` multiplies by, as the forward views them (layers.pad_rows)."""
+        out, ol = [], self.config.o_lora_rank
+        for m, name, _ in self.matmul_params():
+            w = getattr(m, name)
+            if isinstance(m, MoE):
+                out += [w[0]]
+            elif name == "weight" and m is not None and any(a.wo_a is m for a in self._attentions()):
+                out += [w[:ol]]
+            else:
+                out.append(w)
+        return out
+
+    def _attentions(self):
+        return [b.attn for b in self.layers]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, D] -> [N, vocab] float32."""
         w = self.embed.weight if self.head is None else self.head.weight
@@ -519,3 +547,20 @@ def run_stages(gen: Generator):
             next(gen)
         except StopIteration as stop:
             return stop.value
+
+
+def init_weights(model: DeepseekV41, seed: int, std: float = 0.02) -> DeepseekV41:
+    """Deterministic random init: norms, mHC scales and Engram q/k weights at 1; mHC bases, sinks and the
+    router bias at 0; embeddings N(0, 1); every other matrix N(0, std)."""
+    g = torch.Generator().manual_seed(seed)
+    ones = ("norm.weight", "_scale", ".q_weight", ".k_weight")
+    zeros = ("_base", "attn_sink", "gate.bias")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(ones):
+                p.fill_(1.0)
+            elif name.endswith(zeros):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * (1.0 if name == "embed.weight" else std))
+    return model

@@ -210,7 +210,11 @@ def linear_swiglu(x: torch.Tensor, weight: torch.Tensor, inter: int, weights: to
 
 
 def matmul_params(module: nn.Module):
-    """(module, parameter name, input dims) of every weight `linear` multiplies by in `module`."""
+    """(module, parameter name, input dims) of every weight `linear` multiplies by in `module` (a model may
+    list them itself: `matmul_params()`)."""
+    if hasattr(module, "matmul_params"):
+        yield from module.matmul_params()
+        return
     for m in module.modules():
         if isinstance(m, Linear):
             yield m, "weight", 1
@@ -231,7 +235,10 @@ def layout_weights_(module: nn.Module) -> nn.Module:
 
 
 def matmul_weights(module: nn.Module) -> list[torch.Tensor]:
-    """The 2-D weights that `linear` multiplies by in `module`'s forward, as it views them."""
+    """The 2-D weights that `linear` multiplies by in `module`'s forward, as it views them (a model may list
+    them itself: `matmul_weights()`)."""
+    if hasattr(module, "matmul_weights"):
+        return module.matmul_weights()
     out = []
     for m in module.modules():
         if isinstance(m, Linear):

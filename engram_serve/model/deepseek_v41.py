@@ -215,14 +215,21 @@ class Compressor(nn.Module):
             return self.norm(a)
         hd = a.shape[1]
         row = torch.cat([a, linear(x, self.wgate.weight)], 1).float()  # [T, 2hd]
-        pool = step.cache.open[layer]
-        step.cache.write(pool, step.plan.slots, row)
-        prev = pool[step.plan.prev_slots]  # [T, 2hd]: the open group's partner
+        prev = self.partner(row, step, layer)
         s0, s1 = prev[:, hd:], row[:, hd:]
         m = torch.maximum(s0, s1)
         e0, e1 = pointwise(torch.exp, s0 - m), pointwise(torch.exp, s1 - m)
         pooled = (e0 * prev[:, :hd] + e1 * row[:, :hd]) / (e0 + e1)
         return self.norm(pooled.to(x.dtype))
+
+
+    @staticmethod
+    def partner(row: torch.Tensor, step: V41Step, layer: int) -> torch.Tensor:
+        """Store this microbatch's [kv, gate] rows, then read each token's partner: the row of position
+        p - 1 (the open group, when p is odd), from this microbatch or from wherever it ran before."""
+        pool = step.cache.open[layer]
+        step.cache.write(pool, step.plan.slots, row)
+        return pool[step.plan.prev_slots]  # [T, 2hd]
 
 
 class Indexer(nn.Module):

@@ -147,6 +147,8 @@ def with_engram_rows(text: dict) -> dict:
     from ..config import EngramConfig
     from ..engram.layout import build_layout
 
+    if not text["engram_layer_ids"]:
+        return {**text, "engram_num_embeddings": []}
     e = EngramConfig.from_dict({**text, "engram_num_embeddings": [0] * len(text["engram_layer_ids"])})
     return {**text, "engram_num_embeddings": build_layout(e, check_rows=False).moduli.sum(1).tolist()}
 

@@ -52,7 +52,7 @@ def run_schedule(m: DeepseekV41, seqs: list[torch.Tensor], steps: list[list[tupl
         rows = torch.cat([torch.full((k,), j) for j, (_, k) in enumerate(step)])
         ids = torch.cat([seqs[r][done[r]:done[r] + k] for r, k in step])
         st_ = m.make_step(cache, pos, rows, tb, block, tb[rows, pos // block] * block + pos % block)
-        logits = m.compute_logits(run_stages(m.stages(ids, None, st_, None)))
+        logits = m.compute_logits(run_stages(m.forward_stages(ids, None, st_, None)))
         off = 0
         for r, k in step:
             outs[r].append(logits[off:off + k])
@@ -107,7 +107,7 @@ def test_selection_really_selects(model):
     seq = torch.randint(0, 4096, (23,), generator=torch.Generator().manual_seed(5))
     step = model.make_step(V41Cache(cfg, 8, 32), torch.arange(23), torch.zeros(23, dtype=torch.long),
                            torch.tensor([[0]]), 32, torch.arange(23))
-    run_stages(model.stages(seq, None, step, None))
+    run_stages(model.forward_stages(seq, None, step, None))
     visible = 23  # ratio-1 entries of the last index source's key source
     picked = step.topk[-1]
     assert (picked >= 0).sum() == cfg.index_topk < visible

@@ -28,7 +28,8 @@ from torch import nn
 
 from ..config import V41Config
 from ..engram.layer import EngramGate
-from .layers import Linear, RMSNorm, linear, pointwise, rms_norm
+from ..errors import StaticBufferError
+from .layers import Linear, RMSNorm, linear, pointwise
 from .v41_cache import SlotPlan, V41Cache
 
 KEY_CHUNK = 64  # indexer entries per batched-matmul item: a fixed per-item shape whatever the context
@@ -450,8 +451,23 @@ class DeepseekV41(nn.Module):
         self.rope_plain = RopeTable(cfg.qk_rope_head_dim, cfg.rope_theta, None)
         self.rope_comp = RopeTable(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling)
 
-    def stages(self, ids: torch.Tensor, dead: torch.Tensor | None, step: V41Step,
-               engram_rows: Callable[[int], torch.Tensor] | None) -> Generator[str, None, torch.Tensor]:
+    def stages(self, ctx) -> Generator[str, None, torch.Tensor]:
+        """The serving forward of one microbatch (a ForwardContext: its StepBatch slice, the cache, its own
+        buffers, its staged Engram rows) -> hidden [T, D]; yields at overlap points."""
+        b, bufs = ctx.batch, ctx.bufs
+        t = b.num_tokens
+        if t > bufs.capacity:
+            raise StaticBufferError(f"buffers of microbatch {bufs.ubatch} hold {bufs.capacity} tokens; "
+                                    f"the microbatch has {t}")
+        # padding tokens (past qsl[-1]) belong to an extra null row: every read of theirs is the zero slot
+        rows = torch.searchsorted(b.qsl[1:b.num_rows + 1], torch.arange(t, device=b.qsl.device), right=True)
+        tables = F.pad(b.block_tables, (0, 0, 0, 1), value=-1)
+        step = self.make_step(ctx.kv, b.positions, rows, tables, b.block_size, b.slot_mapping, bufs.topk_idx,
+                              bufs.candidates, ctx.touch, None if ctx.max_seq_len is None else ctx.max_seq_len - 1)
+        return (yield from self.forward_stages(b.input_ids, b.dead, step, ctx.engram_rows))
+
+    def forward_stages(self, ids: torch.Tensor, dead: torch.Tensor | None, step: V41Step,
+                       engram_rows: Callable[[int], torch.Tensor] | None) -> Generator[str, None, torch.Tensor]:
         """The forward of one microbatch: ids [T] -> final hidden [T, D]; yields at overlap points.
         `engram_rows(i)` gives Engram layer i's staged rows [T, C, hd] (None: Engram ablated)."""
         cfg, plan = self.config, step.plan
@@ -529,7 +545,7 @@ class DeepseekV41(nn.Module):
         step = self.make_step(cache, positions, rows, torch.arange(b, device=dev)[:, None], s,
                               rows * s + positions)
         fn = None if engram_rows is None else (lambda i: engram_rows[i].reshape(b * s, *engram_rows[i].shape[2:]))
-        gen = self.stages(input_ids.reshape(-1), None if dead is None else dead.reshape(-1), step, fn)
+        gen = self.forward_stages(input_ids.reshape(-1), None if dead is None else dead.reshape(-1), step, fn)
         hidden = run_stages(gen)
         return self.compute_logits(hidden).view(b, s, -1)
 

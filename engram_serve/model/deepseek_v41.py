@@ -386,7 +386,7 @@ class MoE(nn.Module):
         score = torch.sqrt(pointwise(F.softplus, linear(x, self.gate.weight)))  # [N, E]
         ids = topk_first(score + self.gate.bias, cfg.num_experts_per_tok)
         w = score.gather(1, ids)
-        if cfg.norm_topk_prob:
+        if cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:  # (one expert: its raw score, as the peers do)
             w = w / w.sum(-1, keepdim=True)
         return ids, w * cfg.routed_scaling_factor
 

@@ -104,7 +104,7 @@ def run_hash(args: argparse.Namespace) -> int:
 
     from .engram.hashing import hash_step
     cfg, layout, tmap, tok_path = load_engram(args.config, args.tokenizer)
-    pad_id = int(tmap[cfg.engram_pad_token_id])  # spec §2: pad_id = map[engram_pad_token_id]
+    pad_id = int(tmap[cfg.engram_pad_token_id])  # docs/contract.md §2: pad_id = map[engram_pad_token_id]
     if args.token_ids is not None:
         ids, limit, option, where = args.token_ids, len(tmap), "--token-ids", f"the vocabulary of {tok_path}"
     else:

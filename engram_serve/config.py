@@ -6,7 +6,7 @@ given both at the top level and in `text_config` with different values is an err
 The fields this project uses are validated (ConfigError naming the field and the values); the
 fields it does not use are accepted and listed once per load at debug level (logger
 `engram_serve.config`), except an unknown `engram_*` field: the Engram fields define the hash
-(spec §2), so one this project does not know is refused rather than silently ignored. Our own options (engine, runner, CLI) are separate dataclasses and still
+(docs/contract.md §2), so one this project does not know is refused rather than silently ignored. Our own options (engine, runner, CLI) are separate dataclasses and still
 reject unknown keys.
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _check(cond: bool, name: str, value, why: str) -> None:
 
 @dataclass(frozen=True)
 class EngramConfig:
-    """The Engram fields of spec §2 plus the backbone fields the Engram layer needs."""
+    """The Engram fields of docs/contract.md §2 plus the backbone fields the Engram layer needs."""
 
     engram_layer_ids: tuple[int, ...]
     engram_num_embeddings: tuple[int, ...]  # table rows per Engram layer, in engram_layer_ids order

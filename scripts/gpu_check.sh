@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CUDA checks of engram-serve (issue 11), a few minutes on one GPU. Run from the repository root with a
+# CUDA checks of engram-serve, a few minutes on one GPU. Run from the repository root with a
 # venv holding a CUDA build of torch==2.13.0:  bash scripts/gpu_check.sh [OUT_DIR]
 # Covers: the CUDA tests (tests/test_cuda.py: weights / KV cache / staging on the GPU, pinned host
 # tables, greedy tokens equal to the CPU with DBO and with bounded graph captures, NCCL tensor

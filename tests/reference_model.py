@@ -2,11 +2,11 @@
 
 It shares no code with the serving path: it reads the raw parameter tensors by name and recomputes
 everything with plain Python loops over tokens, layers, heads and keys and small torch vector ops
-(dot products, sums). Hash ids come from `reference_hash` (the spec's pseudo-code as a plain loop)
+(dot products, sums). Hash ids come from `reference_hash` (the contract's pseudo-code as a plain loop)
 and table rows by plain indexing. Float order differs from the serving kernels, so results agree to
 float rounding, not bit for bit.
 
-Spec §7 (Engram gate), causal attention over a plain list of keys, index-sharing selection and the
+docs/contract.md §7 (Engram gate), causal attention over a plain list of keys, index-sharing selection and the
 MoE routing are each written out term by term below.
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ class ReferenceModel:
             h = [p["embed_tokens.weight"][tokens[pos]].clone() for _ in range(cfg.hc_mult)]
             for layer in range(cfg.num_hidden_layers):
                 pre = f"layers.{layer}."
-                if layer in e.engram_layer_ids:  # ---- Engram gate, spec §7
+                if layer in e.engram_layer_ids:  # ---- Engram gate, docs/contract.md §7
                     li = e.engram_layer_ids.index(layer)
                     rows = [self.tables[li][hashes[pos][li][c]] for c in range(e.num_columns)]
                     kv = p[pre + "engram.wkv.weight"] @ torch.cat(rows)

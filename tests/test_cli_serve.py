@@ -1,4 +1,4 @@
-"""Command-line rough edges of issue 13: one-line errors (exit 2) for a broken pipe, a busy port
+"""Command-line rough edges: one-line errors (exit 2) for a broken pipe, a busy port
 (checked before the model loads), a wrongly typed config.json, bad serve flags; verify shows
 progress; chat templates run in a Hugging Face-compatible Jinja environment; a client that
 disconnects while uploading its body is logged in one line."""

@@ -1,4 +1,4 @@
-"""The CUDA path end to end (issue 11). Skipped without CUDA: run by scripts/gpu_check.sh, never needed in CI."""
+"""The CUDA path end to end. Skipped without CUDA: run by scripts/gpu_check.sh, never needed in CI."""
 import pytest
 import torch
 

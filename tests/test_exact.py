@@ -1,4 +1,4 @@
-"""Bit-exactness (spec §9): a request's logits and tokens are bit-identical whether it runs alone or
+"""Bit-exactness (docs/contract.md §9): a request's logits and tokens are bit-identical whether it runs alone or
 beside 0 to 31 other requests, whole or cut into 2 or 3 microbatches at forced cuts, in prefill chunks
 of 1, 3, 17 tokens or unlimited, padded into static (graph) buffers, recomputed after preemption, or
 on a reused prefix. The negative control turns the batch-invariance rules off (matmul rows padded to

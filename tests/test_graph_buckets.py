@@ -1,4 +1,4 @@
-"""Graph buckets (spec §6, issue 11): a step is padded to its bucket and cut into fixed parts, so the
+"""Graph buckets (docs/contract.md §6): a step is padded to its bucket and cut into fixed parts, so the
 (microbatch, padded size) keys - static buffer sets, and graph captures on CUDA - stay bounded
 however many step sizes the engine meets. CPU: the same static buffers, run eagerly."""
 import numpy as np

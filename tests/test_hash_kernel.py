@@ -1,7 +1,7 @@
 """The C hash kernel (`engram_serve.engram._hash_kernel`) against the torch path and `reference_hash`.
 
 Three implementations, one answer: the kernel (CPU production path), the torch ops (CUDA path,
-and CPU without a compiler) and the spec's plain loop. The kernel's only non-obvious part is
+and CPU without a compiler) and the contract's plain loop. The kernel's only non-obvious part is
 `n % d` as a multiply-high by magic = floor(2**64 / d) plus one correction; it is checked
 directly against Python's `%` on adversarial values, and the negative controls show that a wrong
 magic does change the hash ids these tests compare.

@@ -1,4 +1,4 @@
-"""Split-invariant step inputs: history, slicing, planning, static buffers (spec §3, §4, §6)."""
+"""Split-invariant step inputs: history, slicing, planning, static buffers (docs/contract.md §3, §4, §6)."""
 import numpy as np
 import pytest
 import torch
@@ -23,7 +23,7 @@ BLOCK = 16
 
 
 def spec_batch() -> StepBatch:
-    """The spec §3 regression step: history [[9,8,7],[29,28,27]], ids [10,11,12,30,31], qsl [0,3,5]."""
+    """The docs/contract.md §3 regression step: history [[9,8,7],[29,28,27]], ids [10,11,12,30,31], qsl [0,3,5]."""
     z = torch.zeros(2, dtype=torch.int64)
     return StepBatch(input_ids=torch.tensor([10, 11, 12, 30, 31]), positions=torch.tensor([3, 4, 5, 3, 4]),
                      dead=torch.zeros(5, dtype=torch.bool), slot_mapping=torch.arange(5), req_slots=torch.arange(2),

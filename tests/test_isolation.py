@@ -1,4 +1,4 @@
-"""Isolation (spec §9): a non-finite value in one request never reaches another.
+"""Isolation (docs/contract.md §9): a non-finite value in one request never reaches another.
 
 200 seeded trials. Each batches good requests with one poisoned request (or with poisoned padding)
 under forced microbatch cuts, a small KV pool (so freed blocks are reused at once) and, for padding,

@@ -4,7 +4,7 @@
   logprobs for a request alone (unsplit) and inside a busy batch cut into microbatches;
 - logprobs equal an independent float64 log-softmax of the logits the runner produced, to 1e-6;
 - a runner failure caused by one request ends only that request (with a negative control);
-- the Python API refuses every malformed argument of issue 13 item 9 with InvalidRequest.
+- the Python API refuses every malformed argument (dead flags, bounds, stop tokens, ...) with InvalidRequest.
 """
 from __future__ import annotations
 

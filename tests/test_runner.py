@@ -1,4 +1,4 @@
-"""Runner safety: per-microbatch buffers, the ownership check, failures mid-forward (spec §5)."""
+"""Runner safety: per-microbatch buffers, the ownership check, failures mid-forward (docs/contract.md §5)."""
 import dataclasses
 import threading
 import time

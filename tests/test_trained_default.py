@@ -76,7 +76,7 @@ def test_corrupted_config_is_refused(tmp_path, field, change, named):
 
 
 def test_training_hash_is_the_inference_hash(shipped):
-    """WindowHasher (training) equals the spec's plain-loop reference for sequences starting at 0."""
+    """WindowHasher (training) equals the contract's plain-loop reference for sequences starting at 0."""
     e = shipped.config.engram
     pad_id = int(shipped.token_map[e.engram_pad_token_id])
     hasher = T.WindowHasher(shipped.layout, shipped.token_map, pad_id)

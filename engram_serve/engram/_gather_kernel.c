@@ -1,4 +1,4 @@
-/* The Engram staging gather (spec §7) for CPU tables: rows of a host table, by id, decoded straight
+/* The Engram staging gather (docs/contract.md §7) for CPU tables: rows of a host table, by id, decoded straight
  * into the staging buffer in one pass, with the step's repeated ids read and decoded once.
  *
  * Plain CPython C API and the buffer protocol only (see _kernel_buffers.h), like _hash_kernel.c.

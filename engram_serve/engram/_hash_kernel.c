@@ -1,4 +1,4 @@
-/* Engram n-gram hash (spec §2) for CPU int64 arrays: a fused per-token loop.
+/* Engram n-gram hash (docs/contract.md §2) for CPU int64 arrays: a fused per-token loop.
  *
  * Plain CPython C API and the buffer protocol only (no torch or numpy headers), so the extension
  * builds with nothing but setuptools and a C compiler. Callers pass `tensor.numpy()` views (zero
@@ -23,7 +23,7 @@
  *
  * Arithmetic follows torch int64 semantics exactly: products and XOR wrap (done in uint64, so no
  * undefined behaviour), the remainder is a floor modulo (a negative rolling value, impossible for
- * spec-conforming inputs, still matches torch.remainder), and `+ offset` wraps.
+ * valid inputs (docs/contract.md §2), still matches torch.remainder), and `+ offset` wraps.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -37,7 +37,7 @@
 __extension__ typedef unsigned __int128 u128;
 
 #define OUT_OF_MAP INT64_MIN /* hash_step: a raw id >= the token map's size (confirmed against the id when read) */
-#define MAX_N 64 /* longest n-gram the per-token scratch holds (spec configs use N <= 5); a power of two */
+#define MAX_N 64 /* longest n-gram the per-token scratch holds (published configs use N <= 5); a power of two */
 
 /* n mod d for any 64-bit n, d >= 2, magic == floor(2^64 / d). */
 static inline uint64_t umod_magic(uint64_t n, uint64_t d, uint64_t magic) {
@@ -305,7 +305,7 @@ static PyObject *py_remainder(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"hash_windows", py_hash_windows, METH_VARARGS,
-     "hash_windows(window_c, multipliers, moduli, offsets, magic, pad_id, out): out[T, L, C] = spec §2 hash of "
+     "hash_windows(window_c, multipliers, moduli, offsets, magic, pad_id, out): out[T, L, C] = docs/contract.md §2 hash of "
      "the compressed windows [T, N] (negative = blocked)."},
     {"hash_step", py_hash_step, METH_VARARGS,
      "hash_step(input_ids, qsl, history, dead, token_map, multipliers, moduli, offsets, magic, pad_id, out): "
@@ -318,7 +318,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_hash_kernel",
-    "Engram n-gram hash kernel for CPU int64 arrays (spec §2); see engram_serve/engram/hashing.py.", -1, methods,
+    "Engram n-gram hash kernel for CPU int64 arrays (docs/contract.md §2); see engram_serve/engram/hashing.py.", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__hash_kernel(void) { return PyModule_Create(&module); }

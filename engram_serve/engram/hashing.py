@@ -1,4 +1,4 @@
-"""Engram n-gram hashing (spec §2), vectorised over a whole step.
+"""Engram n-gram hashing (docs/contract.md §2), vectorised over a whole step.
 
 The production path has three pieces, all torch ops that run unchanged on CPU or CUDA:
   `step_windows`   - for every token, the raw ids of the N tokens ending at it, read from the
@@ -125,7 +125,7 @@ def hash_windows_torch(window_c: torch.Tensor, layout: EngramLayout, pad_id: int
     heads = layout.config.engram_n_heads
     blocked = torch.cummax((window_c < 0).to(torch.int8), dim=1).values.bool()  # once blocked, stays blocked
     v = torch.where(blocked, torch.full_like(window_c, pad_id), window_c)  # [T, N]
-    prod = v[:, None, :] * layout.multipliers[None, :, :]  # [T, L, N]; cannot overflow (spec §2)
+    prod = v[:, None, :] * layout.multipliers[None, :, :]  # [T, L, N]; cannot overflow (docs/contract.md §2)
     rolling = [prod[:, :, 0]]
     for s in range(1, n):
         rolling.append(torch.bitwise_xor(rolling[-1], prod[:, :, s]))
@@ -169,7 +169,7 @@ def hash_step_torch(input_ids: torch.Tensor, qsl: torch.Tensor, history: torch.T
 
 def reference_hash(tokens: list[int], dead: list[bool], layout: EngramLayout, token_map: list[int],
                    pad_id: int) -> list[list[list[int]]]:
-    """Spec §2 pseudo-code, verbatim, for one whole sequence starting at position 0. Tests only."""
+    """docs/contract.md §2 pseudo-code, verbatim, for one whole sequence starting at position 0. Tests only."""
     cfg = layout.config
     n, heads = cfg.engram_max_ngram_size, cfg.engram_n_heads
     moduli, offsets, mults = layout.moduli.tolist(), layout.offsets.tolist(), layout.multipliers.tolist()

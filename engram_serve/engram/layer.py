@@ -1,4 +1,4 @@
-"""The Engram gate of spec §7 (DeepSeek-V4.1 form), one per configured layer.
+"""The Engram gate of docs/contract.md §7 (DeepSeek-V4.1 form), one per configured layer.
 
 Input: the residual stream h [T, hc_mult, hidden] and the staged table rows [T, C, head_dim]
 (C = (N-1)*H hash columns). Output: h with a gated, shared value added to every branch:

@@ -1,4 +1,4 @@
-"""Per-layer hash layout of spec §2: moduli, offsets and multipliers.
+"""Per-layer hash layout of docs/contract.md §2: moduli, offsets and multipliers.
 
 Invariants: `offsets[l, c] == moduli[l, :c].sum()`; `table_rows[l] == moduli[l].sum()`
 and equals `engram_num_embeddings[l]`; all moduli across all layers are distinct primes;

@@ -1,4 +1,4 @@
-"""FP8 Engram tables and FP8 block-scaled weights, in the DeepSeek-V4.1 checkpoint format (spec §11).
+"""FP8 Engram tables and FP8 block-scaled weights, in the DeepSeek-V4.1 checkpoint format (docs/contract.md §11).
 
 Table rows are F8_E4M3 `weight [rows, head_dim]` with F8_E8M0 `scale [rows, head_dim / 32]`: one
 power of two per 32 consecutive columns, value = e4m3(w) * 2^(code - 127). A table stays in this

@@ -1,10 +1,10 @@
-"""Engram embedding tables (spec §7): one host table [rows, engram_head_dim] per Engram layer.
+"""Engram embedding tables (docs/contract.md §7): one host table [rows, engram_head_dim] per Engram layer.
 
 A table is a float tensor or an `Fp8Table` (E4M3 rows + E8M0 scales, quantized.py). Tables may be far
 larger than device memory, and than RAM: they stay on the host (pinned where CUDA exists, else plain
 or memory-mapped from the checkpoint, read on demand) and are gathered row-wise into a persistent
 staging buffer. Invariant: `tables[l].shape == (engram_num_embeddings[l], engram_head_dim)` and every
-hash id of layer l (spec §2) is a valid row of `tables[l]`.
+hash id of layer l (docs/contract.md §2) is a valid row of `tables[l]`.
 
 The gather, per layer: the step's ids [T*C] are deduplicated (a step repeats many ids: Zipfian text,
 shared prefixes, the same n-gram in many requests), each distinct row is read once (through the

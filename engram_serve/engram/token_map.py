@@ -1,4 +1,4 @@
-"""Compressed token map of spec §2, built from a Hugging Face tokenizer.json via `tokenizers`."""
+"""Compressed token map of docs/contract.md §2, built from a Hugging Face tokenizer.json via `tokenizers`."""
 from __future__ import annotations
 
 from pathlib import Path

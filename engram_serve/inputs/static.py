@@ -1,4 +1,4 @@
-"""Static (graph) input buffers, spec §6.
+"""Static (graph) input buffers, docs/contract.md §6.
 
 One `StaticInputs` per (microbatch, padded size). Each step refreshes it in place: data pointers
 never change. Padding is neutral and rewritten every step, so nothing from a previous step is
@@ -104,7 +104,7 @@ class StaticInputPool:
         raise StaticBufferError(f"no padded size holds {num_tokens} tokens (sizes: {self.sizes})")
 
     def part_sizes(self, bounds: list[int]) -> list[int]:
-        """Padded size of each microbatch of a step cut at `bounds` (graph buckets, spec §6).
+        """Padded size of each microbatch of a step cut at `bounds` (graph buckets, docs/contract.md §6).
 
         The step is padded to its bucket B (the smallest configured size holding it) and cut into n
         fixed parts: microbatch k is padded to ceil(B / n), or, where its cut left it larger than

@@ -76,7 +76,7 @@ class TokenStore:
         return torch.where(positions < 0, torch.full_like(out, BEFORE_START), out)
 
     def history(self, slots: torch.Tensor, first_pos: torch.Tensor, d: int) -> torch.Tensor:
-        """[R, D] int64: column j = token at position first_pos-1-j of each row's request (spec §3)."""
+        """[R, D] int64: column j = token at position first_pos-1-j of each row's request (docs/contract.md §3)."""
         pos = first_pos.long()[:, None] - 1 - torch.arange(d, device=self.device)[None, :]  # [R, D]
         return self.gather(slots.long()[:, None].expand_as(pos), pos)
 

@@ -1,4 +1,4 @@
-"""Microbatch planning and slicing (spec §4).
+"""Microbatch planning and slicing (docs/contract.md §4).
 
 Boundaries are plain Python ints. Every StepBatch field has an explicit slicing rule in
 `SLICE_RULES`; a field without one makes `slice_batch` raise SliceError (never a silent copy).
@@ -157,7 +157,7 @@ def split_batch(batch: StepBatch, bounds: list[int], rebuild_history: bool = Tru
 
 
 def check_slice_invariants(batch: StepBatch, ubatches: list[StepBatch], bounds: list[int]) -> None:
-    """Raise SliceError if a split breaks spec §4: tokens, positions, query lengths, sampled rows."""
+    """Raise SliceError if a split breaks docs/contract.md §4: tokens, positions, query lengths, sampled rows."""
     tokens = torch.cat([u.input_ids for u in ubatches])
     if not torch.equal(tokens, batch.input_ids) or not torch.equal(torch.cat([u.positions for u in ubatches]),
                                                                    batch.positions):

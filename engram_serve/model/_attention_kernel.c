@@ -4,10 +4,10 @@
  * call: its scores over its own keys in position order, their max, exp of each minus the max, the sum
  * and the value accumulation in position order, one division. So a query's bits depend only on its
  * own q, its own keys and values, and its position: not on the batch, the cut, the chunk or padding
- * (spec §9), with no padding rule to keep. The same holds for index selection and for attention over
+ * (docs/contract.md §9), with no padding rule to keep. The same holds for index selection and for attention over
  * a selection.
  *
- * Isolation (spec §9) is structural: a query at absolute position p of row r reads key positions
+ * Isolation (docs/contract.md §9) is structural: a query at absolute position p of row r reads key positions
  * 0..p only (p < seq_len[r]), each through row r's block table; a position whose block is null reads
  * the pool's zero slot. No key it may not read is ever loaded, so nothing needs masking, and a
  * non-finite value reaches exactly the queries that read it.

@@ -1,6 +1,6 @@
 /* Token-wise fused steps of the serving forward (model/fused.py): each token computed alone, by the same
  * operations in the same order whatever the call's size, so a token's bits do not depend on its batch
- * mates, the cut or padding (spec §9) with no padding rule; one call instead of the several torch
+ * mates, the cut or padding (docs/contract.md §9) with no padding rule; one call instead of the several torch
  * operators each step takes. model/fused.py keeps the torch form of each (CUDA, autograd, no compiler).
  *
  *   residual_norm(h, n, hc, hidden, delta, w, eps, h_out, x) -> None
@@ -9,7 +9,7 @@
  *     otherwise). Then x [n, hidden] = rmsnorm(mean_i h_i) * w:
  *     mean = (h_0 + h_1 + ...) / hc, r = 1 / sqrt(sum(mean^2) / hidden + eps), x = mean * r * w.
  *   engram_gate(h, n, hc, hidden, kv, q_w, k_w, dead, eps, h_out) -> None
- *     The Engram gate of spec §7, h_out = h with the gated value added: kv [n, (hc + 1) * hidden] (hc keys, then the value),
+ *     The Engram gate of docs/contract.md §7, h_out = h with the gated value added: kv [n, (hc + 1) * hidden] (hc keys, then the value),
  *     q_w, k_w [hc, hidden], dead [n] bool or 0. Per branch i: dot = sum(rmsnorm(h_i) * q_w[i] *
  *     rmsnorm(key_i) * k_w[i]) / sqrt(hidden), gate = sigmoid(s * sqrt(max(|dot|, 1e-6))) with s = -1 if dot < 0 else +1 (the positive root at +-0),
  *     0 for a dead token; h_out_i = h_i + gate * value.

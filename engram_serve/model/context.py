@@ -1,6 +1,6 @@
 """What one (micro)batch forward gets, passed explicitly: its batch, the KV cache, and its own buffers.
 
-Invariant (spec §5): every tensor in a `UbatchBuffers` belongs to exactly one microbatch; two
+Invariant (docs/contract.md §5): every tensor in a `UbatchBuffers` belongs to exactly one microbatch; two
 microbatches of a step never share one. `ForwardContext.touch` reports each use to the debug
 `OwnershipTracker`, which raises on a buffer seen from two microbatches.
 """

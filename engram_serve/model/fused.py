@@ -104,7 +104,7 @@ def moe_route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
 
 def engram_gate(h: torch.Tensor, kv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor,
                 dead: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """The Engram gate of spec §7 (engram/layer.py): h [N, hc, hidden] with gate_i * value added to
+    """The Engram gate of docs/contract.md §7 (engram/layer.py): h [N, hc, hidden] with gate_i * value added to
     branch i, from the projection kv [N, (hc + 1) * hidden]; dead [N] bool tokens get gate 0."""
     n, hc, dim = h.shape
     if native(h, kv, q_w, k_w) and (dead is None or dead.dtype == torch.bool):

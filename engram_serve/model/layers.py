@@ -22,7 +22,7 @@ except ImportError:  # installed without a C compiler: torch's matmul, small cal
     _linear_kernel = None
 
 
-# Batch invariance of matmuls (spec §9). On CPU, torch's float32 matmul (MKL sgemm) computes a call of
+# Batch invariance of matmuls (docs/contract.md §9). On CPU, torch's float32 matmul (MKL sgemm) computes a call of
 # few rows with small-matrix kernels and a bigger call with its blocked kernel, and they round
 # differently, so a row's bits would depend on how many rows share its call. Where the switch lies
 # depends on the CPU and on the weight's memory layout: with the usual [out, in] row-major weight it is
@@ -111,8 +111,8 @@ def bmm_min_rows(k: int, n: int, transposed: bool, dtype: torch.dtype = torch.fl
 def small_call_kc(weight: torch.Tensor) -> int | None:
     """The block size kc for which `_linear_kernel` gives every call of this weight the bits of a batch
     (rule above), or None: no kernel, not a float32 CPU weight laid out input-major, or no probed kc
-    matches (the inputs in 1 to 4 equal blocks, or blocks of any multiple of 16: MKL on the Xeon of the
-    README splits 512 inputs in two halves, on an AMD EPYC into blocks of 192). Measured once per shape,
+    matches (the inputs in 1 to 4 equal blocks, or blocks of any multiple of 16: MKL on an AVX-512 Xeon
+    splits 512 inputs in two halves, on an AMD EPYC into blocks of 192). Measured once per shape,
     like `min_rows`."""
     if _linear_kernel is None or weight.device.type != "cpu" or weight.dtype != torch.float32 \
             or weight.stride(0) != 1 or weight.shape[0] < 2:
@@ -259,7 +259,7 @@ def pad_rows(module: nn.Module) -> int:
 # Batch invariance of elementwise ops. torch's CPU loops run the vectorised form of an op over whole
 # vectors and a scalar form over the tail of the call, and for sigmoid and silu the two differ in the
 # last bit. Rule: `pointwise` pads the flat input to a multiple of VEC_PAD elements, so every element
-# takes the vectorised path whatever the call's size (with one intra-op thread; see README).
+# takes the vectorised path whatever the call's size (with one intra-op thread; see docs/exactness.md).
 VEC_PAD = 64
 
 
@@ -408,7 +408,7 @@ class MoE(nn.Module):
     down projections side by side). Checkpoints keep `w_gate` [E, I, H], `w_up` [E, I, H] and
     `w_down` [E, H, I]: converted when loading and back by `state_dict()`.
 
-    Combine order (spec §9): a token's output is the sum of its experts' weighted outputs in an order
+    Combine order (docs/contract.md §9): a token's output is the sum of its experts' weighted outputs in an order
     fixed per token, never dependent on its batch mates:
     - dense path (num_experts <= DENSE_MOE_MAX_RATIO * top_k): the routing weights are scattered into
       a dense [N, E] matrix (0 for experts not chosen), every expert's gate/up runs in one matmul

@@ -1,4 +1,4 @@
-"""The config-driven Engram decoder (spec §7, DeepSeek-V4.1 form).
+"""The config-driven Engram decoder (docs/contract.md §7, DeepSeek-V4.1 form).
 
 Residual stream h [T, hc_mult, hidden] (hyper-connection branches; hc_mult=1 is a plain transformer).
 Per layer:

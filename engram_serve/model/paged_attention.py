@@ -1,7 +1,7 @@
 """Varlen paged attention over the KV cache: cost in proportion to the real work, bit-exact per query.
 
 A microbatch builds one `AttentionPlan` (host-side index arithmetic, once per forward) and every
-layer reuses it. Layout, and the batch-invariance rules it follows (spec §9):
+layer reuses it. Layout, and the batch-invariance rules it follows (docs/contract.md §9):
 
   * Pairs. Keys are read in chunks of KC consecutive absolute positions from position 0 (the fixed
     split size of the reduction over keys). A row with queries at positions a..b in this step makes

@@ -1,4 +1,4 @@
-"""The deterministic cross-rank sum, synchronous and asynchronous (spec §5, §10).
+"""The deterministic cross-rank sum, synchronous and asynchronous (docs/contract.md §5, §10).
 
 Order rule: a sum over ranks is an all-gather of every rank's partial into a buffer [world, *shape],
 then an elementwise sum in rank order, `((p0 + p1) + p2) + ...`. Each output element is the same

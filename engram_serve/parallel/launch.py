@@ -6,7 +6,7 @@ Two ways to start N ranks:
     (`tcp://127.0.0.1:<free port>`).
   * under torchrun (`env://`, any number of machines): every process runs `engram-serve ... 
     --dist-init env://`; RANK 0 becomes the TPCluster (the server, verify, ...), every other rank
-    runs `worker_entry` (README, "Parallelism").
+    runs `worker_entry` (docs/parallelism.md).
 
 Rank 0 owns the scheduler; the workers loop on rank 0's broadcasts: ("runner", RunnerConfig, class)
 builds a fresh runner on the rank's shard, ("step", ...) runs one step, ("stop",) ends the loop.

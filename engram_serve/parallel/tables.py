@@ -1,4 +1,4 @@
-"""Row-sharded Engram tables (spec §10): rank r of N holds rows [lo_l, hi_l) of every table l, a
+"""Row-sharded Engram tables (docs/contract.md §10): rank r of N holds rows [lo_l, hi_l) of every table l, a
 contiguous block of ceil(rows / N) rows, copied out of the (memory-mapped) checkpoint; no rank ever
 holds a whole table, and the full mapping is never touched beyond the owned block.
 

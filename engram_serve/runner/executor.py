@@ -2,7 +2,7 @@
 
 Order is fixed: round r runs stage r of microbatch 0, then of microbatch 1, ... So for every
 layer L, microbatch k's stages of layer L (and so its KV-cache writes) finish before microbatch
-k+1 runs its stage of layer L (spec §5). All microbatches must yield the same stage names in the
+k+1 runs its stage of layer L (docs/contract.md §5). All microbatches must yield the same stage names in the
 same order; a divergence is an error. A microbatch that raises ends the step with that error at
 once: the other generators are closed and nothing waits on them.
 """

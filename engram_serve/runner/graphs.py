@@ -1,4 +1,4 @@
-"""CUDA graphs of decode microbatches, one per (microbatch, padded size), over static buffers (spec §6).
+"""CUDA graphs of decode microbatches, one per (microbatch, padded size), over static buffers (docs/contract.md §6).
 
 Only decode-only steps are captured (every row has one query token, so the padded attention
 layout is [size rows, 1 query, max_model_len keys]); other steps run eagerly over the same static

@@ -136,7 +136,7 @@ class ModelRunner:
         freeze_startup_objects()  # once per process: the collector's full passes skip what startup made
 
     def allocate_buffers(self, capacity: int) -> list[UbatchBuffers]:
-        """One set of buffers per microbatch, each its own (spec §5)."""
+        """One set of buffers per microbatch, each its own (docs/contract.md §5)."""
         return [UbatchBuffers.allocate(self.loaded.config, k, capacity, self.device)
                 for k in range(self.cfg.split.num_ubatches)]
 

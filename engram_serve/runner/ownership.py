@@ -1,4 +1,4 @@
-"""Debug-mode check of spec §5 and §10: every buffer written during a forward belongs to one microbatch,
+"""Debug-mode check of docs/contract.md §5 and §10: every buffer written during a forward belongs to one microbatch,
 and a buffer with a collective in flight belongs to the microbatch that launched it until it waits."""
 from __future__ import annotations
 

@@ -285,6 +285,27 @@ def read_v41_tensor(files: CheckpointFiles, key: str, shape: list[int]) -> tuple
     return torch.stack(parts), used
 
 
+def model_state_from_official(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict of `model` (a DeepseekV41) from float tensors under the official names (one tensor per
+    expert and projection; Engram tables and tensors outside the text forward ignored)."""
+    class Given:  # the CheckpointFiles surface read_weight uses, over a dict of float tensors
+        root = "<tensors>"
+
+        def __contains__(self, name):
+            return name in tensors
+
+        def info(self, name):
+            return "F32", list(tensors[name].shape)
+
+        def file_of(self, name):
+            return self.root
+
+        def tensor(self, name, writable=True):
+            return tensors[name].float()
+
+    return {k: read_v41_tensor(Given(), k, list(v.shape))[0] for k, v in model.state_dict().items()}
+
+
 def load_v41_model(path: str | Path, *, device: str | torch.device = "cpu", pin_tables: bool | None = None,
                    progress: Progress | None = None, dedup: bool = True, cache_bytes: int = 0) -> LoadedModel:
     """Load a DeepSeek-V4.1 checkpoint directory in the official layout (sharded safetensors, official

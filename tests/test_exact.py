@@ -2,7 +2,8 @@
 beside 0 to 31 other requests, whole or cut into 2 or 3 microbatches at forced cuts, in prefill chunks
 of 1, 3, 17 tokens or unlimited, padded into static (graph) buffers, recomputed after preemption, or
 on a reused prefix. The negative control turns the batch-invariance rules off (matmul rows padded to
-a fixed tile, vectorised elementwise tails) and the same comparison goes red."""
+a fixed tile, vectorised elementwise tails) and the same comparison goes red. The same holds for the
+torch forms alone (the C kernels switched off), with the same negative control."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engram_serve import kernels
 from engram_serve.inputs.ubatch import SplitConfig
 from engram_serve.model import exactness, layers
 from engram_serve.model.loader import load_model, make_random_checkpoint
@@ -91,3 +93,16 @@ def test_negative_control_without_the_batch_invariance_rules_logits_differ(loade
     alone, _ = run(loaded, Workload(work.prompts[:1], GEN), exact=exact)
     batched, _ = run(loaded, work, ubatches=2, exact=exact)
     assert not torch.equal(alone, batched)
+
+
+@pytest.mark.parametrize("spec", ["none", "-attention"])
+def test_the_torch_forms_keep_the_rules_and_their_negative_control_fails(loaded, spec):
+    """With the C kernels switched off (engram_serve/kernels.py), the torch forms run (padded matmul calls,
+    `pointwise`, the chunked attention kernels) and keep the bit-exact claim on their own; with every
+    rule off (exact=False) they do not."""
+    work = workload(2, 7, loaded.config.vocab_size)
+    with kernels.override(spec):
+        alone, _ = run(loaded, Workload(work.prompts[:1], GEN))
+        assert torch.equal(alone, run(loaded, work, ubatches=2)[0])
+        alone, _ = run(loaded, Workload(work.prompts[:1], GEN), exact=False)
+        assert not torch.equal(alone, run(loaded, work, ubatches=2, exact=False)[0])

@@ -217,9 +217,10 @@ def test_fused_weights_keep_the_checkpoint_names():
         assert torch.allclose(mlp2(x), (F.silu(x @ g.T) * (x @ u.T)) @ d.T, atol=1e-6)
 
 
-def test_gate_rows_differ_without_the_pointwise_rule():
-    """Negative control: with the batch-invariance rules off (`pointwise` no longer pads sigmoid's input,
-    `linear` no longer pads small calls), a row's gate depends on how many rows share the call."""
+@kernels.override("-token")  # the torch form of the gate, whose sigmoid goes through `pointwise`
+def test_gate_rows_differ_without_the_pointwise_rule(monkeypatch):
+    """Negative control: with `pointwise` no longer padding sigmoid's input to whole vectors (VEC_PAD 1),
+    or with every rule off, a row's gate depends on how many rows share the call."""
     g = torch.Generator().manual_seed(20)
     h, rows = torch.randn(64, 2, 32, generator=g), torch.randn(64, 6, 8, generator=g) * 4
     gate = _init(EngramGate(32, 2, 6, 8, 1e-6))
@@ -231,6 +232,8 @@ def test_gate_rows_differ_without_the_pointwise_rule():
     assert mismatches() == 0
     with exactness.batch_invariant(False):
         assert mismatches() > 0
+    monkeypatch.setattr(exactness, "VEC_PAD", 1)  # only the elementwise rule off
+    assert mismatches() > 0
 
 
 @pytest.mark.parametrize("transposed", [False, True])

@@ -8,15 +8,20 @@ Layer-major order: a layer is computed for every position before the next layer 
 same function as token-major order, because a token reads only earlier or equal positions of a layer.
 
 **Near ties.** The model runs in float32. Every top-k decision (the router, an indexer, the candidate
-blocks) and every sign of an Engram dot (the gate jumps at 0) whose outcome float32 rounding could
-change is recorded as a `NearTie`. Each score gets an error bound, `NEAR_TIE_TOLERANCE` times the sum of
-the magnitudes of the terms it is made of; a decision is fragile when some chosen item's score minus its
-bound does not exceed some unchosen item's score plus its bound. Exact ties broken by the written rule
-are robust only when both bounds are zero: an indexer score that is exactly 0 because every ReLU input is
-clearly negative (below -tolerance x its terms), or the +inf of the newest candidate block. A ReLU input
-within tolerance of 0 could come out positive in float32, so it counts with a non-zero bound. A near tie
-at position p taints p and every later position (`Reference.tainted`): p's state reaches later tokens
+blocks) and every sign of an Engram dot (the gate jumps at 0) whose outcome float32 rounding could change
+is recorded as a `NearTie`. Each score gets an error bound: `tie_tolerance` (default 1e-5, about 170
+float32 epsilons, room for the rounding that earlier layers pass on) times the sum of the magnitudes of
+the terms the score is made of. A decision is fragile when some chosen item's score minus its bound does
+not exceed some unchosen item's score plus its bound. Exact ties broken by the written rule are robust
+only when both bounds are zero: an indexer score that is exactly 0 because every ReLU input is clearly
+negative (below -tolerance x its terms), or the +inf of the newest candidate block. A ReLU input within
+tolerance of 0 could come out positive in float32, so it counts with a non-zero bound. A near tie at
+position p taints p and every later position (`Reference.tainted`): p's state reaches later tokens
 through the window and the compressed entries.
+
+**One reading the definition leaves implicit.** An index source after the candidate source keeps entry
+g when block g // candidate_block_size is a candidate, whichever kv source it reads (the same rule as
+for the candidate source's own entries; the published layout has no kv source after the candidate).
 """
 from __future__ import annotations
 
@@ -292,13 +297,15 @@ def check_config(cfg: dict) -> None:
     layers = cfg["num_hidden_layers"]
     ratios = list(cfg["compress_ratios"])[:layers]
     if len(ratios) != layers or any(r not in (0, 1, 2) for r in ratios):
-        raise ValueError(f"config field compress_ratios={cfg['compress_ratios']!r}: needs {layers} entries in {{0,1,2}}")
+        raise ValueError(f"config field compress_ratios={cfg['compress_ratios']!r}: "
+                         f"needs {layers} entries in {{0,1,2}}")
     kv, index = set(cfg["kv_source_layer_ids"]), set(cfg["index_source_layer_ids"])
     for name, ids in (("kv_source_layer_ids", kv), ("index_source_layer_ids", index)):
         if any(not 0 <= i < layers or ratios[i] == 0 for i in ids):
             raise ValueError(f"config field {name}={sorted(ids)}: every source must be a layer with ratio > 0")
     if not kv <= index:
-        raise ValueError(f"config field index_source_layer_ids={sorted(index)}: must include every kv source {sorted(kv)}")
+        raise ValueError(f"config field index_source_layer_ids={sorted(index)}: "
+                         f"must include every kv source {sorted(kv)}")
     for layer, r in enumerate(ratios):
         if r > 0:
             source = max((i for i in kv if i <= layer), default=None)
@@ -341,9 +348,11 @@ class _Forward:
     """One request's forward: weights as float64 numpy, the config, and what layers hand each other."""
 
     def __init__(self, cfg: dict, weights: dict[str, torch.Tensor], token_ids: list[int],
-                 engram_hash_ids: dict[int, torch.Tensor] | None, dead: list[bool] | None):
+                 engram_hash_ids: dict[int, torch.Tensor] | None, dead: list[bool] | None, tie_tolerance: float):
         self.cfg = cfg
-        self.w = {k: v.detach().to(torch.float64).numpy() for k, v in weights.items()}
+        self.weights = weights
+        self.w: dict[str, np.ndarray] = {}  # float64 copies, made when first read
+        self.tol = float(tie_tolerance)
         self.tokens = list(token_ids)
         self.dead = list(dead) if dead is not None else [False] * len(token_ids)
         if len(self.dead) != len(self.tokens):
@@ -363,7 +372,9 @@ class _Forward:
 
     def p(self, name: str) -> np.ndarray:
         if name not in self.w:
-            raise KeyError(f"weight {name} is missing")
+            if name not in self.weights:
+                raise KeyError(f"weight {name} is missing")
+            self.w[name] = self.weights[name].detach().to(torch.float64).numpy()
         return self.w[name]
 
     def freqs(self, layer: int) -> list[float]:
@@ -435,8 +446,8 @@ class _Forward:
                      * rmsnorm(key, None, self.eps) * self.p(pre + "k_weight")[i]) / math.sqrt(d)
             dot = float(np.sum(terms))
             magnitude = float(np.sum(np.abs(terms)))
-            if not self.dead[pos] and abs(dot) <= NEAR_TIE_TOLERANCE * magnitude:
-                self.near_ties.append(NearTie(pos, layer, "engram_sign", i, -1, dot, NEAR_TIE_TOLERANCE * magnitude))
+            if not self.dead[pos] and abs(dot) <= self.tol * magnitude:
+                self.near_ties.append(NearTie(pos, layer, "engram_sign", i, -1, dot, self.tol * magnitude))
             out.append(x + engram_gate(dot, self.dead[pos]) * value)
         return out
 
@@ -532,8 +543,8 @@ class _Forward:
                 terms = qi[h] * ik
                 dot, magnitude = float(np.sum(terms)), float(np.sum(np.abs(terms)))
                 score += w[h] * max(dot, 0.0)
-                if dot >= -NEAR_TIE_TOLERANCE * magnitude:  # float32 may see a positive ReLU input here
-                    error += NEAR_TIE_TOLERANCE * (abs(w[h]) * magnitude + w_magnitude[h] * max(dot, 0.0))
+                if dot >= -self.tol * magnitude:  # float32 may see a positive ReLU input here
+                    error += self.tol * (abs(w[h]) * magnitude + w_magnitude[h] * max(dot, 0.0))
             scores.append(score)
             errors.append(error)
         return scores, errors
@@ -585,7 +596,7 @@ class _Forward:
             score = math.sqrt(softplus(z))
             scores.append(score)
             selection.append(score + float(bias[e]))  # the bias only chooses
-            errors.append(NEAR_TIE_TOLERANCE * (float(np.sum(np.abs(gate[e] * x))) + score + abs(float(bias[e]))))
+            errors.append(self.tol * (float(np.sum(np.abs(gate[e] * x))) + score + abs(float(bias[e]))))
         chosen = top_k(selection, cfg["num_experts_per_tok"])
         self.check_tie_symmetric(pos, layer, "router", selection, errors, chosen)
         self.experts[layer].append(chosen)
@@ -602,12 +613,13 @@ class _Forward:
 
 def reference_forward(config: dict, weights: dict[str, torch.Tensor], token_ids: list[int],
                       engram_hash_ids: dict[int, torch.Tensor] | None = None,
-                      dead: list[bool] | None = None) -> Reference:
+                      dead: list[bool] | None = None, tie_tolerance: float = NEAR_TIE_TOLERANCE) -> Reference:
     """The float64 forward of one request whose tokens sit at positions 0..S-1.
 
     config: the text config (flat, or nested under text_config); weights: float tensors under the official
     names (dequantized); engram_hash_ids[layer]: [S, (N-1)*H_e] int64 table rows (offsets included), needed
-    for every Engram layer; dead[p]: token p is dead (its Engram gate is 0)."""
+    for every Engram layer; dead[p]: token p is dead (its Engram gate is 0); tie_tolerance: the relative
+    error bound of the near-tie report (0 reports only exact ties that float32 could break)."""
     cfg = flat_config(config)
     check_config(cfg)
-    return _Forward(cfg, weights, token_ids, engram_hash_ids, dead).run()
+    return _Forward(cfg, weights, token_ids, engram_hash_ids, dead, tie_tolerance).run()

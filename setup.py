@@ -5,8 +5,9 @@ staging gather of table rows), `engram_serve.model._linear_kernel` (small matmul
 `engram_serve.model._attention_kernel` (attention one query at a time) and
 `engram_serve.model._token_kernel` (the token-wise steps of the forward) need only a C compiler and
 the CPython headers (no torch or numpy headers). They are optional: where one cannot be compiled, the
-install still succeeds with a warning and the torch paths run (`engram_serve.model.layers` pads small
-matmul calls instead).
+install still succeeds with a warning and the torch paths run (`engram_serve.model.exactness` pads small
+matmul calls instead). `engram_serve.kernels` loads them (ENGRAM_SERVE_KERNELS switches them) and
+`engram-serve env` says which loaded; docs/kernels.md describes them.
 """
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext

@@ -400,10 +400,38 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=lambda args: run_args(args, "engram-serve train"))
 
 
+# ---- env ----
+
+def add_env(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("env", help="print the C kernels loaded, the SIMD level, torch's version and the thread count",
+                       description="What this process would run with: each C kernel loaded or not and why (not "
+                                   "built, or switched off by ENGRAM_SERVE_KERNELS), the matmul kernel's SIMD level, "
+                                   "whether CPU graphs can run, torch's version and the thread count the engine sets.")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run_env)
+
+
+def run_env(args: argparse.Namespace) -> int:
+    from . import __version__, kernels
+    env = kernels.environment()
+    if args.json:
+        print(json.dumps({"engram_serve": __version__, **env}))
+        return 0
+    print(f"engram-serve {__version__}, torch {env['torch']}")
+    print(f"threads: {env['threads']} ({env['threads_source']})")
+    print(f"{kernels.ENV}: {env['kernels_env'] if env['kernels_env'] is not None else '(unset: all)'}")
+    for name, state in env["kernels"].items():
+        print(f"kernel {name}: {state}")
+    simd, need = env["simd_level"], ", ".join(kernels.CPU_GRAPHS_NEED)
+    print("SIMD level: " + ("- (no matmul kernel)" if simd is None else f"{simd} ({env['simd']})"))
+    print("CPU graphs: " + ("possible" if env["cpu_graphs_possible"] else f"off (they need {need})"))
+    return 0
+
+
 # ---- entry point ----
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    add_generate, add_serve, add_verify, add_hash, add_lookup, add_train, add_bench)
+    add_generate, add_serve, add_verify, add_hash, add_lookup, add_train, add_bench, add_env)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,6 +3,7 @@ decoder, dedup and the hot-row cache against a plain row-by-row read, and tables
 memory a process touches (resident memory grows with rows read, not with table size)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -10,7 +11,6 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -18,9 +18,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engram_serve import kernels
 from engram_serve.engram.quantized import (Fp8Table, block_size_of, dequantize_blocks, quantize_blocks,
                                            quantize_rows)
-from engram_serve.engram import staging
 from engram_serve.engram.row_cache import RowCache
 from engram_serve.engram.tables import EngramTables
 
@@ -128,10 +128,11 @@ class KeylessCache(RowCache):
 @settings(deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 300), t=st.integers(1, 12), c=st.integers(1, 6),
        cache_rows=st.sampled_from([0, 8, 16, 64, 1000]), dedup=st.booleans(), fp8=st.booleans(),
-       steps=st.integers(1, 3), bf16=st.booleans(), backend=st.sampled_from(["torch", "auto"]))
+       steps=st.integers(1, 3), bf16=st.booleans(), backend=st.sampled_from(["torch", "kernel"]))
 def test_gather_equals_plain_row_reads(seed, rows, t, c, cache_rows, dedup, fp8, steps, bf16, backend):
-    """Both gather paths: torch ops, and (`auto`, on the CPU without a cache) the fused C kernel."""
-    with mock.patch.dict(os.environ, {staging.BACKEND_ENV: backend}):
+    """Both gather paths: torch ops (the gather kernel switched off), and the fused C kernel where it is
+    loaded (engram_serve/kernels.py)."""
+    with kernels.override("-gather") if backend == "torch" else contextlib.nullcontext():
         gather_equals_plain_row_reads(seed, rows, t, c, cache_rows, dedup, fp8, steps, bf16)
 
 
@@ -164,11 +165,11 @@ def gather_equals_plain_row_reads(seed, rows, t, c, cache_rows, dedup, fp8, step
             assert same_bits(out[layer].float().numpy(), ref)
 
 
-def test_keyless_cache_serves_wrong_rows(monkeypatch):
+@kernels.override("-gather")  # the torch path's RowCache (the kernel's: test_staging_kernel)
+def test_keyless_cache_serves_wrong_rows():
     """Negative control for the cache's key check: without it, a slot filled by another row id is
     served, and the staged rows differ from the table's."""
     tab = torch.arange(64 * 32, dtype=torch.float32).view(64, 32)
-    monkeypatch.setenv(staging.BACKEND_ENV, "torch")  # the torch path's RowCache (the kernel's: test_staging_kernel)
     tables = EngramTables((1,), [tab], pin=False, cache_bytes=8 * 32 * 4)
     tables.caches = [KeylessCache(8 * 32 * 4, [(32,)], [torch.float32])]
     ids = torch.tensor([[[3]], [[11]]])  # 3 and 11 share slot 3 of 8
@@ -182,8 +183,8 @@ def test_keyless_cache_serves_wrong_rows(monkeypatch):
     assert torch.equal(out[0, 1, 0], tab[11])
 
 
-def test_cache_hits_and_byte_bound(monkeypatch):
-    monkeypatch.setenv(staging.BACKEND_ENV, "torch")  # the torch RowCache (the kernel's: test_staging_kernel)
+@kernels.override("-gather")  # the torch RowCache (the kernel's: test_staging_kernel)
+def test_cache_hits_and_byte_bound():
     tab = Fp8Table.from_float(torch.randn(1000, 64))
     tables = EngramTables((1,), [tab], pin=False, cache_bytes=100 * 64 * 4)
     cache = tables.caches[0]

@@ -1,4 +1,4 @@
-"""The C hash kernel (`engram_serve.engram._hash_kernel`) against the torch path and `reference_hash`.
+"""The C hash kernel (the hash kernel of engram_serve/kernels.py) against the torch path and `reference_hash`.
 
 Three implementations, one answer: the kernel (CPU production path), the torch ops (CUDA path,
 and CPU without a compiler) and the contract's plain loop. The kernel's only non-obvious part is
@@ -14,24 +14,21 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
+from engram_serve import kernels
 from engram_serve.config import EngramConfig
 from engram_serve.engram import hashing
 from engram_serve.engram.hashing import DEAD, hash_step, hash_step_torch, hash_windows, hash_windows_torch, reference_hash
 from engram_serve.engram.layout import build_layout
 
-kernel = pytest.importorskip("engram_serve.engram._hash_kernel",
-                             reason="the optional C hash kernel was not built (no C compiler at install time); "
-                                    "the torch path serves CPU and is tested in test_hashing.py")
+kernel = kernels.get("hash")
+if kernel is None:
+    pytest.skip("the C hash kernel is not loaded (`engram-serve env` says why); the torch path serves CPU and is "
+                "tested in test_hashing.py", allow_module_level=True)
 
 I64_MAX = 2**63 - 1
 GOLDEN = EngramConfig(engram_layer_ids=[1, 14], engram_num_embeddings=[384006168, 384016682],
                       engram_max_ngram_size=4, engram_n_heads=8, engram_head_dim=32,
                       engram_vocab_size=16000000, engram_compressed_vocab_size=129280, engram_pad_token_id=2)
-
-
-@pytest.fixture(autouse=True)
-def _auto_backend(monkeypatch):
-    monkeypatch.delenv(hashing.BACKEND_ENV, raising=False)
 
 
 def with_magic(layout, delta: int):
@@ -265,24 +262,21 @@ def test_negative_control_wrong_magic_changes_production_hash():
 
 # ---- dispatch and argument checks ----
 
-def test_backend_selection(monkeypatch):
+def test_backend_selection():
     x = torch.zeros(1, dtype=torch.int64)
     assert hashing.hash_backend(x) == "kernel"
-    monkeypatch.setenv(hashing.BACKEND_ENV, "torch")
-    assert hashing.hash_backend(x) == "torch"
-    monkeypatch.setenv(hashing.BACKEND_ENV, "kernel")
-    assert hashing.hash_backend(x) == "kernel"
     assert hashing.hash_backend(x, torch.zeros(1, device="meta")) == "torch"  # not on the CPU
-    monkeypatch.setenv(hashing.BACKEND_ENV, "fast")
-    with pytest.raises(ValueError, match="ENGRAM_SERVE_HASH_BACKEND='fast'.*auto, torch, kernel"):
-        hashing.hash_backend(x)
+    with kernels.override("-hash"):
+        assert hashing.hash_backend(x) == "torch"
+    with kernels.override("hash"):
+        assert hashing.hash_backend(x) == "kernel"
 
 
-def test_forced_torch_backend_does_not_call_the_kernel(monkeypatch):
-    """With ENGRAM_SERVE_HASH_BACKEND=torch a wrong magic is harmless (the torch path ignores it)."""
+@kernels.override("-hash")
+def test_switched_off_kernel_is_not_called():
+    """With the hash kernel switched off a wrong magic is harmless (the torch path ignores it)."""
     layout = with_magic(build_layout(GOLDEN), 1)
     ids, qsl, hist, tmap = _golden_step(256)
-    monkeypatch.setenv(hashing.BACKEND_ENV, "torch")
     assert torch.equal(hash_step(ids, qsl, hist, layout, tmap, 2), hash_step_torch(ids, qsl, hist, layout, tmap, 2))
 
 

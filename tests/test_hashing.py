@@ -3,6 +3,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from engram_serve import kernels
 from engram_serve.config import EngramConfig
 from engram_serve.engram.hashing import DEAD, hash_step, reference_hash
 from engram_serve.engram.layout import build_layout, is_prime
@@ -94,9 +95,13 @@ def test_dead_token_blocks_every_ngram_reaching_it():
     assert got.tolist() == ref
 
 
-@pytest.mark.parametrize("backend", ["auto", "torch"])
-def test_hash_step_writes_into_a_persistent_buffer(monkeypatch, backend):
-    monkeypatch.setenv("ENGRAM_SERVE_HASH_BACKEND", backend)
+@pytest.mark.parametrize("kernels_spec", ["all", "-hash"])
+def test_hash_step_writes_into_a_persistent_buffer(kernels_spec):
+    with kernels.override(kernels_spec):
+        hash_step_writes_into_a_persistent_buffer()
+
+
+def hash_step_writes_into_a_persistent_buffer():
     layout, tmap = build_layout(GOLDEN, check_rows=False), torch.arange(100)
     ids, qsl, hist = torch.tensor([5, 6, 7, 8]), torch.tensor([0, 4]), torch.full((1, 3), -1)
     want = hash_step(ids, qsl, hist, layout, tmap, 2)

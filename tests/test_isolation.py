@@ -14,17 +14,24 @@ Each trial checks that every good request's tokens equal its run alone, that the
 with `error`, and that the KV pool is empty afterwards. Negative controls: attention reads one slot
 past a row's length (the stale NaN left in a reused block reaches good requests); attention does not
 zero a step's later non-finite values for the row's earlier queries (0 * NaN reaches them, and
-through the prefix cache a good request).
+through the prefix cache a good request). Each control switches the protection off in both attention
+paths: the torch kernels through a test subclass of PagedAttention, the C kernel through its test hook
+(tests/kernel_hooks.py).
 """
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
 import torch
+from kernel_hooks import attention_leaks
 
+from engram_serve import kernels
 from engram_serve.engine.llm_engine import LLMEngine
 from engram_serve.inputs.ubatch import SplitConfig
 from engram_serve.model.attention import PagedAttention
+from engram_serve.model.attention_kernels import AttentionPlan
 from engram_serve.model.loader import load_model
 from engram_serve.runner.model_runner import ModelRunner, RunnerConfig
 from engram_serve.sampling_params import SamplingParams
@@ -89,12 +96,23 @@ class PoisonedPadding(ModelRunner):
         return super().forward(batch, ctxs, futures)
 
 
+class OnePastTheEndPlan(AttentionPlan):
+    @staticmethod
+    def readable(kpos, seq):
+        return kpos < seq + 1
+
+
 class ReadsOnePastTheEnd(PagedAttention):
-    read_past = 1
+    plan_type = OnePastTheEndPlan
 
 
 class UnguardedFreshValues(PagedAttention):
     guard_fresh = False
+
+
+def c_kernel_leaks(**leaks):
+    """The C attention's isolation off (where it runs: loaded), for the negative controls."""
+    return attention_leaks(**leaks) if kernels.loaded("attention") else contextlib.nullcontext()
 
 
 def trial(loaded, alone, seed: int, kind: str) -> list[str]:
@@ -162,7 +180,8 @@ def test_poison_never_reaches_another_request(loaded, alone, kind):
 
 def test_negative_control_reading_one_slot_past_the_row_leaks_nan(loaded, alone, monkeypatch):
     monkeypatch.setattr(loaded.model, "paged_attention", ReadsOnePastTheEnd)
-    failures = [p for s in range(10) if (p := trial(loaded, alone, s, "kv"))]
+    with c_kernel_leaks(read_past=1):
+        failures = [p for s in range(10) if (p := trial(loaded, alone, s, "kv"))]
     assert failures and any(line.startswith("m") for p in failures for line in p)  # a good request was hit
 
 
@@ -171,5 +190,6 @@ def test_negative_control_unguarded_later_values_of_a_step_leak_through_the_pref
     queries; their KV blocks then hold NaN under a prefix-cache key without the poisoned token, and a
     good request that shares the prefix reads it."""
     monkeypatch.setattr(loaded.model, "paged_attention", UnguardedFreshValues)
-    failures = [p for s in range(20) if (p := trial(loaded, alone, s, "embedding"))]
+    with c_kernel_leaks(later_keys=True):
+        failures = [p for s in range(20) if (p := trial(loaded, alone, s, "embedding"))]
     assert failures and any(line.startswith("m") for p in failures for line in p)  # a good request was hit

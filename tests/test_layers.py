@@ -1,6 +1,6 @@
-"""Token-wise layers with fewer operators (model/layers.py, engram/layer.py): each row's bits are
-independent of its batch mates, the MoE matches a plain per-token loop, fused weights load from and
-save to the usual checkpoint names."""
+"""Token-wise layers with fewer operators (model/layers.py, engram/layer.py) under the row rules of
+model/exactness.py: each row's bits are independent of its batch mates, the MoE matches a plain
+per-token loop, fused weights load from and save to the usual checkpoint names."""
 from fractions import Fraction
 
 import numpy as np
@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engram_serve import kernels
 from engram_serve.engram.layer import EngramGate
-from engram_serve.model import fused, layers
+from engram_serve.model import exactness, fused, layers
 from engram_serve.model.layers import MLP, MoE, apply_rotary, rms_norm, rotary_cos_sin
 from engram_serve.model.model import run_stages
 
@@ -113,14 +114,14 @@ def test_small_calls_differ_without_the_row_padding_rule(input_major):
     makes rows batch-invariant."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(384, 128, generator=g)
-    w = layers.in_major(w) if input_major else w
+    w = exactness.in_major(w) if input_major else w
     x = torch.randn(16, 128, generator=g)
 
     def mismatches():
         whole = layers.linear(x, w)
         return sum(not torch.equal(layers.linear(x[i:i + 1], w), whole[i:i + 1]) for i in range(16))
     assert mismatches() == 0
-    with layers.batch_invariant(False):
+    with exactness.batch_invariant(False):
         assert mismatches() > 0
 
 
@@ -148,11 +149,11 @@ def plain_rows(x: np.ndarray, wt: np.ndarray, kc: int) -> np.ndarray:
     return y
 
 
-@pytest.mark.skipif(layers._linear_kernel is None, reason="the matmul kernel was not built (no C compiler)")
+@pytest.mark.skipif(not kernels.loaded("linear"), reason="the matmul kernel is not loaded (`engram-serve env`)")
 @settings(max_examples=25, deadline=None)
 @given(st.integers(1, 14), st.integers(1, 70), st.integers(1, 80), st.sampled_from([0, 1, 2]), st.data())
 def test_matmul_kernel_equals_a_plain_exact_loop_whatever_its_row_count(m, k, n, simd, data):
-    """`_linear_kernel.linear_packed` (portable tile, AVX2, or AVX-512 panel pairs where the CPU has them)
+    """The linear kernel's `linear_packed` (portable tile, AVX2, or AVX-512 panel pairs where the CPU has them)
     against its definition computed in exact arithmetic, with strided rows, partial tiles, odd and partial
     panels, and each row alone, through another tile, against the same row in the call (the kernel's
     batch invariance)."""
@@ -160,14 +161,14 @@ def test_matmul_kernel_equals_a_plain_exact_loop_whatever_its_row_count(m, k, n,
     g = torch.Generator().manual_seed(m * 10007 + k * 101 + n)
     x = torch.randn(m, k + 3, generator=g)[:, 1:k + 1]  # rows 3 floats apart beyond k
     wt = torch.randn(k, n + 5, generator=g)[:, :n]
-    panels = layers.pack_panels(wt)
-    y = layers._kernel(x, panels, n, kc, simd)
+    panels = exactness.pack_panels(wt)
+    y = exactness.matmul_kernel(x, panels, n, kc, simd)
     assert np.array_equal(y.numpy().view(np.uint32), plain_rows(x.numpy(), wt.numpy(), kc).view(np.uint32))
     for i in range(m):
-        assert torch.equal(layers._kernel(x[i:i + 1], panels, n, kc, (simd + 1) % 3), y[i:i + 1])
+        assert torch.equal(exactness.matmul_kernel(x[i:i + 1], panels, n, kc, (simd + 1) % 3), y[i:i + 1])
 
 
-@pytest.mark.skipif(layers._linear_kernel is None, reason="the matmul kernel was not built (no C compiler)")
+@pytest.mark.skipif(not kernels.loaded("linear"), reason="the matmul kernel is not loaded (`engram-serve env`)")
 @pytest.mark.parametrize("m", [1, 2, 3, 7])
 def test_wide_matmul_tiles_give_the_exact_bits(m):
     """The wide AVX-512 tiles (8 panels a row, 4 for two rows, where the CPU has AVX-512) and the group
@@ -177,7 +178,7 @@ def test_wide_matmul_tiles_give_the_exact_bits(m):
         x, wt = torch.randn(m, 37, generator=g), torch.randn(37, n, generator=g)
         want = plain_rows(x.numpy(), wt.numpy(), 16).view(np.uint32)
         for simd in (0, 1, 2):
-            got = layers._kernel(x, layers.pack_panels(wt), n, 16, simd)
+            got = exactness.matmul_kernel(x, exactness.pack_panels(wt), n, 16, simd)
             assert np.array_equal(got.numpy().view(np.uint32), want), (n, simd)
 
 
@@ -187,8 +188,8 @@ def test_calls_through_the_matmul_kernel_get_torchs_bits(out_f, in_f):
     equals the row in a big call and in torch's matmul of the batch, on values other than the probe's; a
     block size the probe did not pick gives other bits (the accumulation order is what makes them equal)."""
     g = torch.Generator().manual_seed(out_f + in_f)
-    w = layers.in_major(torch.randn(out_f, in_f, generator=g))
-    kc = layers.small_call_kc(w)
+    w = exactness.in_major(torch.randn(out_f, in_f, generator=g))
+    kc = exactness.small_call_kc(w)
     if kc is None:
         pytest.skip(f"the C kernel does not reproduce this CPU's matmul bits for [{out_f}, {in_f}]: small calls pad")
     x = torch.randn(700, in_f, generator=g)
@@ -196,7 +197,7 @@ def test_calls_through_the_matmul_kernel_get_torchs_bits(out_f, in_f):
     assert torch.equal(whole, F.linear(x, w))
     assert all(torch.equal(layers.linear(x[i:i + 1], w), whole[i:i + 1]) for i in range(64))
     wrong = kc // 2 + 1
-    assert not torch.equal(layers._kernel(x, layers.pack_panels(w.t()), out_f, wrong), whole)
+    assert not torch.equal(exactness.matmul_kernel(x, exactness.pack_panels(w.t()), out_f, wrong), whole)
 
 
 def test_fused_weights_keep_the_checkpoint_names():
@@ -216,9 +217,10 @@ def test_fused_weights_keep_the_checkpoint_names():
         assert torch.allclose(mlp2(x), (F.silu(x @ g.T) * (x @ u.T)) @ d.T, atol=1e-6)
 
 
-def test_gate_rows_differ_without_the_pointwise_rule():
-    """Negative control: with the batch-invariance rules off (`pointwise` no longer pads sigmoid's input,
-    `linear` no longer pads small calls), a row's gate depends on how many rows share the call."""
+@kernels.override("-token")  # the torch form of the gate, whose sigmoid goes through `pointwise`
+def test_gate_rows_differ_without_the_pointwise_rule(monkeypatch):
+    """Negative control: with `pointwise` no longer padding sigmoid's input to whole vectors (VEC_PAD 1),
+    or with every rule off, a row's gate depends on how many rows share the call."""
     g = torch.Generator().manual_seed(20)
     h, rows = torch.randn(64, 2, 32, generator=g), torch.randn(64, 6, 8, generator=g) * 4
     gate = _init(EngramGate(32, 2, 6, 8, 1e-6))
@@ -228,8 +230,10 @@ def test_gate_rows_differ_without_the_pointwise_rule():
             whole = gate(h, rows)
             return sum(not torch.equal(gate(h[:k], rows[:k]), whole[:k]) for k in range(1, 65))
     assert mismatches() == 0
-    with layers.batch_invariant(False):
+    with exactness.batch_invariant(False):
         assert mismatches() > 0
+    monkeypatch.setattr(exactness, "VEC_PAD", 1)  # only the elementwise rule off
+    assert mismatches() > 0
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -238,7 +242,7 @@ def test_measured_bmm_rule_holds_for_other_values(k, n, transposed):
     """`bmm_min_rows` is measured on random probes; on other values, every row count from it on gives
     a row the bits it has in a 300-row call (the rule the attention's query widths rely on)."""
     g = torch.Generator().manual_seed(7)
-    m = layers.bmm_min_rows(k, n, transposed)
+    m = exactness.bmm_min_rows(k, n, transposed)
     b = torch.randn(1, n, k, generator=g).transpose(1, 2) if transposed else torch.randn(1, k, n, generator=g)
     a = torch.randn(1, 300, k, generator=g)
     full = torch.bmm(a, b)
@@ -259,11 +263,11 @@ def test_a_weight_changed_in_place_is_packed_again():
         fresh.load_state_dict(mlp.state_dict())
         assert torch.equal(after, layers.layout_weights_(fresh)(x))
     for seed in range(20):  # fresh weights, likely at recycled addresses
-        w = layers.in_major(torch.randn(48, 32, generator=torch.Generator().manual_seed(seed)))
+        w = exactness.in_major(torch.randn(48, 32, generator=torch.Generator().manual_seed(seed)))
         assert torch.equal(layers.linear(x, w), F.linear(x, w))
 
 
-@pytest.mark.skipif(layers._linear_kernel is None, reason="the matmul kernel was not built (no C compiler)")
+@pytest.mark.skipif(not kernels.loaded("linear"), reason="the matmul kernel is not loaded (`engram-serve env`)")
 @settings(max_examples=20, deadline=None)
 @given(st.integers(1, 14), st.sampled_from([16, 32, 48]), st.integers(1, 4), st.booleans(), st.sampled_from([0, 1, 2]),
        st.sampled_from([3.0, 40.0]))
@@ -272,14 +276,14 @@ def test_the_fused_swiglu_gives_the_bits_of_the_product_then_silu_mul(m, inter, 
     and then `fused.silu_mul`, with per-group weights (the dense MoE) or none (the MLP). Scale 40 puts
     many gates beyond exp's clamps (|-g| > 87), where e^-g is 0 or inf."""
     g = torch.Generator().manual_seed(m * 1000 + inter * 10 + groups)
-    w = layers.in_major(torch.randn(groups * 2 * inter, 40, generator=g))
+    w = exactness.in_major(torch.randn(groups * 2 * inter, 40, generator=g))
     x = torch.randn(m, 40, generator=g) * scale
     weights = torch.rand(m, groups, generator=g) if weighted else None
     want = fused.silu_mul(layers.linear(x, w).view(m, groups, 2 * inter), inter, weights).view(m, groups * inter)
-    kc = layers.small_call_kc(w) or 40
-    got = layers._kernel(x, layers.pack_panels(w.t()), w.shape[0], kc, simd, inter, weights)
-    if layers.small_call_kc(w):
+    kc = exactness.small_call_kc(w) or 40
+    got = exactness.matmul_kernel(x, exactness.pack_panels(w.t()), w.shape[0], kc, simd, inter, weights)
+    if exactness.small_call_kc(w):
         assert torch.equal(layers.linear_swiglu(x, w, inter, weights), want)
-    y = layers._kernel(x, layers.pack_panels(w.t()), w.shape[0], kc, simd)
+    y = exactness.matmul_kernel(x, exactness.pack_panels(w.t()), w.shape[0], kc, simd)
     want = fused.silu_mul(y.view(m, groups, 2 * inter), inter, weights).view(m, groups * inter)
     assert torch.equal(got, want)

@@ -17,7 +17,7 @@ from engram_serve.engram.layout import build_layout
 from engram_serve.engram.tables import EngramTables
 from engram_serve.engram.token_map import build_token_map, load_tokenizer
 from engram_serve.errors import CheckpointMismatch
-from engram_serve.model import layers
+from engram_serve.model import exactness, layers
 from engram_serve.model.checkpoint import CheckpointFiles
 from engram_serve.model.loader import (CONFIG_FILE, TINY_DIR, WEIGHTS_FILE, check_tokenizer, load_model,
                                        make_random_checkpoint)
@@ -101,9 +101,9 @@ def test_weights_and_tables_are_memory_mapped(ckpt):
         return any(lo <= t.data_ptr() < hi for lo, hi in ranges)
 
     params = dict(loaded.model.named_parameters())
-    # matmul weights are copied once, input-major (model/layers.py); fused ones are built from mapped tensors
+    # matmul weights are copied once, input-major (model/exactness.py); fused ones are built from mapped tensors
     matmul = [(getattr(m, name), n_in) for m, name, n_in in layers.matmul_params(loaded.model)]
-    assert matmul and all(not mapped(p) and layers.in_major(p, n_in) is p for p, n_in in matmul)
+    assert matmul and all(not mapped(p) and exactness.in_major(p, n_in) is p for p, n_in in matmul)
     copied = {id(p) for p, _ in matmul}
     assert all(mapped(p) for p in params.values() if id(p) not in copied)  # norms, embedding
     assert all(mapped(t) for t in loaded.tables.tables)

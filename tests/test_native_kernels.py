@@ -2,7 +2,8 @@
 against independent float64 plain loops (and, for full attention, bit for bit against its definition run
 in float32 one operation at a time), and the property they exist for: a token's bits do not depend
 on its batch mates, on how its row is chunked, or on its place in a call. Negative controls: the
-isolation switches of the attention kernel make a planted NaN reach a query."""
+isolation switches of the attention kernel (its test hooks, tests/kernel_hooks.py) make a planted NaN
+reach a query."""
 from __future__ import annotations
 
 import math
@@ -14,10 +15,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engram_serve.model import fused, layers, paged_attention as pa
+from kernel_hooks import attention_leaks
 
-pytestmark = pytest.mark.skipif(pa._attention_kernel is None or fused._token_kernel is None,
-                                reason="C kernels not built")
+from engram_serve import kernels
+from engram_serve.model import attention_kernels as ak, fused, layers
+
+pytestmark = pytest.mark.skipif(not kernels.loaded("attention", "token"),
+                                reason="the attention and token kernels are not loaded (`engram-serve env` says why)")
 
 
 @dataclass
@@ -84,10 +88,12 @@ def worlds(draw, integer: bool = False):
 
 
 def run(world: World, rows, mode: str = "full", sel=None, topk: int = 8, read_past: int = 0, later: bool = False):
+    """attend_native over `rows`; read_past / later switch the kernel's isolation off (negative controls)."""
     b, q = world.batch(rows)
     if mode != "full" and sel is None:
         sel = torch.full((q.shape[0], topk), -1, dtype=torch.int64)
-    return pa.attend_native(b, q, world.k, world.v, world.zero, world.zero, mode, sel, read_past, later), sel
+    with attention_leaks(read_past, later):
+        return ak.attend_native(b, q, world.k, world.v, world.zero, world.zero, mode, sel), sel
 
 
 def reference(world: World, r: int, p: int, keys: list[int] | None = None) -> np.ndarray:
@@ -276,7 +282,7 @@ def test_rotate_store_is_apply_rotary_and_stores_at_the_slots(t, heads, kvh, hd,
     kc, vc = torch.zeros(kvh, 21, hd), torch.zeros(kvh, 21, hd)
     want = layers.apply_rotary(qkv[:, :heads + kvh], cos, sin)
     out = qkv.clone()
-    pa.rotate_store(out, heads, cos, sin, slots, kc, vc, 20)
+    ak.rotate_store(out, heads, cos, sin, slots, kc, vc, 20)
     assert torch.equal(out[:, :heads + kvh], want) and torch.equal(out[:, heads + kvh:], qkv[:, heads + kvh:])
     for i in range(1, t):
         assert torch.equal(kc[:, slots[i]], want[i, heads:]) and torch.equal(vc[:, slots[i]], qkv[i, heads + kvh:])

@@ -138,7 +138,7 @@ def _sums_under_a_simulated_link(group, seconds: float):
     """On every rank: a sum launched over a SIMULATED link of `seconds`, awaited after `seconds` of compute
     (another microbatch's stage); then one awaited at once. Returns the three durations and the sum."""
     from engram_serve.parallel.collectives import launch_sum, sum_now
-    from engram_serve.parallel.group import LinkDelay, configure_link
+    from engram_serve.bench.link import LinkDelay, configure_link
     sum_now(group, torch.zeros(1), "align")  # both ranks here (a worker imports this module first)
     configure_link(group, LinkDelay(seconds), True)
     try:

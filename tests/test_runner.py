@@ -153,9 +153,9 @@ def test_the_planner_cuts_only_when_a_cut_hides_something(loaded):
     slots = np.array([r.store.add(list(range(6, 6 + n))) for n in (30, 7, 50)])
     b = r.build(slots, np.zeros(3, int), np.array([30, 7, 50]), np.arange(48).reshape(3, 16), np.ones(3, bool))
     assert r.execute(b).bounds == [0, 87]  # CPU, tables in memory: nothing to hide, the step runs whole
-    r.collectives = True  # a collective per layer (tensor parallelism) is worth hiding
+    r.launches_collectives = True  # a collective per layer (tensor parallelism) is worth hiding
     assert r.plan(b) == [0, 44, 87]
-    r.collectives = False
+    r.launches_collectives = False
     r.loaded = dataclasses.replace(loaded, tables=_SlowTables(loaded.tables))
     r._steps = 0  # the next step measures its gather (ModelRunner.MEASURE_EVERY)
     r.execute(b)  # measures the slow gather (the step itself still ran whole)

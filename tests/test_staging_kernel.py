@@ -1,4 +1,4 @@
-"""The fused staging gather (`engram_serve.engram._gather_kernel`, wrapped by `engram.staging`) against
+"""The fused staging gather (the gather kernel of engram_serve/kernels.py, wrapped by `engram.staging`) against
 the torch path (`dequantize_rows` of `index_select`ed bytes) and the plain-loop bit decoder of
 tests/test_checkpoint_tables.py: every E4M3 byte under every E8M0 code, random tables with odd row
 counts, duplicates, NaN bytes and extreme scales, float32 and bfloat16 staging, float32 tables; the
@@ -10,16 +10,19 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kernel_hooks import gather_trust, hooks
 from test_checkpoint_tables import reference_rows, same_bits, table_from_bytes
 
+from engram_serve import kernels
 from engram_serve.engram import staging
 from engram_serve.engram.quantized import dequantize_rows
 from engram_serve.engram.quantized import Fp8Table
 from engram_serve.engram.row_cache import HotRowCache
 from engram_serve.engram.tables import EngramTables
 
-kernel = pytest.importorskip("engram_serve.engram._gather_kernel",
-                             reason="the C gather kernel was not built (no C compiler at install time)")
+kernel = kernels.get("gather")
+if kernel is None:
+    pytest.skip("the C gather kernel is not loaded (`engram-serve env` says why)", allow_module_level=True)
 
 EXTREME_CODES = [0, 1, 2, 126, 127, 128, 134, 135, 200, 253, 254, 255]  # subnormal scales, x1, the 2^127 edge, NaN
 
@@ -40,13 +43,13 @@ def staged(tab, ids: list[int], dtype: torch.dtype, dedup: bool) -> tuple[torch.
 def decode_path(request):
     """Decode through the best path up to request.param (3 AVX-512 VBMI byte tables, 2 AVX-512F, 1 AVX2,
     0 the portable loop) that this CPU has; skips a path it does not have."""
-    old, used = kernel._set_decode_path(request.param)
+    old, used = hooks("gather").set_decode_path(request.param)
     try:
         if used != request.param:
             pytest.skip(f"this CPU has no decode path {request.param} (best: {used})")
         yield used
     finally:
-        kernel._set_decode_path(old)
+        hooks("gather").set_decode_path(old)
 
 
 @pytest.mark.parametrize("decode_path", [3, 2, 1, 0], indirect=True)
@@ -117,7 +120,8 @@ def test_dedup_compares_keys_in_a_crowded_slot_and_its_negative_control_fails():
     out = torch.empty(len(ids), 32)
     assert kernel.gather_rows(f.numpy(), None, idx.numpy(), out.numpy(), True) == 6
     assert torch.equal(out, f.index_select(0, idx))
-    assert kernel.gather_rows(f.numpy(), None, idx.numpy(), out.numpy(), True, True) == 1  # trusts the slot
+    with gather_trust(slots=True):
+        assert kernel.gather_rows(f.numpy(), None, idx.numpy(), out.numpy(), True) == 1  # trusts the slot
     assert not torch.equal(out, f.index_select(0, idx))  # the control breaks the property
 
 
@@ -144,39 +148,33 @@ def test_shapes_and_dtypes_are_checked():
         kernel.gather_rows(f.numpy(), None, np.zeros(1, np.int32), np.zeros((1, 32), np.float32), True)
 
 
-def test_backend_choice(monkeypatch):
+def test_backend_choice():
     f, out = torch.randn(4, 32), torch.empty(2, 32)
-    monkeypatch.delenv(staging.BACKEND_ENV, raising=False)
     assert staging.gather_backend(f, out) == "kernel"
     assert staging.gather_backend(f.to(torch.bfloat16), out) == "torch"  # a bfloat16 table: torch path
     assert staging.gather_backend(f, torch.empty(2, 64)[:, :32]) == "torch"  # strided staging
-    monkeypatch.setenv(staging.BACKEND_ENV, "torch")
-    assert staging.gather_backend(f, out) == "torch"
-    monkeypatch.setenv(staging.BACKEND_ENV, "fast")
-    with pytest.raises(ValueError, match="ENGRAM_SERVE_GATHER_BACKEND='fast'"):
-        staging.gather_backend(f, out)
+    assert staging.gather_backend(f, torch.empty(2, 32, device="meta")) == "torch"  # staging off the CPU
+    with kernels.override("-gather"):
+        assert staging.gather_backend(f, out) == "torch"
+    assert staging.gather_backend(f, out) == "kernel"
 
 
-def test_a_build_without_the_kernel_gathers_through_torch(monkeypatch):
-    monkeypatch.setattr(staging, "_gather_kernel", None)
-    monkeypatch.delenv(staging.BACKEND_ENV, raising=False)
+def test_a_process_without_the_kernel_gathers_through_torch():
     f = torch.randn(50, 32)
-    assert staging.gather_backend(f, torch.empty(2, 32)) == "torch"
+    tables = EngramTables((1,), [f], pin=False)
     ids = torch.tensor([[[3, 3]], [[49, 0]]])  # [T=2, L=1, C=2]
     out = torch.empty(1, 2, 2, 32)
-    EngramTables((1,), [f], pin=False).gather(ids, out)
+    with kernels.override("none"):
+        assert staging.gather_backend(f, torch.empty(2, 32)) == "torch"
+        calls = []
+        with pytest.MonkeyPatch.context() as mp:  # the torch path never reaches the kernel's stage_step
+            mp.setattr("engram_serve.engram.tables.stage_step", lambda *a: calls.append(1))
+            tables.gather(ids, out)
+        assert not calls
     assert torch.equal(out[0], f[ids[:, 0]])
-    monkeypatch.setenv(staging.BACKEND_ENV, "kernel")
-    with pytest.raises(RuntimeError, match="_gather_kernel was not built"):
-        staging.gather_backend(f, torch.empty(2, 32))
 
 
 # ---- the kernel's hot-row cache: hits copy cached staged rows, never other values ----
-
-class KeylessHotRowCache(HotRowCache):
-    """Negative control: a hit is any filled way 0 of the id's set, without comparing the row id."""
-    trust_keys = True
-
 
 def cached_steps(cache_cls, tab, steps: list[list[int]], dtype, cache_rows: int) -> tuple[list[torch.Tensor], list]:
     """Stage each step through stage_step with one cache of ~cache_rows rows; the staged rows and (hits, lookups)."""
@@ -233,12 +231,12 @@ def test_cache_hits_evicts_within_its_bound_and_its_negative_control_fails():
     for ids, out in zip(steps, outs):
         assert torch.equal(out, f[ids])
     # the control: skip the key compare on a hit, and a stream that revisits sets serves wrong rows
-    bad, _ = cached_steps(KeylessHotRowCache, f, steps, torch.float32, 64)
+    with gather_trust(keys=True):
+        bad, _ = cached_steps(HotRowCache, f, steps, torch.float32, 64)
     assert any(not torch.equal(out, f[ids]) for ids, out in zip(steps, bad))
 
 
-def test_tables_gather_through_the_kernel_cache_equals_no_cache(monkeypatch):
-    monkeypatch.delenv(staging.BACKEND_ENV, raising=False)
+def test_tables_gather_through_the_kernel_cache_equals_no_cache():
     tab = Fp8Table.from_float(torch.randn(3000, 64))
     cached = EngramTables((1,), [tab], pin=False, cache_bytes=256 * (64 * 4 + 10))
     plain = EngramTables((1,), [tab], pin=False)
@@ -251,8 +249,8 @@ def test_tables_gather_through_the_kernel_cache_equals_no_cache(monkeypatch):
         plain.gather(ids, b)
         assert same_bits(a.numpy(), b.numpy())
     assert cached.caches[0].hits > 0
-    monkeypatch.setenv(staging.BACKEND_ENV, "torch")  # the torch path swaps in its own (empty) RowCache
-    cached.gather(ids, a)
+    with kernels.override("-gather"):  # the torch path swaps in its own (empty) RowCache
+        cached.gather(ids, a)
     assert not isinstance(cached.caches[0], HotRowCache) and same_bits(a.numpy(), b.numpy())
 
 
@@ -260,7 +258,6 @@ def test_a_token_prefix_of_a_persistent_staging_buffer_is_gathered_by_the_kernel
     """The runner stages a microbatch into staging[:, :T] of a [L, T_cap, C, hd] buffer: not contiguous as
     a whole, each layer contiguous. The kernel serves it (one call per layer) and writes what the torch
     path writes, leaving the rest of the buffer alone."""
-    monkeypatch.delenv(staging.BACKEND_ENV, raising=False)
     tabs = EngramTables((1, 3), [Fp8Table.from_float(torch.randn(500, 64)) for _ in range(2)], pin=False)
     ids = torch.randint(0, 500, (5, 2, 4))
     buf = torch.full((2, 9, 4, 64), 7.0)
@@ -269,8 +266,8 @@ def test_a_token_prefix_of_a_persistent_staging_buffer_is_gathered_by_the_kernel
     tabs.gather(ids, buf[:, :5])
     assert calls and not buf[:, :5].is_contiguous()
     want = torch.empty(2, 5, 4, 64)
-    monkeypatch.setenv(staging.BACKEND_ENV, "torch")
-    tabs.gather(ids, want)
+    with kernels.override("-gather"):
+        tabs.gather(ids, want)
     assert same_bits(buf[:, :5].numpy(), want.numpy()) and bool((buf[:, 5:] == 7.0).all())
 
 
@@ -278,9 +275,9 @@ def test_a_token_prefix_of_a_persistent_staging_buffer_is_gathered_by_the_kernel
 
 @pytest.fixture
 def distance():
-    old = kernel._set_prefetch_distance(16)
-    yield kernel._set_prefetch_distance
-    kernel._set_prefetch_distance(old)
+    old = hooks("gather").set_prefetch_distance(16)
+    yield hooks("gather").set_prefetch_distance
+    hooks("gather").set_prefetch_distance(old)
 
 
 def cache_state(cache: HotRowCache) -> list[bytes]:
@@ -330,16 +327,16 @@ def test_prefetch_distance_changes_no_staged_value_and_no_cache_state(distance, 
 
 @pytest.fixture
 def stream_bytes():
-    old = kernel._set_stream_bytes(8 << 20)
-    yield kernel._set_stream_bytes
-    kernel._set_stream_bytes(old)
+    old = hooks("gather").set_stream_bytes(8 << 20)
+    yield hooks("gather").set_stream_bytes
+    hooks("gather").set_stream_bytes(old)
 
 
 @settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])  # a setter
 @given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 60), n=st.sampled_from([0, 1, 2, 5, 17, 40, 90]),
        groups=st.integers(1, 3), cache_rows=st.sampled_from([0, 8, 64]), dedup=st.booleans(), offset=st.sampled_from([0, 1, 8]))
 def test_streamed_staging_equals_the_plain_loop(stream_bytes, seed, rows, n, groups, cache_rows, dedup, offset):
-    """Non-temporal stores (float32 staging of FP8 rows at least `_set_stream_bytes` large; forced here
+    """Non-temporal stores (float32 staging of FP8 rows at least `set_stream_bytes` large; forced here
     with 0) give the plain loop's rows, with and without dedup, with a cache (hits, misses, repeats of
     both), and on staging that starts 1 or 8 floats past an aligned address (misaligned for the
     stores: the kernel writes those rows as usual, and must not crash)."""
@@ -388,10 +385,9 @@ def test_a_hit_evicted_later_in_the_same_call_is_staged_from_its_slot_first(dist
                 assert cache.slab[slot].tobytes() == stored(r)
 
 
-def test_tables_replaced_after_a_gather_are_the_ones_staged(monkeypatch):
+def test_tables_replaced_after_a_gather_are_the_ones_staged():
     """EngramTables keeps the kernel's views of its tables; a table replaced in `tables` is staged from,
     not the one the views were made of (they are remade when the table objects change)."""
-    monkeypatch.delenv(staging.BACKEND_ENV, raising=False)
     a, b = Fp8Table.from_float(torch.randn(50, 32)), Fp8Table.from_float(torch.randn(50, 32) + 3)
     tabs = EngramTables((1,), [a], pin=False)
     ids = torch.tensor([[[3, 7]], [[3, 49]]])  # [T=2, L=1, C=2]

@@ -3,7 +3,7 @@
 Layout: the DeepSeek-V4.1 golden one (Engram layers [1, 14], N=4, H=8, vocab 16,000,000,
 V'=129,280). One request whose sequence starts at position 0 (history all -1), random raw ids,
 identity compressed map. `prod_backend` says which production path ran: `kernel` (the C hash
-kernel, the default on CPU when it was built) or `torch` (`ENGRAM_SERVE_HASH_BACKEND=torch`, or no
+kernel, the default on CPU when it was built) or `torch` (`ENGRAM_SERVE_KERNELS=-hash`, or no
 kernel). The reference is a Python loop (about 7 us per token here), so for
 sizes above `--ref-cap` it is timed on the first `--ref-cap` tokens only and the row says so;
 throughput (tokens/s) is what is compared, and the reference's cost is linear in tokens.

@@ -54,16 +54,9 @@ def _engine(model, batch: int, ubatches: int):
 
 
 def _native_modules():
-    """The project's C kernel modules that a step may call (those built)."""
-    import importlib
-    mods = []
-    for name in ("engram._hash_kernel", "engram._gather_kernel", "model._linear_kernel", "model._attention_kernel",
-                 "model._token_kernel"):
-        try:
-            mods.append(importlib.import_module(f"engram_serve.{name}"))
-        except ImportError:
-            pass
-    return mods
+    """The project's C kernel modules that a step may call (those loaded: engram_serve/kernels.py)."""
+    from .. import kernels
+    return [kernels.get(name) for name in kernels.MODULES if kernels.loaded(name)]
 
 
 def count_ops(model, batch: int, ubatches: int) -> dict:

@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from ..inputs.ubatch import SplitConfig
-from ..parallel.group import LinkDelay, ParallelGroup, configure_link
+from ..parallel.group import ParallelGroup
+from .link import LinkDelay, configure_link
 from .step import WORKLOADS
 
 # name -> (requests, new tokens per request, context already computed): the single-process workloads and

@@ -35,6 +35,7 @@ staging buffer does).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -183,21 +184,22 @@ def _open_tables(root: Path, cfg, dedup: bool, cache_bytes: int):
     return read_tables(CheckpointFiles.open(root), OFFICIAL_SCHEME, cfg, pin=False, dedup=dedup, cache_bytes=cache_bytes)
 
 
-def _pass(tables, hashes, staging, backend: str = "auto") -> list[float]:
-    from ..engram.staging import BACKEND_ENV
-    os.environ[BACKEND_ENV] = backend
+def _pass(tables, hashes, staging, backend: str = "kernel") -> list[float]:
+    """Gather every step of `hashes`; backend "torch" switches the gather kernel off for the pass."""
+    from .. import kernels
     times = []
-    for s in range(hashes.shape[0]):
-        t0 = time.perf_counter()
-        tables.gather(hashes[s], staging)
-        times.append((time.perf_counter() - t0) * 1e3)
+    with kernels.override("-gather") if backend == "torch" else contextlib.nullcontext():
+        for s in range(hashes.shape[0]):
+            t0 = time.perf_counter()
+            tables.gather(hashes[s], staging)
+            times.append((time.perf_counter() - t0) * 1e3)
     return times
 
 
 # (name, gather backend, dedup, cache on): the fused C kernel beside the torch path it replaces (the
 # baseline); with the cache (the kernel's HotRowCache), hits are copied out of it inside the same kernel call
-SETTINGS = (("torch plain", "torch", False, 0), ("torch dedup", "torch", True, 0), ("kernel plain", "auto", False, 0),
-            ("kernel dedup", "auto", True, 0), ("kernel dedup+cache", "auto", True, 1))
+SETTINGS = (("torch plain", "torch", False, 0), ("torch dedup", "torch", True, 0), ("kernel plain", "kernel", False, 0),
+            ("kernel dedup", "kernel", True, 0), ("kernel dedup+cache", "kernel", True, 1))
 
 
 def _staging(requests: int):
@@ -269,9 +271,7 @@ def _share_rows(engram: dict, tables: dict, ids: list[int], tmap, steps: int, ro
     import numpy as np
 
     from ..inputs.ubatch import SplitConfig
-    from ..engram.staging import BACKEND_ENV
     from ..runner.model_runner import ModelRunner, RunnerConfig
-    os.environ[BACKEND_ENV] = "auto"  # the kernel, as the settings named below
     requests, block = 64, 16
     length = len(ids) // requests // block * block
     ctx = length - steps

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 
+from .. import kernels
 from ..errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def load(model=None, progress: bool = False, device: str = "cpu"):
@@ -55,6 +59,7 @@ def build_engine(model=None, *, enable_prefix_caching: bool = True, progress: bo
     if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ConfigError(f"tensor_parallel_size={tensor_parallel_size!r}: must be an integer >= 1")
     set_torch_threads(threads)  # before loading: the load itself runs torch ops
+    log.info("%s", kernels.summary())  # one line: which C kernels run (and why not), the SIMD level
     options = dict(runner_options)
     device = options.get("device", "cpu")
     if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):

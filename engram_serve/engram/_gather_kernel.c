@@ -3,21 +3,24 @@
  *
  * Plain CPython C API and the buffer protocol only (see _kernel_buffers.h), like _hash_kernel.c.
  *
- *   gather_rows(table, scale, ids, out, dedup[, trust_slots]) -> number of rows read from the table
+ *   gather_rows(table, scale, ids, out, dedup) -> number of rows read from the table
  *       table  [rows, hd] uint8 (F8_E4M3 bytes) with scale [rows, hd/32] uint8 (F8_E8M0 codes),
  *              or [rows, hd] float32 with scale None;
  *       ids    [n] int64, every one in [0, rows) (checked before anything is written: IndexError);
  *       out    [n, hd] float32, or int16 holding bfloat16 bits; out[i] = the decoded row ids[i];
  *       dedup  true: each distinct id is read and decoded once (at its first position), its later
  *              positions copy that staged row; false: every position reads the table.
- *       trust_slots  tests only (the negative control of the dedup's key check): a filled slot of the
- *              dedup set is taken for the id without comparing keys. Never passed by staging.py.
- *   gather_rows_cached(table, scale, ids, out, keys, ref, hand, slab[, trust_keys]) -> (read, hits)
+ *   gather_rows_cached(table, scale, ids, out, keys, ref, hand, slab) -> (read, hits)
  *       the same with dedup, behind a hot-row cache (see Cache): each distinct id is looked up; hits are
  *       decoded from the cached stored row, misses are read and decoded as above, then admitted. read = misses.
- *   _set_prefetch_distance(rows), _set_stream_bytes(bytes), _set_decode_path(level): tests and benchmarks
- *       only (see below).
  *   The GIL is released while rows are read (a row of a memory-mapped table may fault in from disk).
+ *
+ * Test hooks, not part of the module: the same shared object holds a second module, `_gather_hooks`
+ * (PyInit__gather_hooks), which only tests load (tests/kernel_hooks.py, from this file's path, so it
+ * shares this file's statics): set_prefetch_distance(rows), set_stream_bytes(bytes) and
+ * set_decode_path(level) (see below; staged values never depend on them), and set_trust(slots, keys),
+ * the negative controls of the key checks: with slots, a filled slot of the dedup set is taken for the
+ * id without comparing keys; with keys, a filled way 0 of the hot-row cache counts as a hit.
  *
  * Exactness (bit for bit the plain definition value = e4m3 * 2^(code - 127), rounded once to float32):
  * the E4M3 byte is first made into its exact float32 value with integer operations, then multiplied
@@ -211,7 +214,8 @@ __attribute__((target("avx2"))) static void decode_fp8_row_avx2(const uint8_t *r
 #endif
 
 /* decode_fp8_row through the fastest path this CPU has. */
-static int decode_path = 3; /* the best path up to: 3 VBMI, 2 AVX-512F, 1 AVX2, 0 decode_fp8_row (_set_decode_path, tests) */
+static int decode_path = 3; /* the best path up to: 3 VBMI, 2 AVX-512F, 1 AVX2, 0 decode_fp8_row (test hook set_decode_path) */
+static int trust_slots = 0, trust_keys = 0; /* the key checks off: negative controls only (test hook set_trust) */
 
 static inline void decode_row(const uint8_t *w, const uint8_t *s, float *o, Py_ssize_t hd) {
 #ifdef HAVE_X86_DECODE
@@ -240,7 +244,7 @@ typedef struct {
     const int64_t *ids;
     uint8_t *out;
     Py_ssize_t n, hd, out_item; /* out_item: 4 (float32) or 2 (bfloat16) */
-    int trust_slots;            /* tests only: a filled slot counts as the id (no key check) */
+    int trust_slots;            /* a negative control only: a filled slot counts as the id (no key check) */
     int stream;                 /* write FP8 rows decoded into float32 staging with non-temporal stores (see put_row) */
 } Gather;
 
@@ -262,7 +266,7 @@ typedef struct {
     int64_t *key;
     uint8_t *ref, *hand, *slab;
     Py_ssize_t sets;
-    int trust_keys; /* tests only (the negative control): a filled way 0 counts as a hit, no key check */
+    int trust_keys; /* a negative control only: a filled way 0 counts as a hit, no key check */
     Py_ssize_t hits;
 } Cache;
 
@@ -305,7 +309,7 @@ static inline Py_ssize_t cache_victim(Cache *c, int64_t r) {
  * slab is anonymous memory on huge pages, are decoded straight from their slots with their lines
  * prefetched `prefetch_distance` rows ahead, and the cache's key sets are prefetched as far ahead in
  * the lookups: there the loop is light enough, and it saved 15 to 25% of a cached gather. Default
- * DISTANCE; _set_prefetch_distance (tests and benchmarks only) changes it, 0 for no prefetch.
+ * DISTANCE; the test hook set_prefetch_distance changes it, 0 for no prefetch.
  * Prefetches are hints: they never change a staged value. */
 #define BLOCK 16
 #define DISTANCE 16
@@ -359,7 +363,7 @@ static inline void copy_repeats(const Gather *a, const Py_ssize_t *next, Py_ssiz
  * caches for the layer that reads it, so it is written as usual (streamed, 64 requests measured 0.84x).
  * Stores never change a staged value. */
 #define STREAM_BYTES (8 << 20)
-static Py_ssize_t stream_bytes = STREAM_BYTES; /* _set_stream_bytes: tests and benchmarks only */
+static Py_ssize_t stream_bytes = STREAM_BYTES; /* the test hook set_stream_bytes changes it */
 
 #ifdef HAVE_X86_DECODE
 __attribute__((target("avx2"))) static void stream_row(float *dst, const float *src, Py_ssize_t hd) {
@@ -528,7 +532,7 @@ fail:
 }
 
 static PyObject *gather_common(const char *fn, PyObject *table_o, PyObject *scale_o, PyObject *ids_o, PyObject *out_o,
-                               int dedup, int trust_slots, CacheViews *cv, int trust_keys) {
+                               int dedup, CacheViews *cv) {
     const int fp8 = scale_o != Py_None;
     Py_buffer table, scale, ids, out;
     int held = 0; /* buffers held, in the order table, ids, out, scale */
@@ -619,80 +623,30 @@ done:
 
 static PyObject *py_gather_rows(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *table_o, *scale_o, *ids_o, *out_o;
-    int dedup, trust_slots = 0;
-    if (!PyArg_ParseTuple(args, "OOOOp|p", &table_o, &scale_o, &ids_o, &out_o, &dedup, &trust_slots)) return NULL;
-    return gather_common("gather_rows", table_o, scale_o, ids_o, out_o, dedup, trust_slots, NULL, 0);
+    int dedup;
+    if (!PyArg_ParseTuple(args, "OOOOp", &table_o, &scale_o, &ids_o, &out_o, &dedup)) return NULL;
+    return gather_common("gather_rows", table_o, scale_o, ids_o, out_o, dedup, NULL);
 }
 
 static PyObject *py_gather_rows_cached(PyObject *Py_UNUSED(self), PyObject *args) {
     static const char *fn = "gather_rows_cached";
     PyObject *table_o, *scale_o, *ids_o, *out_o, *key_o, *ref_o, *hand_o, *slab_o;
-    int trust_keys = 0;
-    if (!PyArg_ParseTuple(args, "OOOOOOOO|p", &table_o, &scale_o, &ids_o, &out_o, &key_o, &ref_o, &hand_o, &slab_o,
-                          &trust_keys))
+    if (!PyArg_ParseTuple(args, "OOOOOOOO", &table_o, &scale_o, &ids_o, &out_o, &key_o, &ref_o, &hand_o, &slab_o))
         return NULL;
     CacheViews cv;
     if (get_cache(fn, key_o, ref_o, hand_o, slab_o, &cv) < 0) return NULL;
-    PyObject *result = gather_common(fn, table_o, scale_o, ids_o, out_o, 1, 0, &cv, trust_keys);
+    PyObject *result = gather_common(fn, table_o, scale_o, ids_o, out_o, 1, &cv);
     release_cache(&cv);
     return result;
 }
 
-/* *var = the one non-negative integer in args (a tests-and-benchmarks setter named fn); returns the old value. */
-static PyObject *set_size(PyObject *args, const char *fn, Py_ssize_t *var) {
-    Py_ssize_t v;
-    if (!PyArg_ParseTuple(args, "n", &v)) return NULL;
-    if (v < 0) {
-        PyErr_Format(PyExc_ValueError, "%s: %zd is negative", fn, v);
-        return NULL;
-    }
-    const Py_ssize_t old = *var;
-    *var = v;
-    return PyLong_FromSsize_t(old);
-}
-
-static PyObject *py_set_prefetch_distance(PyObject *Py_UNUSED(self), PyObject *args) {
-    return set_size(args, "_set_prefetch_distance", &prefetch_distance);
-}
-
-static PyObject *py_set_stream_bytes(PyObject *Py_UNUSED(self), PyObject *args) {
-    return set_size(args, "_set_stream_bytes", &stream_bytes);
-}
-
-static PyObject *py_set_decode_path(PyObject *Py_UNUSED(self), PyObject *args) {
-    int level;
-    if (!PyArg_ParseTuple(args, "i", &level)) return NULL;
-    if (level < 0 || level > 3) {
-        PyErr_Format(PyExc_ValueError, "_set_decode_path: level %d is not 0, 1, 2 or 3", level);
-        return NULL;
-    }
-    const int old = decode_path;
-    decode_path = level;
-#ifdef HAVE_X86_DECODE
-    const int best = have_vbmi ? 3 : have_avx512 ? 2 : have_avx2 ? 1 : 0;
-#else
-    const int best = 0;
-#endif
-    return Py_BuildValue("ii", old, level < best ? level : best);
-}
-
 static PyMethodDef methods[] = {
     {"gather_rows", py_gather_rows, METH_VARARGS,
-     "gather_rows(table, scale, ids, out, dedup[, trust_slots]) -> rows read: out[i] = row ids[i] of the table, decoded "
+     "gather_rows(table, scale, ids, out, dedup) -> rows read: out[i] = row ids[i] of the table, decoded "
      "(FP8 E4M3 bytes + E8M0 codes, or float32 with scale None) into float32 or bfloat16 bits (int16)."},
     {"gather_rows_cached", py_gather_rows_cached, METH_VARARGS,
-     "gather_rows_cached(table, scale, ids, out, keys, ref, hand, slab[, trust_keys]) -> (rows read from the table, "
+     "gather_rows_cached(table, scale, ids, out, keys, ref, hand, slab) -> (rows read from the table, "
      "cache hits): gather_rows with dedup, behind the hot-row cache held in keys/ref/hand/slab (updated in place)."},
-    {"_set_prefetch_distance", py_set_prefetch_distance, METH_VARARGS,
-     "_set_prefetch_distance(rows) -> the previous distance. Tests and benchmarks only: how many rows ahead the "
-     "gather prefetches (0: none); staged values never depend on it."},
-    {"_set_stream_bytes", py_set_stream_bytes, METH_VARARGS,
-     "_set_stream_bytes(bytes) -> the previous threshold. Tests and benchmarks only: calls whose float32 staging of "
-     "FP8 rows is at least this many bytes write it with non-temporal stores; staged values never depend on it."},
-    {"_set_decode_path", py_set_decode_path, METH_VARARGS,
-     "_set_decode_path(level) -> (previous level, the path now used). Tests only: decode FP8 rows through the best "
-     "path up to level (3 AVX-512 VBMI, 2 AVX-512F, 1 AVX2, 0 the portable loop) that this CPU has; every path gives the "
-     "same bits."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -702,7 +656,11 @@ static struct PyModuleDef module = {
     "engram_serve/engram/staging.py.", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__gather_kernel(void) {
+/* The decode tables and the CPU's features, once (either module's init may come first). */
+static void init_tables(void) {
+    static int done = 0;
+    if (done) return;
+    done = 1;
     for (int c = 0; c < 255; c++) scale_of_code[c] = ldexpf(1.0f, c - 127);
     scale_of_code[255] = NAN;
 #ifdef HAVE_X86_DECODE
@@ -725,5 +683,86 @@ PyMODINIT_FUNC PyInit__gather_kernel(void) {
         sub_lo[i] = sub_lo[i + 16] = i < 8 ? mag_lo[i] : 0;
     }
 #endif
+}
+
+PyMODINIT_FUNC PyInit__gather_kernel(void) {
+    init_tables();
     return PyModule_Create(&module);
+}
+
+/* ---- the test hooks: a second module in this shared object (see the header) ---------------------- */
+
+/* *var = the one non-negative integer in args (a hook named fn); returns the old value. */
+static PyObject *set_size(PyObject *args, const char *fn, Py_ssize_t *var) {
+    Py_ssize_t v;
+    if (!PyArg_ParseTuple(args, "n", &v)) return NULL;
+    if (v < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd is negative", fn, v);
+        return NULL;
+    }
+    const Py_ssize_t old = *var;
+    *var = v;
+    return PyLong_FromSsize_t(old);
+}
+
+static PyObject *py_set_prefetch_distance(PyObject *Py_UNUSED(self), PyObject *args) {
+    return set_size(args, "set_prefetch_distance", &prefetch_distance);
+}
+
+static PyObject *py_set_stream_bytes(PyObject *Py_UNUSED(self), PyObject *args) {
+    return set_size(args, "set_stream_bytes", &stream_bytes);
+}
+
+static PyObject *py_set_decode_path(PyObject *Py_UNUSED(self), PyObject *args) {
+    int level;
+    if (!PyArg_ParseTuple(args, "i", &level)) return NULL;
+    if (level < 0 || level > 3) {
+        PyErr_Format(PyExc_ValueError, "set_decode_path: level %d is not 0, 1, 2 or 3", level);
+        return NULL;
+    }
+    const int old = decode_path;
+    decode_path = level;
+#ifdef HAVE_X86_DECODE
+    const int best = have_vbmi ? 3 : have_avx512 ? 2 : have_avx2 ? 1 : 0;
+#else
+    const int best = 0;
+#endif
+    return Py_BuildValue("ii", old, level < best ? level : best);
+}
+
+static PyObject *py_set_trust(PyObject *Py_UNUSED(self), PyObject *args) {
+    int slots, keys;
+    if (!PyArg_ParseTuple(args, "pp", &slots, &keys)) return NULL;
+    PyObject *old = Py_BuildValue("OO", trust_slots ? Py_True : Py_False, trust_keys ? Py_True : Py_False);
+    trust_slots = slots;
+    trust_keys = keys;
+    return old;
+}
+
+static PyMethodDef hook_methods[] = {
+    {"set_prefetch_distance", py_set_prefetch_distance, METH_VARARGS,
+     "set_prefetch_distance(rows) -> the previous distance: how many rows ahead the gather prefetches (0: none); "
+     "staged values never depend on it."},
+    {"set_stream_bytes", py_set_stream_bytes, METH_VARARGS,
+     "set_stream_bytes(bytes) -> the previous threshold: calls whose float32 staging of FP8 rows is at least this "
+     "many bytes write it with non-temporal stores; staged values never depend on it."},
+    {"set_decode_path", py_set_decode_path, METH_VARARGS,
+     "set_decode_path(level) -> (previous level, the path now used): decode FP8 rows through the best path up to "
+     "level (3 AVX-512 VBMI, 2 AVX-512F, 1 AVX2, 0 the portable loop) that this CPU has; every path gives the same "
+     "bits."},
+    {"set_trust", py_set_trust, METH_VARARGS,
+     "set_trust(slots, keys) -> the previous (slots, keys). Negative controls only: the dedup set (slots) or the "
+     "hot-row cache (keys) takes a filled slot for the id without comparing keys."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef hook_module = {
+    PyModuleDef_HEAD_INIT, "_gather_hooks",
+    "Test hooks of _gather_kernel (tuning and the key checks); loaded from the kernel's file by tests only.",
+    -1, hook_methods,
+};
+
+PyMODINIT_FUNC PyInit__gather_hooks(void) {
+    init_tables();
+    return PyModule_Create(&hook_module);
 }

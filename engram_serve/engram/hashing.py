@@ -8,8 +8,9 @@ The production path has three pieces, all torch ops that run unchanged on CPU or
 On CPU, `hash_step` and `hash_windows` run the optional C kernel `_hash_kernel` instead (one fused
 loop per token, division by a precomputed reciprocal; single-threaded torch spends most of its time
 in int64 `remainder`, which it cannot vectorise). The torch path (`hash_step_torch`,
-`hash_windows_torch`) serves CUDA tensors, a build without the kernel, and
-`ENGRAM_SERVE_HASH_BACKEND=torch`; both are property-tested against each other and the reference.
+`hash_windows_torch`) serves CUDA tensors and a process without the kernel (not built, or switched
+off: `ENGRAM_SERVE_KERNELS=-hash`, engram_serve/kernels.py); both are property-tested against each
+other and the reference.
 `reference_hash` (a plain loop over one sequence, written for obviousness) lives beside it for tests.
 """
 from __future__ import annotations
@@ -17,15 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .kernels import choose_backend
+from .. import kernels
 from .layout import EngramLayout
-
-try:
-    from . import _hash_kernel
-except ImportError:  # installed without a C compiler: the torch path serves CPU too
-    _hash_kernel = None
-
-BACKEND_ENV = "ENGRAM_SERVE_HASH_BACKEND"
 
 BEFORE_START = -1  # history column whose position is < 0
 DEAD = -2  # a dead token (e.g. an image placeholder): blocks every n-gram that reaches it
@@ -67,12 +61,11 @@ def compress(window: torch.Tensor, token_map: torch.Tensor) -> torch.Tensor:
 
 
 def hash_backend(*tensors: torch.Tensor) -> str:
-    """'kernel' or 'torch': the path that hashes these tensors.
-
-    `ENGRAM_SERVE_HASH_BACKEND` (read per call): `auto`, `torch` or `kernel`, as `kernels.choose_backend`
-    says. Non-CPU tensors always take the torch path.
-    """
-    return choose_backend(BACKEND_ENV, _hash_kernel, "_hash_kernel", tensors)
+    """'kernel' or 'torch': the path that hashes these tensors: the kernel where it is loaded
+    (engram_serve/kernels.py) and every tensor is on the CPU."""
+    if kernels.get("hash") is None or any(t.device.type != "cpu" for t in tensors):
+        return "torch"
+    return "kernel"
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
@@ -115,7 +108,7 @@ def hash_windows(window_c: torch.Tensor, layout: EngramLayout, pad_id: int) -> t
     if hash_backend(window_c, layout.moduli) == "torch":
         return hash_windows_torch(window_c, layout, pad_id)
     out = _new_output(window_c.shape[0], layout)  # [T, L, C]
-    _hash_kernel.hash_windows(_host(window_c), *_kernel_constants(layout), int(pad_id), out)
+    kernels.get("hash").hash_windows(_host(window_c), *_kernel_constants(layout), int(pad_id), out)
     return torch.from_numpy(out)
 
 
@@ -155,8 +148,8 @@ def hash_step(input_ids: torch.Tensor, qsl: torch.Tensor, history: torch.Tensor,
     dead_np = None if dead is None else dead.bool().contiguous().numpy()
     # the C loop is step_windows + compress + hash_windows fused: no [T, N] or [T, L, C] temporaries
     token_map_np = _once((token_map,), lambda t: (_host(t),))[0]
-    _hash_kernel.hash_step(_host(input_ids), _host(qsl), _host(history), dead_np, token_map_np,
-                           *_kernel_constants(layout), int(pad_id), host)
+    kernels.get("hash").hash_step(_host(input_ids), _host(qsl), _host(history), dead_np, token_map_np,
+                                  *_kernel_constants(layout), int(pad_id), host)
     return torch.from_numpy(host) if out is None else out
 
 

@@ -84,7 +84,6 @@ class HotRowCache:
     Not thread-safe by itself: EngramTables serialises its use."""
 
     WAYS = 8
-    trust_keys = False  # tests only (negative control): a subclass sets it to skip the key compare on a hit
 
     def __init__(self, capacity_bytes: int, row_bytes: int):
         import numpy as np

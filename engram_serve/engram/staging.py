@@ -5,8 +5,8 @@ sort), each distinct row is read from the (memory-mapped) table once and decoded
 first staging row (FP8 E4M3 bytes x E8M0 scale, or a float32 row copied), and the later positions of
 the same id copy that staged row. The torch path (`EngramTables.gather` without the kernel: unique,
 index_select of the stored bytes, the bit-trick decode, an index_select into staging) is the fallback
-for a build without a C compiler, for tables or staging off the CPU, for other dtypes, and for
-`ENGRAM_SERVE_GATHER_BACKEND=torch` (`auto` / `torch` / `kernel`, see `kernels.choose_backend`).
+for a process without the kernel (not built, or switched off: `ENGRAM_SERVE_KERNELS=-gather`,
+engram_serve/kernels.py), for tables or staging off the CPU, and for other dtypes.
 Both decode bit for bit the plain definition (tests/test_staging_kernel.py, against each other and a
 plain loop).
 """
@@ -15,16 +15,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .kernels import choose_backend
+from .. import kernels
 from .quantized import Fp8Table
 from .row_cache import HotRowCache
-
-try:
-    from . import _gather_kernel
-except ImportError:  # installed without a C compiler: the torch path serves CPU too
-    _gather_kernel = None
-
-BACKEND_ENV = "ENGRAM_SERVE_GATHER_BACKEND"
 
 
 def table_fits(tab: torch.Tensor | Fp8Table) -> bool:
@@ -49,12 +42,16 @@ def table_parts(tab: torch.Tensor | Fp8Table) -> tuple[torch.Tensor, ...]:
     return (tab.weight, tab.scale) if isinstance(tab, Fp8Table) else (tab,)
 
 
+def kernel_loaded() -> bool:
+    """Whether the gather kernel is loaded (engram_serve/kernels.py)."""
+    return kernels.get("gather") is not None
+
+
 def gather_backend(tab: torch.Tensor | Fp8Table, out: torch.Tensor) -> str:
-    """'kernel' or 'torch': the path that stages rows of `tab` into `out` (ENGRAM_SERVE_GATHER_BACKEND)."""
-    if choose_backend(BACKEND_ENV, _gather_kernel, "_gather_kernel", (*table_parts(tab), out)) == "kernel" \
-            and kernel_fits(tab, out):
-        return "kernel"
-    return "torch"
+    """'kernel' or 'torch': the path that stages rows of `tab` into `out`: the kernel where it is loaded,
+    every tensor is on the CPU and `kernel_fits`."""
+    on_cpu = all(t.device.type == "cpu" for t in (*table_parts(tab), out))
+    return "kernel" if kernel_loaded() and on_cpu and kernel_fits(tab, out) else "torch"
 
 
 def table_views(tab: torch.Tensor | Fp8Table) -> tuple:
@@ -83,15 +80,15 @@ def stage_step(tables: list, hash_ids: torch.Tensor, out: torch.Tensor, dedup: b
     ids = np.ascontiguousarray(hash_ids.to("cpu", torch.int64).numpy().transpose(1, 0, 2).reshape(len(tables), -1))
     # [L, T*C] above, in numpy: ~8 us a step less than the same in torch at 64 requests
     staged_all = _staging_view(out)  # numpy views: indexing them costs ~0.2 us against ~2 us for a tensor's
+    kernel = kernels.get("gather")
     for layer, tab in enumerate(tables):
         table, scale = views[layer] if views is not None else table_views(tab)
         staged = staged_all[layer]
         cache = caches[layer] if caches else None
         if cache is None:
-            _gather_kernel.gather_rows(table, scale, ids[layer], staged, dedup)
+            kernel.gather_rows(table, scale, ids[layer], staged, dedup)
             continue
-        misses, hits = _gather_kernel.gather_rows_cached(table, scale, ids[layer], staged,
-                                                         *cache.arrays(), cache.trust_keys)
+        misses, hits = kernel.gather_rows_cached(table, scale, ids[layer], staged, *cache.arrays())
         cache.hits += hits
         cache.lookups += hits + misses  # the step's distinct ids
 
@@ -101,4 +98,4 @@ def stage_rows(tab: torch.Tensor | Fp8Table, ids: torch.Tensor, out: torch.Tenso
     place; `kernel_fits(tab, out)` must hold). Returns the number of rows read from the table: the
     distinct ids with dedup, else n. An id outside the table raises IndexError before anything is written."""
     table, scale, staged = _kernel_args(tab, out)
-    return _gather_kernel.gather_rows(table, scale, ids.contiguous().numpy(), staged, dedup)
+    return kernels.get("gather").gather_rows(table, scale, ids.contiguous().numpy(), staged, dedup)

@@ -16,7 +16,6 @@ staged rows are bit for bit those of a direct row-by-row read (tests/test_checkp
 """
 from __future__ import annotations
 
-import os
 import threading
 
 import torch
@@ -24,10 +23,8 @@ import torch
 from ..config import EngramConfig
 from .quantized import Fp8Table, dequantize_rows
 from .row_cache import HotRowCache, RowCache
-from . import staging
-from .kernels import choose_backend
-from .staging import BACKEND_ENV, gather_backend, stage_rows, stage_step, staging_fits, table_fits, table_parts, \
-    table_views
+from .. import kernels
+from .staging import gather_backend, stage_rows, stage_step, staging_fits, table_fits, table_parts, table_views
 
 
 def table_key(layer_id: int) -> str:
@@ -76,13 +73,12 @@ class EngramTables:
     def _kernel_serves(self, out_row: torch.Tensor) -> bool:
         """Whether the fused kernel stages every table into staging like out_row: `gather_backend(tab, out_row)`
         for each table, with what depends only on the tables (on the CPU, their layout, the kernel's views
-        of them) computed once for these table objects; the backend variable is still read per call."""
+        of them) computed once for these table objects; whether the kernel is loaded is asked per call."""
         fit, _ = self._table_facts()
-        key = (out_row.dtype, out_row.device, out_row.shape, out_row.stride(), os.environ.get(BACKEND_ENV),
-               staging._gather_kernel)  # what the answer depends on
+        kernel = kernels.get("gather")
+        key = (out_row.dtype, out_row.device, out_row.shape, out_row.stride(), kernel)  # what the answer depends on
         if fit and self._serves[0] != key:  # ~8 us a gather saved at 64 requests
-            self._serves = (key, staging_fits(out_row) and choose_backend(
-                BACKEND_ENV, staging._gather_kernel, "_gather_kernel", (out_row,)) == "kernel")
+            self._serves = (key, kernel is not None and out_row.device.type == "cpu" and staging_fits(out_row))
         return fit and self._serves[1]
 
     def _table_facts(self) -> tuple[bool, list | None]:

@@ -1,4 +1,4 @@
-/* Paged attention over the KV pool, one query at a time (model/paged_attention.py, `NativeAttention`).
+/* Paged attention over the KV pool, one query at a time (model/attention_kernels.py, `attend_native`).
  *
  * Every query is computed alone, by the same operations in the same order whatever else is in the
  * call: its scores over its own keys in position order, their max, exp of each minus the max, the sum
@@ -13,11 +13,10 @@
  * non-finite value reaches exactly the queries that read it.
  *
  * Plain CPython C API; the arrays come as addresses (torch's `data_ptr()`), checked by the one caller
- * (`NativeAttention` in paged_attention.py: dtypes, device, strides, shapes); the kernel checks sizes.
+ * (`attend_native` in attention_kernels.py: dtypes, device, strides, shapes); the kernel checks sizes.
  *
  *   attend(mode, q, ldq, k, v, ld_head, tables, ld_table, width, block_size, zero_slot, num_slots,
- *          qsl, computed, rows, num_tokens, heads, kv_heads, head_dim, scale, out, sel, topk,
- *          read_past, later_keys) -> None
+ *          qsl, computed, rows, num_tokens, heads, kv_heads, head_dim, scale, out, sel, topk) -> None
  *     mode 0 (full): every visible key; 1 (select): choose each query's `topk` keys into sel, then
  *     attend to them; 2 (reuse): attend to the keys already in sel.
  *     q [T, heads, head_dim] float32, head rows contiguous, tokens ldq floats apart;
@@ -29,9 +28,6 @@
  *     -1 = none (written by mode 1 for every token).
  *     Selection: score = (sum over heads in head order of q_h . k) / heads; the `topk` highest, ties to
  *     the lower position, a NaN score above every number.
- *     read_past, later_keys: 0 in serving. They exist only for the negative controls of the isolation
- *     tests: read_past reads that many positions past the query; later_keys reads the row's later keys
- *     of this step too, each weighted 0 (a product, as a masked dense kernel would).
  *
  *   rotate_store(qkv, num_tokens, heads, kv_heads, head_dim, cos, sin, slot_mapping, k, v, ld_head, num_slots)
  *     qkv [T, heads + 2 kv_heads, head_dim] float32 contiguous (q heads, k heads, v heads): the q and k
@@ -40,6 +36,13 @@
  *     bits); then every token's rotated k and its v stored at slot_mapping[t] of the pools (slot < 0:
  *     nowhere; a slot >= num_slots is an error).
  *   The GIL is released during the arithmetic.
+ *
+ * Test hooks, not part of the module: the same shared object holds a second module,
+ * `_attention_hooks` (PyInit__attention_hooks), which only tests load (tests/kernel_hooks.py, from this
+ * file's path, so it shares this file's statics). Its `set_leaks(read_past, later_keys)` switches the
+ * isolation off for the negative controls of the isolation tests: read_past reads that many positions
+ * past the query; later_keys reads the row's later keys of this step too, each weighted 0 (a product,
+ * as a masked dense kernel would). Both are 0 unless a test sets them.
  *
  * Built without -ffast-math and with -ffp-contract=off: every operation is the IEEE one written, in
  * every clone below; exp is `exp_fixed` (_kernel_math.h), the same operations for every element.
@@ -303,18 +306,23 @@ CLONES static void select_top(const Attn *a, const float *restrict qt, const int
     }
 }
 
+/* The isolation switched off, for negative controls only (set by `_attention_hooks.set_leaks`). */
+static Py_ssize_t leak_read_past = 0;
+static int leak_later_keys = 0;
+
 static PyObject *py_attend(PyObject *Py_UNUSED(self), PyObject *args) {
     int mode;
     unsigned long long qa, ka, va, ta, qsla, ca, oa, sa;
-    Py_ssize_t ldq, ld_head, ld_table, width, bs, zero, nslots, rows, ntok, heads, kvh, hd, topk, read_past;
-    int later_keys;
+    Py_ssize_t ldq, ld_head, ld_table, width, bs, zero, nslots, rows, ntok, heads, kvh, hd, topk;
     double scale;
-    if (!PyArg_ParseTuple(args, "iKnKKnKnnnnnKKnnnnndKKnnp", &mode, &qa, &ldq, &ka, &va, &ld_head, &ta, &ld_table,
+    if (!PyArg_ParseTuple(args, "iKnKKnKnnnnnKKnnnnndKKn", &mode, &qa, &ldq, &ka, &va, &ld_head, &ta, &ld_table,
                           &width, &bs, &zero, &nslots, &qsla, &ca, &rows, &ntok, &heads, &kvh, &hd, &scale, &oa, &sa,
-                          &topk, &read_past, &later_keys))
+                          &topk))
         return NULL;
+    const Py_ssize_t read_past = leak_read_past; /* 0 but in a negative control */
+    const int later_keys = leak_later_keys;
     if (mode < 0 || mode > 2 || heads < 1 || kvh < 1 || heads % kvh || hd < 1 || bs < 1 || rows < 0 || ntok < 0 ||
-        ldq < heads * hd || ld_head < 1 || width < 0 || read_past < 0 || (mode && topk < 1) ||
+        ldq < heads * hd || ld_head < 1 || width < 0 || (mode && topk < 1) ||
         (ntok && (!qa || !oa || (mode && !sa))) || (rows && (!qsla || !ca || !ka || !va || (width && !ta)))) {
         PyErr_Format(PyExc_ValueError, "attend: mode %d, heads %zd, kv_heads %zd, head_dim %zd, block_size %zd, rows %zd, "
                      "tokens %zd, ldq %zd, topk %zd do not fit", mode, heads, kvh, hd, bs, rows, ntok, ldq, topk);
@@ -447,15 +455,46 @@ static PyMethodDef methods[] = {
      "the q and k heads of qkv in place, then k and v stored at their slots (see the module source)."},
     {"attend", py_attend, METH_VARARGS,
      "attend(mode, q, ldq, k, v, ld_head, tables, ld_table, width, block_size, zero_slot, num_slots, qsl, computed, rows, "
-     "num_tokens, heads, kv_heads, head_dim, scale, out, sel, topk, read_past, later_keys) -> None: paged attention "
+     "num_tokens, heads, kv_heads, head_dim, scale, out, sel, topk) -> None: paged attention "
      "one query at a time (addresses of float32 / int64 data; see the module source)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_attention_kernel",
-    "Paged attention one query at a time, in a fixed order per query, for model/paged_attention.py.",
+    "Paged attention one query at a time, in a fixed order per query, for model/attention_kernels.py.",
     -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__attention_kernel(void) { return PyModule_Create(&module); }
+
+/* ---- the test hooks: a second module in this shared object (see the header) ---------------------- */
+
+static PyObject *py_set_leaks(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_ssize_t read_past;
+    int later_keys;
+    if (!PyArg_ParseTuple(args, "np", &read_past, &later_keys)) return NULL;
+    if (read_past < 0) {
+        PyErr_Format(PyExc_ValueError, "set_leaks: read_past %zd is negative", read_past);
+        return NULL;
+    }
+    PyObject *old = Py_BuildValue("nO", leak_read_past, leak_later_keys ? Py_True : Py_False);
+    leak_read_past = read_past;
+    leak_later_keys = later_keys;
+    return old;
+}
+
+static PyMethodDef hook_methods[] = {
+    {"set_leaks", py_set_leaks, METH_VARARGS,
+     "set_leaks(read_past, later_keys) -> the previous (read_past, later_keys). Negative controls only: `attend` "
+     "reads read_past positions past each query, and with later_keys the row's later keys of the step, weighted 0."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef hook_module = {
+    PyModuleDef_HEAD_INIT, "_attention_hooks",
+    "Test hooks of _attention_kernel (the isolation switched off); loaded from the kernel's file by tests only.",
+    -1, hook_methods,
+};
+
+PyMODINIT_FUNC PyInit__attention_hooks(void) { return PyModule_Create(&hook_module); }

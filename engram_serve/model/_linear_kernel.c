@@ -28,6 +28,7 @@
  *       simd: 0 the portable tile and SwiGLU epilogue, 1 AVX2 at most, 2 AVX-512 where the CPU has it
  *       (tests: all give the same bits).
  *   The GIL is released during the arithmetic.
+ *   simd_level() -> 0, 1 or 2: the level that simd 2 (what layers.py passes) runs at on this CPU.
  *
  * Built without -ffast-math and with -ffp-contract=off: every operation is the IEEE one written
  * (fmaf and the vector fused multiply-add round once).
@@ -265,7 +266,18 @@ static PyObject *py_linear_packed(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_simd_level(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
+    int level = 0;
+#if HAVE_X86_AVX2
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        level = __builtin_cpu_supports("avx512f") ? 2 : 1;
+#endif
+    return PyLong_FromLong(level);
+}
+
 static PyMethodDef methods[] = {
+    {"simd_level", py_simd_level, METH_NOARGS,
+     "simd_level() -> the SIMD level of this CPU's tiles: 0 portable, 1 AVX2, 2 AVX-512 (what simd 2 runs at)."},
     {"linear_packed", py_linear_packed, METH_VARARGS,
      "linear_packed(x, ldx, panels, y, m, k, n, kc, inter, weights, simd) -> None: y = x @ w in fma chains of kc "
      "inputs, the chains then added in order (addresses of float32 data); w packed as [ceil(n / 16), k, 16] (zero "

@@ -1,7 +1,7 @@
 """Grouped-query attention with cross-layer index sharing, and its two backends.
 
 `PagedAttention` (serving) runs one microbatch over the paged KV cache with the varlen, bit-exact
-kernels of `paged_attention.py`. `DenseAttention` (training) runs [B, S] sequences at positions
+kernels of `attention_kernels.py`. `DenseAttention` (training) runs [B, S] sequences at positions
 0..S-1 through torch's fused `scaled_dot_product_attention` in one padded layout:
     q [B, S, heads, hd], k, v [B, S, kv_heads, hd]; key j visible to query i iff j <= i.
 Both give the same attention (up to float rounding): causal by absolute position; a SELECT layer keeps,
@@ -20,8 +20,8 @@ from ..config import ModelConfig
 from ..errors import StaticBufferError
 from .context import ForwardContext
 from .layers import Linear, apply_rotary, fuse_on_load, split_on_save
-from .paged_attention import (AttentionPlan, attend_full, attend_native, attend_selected, attention_min_rows,
-                              native_available, rotate_store, select_keys)
+from .attention_kernels import (AttentionPlan, attend_full, attend_native, attend_selected, attention_min_rows,
+                                native_available, rotate_store, select_keys)
 
 FULL, SELECT, REUSE = "full", "select", "reuse"
 
@@ -74,11 +74,10 @@ class PagedAttention:
     """Attention of one microbatch over the paged KV cache. The plan is built once per forward and
     shared by every layer; the SELECT layer's choice lives in the microbatch's own `bufs.topk_idx`."""
 
-    # protections that a test subclass turns off (negative controls), not options:
-    read_past = 0  # keys readable past seq_len
-    guard_fresh = True  # torch kernels: zero this step's non-finite values where a masked query would multiply
-    # them; C kernel: a query reads no key later than itself (off: it reads them with weight 0)
-    native = True  # the C kernel where it can run (a test subclass turns it off to test the torch kernels)
+    # what a test subclass swaps to switch a protection of the torch kernels off (negative controls), not
+    # options (the C kernel's protections are switched by tests/kernel_hooks.py):
+    plan_type = AttentionPlan  # which keys a pair may read (AttentionPlan.readable)
+    guard_fresh = True  # zero this step's non-finite values where a masked query would multiply them
 
     def __init__(self, ctx: ForwardContext):
         self.ctx = ctx
@@ -88,9 +87,9 @@ class PagedAttention:
         if self.plan is None:
             b, zero, width = self.ctx.batch, self.ctx.kv.zero_slot, -(-attention_min_rows(self.ctx.kv) // group)
             if self.ctx.max_seq_len is not None:  # static shapes for graph capture
-                self.plan = AttentionPlan.build_static(b, zero, width, self.ctx.max_seq_len)
+                self.plan = self.plan_type.build_static(b, zero, width, self.ctx.max_seq_len)
             else:
-                self.plan = AttentionPlan.build(b, zero, width, self.read_past)
+                self.plan = self.plan_type.build(b, zero, width)
         return self.plan
 
     def _topk_buf(self, topk: int) -> torch.Tensor:
@@ -105,19 +104,18 @@ class PagedAttention:
 
     def attend_qkv(self, layer: int, qkv, heads: int, cos, sin, mode: str, topk: int, head_mean=None) -> torch.Tensor:
         """Attention of qkv [T, heads + 2 kv_heads, hd] (the fused projection, before rotary). On a float32 CPU
-        it runs as two C calls (rotary in place and the KV writes, then the attention); elsewhere (CUDA, no
-        compiler), and for a selecting layer under tensor parallelism (its scores are summed across
-        ranks' heads), through the torch kernels."""
+        it runs as two C calls (rotary in place and the KV writes, then the attention); elsewhere (CUDA, the
+        attention kernel not loaded: engram_serve/kernels.py), and for a selecting layer under tensor
+        parallelism (its scores are summed across ranks' heads), through the torch kernels."""
         kv = self.ctx.kv
         kc, vc = kv.layer(layer)
-        if not (self.native and (head_mean is None or mode != SELECT) and native_available(qkv, kc)):
+        if not ((head_mean is None or mode != SELECT) and native_available(qkv, kc)):
             return rotate_and_attend(self, layer, qkv, heads, cos, sin, mode, topk, head_mean)
         qkv = qkv.contiguous()  # (a fresh projection: already)
         sel = None if mode == FULL else self._topk_buf(topk)
         b = self.ctx.batch
         rotate_store(qkv, heads, cos, sin, b.slot_mapping, kc, vc, kv.num_slots)  # this microbatch's keys first
-        return attend_native(b, qkv[:, :heads], kc, vc, kv.zero_slot, kv.num_slots, mode, sel, self.read_past,
-                             not self.guard_fresh)
+        return attend_native(b, qkv[:, :heads], kc, vc, kv.zero_slot, kv.num_slots, mode, sel)
 
     def attend(self, layer: int, q, k, v, mode: str, topk: int, head_mean=None) -> torch.Tensor:
         kv = self.ctx.kv

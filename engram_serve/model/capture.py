@@ -1,5 +1,5 @@
-"""The forward's C kernel calls, recordable: every call into `_linear_kernel`, `_token_kernel` and
-`_attention_kernel` goes through `call`, so that a CPU graph capture (runner/cpu_graphs.py) can
+"""The forward's C kernel calls, recordable: every call into the linear, token and attention kernels
+(engram_serve/kernels.py) goes through `call`, so that a CPU graph capture (runner/cpu_graphs.py) can
 record it. The kernels take addresses, sizes and flags only, and return nothing the forward reads,
 so a recorded call can be made again by itself."""
 from __future__ import annotations

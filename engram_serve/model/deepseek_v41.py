@@ -29,7 +29,8 @@ from torch import nn
 from ..config import V41Config
 from ..engram.layer import EngramGate
 from ..errors import StaticBufferError
-from .layers import Linear, RMSNorm, linear, pointwise
+from .exactness import pointwise
+from .layers import Linear, RMSNorm, linear
 from .v41_cache import SlotPlan, V41Cache
 
 KEY_CHUNK = 64  # indexer entries per batched-matmul item: a fixed per-item shape whatever the context

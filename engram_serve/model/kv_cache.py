@@ -1,7 +1,7 @@
 """Paged KV cache: one flat slot pool per layer and KV head, addressed by `slot = block * block_size + offset`.
 
 Layout [layers, kv_heads, slots, head_dim] (head-major): attention gathers a pair's keys for every KV
-head in one index_select that lands in its bmm's batch layout (paged_attention.py), with no copy.
+head in one index_select that lands in its bmm's batch layout (attention_kernels.py), with no copy.
 
 Invariants: a token at absolute position p of a request whose block table is `bt` lives in slot
 `bt[p // block_size] * block_size + p % block_size`; slot -1 means "write nowhere" (padding). An

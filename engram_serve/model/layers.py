@@ -1,193 +1,36 @@
-"""Token-wise building blocks: RMSNorm, rotary embedding, SwiGLU MLP and a small top-k MoE.
+"""Token-wise building blocks: the matmul `linear`, RMSNorm, rotary embedding, SwiGLU MLP and a small
+top-k MoE.
 
 Everything here maps `[N, hidden]` tokens to `[N, hidden]` with no knowledge of rows or batches, so
-the paged (serving) path and the dense (training/reference) path run the very same code.
+the paged (serving) path and the dense (training/reference) path run the very same code. A row's bits
+do not depend on its batch: every matmul goes through `linear`, which follows the row rule of
+model/exactness.py, and elementwise torch ops go through `exactness.pointwise`.
 """
 from __future__ import annotations
 
 from collections.abc import Generator
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..errors import StaticBufferError
-from . import capture, fused
+from . import exactness, fused
 from .context import MOE_COMBINE, MOE_DISPATCH, ForwardContext
-
-try:
-    from . import _linear_kernel
-except ImportError:  # installed without a C compiler: torch's matmul, small calls padded
-    _linear_kernel = None
-
-
-# Batch invariance of matmuls (docs/contract.md §9). On CPU, torch's float32 matmul (MKL sgemm) computes a call of
-# few rows with small-matrix kernels and a bigger call with its blocked kernel, and they round
-# differently, so a row's bits would depend on how many rows share its call. Where the switch lies
-# depends on the CPU and on the weight's memory layout: with the usual [out, in] row-major weight it is
-# 4 rows on an AVX2 machine and 6 to 16 rows (growing with `in`) on an AVX-512 one; with the weight laid
-# out input-major (`in_major`: W.T contiguous, so MKL reads it untransposed) only a 1-row call differs
-# there. The model's matmul weights are laid out input-major (`layout_weights_`, once at load), and
-# every matmul of the forward goes through `linear`. Where a probe shows that the C kernel
-# `_linear_kernel` gives MKL's bits for this shape (`small_call_kc`: it computes the blocked kernel's
-# accumulation order, fma chains over blocks of `kc` inputs, the blocks then added), every call goes to
-# it: it computes each row by the same operations whatever the call's size, so no call pads. Elsewhere
-# (another BLAS, no C compiler, autograd) a call of fewer than `min_rows(weight)` rows is padded with
-# zero rows. Both are measured once per shape and layout in the process (`first_invariant_rows`: the
-# smallest row count from which every probed call gives each row the bits of a PROBE_REF-row call). The
-# attention's bmm calls get the padding (`bmm_min_rows`). The runner pads a small microbatch once to the
-# row count the model's matmuls still need (`pad_rows`: 1 where the kernel serves every weight), so that
-# within a step only the sampled rows' logits call may still
-# pad. tests/test_layers.py sweeps the rule.
-MIN_ROWS = 4  # the rule off the CPU (not measured there)
-PROBE_REF, PROBE_MAX = 512, 96
-PANEL = 16  # columns per packed panel of `_linear_kernel`
-_exact = True  # the batch-invariance rules of this module are on; `batch_invariant(False)` turns them off
-_min_rows: dict[tuple, int] = {}
-
-
-@contextmanager
-def batch_invariant(enabled: bool):
-    """Run the block with the batch-invariance rules (min_rows, VEC_PAD) on or off. Off is the fastest
-    non-exact configuration (benchmarks) and the negative control of the bit-exactness tests."""
-    global _exact
-    before, _exact = _exact, enabled
-    try:
-        yield
-    finally:
-        _exact = before
-
-
-def in_major(t: torch.Tensor, n_in: int = 1) -> torch.Tensor:
-    """t, same shape and values, laid out with its last `n_in` (input) dims outermost in memory: as a
-    matrix [out, in] its transpose is contiguous. A copy unless t is laid out so already."""
-    d = t.dim()
-    order = [*range(d - n_in, d), *range(d - n_in)]
-    p = t.permute(order)
-    return t if p.is_contiguous() else p.contiguous().permute([order.index(i) for i in range(d)])
-
-
-def first_invariant_rows(fn, rows: torch.Tensor) -> int:
-    """The smallest row count m such that fn over the first n rows, for every probed n >= m (1..PROBE_MAX,
-    and a few up to PROBE_REF), gives each row the bits of fn over all PROBE_REF `rows`."""
-    with torch.no_grad():
-        full = fn(rows)
-        sizes = [*range(1, PROBE_MAX + 1), 127, 128, 129, 255, 256, 257, PROBE_REF - 1]
-        bad = [n for n in sizes if not torch.equal(fn(rows[:n]), full[:n])]
-    return bad[-1] + 1 if bad else 1
-
-
-def _probe(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
-def min_rows(weight: torch.Tensor) -> int:
-    """Rows a call of `linear` with this weight is padded to (rule above), measured once per shape and
-    layout (kernel choice depends on shapes, layout and threads, not on values)."""
-    if weight.device.type != "cpu":
-        return MIN_ROWS
-    out_f, in_f = weight.shape
-    input_major = weight.stride(0) == 1 and out_f > 1
-    key = ("linear", in_f, out_f, weight.dtype, input_major, torch.get_num_threads())
-    if key not in _min_rows:
-        w = _probe(out_f, in_f, dtype=weight.dtype)
-        w = in_major(w) if input_major else w
-        _min_rows[key] = first_invariant_rows(lambda x: F.linear(x, w), _probe(PROBE_REF, in_f, dtype=weight.dtype, seed=1))
-    return _min_rows[key]
-
-
-def bmm_min_rows(k: int, n: int, transposed: bool, dtype: torch.dtype = torch.float32) -> int:
-    """Rows from which torch.bmm gives an item's row the same bits whatever the item's row count, for items
-    [rows, k] @ [k, n] with the right operand contiguous, or the transpose of a contiguous [n, k] (measured
-    once per shape on this CPU, like `min_rows`)."""
-    key = ("bmm", k, n, transposed, dtype, torch.get_num_threads())
-    if key not in _min_rows:
-        b = _probe(1, n, k, dtype=dtype).transpose(1, 2) if transposed else _probe(1, k, n, dtype=dtype)
-        _min_rows[key] = first_invariant_rows(lambda a: torch.bmm(a[None], b)[0], _probe(PROBE_REF, k, dtype=dtype, seed=1))
-    return _min_rows[key]
-
-
-def small_call_kc(weight: torch.Tensor) -> int | None:
-    """The block size kc for which `_linear_kernel` gives every call of this weight the bits of a batch
-    (rule above), or None: no kernel, not a float32 CPU weight laid out input-major, or no probed kc
-    matches (the inputs in 1 to 4 equal blocks, or blocks of any multiple of 16: MKL on an AVX-512 Xeon
-    splits 512 inputs in two halves, on an AMD EPYC into blocks of 192). Measured once per shape,
-    like `min_rows`."""
-    if _linear_kernel is None or weight.device.type != "cpu" or weight.dtype != torch.float32 \
-            or weight.stride(0) != 1 or weight.shape[0] < 2:
-        return None
-    out_f, in_f = weight.shape
-    key = ("kc", in_f, out_f, torch.get_num_threads())
-    if key not in _min_rows:
-        w, x = in_major(_probe(out_f, in_f)), _probe(PROBE_REF, in_f, seed=1)
-        m = min(min_rows(weight), PROBE_MAX)
-        with torch.no_grad():
-            full = F.linear(x, w)
-        panels = pack_panels(w.t())
-        candidates = dict.fromkeys([*(-(-in_f // b) for b in range(1, 5)), *range(16, in_f, 16)])
-        kc = next((kc for kc in candidates if torch.equal(_kernel(x[:m], panels, out_f, kc), full[:m])), None)
-        _min_rows[key] = kc if kc is not None and torch.equal(_kernel(x, panels, out_f, kc), full) else None
-    return _min_rows[key]
-
-
-def pack_panels(wt: torch.Tensor) -> torch.Tensor:
-    """wt [in, out] as `_linear_kernel`'s panels: [ceil(out / 16), in, 16] float32, zero beyond out."""
-    k, n = wt.shape
-    p = -(-n // PANEL)
-    return F.pad(wt.float(), (0, p * PANEL - n)).view(k, p, PANEL).permute(1, 0, 2).contiguous()
-
-
-def _kernel(x: torch.Tensor, panels: torch.Tensor, n: int, kc: int, simd: int = 2, inter: int = 0,
-            weights: torch.Tensor | None = None) -> torch.Tensor:
-    """x [m, in] @ the packed weight -> [m, n] through `_linear_kernel`, which takes addresses: the caller
-    guarantees float32 CPU tensors, x's rows contiguous (stride 1 in the last dim), panels from
-    `pack_panels` of an [x.shape[1], n] weight. inter > 0: the SwiGLU of the product instead, [m, n / 2]
-    (see the kernel; weights [m, n / (2 inter)] contiguous or None). simd: 0 the portable tile, 1 AVX2 at
-    most, 2 AVX-512 where the CPU has it (the same bits)."""
-    m, k = x.shape
-    y = torch.empty(m, n // 2 if inter else n)
-    capture.call(_linear_kernel.linear_packed, x.data_ptr(), x.stride(0) if m > 1 else k, panels.data_ptr(),
-                 y.data_ptr(), m, k, n, kc, inter, 0 if weights is None else weights.data_ptr(), simd)
-    return y
-
-
-_plans: dict[tuple, tuple] = {}
-
-
-def _plan(weight: torch.Tensor) -> tuple:
-    """(min_rows, kc or None, the weight's packed panels where kc) for this weight view, memoised by address
-    and layout: ~1 us a call instead of ~12 us for measuring keys each time. The panels are a copy (the
-    weight's memory once more), made again when the weight was modified in place (its version counter).
-    A cached plan keeps its weight alive, so its address cannot be reused by another tensor while cached."""
-    key = (weight.data_ptr(), weight.shape, weight.stride(), weight.dtype, weight.is_cuda, torch.get_num_threads())
-    plan = _plans.get(key)
-    if plan is None or plan[4] != weight._version:
-        if len(_plans) >= 4096:  # weights replaced many times over (tests): start again
-            _plans.clear()
-        kc = small_call_kc(weight)
-        plan = _plans[key] = (min_rows(weight), kc, pack_panels(weight.detach().t()) if kc else None, weight,
-                              weight._version)
-    return plan
-
-
-def _kernel_takes(x2: torch.Tensor, weight: torch.Tensor, kc: int | None) -> bool:
-    return (kc is not None and x2.is_cpu and x2.dtype == torch.float32 and x2.stride(-1) == 1
-            and x2.shape[1] == weight.shape[1] and (x2.shape[0] == 1 or x2.stride(0) >= x2.shape[1])
-            and not (torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad)))
+from .exactness import PANEL, in_major, pointwise
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ weight[out, in].T -> [..., out], batch-invariant (rule above).
+    """x [..., in] @ weight[out, in].T -> [..., out], batch-invariant (the row rule of model/exactness.py).
 
-    Where `small_call_kc` allows (not under autograd), every call goes to the C kernel; else a call of
-    fewer than min_rows(weight) rows is zero-padded with one `F.pad` (host-side shape checks, no device
-    sync); a 2-D input needs no reshape."""
+    Where `exactness.small_call_kc` allows (not under autograd), every call goes to the C matmul; else a
+    call of fewer than min_rows(weight) rows is zero-padded with one `F.pad` (host-side shape checks, no
+    device sync); a 2-D input needs no reshape."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     n = x2.shape[0]
-    m, kc, panels = _plan(weight)[:3] if _exact else (0, None, None)
-    if _kernel_takes(x2, weight, kc):
-        y = _kernel(x2, panels, weight.shape[0], kc)
+    m, kc, panels = exactness.plan(weight)[:3] if exactness.rules_on() else (0, None, None)
+    if exactness.kernel_takes(x2, weight, kc):
+        y = exactness.matmul_kernel(x2, panels, weight.shape[0], kc)
     elif n >= m:
         y = F.linear(x2, weight)
     else:
@@ -200,10 +43,10 @@ def linear_swiglu(x: torch.Tensor, weight: torch.Tensor, inter: int, weights: to
     """fused.silu_mul(linear(x, weight), inter, weights) for x [N, in] and weight [G * 2 * inter, in] (G
     groups of gate then up rows): [N, G * inter], the same bits. In one C kernel call where `linear`
     takes it, so the product [N, G * 2 * inter] is never stored; weights [N, G] or None."""
-    kc, panels = _plan(weight)[1:3] if _exact else (None, None)
-    if inter % PANEL == 0 and _kernel_takes(x, weight, kc) and (weights is None or fused.native(weights)):
-        return _kernel(x, panels, weight.shape[0], kc, inter=inter,
-                       weights=None if weights is None else weights.contiguous())
+    kc, panels = exactness.plan(weight)[1:3] if exactness.rules_on() else (None, None)
+    if inter % PANEL == 0 and exactness.kernel_takes(x, weight, kc) and (weights is None or fused.runs_in_c(weights)):
+        return exactness.matmul_kernel(x, panels, weight.shape[0], kc, inter=inter,
+                                       weights=None if weights is None else weights.contiguous())
     groups = weight.shape[0] // (2 * inter)
     return fused.silu_mul(linear(x, weight).view(x.shape[0], groups, 2 * inter), inter, weights
                           ).view(x.shape[0], groups * inter)
@@ -226,7 +69,8 @@ def matmul_params(module: nn.Module):
 
 
 def layout_weights_(module: nn.Module) -> nn.Module:
-    """Lay out every matmul weight of `module` input-major in place (rule above); returns `module`."""
+    """Lay out every matmul weight of `module` input-major in place (the row rule of exactness.py); returns
+    `module`."""
     for m, name, n_in in matmul_params(module):
         p = getattr(m, name)
         if p.device.type != "meta":
@@ -249,28 +93,6 @@ def matmul_weights(module: nn.Module) -> list[torch.Tensor]:
             out += [m.w_in.view(-1, m.hidden), m.w_out.view(m.hidden, -1), m.w_in[0].view(-1, m.hidden),
                     m.w_out[:, 0]]
     return out
-
-
-def pad_rows(module: nn.Module) -> int:
-    """The token count a microbatch is padded to so that none of `module`'s matmuls pads its call."""
-    return max((1 if small_call_kc(w) else min_rows(w) for w in matmul_weights(module)), default=MIN_ROWS)
-
-
-# Batch invariance of elementwise ops. torch's CPU loops run the vectorised form of an op over whole
-# vectors and a scalar form over the tail of the call, and for sigmoid and silu the two differ in the
-# last bit. Rule: `pointwise` pads the flat input to a multiple of VEC_PAD elements, so every element
-# takes the vectorised path whatever the call's size (with one intra-op thread; see docs/exactness.md).
-VEC_PAD = 64
-
-
-def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
-    """fn(x) for an elementwise fn, computed on the vectorised path for every element (rule above). An
-    input whose contiguous innermost dim is a multiple of VEC_PAD (a column slice of a fused matmul's
-    output) is already all whole vectors: torch loops over its rows."""
-    n = x.numel()
-    if not _exact or (n % VEC_PAD == 0 and x.is_contiguous()) or (x.stride(-1) == 1 and x.shape[-1] % VEC_PAD == 0):
-        return fn(x)
-    return fn(F.pad(x.reshape(-1), (0, (-n) % VEC_PAD)))[:n].view(x.shape)
 
 
 class Linear(nn.Linear):

@@ -44,32 +44,16 @@ class PendingSum:
                  name: str, buffer: str = COMM):
         self.group, self.gathered, self.work, self.ctx, self.name = group, gathered, work, ctx, name
         self.buffer = buffer
-        self.t0 = time.perf_counter()
         self.done = False
-        self.result: torch.Tensor | None = None
         st = group.stats
         st.launches += 1
         st.nbytes += gathered[0].numel() * gathered.element_size()
-        if not group.overlap:  # bench: the same collectives, awaited at once (nothing hidden)
-            self.result = self._finish()
 
     def wait(self) -> torch.Tensor:
-        if self.result is not None:
-            out, self.result = self.result, None
-            return out
-        return self._finish()
-
-    def _finish(self) -> torch.Tensor:
         if self.done:
             raise RuntimeError(f"collective {self.name!r} was already waited on")
         t_wait = time.perf_counter()
         self.group.wait(self.work, self.name)
-        delay = self.group.link_delay
-        if delay is not None:  # SIMULATED link: sleep only for what is left of its transfer time
-            left = self.t0 + delay.seconds(self.gathered[0].numel() * self.gathered.element_size()) \
-                - time.perf_counter()
-            if left > 0:
-                time.sleep(left)
         self.group.stats.add_wait(self.name, time.perf_counter() - t_wait)
         self.done = True
         if self.ctx is not None and self.ctx.tracker is not None:

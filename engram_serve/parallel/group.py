@@ -30,22 +30,6 @@ class ParallelError(EngramServeError, RuntimeError):
     fatal = True  # the async engine stops (and the server shuts down) instead of serving on
 
 
-@dataclass(frozen=True)
-class LinkDelay:
-    """A SIMULATED link: every cross-rank sum completes `latency_s + bytes / bytes_per_s` after its
-    launch, or when the real (loopback) transfer completes if that is later. Stands in for an
-    inter-node network in the benchmark. Nothing blocks at the launch: the wait sleeps only for what
-    is left of that time since the launch, so compute between launch and wait hides it, as it would
-    hide a transfer on a real link (two sums in flight at once each take their own time: the link is
-    not modelled as shared)."""
-
-    latency_s: float = 0.0
-    bytes_per_s: float = float("inf")
-
-    def seconds(self, nbytes: int) -> float:
-        return self.latency_s + nbytes / self.bytes_per_s
-
-
 @dataclass
 class CommStats:
     """Counters of the cross-rank sums: launches, bytes of partials, seconds blocked in their waits."""
@@ -60,11 +44,6 @@ class CommStats:
         self.wait_s_by_name[name] = self.wait_s_by_name.get(name, 0.0) + seconds
 
 
-def configure_link(group: "ParallelGroup", delay: LinkDelay | None, overlap: bool = True) -> None:
-    """Bench only (via TPCluster.call_all, so every rank agrees): a simulated link delay and overlap on/off."""
-    group.link_delay, group.overlap = delay, overlap
-
-
 @dataclass
 class ParallelGroup:
     rank: int
@@ -73,8 +52,6 @@ class ParallelGroup:
     pg: object  # a c10d backend (ProcessGroupGloo / the NCCL group): called directly
     store: object  # the rendezvous store (doorbells, worker error reports)
     timeout_s: float
-    link_delay: LinkDelay | None = None  # bench only: a simulated link (clearly labelled as such)
-    overlap: bool = True  # bench only: False waits on every collective at its launch (nothing hidden)
     stats: "CommStats" = field(default_factory=lambda: CommStats())
     _step: int = field(default=0, repr=False)
 

@@ -1,6 +1,6 @@
 """Sharded layers in the Megatron style. Each rank holds 1/world of a layer's weights; the model code
 calls them exactly as it calls the unsharded layers. Every matmul goes through the batch-invariant
-`engram_serve.model.layers.linear` (small calls padded to the row count measured for the weight).
+`engram_serve.model.layers.linear` (the row rule of model/exactness.py).
 
 A module whose output is a per-rank partial sum exposes `launch_reduce(x, ctx)`: the model launches
 the cross-rank sum at its next stage boundary and waits on it when the microbatch resumes

@@ -53,7 +53,7 @@ def shard_model(loaded: LoadedModel, group: ParallelGroup, pin_tables: bool | No
             layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, group, f"layer{layer.layer_id}.mlp")
         if layer.engram is not None:
             layer.engram.wkv = PartialInputLinear(layer.engram.wkv, group, f"layer{layer.layer_id}.engram")
-    layout_weights_(model)  # the shards are fresh copies: input-major again (model/layers.py)
+    layout_weights_(model)  # the shards are fresh copies: input-major again (the row rule, model/exactness.py)
     model.to(group.device)
     local = dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // world,
                                 num_key_value_heads=cfg.num_key_value_heads // world)

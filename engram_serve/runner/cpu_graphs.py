@@ -31,7 +31,8 @@ from collections import OrderedDict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..model import capture, fused, layers, paged_attention
+from .. import kernels
+from ..model import capture, exactness
 from ..model.context import ForwardContext
 
 log = logging.getLogger(__name__)
@@ -127,9 +128,9 @@ class CpuGraphs:
 
     @staticmethod
     def available() -> bool:
-        """Whether the C kernels are built: without them the forward runs torch's operators (and the
-        attention plan reads the batch on the host), which a capture cannot replay."""
-        return None not in (fused._token_kernel, layers._linear_kernel, paged_attention._attention_kernel)
+        """Whether the forward's C kernels are loaded (engram_serve/kernels.py): without them it runs torch's
+        operators (and the attention plan reads the batch on the host), which a capture cannot replay."""
+        return kernels.loaded(*kernels.CPU_GRAPHS_NEED)
 
     def __init__(self, model):
         self.model = model
@@ -168,7 +169,7 @@ class CpuGraphs:
         try:
             if watch.refused is not None:
                 raise Refused(watch.refused)
-            pins = [list(layers._plans.values()), list(self.model.parameters()), ctx.batch.fields()]
+            pins = [exactness.live_plans(), list(self.model.parameters()), ctx.batch.fields()]
             graph = _Graph(tape, spans, out, watch.keep + pins)
         except Refused as e:
             self._refused.add(key)

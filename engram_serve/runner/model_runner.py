@@ -24,7 +24,8 @@ from ..inputs.step_state import StepState
 from ..inputs.ubatch import SplitConfig, plan_split, split_batch
 from ..model.context import ForwardContext, UbatchBuffers
 from ..model.kv_cache import KVCache
-from ..model.layers import MIN_ROWS, batch_invariant, pad_rows
+from ..model.exactness import MIN_ROWS, batch_invariant, pad_rows
+from ..model.layers import matmul_weights
 from ..model.loader import LoadedModel
 from .cpu_graphs import CpuGraphs
 from .executor import run_interleaved
@@ -35,7 +36,7 @@ from .process import freeze_startup_objects, keep_freed_memory
 @dataclass(frozen=True)
 class RunnerConfig:
     """Sizes and switches of one runner. `exact` (default) runs the forward under the batch-invariance
-    rules (model/layers.py, model/paged_attention.py), so a row's logits are bit-identical whatever
+    rules (model/exactness.py, model/attention_kernels.py), so a row's logits are bit-identical whatever
     the batch, cut or chunk; on CPU it also runs the forward on one intra-op thread (torch splits
     matmuls and elementwise loops across threads at size-dependent places)."""
 
@@ -110,15 +111,15 @@ class ModelRunner:
         self.store = TokenStore(cfg.max_num_seqs, cfg.max_model_len, self.device)
         self.state = StepState(cfg.max_num_seqs, cfg.max_blocks_per_seq, self.device,
                                pack_capacity=5 * cfg.max_num_seqs + 1 + cfg.max_num_batched_tokens)
-        # exact: a microbatch of fewer tokens is padded once to this size (model/layers.py, the row rule)
-        self.pad_rows = pad_rows(self.model) if cfg.exact and self.device.type == "cpu" else MIN_ROWS
+        # exact: a microbatch of fewer tokens is padded once to this size (model/exactness.py, the row rule)
+        self.pad_rows = pad_rows(matmul_weights(self.model)) if cfg.exact and self.device.type == "cpu" else MIN_ROWS
         cap = max(cfg.graph_sizes) if cfg.graph_sizes else max(cfg.max_num_batched_tokens, self.pad_rows)
         self.bufs = self.allocate_buffers(cap)
         self.static = StaticInputPool(list(cfg.graph_sizes)) if cfg.graph_sizes else None
         self.tracker = OwnershipTracker() if cfg.debug_ownership else None
         self.graphs = None
         if self.static is not None and self.device.type == "cuda":
-            from .graphs import CudaGraphs
+            from .cuda_graphs import CudaGraphs
             self.graphs = CudaGraphs(self.model, cfg.max_blocks_per_seq * cfg.block_size)
         elif self.device.type == "cpu" and cfg.cpu_graphs and self.tracker is None and CpuGraphs.available():
             self.graphs = CpuGraphs(self.model)
@@ -126,7 +127,7 @@ class ModelRunner:
         # CUDA: the Engram host-to-device copies run on their own stream, ordered by events
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # planning (plan / hideable_ms): what a cut could hide
-        self.collectives = False  # True where each layer launches a collective (tensor/expert parallelism)
+        self.launches_collectives = False  # True where each layer launches a collective (tensor/expert parallelism)
         tabs = loaded.tables.tables
         self._tables_off_device = bool(tabs) and tabs[0].device != self.device
         self._gather_ms_per_token = 0.0  # moving average of inline gathers (MEASURE_EVERY), in _stage_rows
@@ -168,10 +169,10 @@ class ModelRunner:
 
     def hideable_ms(self, num_tokens: int) -> float:
         """What cutting a step of `num_tokens` tokens could hide behind another microbatch's compute:
-        unbounded with collectives (tensor/expert parallelism sets `collectives`) or with Engram tables in
+        unbounded with collectives (tensor/expert parallelism sets `launches_collectives`) or with Engram tables in
         host memory feeding a device; otherwise the Engram gather time measured on recent steps, when it is
         at least HIDE_FRACTION of a step's time per token (a relative test: on a loaded machine both grow)."""
-        if self.collectives or self._tables_off_device:
+        if self.launches_collectives or self._tables_off_device:
             return float("inf")
         if self._gather_ms_per_token < self.HIDE_FRACTION * self._step_ms_per_token:
             return 0.0  # the gather is a small part of a step's time (both slow down alike under load)

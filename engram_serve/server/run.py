@@ -73,6 +73,16 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def log_to_stderr(level: str) -> None:
+    """The package's log records (logger `engram_serve`) on stderr at `level`, as `LEVEL: message`."""
+    logger = logging.getLogger("engram_serve")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
+
+
 def serve(model_path: str | Path | None = None, host: str = "127.0.0.1", port: int = 8000, *,
           model_name: str | None = None, log_level: str = "info", enable_prefix_caching: bool = True,
           api_key: str | None = None, chat_template: Path | None = None, max_body_bytes: int | None = None,
@@ -85,6 +95,7 @@ def serve(model_path: str | Path | None = None, host: str = "127.0.0.1", port: i
     from .api import DEFAULT_MAX_BODY_BYTES, build_app
     sock = bind(host, port)  # before loading: a busy port fails in a second, not after the model loads
     try:
+        log_to_stderr(log_level)  # the engine's start-up line (its C kernels) and the package's own logs
         engine = build_engine(model_path, enable_prefix_caching=enable_prefix_caching, progress=True,
                               threads=threads, seed=seed, **runner_options)
         name = model_name or f"engram-{engine.loaded.path.name}"

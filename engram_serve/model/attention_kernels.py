@@ -1,7 +1,11 @@
-"""Varlen paged attention over the KV cache: cost in proportion to the real work, bit-exact per query.
+"""The attention kernels over the paged KV cache (model/attention.py `PagedAttention` calls them): cost
+in proportion to the real work, bit-exact per query.
 
-A microbatch builds one `AttentionPlan` (host-side index arithmetic, once per forward) and every
-layer reuses it. Layout, and the batch-invariance rules it follows (docs/contract.md §9):
+On a float32 CPU the C kernel runs (`attend_native`, `rotate_store`: the attention kernel of
+engram_serve/kernels.py, one query at a time over its own keys 0..p, so it has no shape rule to keep).
+Elsewhere (CUDA, the kernel not loaded, a selecting layer under tensor parallelism) the torch kernels
+below run. For them a microbatch builds one `AttentionPlan` (host-side index arithmetic, once per
+forward) and every layer reuses it. Layout, and the batch-invariance rules it follows (docs/contract.md §9):
 
   * Pairs. Keys are read in chunks of KC consecutive absolute positions from position 0 (the fixed
     split size of the reduction over keys). A row with queries at positions a..b in this step makes
@@ -40,13 +44,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import kernels
 from . import capture
-from .layers import MIN_ROWS, bmm_min_rows
-
-try:
-    from . import _attention_kernel
-except ImportError:  # installed without a C compiler: the torch kernels below run
-    _attention_kernel = None
+from .exactness import MIN_ROWS, bmm_min_rows
 
 KC = 64  # key chunk: positions per chunk
 NEG_INF = float("-inf")
@@ -55,7 +55,7 @@ NEG_INF = float("-inf")
 def attention_min_rows(kv) -> int:
     """Rows (queries x heads per KV head) a pair's bmm calls need for a row's bits not to depend on them:
     the scores [rows, hd] @ [hd, KC] (keys transposed) and the values [rows, KC] @ [KC, hd], measured on
-    this CPU (model/layers.py); MIN_ROWS off the CPU."""
+    this CPU (model/exactness.py); MIN_ROWS off the CPU."""
     if kv.device.type != "cpu":
         return MIN_ROWS
     return max(bmm_min_rows(kv.head_dim, KC, True, kv.dtype), bmm_min_rows(KC, kv.head_dim, False, kv.dtype))
@@ -86,9 +86,8 @@ class AttentionPlan:
     zero_slot: int
 
     @classmethod
-    def build(cls, batch, zero_slot: int, min_width: int, read_past: int = 0) -> "AttentionPlan":
-        """The plan of a StepBatch (or microbatch slice). `read_past` widens the readable range past
-        seq_len; it exists only for the negative control of the isolation tests."""
+    def build(cls, batch, zero_slot: int, min_width: int) -> "AttentionPlan":
+        """The plan of a StepBatch (or microbatch slice)."""
         qsl, t = batch.qsl_host, batch.num_tokens
         dev = batch.input_ids.device
         counts = np.diff(qsl)
@@ -105,7 +104,7 @@ class AttentionPlan:
             j = np.arange(w)
             query = np.where(j < counts[pr][:, None], qsl[pr][:, None] + j, t)
             groups.append(cls._group(batch, int(w), bool(counts[rows].max() > 1), to(pr), to(pc), to(query),
-                                     to(computed[pr][:, None] + j), zero_slot, read_past))
+                                     to(computed[pr][:, None] + j), zero_slot))
         row = np.repeat(np.arange(len(counts)), counts)
         row = np.concatenate([row, np.zeros(t - len(row), dtype=np.int64)])
         return cls(t, groups, to(row), batch.block_tables, batch.block_size, zero_slot)
@@ -125,15 +124,21 @@ class AttentionPlan:
         real = (ptok < batch.qsl[-1])[:, None]
         query = torch.where((j == 0) & real, ptok[:, None], t)
         group = cls._group(batch, min_width, False, row[ptok], pc, query, batch.positions[ptok][:, None] + j,
-                           zero_slot, 0)
+                           zero_slot)
         return cls(t, [group], row, batch.block_tables, batch.block_size, zero_slot)
 
     @staticmethod
-    def _group(batch, width: int, multi: bool, prow, pchunk, query, qpos, zero_slot: int, read_past: int) -> Group:
+    def readable(kpos: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
+        """bool [P, KC]: the key positions kpos [P, KC] a pair may read, those below its row's seq_len
+        seq [P, 1] (a protection: a test subclass widens it, the negative control of the isolation tests)."""
+        return kpos < seq
+
+    @classmethod
+    def _group(cls, batch, width: int, multi: bool, prow, pchunk, query, qpos, zero_slot: int) -> Group:
         """One group from its pairs' rows [P], chunks [P], query tokens [P, W] and query positions [P, W]."""
         kpos = pchunk[:, None] * KC + torch.arange(KC, device=prow.device)  # [P, KC]
         seq = batch.seq_lens[prow][:, None]
-        readable = kpos < seq + read_past
+        readable = cls.readable(kpos, seq)
         tables, bs = batch.block_tables, batch.block_size
         blk = tables[prow[:, None], (kpos // bs).clamp(max=tables.shape[1] - 1)]
         slots = torch.where(readable & (blk >= 0), blk * bs + kpos % bs, torch.full_like(kpos, zero_slot))
@@ -281,8 +286,9 @@ NATIVE_MODES = {"full": 0, "select": 1, "reuse": 2}
 
 
 def native_available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether `attend_native` can run: the C kernel was built, and float32 CPU tensors."""
-    return (_attention_kernel is not None and q.device.type == "cpu" and k_cache.device.type == "cpu"
+    """Whether `attend_native` can run: the attention kernel loaded (engram_serve/kernels.py), and float32
+    CPU tensors."""
+    return (kernels.loaded("attention") and q.device.type == "cpu" and k_cache.device.type == "cpu"
             and q.dtype == torch.float32 and k_cache.dtype == torch.float32)
 
 
@@ -299,18 +305,18 @@ def rotate_store(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Te
             or not v_cache.is_contiguous() or k_cache.shape != (kvh, k_cache.shape[1], hd):
         raise ValueError(f"rotate_store: qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)}, slots {tuple(slots.shape)} "
                          f"{slots.dtype}, pools {tuple(k_cache.shape)}: layouts the kernel cannot read")
-    capture.call(_attention_kernel.rotate_store, qkv.data_ptr(), t, heads, kvh, hd, cos.data_ptr(), sin.data_ptr(),
+    capture.call(kernels.get("attention").rotate_store, qkv.data_ptr(), t, heads, kvh, hd, cos.data_ptr(), sin.data_ptr(),
                  slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), num_slots)
 
 
 def attend_native(batch, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, zero_slot: int, num_slots: int,
-                  mode: str, sel: torch.Tensor | None, read_past: int = 0, later_keys: bool = False) -> torch.Tensor:
+                  mode: str, sel: torch.Tensor | None) -> torch.Tensor:
     """Attention of q [T, heads, hd] over one layer's pools [kvh, slots, hd] through the C kernel
     (`_attention_kernel.c`): one query at a time, in a fixed order per query, so a query's bits do not
     depend on its batch mates, the cut, the chunk or padding by construction, and a query reads its own
     row's key positions <= its own only. mode "select" writes each query's chosen positions into
     sel [T, topk] int64 and attends to them, "reuse" attends to those in sel. Returns [T, heads*hd]
-    (0 for padding tokens). `read_past` / `later_keys`: negative controls of the isolation tests only.
+    (0 for padding tokens).
 
     Checks the layouts the kernel reads (it takes addresses): head rows of q contiguous, pools
     contiguous, block-table rows contiguous, int64 row fields; the kernel refuses a block outside the
@@ -332,9 +338,8 @@ def attend_native(batch, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if mode != "full" and (sel is None or sel.shape[0] < t or not sel.is_contiguous() or sel.dtype != torch.int64):
         raise ValueError(f"attend_native: mode {mode} needs a contiguous int64 sel of at least {t} rows")
     out = torch.empty(t, heads * hd)
-    capture.call(_attention_kernel.attend, NATIVE_MODES[mode], q.data_ptr(), q.stride(0), k_cache.data_ptr(),
+    capture.call(kernels.get("attention").attend, NATIVE_MODES[mode], q.data_ptr(), q.stride(0), k_cache.data_ptr(),
                  v_cache.data_ptr(), k_cache.stride(0), tables.data_ptr(), tables.stride(0), tables.shape[1],
                  batch.block_size, zero_slot, num_slots, qsl.data_ptr(), computed.data_ptr(), batch.num_rows, t,
-                 heads, kvh, hd, 1.0 / math.sqrt(hd), out.data_ptr(), 0 if sel is None else sel.data_ptr(), topk,
-                 read_past, later_keys)
+                 heads, kvh, hd, 1.0 / math.sqrt(hd), out.data_ptr(), 0 if sel is None else sel.data_ptr(), topk)
     return out

@@ -1,0 +1,54 @@
+"""Test-only hooks of the C kernels (negative controls and tuning knobs), loaded here and nowhere else.
+
+`_gather_kernel.c` and `_attention_kernel.c` each hold a second module in the same shared object,
+`_gather_hooks` and `_attention_hooks` (see their headers). Loaded from the kernel's own file, it shares
+the kernel's state, so a hook set here changes what the real kernel does, through the real forward.
+Production code never loads them: the kernels' modules have no test entry points.
+"""
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+
+from engram_serve import kernels
+
+_loaded: dict[str, ModuleType] = {}
+
+
+def hooks(name: str) -> ModuleType:
+    """The hooks module of kernel `name` ("gather" or "attention"); skips the test if it was not built."""
+    import pytest
+    if name not in _loaded:
+        spec = importlib.util.find_spec(kernels.MODULES[name])
+        if spec is None:
+            pytest.skip(f"the {name} kernel was not built (no C compiler at install time)")
+        hook_name = kernels.MODULES[name].replace("_kernel", "_hooks")
+        hook_spec = importlib.util.spec_from_file_location(hook_name, spec.origin)
+        module = importlib.util.module_from_spec(hook_spec)
+        hook_spec.loader.exec_module(module)
+        _loaded[name] = module
+    return _loaded[name]
+
+
+@contextmanager
+def attention_leaks(read_past: int = 0, later_keys: bool = False) -> Iterator[None]:
+    """Inside the block the C attention reads `read_past` positions past each query, and with `later_keys`
+    its row's later keys of the step too, weighted 0 (isolation off: a negative control)."""
+    before = hooks("attention").set_leaks(read_past, later_keys)
+    try:
+        yield
+    finally:
+        hooks("attention").set_leaks(*before)
+
+
+@contextmanager
+def gather_trust(slots: bool = False, keys: bool = False) -> Iterator[None]:
+    """Inside the block the C gather takes a filled dedup slot (`slots`) or a filled way 0 of the hot-row
+    cache (`keys`) for the id without comparing keys (a negative control of the key checks)."""
+    before = hooks("gather").set_trust(slots, keys)
+    try:
+        yield
+    finally:
+        hooks("gather").set_trust(*before)

@@ -319,8 +319,10 @@ class V41Config:
         c = self.candidate_source_layer_id
         _check(c == -1 or c in self.kv_source_layer_ids, "candidate_source_layer_id", c,
                "must be -1 (none) or a kv source")
-        _check(c == -1 or max(self.kv_source_layer_ids) == c, "kv_source_layer_ids", list(self.kv_source_layer_ids),
-               f"no kv source may follow the candidate source {c}: its blocks index that source's entries")
+        later = [i for i in self.kv_source_layer_ids if c >= 0 and i > c and ratios[i] != ratios[c]]
+        _check(not later, "kv_source_layer_ids", list(self.kv_source_layer_ids),
+               f"kv sources {later} follow the candidate source {c} with another ratio: its blocks index entries "
+               f"of ratio {ratios[c] if c >= 0 else 0}")
         _check(self.engram.hidden_size == self.hidden_size and self.engram.hc_mult == self.hc_mult, "hidden_size",
                self.hidden_size, "differs from the Engram block's")
         bad = [i for i in self.engram.engram_layer_ids if i >= n]

@@ -62,7 +62,7 @@ def test_published_layer_roles(published):
     (("text_config", "candidate_source_layer_id"), 24, "candidate_source_layer_id=24"),
     (("text_config", "compress_ratios"), [0, 0, 4] + [2] * 17 + [1] * 20, "ratios other than 0, 1 and 2"),
     (("text_config", "compress_ratios"), [0, 0] + [2] * 18 + [1] * 19, "needs an entry for each of the 40"),
-    (("text_config", "kv_source_layer_ids"), [2, 8, 14, 20, 24], "no kv source may follow the candidate source"),
+    (("text_config", "candidate_source_layer_id"), 14, "kv sources \\[20\\] follow the candidate source 14"),
     (("text_config", "hidden_size"), "5120", "hidden_size='5120'"),
     (("text_config", "norm_topk_prob"), 1, "norm_topk_prob=1"),
 ])

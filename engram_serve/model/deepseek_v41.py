@@ -198,6 +198,16 @@ def attend(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: torch.Te
     return torch.bmm(e, keys) / denom[..., None]
 
 
+def pool_pair(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """A ratio-2 entry from its two tokens' [kv, gate] rows [T, 2hd]: sum of kv weighted by a per-channel
+    softmax over the two gates -> [T, hd]."""
+    hd = first.shape[1] // 2
+    s0, s1 = first[:, hd:], second[:, hd:]
+    m = torch.maximum(s0, s1)
+    e0, e1 = pointwise(torch.exp, s0 - m), pointwise(torch.exp, s1 - m)
+    return (e0 * first[:, :hd] + e1 * second[:, :hd]) / (e0 + e1)
+
+
 class Compressor(nn.Module):
     """A kv source's compressor (docs/deepseek_v41.md, "Compressor")."""
 
@@ -215,14 +225,8 @@ class Compressor(nn.Module):
         a = linear(x, self.wkv.weight)  # [T, hd]
         if self.ratio == 1:
             return self.norm(a)
-        hd = a.shape[1]
         row = torch.cat([a, linear(x, self.wgate.weight)], 1).float()  # [T, 2hd]
-        prev = self.partner(row, step, layer)
-        s0, s1 = prev[:, hd:], row[:, hd:]
-        m = torch.maximum(s0, s1)
-        e0, e1 = pointwise(torch.exp, s0 - m), pointwise(torch.exp, s1 - m)
-        pooled = (e0 * prev[:, :hd] + e1 * row[:, :hd]) / (e0 + e1)
-        return self.norm(pooled.to(x.dtype))
+        return self.norm(pool_pair(self.partner(row, step, layer), row).to(x.dtype))
 
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""Command-line rough edges of issue 13: one-line errors (exit 2) for a broken pipe, a busy port
+"""Command-line rough edges: one-line errors (exit 2) for a broken pipe, a busy port
 (checked before the model loads), a wrongly typed config.json, bad serve flags; verify shows
 progress; chat templates run in a Hugging Face-compatible Jinja environment; a client that
 disconnects while uploading its body is logged in one line."""
@@ -69,6 +69,19 @@ def test_wrongly_typed_config_is_one_line(tmp_path, capsys, value, needle):
 def test_bad_serve_flags_are_one_line(capsys, argv, needle):
     assert main(argv) == 2
     assert needle in one_line_error(capsys.readouterr().err)
+
+
+def test_old_microbatch_flags_are_aliases_of_the_new_ones():
+    from engram_serve.cli import build_parser
+    parse = build_parser().parse_args
+    for old, new in ((["--ubatches", "3", "--split-threshold", "5"], ["--microbatches", "3", "--microbatch-threshold", "5"]),):
+        a, b = parse(["generate", "x", *old]), parse(["generate", "x", *new])
+        assert (a.microbatches, a.microbatch_threshold) == (b.microbatches, b.microbatch_threshold) == (3, 5)
+    for argv in (["--ubatches", "4"], ["--microbatches", "4"]):
+        assert parse(["serve", *argv]).microbatches == 4
+    for flag in ("--no-dual-batch-overlap", "--no-microbatching"):
+        assert parse(["serve", flag]).no_microbatching is True
+    assert parse(["serve"]).no_microbatching is False and parse(["serve"]).microbatches == 2
 
 
 def test_serve_help_lists_the_vllm_flags(capsys):

@@ -47,7 +47,7 @@ def extras(i: int) -> SamplingParams:
             SamplingParams(max_tokens=8, temperature=0.0, min_tokens=8, ignore_eos=False, logprobs=1)][i]
 
 
-def test_extras_alone_equal_extras_in_a_busy_split_batch(loaded):
+def test_extras_alone_equal_extras_in_a_busy_microbatched_batch(loaded):
     alone_llm = LLM(loaded, **OPTS, microbatch=MicrobatchConfig(num_microbatches=1))
     alone = [alone_llm.generate(p, extras(i))[0] for i, p in enumerate(PROMPTS)]
     busy = LLM(loaded, **OPTS, microbatch=FORCE_MICROBATCHES)

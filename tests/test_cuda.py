@@ -1,9 +1,9 @@
-"""The CUDA path end to end (issue 11). Skipped without CUDA: run by scripts/gpu_check.sh, never needed in CI."""
+"""The CUDA path end to end. Skipped without CUDA: run by scripts/gpu_check.sh, never needed in CI."""
 import pytest
 import torch
 
-from engram_serve.microbatch.plan import MicrobatchConfig
 from engram_serve.llm import LLM
+from engram_serve.microbatch.plan import MicrobatchConfig
 from engram_serve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -26,8 +26,8 @@ def test_cuda_greedy_tokens_match_cpu_with_microbatches_and_graphs():
     cpu = LLM(microbatch=MicrobatchConfig(1))
     want = [o.token_ids for o in cpu.generate(PROMPTS, p)]
     cpu.close()
-    for kw in ({"microbatch": MicrobatchConfig(2, "tokens", 0, 0, when="always")},
-               {"microbatch": MicrobatchConfig(2, "tokens", 0, 0, when="always"), "graph_sizes": (4, 8, 16, 32, 64, 1024)}):
+    always = MicrobatchConfig(2, "tokens", 0, 0, when="always")
+    for kw in ({"microbatch": always}, {"microbatch": always, "graph_sizes": (4, 8, 16, 32, 64, 1024)}):
         gpu = LLM(device="cuda", **kw)
         got = [o.token_ids for o in gpu.generate(PROMPTS, p)]
         graphs = gpu.engine.runner.graphs

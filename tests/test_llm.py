@@ -12,8 +12,8 @@ import pytest
 from engram_serve.engine.detokenizer import IncrementalDetokenizer
 from engram_serve.engine.llm_engine import LLMEngine
 from engram_serve.errors import InvalidRequest
-from engram_serve.microbatch.plan import MicrobatchConfig
 from engram_serve.llm import LLM
+from engram_serve.microbatch.plan import MicrobatchConfig
 from engram_serve.model.loader import TINY_DIR, load_model, make_random_checkpoint
 from engram_serve.runner.model_runner import RunnerConfig
 from engram_serve.sampling_params import SamplingParams

@@ -4,7 +4,7 @@
   logprobs for a request alone (whole steps) and inside a busy batch cut into microbatches;
 - logprobs equal an independent float64 log-softmax of the logits the runner produced, to 1e-6;
 - a runner failure caused by one request ends only that request (with a negative control);
-- the Python API refuses every malformed argument of issue 13 item 9 with InvalidRequest.
+- the Python API refuses every malformed argument with InvalidRequest.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch
 from engram_serve.engine.llm_engine import LLMEngine
 from engram_serve.engine.threads import available_cores
 from engram_serve.errors import InvalidRequest
-from engram_serve.microbatch.plan import MicrobatchConfig
 from engram_serve.llm import LLM
+from engram_serve.microbatch.plan import MicrobatchConfig
 from engram_serve.model.loader import TINY_DIR, load_model, make_random_checkpoint
 from engram_serve.runner.model_runner import RunnerConfig
 from engram_serve.sampling_params import SamplingParams

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engram_serve.config import ModelConfig, read_json
-from engram_serve.model import fused
 from engram_serve.microbatch.plan import MicrobatchConfig
+from engram_serve.model import fused
 from engram_serve.model.layers import pointwise
 from engram_serve.model.loader import TINY_DIR, load_model, make_random_checkpoint
 from engram_serve.runner.model_runner import RunnerConfig

@@ -1,4 +1,4 @@
-"""`engram-serve serve` as a process on a free loopback port: every bad input of issue 13, one per
+"""`engram-serve serve` as a process on a free loopback port: every kind of bad input, one per
 case, each sent while three other streams run. Each bad request gets a 4xx with an OpenAI error
 body naming the field; the three streams finish exactly as they do alone (token for token).
 

@@ -131,7 +131,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             if ops["rows"] != b:
                 raise RuntimeError(f"the profiled step held {ops['rows']} rows, expected {b} decodes")
             t = common.measure(setup, dict(model=args.model, batch=b, microbatches=n), **common.timing_kwargs(args))
-            rows.append({"batch": b, "microbatching": name, "aten_ops": ops["aten_ops"], "top_level_ops": ops["top_level_ops"],
+            rows.append({"batch": b, "microbatching": name, "aten_ops": ops["aten_ops"],
+                         "top_level_ops": ops["top_level_ops"],
                          "native_calls": ops["native_calls"], "python_calls": ops["python_calls"],
                          "microbatched": ops["microbatched"], "step_ms": t["median_ms"], "step_p90_ms": t["p90_ms"],
                          "tok_s": b / t["median_ms"] * 1e3, "threads": args.threads})

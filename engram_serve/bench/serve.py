@@ -1,4 +1,4 @@
-"""Serving throughput and latency with microbatching on (MicrobatchConfig(2)) and off (MicrobatchConfig(1)), side by side.
+"""Serving throughput and latency, microbatching on (MicrobatchConfig(2)) against off (MicrobatchConfig(1)).
 
 Two servers run in this process on loopback (127.0.0.1, free ports), one per setting, over the
 same loaded model (one model user at a time: the other engine thread sleeps on its command

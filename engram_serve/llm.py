@@ -4,10 +4,11 @@
     out = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0.8, seed=1))
     print(out[0].text, out[0].finish_reason)
 
-Engine options are `RunnerConfig` fields (max_num_seqs, max_model_len, split, device, ...) plus
+Engine options are `RunnerConfig` fields (max_num_seqs, max_model_len, microbatch, device, ...) plus
 `enable_prefix_caching`, `tensor_parallel_size`, `threads` and `seed`; an unknown option raises
 ConfigError naming it.
-The engine factory lives in `engine/factory.py`, the synchronous driver in `engine/driver.py`.
+The engine factory lives in `engine/factory.py`, the synchronous driver in `engine/driver.py`, the
+loader (`load_model`) in `model/loader.py`.
 """
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ from typing import Sequence, Union
 
 import numpy as np
 
-from .engine.factory import build_engine, load
+from .engine.factory import build_engine
 from .errors import InvalidRequest
 
 Prompt = Union[str, Sequence[int]]
 
-__all__ = ["LLM", "RequestOutput", "build_engine", "load"]
+__all__ = ["LLM", "RequestOutput", "build_engine"]
 
 
 @dataclass

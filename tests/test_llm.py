@@ -12,14 +12,15 @@ import pytest
 from engram_serve.engine.detokenizer import IncrementalDetokenizer
 from engram_serve.engine.llm_engine import LLMEngine
 from engram_serve.errors import InvalidRequest
-from engram_serve.inputs.ubatch import SplitConfig
 from engram_serve.llm import LLM
+from engram_serve.microbatch.plan import MicrobatchConfig
 from engram_serve.model.loader import TINY_DIR, load_model, make_random_checkpoint
 from engram_serve.runner.model_runner import RunnerConfig
 from engram_serve.sampling_params import SamplingParams
 
 OPTS = dict(max_model_len=128, num_blocks=64, max_num_seqs=8)
-FORCE_SPLIT = SplitConfig(num_ubatches=2, decode_threshold=2, prefill_threshold=2, when="always")  # cut every step it can
+FORCE_MICROBATCHES = MicrobatchConfig(num_microbatches=2, decode_threshold=2, prefill_threshold=2,
+                                      when="always")  # cut every step it can
 PROMPTS = ["Hello world", "The quick brown fox jumps", "Once upon a time there was", "1 2 3 4 5 6 7"]
 
 
@@ -157,11 +158,11 @@ def test_detokenizer_never_emits_a_partial_character_and_holds_back_stop_prefixe
 def test_microbatching_on_and_off_give_the_same_text(loaded):
     params = [SamplingParams(max_tokens=10, temperature=0.0 if i % 2 else 0.9, seed=7 + i, ignore_eos=True)
               for i in range(len(PROMPTS))]
-    whole = LLM(loaded, **OPTS, split=SplitConfig(num_ubatches=1))
-    split = LLM(loaded, **OPTS, split=FORCE_SPLIT)
-    a, b = whole.generate(PROMPTS, params), split.generate(PROMPTS, params)
+    whole = LLM(loaded, **OPTS, microbatch=MicrobatchConfig(num_microbatches=1))
+    micro = LLM(loaded, **OPTS, microbatch=FORCE_MICROBATCHES)
+    a, b = whole.generate(PROMPTS, params), micro.generate(PROMPTS, params)
     assert whole.stats.microbatched_steps == 0
-    assert split.stats.microbatched_steps == split.stats.steps > 0 and split.stats.straddling_rows > 0
+    assert micro.stats.microbatched_steps == micro.stats.steps > 0 and micro.stats.straddling_rows > 0
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.text for o in a] == [o.text for o in b]
 
@@ -169,7 +170,7 @@ def test_microbatching_on_and_off_give_the_same_text(loaded):
 def test_nan_logits_end_only_that_request(loaded, monkeypatch):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     clean = LLM(loaded, **OPTS).generate(PROMPTS, params)
-    llm = LLM(loaded, **OPTS, split=FORCE_SPLIT)
+    llm = LLM(loaded, **OPTS, microbatch=FORCE_MICROBATCHES)
     bad_prompt = loaded.tokenizer.encode(PROMPTS[1]).ids
     poison(monkeypatch, llm.engine, lambda s: s.token_ids[:len(bad_prompt)] == bad_prompt and s.num_output_tokens >= 3)
     outs = llm.generate(PROMPTS, params)
@@ -213,17 +214,18 @@ def test_generate_cli_reports_microbatching_on_stderr_and_no_check_skips_it(mode
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"text", "token_ids", "finish_reason", "microbatch"}
     m = out["microbatch"]
-    assert m["identical_to_unsplit"] is True and m["split_steps"] >= 1 and m["straddling_rows"] >= 1
+    assert m["identical_to_whole"] is True and m["microbatched_steps"] >= 1 and m["straddling_rows"] >= 1
+    assert m["num_microbatches"] == 2 and m["seed"] == 3
     assert 1 <= len(out["token_ids"]) <= 6
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert captured.out.rstrip("\n") == out["text"]  # stdout holds the completion only
     assert captured.err.rstrip("\n").split("\n")[-1].split("\r")[-1] == (
-        f"microbatching: {m['split_steps']}/{m['steps']} steps split, {m['straddling_rows']} rows "
+        f"microbatching: {m['microbatched_steps']}/{m['steps']} steps split, {m['straddling_rows']} rows "
         f"straddled a cut, tokens identical to the unsplit run: yes")
     assert main(argv + ["--no-check", "--json"]) == 0
     again = json.loads(capsys.readouterr().out)
-    assert again["token_ids"] == out["token_ids"] and again["microbatch"]["identical_to_unsplit"] is None
+    assert again["token_ids"] == out["token_ids"] and again["microbatch"]["identical_to_whole"] is None
 
 
 def test_generate_with_nonfinite_model_output_has_no_nan_in_text(loaded, monkeypatch):

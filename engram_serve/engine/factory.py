@@ -1,40 +1,13 @@
-"""Building an engine: `load` a checkpoint (with an optional progress bar) and `build_engine`."""
+"""Building an engine: `build_engine` loads the model (model/loader.py `load_model`) and builds the LLMEngine."""
 from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 
 from .. import kernels
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-
-def load(model=None, progress: bool = False, device: str = "cpu"):
-    """A LoadedModel from a path or None (the built-in tiny model) with its weights on `device`; a
-    LoadedModel is returned as is (moved to `device` if it is elsewhere). With `progress`, a tqdm bar
-    on stderr follows the loading stages."""
-    import torch
-
-    from ..model.loader import LoadedModel, load_model
-    if isinstance(model, LoadedModel):
-        if model.model.embed_tokens.weight.device.type != torch.device(device).type:
-            model.model.to(device)
-        return model
-    if not progress:
-        return load_model(model, device=device)
-    from tqdm import tqdm
-    with tqdm(total=1, desc="loading", unit="tensor", file=sys.stderr, leave=False,
-              postfix="config, tokenizer, compressed token map") as bar:
-        def note(done: int, total: int, what: str) -> None:
-            if bar.total != total:
-                bar.reset(total=total)
-            bar.n = done
-            bar.set_postfix_str(what[-40:], refresh=False)
-            bar.refresh()
-        loaded = load_model(model, progress=note, device=device)
-    return loaded
 
 
 def build_engine(model=None, *, enable_prefix_caching: bool = True, progress: bool = False,
@@ -48,6 +21,7 @@ def build_engine(model=None, *, enable_prefix_caching: bool = True, progress: bo
     `tensor_parallel_size=N` (N >= 2) starts N-1 worker processes (or joins a torchrun group with
     `dist_init="env://"`); this process is rank 0 and owns the scheduler. The engine's close stops them.
     `cluster`: run on an existing TPCluster instead (its owner closes it), e.g. several engines in turn."""
+    from ..model.loader import load_model
     from ..runner.model_runner import RunnerConfig
     from .llm_engine import LLMEngine
     from .threads import set_torch_threads
@@ -77,7 +51,7 @@ def build_engine(model=None, *, enable_prefix_caching: bool = True, progress: bo
             raise ConfigError(f"engine options: {e}") from None
 
     if tensor_parallel_size == 1 and dist_init is None and cluster is None:
-        loaded = load(model, progress, device=device)
+        loaded = load_model(model, device=device, progress=progress)
         return LLMEngine(loaded, config(loaded), enable_prefix_caching=enable_prefix_caching, threads=threads,
                          seed=seed)
     from ..parallel.launch import TPCluster, local_device

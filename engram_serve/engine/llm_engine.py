@@ -16,6 +16,7 @@ import torch
 from ..engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ..engine.sequence import Sequence
 from ..errors import InvalidRequest, OwnershipError, SliceError, StaticBufferError
+from ..microbatch.plan import check_bounds
 from ..model.loader import LoadedModel
 from ..runner.model_runner import ModelRunner, RunnerConfig, StepOutput
 from ..runner.sampler import GREEDY_BELOW, Penalties, Sampler, SamplingBatch
@@ -213,7 +214,7 @@ class LLMEngine:
                                       np.fromiter((r.num_new for r in rows), np.int64, n), None,
                                       np.fromiter(sample, bool, n))
             if bounds is not None:
-                self._check_bounds(bounds, batch.num_tokens)
+                check_bounds(bounds, batch.num_tokens, self.cfg.microbatch.num_microbatches)
             return self.runner.execute(batch, bounds, record)
 
         try:
@@ -236,19 +237,6 @@ class LLMEngine:
         if sampled:
             events += self._sample(sampled, result.logits)
         return StepResult(events, out, result, [r.seq.request_id for r in rows], sample)
-
-    def _check_bounds(self, bounds, num_tokens: int) -> None:
-        ok = isinstance(bounds, (list, tuple)) and len(bounds) >= 2 and all(
-            isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in bounds)
-        if ok:
-            b = [int(x) for x in bounds]
-            ok = b[0] == 0 and b[-1] == num_tokens and all(x < y for x, y in zip(b, b[1:]))
-        if not ok:
-            raise InvalidRequest(f"bounds={bounds!r}: must be increasing integers from 0 to the step's "
-                                 f"{num_tokens} tokens")
-        if len(bounds) - 1 > self.cfg.split.num_ubatches:
-            raise InvalidRequest(f"bounds={list(bounds)!r}: {len(bounds) - 1} microbatches, the runner has buffers "
-                                 f"for split.num_ubatches={self.cfg.split.num_ubatches}")
 
     def _culprits(self, rows, sample, run, error: Exception) -> list[int]:
         """The rows that make the forward raise. Halves are re-run (whole, outputs discarded: a row's

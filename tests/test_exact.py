@@ -2,7 +2,8 @@
 beside 0 to 31 other requests, whole or cut into 2 or 3 microbatches at forced cuts, in prefill chunks
 of 1, 3, 17 tokens or unlimited, padded into static (graph) buffers, recomputed after preemption, or
 on a reused prefix. The negative control turns the batch-invariance rules off (matmul rows padded to
-a fixed tile, vectorised elementwise tails) and the same comparison goes red."""
+a fixed tile, vectorised elementwise tails) and the same comparison goes red. The same holds for the
+torch forms alone (the C kernels switched off), with the same negative control."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,8 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engram_serve import kernels
 from engram_serve.microbatch.plan import MicrobatchConfig
-from engram_serve.model import layers
+from engram_serve.model import exactness, layers
 from engram_serve.model.loader import load_model, make_random_checkpoint
 from engram_serve.runner.model_runner import RunnerConfig
 from engram_serve.verify import Workload, run_case
@@ -76,18 +78,31 @@ def test_negative_control_without_the_batch_invariance_rules_logits_differ(loade
     alone, _ = run(loaded, Workload(work.prompts[:1], GEN))  # with the rules on, the case passes
     assert torch.equal(alone, run(loaded, work, microbatches=2)[0])
     exact = True
-    monkeypatch.setattr(layers, "_plans", {})  # the rules below are consulted afresh
+    monkeypatch.setattr(exactness, "_plans", {})  # the rules below are consulted afresh
     if off.startswith("fixed"):
-        monkeypatch.setattr(layers, "min_rows", lambda weight: 1)
-        monkeypatch.setattr(layers, "small_call_kc", lambda weight: None)
+        monkeypatch.setattr(exactness, "min_rows", lambda weight: 1)
+        monkeypatch.setattr(exactness, "small_call_kc", lambda weight: None)
     elif off.startswith("matmul kernel"):
-        if layers.pad_rows(loaded.model) != 1:
+        if exactness.pad_rows(layers.matmul_weights(loaded.model)) != 1:
             pytest.skip("the C matmul kernel does not serve this model's matmuls here")
-        kernel = layers._kernel
-        monkeypatch.setattr(layers, "_kernel", lambda x, panels, n, kc, *args, **kw: kernel(
+        kernel = exactness.matmul_kernel
+        monkeypatch.setattr(exactness, "matmul_kernel", lambda x, panels, n, kc, *args, **kw: kernel(
             x, panels, n, kc if x.shape[0] > 3 else kc // 2 + 1, *args, **kw))
     else:
         exact = False
     alone, _ = run(loaded, Workload(work.prompts[:1], GEN), exact=exact)
     batched, _ = run(loaded, work, microbatches=2, exact=exact)
     assert not torch.equal(alone, batched)
+
+
+@pytest.mark.parametrize("spec", ["none", "-attention"])
+def test_the_torch_forms_keep_the_rules_and_their_negative_control_fails(loaded, spec):
+    """With the C kernels switched off (engram_serve/kernels.py), the torch forms run (padded matmul calls,
+    `pointwise`, the chunked attention kernels) and keep the bit-exact claim on their own; with every
+    rule off (exact=False) they do not."""
+    work = workload(2, 7, loaded.config.vocab_size)
+    with kernels.override(spec):
+        alone, _ = run(loaded, Workload(work.prompts[:1], GEN))
+        assert torch.equal(alone, run(loaded, work, microbatches=2)[0])
+        alone, _ = run(loaded, Workload(work.prompts[:1], GEN), exact=False)
+        assert not torch.equal(alone, run(loaded, work, microbatches=2, exact=False)[0])

@@ -8,11 +8,11 @@ detokenizes on its own output thread instead).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import collections.abc
 
 from .detokenizer import OutputProcessor, RequestDelta
 from .llm_engine import LLMEngine, TokenEvent
-from .sequence import Sequence as Request
+from .sequence import Sequence
 
 
 class EngineDriver:
@@ -25,7 +25,7 @@ class EngineDriver:
         self.engine = engine
         self.outputs = OutputProcessor(engine.loaded.tokenizer) if detokenize else None
 
-    def add(self, request_id: str, prompt_ids: Sequence[int], params, dead=None) -> Request:
+    def add(self, request_id: str, prompt_ids: collections.abc.Sequence[int], params, dead=None) -> Sequence:
         """Validate and queue (InvalidRequest, QueueFull); the request runs when the scheduler admits it."""
         seq = self.engine.add_request(request_id, prompt_ids, params, dead)
         if self.outputs is not None:

@@ -6,6 +6,8 @@
 seed + j (choice 0 is the same request sent alone). `best_of` > n keeps the n choices of highest
 cumulative logprob (`pick`).
 """
+# (no `from __future__ import annotations`: FastAPI reads an endpoint's `request: Request` annotation
+# as a class, and that class is imported inside the function that defines the endpoint)
 
 import asyncio
 import json

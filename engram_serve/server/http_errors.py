@@ -1,8 +1,8 @@
 """HTTP errors as OpenAI error bodies `{"error": {"message", "type", "param", "code"}}`.
 
-`ApiError` is what endpoints raise (`ClientGone` when the client left); `from_invalid` turns an `InvalidRequest` into one (its
-`param` is the exception's own), `from_pydantic` a validation failure (the first bad field's path,
-e.g. `messages.0.role`). `install` registers the handlers that write every error, FastAPI's own
+`ApiError` is what endpoints raise (`ClientGone` when the client left); `from_invalid` turns an
+`InvalidRequest` into one (its `param` is the exception's own), `from_pydantic` a validation
+failure (the first bad field's path, e.g. `messages.0.role`). `install` registers the handlers that write every error, FastAPI's own
 included (a 422 of FastAPI's becomes a 400), in that shape.
 """
 from __future__ import annotations

@@ -1,4 +1,6 @@
 """GET /v1/models and /v1/models/{id}; POST /tokenize and /detokenize; GET /version and /health."""
+# (no `from __future__ import annotations`: FastAPI reads an endpoint's `request: Request` annotation
+# as a class, and that class is imported inside the function that defines the endpoint)
 
 from typing import TYPE_CHECKING
 

@@ -87,10 +87,10 @@ def check_bounds(bounds, num_tokens: int, num_microbatches: int) -> None:
         ok = b[0] == 0 and b[-1] == num_tokens and all(x < y for x, y in zip(b, b[1:]))
     if not ok:
         raise InvalidRequest(f"bounds={bounds!r}: must be increasing integers from 0 to the step's "
-                             f"{num_tokens} tokens")
+                             f"{num_tokens} tokens", "bounds")
     if len(bounds) - 1 > num_microbatches:
         raise InvalidRequest(f"bounds={list(bounds)!r}: {len(bounds) - 1} microbatches, the runner has buffers "
-                             f"for microbatch.num_microbatches={num_microbatches}")
+                             f"for microbatch.num_microbatches={num_microbatches}", "bounds")
 
 
 class MicrobatchPlanner:

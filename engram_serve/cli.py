@@ -191,8 +191,8 @@ def _bench_runner(run: Callable[[argparse.Namespace], list[dict]]) -> Callable[[
 def add_verify(sub: argparse._SubParsersAction) -> None:
     from .bench.common import positive_int_list
     p = sub.add_parser("verify", help="check that a seeded workload's results never depend on how steps are cut",
-                       description="Run one seeded workload unsplit, then with 2 and 3 microbatches under both "
-                                   "split policies, a cut swept across every offset of a straddling request, "
+                       description="Run one seeded workload with whole steps, then with 2 and 3 microbatches "
+                                   "under both policies, a boundary swept across every offset of a straddling request, "
                                    "prefill chunks 1, 3, 17 and unlimited, and graph mode with padding; compare "
                                    "hash ids, staged rows and logits bit for bit, and greedy tokens. Exit 0 "
                                    "only if everything matches.")
@@ -215,6 +215,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
     from .bench.common import format_table
     from .engine.threads import set_torch_threads
+    from .model.loader import load_model
     from .verify import verify
     set_torch_threads(args.threads)
     overrides = {"debug_ownership": True} if args.debug_ownership else None
@@ -227,7 +228,7 @@ def run_verify(args: argparse.Namespace) -> int:
         if args.tensor_parallel_size > 1 or args.dist_init is not None:
             res = _verify_parallel(args, overrides)
         else:
-            res = verify(load_checkpoint(args.model, device=args.device), args.seed, args.num_requests,
+            res = verify(load_model(args.model, device=args.device), args.seed, args.num_requests,
                          args.gen_tokens, overrides=overrides, device=args.device, progress=progress)
     if args.json:
         print(json.dumps(res))
@@ -239,7 +240,7 @@ def run_verify(args: argparse.Namespace) -> int:
               f"mismatches {res['greedy_mismatches']}: {'PASS' if res['passed'] else 'FAIL'}")
         if "vs_single_process" in res:
             v = res["vs_single_process"]
-            print(f"tensor-parallel size {args.tensor_parallel_size} (unsplit) against one process: "
+            print(f"tensor-parallel size {args.tensor_parallel_size} (whole steps) against one process: "
                   f"{v['compared_tokens']} tokens, hash mismatches {v['hash_mismatches']}, greedy mismatches "
                   f"{v['greedy_mismatches']}, max |logit diff| {v['max_abs_logit_diff']:.3g}")
     return 0 if res["passed"] else 1
@@ -274,57 +275,25 @@ def _verify_parallel(args: argparse.Namespace, overrides: dict | None) -> dict:
 
 # ---- generate, serve, train (their options live beside their code) ----
 
-def load_checkpoint(path, progress: bool = False, device: str = "cpu"):
-    """load() for the CLI: a wrongly typed config value becomes a one-line ConfigError."""
-    from .engine.factory import load
-    try:
-        return load(path, progress, device=device)
-    except EngramServeError:
-        raise
-    except (TypeError, ValueError, KeyError) as e:
-        where = f"--model {path or 'built-in'}: config.json"
-        raise ConfigError(f"{where}: {_mistyped_field(path) or f'{type(e).__name__}: {e}'}") from None
-
-
-def _mistyped_field(path) -> str | None:
-    """The first config.json field whose JSON type does not match its ModelConfig/EngramConfig type."""
-    from .config import EngramConfig, ModelConfig
-    try:
-        raw = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError, TypeError):
-        return None
-    if isinstance(raw, dict) and isinstance(raw.get("text_config"), dict):
-        raw = {**raw, **raw["text_config"]}
-    kinds = {f.name: str(f.type) for cls in (ModelConfig, EngramConfig) for f in dataclasses.fields(cls)}
-    for name, value in raw.items() if isinstance(raw, dict) else ():
-        kind = kinds.get(name)
-        is_int = isinstance(value, int) and not isinstance(value, bool)
-        ok = {"int": is_int, "float": is_int or isinstance(value, float), "bool": isinstance(value, bool)}.get(kind)
-        if kind and kind.startswith("tuple[int"):
-            ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-        if ok is False:
-            return f"{name}={value!r}: must be {'a list of integers' if kind.startswith('tuple') else 'an ' + kind}"
-    return None
-
-
 def add_generate(sub: argparse._SubParsersAction) -> None:
     from .bench.common import positive_int
     p = sub.add_parser("generate", help="generate text from a prompt with the built-in (or --model) model",
-                       description="Generate with dual-batch overlap on, then (unless --no-check) re-run unsplit "
-                                   "and print a one-line microbatch summary on stderr (steps split, rows that "
-                                   "straddled a cut, match).")
+                       description="Generate with microbatching on (dual-batch overlap), then (unless --no-check) "
+                                   "re-run with whole steps and print a one-line microbatching summary on stderr "
+                                   "(steps cut into microbatches, rows that straddled a boundary, match).")
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("--max-tokens", type=positive_int, default=32, metavar="N", help="tokens to generate (32)")
     p.add_argument("--temperature", type=float, default=1.0, metavar="T", help="0 = greedy (default 1.0)")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (default: random)")
     p.add_argument("--model", type=Path, default=None, metavar="PATH",
                    help="checkpoint directory (default: the built-in tiny model)")
-    p.add_argument("--ubatches", type=positive_int, default=2, metavar="N",
+    p.add_argument("--microbatches", "--ubatches", dest="microbatches", type=positive_int, default=2, metavar="N",
                    help="microbatches per step (default 2: dual-batch overlap)")
-    p.add_argument("--split-threshold", type=positive_int, default=2, metavar="TOKENS",
+    p.add_argument("--microbatch-threshold", "--split-threshold", dest="microbatch_threshold", type=positive_int,
+                   default=2, metavar="TOKENS",
                    help="steps with fewer tokens stay whole (default 2, so that a one-prompt run is cut "
                         "at all; the serving defaults are 32 for decode and 128 for prefill steps)")
-    p.add_argument("--no-check", action="store_true", help="skip the second, unsplit run and its comparison")
+    p.add_argument("--no-check", action="store_true", help="skip the second, whole-step run and its comparison")
     p.add_argument("--threads", type=positive_int, default=None, metavar="N",
                    help="torch threads (default: the cores in this process's affinity mask)")
     p.add_argument("--json", action="store_true",
@@ -334,12 +303,13 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Generate once with microbatching, again unsplit (unless --no-check); the text on stdout, the
-    microbatch line on stderr."""
+    """Generate once with microbatching, again with whole steps (unless --no-check); the text on stdout,
+    the microbatching line on stderr."""
     import random
 
-    from .inputs.ubatch import SplitConfig
     from .llm import LLM
+    from .microbatch.plan import MicrobatchConfig
+    from .model.loader import load_model
     from .sampling_params import SamplingParams
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=seed)
@@ -353,23 +323,24 @@ def run_generate(args: argparse.Namespace) -> int:
         opts["cluster"] = cluster
     same = None
     try:
-        loaded = load_checkpoint(args.model, progress=True, device=args.device) if cluster is None else args.model
-        split = SplitConfig(num_ubatches=args.ubatches, decode_threshold=args.split_threshold,
-                            prefill_threshold=args.split_threshold, when="always")  # a demonstration: cut
-        llm = LLM(loaded, split=split, threads=args.threads, **opts)
+        loaded = load_model(args.model, progress=True, device=args.device) if cluster is None else args.model
+        microbatch = MicrobatchConfig(num_microbatches=args.microbatches, decode_threshold=args.microbatch_threshold,
+                                      prefill_threshold=args.microbatch_threshold, when="always")  # a demonstration
+        llm = LLM(loaded, microbatch=microbatch, threads=args.threads, **opts)
         out = llm.generate(args.prompt, params)[0]
         stats = dataclasses.replace(llm.stats)
         llm.close()
         if not args.no_check:
-            whole = LLM(loaded, split=SplitConfig(num_ubatches=1), **opts)
+            whole = LLM(loaded, microbatch=MicrobatchConfig(num_microbatches=1), **opts)
             ref = whole.generate(args.prompt, params)[0]
             whole.close()
             same = ref.token_ids == out.token_ids
     finally:
         if cluster is not None:
             cluster.close()
-    micro = {"steps": stats.steps, "split_steps": stats.microbatched_steps, "straddling_rows": stats.straddling_rows,
-             "num_ubatches": args.ubatches, "seed": seed, "identical_to_unsplit": same}
+    micro = {"steps": stats.steps, "microbatched_steps": stats.microbatched_steps,
+             "straddling_rows": stats.straddling_rows, "num_microbatches": args.microbatches, "seed": seed,
+             "identical_to_whole": same}
     if out.finish_reason == "error":
         print(f"error: {out.error}", file=sys.stderr)
     if args.json:

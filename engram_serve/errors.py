@@ -14,7 +14,21 @@ class CheckpointMismatch(EngramServeError):
 
 
 class InvalidRequest(EngramServeError, ValueError):
-    """A request or one of its parameters is malformed; it never reaches the batch."""
+    """A request or one of its parameters is malformed; it never reaches the batch.
+
+    `param` is the request field at fault, as the request names it ("max_tokens", "stop",
+    "prompt"), or None when no single field is; the server's error body carries it."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):  # keep `param` through pickling (tensor-parallel ranks)
+        return type(self), (str(self), self.param)
+
+
+class QueueFull(InvalidRequest):
+    """The scheduler's waiting queue is at its limit; the request was refused, retry later."""
 
 
 class SliceError(EngramServeError):

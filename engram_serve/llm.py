@@ -4,10 +4,12 @@
     out = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0.8, seed=1))
     print(out[0].text, out[0].finish_reason)
 
-Engine options are `RunnerConfig` fields (max_num_seqs, max_model_len, split, device, ...) plus
-`enable_prefix_caching`, `tensor_parallel_size`, `threads` and `seed`; an unknown option raises
-ConfigError naming it.
-The engine factory lives in `engine/factory.py`, the synchronous driver in `engine/driver.py`.
+Engine options are `RunnerConfig` fields (max_num_seqs, max_model_len, microbatch, device, ...) plus
+`enable_prefix_caching`, `tensor_parallel_size`, `threads`, `seed` and `max_waiting` (the
+scheduler's waiting-queue bound; offline the default is none: every prompt of a call queues); an
+unknown option raises ConfigError naming it.
+The engine factory lives in `engine/factory.py`, the synchronous driver in `engine/driver.py`, the
+loader (`load_model`) in `model/loader.py`.
 """
 from __future__ import annotations
 
@@ -18,12 +20,12 @@ from typing import Sequence, Union
 
 import numpy as np
 
-from .engine.factory import build_engine, load
+from .engine.factory import build_engine
 from .errors import InvalidRequest
 
 Prompt = Union[str, Sequence[int]]
 
-__all__ = ["LLM", "RequestOutput", "build_engine", "load"]
+__all__ = ["LLM", "RequestOutput", "build_engine"]
 
 
 @dataclass
@@ -51,10 +53,10 @@ class LLM:
     """Synchronous generation: queue every prompt, step the engine until all finish."""
 
     def __init__(self, model=None, *, enable_prefix_caching: bool = True, progress: bool = False,
-                 tensor_parallel_size: int = 1, **options):
+                 tensor_parallel_size: int = 1, max_waiting: int | None = None, **options):
         from .engine.driver import EngineDriver  # here, not at import: the CLI's parser stays torch-free
         self.engine = build_engine(model, enable_prefix_caching=enable_prefix_caching, progress=progress,
-                                   tensor_parallel_size=tensor_parallel_size, **options)
+                                   tensor_parallel_size=tensor_parallel_size, max_waiting=max_waiting, **options)
         self.driver = EngineDriver(self.engine)
         self.tokenizer = self.engine.loaded.tokenizer
         self._ids = itertools.count()
@@ -85,25 +87,25 @@ class LLM:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple, np.ndarray)):
             raise InvalidRequest(f"prompts: expected a string, a list of token ids or a list of those, "
-                                 f"got {type(prompts).__name__}")
+                                 f"got {type(prompts).__name__}", "prompts")
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         params = list(params)
         if len(params) != len(prompts):
-            raise InvalidRequest(f"params: {len(params)} SamplingParams for {len(prompts)} prompts")
+            raise InvalidRequest(f"params: {len(params)} SamplingParams for {len(prompts)} prompts", "params")
         outputs: dict[str, RequestOutput] = {}
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 if not isinstance(prompt, (str, list, tuple, np.ndarray)):
                     raise InvalidRequest(f"prompts[{i}]: expected a string or a list of token ids, "
-                                         f"got {type(prompt).__name__}")
+                                         f"got {type(prompt).__name__}", "prompts")
                 text, ids = self.encode(prompt)
                 rid = str(next(self._ids))
                 try:
                     self.driver.add(rid, ids, p)
                 except InvalidRequest as e:
-                    raise InvalidRequest(f"prompts[{i}]: {e}") from None
+                    raise type(e)(f"prompts[{i}]: {e}", e.param) from None
                 outputs[rid] = RequestOutput(rid, text, [int(t) for t in ids],
                                              logprobs=[] if p.logprobs is not None else None)
             done = 0

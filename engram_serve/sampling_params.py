@@ -25,37 +25,38 @@ MAX_LOGIT_BIAS = 1024  # logit_bias entries per request
 MAX_STOP_TOKEN_IDS = 1024
 
 
-def _fail(name: str, value, why: str):
+def _fail(name: str, value, why: str, at: str = ""):
+    """InvalidRequest "name<at>=value: why" with param `name` (the field; `at` names the item in it)."""
     shown = repr(value)
     if len(shown) > 80:
         shown = shown[:77] + "..."
-    raise InvalidRequest(f"{name}={shown}: {why}")
+    raise InvalidRequest(f"{name}{at}={shown}: {why}", name)
 
 
-def _int(name: str, value) -> int:
+def _int(name: str, value, at: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        _fail(name, value, f"must be an integer, got {type(value).__name__}")
+        _fail(name, value, f"must be an integer, got {type(value).__name__}", at)
     v = int(value)
     if not _INT64_MIN <= v <= _INT64_MAX:
-        _fail(name, v, "must fit in a signed 64-bit integer")
+        _fail(name, v, "must fit in a signed 64-bit integer", at)
     return v
 
 
-def _real(name: str, value) -> float:
+def _real(name: str, value, at: str = "") -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        _fail(name, value, f"must be a number, got {type(value).__name__}")
+        _fail(name, value, f"must be a number, got {type(value).__name__}", at)
     try:
         v = float(value)
     except OverflowError:  # an int too large for a float
-        _fail(name, value, "must be finite")
+        _fail(name, value, "must be finite", at)
     if not math.isfinite(v):
-        _fail(name, value, "must be finite")
+        _fail(name, value, "must be finite", at)
     return v
 
 
-def _in(name: str, v: float, lo: float, hi: float, lo_open: bool = False) -> None:
+def _in(name: str, v: float, lo: float, hi: float, lo_open: bool = False, at: str = "") -> None:
     if not ((lo < v) if lo_open else (lo <= v)) or not v <= hi:
-        _fail(name, v, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}]")
+        _fail(name, v, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}]", at)
 
 
 @dataclass(frozen=True)
@@ -130,9 +131,9 @@ class SamplingParams:
         total = 0
         for i, s in enumerate(stop):
             if not isinstance(s, str):
-                _fail(f"stop[{i}]", s, f"must be a string, got {type(s).__name__}")
+                _fail("stop", s, f"must be a string, got {type(s).__name__}", f"[{i}]")
             if not s:
-                _fail(f"stop[{i}]", s, "must be non-empty")
+                _fail("stop", s, "must be non-empty", f"[{i}]")
             total += len(s)
         if total > MAX_STOP_CHARS:
             _fail("stop", f"<{total} characters>", f"the stop strings may hold {MAX_STOP_CHARS} characters in all")
@@ -142,10 +143,10 @@ class SamplingParams:
                   f"must be a list of integers, got {type(self.stop_token_ids).__name__}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             _fail("stop_token_ids", f"<{len(self.stop_token_ids)} ids>", f"at most {MAX_STOP_TOKEN_IDS} ids")
-        ids = [_int(f"stop_token_ids[{i}]", t) for i, t in enumerate(self.stop_token_ids)]
+        ids = [_int("stop_token_ids", t, f"[{i}]") for i, t in enumerate(self.stop_token_ids)]
         for i, t in enumerate(ids):
             if t < 0:
-                _fail(f"stop_token_ids[{i}]", t, "must be >= 0")
+                _fail("stop_token_ids", t, "must be >= 0", f"[{i}]")
         put("stop_token_ids", ids)
         if not isinstance(self.ignore_eos, bool):
             _fail("ignore_eos", self.ignore_eos, f"must be true or false, got {type(self.ignore_eos).__name__}")
@@ -156,11 +157,12 @@ class SamplingParams:
             _fail("logit_bias", f"<{len(self.logit_bias)} entries>", f"at most {MAX_LOGIT_BIAS} entries")
         bias = {}
         for k, v in self.logit_bias.items():
-            tok = _int("logit_bias key", int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k)
+            key = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
+            tok = _int("logit_bias", key, " key")
             if tok < 0:
-                _fail(f"logit_bias[{k!r}]", tok, "token ids must be >= 0")
-            b = _real(f"logit_bias[{k!r}]", v)
-            _in(f"logit_bias[{k!r}]", b, -100.0, 100.0)
+                _fail("logit_bias", tok, "token ids must be >= 0", f"[{k!r}]")
+            b = _real("logit_bias", v, f"[{k!r}]")
+            _in("logit_bias", b, -100.0, 100.0, at=f"[{k!r}]")
             bias[tok] = b
         put("logit_bias", bias)
         if self.logprobs is not None:
@@ -195,5 +197,5 @@ class SamplingParams:
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(k for k in d if k not in names)
         if unknown:
-            raise InvalidRequest(f"unknown sampling parameter(s) {unknown}; known: {names}")
+            raise InvalidRequest(f"unknown sampling parameter(s) {unknown}; known: {names}", unknown[0])
         return cls(**d)

@@ -1,4 +1,4 @@
-"""`engram-serve verify`: run one seeded workload under many cuts and compare with the unsplit run.
+"""`engram-serve verify`: run one seeded workload under many cuts and compare with the whole-step run.
 
 Compared per token, keyed by (request, absolute position): hash ids, staged Engram rows and the
 logits of sampled positions bit for bit (tolerance 0; the maximum absolute difference is reported),
@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .engine.llm_engine import EngineStats, LLMEngine
-from .inputs.ubatch import SplitConfig
+from .microbatch.plan import MicrobatchConfig
 from .model.loader import LoadedModel
 from .runner.model_runner import ModelRunner, RunnerConfig
 from .sampling_params import SamplingParams
@@ -114,7 +114,7 @@ def _lookup(base_keys: np.ndarray, keys: np.ndarray) -> torch.Tensor:
     flat_base, flat = base_keys[:, 0] * (1 << 32) + base_keys[:, 1], keys[:, 0] * (1 << 32) + keys[:, 1]
     idx = np.searchsorted(flat_base, flat).clip(max=len(flat_base) - 1)
     if len(flat) and (flat_base[idx] != flat).any():
-        raise RuntimeError("a run computed a (request, position) the unsplit run never computed")
+        raise RuntimeError("a run computed a (request, position) the whole-step run never computed")
     return torch.from_numpy(idx)
 
 
@@ -139,21 +139,23 @@ def compare(base: Record, other: Record, work: Workload, tokens: bool = True) ->
 def cases(base: RunnerConfig, first_qsl: np.ndarray) -> list[tuple[str, RunnerConfig, list | None, bool]]:
     """(name, runner config, forced bounds of the first step, reuse a cached prefix) per comparison."""
     big = base.max_num_batched_tokens
-    def split(n, policy, **kw):
-        return dataclasses.replace(base, split=SplitConfig(n, policy, 0, 0, when="always"), **kw)
-    out = [(f"{n} ubatches, {p} policy", split(n, p), None, False) for n in (2, 3) for p in ("tokens", "requests")]
-    out += [(f"prefill chunk {c}, 2 ubatches",
-             split(2, "tokens", max_num_batched_tokens=c, max_num_seqs=min(c, base.max_num_seqs)), None, False)
+    def microbatched(n, policy, **kw):
+        return dataclasses.replace(base, microbatch=MicrobatchConfig(n, policy, 0, 0, when="always"), **kw)
+    out = [(f"{n} microbatches, {p} policy", microbatched(n, p), None, False)
+           for n in (2, 3) for p in ("tokens", "requests")]
+    out += [(f"prefill chunk {c}, 2 microbatches",
+             microbatched(2, "tokens", max_num_batched_tokens=c, max_num_seqs=min(c, base.max_num_seqs)), None, False)
             for c in (1, 3, 17)]
-    out.append(("prefill chunk unlimited, 2 ubatches", split(2, "tokens", max_num_batched_tokens=big), None, False))
-    out.append(("graph mode, padded, 2 ubatches",
-                split(2, "tokens", graph_sizes=tuple(s for s in GRAPH_SIZES if s < big) + (big,)), None, False))
-    out.append(("reused prefix (prefix cache), 2 ubatches", split(2, "tokens"), None, True))
-    out.append(("preemption and recompute (small KV pool), 2 ubatches",
-                split(2, "tokens", num_blocks=base.max_blocks_per_seq + 2), None, False))
+    out.append(("prefill chunk unlimited, 2 microbatches", microbatched(2, "tokens", max_num_batched_tokens=big),
+                None, False))
+    out.append(("graph mode, padded, 2 microbatches",
+                microbatched(2, "tokens", graph_sizes=tuple(s for s in GRAPH_SIZES if s < big) + (big,)), None, False))
+    out.append(("reused prefix (prefix cache), 2 microbatches", microbatched(2, "tokens"), None, True))
+    out.append(("preemption and recompute (small KV pool), 2 microbatches",
+                microbatched(2, "tokens", num_blocks=base.max_blocks_per_seq + 2), None, False))
     r = int(np.argmax(np.diff(first_qsl)))  # sweep every cut inside the longest first-step row
     for c in range(int(first_qsl[r]) + 1, int(first_qsl[r + 1])):
-        out.append((f"first step cut at token {c}", split(2, "tokens"), [0, c, int(first_qsl[-1])], False))
+        out.append((f"first step cut at token {c}", microbatched(2, "tokens"), [0, c, int(first_qsl[-1])], False))
     return out
 
 
@@ -163,16 +165,16 @@ def verify(loaded: LoadedModel, seed: int = 0, num_requests: int = 6, gen_tokens
            device: str = "cpu") -> dict:
     """Run every case (or those whose name contains `only`, a string or a tuple of them). `overrides`
     (RunnerConfig fields, e.g. debug_ownership) and `runner_cls` (a test subclass with a protection off:
-    a negative control) apply to the compared cases, never to the unsplit baseline.
+    a negative control) apply to the compared cases, never to the whole-step baseline.
 
     Tensor parallel: `make_runner` builds each case's runner on every rank (baseline included: the
-    same parallel size, unsplit); `reference` (the unsharded model) adds "vs_single_process": the
-    unsplit baseline against one process, where greedy tokens must match and |logit diff| is reported."""
+    same parallel size, whole steps); `reference` (the unsharded model) adds "vs_single_process": the
+    whole-step baseline against one process, where greedy tokens must match and |logit diff| is reported."""
     work = Workload.seeded(seed, num_requests, loaded.config.vocab_size, gen_tokens)
     total = sum(map(len, work.prompts))
     base_cfg = RunnerConfig(max_num_seqs=num_requests, max_model_len=max(map(len, work.prompts)) + gen_tokens + 1,
                             max_num_batched_tokens=total, num_blocks=num_requests * 8 + 64, block_size=16,
-                            split=SplitConfig(1), device=device)
+                            microbatch=MicrobatchConfig(1), device=device)
     base_cfg = dataclasses.replace(base_cfg, max_model_len=-(-base_cfg.max_model_len // 16) * 16)
     base = run_case(loaded, work, base_cfg, make_runner=make_runner)
     first_qsl = np.concatenate([[0], np.cumsum([len(p) for p in work.prompts])])

@@ -2,9 +2,9 @@
 # CUDA checks of engram-serve, a few minutes on one GPU. Run from the repository root with a
 # venv holding a CUDA build of torch==2.13.0:  bash scripts/gpu_check.sh [OUT_DIR]
 # Covers: the CUDA tests (tests/test_cuda.py: weights / KV cache / staging on the GPU, pinned host
-# tables, greedy tokens equal to the CPU with DBO and with bounded graph captures, NCCL tensor
+# tables, greedy tokens equal to the CPU with 2 microbatches and with bounded graph captures, NCCL tensor
 # parallelism when 2 GPUs exist) and the CUDA hash test; `verify --device cuda`; the step benchmark
-# (DBO against whole) on the GPU. Results go to OUT_DIR (default gpu_check_out/), summary on stdout.
+# (2 microbatches against whole steps) on the GPU. Results go to OUT_DIR (default gpu_check_out/), summary on stdout.
 set -u -o pipefail
 OUT=${1:-gpu_check_out}
 PY=${PYTHON:-.venv/bin/python}

@@ -71,6 +71,19 @@ def test_bad_serve_flags_are_one_line(capsys, argv, needle):
     assert needle in one_line_error(capsys.readouterr().err)
 
 
+def test_old_microbatch_flags_are_aliases_of_the_new_ones():
+    from engram_serve.cli import build_parser
+    parse = build_parser().parse_args
+    old = parse(["generate", "x", "--ubatches", "3", "--split-threshold", "5"])
+    new = parse(["generate", "x", "--microbatches", "3", "--microbatch-threshold", "5"])
+    assert (old.microbatches, old.microbatch_threshold) == (new.microbatches, new.microbatch_threshold) == (3, 5)
+    for argv in (["--ubatches", "4"], ["--microbatches", "4"]):
+        assert parse(["serve", *argv]).microbatches == 4
+    for flag in ("--no-dual-batch-overlap", "--no-microbatching"):
+        assert parse(["serve", flag]).no_microbatching is True
+    assert parse(["serve"]).no_microbatching is False and parse(["serve"]).microbatches == 2
+
+
 def test_serve_help_lists_the_vllm_flags(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])

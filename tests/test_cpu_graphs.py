@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engram_serve.config import ModelConfig, read_json
-from engram_serve.inputs.ubatch import SplitConfig
+from engram_serve.microbatch.plan import MicrobatchConfig
 from engram_serve.model.loader import CONFIG_FILE, TINY_DIR, load_model, make_random_checkpoint
 from engram_serve.runner import cpu_graphs
 from engram_serve.runner.model_runner import ModelRunner, RunnerConfig
@@ -23,9 +23,9 @@ def loaded():
     return load_model()
 
 
-def config(n: int, ubatches: int = 1, graphs: bool = True) -> RunnerConfig:
+def config(n: int, microbatches: int = 1, graphs: bool = True) -> RunnerConfig:
     return RunnerConfig(max_num_seqs=n, max_model_len=128, max_num_batched_tokens=512, num_blocks=8 * n + 8,
-                        split=SplitConfig(ubatches, "tokens", 0, 0, when="always"), cpu_graphs=graphs)
+                        microbatch=MicrobatchConfig(microbatches, "tokens", 0, 0, when="always"), cpu_graphs=graphs)
 
 
 def run(loaded, work: Workload, cfg: RunnerConfig, runner_cls=ModelRunner):
@@ -48,14 +48,14 @@ def assert_same(rec, ref) -> None:
 
 
 @settings(max_examples=6, deadline=None)
-@given(seed=st.integers(0, 10**6), mates=st.sampled_from([0, 1, 4, 9]), ubatches=st.integers(1, 2))
-def test_replayed_decode_forwards_are_bit_identical_to_eager_ones(loaded, seed, mates, ubatches):
+@given(seed=st.integers(0, 10**6), mates=st.sampled_from([0, 1, 4, 9]), microbatches=st.integers(1, 2))
+def test_replayed_decode_forwards_are_bit_identical_to_eager_ones(loaded, seed, mates, microbatches):
     """Prompts of 1 to 89 tokens and 24 decode steps: contexts from 2 to 112 tokens, block tables 1 to 8
     blocks wide, so several layouts are captured and each is replayed with other positions, slots,
     tables and history."""
     work = workload(seed, mates, 24, loaded.config.vocab_size)
-    ref, none = run(loaded, work, config(mates + 1, ubatches, graphs=False))
-    rec, replays = run(loaded, work, config(mates + 1, ubatches))
+    ref, none = run(loaded, work, config(mates + 1, microbatches, graphs=False))
+    rec, replays = run(loaded, work, config(mates + 1, microbatches))
     assert none == 0 and replays > 0
     assert_same(rec, ref)
 

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from engram_serve.inputs.ubatch import SplitConfig
 from engram_serve.llm import LLM
+from engram_serve.microbatch.plan import MicrobatchConfig
 from engram_serve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -21,13 +21,13 @@ def test_device_cuda_places_weights_kv_and_staging_and_keeps_tables_on_the_host(
     llm.close()
 
 
-def test_cuda_greedy_tokens_match_cpu_with_dbo_and_graphs():
+def test_cuda_greedy_tokens_match_cpu_with_microbatches_and_graphs():
     p = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    cpu = LLM(split=SplitConfig(1))
+    cpu = LLM(microbatch=MicrobatchConfig(1))
     want = [o.token_ids for o in cpu.generate(PROMPTS, p)]
     cpu.close()
-    for kw in ({"split": SplitConfig(2, "tokens", 0, 0, when="always")},
-               {"split": SplitConfig(2, "tokens", 0, 0, when="always"), "graph_sizes": (4, 8, 16, 32, 64, 1024)}):
+    always = MicrobatchConfig(2, "tokens", 0, 0, when="always")
+    for kw in ({"microbatch": always}, {"microbatch": always, "graph_sizes": (4, 8, 16, 32, 64, 1024)}):
         gpu = LLM(device="cuda", **kw)
         got = [o.token_ids for o in gpu.generate(PROMPTS, p)]
         graphs = gpu.engine.runner.graphs
@@ -43,7 +43,7 @@ def test_tensor_parallel_nccl_matches_one_gpu():
     one = LLM(device="cuda")
     want = [o.token_ids for o in one.generate(PROMPTS, p)]
     one.close()
-    tp = LLM(device="cuda", tensor_parallel_size=2, split=SplitConfig(2, "tokens", 0, 0, when="always"))
+    tp = LLM(device="cuda", tensor_parallel_size=2, microbatch=MicrobatchConfig(2, "tokens", 0, 0, when="always"))
     got = [o.token_ids for o in tp.generate(PROMPTS, p)]
     tp.close()
     assert got == want

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engram_serve import kernels
-from engram_serve.inputs.ubatch import SplitConfig
+from engram_serve.microbatch.plan import MicrobatchConfig
 from engram_serve.model import exactness, layers
 from engram_serve.model.loader import load_model, make_random_checkpoint
 from engram_serve.runner.model_runner import RunnerConfig
@@ -42,27 +42,27 @@ def target_logits(rec) -> tuple[torch.Tensor, list[int]]:
     return rec.logits[torch.from_numpy(np.flatnonzero(sel)[order])], rec.tokens[0]
 
 
-def run(loaded, work: Workload, *, ubatches=1, policy="tokens", chunk=None, graph=False, small_pool=False,
+def run(loaded, work: Workload, *, microbatches=1, policy="tokens", chunk=None, graph=False, small_pool=False,
         reuse=False, exact=True):
     n = len(work.prompts)
     chunk = chunk or 2048
     budget = max(chunk, n)
     cfg = RunnerConfig(max_num_seqs=n, max_model_len=96, max_num_batched_tokens=budget,
                        num_blocks=(96 // 16 + 2) if small_pool else 16 * n + 16, block_size=16,
-                       split=SplitConfig(ubatches, policy, 0, 0, when="always"), exact=exact,
+                       microbatch=MicrobatchConfig(microbatches, policy, 0, 0, when="always"), exact=exact,
                        graph_sizes=tuple(s for s in (8, 32, 128, 512) if s < budget) + (budget,) if graph else ())
     return target_logits(run_case(loaded, work, cfg, reuse_prefix=reuse))
 
 
 @settings(max_examples=8, deadline=None)
-@given(seed=st.integers(0, 10**6), mates=st.sampled_from([0, 1, 3, 7, 31]), ubatches=st.integers(1, 3),
+@given(seed=st.integers(0, 10**6), mates=st.sampled_from([0, 1, 3, 7, 31]), microbatches=st.integers(1, 3),
        policy=st.sampled_from(["tokens", "requests"]), chunk=st.sampled_from([None, 1, 3, 17]),
        graph=st.booleans(), small_pool=st.booleans(), reuse=st.booleans())
-def test_a_request_is_bit_identical_alone_and_in_any_batch(loaded, seed, mates, ubatches, policy, chunk, graph,
+def test_a_request_is_bit_identical_alone_and_in_any_batch(loaded, seed, mates, microbatches, policy, chunk, graph,
                                                           small_pool, reuse):
     work = workload(seed, mates, loaded.config.vocab_size)
     alone_logits, alone_tokens = run(loaded, Workload(work.prompts[:1], GEN))
-    logits, tokens = run(loaded, work, ubatches=ubatches, policy=policy, chunk=chunk, graph=graph,
+    logits, tokens = run(loaded, work, microbatches=microbatches, policy=policy, chunk=chunk, graph=graph,
                          small_pool=small_pool and mates > 0, reuse=reuse)
     assert tokens == alone_tokens
     assert torch.equal(logits, alone_logits), float((logits - alone_logits).abs().max())
@@ -76,7 +76,7 @@ def test_negative_control_without_the_batch_invariance_rules_logits_differ(loade
     in other blocks than a bigger call (as BLAS small-call kernels do), the bits differ."""
     work = workload(1, 7, loaded.config.vocab_size)
     alone, _ = run(loaded, Workload(work.prompts[:1], GEN))  # with the rules on, the case passes
-    assert torch.equal(alone, run(loaded, work, ubatches=2)[0])
+    assert torch.equal(alone, run(loaded, work, microbatches=2)[0])
     exact = True
     monkeypatch.setattr(exactness, "_plans", {})  # the rules below are consulted afresh
     if off.startswith("fixed"):
@@ -91,7 +91,7 @@ def test_negative_control_without_the_batch_invariance_rules_logits_differ(loade
     else:
         exact = False
     alone, _ = run(loaded, Workload(work.prompts[:1], GEN), exact=exact)
-    batched, _ = run(loaded, work, ubatches=2, exact=exact)
+    batched, _ = run(loaded, work, microbatches=2, exact=exact)
     assert not torch.equal(alone, batched)
 
 
@@ -103,6 +103,6 @@ def test_the_torch_forms_keep_the_rules_and_their_negative_control_fails(loaded,
     work = workload(2, 7, loaded.config.vocab_size)
     with kernels.override(spec):
         alone, _ = run(loaded, Workload(work.prompts[:1], GEN))
-        assert torch.equal(alone, run(loaded, work, ubatches=2)[0])
+        assert torch.equal(alone, run(loaded, work, microbatches=2)[0])
         alone, _ = run(loaded, Workload(work.prompts[:1], GEN), exact=False)
-        assert not torch.equal(alone, run(loaded, work, ubatches=2, exact=False)[0])
+        assert not torch.equal(alone, run(loaded, work, microbatches=2, exact=False)[0])

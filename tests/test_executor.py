@@ -2,7 +2,7 @@ import time
 
 import pytest
 
-from engram_serve.runner.executor import StageMismatch, run_interleaved
+from engram_serve.microbatch.executor import StageMismatch, run_interleaved
 
 
 def fake_forward(k: int, layers: int, log: list, fail_at: int | None = None):

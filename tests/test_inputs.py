@@ -14,7 +14,8 @@ from engram_serve.inputs.static import PADDING, StaticInputPool
 from engram_serve.inputs.step import build_step
 from engram_serve.inputs.step_state import StepState
 from engram_serve.inputs.token_store import TokenStore
-from engram_serve.inputs.ubatch import SLICE_RULES, SplitConfig, check_slice_invariants, plan_split, slice_batch
+from engram_serve.microbatch.plan import MicrobatchConfig, plan_microbatches
+from engram_serve.microbatch.slicing import SLICE_RULES, check_slice_invariants, slice_microbatch
 
 CFG = EngramConfig([1, 3], [0, 0], 4, 3, 4, 50, 40, 0)
 LAYOUT = build_layout(CFG, check_rows=False)
@@ -40,8 +41,8 @@ def spec_batch() -> StepBatch:
 ])
 def test_spec_regression_table(t0, t1, rows):
     """Per-row history padded to [num_tokens_in_slice, D] with -1 rows, through the static buffers."""
-    ub = slice_batch(spec_batch(), t0, t1)
-    view = StaticInputPool([t1 - t0]).get(0, t1 - t0, ub).refresh(ub)
+    mb = slice_microbatch(spec_batch(), t0, t1)
+    view = StaticInputPool([t1 - t0]).get(0, t1 - t0, mb).refresh(mb)
     assert view.history.tolist() == rows
 
 
@@ -56,7 +57,7 @@ def test_every_field_has_a_slicing_rule_and_unknown_fields_raise(monkeypatch):
     assert set(spec_batch().fields()) <= set(SLICE_RULES)
     monkeypatch.delitem(SLICE_RULES, "slot_mapping")
     with pytest.raises(SliceError, match="slot_mapping"):
-        slice_batch(spec_batch(), 0, 2)
+        slice_microbatch(spec_batch(), 0, 2)
 
 
 def random_step(seed: int, long_context: bool):
@@ -124,7 +125,8 @@ def all_cuts(batch: StepBatch):
     total = batch.num_tokens
     for n in range(1, 5):
         for policy in ("tokens", "requests"):
-            plan = plan_split(batch.qsl_host, SplitConfig(n, policy, 0, 0, when="always"), is_decode_only=False)
+            cfg = MicrobatchConfig(n, policy, 0, 0, when="always")
+            plan = plan_microbatches(batch.qsl_host, cfg, is_decode_only=False)
             yield plan
             interior = plan[1:-1]
             for c in range(1, total) if interior else ():
@@ -137,9 +139,9 @@ def sweep_mismatches(batch: StepBatch, rebuild_history: bool = True) -> int:
     whole = step_hash(batch)
     bad = 0
     for bounds in all_cuts(batch):
-        ubs = [slice_batch(batch, a, b, rebuild_history) for a, b in zip(bounds, bounds[1:])]
-        check_slice_invariants(batch, ubs, bounds)
-        bad += not torch.equal(torch.cat([step_hash(u) for u in ubs]), whole)
+        mbs = [slice_microbatch(batch, a, b, rebuild_history) for a, b in zip(bounds, bounds[1:])]
+        check_slice_invariants(batch, mbs, bounds)
+        bad += not torch.equal(torch.cat([step_hash(u) for u in mbs]), whole)
     return bad
 
 
@@ -167,14 +169,17 @@ def test_negative_control_slicing_without_history_rebuild_fails():
     assert sweep_mismatches(batch, rebuild_history=False) > 0
 
 
-def test_plan_split_policies():
+def test_planning_policies():
     qsl = np.array([0, 10, 12, 100])
-    assert plan_split(qsl, SplitConfig(2, "tokens", 0, 0, when="always"), False) == [0, 50, 100]
-    assert plan_split(qsl, SplitConfig(2, "requests", 0, 0, 0.25, when="always"), False) == [0, 50, 100]  # 12 is too far
-    assert plan_split(np.array([0, 45, 100]), SplitConfig(2, "requests", 0, 0, 0.25, when="always"), False) == [0, 45, 100]
-    assert plan_split(qsl, SplitConfig(2, "tokens", 0, 200, when="always"), False) == [0, 100]  # below the prefill threshold
-    assert plan_split(np.arange(9), SplitConfig(2, "tokens", 16, 0, when="always"), True) == [0, 8]  # below the decode threshold
-    assert plan_split(np.array([0, 3]), SplitConfig(4, "tokens", 0, 0, when="always"), False) == [0, 1, 2, 3]
+
+    def plan(q, n, policy, decode=0, prefill=0, imbalance=0.25, decode_only=False):
+        return plan_microbatches(q, MicrobatchConfig(n, policy, decode, prefill, imbalance, when="always"), decode_only)
+    assert plan(qsl, 2, "tokens") == [0, 50, 100]
+    assert plan(qsl, 2, "requests") == [0, 50, 100]  # 12 is too far
+    assert plan(np.array([0, 45, 100]), 2, "requests") == [0, 45, 100]
+    assert plan(qsl, 2, "tokens", prefill=200) == [0, 100]  # below the prefill threshold
+    assert plan(np.arange(9), 2, "tokens", decode=16, decode_only=True) == [0, 8]  # below the decode threshold
+    assert plan(np.array([0, 3]), 4, "tokens") == [0, 1, 2, 3]
 
 
 def padded_view(batch, size, pad=True):
@@ -204,7 +209,7 @@ def test_static_buffers_pad_neutrally_and_keep_pointers(seed, extra):
     ptrs = static.data_ptrs()
     h = step_hash(view)
     assert torch.equal(h[: batch.num_tokens], step_hash(batch))
-    static.refresh(slice_batch(batch, 0, 1))
+    static.refresh(slice_microbatch(batch, 0, 1))
     assert static.data_ptrs() == ptrs
 
 
@@ -246,10 +251,10 @@ def test_token_store_append_truncate_free():
 
 def test_overlap_planning_cuts_only_what_can_hide_something():
     qsl = np.array([0, 10, 12, 100])
-    auto = SplitConfig(2, "tokens", 0, 0, min_hidden_ms=1.0)
-    assert plan_split(qsl, auto, False) == [0, 100]  # nothing to hide: whole
-    assert plan_split(qsl, auto, False, hideable_ms=0.5) == [0, 100]
-    assert plan_split(qsl, auto, False, hideable_ms=1.0) == [0, 50, 100]
-    assert plan_split(qsl, auto, False, hideable_ms=float("inf")) == [0, 50, 100]
+    auto = MicrobatchConfig(2, "tokens", 0, 0, min_hidden_ms=1.0)
+    assert plan_microbatches(qsl, auto, False) == [0, 100]  # nothing to hide: whole
+    assert plan_microbatches(qsl, auto, False, hideable_ms=0.5) == [0, 100]
+    assert plan_microbatches(qsl, auto, False, hideable_ms=1.0) == [0, 50, 100]
+    assert plan_microbatches(qsl, auto, False, hideable_ms=float("inf")) == [0, 50, 100]
     with pytest.raises(ValueError, match="when"):
-        SplitConfig(when="sometimes")
+        MicrobatchConfig(when="sometimes")

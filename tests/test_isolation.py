@@ -29,7 +29,7 @@ from kernel_hooks import attention_leaks
 
 from engram_serve import kernels
 from engram_serve.engine.llm_engine import LLMEngine
-from engram_serve.inputs.ubatch import SplitConfig
+from engram_serve.microbatch.plan import MicrobatchConfig
 from engram_serve.model.attention import PagedAttention
 from engram_serve.model.attention_kernels import AttentionPlan
 from engram_serve.model.loader import load_model
@@ -40,7 +40,7 @@ POISON_TOKEN = 5  # its embedding row is NaN; good prompts never hold it (their 
 KINDS = ("embedding", "kv", "engram", "padding")
 GEN = 4
 CFG = RunnerConfig(max_num_seqs=6, max_model_len=64, max_num_batched_tokens=64, num_blocks=12, block_size=8,
-                   split=SplitConfig(2, "tokens", 0, 0, when="always"))
+                   microbatch=MicrobatchConfig(2, "tokens", 0, 0, when="always"))
 PARAMS = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True)
 POOL = [np.random.default_rng(1000 + i).integers(6, 4096, size=int(n)).tolist()
         for i, n in enumerate(np.random.default_rng(7).integers(1, 40, size=24))]

@@ -6,20 +6,23 @@ expectation is derived from the model's own output, so it holds for either."""
 from __future__ import annotations
 
 import json
+import pickle
 
+import numpy as np
 import pytest
 
 from engram_serve.engine.detokenizer import IncrementalDetokenizer
 from engram_serve.engine.llm_engine import LLMEngine
-from engram_serve.errors import InvalidRequest
-from engram_serve.inputs.ubatch import SplitConfig
+from engram_serve.errors import InvalidRequest, QueueFull
 from engram_serve.llm import LLM
+from engram_serve.microbatch.plan import MicrobatchConfig
 from engram_serve.model.loader import TINY_DIR, load_model, make_random_checkpoint
 from engram_serve.runner.model_runner import RunnerConfig
 from engram_serve.sampling_params import SamplingParams
 
 OPTS = dict(max_model_len=128, num_blocks=64, max_num_seqs=8)
-FORCE_SPLIT = SplitConfig(num_ubatches=2, decode_threshold=2, prefill_threshold=2, when="always")  # cut every step it can
+FORCE_MICROBATCHES = MicrobatchConfig(num_microbatches=2, decode_threshold=2, prefill_threshold=2,
+                                      when="always")  # cut every step it can
 PROMPTS = ["Hello world", "The quick brown fox jumps", "Once upon a time there was", "1 2 3 4 5 6 7"]
 
 
@@ -107,6 +110,37 @@ def test_more_prompts_than_engine_slots_queue_and_all_finish(loaded):
     assert_clean(llm)
 
 
+def test_a_long_queue_under_preemption_keeps_every_request_in_one_queue(loaded):
+    """Few KV blocks: running requests preempt each other while the rest wait in the scheduler's
+    queue; every one still finishes with the tokens it gets in a roomy engine."""
+    p = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = [f"item number {i}" for i in range(6)]
+    tight = LLM(loaded, **{**OPTS, "max_num_seqs": 3, "num_blocks": 8})  # 8 blocks of 16: < 3 requests of 45
+    outs = tight.generate(prompts, p)
+    assert tight.stats.preemptions > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in LLM(loaded, **OPTS).generate(prompts, p)]
+    assert_clean(tight)
+
+
+def test_max_waiting_refuses_what_the_queue_cannot_hold(loaded):
+    assert LLM(loaded, **OPTS).engine.scheduler.config.max_waiting is None  # offline: every prompt queues
+    llm = LLM(loaded, **OPTS, max_waiting=2)
+    with pytest.raises(QueueFull, match="prompts\\[2\\]: .*max_waiting=2"):
+        llm.generate(["a", "b", "c"], SamplingParams(max_tokens=2))
+    assert_clean(llm)
+    engine = LLMEngine(loaded, RunnerConfig(**OPTS), seed=11, max_waiting=1)
+    engine.add_request("a", [5, 6])
+    with pytest.raises(QueueFull) as e:
+        engine.add_request("b", [5, 6])
+    assert e.value.param is None and list(engine.seqs) == ["a"] and engine.scheduler.num_waiting == 1
+    engine.abort("a")
+    engine.add_request("c", [5, 6])
+    draws = np.random.default_rng(11)
+    draws.integers(0, 2**62)  # a's seed
+    assert engine.seqs["c"].params.seed == int(draws.integers(0, 2**62))  # the refused request drew none
+    engine.close()
+
+
 def test_stop_string_truncates_text_and_frees_the_request(loaded):
     llm = LLM(loaded, **OPTS)
     base = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -157,11 +191,11 @@ def test_detokenizer_never_emits_a_partial_character_and_holds_back_stop_prefixe
 def test_microbatching_on_and_off_give_the_same_text(loaded):
     params = [SamplingParams(max_tokens=10, temperature=0.0 if i % 2 else 0.9, seed=7 + i, ignore_eos=True)
               for i in range(len(PROMPTS))]
-    whole = LLM(loaded, **OPTS, split=SplitConfig(num_ubatches=1))
-    split = LLM(loaded, **OPTS, split=FORCE_SPLIT)
-    a, b = whole.generate(PROMPTS, params), split.generate(PROMPTS, params)
+    whole = LLM(loaded, **OPTS, microbatch=MicrobatchConfig(num_microbatches=1))
+    micro = LLM(loaded, **OPTS, microbatch=FORCE_MICROBATCHES)
+    a, b = whole.generate(PROMPTS, params), micro.generate(PROMPTS, params)
     assert whole.stats.microbatched_steps == 0
-    assert split.stats.microbatched_steps == split.stats.steps > 0 and split.stats.straddling_rows > 0
+    assert micro.stats.microbatched_steps == micro.stats.steps > 0 and micro.stats.straddling_rows > 0
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.text for o in a] == [o.text for o in b]
 
@@ -169,7 +203,7 @@ def test_microbatching_on_and_off_give_the_same_text(loaded):
 def test_nan_logits_end_only_that_request(loaded, monkeypatch):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     clean = LLM(loaded, **OPTS).generate(PROMPTS, params)
-    llm = LLM(loaded, **OPTS, split=FORCE_SPLIT)
+    llm = LLM(loaded, **OPTS, microbatch=FORCE_MICROBATCHES)
     bad_prompt = loaded.tokenizer.encode(PROMPTS[1]).ids
     poison(monkeypatch, llm.engine, lambda s: s.token_ids[:len(bad_prompt)] == bad_prompt and s.num_output_tokens >= 3)
     outs = llm.generate(PROMPTS, params)
@@ -191,17 +225,23 @@ def test_nan_logits_end_only_that_request(loaded, monkeypatch):
 ])
 def test_bad_request_raises_before_anything_runs(loaded, prompt, kwargs, field):
     llm = LLM(loaded, **OPTS)
-    with pytest.raises(InvalidRequest, match=field):
+    with pytest.raises(InvalidRequest, match=field) as e:
         llm.generate([[7, 8, 9], prompt], SamplingParams(**kwargs))  # the good one must not run either
+    assert e.value.param == field and str(e.value).startswith("prompts[1]: ")
     assert_clean(llm)
     assert llm.stats.steps == 0
     assert llm.generate("still fine", SamplingParams(max_tokens=2))[0].finish_reason in ("length", "stop")
 
 
 def test_bad_sampling_params_name_the_field():
-    for kwargs, field in (({"max_tokens": -1}, "max_tokens"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p")):
-        with pytest.raises(InvalidRequest, match=field):
+    for kwargs, field in (({"max_tokens": -1}, "max_tokens"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+                          ({"stop": ["ok", ""]}, "stop"), ({"stop_token_ids": [3, -1]}, "stop_token_ids"),
+                          ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {5: 101}}, "logit_bias")):
+        with pytest.raises(InvalidRequest, match=field) as e:
             SamplingParams(**kwargs)
+        assert e.value.param == field, (kwargs, e.value)
+        again = pickle.loads(pickle.dumps(e.value))  # `param` survives a trip between processes
+        assert (type(again), str(again), again.param) == (InvalidRequest, str(e.value), field)
 
 
 def test_generate_cli_reports_microbatching_on_stderr_and_no_check_skips_it(model_dir, capsys):
@@ -213,17 +253,18 @@ def test_generate_cli_reports_microbatching_on_stderr_and_no_check_skips_it(mode
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"text", "token_ids", "finish_reason", "microbatch"}
     m = out["microbatch"]
-    assert m["identical_to_unsplit"] is True and m["split_steps"] >= 1 and m["straddling_rows"] >= 1
+    assert m["identical_to_whole"] is True and m["microbatched_steps"] >= 1 and m["straddling_rows"] >= 1
+    assert m["num_microbatches"] == 2 and m["seed"] == 3
     assert 1 <= len(out["token_ids"]) <= 6
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert captured.out.rstrip("\n") == out["text"]  # stdout holds the completion only
     assert captured.err.rstrip("\n").split("\n")[-1].split("\r")[-1] == (
-        f"microbatching: {m['split_steps']}/{m['steps']} steps split, {m['straddling_rows']} rows "
+        f"microbatching: {m['microbatched_steps']}/{m['steps']} steps split, {m['straddling_rows']} rows "
         f"straddled a cut, tokens identical to the unsplit run: yes")
     assert main(argv + ["--no-check", "--json"]) == 0
     again = json.loads(capsys.readouterr().out)
-    assert again["token_ids"] == out["token_ids"] and again["microbatch"]["identical_to_unsplit"] is None
+    assert again["token_ids"] == out["token_ids"] and again["microbatch"]["identical_to_whole"] is None
 
 
 def test_generate_with_nonfinite_model_output_has_no_nan_in_text(loaded, monkeypatch):

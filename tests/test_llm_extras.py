@@ -1,10 +1,10 @@
 """Sampling extras and failure isolation end to end through the engine.
 
 - penalties, min_p, logit_bias, min_tokens, logprobs and per-choice seeds give the same tokens and
-  logprobs for a request alone (unsplit) and inside a busy batch cut into microbatches;
+  logprobs for a request alone (whole steps) and inside a busy batch cut into microbatches;
 - logprobs equal an independent float64 log-softmax of the logits the runner produced, to 1e-6;
 - a runner failure caused by one request ends only that request (with a negative control);
-- the Python API refuses every malformed argument (dead flags, bounds, stop tokens, ...) with InvalidRequest.
+- the Python API refuses every malformed argument with InvalidRequest.
 """
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ import torch
 from engram_serve.engine.llm_engine import LLMEngine
 from engram_serve.engine.threads import available_cores
 from engram_serve.errors import InvalidRequest
-from engram_serve.inputs.ubatch import SplitConfig
 from engram_serve.llm import LLM
+from engram_serve.microbatch.plan import MicrobatchConfig
 from engram_serve.model.loader import TINY_DIR, load_model, make_random_checkpoint
 from engram_serve.runner.model_runner import RunnerConfig
 from engram_serve.sampling_params import SamplingParams
 
 OPTS = dict(max_model_len=128, num_blocks=64, max_num_seqs=8)
-FORCE_SPLIT = SplitConfig(num_ubatches=2, decode_threshold=2, prefill_threshold=2, when="always")
+FORCE_MICROBATCHES = MicrobatchConfig(num_microbatches=2, decode_threshold=2, prefill_threshold=2, when="always")
 PROMPTS = ["Hello world", "The quick brown fox jumps", "Once upon a time there was", "1 2 3 4 5 6 7",
            "import os\nimport sys\n", "def main():"]
 
@@ -47,10 +47,10 @@ def extras(i: int) -> SamplingParams:
             SamplingParams(max_tokens=8, temperature=0.0, min_tokens=8, ignore_eos=False, logprobs=1)][i]
 
 
-def test_extras_alone_equal_extras_in_a_busy_split_batch(loaded):
-    alone_llm = LLM(loaded, **OPTS, split=SplitConfig(num_ubatches=1))
+def test_extras_alone_equal_extras_in_a_busy_microbatched_batch(loaded):
+    alone_llm = LLM(loaded, **OPTS, microbatch=MicrobatchConfig(num_microbatches=1))
     alone = [alone_llm.generate(p, extras(i))[0] for i, p in enumerate(PROMPTS)]
-    busy = LLM(loaded, **OPTS, split=FORCE_SPLIT)
+    busy = LLM(loaded, **OPTS, microbatch=FORCE_MICROBATCHES)
     noise = [SamplingParams(max_tokens=12, temperature=1.0, seed=900 + j, ignore_eos=True) for j in range(4)]
     outs = busy.generate(PROMPTS + [f"noise {j} " * (j + 1) for j in range(4)],
                          [extras(i) for i in range(len(PROMPTS))] + noise)
@@ -138,7 +138,7 @@ class NoIsolation(LLMEngine):
 def test_a_failing_row_ends_alone_and_the_step_recovers(loaded, monkeypatch, engine_cls, isolated):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     clean = LLM(loaded, **OPTS).generate(PROMPTS[:4], params)
-    llm = LLM(loaded, **OPTS, split=FORCE_SPLIT)
+    llm = LLM(loaded, **OPTS, microbatch=FORCE_MICROBATCHES)
     llm.engine.__class__ = engine_cls
     explode_on(monkeypatch, llm.engine, loaded.tokenizer.encode(PROMPTS[1]).ids)
     outs = llm.generate(PROMPTS[:4], params)

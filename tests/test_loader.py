@@ -16,7 +16,7 @@ from engram_serve.config import ModelConfig, read_json
 from engram_serve.engram.layout import build_layout
 from engram_serve.engram.tables import EngramTables
 from engram_serve.engram.token_map import build_token_map, load_tokenizer
-from engram_serve.errors import CheckpointMismatch
+from engram_serve.errors import CheckpointMismatch, ConfigError
 from engram_serve.model import exactness, layers
 from engram_serve.model.checkpoint import CheckpointFiles
 from engram_serve.model.loader import (CONFIG_FILE, TINY_DIR, WEIGHTS_FILE, check_tokenizer, load_model,
@@ -119,6 +119,24 @@ def test_load_reports_progress(ckpt):
     seen = []
     load_model(ckpt, progress=lambda done, total, what: seen.append((done, total, what)))
     assert seen[-1][0] == seen[-1][1] and any(w == "lm_head.weight" for _, _, w in seen)
+
+
+def test_one_loader_for_every_caller(ckpt, tmp_path, capsys):
+    """`load_model` is the only loader (the engine factory and the CLI have none of their own): it draws
+    a bar with progress=True, passes a LoadedModel through, and names a wrongly typed config.json field."""
+    from engram_serve import cli
+    from engram_serve.engine import factory
+    assert not hasattr(factory, "load") and not hasattr(cli, "load_checkpoint")
+    loaded = load_model(ckpt, progress=True)
+    assert "loading" in capsys.readouterr().err
+    assert load_model(loaded) is loaded
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    raw = json.loads((bad / CONFIG_FILE).read_text())
+    raw["num_attention_heads"] = 2.0  # not checked by ModelConfig: it fails while the model is built
+    (bad / CONFIG_FILE).write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"config\.json: num_attention_heads=2\.0: must be an int"):
+        load_model(bad)
 
 
 @pytest.mark.parametrize("change, pattern", [

@@ -16,7 +16,8 @@ from engram_serve.engram.token_map import build_token_map, load_tokenizer
 from engram_serve.errors import OwnershipError
 from engram_serve.inputs.batch import StepBatch
 from engram_serve.inputs.token_store import TokenStore
-from engram_serve.model.context import MOE_COMBINE, MOE_DISPATCH, ForwardContext, UbatchBuffers
+from engram_serve.microbatch.buffers import MOE_COMBINE, MOE_DISPATCH, MicrobatchBuffers
+from engram_serve.model.context import ForwardContext
 from engram_serve.model.kv_cache import KVCache
 from engram_serve.model.loader import TINY_DIR
 from engram_serve.model.model import EngramModel, init_weights
@@ -132,7 +133,7 @@ class Requests:
         batch.rows = rows  # test bookkeeping: (request, first position, tokens)
         return batch
 
-    def context(self, batch: StepBatch, bufs: UbatchBuffers, tracker=None) -> ForwardContext:
+    def context(self, batch: StepBatch, bufs: MicrobatchBuffers, tracker=None) -> ForwardContext:
         t = batch.num_tokens
         self.world.tables.gather(batch.hash_ids, bufs.staging[:, :t])
         return ForwardContext(batch, self.kv, bufs, lambda i: bufs.staging[i, :t], tracker)
@@ -145,7 +146,7 @@ class Requests:
                 out[(r, c + j)] = logits[t + j]
             t += n
 
-    def run(self, chunks, out: dict, bufs: UbatchBuffers, **pad) -> None:
+    def run(self, chunks, out: dict, bufs: MicrobatchBuffers, **pad) -> None:
         batch = self.batch(chunks, **pad)
         with torch.no_grad():
             hidden = self.world.model.forward_step(self.context(batch, bufs))
@@ -173,7 +174,7 @@ DEAD_AT = {1: [3, 4]}
 
 def test_paged_prefill_chunks_and_decode_match_dense(world):
     reqs = Requests(world, LENGTHS, DEAD_AT)
-    bufs = world.model.make_buffers(0, 64)
+    bufs = MicrobatchBuffers.allocate(world.cfg, 0, 64)
     out: dict = {}
     reqs.run([(0, 12), (1, 5), (2, 3)], out, bufs)  # prefill, whole and chunked, mixed
     reqs.run([(2, 6), (0, 4)], out, bufs, pad_tokens=3, pad_rows=2)  # chunks + static-style padding
@@ -187,7 +188,7 @@ def test_paged_prefill_chunks_and_decode_match_dense(world):
 def test_one_step_prefill_matches_dense(world):
     reqs = Requests(world, LENGTHS, DEAD_AT, seed=1)
     out: dict = {}
-    reqs.run([(r, n) for r, n in enumerate(LENGTHS)], out, world.model.make_buffers(0, 64))
+    reqs.run([(r, n) for r, n in enumerate(LENGTHS)], out, MicrobatchBuffers.allocate(world.cfg, 0, 64))
     assert check_against_dense(reqs, out) < TOL
 
 
@@ -197,7 +198,7 @@ def test_dense_comparison_can_fail(world):
     toks, dead = reqs.tokens[0], reqs.dead[0]
     ref = world.dense_logits(toks, dead)
     assert (world.dense_logits(toks, dead, ablate=True) - ref).abs().max() > 1e3 * TOL
-    bufs = world.model.make_buffers(0, 64)
+    bufs = MicrobatchBuffers.allocate(world.cfg, 0, 64)
     batch = reqs.batch([(0, 20)])
     batch.hash_ids = torch.roll(batch.hash_ids, 1, dims=0)
     with torch.no_grad():
@@ -221,7 +222,7 @@ def test_interleaved_microbatches_with_straddling_request_match_dense():
     world = World(tiny_config(index_topk=6))
     reqs = Requests(world, [14, 11, 8], seed=3)
     tracker = OwnershipTracker()
-    bufs = [world.model.make_buffers(k, 32) for k in range(2)]
+    bufs = [MicrobatchBuffers.allocate(world.cfg, k, 32) for k in range(2)]
     out: dict = {}
     # one step [(0, 10), (1, 7), (2, 8)] cut at token 6 and token 15: request 0 and 1 straddle
     b0 = reqs.batch([(0, 6)])
@@ -241,7 +242,7 @@ def test_out_of_order_microbatches_break_the_straddling_request():
     world = World(tiny_config(index_topk=6))
     reqs = Requests(world, [10], seed=3)
     b0, b1 = reqs.batch([(0, 6)]), reqs.batch([(0, 4)])
-    bufs = [world.model.make_buffers(k, 16) for k in range(2)]
+    bufs = [MicrobatchBuffers.allocate(world.cfg, k, 16) for k in range(2)]
     out: dict = {}
     with torch.no_grad():
         (h1, h0), _ = round_robin([world.model.stages(reqs.context(b, q)) for b, q in ((b1, bufs[1]), (b0, bufs[0]))])
@@ -255,7 +256,7 @@ def test_ownership_check_fires_on_a_shared_buffer(shared):
     world = World(tiny_config(index_topk=6))
     reqs = Requests(world, [12, 12], seed=4)
     b0, b1 = reqs.batch([(0, 12)]), reqs.batch([(1, 12)])
-    own = [world.model.make_buffers(k, 16) for k in range(2)]
+    own = [MicrobatchBuffers.allocate(world.cfg, k, 16) for k in range(2)]
     if shared == "staging":
         own[1].staging = own[0].staging
     elif shared == "topk_idx":
@@ -275,7 +276,7 @@ def test_ownership_check_fires_on_a_shared_buffer(shared):
 def test_stage_names_every_layer_yields():
     world = World(tiny_config())
     reqs = Requests(world, [5], seed=5)
-    bufs = world.model.make_buffers(0, 8)
+    bufs = MicrobatchBuffers.allocate(world.cfg, 0, 8)
     with torch.no_grad():
         _, order = round_robin([world.model.stages(reqs.context(reqs.batch([(0, 5)]), bufs))])
     names = [o.split(":")[1] for o in order]
@@ -307,7 +308,7 @@ def test_dead_token_rows_have_no_effect_anywhere(perturb_dead):
     for noise in (False, True):
         reqs = Requests(world, [14], {0: [5]}, seed=6)
         batch = reqs.batch([(0, 14)])
-        bufs = world.model.make_buffers(0, 16)
+        bufs = MicrobatchBuffers.allocate(world.cfg, 0, 16)
         ctx = reqs.context(batch, bufs)
         if noise:
             bufs.staging[:, target] = torch.randn_like(bufs.staging[:, target]) * 10
@@ -365,7 +366,7 @@ def test_padding_only_step_is_finite_and_writes_no_kv():
     world = World(tiny_config(index_topk=6))
     reqs = Requests(world, [5], seed=7)
     before = reqs.kv.k.clone()
-    bufs = world.model.make_buffers(0, 8)
+    bufs = MicrobatchBuffers.allocate(world.cfg, 0, 8)
     with torch.no_grad():
         hidden = world.model.forward_step(reqs.context(reqs.batch([], pad_tokens=3, pad_rows=1), bufs))
     assert hidden.shape == (3, world.cfg.hidden_size) and torch.isfinite(hidden).all()
@@ -377,8 +378,8 @@ def test_microbatch_larger_than_its_buffers_is_refused():
     from engram_serve.errors import StaticBufferError
     world = World(tiny_config())
     reqs = Requests(world, [9], seed=8)
-    bufs = world.model.make_buffers(0, 16)
-    small = UbatchBuffers(0, bufs.staging[:, :4], bufs.topk_idx, bufs.scratch)
+    bufs = MicrobatchBuffers.allocate(world.cfg, 0, 16)
+    small = MicrobatchBuffers(0, bufs.staging[:, :4], bufs.topk_idx, bufs.scratch)
     batch = reqs.batch([(0, 9)])
     ctx = ForwardContext(batch, reqs.kv, small, lambda i: bufs.staging[i, :9])
     with pytest.raises(StaticBufferError, match="staging"):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from engram_serve.engram.tables import EngramTables
 from engram_serve.errors import OwnershipError
-from engram_serve.inputs.ubatch import SplitConfig
+from engram_serve.microbatch.plan import MicrobatchConfig
 from engram_serve.model.loader import load_model
 from engram_serve.model.model import run_stages
 from engram_serve.parallel.collectives import COMM, rank_ordered_sum
@@ -48,7 +48,7 @@ def reference():
 
 def test_verify_tp2_across_cuts_and_against_one_process(cluster, reference):
     res = verify(cluster.loaded, seed=1, num_requests=4, gen_tokens=6, make_runner=cluster.make_runner,
-                 reference=reference, only=("2 ubatches, tokens", "3 ubatches, requests", "chunk 17",
+                 reference=reference, only=("2 microbatches, tokens", "3 microbatches, requests", "chunk 17",
                                             "graph mode", "first step cut at token 1", "cut at token 2"))
     assert len(res["cases"]) >= 6
     assert res["straddling_rows"] > 0
@@ -63,7 +63,7 @@ def test_verify_tp2_across_cuts_and_against_one_process(cluster, reference):
 def _cfg(work, **kw):
     total = sum(map(len, work.prompts))
     return RunnerConfig(max_num_seqs=len(work.prompts), max_model_len=128, max_num_batched_tokens=total,
-                        num_blocks=64, split=SplitConfig(2, "tokens", 0, 0), **kw)
+                        num_blocks=64, microbatch=MicrobatchConfig(2, "tokens", 0, 0), **kw)
 
 
 def test_shared_comm_buffer_corrupts_logits_and_the_checker_names_it(cluster):
@@ -189,18 +189,18 @@ def test_bind_cpus_gives_every_thread_of_each_rank_its_own_cores(cluster):
 
 def test_bench_hidden_fraction_is_exposed_comm_removed_over_the_off_steps():
     from engram_serve.bench.step_tp import _row
-    m = {"tokens": 8, "times": {"off": [100.0, 110.0, 90.0], "dbo-sync": [120.0] * 3, "dbo": [80.0, 85.0, 90.0]},
-         "exposed": {"off": [20.0] * 3, "dbo-sync": [40.0] * 3, "dbo": [5.0] * 3}}
+    m = {"tokens": 8, "times": {"off": [100.0, 110.0, 90.0], "sync": [120.0] * 3, "overlap": [80.0, 85.0, 90.0]},
+         "exposed": {"off": [20.0] * 3, "sync": [40.0] * 3, "overlap": [5.0] * 3}}
     r = _row(m)
-    assert r["comm_hidden_by_dbo"] == 0.75  # (20 - 5) / 20
-    assert r["dbo_comm_hidden"] == 0.875  # 1 - 5 / 40: of DBO's own collectives
-    assert r["comm_share_of_off_step"] == 0.2 and r["dbo_speedup_over_off"] == 100 / 85
+    assert r["comm_hidden_by_overlap"] == 0.75  # (20 - 5) / 20
+    assert r["overlap_comm_hidden"] == 0.875  # 1 - 5 / 40: of the overlap's own collectives
+    assert r["comm_share_of_off_step"] == 0.2 and r["overlap_speedup_over_off"] == 100 / 85
     assert r["paired_speedup_median"] == 1.25  # median of the per-round ratios 1.25, 1.294, 1.0
-    assert r["ideal_dbo_speedup"] == 100 / 80  # the cut step computes 120 - 40 = 80 ms, communicates 40
+    assert r["ideal_overlap_speedup"] == 100 / 80  # the cut step computes 120 - 40 = 80 ms, communicates 40
     assert r["ideal_comm_hidden"] == 1.0  # its 40 ms fit inside its 80 ms of compute
-    m["exposed"]["dbo-sync"] = [70.0] * 3  # latency-bound sums, doubled by the cut: more than the compute
+    m["exposed"]["sync"] = [70.0] * 3  # latency-bound sums, doubled by the cut: more than the compute
     r = _row(m)
-    assert r["ideal_dbo_speedup"] == 100 / 70 and r["ideal_comm_hidden"] == 1 - (70 - 50) / 20
+    assert r["ideal_overlap_speedup"] == 100 / 70 and r["ideal_comm_hidden"] == 1 - (70 - 50) / 20
 
 
 class _Partial:

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engram_serve.config import ModelConfig, read_json
+from engram_serve.microbatch.plan import MicrobatchConfig
 from engram_serve.model import fused
-from engram_serve.inputs.ubatch import SplitConfig
 from engram_serve.model.layers import pointwise
 from engram_serve.model.loader import TINY_DIR, load_model, make_random_checkpoint
 from engram_serve.runner.model_runner import RunnerConfig
@@ -61,7 +61,7 @@ def serve_and_compare(lm, ref, seed: int, num_requests: int, chunk: int, cut_at:
     work.prompts = [p[:24] for p in work.prompts]
     total = sum(map(len, work.prompts))
     cfg = RunnerConfig(max_num_seqs=num_requests, max_model_len=32, max_num_batched_tokens=max(chunk, num_requests),
-                       num_blocks=64, block_size=4, split=SplitConfig(2 if cut_at else 1, "tokens", 0, 0, when="always"))
+                       num_blocks=64, block_size=4, microbatch=MicrobatchConfig(2 if cut_at else 1, "tokens", 0, 0, when="always"))
     first = [0, min(cut_at, total - 1), min(total, cfg.max_num_batched_tokens)] if cut_at else None
     if first and not first[0] < first[1] < first[2]:
         first = None

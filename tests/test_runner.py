@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engram_serve.errors import OwnershipError
-from engram_serve.inputs.ubatch import SplitConfig
+from engram_serve.microbatch.plan import MicrobatchConfig
 from engram_serve.model.loader import load_model, make_random_checkpoint
 from engram_serve.runner.model_runner import ModelRunner, RunnerConfig
 from runner_controls import NoRowsWait, SharedStaging, SharedTopk
@@ -23,7 +23,7 @@ def loaded(tmp_path_factory):
 
 def runner_and_batch(loaded, runner_cls=ModelRunner, **kw):
     cfg = RunnerConfig(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=128, num_blocks=64,
-                       **{"split": SplitConfig(2, "tokens", 0, 0, when="always"), **kw})
+                       **{"microbatch": MicrobatchConfig(2, "tokens", 0, 0, when="always"), **kw})
     r = runner_cls(loaded, cfg)
     rng = np.random.default_rng(0)
     lens = [30, 7, 50]
@@ -44,7 +44,7 @@ def test_every_cut_matches_the_whole_step(loaded, graph):
 
 def test_logits_bit_identical_at_every_cut_offset_for_two_and_three_microbatches(loaded):
     """Each cut swept over every token offset of the step (the other cut fixed, for three)."""
-    r, b = runner_and_batch(loaded, split=SplitConfig(3, "tokens", 0, 0, when="always"))
+    r, b = runner_and_batch(loaded, microbatch=MicrobatchConfig(3, "tokens", 0, 0, when="always"))
     t = b.num_tokens
     whole = r.execute(b, [0, t]).logits
     cuts = [[0, c, t] for c in range(1, t)]
@@ -65,8 +65,8 @@ def test_ownership_check_names_a_shared_buffer(loaded, cls, name):
 def test_shared_staging_without_the_check_gives_wrong_logits(loaded):
     r, b = runner_and_batch(loaded, SharedStaging)
     whole = r.execute(b, [0, b.num_tokens])
-    split = r.execute(b, [0, 40, b.num_tokens])
-    assert (split.logits - whole.logits).abs().max() > 1e-3
+    cut = r.execute(b, [0, 40, b.num_tokens])
+    assert (cut.logits - whole.logits).abs().max() > 1e-3
 
 
 def test_a_microbatch_that_raises_ends_the_step_fast_and_the_runner_recovers(loaded, monkeypatch):
@@ -137,18 +137,18 @@ class _SlowOffMainThread(_SlowTables):
 def test_the_gather_estimate_comes_from_inline_runs_only(loaded):
     """The planner's gather estimate counts gathers run inline (one step in MEASURE_EVERY), never the
     worker's wall time, which includes its waits for the GIL: a short gather is not mistaken for a slow one."""
-    r, b = runner_and_batch(loaded, split=SplitConfig(1))
+    r, b = runner_and_batch(loaded, microbatch=MicrobatchConfig(1))
     r.loaded = dataclasses.replace(loaded, tables=_SlowOffMainThread(loaded.tables))
-    r.MEASURE_EVERY, r.PREFETCH_MIN_MS = 3, 0.0  # every step's gather on the worker but the measuring ones
+    r.planner.MEASURE_EVERY, r.planner.PREFETCH_MIN_MS = 3, 0.0  # every gather on the worker but the measuring ones
     for _ in range(7):  # steps 0, 3 and 6 measure
         r.execute(b)
-    assert r._gather_ms_per_token * b.num_tokens < 25, "the worker's 50 ms counted as the gather's time"
+    assert r.planner.gather_ms_per_token * b.num_tokens < 25, "the worker's 50 ms counted as the gather's time"
     assert r.gather_wait_ms < 5  # step 6 ran its gather inline (no 50 ms wait)
 
 
 def test_the_planner_cuts_only_when_a_cut_hides_something(loaded):
     cfg = RunnerConfig(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=128, num_blocks=64,
-                       split=SplitConfig(2, "tokens", 0, 0, min_hidden_ms=0.5))
+                       microbatch=MicrobatchConfig(2, "tokens", 0, 0, min_hidden_ms=0.5))
     r = ModelRunner(loaded, cfg)
     slots = np.array([r.store.add(list(range(6, 6 + n))) for n in (30, 7, 50)])
     b = r.build(slots, np.zeros(3, int), np.array([30, 7, 50]), np.arange(48).reshape(3, 16), np.ones(3, bool))
@@ -157,7 +157,7 @@ def test_the_planner_cuts_only_when_a_cut_hides_something(loaded):
     assert r.plan(b) == [0, 44, 87]
     r.launches_collectives = False
     r.loaded = dataclasses.replace(loaded, tables=_SlowTables(loaded.tables))
-    r._steps = 0  # the next step measures its gather (ModelRunner.MEASURE_EVERY)
+    r.planner.steps = 0  # the next step measures its gather (MicrobatchPlanner.MEASURE_EVERY)
     r.execute(b)  # measures the slow gather (the step itself still ran whole)
     assert r.plan(b) == [0, 44, 87]
 
@@ -165,7 +165,7 @@ def test_the_planner_cuts_only_when_a_cut_hides_something(loaded):
 def _slow_after_one_step(r, b):
     """Swap in the slow tables and run one step, so that the runner measures the slow gather."""
     r.loaded = dataclasses.replace(r.loaded, tables=_SlowTables(r.loaded.tables))
-    r._steps = 0  # the next step measures its gather (ModelRunner.MEASURE_EVERY)
+    r.planner.steps = 0  # the next step measures its gather (MicrobatchPlanner.MEASURE_EVERY)
     r.execute(b)
 
 
@@ -174,14 +174,14 @@ def test_a_whole_step_with_a_slow_gather_overlaps_it_and_waits_for_the_rows(load
     the layers before the first Engram layer, and that layer waits for the rows: the bits of the gather
     run inline. Negative control: without the wait, the Engram layers read the staging buffer before
     the rows land (here zeroed, as a buffer's earlier contents), and the logits are wrong."""
-    r, b = runner_and_batch(loaded, split=SplitConfig(1))
+    r, b = runner_and_batch(loaded, microbatch=MicrobatchConfig(1))
     inline = r.execute(b).logits  # nothing measured yet: the gather runs inline
     _slow_after_one_step(r, b)
     r.bufs[0].staging.zero_()
     out = r.execute(b)
     assert r.gather_wait_ms > 10  # on the worker, and the step blocked on it
     assert torch.equal(out.logits, inline)
-    bad, b2 = runner_and_batch(loaded, NoRowsWait, split=SplitConfig(1))
+    bad, b2 = runner_and_batch(loaded, NoRowsWait, microbatch=MicrobatchConfig(1))
     _slow_after_one_step(bad, b2)
     bad.bufs[0].staging.zero_()
     wrong = bad.execute(b2).logits

@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from engram_serve.engine.block_manager import BlockManager
 from engram_serve.engine.scheduler import ScheduledRow, Scheduler, SchedulerConfig, SchedulerOutput
 from engram_serve.engine.sequence import Sequence, SequenceStatus
-from engram_serve.errors import InvalidRequest
+from engram_serve.errors import InvalidRequest, QueueFull
 
 STEMS = (list(range(1, 13)), [7] * 12)
 
@@ -276,7 +276,8 @@ def test_negative_control_step_checks_fire(doctor, match):
 
 @pytest.mark.parametrize("field,value", [("max_num_seqs", 0), ("block_size", -1), ("max_model_len", 1.5),
                                          ("num_blocks", 1), ("max_num_batched_tokens", 2),
-                                         ("enable_prefix_caching", "yes")])
+                                         ("enable_prefix_caching", "yes"), ("max_waiting", 0),
+                                         ("max_waiting", True)])
 def test_config_rejects_bad_values_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"field {field}="):
         cfg(**{field: value})
@@ -294,9 +295,38 @@ def test_add_rejects_empty_too_long_and_duplicate_requests():
     with pytest.raises(InvalidRequest, match="num_prompt_tokens=9 > max_model_len=8"):
         s.add(Sequence("a", [1] * 9))
     s.add(Sequence("a", [1]))
-    with pytest.raises(InvalidRequest, match="request_id='a'"):
+    with pytest.raises(InvalidRequest, match="request_id='a'") as e:
         s.add(Sequence("a", [2]))
+    assert e.value.param == "request_id"
     assert s.num_waiting == 1 and s.num_running == 0
+
+
+def test_max_waiting_bounds_the_one_queue_and_preempted_requests_come_back_regardless():
+    s = Scheduler(cfg(max_num_batched_tokens=32, num_blocks=8, max_waiting=1))  # 8 blocks: two 16-token prompts
+    a, b = Sequence("a", list(range(16))), Sequence("b", list(range(100, 116)))
+    s.add(a)
+    with pytest.raises(QueueFull, match="1 requests are waiting, max_waiting=1") as e:
+        s.add(b)
+    assert e.value.param is None and s.num_waiting == 1 and not s.abort("b")
+    out = s.schedule()
+    s.update(out)
+    assert [r.seq for r in out.rows] == [a]  # a runs: the queue has room again
+    s.add(b)
+    out = s.schedule()
+    s.update(out)
+    assert [r.seq for r in out.rows] == [b] and s.block_manager.num_free == 0
+    for seq in (a, b):
+        seq.append_token(1)  # each one's sampled token: a's decode needs a 5th block, b (the later) is preempted
+    s.add(Sequence("w", [5]))
+    out = s.schedule()
+    assert out.preempted == [b] and [q.request_id for q in s.waiting] == ["b", "w"]  # over the bound
+    with pytest.raises(QueueFull):
+        s.add(Sequence("x", [6]))
+    s.check_invariants()
+    unbounded = Scheduler(cfg(max_waiting=None))
+    for i in range(50):
+        unbounded.add(Sequence(str(i), [i + 1]))
+    assert unbounded.num_waiting == 50
 
 
 def drive(sched: Scheduler, seqs: list[Sequence], max_out: int, arrive_at: dict | None = None) -> int:

@@ -255,6 +255,30 @@ def test_non_streaming_disconnect_aborts(served):
     assert m["generated_tokens_total"] - before < 120
 
 
+def test_a_full_waiting_queue_is_503_and_starts_nothing(served):
+    wait_idle(served[1])
+    engine = AsyncLLMEngine(build_engine(served[1].engine.loaded, max_model_len=128, num_blocks=64, max_num_seqs=1,
+                                         max_waiting=1))
+    server = BackgroundServer(build_app(engine, MODEL)).start()
+    try:  # 3 choices: one runs (100 tokens), one waits, the third finds the queue full
+        r = httpx.post(server.base_url + "/v1/completions", timeout=30,
+                       json={"prompt": "hi", "n": 3, "max_tokens": 100, "ignore_eos": True})
+        assert r.status_code == 503, r.text
+        err = strict_json(r.text)["error"]
+        assert (err["type"], err["code"], err["param"]) == ("server_error", "queue_full", None)
+        assert "max_waiting=1" in err["message"]
+        deadline = time.monotonic() + 10
+        while engine.engine.seqs or engine.metrics()["finished"].get("abort", 0) < 1:  # the accepted ones: aborted
+            assert time.monotonic() < deadline, engine.metrics()
+            time.sleep(0.01)
+        assert engine.metrics()["generated_tokens_total"] < 100
+        ok = httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert ok.status_code == 200
+    finally:
+        server.stop()
+        engine.shutdown()
+
+
 def test_async_engine_generate_validates_streams_and_aborts_on_cancel(served):
     engine = served[1]
     ids = engine.tokenizer.encode("direct use").ids

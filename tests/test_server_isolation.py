@@ -7,10 +7,12 @@ so "a token id below vocab_size but outside the tokenizer" is a real case here.
 
 Also a test (not a benchmark) of bounded work: a 50 MB body gets 413 in under 2 s, with and
 without Content-Length; /health answers in under 100 ms meanwhile; the server's resident memory
-is back within 10% of its baseline a few seconds later.
+is back within 10% of its baseline a few seconds later. A client that finishes its upload before it
+reads (async httpx) still reads the 413, and the drain that lets it is bounded in bytes and time.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -27,6 +29,8 @@ from engram_serve.engine.llm_engine import LLMEngine
 from engram_serve.model.loader import TINY_DIR, load_model, make_random_checkpoint
 from engram_serve.runner.model_runner import RunnerConfig
 from engram_serve.sampling_params import SamplingParams
+from engram_serve.server.limits import BodyLimit
+from engram_serve.server.run import BackgroundServer
 from serve_process import start_serve
 
 MAX_TOKENS = 5
@@ -223,3 +227,79 @@ def test_a_50mb_body_is_refused_fast_health_stays_fast_memory_returns(server):
     time.sleep(3)
     after = rss_kib(proc.pid)
     assert after <= baseline * 1.10, f"RSS {baseline} KiB -> {after} KiB"
+
+
+async def upload_then_read(url: str, size: int, content_length: bool) -> httpx.Response:
+    """POST a `size`-byte JSON body from an async generator, as async httpx does: the whole body
+    goes out before the response is read."""
+    async def body():
+        yield b'{"prompt": "'
+        for _ in range(size // CHUNK):
+            yield b"a" * CHUNK
+        yield b'"}'
+    headers = {"content-type": "application/json"}
+    if content_length:
+        headers["content-length"] = str(size // CHUNK * CHUNK + 14)
+    async with httpx.AsyncClient(timeout=30) as client:
+        return await client.post(url, content=body(), headers=headers)
+
+
+@pytest.mark.parametrize("content_length", [True, False], ids=["content-length", "chunked"])
+def test_an_async_client_still_uploading_20mb_reads_the_413(server, content_length):
+    base, _ = server
+    r = asyncio.run(upload_then_read(base + C, 20 * 1000 * 1000, content_length))
+    assert r.status_code == 413 and r.headers["connection"] == "close"
+    err = r.json()["error"]
+    assert err == {"message": err["message"], "type": "invalid_request_error", "param": None,
+                   "code": "request_too_large"}
+    assert "larger than the limit of 4194304 bytes" in err["message"]
+    assert httpx.get(base + "/health", timeout=5).status_code == 200
+
+
+async def _echo(scope, receive, send):
+    """An ASGI app that reads its whole body and answers 200."""
+    if scope["type"] == "lifespan":
+        while (message := await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        return await send({"type": "lifespan.shutdown.complete"})
+    more = True
+    while more:
+        message = await receive()
+        more = message.get("more_body", False)
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+def test_the_drain_of_a_refused_body_is_bounded_in_bytes_and_in_time():
+    limited = BodyLimit(_echo, max_bytes=1000, drain_bytes=200_000, drain_seconds=1.0)
+    with BackgroundServer(limited) as srv:
+        host, port = srv.host, srv.port
+        # bytes: a client that never stops sending is cut off after the drain, far before 200 MB
+        sock = socket.create_connection((host, port))
+        sock.sendall(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000000\r\n\r\n")
+        sock.settimeout(5)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 413 ")
+        sent, t0 = 0, time.monotonic()
+        with pytest.raises(OSError):  # reset or broken pipe: the server closed after its drain
+            while sent < 200 * 1000 * 1000:
+                sock.sendall(b"a" * CHUNK)
+                sent += CHUNK
+        sock.close()
+        assert time.monotonic() - t0 < 5, sent
+        # time: a client that stops sending is closed after drain_seconds
+        sock = socket.create_connection((host, port))
+        sock.sendall(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 5000\r\n\r\n" + b"a" * 100)
+        sock.settimeout(5)
+        t0, reply = time.monotonic(), b""
+        while chunk := sock.recv(4096):
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 413 ") and 0.9 < time.monotonic() - t0 < 3
+        sock.close()
+        # within the bounds a body is read to its end: the connection closes cleanly and at once
+        sock = socket.create_connection((host, port))
+        sock.sendall(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 5000\r\n\r\n" + b"a" * 5000)
+        t0, reply = time.monotonic(), b""
+        while chunk := sock.recv(4096):
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 413 ") and time.monotonic() - t0 < 0.5
+        sock.close()

@@ -17,7 +17,7 @@ import pytest
 
 from engram_serve.engine.async_engine import AsyncLLMEngine
 from engram_serve.engine.llm_engine import LLMEngine
-from engram_serve.inputs.ubatch import SplitConfig
+from engram_serve.microbatch.plan import MicrobatchConfig
 from engram_serve.model.loader import TINY_DIR, load_model, make_random_checkpoint
 from engram_serve.runner.model_runner import RunnerConfig
 from engram_serve.sampling_params import SamplingParams
@@ -27,7 +27,7 @@ from engram_serve.server.run import BackgroundServer
 N_CLIENTS, N_DROPPERS, MAX_TOKENS = 32, 4, 8
 # small thresholds so that the loaded server really cuts its steps; at most 24 running: the rest queue
 CFG = RunnerConfig(max_model_len=128, num_blocks=256, max_num_seqs=24,
-                   split=SplitConfig(num_ubatches=2, decode_threshold=8, prefill_threshold=16, when="always"))
+                   microbatch=MicrobatchConfig(num_microbatches=2, decode_threshold=8, prefill_threshold=16, when="always"))
 WORDS = "the a of river stone light quick slow green idea number seven over under".split()
 
 
@@ -41,7 +41,7 @@ def request(i: int) -> dict:
 
 def run_alone(loaded, body: dict) -> tuple[list[int], str]:
     """Tokens and finish reason of one request alone."""
-    engine = LLMEngine(loaded, RunnerConfig(**{**CFG.__dict__, "split": SplitConfig(num_ubatches=1)}))
+    engine = LLMEngine(loaded, RunnerConfig(**{**CFG.__dict__, "microbatch": MicrobatchConfig(num_microbatches=1)}))
     engine.add_request("alone", loaded.tokenizer.encode(body["prompt"]).ids,
                        SamplingParams(max_tokens=body["max_tokens"], temperature=body["temperature"],
                                       seed=body["seed"]))

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from engram_serve.engine.llm_engine import LLMEngine
 from engram_serve.inputs.step_state import StepState
-from engram_serve.inputs.ubatch import SplitConfig
+from engram_serve.microbatch.plan import MicrobatchConfig
 from engram_serve.model.loader import load_model
 from engram_serve.runner.model_runner import RunnerConfig
 from engram_serve.sampling_params import SamplingParams
@@ -58,7 +58,7 @@ def _run(loaded, stale: bool) -> tuple[int, list[str]]:
     """A small KV pool so that requests are preempted; after every step each live slot's device row must
     be its request's block list and every free slot's row null. Returns (preemptions, problems)."""
     cfg = RunnerConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64, block_size=4, num_blocks=22,
-                       split=SplitConfig(1))
+                       microbatch=MicrobatchConfig(1))
     eng = LLMEngine(loaded, cfg)
     if stale:
         eng.runner.state = _NoClear(cfg.max_num_seqs, cfg.max_blocks_per_seq)

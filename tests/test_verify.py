@@ -25,11 +25,11 @@ def test_verify_passes_on_every_case(loaded):
     assert res["max_abs_logit_diff"] == 0.0 and res["logit_mismatches"] == 0
     assert res["straddling_rows"] > 0
     by_name = {c["case"]: c for c in res["cases"]}
-    assert by_name["preemption and recompute (small KV pool), 2 ubatches"]["preemptions"] > 0
-    assert 0 < by_name["reused prefix (prefix cache), 2 ubatches"]["compared_tokens"] < \
-        by_name["2 ubatches, tokens policy"]["compared_tokens"]  # the cached prefix was not recomputed
+    assert by_name["preemption and recompute (small KV pool), 2 microbatches"]["preemptions"] > 0
+    assert 0 < by_name["reused prefix (prefix cache), 2 microbatches"]["compared_tokens"] < \
+        by_name["2 microbatches, tokens policy"]["compared_tokens"]  # the cached prefix was not recomputed
     names = " | ".join(c["case"] for c in res["cases"])
-    for needed in ("2 ubatches, tokens", "2 ubatches, requests", "3 ubatches, tokens", "3 ubatches, requests",
+    for needed in ("2 microbatches, tokens", "2 microbatches, requests", "3 microbatches, tokens", "3 microbatches, requests",
                    "prefill chunk 1,", "prefill chunk 3,", "prefill chunk 17,", "unlimited", "graph mode",
                    "first step cut at token 1", "reused prefix", "preemption and recompute"):
         assert needed in names
@@ -41,15 +41,15 @@ def test_negative_control_history_rebuild_off(loaded):
 
 
 def test_negative_control_shared_staging_buffer_gives_wrong_logits(loaded):
-    res = verify(loaded, seed=3, num_requests=4, only="2 ubatches, tokens", runner_cls=SharedStaging)
+    res = verify(loaded, seed=3, num_requests=4, only="2 microbatches, tokens", runner_cls=SharedStaging)
     assert not res["passed"] and res["logit_mismatches"] > 0 and res["max_abs_logit_diff"] > 1e-3
 
 
 def test_negative_control_shared_index_buffer_gives_wrong_logits_and_is_named(loaded):
-    res = verify(loaded, seed=3, num_requests=4, only="2 ubatches, tokens", runner_cls=SharedTopk)
+    res = verify(loaded, seed=3, num_requests=4, only="2 microbatches, tokens", runner_cls=SharedTopk)
     assert not res["passed"] and res["logit_mismatches"] > 0
     with pytest.raises(OwnershipError, match="topk_idx"):
-        verify(loaded, seed=3, num_requests=4, overrides={"debug_ownership": True}, only="2 ubatches, tokens",
+        verify(loaded, seed=3, num_requests=4, overrides={"debug_ownership": True}, only="2 microbatches, tokens",
                runner_cls=SharedTopk)
 
 

@@ -1,5 +1,5 @@
 """Fixtures for DeepSeek-V4.1 tests: small valid text configs, random weights under the official names of
-docs/deepseek_v41.md, and Engram hash ids from the project's own hashing (spec §2).
+docs/deepseek_v41.md, and Engram hash ids from the project's own hashing (docs/contract.md §2).
 
 Configs are flat dicts with the published `text_config` field names. Validity (NeMo's rules): every kv
 source is an index source; ratio-0 layers are neither; the most recent kv source at or before a layer with

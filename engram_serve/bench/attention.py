@@ -36,7 +36,7 @@ def setup(groups: list[tuple[int, int, int]], max_model_len: int = 1024, exact: 
     """A runner and one step of `groups` (rows, new tokens per row, context per row); returns the step."""
     import numpy as np
 
-    from ..inputs.ubatch import SplitConfig
+    from ..microbatch.plan import MicrobatchConfig
     from ..model.loader import load_model
     from ..runner.model_runner import ModelRunner, RunnerConfig
 
@@ -46,7 +46,7 @@ def setup(groups: list[tuple[int, int, int]], max_model_len: int = 1024, exact: 
     need = [-(-(new + ctx) // BLOCK) for new, ctx in rows]
     tokens = sum(new for new, _ in rows)
     cfg = RunnerConfig(max_num_seqs=len(rows), max_model_len=per * BLOCK, max_num_batched_tokens=tokens,
-                       block_size=BLOCK, num_blocks=sum(need) + 1, split=SplitConfig(1), exact=exact)
+                       block_size=BLOCK, num_blocks=sum(need) + 1, microbatch=MicrobatchConfig(1), exact=exact)
     runner = ModelRunner(loaded, cfg)
     rng = np.random.default_rng(0)
     slots = np.array([runner.store.add(rng.integers(6, loaded.config.vocab_size, new + ctx).tolist())

@@ -11,7 +11,7 @@ B requests of 64 random prompt tokens are prefilled, a few decode steps warm up,
   each is one call from Python, like an operator;
 - `python_calls`: Python function calls (cProfile) in the next decode step;
 - `step_ms`: median (and p90) wall time of a decode step without the profiler, after warm-up.
-Dual-batch overlap off (`SplitConfig(1)`) and on (`SplitConfig(2)`, the planner decides whether to
+Microbatching off (`MicrobatchConfig(1)`) and on (`MicrobatchConfig(2)`, the planner decides whether to
 cut) are measured side by side, each in its own fresh process.
 """
 from __future__ import annotations
@@ -30,18 +30,18 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
 
 
-def _engine(model, batch: int, ubatches: int):
+def _engine(model, batch: int, microbatches: int):
     import numpy as np
 
     from ..engine.llm_engine import LLMEngine
-    from ..inputs.ubatch import SplitConfig
+    from ..microbatch.plan import MicrobatchConfig
     from ..model.loader import load_model
     from ..runner.model_runner import RunnerConfig
     from ..sampling_params import SamplingParams
 
     loaded = load_model(model)
     cfg = RunnerConfig(max_num_seqs=max(batch, 4), max_model_len=1024,
-                       max_num_batched_tokens=max(1024, batch * PROMPT), split=SplitConfig(ubatches))
+                       max_num_batched_tokens=max(1024, batch * PROMPT), microbatch=MicrobatchConfig(microbatches))
     eng = LLMEngine(loaded, cfg)
     rng = np.random.default_rng(batch)
     params = SamplingParams(max_tokens=1024 - PROMPT, temperature=0.0, ignore_eos=True)
@@ -59,7 +59,7 @@ def _native_modules():
     return [kernels.get(name) for name in kernels.MODULES if kernels.loaded(name)]
 
 
-def count_ops(model, batch: int, ubatches: int) -> dict:
+def count_ops(model, batch: int, microbatches: int) -> dict:
     """Profile one decode step; returns aten_ops, top_level_ops, native_calls (calls into the project's
     C kernels, which the profiler does not see), python_calls (Python function calls, cProfile) and the
     rows of that step."""
@@ -67,7 +67,7 @@ def count_ops(model, batch: int, ubatches: int) -> dict:
     import pstats
 
     from torch.profiler import ProfilerActivity, profile
-    eng = _engine(model, batch, ubatches)
+    eng = _engine(model, batch, microbatches)
     calls = [0]
 
     def counted(fn):
@@ -99,18 +99,18 @@ def count_ops(model, batch: int, ubatches: int) -> dict:
     pr.runcall(eng.step)
     return {"aten_ops": len(aten), "top_level_ops": len(top), "native_calls": calls[0],
             "python_calls": pstats.Stats(pr).total_calls, "rows": len(res.scheduled.rows),
-            "split": len(res.output.bounds) > 2}
+            "microbatched": len(res.output.bounds) > 2}
 
 
-def setup(model, batch: int, ubatches: int):
-    eng = _engine(model, batch, ubatches)
+def setup(model, batch: int, microbatches: int):
+    eng = _engine(model, batch, microbatches)
     return eng.step
 
 
-def _counted(model, batch: int, ubatches: int) -> dict:
+def _counted(model, batch: int, microbatches: int) -> dict:
     import torch
     torch.set_num_threads(1)
-    return count_ops(model, batch, ubatches)
+    return count_ops(model, batch, microbatches)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -123,9 +123,10 @@ def run(args: argparse.Namespace) -> list[dict]:
                 ops = pool.submit(_counted, args.model, b, n).result()
             if ops["rows"] != b:
                 raise RuntimeError(f"the profiled step held {ops['rows']} rows, expected {b} decodes")
-            t = common.measure(setup, dict(model=args.model, batch=b, ubatches=n), **common.timing_kwargs(args))
-            rows.append({"batch": b, "dbo": name, "aten_ops": ops["aten_ops"], "top_level_ops": ops["top_level_ops"],
+            t = common.measure(setup, dict(model=args.model, batch=b, microbatches=n), **common.timing_kwargs(args))
+            rows.append({"batch": b, "microbatching": name, "aten_ops": ops["aten_ops"],
+                         "top_level_ops": ops["top_level_ops"],
                          "native_calls": ops["native_calls"], "python_calls": ops["python_calls"],
-                         "step_cut": ops["split"], "step_ms": t["median_ms"], "step_p90_ms": t["p90_ms"],
+                         "microbatched": ops["microbatched"], "step_ms": t["median_ms"], "step_p90_ms": t["p90_ms"],
                          "tok_s": b / t["median_ms"] * 1e3, "threads": args.threads})
     return rows

@@ -10,7 +10,7 @@ Workload, end to end (prefill included): B prompts of 64 random token ids, 32 gr
   prompt forwarded at once), intra_threads=1.
 - engram-serve: the built-in Engram model (which does more per token: Engram gather and gate, MoE,
   index selection) through `LLMEngine` (the engine under `LLM`), prefix caching off, greedy, with
-  dual-batch overlap off (`SplitConfig(1)`) and on (`SplitConfig(2)`: the planner cuts a step only
+  microbatching off (`MicrobatchConfig(1)`) and on (`MicrobatchConfig(2)`: the planner cuts a step only
   when a cut hides something). Token ids out, as for the peers (no detokenisation on either side).
 Each candidate lives in its own process (spawned fresh, one torch/CTranslate2 thread, a warm-up
 call). Timed calls then alternate between the candidates, round by round with the order rotated, so
@@ -104,18 +104,18 @@ def _setup_ct2(batch: int):
     return call
 
 
-def _setup_engram(batch: int, ubatches: int):
+def _setup_engram(batch: int, microbatches: int):
     import numpy as np
 
     from ..engine.llm_engine import LLMEngine
-    from ..inputs.ubatch import SplitConfig
+    from ..microbatch.plan import MicrobatchConfig
     from ..model.loader import load_model
     from ..runner.model_runner import RunnerConfig
     from ..sampling_params import SamplingParams
     loaded = load_model()
     cfg = RunnerConfig(max_num_seqs=max(batch, 4), max_model_len=PROMPT + NEW,
                        max_num_batched_tokens=max(1024, min(8192, batch * PROMPT)), num_blocks=max(64, batch * 8),
-                       split=SplitConfig(ubatches))
+                       microbatch=MicrobatchConfig(microbatches))
     eng = LLMEngine(loaded, cfg, enable_prefix_caching=False)
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     rng, calls = np.random.default_rng(batch), [0]

@@ -84,12 +84,13 @@ def _advance(w) -> None:
             row.block_ids.extend(range(last + 1, last + 1 + g))
 
 
-def _split_and_hash(w, batch):
+def _slice_and_hash(w, batch):
     from ..engram.hashing import hash_step
-    from ..inputs.ubatch import SplitConfig, plan_split, split_batch
-    bounds = plan_split(batch.qsl_host, SplitConfig(2, "tokens", 0, 0, when="always"), is_decode_only=False)
+    from ..microbatch.plan import MicrobatchConfig, plan_microbatches
+    from ..microbatch.slicing import slice_microbatches
+    bounds = plan_microbatches(batch.qsl_host, MicrobatchConfig(2, "tokens", 0, 0, when="always"), is_decode_only=False)
     return [hash_step(u.input_ids, u.qsl, u.history, w["layout"], w["tmap"], 2, dead=u.dead,
-                      out=buf[: u.num_tokens]) for u, buf in zip(split_batch(batch, bounds), w["hash_buffers"])]
+                      out=buf[: u.num_tokens]) for u, buf in zip(slice_microbatches(batch, bounds), w["hash_buffers"])]
 
 
 def engine(w):
@@ -103,7 +104,7 @@ def engine(w):
         state.sync(row.slot, row.block_ids)
     batch = build_step(w["store"], np.fromiter((r.slot for r in rows), np.int64, n), w["computed"], w["new"],
                        state, BLOCK, w["cfg"].history_len)
-    return batch, _split_and_hash(w, batch)
+    return batch, _slice_and_hash(w, batch)
 
 
 def rebuild(w):
@@ -116,7 +117,7 @@ def rebuild(w):
     tables = np.array([r.block_ids + [-1] * (mb - len(r.block_ids)) for r in rows])
     batch = build_step(w["store"], np.array([r.slot for r in rows]), w["computed"], w["new"], tables, BLOCK,
                        w["cfg"].history_len)
-    return batch, _split_and_hash(w, batch)
+    return batch, _slice_and_hash(w, batch)
 
 
 def setup(candidate: str, requests: int, tokens: int, context: int):

@@ -1,17 +1,17 @@
-"""Serving throughput and latency with dual-batch overlap on (SplitConfig(2)) and off (SplitConfig(1)), side by side.
+"""Serving throughput and latency, microbatching on (MicrobatchConfig(2)) against off (MicrobatchConfig(1)).
 
 Two servers run in this process on loopback (127.0.0.1, free ports), one per setting, over the
 same loaded model (one model user at a time: the other engine thread sleeps on its command
 queue). For each client count, waves of that many concurrent streaming completions (ignore_eos,
-exactly --max-tokens each, the same prompts for both settings) alternate between the DBO-off and
-the DBO-on server, the order flipping every wave, until --budget-s of timed waves per setting (at
+exactly --max-tokens each, the same prompts for both settings) alternate between the microbatching-off
+and the microbatching-on server, the order flipping every wave, until --budget-s of timed waves per setting (at
 least one, at most --max-waves). Reported per setting: tokens/s (all clients' tokens / wall time of
 the waves), p50/p99 time to first token and inter-token latency (nearest rank, over every token of
-every client), and the share of engine steps that were split; and the on/off ratio of each pair of
+every client), and the share of engine steps cut into microbatches; and the on/off ratio of each pair of
 waves run back to back (median, min, max). Clients share the process (and
 the GIL) with the server: absolute numbers are pessimistic, the on/off ratio is the point.
-Steps are split only above the SplitConfig thresholds (32 decode tokens, 128 with prefill), so
-below ~32 clients both settings run the same unsplit steps.
+Steps are cut only above the MicrobatchConfig thresholds (32 decode tokens, 128 with prefill), so
+below ~32 clients both settings run the same whole steps.
 """
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     from ..engine.async_engine import AsyncLLMEngine
     from ..engine.llm_engine import LLMEngine
-    from ..inputs.ubatch import SplitConfig
+    from ..microbatch.plan import MicrobatchConfig
     from ..model.loader import load_model
     from ..runner.model_runner import RunnerConfig
     from ..server.api import build_app
@@ -120,12 +120,12 @@ def run(args: argparse.Namespace) -> list[dict]:
     os.environ["ENGRAM_SERVE_THREADS"] = str(args.threads)  # engines built below keep it
     loaded = load_model(args.model)
     most = max(args.clients)
-    settings = {"off": SplitConfig(num_ubatches=1), "on": SplitConfig(num_ubatches=2)}
+    settings = {"off": MicrobatchConfig(num_microbatches=1), "on": MicrobatchConfig(num_microbatches=2)}
     servers = {}
     try:
-        for name, split in settings.items():
+        for name, microbatch in settings.items():
             cfg = RunnerConfig(max_num_seqs=most, max_model_len=min(2048, loaded.config.max_position_embeddings),
-                               split=split)
+                               microbatch=microbatch)
             engine = AsyncLLMEngine(LLMEngine(loaded, cfg))
             servers[name] = (engine, BackgroundServer(build_app(engine, "bench")).start())
         urls = {name: server.base_url for name, (_, server) in servers.items()}
@@ -137,10 +137,10 @@ def run(args: argparse.Namespace) -> list[dict]:
             for name, (engine, _) in servers.items():
                 after = engine.metrics()
                 steps = after["steps_total"] - before[name]["steps_total"]
-                res[name]["split_steps_pct"] = 100 * (after["microbatched_steps_total"] -
+                res[name]["microbatched_steps_pct"] = 100 * (after["microbatched_steps_total"] -
                                                       before[name]["microbatched_steps_total"]) / max(steps, 1)
             row = {"clients": clients, "max_tokens": args.max_tokens, "requests": res["on"]["requests"]}
-            for key in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "split_steps_pct"):
+            for key in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "microbatched_steps_pct"):
                 row[f"off_{key}"] = res["off"][key]
                 row[f"on_{key}"] = res["on"][key]
             row["tok_s_ratio_on_off"] = res["on"]["tok_s"] / res["off"]["tok_s"]

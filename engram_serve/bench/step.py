@@ -1,9 +1,9 @@
-"""One engine step, whole against dual-batch overlap (2 microbatches), side by side.
+"""One engine step, whole against cut into 2 microbatches (dual-batch overlap), side by side.
 
 Workloads: decode-heavy (many requests, one new token each, deep contexts) and prefill-heavy (a few
 long prompt chunks). Timed: `ModelRunner.execute` on a prepared step (hash, staging gather, forward,
 logits). Memory: the per-microbatch buffers each candidate allocates up front (staging rows,
-hash ids, index-sharing buffer, MoE scratch; DBO holds one set per microbatch) and the peak RSS growth
+hash ids, index-sharing buffer, MoE scratch; one set per microbatch) and the peak RSS growth
 while steps run (measured in a fresh child process per candidate).
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated: " + ", ".join(WORKLOADS) + " (default: both); with "
                              "--tensor-parallel-size also decode-32, decode-128, prefill-2048 (default: all five)")
     parser.add_argument("--tensor-parallel-size", type=common.positive_int, default=1, metavar="N",
-                        help="N >= 2: DBO on against off at N ranks (gloo), real link and a simulated one "
+                        help="N >= 2: microbatching on against off at N ranks (gloo), real link and a simulated one "
                              "(bench/step_tp.py)")
     parser.add_argument("--sim-latency-us", type=common.positive_int_list, default=[500, 2000], metavar="US,US",
                         help="simulated links: latency per cross-rank sum, one link per value (default 500,2000)")
@@ -38,11 +38,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="simulated link: bandwidth in GB/s (default 1)")
 
 
-def _runner(model: str | None, workload: str, ubatches: int, device: str = "cpu"):
+def _runner(model: str | None, workload: str, microbatches: int, device: str = "cpu"):
     import numpy as np
     import torch
 
-    from ..inputs.ubatch import SplitConfig
+    from ..microbatch.plan import MicrobatchConfig
     from ..model.loader import load_model
     from ..runner.model_runner import ModelRunner, RunnerConfig
 
@@ -53,7 +53,7 @@ def _runner(model: str | None, workload: str, ubatches: int, device: str = "cpu"
     max_len = -(-(ctx + new) // block) * block
     cfg = RunnerConfig(max_num_seqs=reqs, max_model_len=max_len, max_num_batched_tokens=reqs * new,
                        block_size=block, num_blocks=reqs * max_len // block,
-                       split=SplitConfig(ubatches, "tokens", 0, 0, when="always"), device=device)
+                       microbatch=MicrobatchConfig(microbatches, "tokens", 0, 0, when="always"), device=device)
     runner = ModelRunner(loaded, cfg)
     rng = np.random.default_rng(0)
     slots = np.array([runner.store.add(rng.integers(6, loaded.config.vocab_size, ctx + new).tolist())
@@ -74,8 +74,8 @@ def buffer_bytes(runner) -> int:
     return total
 
 
-def setup(model: str | None, workload: str, ubatches: int, device: str = "cpu"):
-    runner, batch = _runner(model, workload, ubatches, device)
+def setup(model: str | None, workload: str, microbatches: int, device: str = "cpu"):
+    runner, batch = _runner(model, workload, microbatches, device)
     if device == "cpu":
         return lambda: runner.execute(batch)
     import torch
@@ -95,17 +95,17 @@ def run(args: argparse.Namespace) -> list[dict]:
         if wl not in WORKLOADS:
             raise ValueError(f"--workloads: unknown workload {wl!r}; choose from {sorted(WORKLOADS)}")
         res, bufs = {}, {}
-        for name, n in (("whole", 1), ("dbo", 2)):
+        for name, n in (("whole", 1), ("microbatched", 2)):
             runner, batch = _runner(args.model, wl, n, args.device)
             bufs[name] = buffer_bytes(runner) / 2**20
             tokens = batch.num_tokens
             runner.close()
-            res[name] = common.measure(setup, dict(model=args.model, workload=wl, ubatches=n, device=args.device),
+            res[name] = common.measure(setup, dict(model=args.model, workload=wl, microbatches=n, device=args.device),
                                        **common.timing_kwargs(args))
-        w, d = res["whole"], res["dbo"]
+        w, d = res["whole"], res["microbatched"]
         rows.append({"workload": wl, "tokens": tokens,
-                     "whole_tok_s": tokens / w["median_ms"] * 1e3, "dbo_tok_s": tokens / d["median_ms"] * 1e3,
-                     "dbo_over_whole": w["median_ms"] / d["median_ms"],
-                     "whole_buffers_mib": bufs["whole"], "dbo_buffers_mib": bufs["dbo"],
-                     "whole_peak_mib": w["peak_mib"], "dbo_peak_mib": d["peak_mib"], "device": args.device})
+                     "whole_tok_s": tokens / w["median_ms"] * 1e3, "microbatched_tok_s": tokens / d["median_ms"] * 1e3,
+                     "microbatched_over_whole": w["median_ms"] / d["median_ms"],
+                     "whole_buffers_mib": bufs["whole"], "microbatched_buffers_mib": bufs["microbatched"],
+                     "whole_peak_mib": w["peak_mib"], "microbatched_peak_mib": d["peak_mib"], "device": args.device})
     return rows

@@ -1,24 +1,24 @@
-"""`bench step --tensor-parallel-size N`: one engine step at N ranks (gloo, CPU), DBO on against off.
+"""`bench step --tensor-parallel-size N`: one engine step at N ranks (gloo, CPU), microbatching on against off.
 
 Candidates, interleaved call by call in one run, their order rotated every round (so machine noise
 hits them alike):
   off       1 microbatch: every cross-rank sum is awaited right after its launch;
-  dbo-sync  2 microbatches, each sum awaited at its launch (the same collectives as dbo, nothing hidden);
-  dbo       2 microbatches, each sum launched at a stage boundary and awaited after the other
-            microbatch's next stage (parallel/collectives.py).
+  sync      2 microbatches, each sum awaited at its launch (the same collectives as overlap, nothing hidden);
+  overlap   2 microbatches (dual-batch overlap), each sum launched at a stage boundary and awaited after
+            the other microbatch's next stage (parallel/collectives.py).
 Links: the real gloo link on loopback, and SIMULATED inter-node links: each sum completes
 `latency + bytes / bandwidth` after its launch (or when gloo completes it, if later); the wait sleeps
 only for what is left of that time, so the delay elapses while the other microbatch computes.
 
 Every rank is pinned to its own share of the cores (`--cpu-bind rank`, default; `none` leaves it to
 the OS scheduler). Reported per workload and link: median step time of each candidate with its
-p10-p90 spread, the median of the per-round ratio off / dbo with its spread, the communication time
+p10-p90 spread, the median of the per-round ratio off / overlap with its spread, the communication time
 exposed on rank 0's critical path (seconds blocked in waits: link time plus waiting for the other
-rank), its share of the off step, and the fraction of communication hidden by DBO,
-    hidden = (exposed(off) - exposed(dbo)) / exposed(off),
-beside the fraction of DBO's own (twice as many) collectives it hides, 1 - exposed(dbo) / exposed(dbo-sync).
-And the ceiling of perfect overlap, from the same run: the cut step computes for C2 = dbo-sync - exposed(dbo-sync)
-and communicates for E2 = exposed(dbo-sync), so no schedule of its two microbatches beats max(C2, E2):
+rank), its share of the off step, and the fraction of communication hidden by the overlap,
+    hidden = (exposed(off) - exposed(overlap)) / exposed(off),
+beside the fraction of its own (twice as many) collectives it hides, 1 - exposed(overlap) / exposed(sync).
+And the ceiling of perfect overlap, from the same run: the cut step computes for C2 = sync - exposed(sync)
+and communicates for E2 = exposed(sync), so no schedule of its two microbatches beats max(C2, E2):
     ideal speedup = off / max(C2, E2),  ideal hidden = 1 - max(0, E2 - C2) / exposed(off).
 Where the sums are latency-bound (a cut doubles their number without shortening them) and E2 > C2,
 that ceiling is below 1.15x whatever the overlap.
@@ -34,7 +34,7 @@ import time
 import numpy as np
 import torch
 
-from ..inputs.ubatch import SplitConfig
+from ..microbatch.plan import MicrobatchConfig
 from ..parallel.group import ParallelGroup
 from .link import LinkDelay, configure_link
 from .step import WORKLOADS
@@ -44,7 +44,7 @@ from .step import WORKLOADS
 TP_WORKLOADS = {"decode-32": (32, 1, 512), **WORKLOADS, "decode-128": (128, 1, 512),
                 "prefill-2048": (8, 256, 0)}
 
-CANDIDATES = (("off", 1, True), ("dbo-sync", 2, False), ("dbo", 2, True))
+CANDIDATES = (("off", 1, True), ("sync", 2, False), ("overlap", 2, True))
 
 
 def _status_mib(pid: int, field: str = "VmRSS") -> float:
@@ -79,14 +79,14 @@ def sum_cost(group: ParallelGroup, tokens: int, hidden: int, repeats: int) -> di
     return out
 
 
-def _prepare(cluster, workload: tuple[int, int, int], ubatches: int):
+def _prepare(cluster, workload: tuple[int, int, int], microbatches: int):
     from ..runner.model_runner import RunnerConfig
     reqs, new, ctx = workload
     block = 16
     max_len = -(-(ctx + new) // block) * block
     cfg = RunnerConfig(max_num_seqs=reqs, max_model_len=max_len, max_num_batched_tokens=reqs * new,
                        block_size=block, num_blocks=reqs * max_len // block,
-                       split=SplitConfig(ubatches, "tokens", 0, 0))
+                       microbatch=MicrobatchConfig(microbatches, "tokens", 0, 0))
     runner = cluster.make_runner(cfg)
     rng = np.random.default_rng(0)
     vocab = cluster.loaded.config.vocab_size
@@ -128,22 +128,22 @@ def _row(m: dict) -> dict:
     t, e = m["times"], m["exposed"]
     med = {k: statistics.median(v) for k, v in t.items()}
     exp = {k: statistics.median(v) for k, v in e.items()}
-    paired = [a / b for a, b in zip(t["off"], t["dbo"])]  # the same round: the same machine load
-    c2, e2 = med["dbo-sync"] - exp["dbo-sync"], exp["dbo-sync"]  # the cut step's compute and communication
+    paired = [a / b for a, b in zip(t["off"], t["overlap"])]  # the same round: the same machine load
+    c2, e2 = med["sync"] - exp["sync"], exp["sync"]  # the cut step's compute and communication
     return {
         "tokens": m["tokens"], "rounds": len(t["off"]),
-        "off_ms": med["off"], "dbo_sync_ms": med["dbo-sync"], "dbo_ms": med["dbo"],
+        "off_ms": med["off"], "sync_ms": med["sync"], "overlap_ms": med["overlap"],
         "off_ms_p10_p90": f"{_pct(t['off'], 0.1):.1f}-{_pct(t['off'], 0.9):.1f}",
-        "dbo_ms_p10_p90": f"{_pct(t['dbo'], 0.1):.1f}-{_pct(t['dbo'], 0.9):.1f}",
-        "comm_exposed_off_ms": exp["off"], "comm_exposed_dbo_sync_ms": exp["dbo-sync"],
-        "comm_exposed_dbo_ms": exp["dbo"],
+        "overlap_ms_p10_p90": f"{_pct(t['overlap'], 0.1):.1f}-{_pct(t['overlap'], 0.9):.1f}",
+        "comm_exposed_off_ms": exp["off"], "comm_exposed_sync_ms": exp["sync"],
+        "comm_exposed_overlap_ms": exp["overlap"],
         "comm_share_of_off_step": exp["off"] / med["off"],
-        "comm_hidden_by_dbo": (exp["off"] - exp["dbo"]) / exp["off"] if exp["off"] > 0 else float("nan"),
-        "dbo_comm_hidden": 1 - exp["dbo"] / exp["dbo-sync"] if exp["dbo-sync"] > 0 else float("nan"),
-        "dbo_speedup_over_off": med["off"] / med["dbo"],
+        "comm_hidden_by_overlap": (exp["off"] - exp["overlap"]) / exp["off"] if exp["off"] > 0 else float("nan"),
+        "overlap_comm_hidden": 1 - exp["overlap"] / exp["sync"] if exp["sync"] > 0 else float("nan"),
+        "overlap_speedup_over_off": med["off"] / med["overlap"],
         "paired_speedup_median": statistics.median(paired),
         "paired_speedup_p10_p90": f"{_pct(paired, 0.1):.2f}-{_pct(paired, 0.9):.2f}",
-        "ideal_dbo_speedup": med["off"] / max(c2, e2),
+        "ideal_overlap_speedup": med["off"] / max(c2, e2),
         "ideal_comm_hidden": 1 - max(0.0, e2 - c2) / exp["off"] if exp["off"] > 0 else float("nan"),
     }
 

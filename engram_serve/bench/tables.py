@@ -35,8 +35,8 @@ staging buffer does).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
+import contextlib
 import json
 import math
 import os
@@ -266,11 +266,11 @@ def _share_rows(engram: dict, tables: dict, ids: list[int], tmap, steps: int, ro
     """The engine's decode step (`ModelRunner.execute`, 64 requests) of a model whose Engram layers read
     the table file: request r holds its slice of the 64-request stream and decodes its last `steps`
     tokens, one per step (the stream's own hash ids, so only written rows are read). The gather on the
-    runner's worker, overlapped with layer 0 (the default), against the gather inline (PREFETCH_MIN_MS
+    runner's worker, overlapped with layer 0 (the default), against the gather inline (MicrobatchPlanner.PREFETCH_MIN_MS
     infinite), alternating step by step. Exposed = the time the step blocked waiting for its rows."""
     import numpy as np
 
-    from ..inputs.ubatch import SplitConfig
+    from ..microbatch.plan import MicrobatchConfig, MicrobatchPlanner
     from ..runner.model_runner import ModelRunner, RunnerConfig
     requests, block = 64, 16
     length = len(ids) // requests // block * block
@@ -281,7 +281,7 @@ def _share_rows(engram: dict, tables: dict, ids: list[int], tmap, steps: int, ro
     for name in ("kernel dedup", "kernel dedup+cache"):
         runner = ModelRunner(_share_model(engram, tables[name], tmap), RunnerConfig(
             max_num_seqs=requests, max_model_len=length, max_num_batched_tokens=requests, block_size=block,
-            num_blocks=requests * length // block, split=SplitConfig(1)))
+            num_blocks=requests * length // block, microbatch=MicrobatchConfig(1)))
         slots = np.array([runner.store.add(row.tolist()) for row in text])
         bt = np.arange(requests * (length // block)).reshape(requests, -1)
         batches = [runner.build(slots, np.full(requests, ctx + s), np.ones(requests, np.int64), bt, np.ones(requests, bool))
@@ -291,8 +291,8 @@ def _share_rows(engram: dict, tables: dict, ids: list[int], tmap, steps: int, ro
         ms = {"overlapped": [], "inline": [], "exposed": [], "gather": []}
         for _ in range(rounds):
             for b in batches:
-                for mode, min_ms in (("overlapped", ModelRunner.PREFETCH_MIN_MS), ("inline", math.inf)):
-                    runner.PREFETCH_MIN_MS = min_ms
+                for mode, min_ms in (("overlapped", MicrobatchPlanner.PREFETCH_MIN_MS), ("inline", math.inf)):
+                    runner.planner.PREFETCH_MIN_MS = min_ms
                     t0 = time.perf_counter()
                     runner.execute(b)
                     ms[mode].append((time.perf_counter() - t0) * 1e3)

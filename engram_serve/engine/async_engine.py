@@ -1,9 +1,10 @@
 """`AsyncLLMEngine`: an `LLMEngine` stepped on one background thread, with asyncio streams per request.
 
 Two threads:
-- the **engine thread** owns the engine and the admission queue (`EngineDriver`). The model is
-  not thread-safe, so every engine call (add, abort, step) happens there; asyncio callers talk to
-  it through a command queue. When there is no work it blocks on that queue (no spinning).
+- the **engine thread** owns the engine (through an `EngineDriver`; the scheduler holds the one
+  waiting queue). The model is not thread-safe, so every engine call (add, abort, step) happens
+  there; asyncio callers talk to it through a command queue. When there is no work it blocks on
+  that queue (no spinning).
 - the **output thread** detokenizes (`OutputProcessor`), applies stop strings, measures request
   latencies and hands deltas to each request's `asyncio.Queue` via `loop.call_soon_threadsafe`.
   The engine thread never waits for it: detokenization is off the step loop. A stop string found
@@ -101,7 +102,8 @@ class AsyncLLMEngine:
     # ---- asyncio side -------------------------------------------------------------------------
     async def add_request(self, prompt_ids: Sequence[int], params, request_id: str | None = None
                           ) -> "RequestStream":
-        """Validate and queue a request; returns its delta stream. Raises InvalidRequest if refused."""
+        """Validate and queue a request; returns its delta stream. Raises InvalidRequest if refused
+        (QueueFull when the scheduler's waiting queue is at its limit)."""
         if self._closed:
             raise RuntimeError("AsyncLLMEngine is shut down")
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
@@ -204,12 +206,12 @@ class AsyncLLMEngine:
         if kind == "add":
             _, rid, prompt_ids, params, loop, q, accepted, arrival = cmd
             try:
-                self.driver.add(rid, prompt_ids, params)
+                seq = self.driver.add(rid, prompt_ids, params)
             except Exception as e:  # InvalidRequest, or a bad argument type: hand it to the caller
                 _post(loop, _set_exception, accepted, e)
                 return False
             self._requests_total += 1
-            self._out_q.put(("add", rid, loop, q, len(self.driver.pending[rid].prompt_ids), params, arrival))
+            self._out_q.put(("add", rid, loop, q, seq.num_prompt_tokens, params, arrival))
             _post(loop, _set_result, accepted, None)
         elif kind == "abort":
             if self.driver.abort(cmd[1]):
@@ -231,7 +233,7 @@ class AsyncLLMEngine:
         bm = e.scheduler.block_manager
         self._metrics = {
             "requests_running": e.scheduler.num_running,
-            "requests_waiting": e.scheduler.num_waiting + self.driver.num_pending,
+            "requests_waiting": e.scheduler.num_waiting,
             "requests_total": self._requests_total,
             "kv_blocks_used": bm.num_used, "kv_blocks_total": bm.num_blocks, "kv_cache_usage": bm.usage,
             "steps_total": st.steps, "microbatched_steps_total": st.microbatched_steps,

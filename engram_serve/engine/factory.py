@@ -1,53 +1,30 @@
-"""Building an engine: `load` a checkpoint (with an optional progress bar) and `build_engine`."""
+"""Building an engine: `build_engine` loads the model (model/loader.py `load_model`) and builds the LLMEngine."""
 from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 
 from .. import kernels
 from ..errors import ConfigError
+from .scheduler import MAX_WAITING
 
 log = logging.getLogger(__name__)
 
 
-def load(model=None, progress: bool = False, device: str = "cpu"):
-    """A LoadedModel from a path or None (the built-in tiny model) with its weights on `device`; a
-    LoadedModel is returned as is (moved to `device` if it is elsewhere). With `progress`, a tqdm bar
-    on stderr follows the loading stages."""
-    import torch
-
-    from ..model.loader import LoadedModel, load_model
-    if isinstance(model, LoadedModel):
-        if model.model.embed_tokens.weight.device.type != torch.device(device).type:
-            model.model.to(device)
-        return model
-    if not progress:
-        return load_model(model, device=device)
-    from tqdm import tqdm
-    with tqdm(total=1, desc="loading", unit="tensor", file=sys.stderr, leave=False,
-              postfix="config, tokenizer, compressed token map") as bar:
-        def note(done: int, total: int, what: str) -> None:
-            if bar.total != total:
-                bar.reset(total=total)
-            bar.n = done
-            bar.set_postfix_str(what[-40:], refresh=False)
-            bar.refresh()
-        loaded = load_model(model, progress=note, device=device)
-    return loaded
-
-
 def build_engine(model=None, *, enable_prefix_caching: bool = True, progress: bool = False,
                  tensor_parallel_size: int = 1, dist_init: str | None = None, cluster=None,
-                 threads: int | None = None, seed: int | None = None, **runner_options):
+                 threads: int | None = None, seed: int | None = None, max_waiting: int | None = MAX_WAITING,
+                 **runner_options):
     """An LLMEngine over `model` (path, None or LoadedModel); `runner_options` are RunnerConfig fields
     (`device="cuda"` places weights, KV cache and staging buffers on the GPU; tables stay on the host);
     an unknown one raises ConfigError naming it. `threads`: torch threads (default: the cores of the
-    affinity mask, engine/threads.py); `seed`: seeds the per-request seeds drawn for unseeded requests.
+    affinity mask, engine/threads.py); `seed`: seeds the per-request seeds drawn for unseeded requests;
+    `max_waiting`: the scheduler's waiting-queue bound (default `scheduler.MAX_WAITING`; None = none).
 
     `tensor_parallel_size=N` (N >= 2) starts N-1 worker processes (or joins a torchrun group with
     `dist_init="env://"`); this process is rank 0 and owns the scheduler. The engine's close stops them.
     `cluster`: run on an existing TPCluster instead (its owner closes it), e.g. several engines in turn."""
+    from ..model.loader import load_model
     from ..runner.model_runner import RunnerConfig
     from .llm_engine import LLMEngine
     from .threads import set_torch_threads
@@ -55,7 +32,7 @@ def build_engine(model=None, *, enable_prefix_caching: bool = True, progress: bo
     unknown = sorted(set(runner_options) - known)
     if unknown:
         raise ConfigError(f"unknown engine option(s) {unknown}; known: enable_prefix_caching, "
-                          f"tensor_parallel_size, threads, seed, {sorted(known)}")
+                          f"tensor_parallel_size, threads, seed, max_waiting, {sorted(known)}")
     if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ConfigError(f"tensor_parallel_size={tensor_parallel_size!r}: must be an integer >= 1")
     set_torch_threads(threads)  # before loading: the load itself runs torch ops
@@ -77,9 +54,9 @@ def build_engine(model=None, *, enable_prefix_caching: bool = True, progress: bo
             raise ConfigError(f"engine options: {e}") from None
 
     if tensor_parallel_size == 1 and dist_init is None and cluster is None:
-        loaded = load(model, progress, device=device)
+        loaded = load_model(model, device=device, progress=progress)
         return LLMEngine(loaded, config(loaded), enable_prefix_caching=enable_prefix_caching, threads=threads,
-                         seed=seed)
+                         seed=seed, max_waiting=max_waiting)
     from ..parallel.launch import TPCluster, local_device
     path = getattr(model, "path", model)  # every rank loads (and shards) the checkpoint itself
     options["device"] = local_device(device)
@@ -92,7 +69,7 @@ def build_engine(model=None, *, enable_prefix_caching: bool = True, progress: bo
         runner = cluster.make_runner(cfg)
         runner.cluster = cluster if owned else None
         return LLMEngine(loaded, cfg, enable_prefix_caching=enable_prefix_caching, runner=runner, threads=threads,
-                         seed=seed)
+                         seed=seed, max_waiting=max_waiting)
     except BaseException:
         if owned:
             cluster.close()

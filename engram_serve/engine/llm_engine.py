@@ -13,16 +13,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from ..engine.scheduler import MAX_WAITING, Scheduler, SchedulerConfig, SchedulerOutput
 from ..engine.sequence import Sequence
 from ..errors import InvalidRequest, OwnershipError, SliceError, StaticBufferError
+from ..microbatch.plan import check_bounds
 from ..model.loader import LoadedModel
 from ..runner.model_runner import ModelRunner, RunnerConfig, StepOutput
 from ..runner.sampler import GREEDY_BELOW, Penalties, Sampler, SamplingBatch
 from ..sampling_params import SamplingParams
 from .threads import set_torch_threads
 
-MAX_QUEUED = 4096  # requests held (running + waiting) before add_request refuses more
 log = logging.getLogger(__name__)
 
 
@@ -63,11 +63,12 @@ class StepResult:
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, cfg: RunnerConfig | None = None, enable_prefix_caching: bool = True,
                  runner_cls: type[ModelRunner] = ModelRunner, runner: ModelRunner | None = None,
-                 threads: int | None = None, seed: int | None = None):
+                 threads: int | None = None, seed: int | None = None, max_waiting: int | None = MAX_WAITING):
         """`runner_cls`: a test may pass a subclass (negative controls). `runner`: a prepared runner over
         `loaded` with config `cfg` (tensor parallel: rank 0's ParallelModelRunner). `threads`: torch
         threads (engine/threads.py: default, the cores of the affinity mask); `seed`: seeds the draws
-        of per-request seeds for requests that give none."""
+        of per-request seeds for requests that give none. `max_waiting`: requests the scheduler's
+        waiting queue holds before `add_request` refuses more (QueueFull); None = no bound."""
         self.threads = set_torch_threads(threads)
         cfg = cfg or RunnerConfig()
         if cfg.max_model_len > loaded.config.max_position_embeddings:
@@ -78,7 +79,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
-            enable_prefix_caching=enable_prefix_caching))
+            enable_prefix_caching=enable_prefix_caching, max_waiting=max_waiting))
         self.sampler = Sampler()
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
@@ -95,38 +96,42 @@ class LLMEngine:
         token ids and logit_bias keys likewise, prompt + max_tokens beyond max_model_len, and a
         request the KV cache could never hold (it would wait forever)."""
         if not isinstance(params, SamplingParams):
-            raise InvalidRequest(f"params: expected SamplingParams, got {type(params).__name__}")
+            raise InvalidRequest(f"params: expected SamplingParams, got {type(params).__name__}", "params")
         if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, (list, tuple, np.ndarray)):
-            raise InvalidRequest(f"prompt: expected a list of token ids, got {type(prompt_ids).__name__}")
+            raise InvalidRequest(f"prompt: expected a list of token ids, got {type(prompt_ids).__name__}", "prompt")
         if isinstance(prompt_ids, np.ndarray) and prompt_ids.ndim != 1:
-            raise InvalidRequest(f"prompt: expected a 1-D array of token ids, got shape {prompt_ids.shape}")
+            raise InvalidRequest(f"prompt: expected a 1-D array of token ids, got shape {prompt_ids.shape}", "prompt")
         integers = isinstance(prompt_ids, np.ndarray) and prompt_ids.dtype.kind in "iu"
         ids = prompt_ids.tolist() if integers else list(prompt_ids)  # Python ints from an integer array
         if not ids:
-            raise InvalidRequest("prompt: must hold at least one token")
+            raise InvalidRequest("prompt: must hold at least one token", "prompt")
         n = self.num_token_ids
         plain = set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < n  # the common case, at C speed
         for i, t in enumerate(() if plain else ids):  # else find the first bad token and name it
             if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
-                raise InvalidRequest(f"prompt: token {i} is {t!r} ({type(t).__name__}), not an integer token id")
+                raise InvalidRequest(f"prompt: token {i} is {t!r} ({type(t).__name__}), not an integer token id",
+                                     "prompt")
             if not 0 <= t < n:
-                raise InvalidRequest(f"prompt: token id {int(t)} at index {i} is outside the tokenizer's ids [0, {n})")
+                raise InvalidRequest(f"prompt: token id {int(t)} at index {i} is outside the tokenizer's ids "
+                                     f"[0, {n})", "prompt")
         for i, t in enumerate(params.stop_token_ids):
             if t >= n:
-                raise InvalidRequest(f"stop_token_ids[{i}]={t}: outside the tokenizer's ids [0, {n})")
+                raise InvalidRequest(f"stop_token_ids[{i}]={t}: outside the tokenizer's ids [0, {n})", "stop_token_ids")
         for t in params.logit_bias:
             if t >= n:
-                raise InvalidRequest(f"logit_bias: token id {t} is outside the tokenizer's ids [0, {n})")
+                raise InvalidRequest(f"logit_bias: token id {t} is outside the tokenizer's ids [0, {n})", "logit_bias")
         cfg, total = self.cfg, len(ids) + params.max_tokens
-        if total > cfg.max_model_len:
+        if total > cfg.max_model_len and len(ids) < cfg.max_model_len:  # the prompt fits: max_tokens is at fault
             raise InvalidRequest(f"max_tokens={params.max_tokens}: the prompt's {len(ids)} tokens + max_tokens = "
-                                 f"{total} exceeds the model's maximum length max_model_len={cfg.max_model_len}"
-                                 if len(ids) < cfg.max_model_len else
-                                 f"prompt: {len(ids)} tokens + max_tokens={params.max_tokens} = {total} exceeds the "
-                                 f"model's maximum length max_model_len={cfg.max_model_len}")
+                                 f"{total} exceeds the model's maximum length max_model_len={cfg.max_model_len}",
+                                 "max_tokens")
+        if total > cfg.max_model_len:
+            raise InvalidRequest(f"prompt: {len(ids)} tokens + max_tokens={params.max_tokens} = {total} exceeds the "
+                                 f"model's maximum length max_model_len={cfg.max_model_len}", "prompt")
         if -(-total // cfg.block_size) > cfg.num_blocks:
             raise InvalidRequest(f"prompt: {len(ids)} tokens + max_tokens={params.max_tokens} need "
-                                 f"{-(-total // cfg.block_size)} KV blocks, the cache has num_blocks={cfg.num_blocks}")
+                                 f"{-(-total // cfg.block_size)} KV blocks, the cache has num_blocks={cfg.num_blocks}",
+                                 "prompt")
         return ids if plain else [int(t) for t in ids]
 
     @staticmethod
@@ -136,31 +141,29 @@ class LLMEngine:
             return None
         if isinstance(dead, (str, bytes)) or not isinstance(dead, (list, tuple, np.ndarray)):
             raise InvalidRequest(f"dead={dead!r:.60}: expected a list of one bool per prompt token, "
-                                 f"got {type(dead).__name__}")
+                                 f"got {type(dead).__name__}", "dead")
         flags = list(np.asarray(dead).reshape(-1)) if isinstance(dead, np.ndarray) else list(dead)
         if len(flags) != num_tokens:
-            raise InvalidRequest(f"dead: {len(flags)} flags for a prompt of {num_tokens} tokens")
+            raise InvalidRequest(f"dead: {len(flags)} flags for a prompt of {num_tokens} tokens", "dead")
         for i, d in enumerate(flags):
             if not (isinstance(d, (bool, np.bool_)) or (isinstance(d, numbers.Integral) and d in (0, 1))):
-                raise InvalidRequest(f"dead[{i}]={d!r}: must be a bool (or 0/1)")
+                raise InvalidRequest(f"dead[{i}]={d!r}: must be a bool (or 0/1)", "dead")
         return [bool(d) for d in flags]
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None,
                     dead: list[bool] | None = None) -> Sequence:
-        """Validate and queue a request. Bad input raises InvalidRequest before touching the batch."""
+        """Validate once and queue the request in the scheduler's waiting queue (the only one). Bad
+        input raises InvalidRequest, a full queue QueueFull, before anything touches the batch."""
         params = SamplingParams() if params is None else params
         if not isinstance(request_id, str):
-            raise InvalidRequest(f"request_id={request_id!r}: must be a string")
-        if request_id in self.seqs:
-            raise InvalidRequest(f"request_id={request_id!r} is already running")
+            raise InvalidRequest(f"request_id={request_id!r}: must be a string", "request_id")
         ids = self.validate(prompt_ids, params)
         dead = self.validate_dead(dead, len(ids))
-        if len(self.seqs) >= MAX_QUEUED:
-            raise InvalidRequest(f"the engine is full ({len(self.seqs)} requests); retry later")
-        if params.seed is None:
-            params = params.with_seed(int(self._next_seed.integers(0, 2**62)))
         seq = Sequence(request_id, ids, params, dead=dead)
-        self.scheduler.add(seq)  # its token-store slot is taken when it is first scheduled
+        self.scheduler.add(seq)  # refuses a live request_id or a full queue; the token-store slot
+        # is taken when the request is first scheduled
+        if params.seed is None:  # drawn once the request is accepted
+            seq.params = params.with_seed(int(self._next_seed.integers(0, 2**62)))
         self.seqs[request_id] = seq
         return seq
 
@@ -213,7 +216,7 @@ class LLMEngine:
                                       np.fromiter((r.num_new for r in rows), np.int64, n), None,
                                       np.fromiter(sample, bool, n))
             if bounds is not None:
-                self._check_bounds(bounds, batch.num_tokens)
+                check_bounds(bounds, batch.num_tokens, self.cfg.microbatch.num_microbatches)
             return self.runner.execute(batch, bounds, record)
 
         try:
@@ -236,19 +239,6 @@ class LLMEngine:
         if sampled:
             events += self._sample(sampled, result.logits)
         return StepResult(events, out, result, [r.seq.request_id for r in rows], sample)
-
-    def _check_bounds(self, bounds, num_tokens: int) -> None:
-        ok = isinstance(bounds, (list, tuple)) and len(bounds) >= 2 and all(
-            isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in bounds)
-        if ok:
-            b = [int(x) for x in bounds]
-            ok = b[0] == 0 and b[-1] == num_tokens and all(x < y for x, y in zip(b, b[1:]))
-        if not ok:
-            raise InvalidRequest(f"bounds={bounds!r}: must be increasing integers from 0 to the step's "
-                                 f"{num_tokens} tokens")
-        if len(bounds) - 1 > self.cfg.split.num_ubatches:
-            raise InvalidRequest(f"bounds={list(bounds)!r}: {len(bounds) - 1} microbatches, the runner has buffers "
-                                 f"for split.num_ubatches={self.cfg.split.num_ubatches}")
 
     def _culprits(self, rows, sample, run, error: Exception) -> list[int]:
         """The rows that make the forward raise. Halves are re-run (whole, outputs discarded: a row's

@@ -10,9 +10,11 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, QueueFull
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
+
+MAX_WAITING = 4096  # default SchedulerConfig.max_waiting
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,9 @@ class SchedulerConfig:
     - `num_blocks * block_size >= max_model_len`: one request of maximal length fits alone;
     - `max_num_batched_tokens >= max_num_seqs`: every running decode fits into every step;
     - without chunked prefill, `max_num_batched_tokens >= max_model_len`: a whole (re)prefill fits.
+
+    `max_waiting` bounds the waiting queue (the engine's only one): `add` refuses a new request
+    with QueueFull while that many wait; None = no bound. Preempted requests go back regardless.
     """
 
     max_num_seqs: int
@@ -32,6 +37,7 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    max_waiting: int | None = MAX_WAITING
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "block_size", "max_model_len"):
@@ -41,6 +47,9 @@ class SchedulerConfig:
         for name in ("enable_chunked_prefill", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SchedulerConfig field {name}={getattr(self, name)!r}: must be a bool")
+        w = self.max_waiting
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise ValueError(f"SchedulerConfig field max_waiting={w!r}: must be None or an int >= 1")
         if self.num_blocks * self.block_size < self.max_model_len:
             raise ValueError(f"SchedulerConfig field num_blocks={self.num_blocks}: num_blocks * block_size "
                              f"({self.num_blocks * self.block_size}) < max_model_len={self.max_model_len}")
@@ -121,16 +130,20 @@ class Scheduler:
 
     # ---- queue ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        """Queue a new request; refuse it (InvalidRequest) before it can touch the batch."""
-        n, limit = seq.num_prompt_tokens, self.config.max_model_len
+        """Queue a new request; refuse it (InvalidRequest, QueueFull) before it can touch the batch."""
+        n, cfg = seq.num_prompt_tokens, self.config
         if n == 0:
-            raise InvalidRequest(f"request {seq.request_id!r}: prompt is empty (num_prompt_tokens=0)")
-        if n > limit:
-            raise InvalidRequest(f"request {seq.request_id!r}: num_prompt_tokens={n} > max_model_len={limit}")
+            raise InvalidRequest(f"request {seq.request_id!r}: prompt is empty (num_prompt_tokens=0)", "prompt")
+        if n > cfg.max_model_len:
+            raise InvalidRequest(f"request {seq.request_id!r}: num_prompt_tokens={n} > "
+                                 f"max_model_len={cfg.max_model_len}", "prompt")
         if seq.num_tokens != n or seq.status is not SequenceStatus.WAITING or seq.block_ids or seq.num_computed_tokens:
             raise InvalidRequest(f"request {seq.request_id!r}: not a fresh sequence ({seq!r})")
         if seq.request_id in self._live:
-            raise InvalidRequest(f"request_id={seq.request_id!r} is already in use by a live request")
+            raise InvalidRequest(f"request_id={seq.request_id!r} is already in use by a live request", "request_id")
+        if cfg.max_waiting is not None and len(self.waiting) >= cfg.max_waiting:
+            raise QueueFull(f"request {seq.request_id!r}: {len(self.waiting)} requests are waiting, "
+                            f"max_waiting={cfg.max_waiting}; retry later")
         self._live[seq.request_id] = seq
         self.waiting.append(seq)
 
@@ -171,7 +184,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         cfg, bm = self.config, self.block_manager
         out = SchedulerOutput()
-        for seq in [s for s in self._live.values() if s.num_tokens > cfg.max_model_len]:
+        # a waiting sequence never grew since it last ran (when this check saw it): running ones suffice
+        for seq in [s for s in self.running if s.num_tokens > cfg.max_model_len]:
             self.finish(seq, "length")  # its next position would be >= max_model_len
             out.finished.append(seq)
         budget, scheduled = cfg.max_num_batched_tokens, set()

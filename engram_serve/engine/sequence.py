@@ -54,7 +54,7 @@ class Sequence:
             dead = [bool(d) for d in dead]
             if len(dead) != len(self.token_ids):
                 raise InvalidRequest(f"request {request_id!r}: dead mask length {len(dead)} "
-                                     f"!= prompt length {len(self.token_ids)}")
+                                     f"!= prompt length {len(self.token_ids)}", "dead")
         self.dead: list[bool] | None = dead
 
     @property

@@ -1,1 +1,1 @@
-"""Split-invariant step inputs: token store, step batch, microbatch planning and slicing, static buffers."""
+"""Step inputs: token store, step batch, persistent step state, static buffers (slicing: microbatch/)."""

@@ -40,8 +40,8 @@ def pad_tokens(batch: StepBatch, size: int) -> StepBatch:
 class StaticInputs:
     """Persistent buffers for one microbatch at one padded size (rows are padded to `size` too)."""
 
-    def __init__(self, ubatch: int, size: int, like: StepBatch):
-        self.ubatch, self.size = ubatch, size
+    def __init__(self, microbatch: int, size: int, like: StepBatch):
+        self.microbatch, self.size = microbatch, size
         self.buffers: dict[str, torch.Tensor] = {}
         for name, (fill, _) in PADDING.items():
             ref = getattr(like, name)
@@ -52,7 +52,7 @@ class StaticInputs:
     def _check(self, name: str, buf: torch.Tensor, value: torch.Tensor) -> None:
         if value.dtype != buf.dtype or value.shape[1:] != buf.shape[1:] or value.shape[0] > buf.shape[0]:
             raise StaticBufferError(
-                f"static buffer {name!r} of microbatch {self.ubatch} (padded size {self.size}) holds "
+                f"static buffer {name!r} of microbatch {self.microbatch} (padded size {self.size}) holds "
                 f"{tuple(buf.shape)} {buf.dtype}; asked for {tuple(value.shape)} {value.dtype}")
 
     def refresh(self, batch: StepBatch, pad: bool = True) -> StepBatch:
@@ -60,14 +60,14 @@ class StaticInputs:
 
         `pad=False` leaves padding stale; it exists only as the negative control of the padding tests."""
         if batch.num_tokens > self.size:
-            raise StaticBufferError(f"static buffer 'input_ids' of microbatch {self.ubatch} has padded size "
+            raise StaticBufferError(f"static buffer 'input_ids' of microbatch {self.microbatch} has padded size "
                                     f"{self.size}; the microbatch has {batch.num_tokens} tokens")
         out = {}
         for name, (fill, kind) in PADDING.items():
             value, buf = getattr(batch, name), self.buffers.get(name)
             if value is None or buf is None:
                 if (value is None) != (buf is None):
-                    raise StaticBufferError(f"static buffer {name!r} of microbatch {self.ubatch}: "
+                    raise StaticBufferError(f"static buffer {name!r} of microbatch {self.microbatch}: "
                                             f"present in {'batch' if buf is None else 'buffers'} only")
                 out[name] = None
                 continue
@@ -124,8 +124,8 @@ class StaticInputPool:
             out.append(fit[0])
         return out
 
-    def get(self, ubatch: int, size: int, like: StepBatch) -> StaticInputs:
-        key = (ubatch, size)
+    def get(self, microbatch: int, size: int, like: StepBatch) -> StaticInputs:
+        key = (microbatch, size)
         if key not in self._pool:
-            self._pool[key] = StaticInputs(ubatch, size, like)
+            self._pool[key] = StaticInputs(microbatch, size, like)
         return self._pool[key]

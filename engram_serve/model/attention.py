@@ -96,7 +96,7 @@ class PagedAttention:
         n, buf = self.ctx.batch.num_tokens, self.ctx.bufs.topk_idx
         if buf is None or buf.shape[0] < n or buf.shape[1] != topk or buf.dtype != torch.int64:
             got = None if buf is None else (tuple(buf.shape), buf.dtype)
-            raise StaticBufferError(f"index-sharing buffer 'topk_idx' of microbatch {self.ctx.bufs.ubatch}: "
+            raise StaticBufferError(f"index-sharing buffer 'topk_idx' of microbatch {self.ctx.bufs.microbatch}: "
                                     f"holds {got}; needs at least ({n}, {topk}) int64")
         view = buf[:n]
         self.ctx.touch("topk_idx", view)

@@ -278,7 +278,7 @@ class MoE(nn.Module):
         if xs is None or ys is None:
             return None, None
         if xs.dtype != x.dtype or ys.dtype != x.dtype:
-            raise StaticBufferError(f"MoE scratch buffers of microbatch {ctx.bufs.ubatch} are {xs.dtype}/{ys.dtype}; "
+            raise StaticBufferError(f"MoE scratch buffers of microbatch {ctx.bufs.microbatch} are {xs.dtype}/{ys.dtype}; "
                                     f"the activations are {x.dtype}")
         return xs, ys
 

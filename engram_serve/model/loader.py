@@ -16,14 +16,17 @@ converted: float or FP8 (E4M3 rows + E8M0 per-32-column scales), they stay mappe
 demand (madvise MADV_RANDOM), row by row, by the staging gather.
 
 Every disagreement between config, tokenizer and tensors raises CheckpointMismatch naming the field
-(or file and tensor) and both values.
+(or file and tensor) and both values; a wrongly typed config.json value raises ConfigError naming it.
+`load_model` is the one way to load a model: the engine, the CLI, verification and the benchmarks call it.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +39,7 @@ from ..engram.layout import EngramLayout, build_layout
 from ..engram.quantized import SCALE_COLS, Fp8Table, advise_random, block_size_of, dequantize_blocks, dequantize_fp4
 from ..engram.tables import EngramTables, table_key
 from ..engram.token_map import build_token_map, load_tokenizer
-from ..errors import CheckpointMismatch
+from ..errors import CheckpointMismatch, ConfigError, EngramServeError
 from .checkpoint import INDEX_FILE, WEIGHTS_FILE, CheckpointFiles
 from .layers import layout_weights_
 from .model import EngramModel, init_weights
@@ -186,14 +189,70 @@ def load_state(files: CheckpointFiles, scheme: str, expected: dict[str, torch.Te
     return state
 
 
-def load_model(path: str | Path | None = None, *, device: str | torch.device = "cpu", pin_tables: bool | None = None,
-               progress: Progress | None = None, dedup: bool = True, cache_bytes: int = 0) -> LoadedModel:
+def load_model(path: str | Path | LoadedModel | None = None, *, device: str | torch.device = "cpu",
+               pin_tables: bool | None = None, progress: bool | Progress | None = None, dedup: bool = True,
+               cache_bytes: int = 0) -> LoadedModel:
     """Load a checkpoint directory (None: the built-in tiny model). Parameters are memory-mapped on CPU
     (copied only when `device` is not the CPU, or dequantized/cast as the module docstring says) and have
     requires_grad off; Engram tables stay on the host, pinned when CUDA is available (pin_tables=None) -
     pinning copies them out of the mapping, so keep pin_tables=False for tables larger than RAM.
-    `dedup` and `cache_bytes` configure the staging gather (EngramTables)."""
+    `dedup` and `cache_bytes` configure the staging gather (EngramTables).
+
+    A LoadedModel is returned as is (its weights moved to `device` if they are elsewhere). `progress`:
+    a callable (done, total, what) told about each loading stage, or True for a tqdm bar on stderr.
+    A TypeError, ValueError or KeyError while loading is a config.json problem: it becomes a ConfigError
+    naming the first wrongly typed field if there is one (else the error's type and message)."""
+    if isinstance(path, LoadedModel):
+        if path.model.embed_tokens.weight.device.type != torch.device(device).type:
+            path.model.to(device)
+        return path
     root = Path(path) if path is not None else TINY_DIR
+    try:
+        if progress is True:
+            return _load_with_bar(root, device, pin_tables, dedup, cache_bytes)
+        return _load(root, device, pin_tables, progress or None, dedup, cache_bytes)
+    except EngramServeError:
+        raise
+    except (TypeError, ValueError, KeyError) as e:
+        why = _mistyped_field(root / CONFIG_FILE) or f"{type(e).__name__}: {e}"
+        raise ConfigError(f"{root / CONFIG_FILE}: {why}") from e
+
+
+def _load_with_bar(root: Path, device, pin_tables, dedup: bool, cache_bytes: int) -> LoadedModel:
+    """`_load` with a tqdm bar on stderr following the loading stages."""
+    from tqdm import tqdm
+    with tqdm(total=1, desc="loading", unit="tensor", file=sys.stderr, leave=False,
+              postfix="config, tokenizer, compressed token map") as bar:
+        def note(done: int, total: int, what: str) -> None:
+            if bar.total != total:
+                bar.reset(total=total)
+            bar.n = done
+            bar.set_postfix_str(what[-40:], refresh=False)
+            bar.refresh()
+        return _load(root, device, pin_tables, note, dedup, cache_bytes)
+
+
+def _mistyped_field(config_path: Path) -> str | None:
+    """The first config.json field whose JSON type does not match its ModelConfig/EngramConfig type."""
+    try:
+        raw = json.loads(Path(config_path).read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+    if isinstance(raw, dict) and isinstance(raw.get("text_config"), dict):
+        raw = {**raw, **raw["text_config"]}
+    kinds = {f.name: str(f.type) for cls in (ModelConfig, EngramConfig) for f in dataclasses.fields(cls)}
+    for name, value in raw.items() if isinstance(raw, dict) else ():
+        kind = kinds.get(name)
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        ok = {"int": is_int, "float": is_int or isinstance(value, float), "bool": isinstance(value, bool)}.get(kind)
+        if kind and kind.startswith("tuple[int"):
+            ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        if ok is False:
+            return f"{name}={value!r}: must be {'a list of integers' if kind.startswith('tuple') else 'an ' + kind}"
+    return None
+
+
+def _load(root: Path, device, pin_tables, progress: Progress | None, dedup: bool, cache_bytes: int) -> LoadedModel:
     note = progress or (lambda done, total, what: None)
     for f in (CONFIG_FILE, TOKENIZER_FILE):
         if not (root / f).is_file():

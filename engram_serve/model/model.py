@@ -24,7 +24,7 @@ from ..engram.layer import EngramGate
 from ..errors import StaticBufferError
 from . import fused
 from .attention import FULL, REUSE, SELECT, Attention, DenseAttention, PagedAttention
-from .context import ForwardContext, UbatchBuffers
+from .context import ForwardContext
 from .layers import MLP, Linear, MoE, RMSNorm, RotaryTable, linear
 
 STAGE_ENGRAM_GATHER, STAGE_ENGRAM, STAGE_ATTN = "engram_gather", "engram", "attn"
@@ -155,7 +155,7 @@ class EngramModel(nn.Module):
         """Forward of one microbatch; yields stage names at overlap points, returns hidden [T, hidden]."""
         b = ctx.batch
         if b.num_tokens > ctx.bufs.capacity:
-            raise StaticBufferError(f"staging buffer of microbatch {ctx.bufs.ubatch} holds {ctx.bufs.capacity} "
+            raise StaticBufferError(f"staging buffer of microbatch {ctx.bufs.microbatch} holds {ctx.bufs.capacity} "
                                     f"tokens; the microbatch has {b.num_tokens}")
         backend = self.paged_attention(ctx)
         return (yield from self._run(b.input_ids.long(), b.positions.long(), b.dead, backend, ctx.engram_rows, ctx))
@@ -168,11 +168,6 @@ class EngramModel(nn.Module):
         """[N, hidden] -> [N, vocab] float32."""
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return linear(hidden, w).float()
-
-    def make_buffers(self, ubatch: int, max_tokens: int, device: str | torch.device | None = None,
-                     dtype: torch.dtype = torch.float32) -> UbatchBuffers:
-        dev = device if device is not None else self.embed_tokens.weight.device
-        return UbatchBuffers.allocate(self.config, ubatch, max_tokens, dev, dtype)
 
     # ---- dense (training / reference) path ---------------------------------------------------
     def forward_dense(self, input_ids: torch.Tensor, engram_rows: list[torch.Tensor] | None,

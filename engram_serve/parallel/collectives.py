@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ..model.context import ForwardContext
     from .group import ParallelGroup
 
-COMM = "comm"  # the per-microbatch communication buffer (UbatchBuffers.scratch[COMM], 1-D)
+COMM = "comm"  # the per-microbatch communication buffer (MicrobatchBuffers.scratch[COMM], 1-D)
 COMM_ENGRAM = "comm_engram"  # a second one: every Engram layer's projection, summed once per forward
 
 
@@ -57,7 +57,7 @@ class PendingSum:
         self.group.stats.add_wait(self.name, time.perf_counter() - t_wait)
         self.done = True
         if self.ctx is not None and self.ctx.tracker is not None:
-            self.ctx.tracker.land(self.buffer, self.gathered, self.ctx.bufs.ubatch)
+            self.ctx.tracker.land(self.buffer, self.gathered, self.ctx.bufs.microbatch)
         out = rank_ordered_sum(self.gathered)
         if self.ctx is not None:
             self.ctx.touch(self.buffer, self.gathered)  # the read of the landed buffer
@@ -70,7 +70,7 @@ def comm_buffer(ctx: "ForwardContext | None", world: int, x: torch.Tensor, name:
         return torch.empty(world, *x.shape, dtype=x.dtype, device=x.device)
     flat = ctx.bufs.scratch_view(name, world * x.numel())  # raises if too small: never reallocates
     if flat.dtype != x.dtype:
-        raise TypeError(f"communication buffer of microbatch {ctx.bufs.ubatch} is {flat.dtype}; the partial is "
+        raise TypeError(f"communication buffer of microbatch {ctx.bufs.microbatch} is {flat.dtype}; the partial is "
                         f"{x.dtype}")
     return flat.view(world, *x.shape)
 
@@ -81,7 +81,7 @@ def launch_sum(group: "ParallelGroup", x: torch.Tensor, ctx: "ForwardContext | N
     waits on it when it resumes."""
     g = comm_buffer(ctx, group.world, x, buffer)
     if ctx is not None and ctx.tracker is not None:
-        ctx.tracker.launch(buffer, g, ctx.bufs.ubatch)
+        ctx.tracker.launch(buffer, g, ctx.bufs.microbatch)
     g[group.rank].copy_(x)  # the local slice is written now, at launch
     work = group.all_gather(list(g.unbind(0)), g[group.rank])
     return PendingSum(group, g, work, ctx, what, buffer)

@@ -1,1 +1,1 @@
-"""The runner: step preparation, dual-batch-overlap executor, graphs, sampling."""
+"""The runner: step preparation, microbatch execution (microbatch/), graphs, sampling."""

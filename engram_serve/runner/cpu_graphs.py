@@ -145,7 +145,7 @@ class CpuGraphs:
                        if isinstance(t, torch.Tensor)) + tuple(name for name, t in b.fields().items() if t is None)
         static = [bufs.staging, bufs.hash_ids, bufs.topk_idx, *bufs.scratch.values(), *ctx.kv.layer(0), rotary.cos,
                   rotary.sin]
-        return (bufs.ubatch, b.block_size, layout, tuple(0 if t is None else t.data_ptr() for t in static))
+        return (bufs.microbatch, b.block_size, layout, tuple(0 if t is None else t.data_ptr() for t in static))
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states [T, hidden] of one decode microbatch (its staged rows in place): replayed,
@@ -173,7 +173,7 @@ class CpuGraphs:
             graph = _Graph(tape, spans, out, watch.keep + pins)
         except Refused as e:
             self._refused.add(key)
-            log.info("decode forward of microbatch %d with %d tokens runs eagerly: %s", ctx.bufs.ubatch,
+            log.info("decode forward of microbatch %d with %d tokens runs eagerly: %s", ctx.bufs.microbatch,
                      ctx.batch.num_tokens, e)
             return out
         self._graphs[key] = graph

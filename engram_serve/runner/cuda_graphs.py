@@ -35,7 +35,7 @@ class CudaGraphs:
     def forward(self, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states [size, hidden] of one decode microbatch: captured on first use, replayed after."""
         ctx = self.static_context(ctx)
-        key = (ctx.bufs.ubatch, ctx.batch.num_tokens)
+        key = (ctx.bufs.microbatch, ctx.batch.num_tokens)
         entry = self._graphs.get(key)
         if entry is None:
             side = torch.cuda.Stream()

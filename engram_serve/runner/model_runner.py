@@ -1,7 +1,7 @@
 """The model runner: prepares a step, runs it whole or as interleaved microbatches, gathers logits once.
 
-Per step: build the StepBatch from the schedule (vectorised, from the token store), plan the cut,
-slice, and for each microbatch compute its hash ids from its own inputs (tokens, positions,
+Per step: build the StepBatch from the schedule (vectorised, from the token store), plan the cut and
+slice it (microbatch/), and for each microbatch compute its hash ids from its own inputs (tokens, positions,
 history) and start gathering its Engram rows from the host tables into its OWN staging buffer on a
 worker thread, so the lookup overlaps the other microbatch's compute (in a whole step whose gather
 takes long enough, the layers before the first Engram layer). The executor interleaves the
@@ -21,14 +21,16 @@ from ..inputs.batch import StepBatch
 from ..inputs.static import StaticInputPool, pad_tokens
 from ..inputs.step import build_step
 from ..inputs.step_state import StepState
-from ..inputs.ubatch import SplitConfig, plan_split, split_batch
-from ..model.context import ForwardContext, UbatchBuffers
+from ..microbatch.buffers import MicrobatchBuffers
+from ..microbatch.executor import run_interleaved
+from ..microbatch.plan import MicrobatchConfig, MicrobatchPlanner, check_bounds
+from ..microbatch.slicing import slice_microbatches
+from ..model.context import ForwardContext
 from ..model.kv_cache import KVCache
 from ..model.exactness import MIN_ROWS, batch_invariant, pad_rows
 from ..model.layers import matmul_weights
 from ..model.loader import LoadedModel
 from .cpu_graphs import CpuGraphs
-from .executor import run_interleaved
 from .ownership import OwnershipTracker
 from .process import freeze_startup_objects, keep_freed_memory
 
@@ -45,7 +47,7 @@ class RunnerConfig:
     max_num_batched_tokens: int = 1024
     block_size: int = 16
     num_blocks: int = 1024
-    split: SplitConfig = field(default_factory=SplitConfig)
+    microbatch: MicrobatchConfig = field(default_factory=MicrobatchConfig)
     graph_sizes: tuple[int, ...] = ()  # padded step sizes for graph mode; () = eager, unpadded
     cpu_graphs: bool = True  # CPU: decode forwards captured once per layout and replayed (runner/cpu_graphs.py)
     debug_ownership: bool = False
@@ -83,14 +85,6 @@ class ModelRunner:
 
     rebuild_history = True  # per-microbatch history rebuilt for a straddling row's first token
     neutral_padding = True  # static-buffer padding rewritten every step
-    HIDE_FRACTION = 0.25  # planning (a tuning constant, not a protection): a measured gather below this
-    # share of a step's time is not worth a cut
-    PREFETCH_MIN_MS = 0.1  # a whole step's gather expected to take at least this long runs on the worker,
-    # overlapped with the layers before the first Engram layer; a shorter one runs inline (a thread
-    # handoff costs tens of microseconds)
-    MEASURE_EVERY = 32  # planning: one step in this many runs its gathers inline, which measures them. Only
-    # those runs update the estimate: on the worker a gather's wall time also counts its waits for the GIL,
-    # which the forward holds, so a 0.04 ms gather of one token measured 0.3 ms there and stayed there
 
     def __init__(self, loaded: LoadedModel, cfg: RunnerConfig):
         self.cfg, self.loaded = cfg, loaded
@@ -126,20 +120,17 @@ class ModelRunner:
         self._gather_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-gather")
         # CUDA: the Engram host-to-device copies run on their own stream, ordered by events
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        # planning (plan / hideable_ms): what a cut could hide
+        # planning: what a cut could hide, and where each gather runs
         self.launches_collectives = False  # True where each layer launches a collective (tensor/expert parallelism)
         tabs = loaded.tables.tables
-        self._tables_off_device = bool(tabs) and tabs[0].device != self.device
-        self._gather_ms_per_token = 0.0  # moving average of inline gathers (MEASURE_EVERY), in _stage_rows
-        self._steps = 0  # steps executed (which of them measure the gather)
-        self._step_ms_per_token = 0.0  # moving average of execute's wall time per token
+        self.planner = MicrobatchPlanner(cfg.microbatch, bool(tabs) and tabs[0].device != self.device)
         self.gather_wait_ms = 0.0  # the last step's time blocked waiting for staged rows (exposed gather)
         freeze_startup_objects()  # once per process: the collector's full passes skip what startup made
 
-    def allocate_buffers(self, capacity: int) -> list[UbatchBuffers]:
+    def allocate_buffers(self, capacity: int) -> list[MicrobatchBuffers]:
         """One set of buffers per microbatch, each its own (docs/contract.md §5)."""
-        return [UbatchBuffers.allocate(self.loaded.config, k, capacity, self.device)
-                for k in range(self.cfg.split.num_ubatches)]
+        return [MicrobatchBuffers.allocate(self.loaded.config, k, capacity, self.device)
+                for k in range(self.cfg.microbatch.num_microbatches)]
 
     # ---- preparation ------------------------------------------------------------------------
     def build(self, slots: np.ndarray, num_computed: np.ndarray, num_new: np.ndarray,
@@ -167,45 +158,33 @@ class ModelRunner:
         q = batch.qsl_host
         return bool((q[1:] - q[:-1] == 1).all())
 
-    def hideable_ms(self, num_tokens: int) -> float:
-        """What cutting a step of `num_tokens` tokens could hide behind another microbatch's compute:
-        unbounded with collectives (tensor/expert parallelism sets `launches_collectives`) or with Engram tables in
-        host memory feeding a device; otherwise the Engram gather time measured on recent steps, when it is
-        at least HIDE_FRACTION of a step's time per token (a relative test: on a loaded machine both grow)."""
-        if self.launches_collectives or self._tables_off_device:
-            return float("inf")
-        if self._gather_ms_per_token < self.HIDE_FRACTION * self._step_ms_per_token:
-            return 0.0  # the gather is a small part of a step's time (both slow down alike under load)
-        return self._gather_ms_per_token * num_tokens
-
-    def plan(self, batch: StepBatch, split: SplitConfig | None = None) -> list[int]:
-        """The step's cut. Under SplitConfig.when="overlap" only a step with something to hide is cut."""
-        return plan_split(batch.qsl_host, split or self.cfg.split, self.decode_only(batch),
-                          self.hideable_ms(batch.num_tokens))
+    def plan(self, batch: StepBatch, microbatch: MicrobatchConfig | None = None) -> list[int]:
+        """The step's cut (microbatch/plan.py). Under `when="overlap"` only a step with something to hide is cut."""
+        return self.planner.plan(batch.qsl_host, self.decode_only(batch), self.launches_collectives, microbatch)
 
     # ---- execution --------------------------------------------------------------------------
     def execute(self, batch: StepBatch, bounds: list[int] | None = None, record: bool = False) -> StepOutput:
         """Run one step cut at `bounds` (default: planned). Returns logits of the sampled rows and,
         with `record` (verification), copies of the hash ids and staged rows."""
         t_start = time.perf_counter()
-        bounds = bounds if bounds is not None else self.plan(batch)
-        if len(bounds) - 1 > len(self.bufs):
-            raise ValueError(f"{len(bounds) - 1} microbatches but buffers for {len(self.bufs)} (split.num_ubatches)")
-        ubs = split_batch(batch, bounds, self.rebuild_history)
-        real = [u.num_tokens for u in ubs]
+        if bounds is None:
+            bounds = self.plan(batch)
+        else:
+            check_bounds(bounds, batch.num_tokens, len(self.bufs))
+        mbs = slice_microbatches(batch, bounds, self.rebuild_history)
+        real = [u.num_tokens for u in mbs]
         if self.static is not None:
             sizes = self.static.part_sizes(bounds)  # bounded set of (microbatch, padded size) keys
-            ubs = [self.static.get(k, s, u).refresh(u, pad=self.neutral_padding)
-                   for k, (s, u) in enumerate(zip(sizes, ubs))]
+            mbs = [self.static.get(k, s, u).refresh(u, pad=self.neutral_padding)
+                   for k, (s, u) in enumerate(zip(sizes, mbs))]
         elif self.cfg.exact:  # a small microbatch is padded once, so that no matmul pads its call
-            ubs = [pad_tokens(u, self.pad_rows) for u in ubs]
+            mbs = [pad_tokens(u, self.pad_rows) for u in mbs]
         if self.tracker is not None:
             self.tracker.reset()
         ctxs, futures = [], []
         self.gather_wait_ms = 0.0
-        measure = self._steps % self.MEASURE_EVERY == 0
-        self._steps += 1
-        for k, u in enumerate(ubs):
+        measure = self.planner.start_step()
+        for k, u in enumerate(mbs):
             bufs = self.bufs[k]
             u.hash_ids = hash_step(u.input_ids, u.qsl, u.history, self.layout, self.token_map, self.pad_id,
                                    dead=u.dead, out=bufs.hash_ids[: u.num_tokens])  # from its own inputs alone
@@ -219,8 +198,7 @@ class ModelRunner:
                 ready.record(torch.cuda.current_stream(self.device))
             # on the worker, the gather overlaps another microbatch's compute and this one's layers before
             # its first Engram layer (the C gather and torch's operators release the GIL)
-            if not measure and (len(ubs) > 1 or self._tables_off_device
-                                or self._gather_ms_per_token * real[k] >= self.PREFETCH_MIN_MS):
+            if self.planner.gather_on_worker(len(mbs), real[k], measure):
                 futures.append(self._gather_pool.submit(self._stage_rows, u.hash_ids, staging, real[k], ready))
             else:  # a short gather (a thread handoff would cost more than it hides), or a measuring step
                 futures.append(Future())
@@ -240,10 +218,8 @@ class ModelRunner:
         out = StepOutput(logits, bounds, straddling)
         if record:
             out.staged = torch.cat([self._staged(f)[:, :n] for f, n in zip(futures, real)], dim=1)
-            out.hash_ids = torch.cat([u.hash_ids[:n] for u, n in zip(ubs, real)])
-        if batch.num_tokens:  # planning: the step's time per token (see hideable_ms)
-            per_token = (time.perf_counter() - t_start) * 1e3 / batch.num_tokens
-            self._step_ms_per_token += 0.25 * (per_token - self._step_ms_per_token)
+            out.hash_ids = torch.cat([u.hash_ids[:n] for u, n in zip(mbs, real)])
+        self.planner.record_step((time.perf_counter() - t_start) * 1e3, batch.num_tokens)
         return out
 
     def forward(self, batch: StepBatch, ctxs: list[ForwardContext], futures: list[Future]) -> list[torch.Tensor]:
@@ -259,7 +235,7 @@ class ModelRunner:
         """Gather the real tokens' rows; zero the padding rows (fresh every step). On CUDA the copies run
         on `copy_stream` after the event `ready` (the hash ids, and every earlier use of the buffer, are
         done) and the result is [staging, event]: `_staged` makes the compute stream wait on that event.
-        With `measure` (run inline, see MEASURE_EVERY) the gather's time per token feeds the planner."""
+        With `measure` (run inline, see MicrobatchPlanner.MEASURE_EVERY) the gather's time feeds the planner."""
         t0 = time.perf_counter()
         if self.copy_stream is None:
             self.loaded.tables.gather(hash_ids[:real], staging[:, :real])
@@ -273,8 +249,8 @@ class ModelRunner:
                 done = torch.cuda.Event()
                 done.record(self.copy_stream)
             out = [staging, done]
-        if measure and real:
-            self._gather_ms_per_token += 0.25 * ((time.perf_counter() - t0) * 1e3 / real - self._gather_ms_per_token)
+        if measure:
+            self.planner.record_gather((time.perf_counter() - t0) * 1e3, real)
         return out
 
     def _rows_fn(self, future: Future, staging: torch.Tensor):

@@ -24,28 +24,28 @@ class OwnershipTracker:
         self._owner.clear()
         self._inflight.clear()
 
-    def touch(self, name: str, tensor: torch.Tensor, ubatch: int) -> None:
+    def touch(self, name: str, tensor: torch.Tensor, microbatch: int) -> None:
         key = tensor.untyped_storage().data_ptr()
         busy = self._inflight.get(key)
         if busy is not None:
             raise OwnershipError(
                 f"buffer {name!r} has a collective in flight, launched by microbatch {busy[0]} (as {busy[1]!r}) "
-                f"and not yet waited on, but was touched by microbatch {ubatch}")
-        owner = self._owner.setdefault(key, (ubatch, name))
-        if owner[0] != ubatch:
+                f"and not yet waited on, but was touched by microbatch {microbatch}")
+        owner = self._owner.setdefault(key, (microbatch, name))
+        if owner[0] != microbatch:
             raise OwnershipError(
                 f"buffer {name!r} is owned by microbatch {owner[0]} (as {owner[1]!r}) "
-                f"but was touched by microbatch {ubatch}")
+                f"but was touched by microbatch {microbatch}")
 
-    def launch(self, name: str, tensor: torch.Tensor, ubatch: int) -> None:
-        self.touch(name, tensor, ubatch)  # raises if in flight (also for the owner's own next launch)
-        self._inflight[tensor.untyped_storage().data_ptr()] = (ubatch, name)
+    def launch(self, name: str, tensor: torch.Tensor, microbatch: int) -> None:
+        self.touch(name, tensor, microbatch)  # raises if in flight (also for the owner's own next launch)
+        self._inflight[tensor.untyped_storage().data_ptr()] = (microbatch, name)
 
-    def land(self, name: str, tensor: torch.Tensor, ubatch: int) -> None:
+    def land(self, name: str, tensor: torch.Tensor, microbatch: int) -> None:
         key = tensor.untyped_storage().data_ptr()
         busy = self._inflight.get(key)
-        if busy is None or busy[0] != ubatch:
-            raise OwnershipError(f"buffer {name!r}: microbatch {ubatch} waited on a collective it does not own "
+        if busy is None or busy[0] != microbatch:
+            raise OwnershipError(f"buffer {name!r}: microbatch {microbatch} waited on a collective it does not own "
                                  f"(in flight: {busy})")
         del self._inflight[key]
 

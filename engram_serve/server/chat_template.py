@@ -87,7 +87,7 @@ class ChatTemplate:
     def render(self, messages, add_generation_prompt: bool = True) -> str:
         if self.source is None:
             raise InvalidRequest(f"messages: this model has no chat template (no tokenizer_config.json chat_template "
-                                 f"and the tokenizer lacks {self.missing}); use /v1/completions")
+                                 f"and the tokenizer lacks {self.missing}); use /v1/completions", "messages")
         if self._jinja is not None:
             msgs = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
             return self._jinja.render(messages=msgs, add_generation_prompt=add_generation_prompt, tools=None,

@@ -12,7 +12,7 @@ same shape.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Generic, Literal, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
@@ -181,22 +181,38 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
+L = TypeVar("L", bound=BaseModel)
+
+
+class _Choice(BaseModel, Generic[L]):
+    """Fields of a choice of either endpoint; `L`: its logprobs type."""
+
     index: int
-    text: str
-    logprobs: Optional[CompletionLogprobs] = None
+    logprobs: Optional[L] = None
     finish_reason: Optional[str] = None
     token_ids: Optional[list[int]] = None
     error: Optional[ChoiceError] = None
 
 
-class CompletionResponse(BaseModel):
+C = TypeVar("C", bound=_Choice)
+
+
+class _Response(BaseModel, Generic[C]):
+    """Fields of a response of either endpoint; `C`: its choice type."""
+
     id: str
-    object: Literal["text_completion"]
     created: int
     model: str
-    choices: list[CompletionChoice]
+    choices: list[C]
     usage: Optional[Usage] = None
+
+
+class CompletionChoice(_Choice[CompletionLogprobs]):
+    text: str
+
+
+class CompletionResponse(_Response[CompletionChoice]):
+    object: Literal["text_completion"]
 
 
 class TopLogprob(BaseModel):
@@ -218,22 +234,12 @@ class ChatMessageOut(BaseModel):
     content: Optional[str] = None
 
 
-class ChatChoice(BaseModel):
-    index: int
+class ChatChoice(_Choice[ChatLogprobs]):
     message: ChatMessageOut
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[str] = None
-    token_ids: Optional[list[int]] = None
-    error: Optional[ChoiceError] = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Response[ChatChoice]):
     object: Literal["chat.completion"]
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Optional[Usage] = None
 
 
 class ErrorDetail(BaseModel):

@@ -146,9 +146,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a("--block-size", type=positive_int, default=16, metavar="N", help="tokens per KV block (16)")
     a("--enforce-eager", action="store_true",
       help="never replay graphs: CUDA graphs, or on the CPU the captured decode forwards (cpu_graphs)")
-    a("--ubatches", type=positive_int, default=2, metavar="N",
+    a("--microbatches", "--ubatches", dest="microbatches", type=positive_int, default=2, metavar="N",
       help="microbatches per large step (default 2: dual-batch overlap; 1 = off)")
-    a("--no-dual-batch-overlap", action="store_true", help="same as --ubatches 1")
+    a("--no-microbatching", "--no-dual-batch-overlap", dest="no_microbatching", action="store_true",
+      help="same as --microbatches 1")
     a("--no-enable-prefix-caching", action="store_true", help="do not reuse KV blocks of identical prefixes")
     a("--chat-template", type=Path, default=None, metavar="FILE",
       help="a Jinja chat template file (default: tokenizer_config.json's, else the built-in one)")
@@ -166,12 +167,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from ..inputs.ubatch import SplitConfig
+    from ..microbatch.plan import MicrobatchConfig
     if args.chat_template is not None and not args.chat_template.is_file():
         raise ConfigError(f"--chat-template {args.chat_template}: no such file")
     options = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    num_blocks=args.num_kv_blocks, block_size=args.block_size,
-                   split=SplitConfig(num_ubatches=1 if args.no_dual_batch_overlap else args.ubatches))
+                   microbatch=MicrobatchConfig(num_microbatches=1 if args.no_microbatching else args.microbatches))
     if args.max_model_len is not None:
         options["max_model_len"] = args.max_model_len
     from ..parallel.options import engine_options

@@ -1,4 +1,4 @@
-"""Dual-batch-overlap executor: one thread interleaves the microbatches' stage generators.
+"""The microbatch executor: one thread interleaves the microbatches' stage generators.
 
 Order is fixed: round r runs stage r of microbatch 0, then of microbatch 1, ... So for every
 layer L, microbatch k's stages of layer L (and so its KV-cache writes) finish before microbatch

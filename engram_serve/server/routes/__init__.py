@@ -1,0 +1,1 @@
+"""The endpoints, by family; each module's `register(app, ctx)` adds its routes to the app."""

@@ -1,0 +1,69 @@
+"""The microbatch planner's cost model and the bounds check (microbatch/plan.py), without a model.
+
+Planning and slicing rules are swept in test_inputs.py; the planner inside a running ModelRunner
+(measured gathers, collectives) in test_runner.py.
+"""
+import math
+
+import numpy as np
+import pytest
+
+from engram_serve.errors import InvalidRequest
+from engram_serve.microbatch.plan import MicrobatchConfig, MicrobatchPlanner, check_bounds
+
+OVERLAP = MicrobatchConfig(2, "tokens", 0, 0, min_hidden_ms=1.0)
+
+
+def planner(gather_ms_per_token=0.0, step_ms_per_token=0.0, tables_off_device=False) -> MicrobatchPlanner:
+    p = MicrobatchPlanner(OVERLAP, tables_off_device)
+    p.gather_ms_per_token, p.step_ms_per_token = gather_ms_per_token, step_ms_per_token
+    return p
+
+
+def test_hideable_time_is_what_a_cut_could_overlap():
+    assert planner().hideable_ms(100, collectives=True) == math.inf
+    assert planner(tables_off_device=True).hideable_ms(100, collectives=False) == math.inf
+    assert planner(0.01, 1.0).hideable_ms(100, collectives=False) == 0.0  # below HIDE_FRACTION of a step
+    assert planner(0.5, 1.0).hideable_ms(100, collectives=False) == 50.0
+
+
+def test_a_step_is_cut_only_when_the_cost_model_says_it_hides_enough():
+    qsl = np.array([0, 30, 100])
+    assert planner(0.01, 1.0).plan(qsl, False, collectives=False) == [0, 100]
+    assert planner(0.5, 1.0).plan(qsl, False, collectives=False) == [0, 50, 100]
+    assert planner().plan(qsl, False, collectives=True) == [0, 50, 100]
+    always = MicrobatchConfig(3, "tokens", 0, 0, when="always")
+    assert planner().plan(qsl, False, collectives=False, cfg=always) == [0, 33, 67, 100]  # an explicit config wins
+
+
+def test_gathers_measure_one_step_in_measure_every_and_run_on_the_worker_only_when_worth_it():
+    p = planner()
+    p.MEASURE_EVERY = 3
+    assert [p.start_step() for _ in range(7)] == [True, False, False, True, False, False, True]
+    assert not p.gather_on_worker(2, 100, measure=True)  # a measuring step runs its gathers inline
+    assert p.gather_on_worker(2, 1, measure=False)  # another microbatch's compute hides it
+    assert planner(tables_off_device=True).gather_on_worker(1, 1, measure=False)
+    assert not planner(0.001).gather_on_worker(1, 10, measure=False)  # 0.01 ms: a thread handoff costs more
+    assert planner(0.001).gather_on_worker(1, 1000, measure=False)  # 1 ms: overlapped with the first layers
+
+
+def test_moving_averages_follow_the_measurements():
+    p = planner()
+    p.record_gather(10.0, 100)  # 0.1 ms per token
+    p.record_step(40.0, 100)
+    p.record_gather(5.0, 0)  # no tokens: nothing learned
+    assert p.gather_ms_per_token == pytest.approx(p.SMOOTHING * 0.1)
+    assert p.step_ms_per_token == pytest.approx(p.SMOOTHING * 0.4)
+
+
+@pytest.mark.parametrize("bounds", [[1, 3], [0, 2], [0, 3, 3], [0, "a", 3], [0, True, 3], "0,3", [0], (0, 2.0, 3)])
+def test_malformed_bounds_are_refused_naming_them(bounds):
+    with pytest.raises(InvalidRequest, match="bounds="):
+        check_bounds(bounds, 3, 4)
+
+
+def test_more_microbatches_than_buffers_are_refused():
+    check_bounds((0, 1, 2, 3), 3, 3)
+    check_bounds([np.int64(0), np.int64(3)], 3, 1)
+    with pytest.raises(InvalidRequest, match=r"3 microbatches.*microbatch\.num_microbatches=2"):
+        check_bounds([0, 1, 2, 3], 3, 2)

@@ -1,8 +1,7 @@
 """Build the optional C kernels; all other metadata lives in pyproject.toml.
 
 `engram_serve.engram._hash_kernel` (the n-gram hash), `engram_serve.engram._gather_kernel` (the
-staging gather of table rows), `engram_serve.model._linear_kernel` (small matmul calls),
-`engram_serve.model._attention_kernel` (attention one query at a time) and
+staging gather of table rows), `engram_serve.model._linear_kernel` (the matmul) and
 `engram_serve.model._token_kernel` (the token-wise steps of the forward) need only a C compiler and
 the CPython headers (no torch or numpy headers). They are optional: where one cannot be compiled, the
 install still succeeds with a warning and the torch paths run (`engram_serve.model.exactness` pads small
@@ -30,6 +29,6 @@ setup(
     ext_modules=[Extension(f"engram_serve.{pkg}._{name}_kernel", [f"engram_serve/{pkg}/_{name}_kernel.c"],
                            depends=[f"engram_serve/{pkg}/_kernel_buffers.h" if pkg == "engram" else "engram_serve/model/_kernel_math.h"],
                            optional=True)
-                 for pkg, name in (("engram", "hash"), ("engram", "gather"), ("model", "linear"), ("model", "attention"), ("model", "token"))],
+                 for pkg, name in (("engram", "hash"), ("engram", "gather"), ("model", "linear"), ("model", "token"))],
     cmdclass={"build_ext": BuildExt},
 )

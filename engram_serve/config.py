@@ -2,12 +2,13 @@
 
 A published V4.1 config nests the text model's fields under `text_config`, beside `vision_config`,
 `quantization_config` and Hugging Face bookkeeping; `flatten_config` lifts them to one level (a key
-given both at the top level and in `text_config` with different values is an error naming both).
-The fields this project uses are validated (ConfigError naming the field and the values); the
-fields it does not use are accepted and listed once per load at debug level (logger
+given both at the top level and in `text_config` with different values is an error naming both,
+except per-config metadata such as `model_type`). Every field that changes the math is implemented
+or refused (ConfigError naming the field and the value); fields outside the text forward (DSpark,
+vision) and other unknown ones are accepted and listed once per load at debug level (logger
 `engram_serve.config`), except an unknown `engram_*` field: the Engram fields define the hash
-(docs/contract.md §2), so one this project does not know is refused rather than silently ignored. Our own options (engine, runner, CLI) are separate dataclasses and still
-reject unknown keys.
+(docs/contract.md §2), so one this project does not know is refused rather than silently ignored.
+Our own options (engine, runner, CLI) are separate dataclasses and reject unknown keys.
 """
 from __future__ import annotations
 
@@ -118,95 +119,6 @@ class EngramConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """The whole decoder. Invariants: hidden_size == num_attention_heads * head_dim is NOT required
-    (head_dim is explicit); num_attention_heads % num_key_value_heads == 0; every layer id in
-    engram_layer_ids / moe_layer_ids / index_layer_ids is < num_hidden_layers."""
-
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    max_position_embeddings: int
-    engram: EngramConfig
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    bos_token_id: int = 0
-    eos_token_id: int = 0
-    hc_mult: int = 1
-    # mixture of experts (off when n_routed_experts == 0)
-    n_routed_experts: int = 0
-    num_experts_per_tok: int = 1
-    moe_intermediate_size: int = 0
-    moe_layer_ids: tuple[int, ...] = ()
-    # cross-layer index sharing (DeepSeek sparse-attention style): layer L selects the top-k
-    # past positions, layer L+1 reuses them. Off when index_topk == 0.
-    index_topk: int = 0
-    index_layer_ids: tuple[int, ...] = ()
-    tie_word_embeddings: bool = False
-    extra: dict = field(default_factory=dict, compare=False)
-
-    def __post_init__(self) -> None:
-        for name in ("moe_layer_ids", "index_layer_ids"):
-            object.__setattr__(self, name, tuple(int(x) for x in getattr(self, name)))
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings"):
-            _check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
-        _check(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
-               self.num_key_value_heads, f"must divide num_attention_heads={self.num_attention_heads}")
-        _check(self.head_dim % 2 == 0, "head_dim", self.head_dim, "must be even (rotary)")
-        _check(self.engram.hidden_size == self.hidden_size, "hidden_size", self.hidden_size,
-               f"differs from the Engram block's {self.engram.hidden_size}")
-        for name in ("engram_layer_ids", "moe_layer_ids", "index_layer_ids"):
-            ids = getattr(self.engram, name) if name.startswith("engram") else getattr(self, name)
-            bad = [i for i in ids if not 0 <= i < self.num_hidden_layers]
-            _check(not bad, name, ids, f"layer ids must be in [0, num_hidden_layers={self.num_hidden_layers})")
-        if self.moe_layer_ids:
-            _check(self.n_routed_experts >= 2, "n_routed_experts", self.n_routed_experts, "MoE needs >= 2 experts")
-            _check(1 <= self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
-                   self.num_experts_per_tok, f"must be in [1, n_routed_experts={self.n_routed_experts}]")
-            _check(self.moe_intermediate_size >= 1, "moe_intermediate_size", self.moe_intermediate_size, "must be >= 1")
-        if self.index_layer_ids:
-            _check(self.index_topk >= 1, "index_topk", self.index_topk, "index sharing needs index_topk >= 1")
-            bad = [i for i in self.index_layer_ids if i + 1 >= self.num_hidden_layers]
-            _check(not bad, "index_layer_ids", self.index_layer_ids, "each selecting layer needs a next layer to reuse it")
-        for name in ("bos_token_id", "eos_token_id", "engram_pad_token_id"):
-            v = self.engram.engram_pad_token_id if name.startswith("engram") else getattr(self, name)
-            _check(0 <= v < self.vocab_size, name, v, f"must be in [0, vocab_size={self.vocab_size})")
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
-        """From a config dict, nested or flat. Unused fields are kept in `extra` (so `to_dict` round
-        trips them) and listed once at debug level."""
-        d = flatten_config(d)
-        engram = EngramConfig.from_dict({**d, "hidden_size": d.get("hidden_size", 0), "hc_mult": d.get("hc_mult", 1)})
-        names = {f.name for f in dataclasses.fields(cls)} - {"engram", "extra"}
-        engram_names = {f.name for f in dataclasses.fields(EngramConfig)} - {"hidden_size", "hc_mult"}
-        unused = sorted(k for k in d if k not in names and k not in engram_names)
-        if unused:
-            log.debug("config: %d field(s) not used by engram-serve: %s", len(unused), unused)
-        required = [f.name for f in dataclasses.fields(cls)
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-                    and f.name != "engram"]
-        missing = [n for n in required if n not in d]
-        if missing:
-            raise ConfigError(f"config is missing field(s) {missing}")
-        kw = {k: v for k, v in d.items() if k in names}
-        return cls(engram=engram, extra={k: d[k] for k in unused}, **kw)
-
-    def to_dict(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("engram", "extra")}
-        eng = dataclasses.asdict(self.engram)
-        eng.pop("hidden_size"), eng.pop("hc_mult")
-        out.update(eng)
-        out.update(self.extra)
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
-
-
 def _is_int(v, listy: bool) -> bool:
     ok = lambda x: isinstance(x, int) and not isinstance(x, bool)  # noqa: E731
     return isinstance(v, (list, tuple)) and all(ok(x) for x in v) if listy else ok(v)
@@ -223,17 +135,15 @@ def read_json(path: str | Path) -> dict:
     return d
 
 
-# ---- DeepSeek-V4.1 --------------------------------------------------------------------------------------
 SUPPORTED = {  # fields whose other values would change the math in ways this project does not implement
     "num_key_value_heads": (1,), "n_shared_experts": (1,), "hidden_act": ("silu",), "attention_bias": (False,),
     "scoring_func": ("sqrtsoftplus",), "topk_method": ("noaux_tc",), "n_group": (1, None), "topk_group": (1, None),
     "gate_temp": (1, 1.0, None),
 }
-NOT_TEXT_FORWARD = ("num_nextn_predict_layers", "dspark_", "vision_config", "image_token_id")  # DSpark, vision
 
 
 @dataclass(frozen=True)
-class V41Config:
+class ModelConfig:
     """DeepSeek-V4.1's text model (docs/deepseek_v41.md), read from a published `config.json` as is.
 
     Invariants (checked here, ConfigError naming the field): `compress_ratios` covers every layer (entries
@@ -337,13 +247,24 @@ class V41Config:
                rs, "only YaRN scaling (rope_type 'yarn') is supported")
         _check(self.rms_norm_eps > 0 and self.hc_eps > 0, "rms_norm_eps", self.rms_norm_eps, "eps must be > 0")
 
+    def to_dict(self) -> dict:
+        """The flat text config (the fields of `from_dict`, the Engram fields and the unused ones kept in
+        `extra`): ModelConfig.from_dict(cfg.to_dict()) == cfg."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("engram", "extra", "quantization")}
+        eng = dataclasses.asdict(self.engram)
+        eng.pop("hidden_size"), eng.pop("hc_mult")
+        out.update(eng)
+        out.update(self.extra)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
     @property
     def ratios(self) -> tuple[int, ...]:
         """The compress ratio of each backbone layer (the DSpark layers' entries dropped)."""
         return self.compress_ratios[: self.num_hidden_layers]
 
     @classmethod
-    def from_dict(cls, d: dict) -> "V41Config":
+    def from_dict(cls, d: dict) -> "ModelConfig":
         """From a published V4.1 config, nested or flat. Fields that change the math are implemented or
         refused (ConfigError); DSpark and vision fields are not part of the text forward; other unknown
         fields are kept in `extra` and listed once at debug level."""

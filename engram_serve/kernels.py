@@ -1,11 +1,10 @@
 """The optional C kernels, loaded in one place, and the one switch that chooses them.
 
-setup.py builds five C extensions where a C compiler exists (docs/kernels.md says what each does):
+setup.py builds four C extensions where a C compiler exists (docs/kernels.md says what each does):
 
     hash       engram/_hash_kernel       the Engram n-gram hash (engram/hashing.py)
     gather     engram/_gather_kernel     the staging gather of table rows (engram/staging.py)
     linear     model/_linear_kernel      the float32 matmul in a fixed order (model/exactness.py, layers.py)
-    attention  model/_attention_kernel   attention one query at a time (model/attention_kernels.py)
     token      model/_token_kernel       the token-wise steps of the forward (model/fused.py)
 
 Every other module asks this one (`get`, `loaded`) and never imports a kernel itself; where a kernel is
@@ -15,7 +14,7 @@ read once, at the first question:
     all (or unset, or empty)   every kernel that was built
     none                       no kernel: the torch paths everywhere, as a build without a C compiler
     hash,gather                only these
-    -linear,-attention         every kernel but these
+    -linear,-token             every kernel but these
 
 Names are those above; an unknown name, or names with and without `-` mixed, raise ConfigError naming
 the variable and its value. `override(spec)` (same syntax) changes the choice inside a block, for tests
@@ -43,11 +42,9 @@ MODULES = {
     "hash": "engram_serve.engram._hash_kernel",
     "gather": "engram_serve.engram._gather_kernel",
     "linear": "engram_serve.model._linear_kernel",
-    "attention": "engram_serve.model._attention_kernel",
     "token": "engram_serve.model._token_kernel",
 }
 SIMD_LEVELS = {0: "portable", 1: "AVX2", 2: "AVX-512"}
-CPU_GRAPHS_NEED = ("linear", "attention", "token")  # runner/cpu_graphs.py replays only C kernel calls
 
 
 @dataclass(frozen=True)
@@ -76,7 +73,7 @@ def parse(spec: str | None, source: str = ENV) -> frozenset[str]:
     negated = {s.startswith("-") for s in items}
     if len(negated) > 1:
         raise ConfigError(f"{source}={spec!r}: names with and without '-' mixed; give the kernels to load "
-                          f"(hash,gather) or those to leave out (-linear,-attention)")
+                          f"(hash,gather) or those to leave out (-linear,-token)")
     return frozenset(MODULES) - set(names) if negated == {True} else frozenset(names)
 
 
@@ -150,7 +147,7 @@ def simd_level() -> int | None:
 
 
 def summary() -> str:
-    """One line: the loaded kernels, the others with why, the SIMD level in use, and whether CPU graphs can run."""
+    """One line: the loaded kernels, the others with why, and the SIMD level in use."""
     st = status()
     on = [s.name for s in st if s.loaded]
     off = [f"{s.name} ({s.reason})" for s in st if not s.loaded]
@@ -159,8 +156,6 @@ def summary() -> str:
     if off:
         parts.append(f"not loaded: {', '.join(off)}")
     parts.append(f"SIMD: {'-' if level is None else f'{level} ({SIMD_LEVELS[level]})'}")
-    if not loaded(*CPU_GRAPHS_NEED):
-        parts.append(f"CPU graphs off (they need {', '.join(CPU_GRAPHS_NEED)})")
     return "; ".join(parts)
 
 
@@ -176,7 +171,6 @@ def environment() -> dict:
         "kernels_env": os.environ.get(ENV),
         "simd_level": simd_level(),
         "simd": None if simd_level() is None else SIMD_LEVELS[simd_level()],
-        "cpu_graphs_possible": loaded(*CPU_GRAPHS_NEED),
         "torch": torch.__version__,
         "threads": parse_threads(threads, THREADS_ENV) if threads else available_cores(),
         "threads_source": THREADS_ENV if threads else "cores of the affinity mask",

@@ -45,9 +45,8 @@ from .engram.hashing import hash_step
 from .engram.layout import EngramLayout, build_layout
 from .engram.tables import EngramTables
 from .engram.token_map import build_token_map, load_tokenizer
-from .model.loader import CONFIG_FILE, TINY_DIR, TOKENIZER_FILE, WEIGHTS_FILE, LoadedModel, load_model, \
-    save_checkpoint
-from .model.model import EngramModel, init_weights
+from .model.deepseek_v41 import DeepseekV41 as EngramModel, init_weights  # (being ported to V4.1)
+from .model.loader import CONFIG_FILE, TINY_DIR, TOKENIZER_FILE, LoadedModel, load_model
 
 DEFAULT_SEED = 0
 DEFAULT_HELDOUT_PCT = 5.0

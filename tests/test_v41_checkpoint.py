@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from engram_serve.errors import CheckpointMismatch
-from engram_serve.model.loader import load_v41_model
+from engram_serve.model.loader import load_model
 from engram_serve.model.writer import SMALL_TEXT_CONFIG, Quant, random_v41_checkpoint
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -60,7 +60,7 @@ def test_layout_is_official_and_sharded(ckpt):
 
 
 def test_mxfp4_experts_decode_to_the_plain_definition(ckpt):
-    model = load_v41_model(ckpt).model
+    model = load_model(ckpt).model
     i = SMALL_TEXT_CONFIG["moe_intermediate_size"]
     for e, proj in ((0, "w1"), (3, "w3"), (2, "w2")):
         w = stored(ckpt, f"layers.5.ffn.experts.{e}.{proj}.weight").view(torch.uint8)
@@ -73,7 +73,7 @@ def test_mxfp4_experts_decode_to_the_plain_definition(ckpt):
 
 
 def test_fp8_block_linears_decode_to_the_plain_definition(ckpt):
-    model = load_v41_model(ckpt).model
+    model = load_model(ckpt).model
     w = stored(ckpt, "layers.3.attn.wo_a.weight").view(torch.uint8)
     s = stored(ckpt, "layers.3.attn.wo_a.scale").view(torch.uint8)
     want = torch.tensor([[e4m3(int(w[r, c])) * 2.0 ** (int(s[r // 32, c // 32]) - 127) for c in range(w.shape[1])]
@@ -83,7 +83,7 @@ def test_fp8_block_linears_decode_to_the_plain_definition(ckpt):
 
 def test_not_text_forward_tensors_are_left_out_with_one_line(ckpt, caplog):
     with caplog.at_level(logging.INFO, logger="engram_serve.model.loader"):
-        load_v41_model(ckpt)
+        load_model(ckpt)
     lines = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
     assert len(lines) == 1 and "4 tensor(s)" in lines[0]
     for kind in ("mtp", "vision", "aligner", "bias_vl"):
@@ -92,7 +92,7 @@ def test_not_text_forward_tensors_are_left_out_with_one_line(ckpt, caplog):
 
 def test_fp8_experts_and_float_tables_load_too(tmp_path):
     d = random_v41_checkpoint(tmp_path, seed=1, quant=Quant(linears=False, experts="fp8", tables=False))
-    model = load_v41_model(d).model
+    model = load_model(d).model
     assert stored(d, "layers.0.ffn.experts.0.w1.weight").dtype == torch.float8_e4m3fn
     assert stored(d, "layers.1.engram.embed.weight").dtype == torch.float32
     assert model.layers[0].ffn.w13.dtype == torch.float32
@@ -122,10 +122,10 @@ def test_broken_checkpoints_are_refused_by_name(tmp_path, name, tensor, match):
     d = random_v41_checkpoint(tmp_path, seed=2)
     _rewrite(d, name, tensor)
     with pytest.raises(CheckpointMismatch, match=match):
-        load_v41_model(d)
+        load_model(d)
 
 
 def test_an_unknown_tensor_is_refused(tmp_path):
     d = random_v41_checkpoint(tmp_path, seed=2, extra_tensors={"layers.0.attn.wq.weight": torch.zeros(2, 2)})
     with pytest.raises(CheckpointMismatch, match="unexpected tensor.*layers.0.attn.wq.weight"):
-        load_v41_model(d)
+        load_model(d)

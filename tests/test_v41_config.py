@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from engram_serve.cli import main
-from engram_serve.config import V41Config, read_json
+from engram_serve.config import ModelConfig, read_json
 from engram_serve.errors import ConfigError
 from engram_serve.model.deepseek_v41 import layer_roles
 
@@ -28,7 +28,7 @@ def published() -> dict:
 
 def test_published_config_loads_as_is(published):
     assert published["model_type"] != published["text_config"]["model_type"]  # per-config metadata differs
-    cfg = V41Config.from_dict(published)
+    cfg = ModelConfig.from_dict(published)
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.hc_mult, cfg.index_topk) == (5120, 40, 4, 512)
     assert len(cfg.compress_ratios) == 43 and len(cfg.ratios) == 40  # the DSpark layers' entries are not used
     assert cfg.quantization["expert_dtype"] == "fp4" and cfg.quantization["weight_block_size"] == [32, 32]
@@ -36,7 +36,7 @@ def test_published_config_loads_as_is(published):
 
 
 def test_published_layer_roles(published):
-    roles = layer_roles(V41Config.from_dict(published))
+    roles = layer_roles(ModelConfig.from_dict(published))
     assert [r.layer for r in roles if r.owns_compressor] == [2, 8, 14, 20]
     assert [r.layer for r in roles if r.runs_indexer] == [2, 8, 14, 20, 24, 28, 32, 36]
     assert [r.layer for r in roles if r.ratio == 0] == [0, 1]
@@ -70,21 +70,21 @@ def test_fields_that_change_the_math_are_refused_by_name(published, path, value,
     d = copy.deepcopy(published)
     d[path[0]][path[1]] = value
     with pytest.raises(ConfigError, match=match):
-        V41Config.from_dict(d)
+        ModelConfig.from_dict(d)
 
 
 def test_a_compressed_layer_needs_a_kv_source_of_its_ratio(published):
     d = copy.deepcopy(published)
     d["text_config"]["compress_ratios"][25] = 2  # a ratio-2 layer among layer 20's ratio-1 readers
     with pytest.raises(ConfigError, match="layer 25 \\(ratio 2\\) needs a kv source"):
-        V41Config.from_dict(d)
+        ModelConfig.from_dict(d)
 
 
 def test_a_real_conflict_between_levels_is_still_refused(published):
     d = copy.deepcopy(published)
     d["hidden_size"] = 4096
     with pytest.raises(ConfigError, match="hidden_size: the top level says 4096, text_config says 5120"):
-        V41Config.from_dict(d)
+        ModelConfig.from_dict(d)
 
 
 def test_hash_accepts_the_published_config(capsys, tmp_path):

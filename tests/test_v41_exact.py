@@ -14,11 +14,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from engram_serve.config import V41Config
+from engram_serve.config import ModelConfig
 from engram_serve.model import deepseek_v41 as v41
-from engram_serve.model import v41_cache
+from engram_serve.model import paged_state
 from engram_serve.model.deepseek_v41 import DeepseekV41, init_weights, run_stages
-from engram_serve.model.v41_cache import V41Cache
+from engram_serve.model.paged_state import PagedState
 from engram_serve.model.writer import SMALL_TEXT_CONFIG, with_engram_rows
 
 BLOCK = 4  # even block size; a block of 5 in one case puts block boundaries inside pairs
@@ -26,7 +26,7 @@ BLOCK = 4  # even block size; a block of 5 in one case puts block boundaries ins
 
 def make_model(seed: int = 0, **over) -> DeepseekV41:
     text = with_engram_rows(dict(SMALL_TEXT_CONFIG, engram_layer_ids=[], sliding_window=5, index_topk=3, **over))
-    return init_weights(DeepseekV41(V41Config.from_dict(text)), seed, 0.08).requires_grad_(False)
+    return init_weights(DeepseekV41(ModelConfig.from_dict(text)), seed, 0.08).requires_grad_(False)
 
 
 def alone(m: DeepseekV41, seq: torch.Tensor) -> torch.Tensor:
@@ -37,7 +37,7 @@ def run_schedule(m: DeepseekV41, seqs: list[torch.Tensor], steps: list[list[tupl
                  seed: int = 0) -> list[torch.Tensor]:
     """Run `steps` (each a list of (request, tokens) in batch order) over one paged cache whose blocks are
     handed out in a shuffled order; returns each request's logits, concatenated."""
-    cache = V41Cache(m.config, 256, block)
+    cache = PagedState(m.config, 256, block)
     free = list(range(256))
     random.Random(seed).shuffle(free)
     width = 64
@@ -105,7 +105,7 @@ def test_selection_really_selects(model):
     candidate blocks decide something): the top-k of the last token of a 23-token prompt."""
     cfg = model.config
     seq = torch.randint(0, 4096, (23,), generator=torch.Generator().manual_seed(5))
-    step = model.make_step(V41Cache(cfg, 8, 32), torch.arange(23), torch.zeros(23, dtype=torch.long),
+    step = model.make_step(PagedState(cfg, 8, 32), torch.arange(23), torch.zeros(23, dtype=torch.long),
                            torch.tensor([[0]]), 32, torch.arange(23))
     run_stages(model.forward_stages(seq, None, step, None))
     visible = 23  # ratio-1 entries of the last index source's key source
@@ -136,7 +136,7 @@ def test_negative_control_window_past_own_blocks(model, monkeypatch):
     request's state: the logits of a request sharing the cache change."""
     seqs = [torch.randint(0, 4096, (12,), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
     want = [alone(model, s) for s in seqs]
-    build = v41_cache.SlotPlan.build.__func__
+    build = paged_state.SlotPlan.build.__func__
 
     def build_ignoring_tables(cls, positions, rows, block_tables, block_size, slots, zero_slot, window, ratios,
                               max_position=None):
@@ -145,6 +145,6 @@ def test_negative_control_window_past_own_blocks(model, monkeypatch):
         plan.window = torch.where(wpos >= 0, wpos, zero_slot)  # slot = position: past the row's own blocks
         return plan
 
-    monkeypatch.setattr(v41_cache.SlotPlan, "build", classmethod(build_ignoring_tables))
+    monkeypatch.setattr(paged_state.SlotPlan, "build", classmethod(build_ignoring_tables))
     got = run_schedule(model, seqs, [[(0, 12), (1, 12)]])
     assert not all(torch.equal(g, w) for g, w in zip(got, want))

@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from engram_serve.config import V41Config
+from engram_serve.config import ModelConfig
 from engram_serve.model import deepseek_v41 as v41
 from engram_serve.model.deepseek_v41 import DeepseekV41
 from engram_serve.model.loader import model_state_from_official
@@ -27,7 +27,7 @@ TAINTED: list[int] = []  # positions excluded for near ties, over the sweep (rep
 
 
 def ours(config: dict, weights: dict, ids: list[int], hashes: dict) -> torch.Tensor:
-    model = DeepseekV41(V41Config.from_dict(config))
+    model = DeepseekV41(ModelConfig.from_dict(config))
     model.load_state_dict(model_state_from_official(model, weights))
     model.requires_grad_(False)
     rows = [weights[f"layers.{l}.engram.embed.weight"][hashes[l]][None] for l in config["engram_layer_ids"]]
@@ -104,7 +104,7 @@ CONTROLS = {
 def test_each_component_is_seen_by_the_reference(name, monkeypatch):
     config, length = CONTROL_CONFIG, 24
     weights, ids, hashes, ref = case(config, 11, length)
-    model = DeepseekV41(V41Config.from_dict(config))
+    model = DeepseekV41(ModelConfig.from_dict(config))
     model.load_state_dict(model_state_from_official(model, weights))
     model.requires_grad_(False)
     run = lambda: torch.log_softmax(model.forward_dense(torch.tensor([ids]), None)[0].double(), -1)  # noqa: E731

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from engram_serve.config import V41Config
+from engram_serve.config import ModelConfig
 from engram_serve.engram.hashing import hash_step
 from engram_serve.engram.layout import build_layout
 from engram_serve.engram.token_map import build_token_map, load_tokenizer
@@ -23,7 +23,7 @@ TOL = 1e-4
 
 def ours(config: dict, weights: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:
     """Our model's logits [S, V] for weights under the official names (hash ids from our hash)."""
-    cfg = V41Config.from_dict(config)
+    cfg = ModelConfig.from_dict(config)
     model = DeepseekV41(cfg)
     model.load_state_dict(model_state_from_official(model, weights))
     model.requires_grad_(False)

@@ -180,8 +180,7 @@ def _drop_cache(path: Path) -> None:
 def _open_tables(root: Path, cfg, dedup: bool, cache_bytes: int):
     from ..model.checkpoint import CheckpointFiles
     from ..model.loader import read_tables
-    from ..model.names import OFFICIAL_SCHEME
-    return read_tables(CheckpointFiles.open(root), OFFICIAL_SCHEME, cfg, pin=False, dedup=dedup, cache_bytes=cache_bytes)
+    return read_tables(CheckpointFiles.open(root), cfg, pin=False, dedup=dedup, cache_bytes=cache_bytes)
 
 
 def _pass(tables, hashes, staging, backend: str = "kernel") -> list[float]:

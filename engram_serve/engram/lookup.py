@@ -58,7 +58,6 @@ class EngramReader:
     def open(cls, model_dir: str | Path, cache_bytes: int = 0) -> "EngramReader":
         from ..model.checkpoint import CheckpointFiles
         from ..model.loader import CONFIG_FILE, TOKENIZER_FILE, read_tables
-        from ..model.names import detect_scheme
 
         root = Path(model_dir)
         for f in (CONFIG_FILE, TOKENIZER_FILE):
@@ -72,7 +71,7 @@ class EngramReader:
                                      f"has only ids 0..{len(tmap) - 1}")
         layout = build_layout(cfg)  # raises on a row-count mismatch
         files = CheckpointFiles.open(root)
-        tables = read_tables(files, detect_scheme(files.keys()), cfg, pin=False, cache_bytes=cache_bytes)
+        tables = read_tables(files, cfg, pin=False, cache_bytes=cache_bytes)
         return cls(cfg, layout, tok, tmap, tables, files.shards_opened())
 
     def lookup_ids(self, token_ids: list[int]) -> LookupResult:

@@ -28,8 +28,13 @@ from .staging import gather_backend, stage_rows, stage_step, staging_fits, table
 
 
 def table_key(layer_id: int) -> str:
-    """Checkpoint tensor name of the table of Engram layer `layer_id` (the model layer id)."""
-    return f"engram.{layer_id}.table"
+    """Checkpoint tensor name of the table of Engram layer `layer_id` (the model layer id; its FP8 scales are
+    `layers.{id}.engram.embed.scale`)."""
+    return f"layers.{layer_id}.engram.embed.weight"
+
+
+def scale_key(layer_id: int) -> str:
+    return f"layers.{layer_id}.engram.embed.scale"
 
 
 class EngramTables:
@@ -123,11 +128,11 @@ class EngramTables:
         return any(isinstance(t, Fp8Table) for t in self.tables)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Native tensor names; an FP8 table gives `<key>` (E4M3 rows) and `<key>.scale` (E8M0)."""
+        """Checkpoint tensor names; an FP8 table gives its E4M3 rows and its E8M0 scales."""
         out = {}
         for lid, t in zip(self.layer_ids, self.tables):
             if isinstance(t, Fp8Table):
-                out[table_key(lid)], out[table_key(lid) + ".scale"] = t.weight, t.scale
+                out[table_key(lid)], out[scale_key(lid)] = t.weight, t.scale
             else:
                 out[table_key(lid)] = t
         return out

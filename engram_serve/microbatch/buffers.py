@@ -22,14 +22,19 @@ class MicrobatchBuffers:
 
     staging [L_e, T_cap, C, engram_head_dim]: staged Engram rows, C = (N-1)*H;
     hash_ids [T_cap, L_e, C] int64: the microbatch's Engram hash ids (the staging gather reads them);
-    topk_idx [T_cap, index_topk] int64: absolute key positions chosen by an index-selecting layer (-1 = none);
-    scratch: MoE dispatch/combine buffers [T_cap * experts_per_tok, hidden] under MOE_DISPATCH / MOE_COMBINE.
+    topk_idx [T_cap, index_topk] int64: the entries an index source chose, read by the layers that reuse
+    its top-k (-1 = none);
+    candidates [T_cap, candidate_topk_blocks] int64: the candidate source's blocks, read by later index
+    sources (-1 = none);
+    scratch: MoE dispatch/combine buffers [T_cap * experts_per_tok, hidden] under MOE_DISPATCH / MOE_COMBINE
+    (expert parallelism).
     """
 
     microbatch: int
     staging: torch.Tensor
     hash_ids: torch.Tensor | None = None
     topk_idx: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None
     scratch: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -38,18 +43,18 @@ class MicrobatchBuffers:
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, microbatch: int, max_tokens: int, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> "MicrobatchBuffers":
+                 dtype: torch.dtype = torch.float32, moe_scratch: bool = False) -> "MicrobatchBuffers":
         e = cfg.engram
         staging = torch.zeros(e.num_layers, max_tokens, e.num_columns, e.engram_head_dim, dtype=dtype, device=device)
         hash_ids = torch.zeros(max_tokens, e.num_layers, e.num_columns, dtype=torch.int64, device=device)
-        topk = (torch.full((max_tokens, cfg.index_topk), -1, dtype=torch.int64, device=device)
-                if cfg.index_layer_ids else None)
+        topk = torch.full((max_tokens, cfg.index_topk), -1, dtype=torch.int64, device=device)
+        cands = torch.full((max_tokens, cfg.candidate_topk_blocks), -1, dtype=torch.int64, device=device)
         scratch = {}
-        if cfg.moe_layer_ids:
+        if moe_scratch:
             n = max_tokens * cfg.num_experts_per_tok
             scratch[MOE_DISPATCH] = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
             scratch[MOE_COMBINE] = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
-        return cls(microbatch, staging, hash_ids, topk, scratch)
+        return cls(microbatch, staging, hash_ids, topk, cands, scratch)
 
     def scratch_view(self, name: str, rows: int) -> torch.Tensor | None:
         """The first `rows` rows of scratch buffer `name`; None if there is no such buffer. Never reallocates."""

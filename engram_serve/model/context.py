@@ -16,7 +16,7 @@ from ..microbatch.buffers import MOE_COMBINE, MOE_DISPATCH, MicrobatchBuffers  #
 if TYPE_CHECKING:  # annotations only: keeps model/ importable from runner/ without a cycle
     from ..inputs.batch import StepBatch
     from ..runner.ownership import OwnershipTracker
-    from .kv_cache import KVCache
+    from .paged_state import PagedState
 
 
 @dataclass
@@ -29,7 +29,7 @@ class ForwardContext:
     """
 
     batch: StepBatch
-    kv: KVCache
+    kv: PagedState
     bufs: MicrobatchBuffers
     engram_rows: Callable[[int], torch.Tensor]
     tracker: OwnershipTracker | None = None

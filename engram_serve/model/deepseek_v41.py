@@ -5,7 +5,7 @@ Parameter names are the official checkpoint names (`embed.weight`, `layers.{l}.a
 `layers.{l}.engram.wkv.weight`, `head.weight`, ...), so a checkpoint loads by name.
 
 One forward runs a microbatch of flattened tokens [T] of many requests (positions absolute) over the
-paged state of `v41_cache.py`; a full-sequence forward (training, scoring) is the same code over a
+paged state of `paged_state.py`; a full-sequence forward (training, scoring) is the same code over a
 fresh cache whose block tables give each sequence its own slots (`forward_dense`). `stages` is a
 generator that yields a stage name at each overlap point (the executor interleaves microbatches there);
 the yield points are data-independent, so microbatches stay in lock step.
@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import V41Config
+from ..config import ModelConfig
 from ..engram.layer import EngramGate
 from ..errors import StaticBufferError
 from .exactness import pointwise
 from .layers import Linear, RMSNorm, linear
-from .v41_cache import SlotPlan, V41Cache
+from .paged_state import SlotPlan, PagedState
 
 KEY_CHUNK = 64  # indexer entries per batched-matmul item: a fixed per-item shape whatever the context
 NEG_INF = float("-inf")
@@ -56,7 +56,7 @@ class LayerRole:
     uses_candidates: bool
 
 
-def layer_roles(cfg: V41Config) -> tuple[LayerRole, ...]:
+def layer_roles(cfg: ModelConfig) -> tuple[LayerRole, ...]:
     """The role of every backbone layer (docs/deepseek_v41.md, "Layer roles")."""
     roles, kv_src, idx_src = [], None, None
     c = cfg.candidate_source_layer_id
@@ -120,7 +120,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
 
 
 # ---- mHC ---------------------------------------------------------------------------------------------
-def hyper_mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, cfg: V41Config
+def hyper_mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, cfg: ModelConfig
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre [N, hc], post [N, hc], comb [N, hc, hc]) of one sublayer from its streams x [N, hc, D]."""
     n, hc, _ = x.shape
@@ -179,7 +179,7 @@ class V41Step:
     `candidates` [T, candidate_topk_blocks] int64 (block ids, -1 none), owned by this microbatch alone
     (docs/contract.md §5). `touch(name, t)` reports a buffer use to the debug ownership check."""
 
-    cache: V41Cache
+    cache: PagedState
     plan: SlotPlan
     topk: torch.Tensor
     candidates: torch.Tensor
@@ -211,7 +211,7 @@ def pool_pair(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
 class Compressor(nn.Module):
     """A kv source's compressor (docs/deepseek_v41.md, "Compressor")."""
 
-    def __init__(self, cfg: V41Config, ratio: int):
+    def __init__(self, cfg: ModelConfig, ratio: int):
         super().__init__()
         self.ratio = ratio
         self.wkv = Linear(cfg.hidden_size, cfg.head_dim)
@@ -241,7 +241,7 @@ class Compressor(nn.Module):
 class Indexer(nn.Module):
     """An index source's indexer (docs/deepseek_v41.md, "Indexer"); `wk`/`k_norm` on kv sources only."""
 
-    def __init__(self, cfg: V41Config, owns_keys: bool):
+    def __init__(self, cfg: ModelConfig, owns_keys: bool):
         super().__init__()
         self.heads, self.dim = cfg.index_n_heads, cfg.index_head_dim
         self.wq_b = Linear(cfg.q_lora_rank, self.heads * self.dim)
@@ -276,7 +276,7 @@ def candidate_blocks(s: torch.Tensor, count: torch.Tensor, block: int, k: int) -
 class Attention(nn.Module):
     """One layer's attention (docs/deepseek_v41.md, "Attention"), with its compressor and indexer."""
 
-    def __init__(self, cfg: V41Config, role: LayerRole):
+    def __init__(self, cfg: ModelConfig, role: LayerRole):
         super().__init__()
         self.cfg, self.role = cfg, role
         h, hd, og = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
@@ -373,7 +373,7 @@ class MoE(nn.Module):
     `experts.{e}.w{1,2,3}.weight`, stacked when loading). A token's output adds its experts' weighted
     outputs in ascending expert order, then the shared expert's: an order fixed per token."""
 
-    def __init__(self, cfg: V41Config):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.cfg, self.inter = cfg, i
@@ -426,7 +426,7 @@ class MoE(nn.Module):
 
 # ---- the model -------------------------------------------------------------------------------------
 class Block(nn.Module):
-    def __init__(self, cfg: V41Config, role: LayerRole):
+    def __init__(self, cfg: ModelConfig, role: LayerRole):
         super().__init__()
         hc, d = cfg.hc_mult, cfg.hidden_size
         e = cfg.engram
@@ -445,7 +445,7 @@ class Block(nn.Module):
 
 
 class DeepseekV41(nn.Module):
-    def __init__(self, cfg: V41Config):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
         self.roles = layer_roles(cfg)
@@ -504,6 +504,11 @@ class DeepseekV41(nn.Module):
             pre = pre_f
         return self.norm(collapse(x, pre))
 
+    def ensure_positions(self, n: int, device: torch.device | str = "cpu") -> None:
+        """Rope tables for positions 0 .. n - 1 on `device` (grown once, before serving)."""
+        self.rope_plain.ensure(n, device)
+        self.rope_comp.ensure(n, device)
+
     def matmul_params(self):
         """(module, parameter name, input dims) of every weight `linear` multiplies by (layers.layout_weights_)."""
         for m in self.modules():
@@ -544,7 +549,7 @@ class DeepseekV41(nn.Module):
         [B, S, C, hd] (None: Engram ablated); dead [B, S] bool."""
         b, s = input_ids.shape
         dev = input_ids.device
-        cache = V41Cache(self.config, b, s, device=dev, dtype=self.embed.weight.dtype)
+        cache = PagedState(self.config, b, s, device=dev, dtype=self.embed.weight.dtype)
         positions = torch.arange(s, device=dev).repeat(b)
         rows = torch.arange(b, device=dev).repeat_interleave(s)
         step = self.make_step(cache, positions, rows, torch.arange(b, device=dev)[:, None], s,
@@ -554,7 +559,7 @@ class DeepseekV41(nn.Module):
         hidden = run_stages(gen)
         return self.compute_logits(hidden).view(b, s, -1)
 
-    def make_step(self, cache: V41Cache, positions: torch.Tensor, rows: torch.Tensor, block_tables: torch.Tensor,
+    def make_step(self, cache: PagedState, positions: torch.Tensor, rows: torch.Tensor, block_tables: torch.Tensor,
                   block_size: int, slots: torch.Tensor, topk: torch.Tensor | None = None,
                   candidates: torch.Tensor | None = None, touch=None, max_position: int | None = None) -> V41Step:
         """A V41Step over `cache` for tokens at `positions` of `rows` of `block_tables` (fresh cross-layer

@@ -41,36 +41,6 @@ def runs_in_c(*tensors: torch.Tensor | None) -> bool:
     return True
 
 
-def residual_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h + delta on every branch, rmsnorm(mean over branches) * weight) for h [N, hc, hidden] and
-    delta [N, hidden] or None; the second is [N, hidden]."""
-    if runs_in_c(h, delta, weight):
-        h, delta, weight = h.contiguous(), None if delta is None else delta.contiguous(), weight.contiguous()
-        n, hc, dim = h.shape
-        x = torch.empty(n, dim)
-        out = h if delta is None else torch.empty(n, hc, dim)
-        capture.call(_kernel().residual_norm, h.data_ptr(), n, hc, dim, 0 if delta is None else delta.data_ptr(),
-                     weight.data_ptr(), eps, out.data_ptr(), x.data_ptr())
-        return out, x
-    if delta is not None:
-        h = h + delta[:, None, :]
-    return h, layers.rms_norm(h.mean(1), eps, weight)
-
-
-def add_branches(h: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
-    """h + delta on every branch (h [N, hc, hidden], delta [N, hidden] or None)."""
-    if delta is None:
-        return h
-    if runs_in_c(h, delta):
-        h, delta = h.contiguous(), delta.contiguous()
-        out = torch.empty(h.shape)
-        capture.call(_kernel().add_branches, h.data_ptr(), h.shape[0], h.shape[1], h.shape[2], delta.data_ptr(),
-                     out.data_ptr())
-        return out
-    return h + delta[:, None, :]
-
-
 def gather_rows(src: torch.Tensor, ids: torch.Tensor, copies: int = 1) -> torch.Tensor:
     """[N, copies, width]: row ids[t] of src [rows, width] on each copy (the embedding, the rotary tables);
     ids [N] int64. An id outside [0, rows) raises (ValueError in C, IndexError in torch)."""
@@ -82,26 +52,6 @@ def gather_rows(src: torch.Tensor, ids: torch.Tensor, copies: int = 1) -> torch.
         return out
     rows = src[ids][:, None, :]
     return rows if copies == 1 else rows.expand(ids.shape[0], copies, src.shape[1]).contiguous()
-
-
-MAX_EXPERTS = 256  # the C router's bound (_token_kernel.c); a model with more experts routes in torch
-
-
-def moe_route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The MoE router on logits [N, E]: (ids [N, k] int64 of the k most probable experts, best first,
-    weights [N, k] float32 = their softmax probabilities renormalised to sum 1, the same weights as a
-    dense [N, E] matrix with 0 for experts not chosen). C form: see the kernel (ties to the lower id)."""
-    n, e = logits.shape
-    if runs_in_c(logits) and e <= MAX_EXPERTS:  # (the expert count is the model's: one form per model)
-        logits = logits.contiguous()
-        ids, w, dense = torch.empty(n, k, dtype=torch.int64), torch.empty(n, k), torch.empty(n, e)
-        capture.call(_kernel().moe_route, logits.data_ptr(), n, e, k, ids.data_ptr(), w.data_ptr(),
-                     dense.data_ptr())
-        return ids, w, dense
-    probs = torch.softmax(logits if logits.dtype == torch.float32 else logits.float(), dim=-1)  # [N, E]
-    w, ids = torch.topk(probs, k, dim=-1)
-    w = w / w.sum(-1, keepdim=True)
-    return ids, w, torch.zeros_like(probs).scatter_(1, ids, w)
 
 
 def engram_gate(h: torch.Tensor, kv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor,
@@ -136,21 +86,6 @@ def gate_torch(h: torch.Tensor, kv: torch.Tensor, q_w: torch.Tensor, k_w: torch.
     if dead is not None:
         g = g.masked_fill(dead[:, None], 0.0)
     return (g if g.dtype == h.dtype else g.to(h.dtype)), value
-
-
-def silu_mul(gu: torch.Tensor, inter: int, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(gate) * up [* weights] for gu [..., 2 * inter] holding (gate, up) per row: [..., inter];
-    weights [...] (one per row) or None."""
-    lead = gu.shape[:-1]
-    if runs_in_c(gu, weights):
-        gu, weights = gu.contiguous(), None if weights is None else weights.contiguous()
-        rows = gu.numel() // (2 * inter)
-        out = torch.empty(*lead, inter)
-        capture.call(_kernel().silu_mul, gu.data_ptr(), rows, inter, 0 if weights is None else weights.data_ptr(),
-                     out.data_ptr())
-        return out
-    act = pointwise(F.silu, gu[..., :inter]) * gu[..., inter:]
-    return act if weights is None else act * weights[..., None]
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

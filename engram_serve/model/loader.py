@@ -1,19 +1,22 @@
-"""Load (and write) a Hugging Face-style Engram checkpoint directory.
+"""Load a DeepSeek-V4.1 checkpoint directory in the official layout (writer.py writes one).
 
-    config.json        DeepSeek-V4.1 field names, flat or nested under `text_config` (ModelConfig.from_dict)
-    model.safetensors  weights and Engram tables, or model.safetensors.index.json + shards (checkpoint.py)
-    tokenizer.json     a `tokenizers` tokenizer
+    config.json                    as published: the text model's fields nested under `text_config` (or flat)
+    model.safetensors[.index.json] one file, or an index and shards (checkpoint.py)
+    tokenizer.json                 a `tokenizers` tokenizer
 
-Tensor names are this project's (native) or the official DeepSeek-V4.1 ones, detected per checkpoint;
-the mapping is the one table in names.py. Tensors are read through `safetensors.safe_open`: weights
-are views of a private (copy-on-write) mapping of their shard, assigned into a model built on the
-meta device. The matmul weights are then copied once into the input-major layout that keeps a row's
-bits independent of its call's row count (model/layers.py); norms and embeddings stay mapped. Other
-copies at load: an F8_E4M3 weight with E8M0 block scales (the Engram `wkv`) is dequantized ONCE, at load, into
-float32, the model's compute dtype (so the batch-invariant `Linear` runs unchanged); BF16/F16
-weights are cast to float32; per-expert official tensors are stacked. Engram tables are never
-converted: float or FP8 (E4M3 rows + E8M0 per-32-column scales), they stay mapped and are read on
-demand (madvise MADV_RANDOM), row by row, by the staging gather.
+Tensor names are the official ones (docs/deepseek_v41.md), which are the model's parameter names but
+for the routed experts: one tensor per expert and projection in the checkpoint (`ffn.experts.{e}.w1`),
+stacked at load (`ffn.w13` [E, 2I, D], `ffn.w2` [E, D, I]). Tensors are read through
+`safetensors.safe_open`: float32 weights are views of a private (copy-on-write) mapping of their shard,
+assigned into a model built on the meta device; FP8 block-scaled linears and MXFP4 (or FP8) experts
+are dequantized ONCE, at load, into float32, the compute dtype (so the batch-invariant `linear` runs
+unchanged; measured: the float32 C matmul is also faster here than dequantizing per call); BF16/F16
+weights are cast. The matmul weights are then copied once into the input-major layout of the row
+rule (model/exactness.py). Engram tables are never converted: float or FP8 (E4M3 rows + E8M0
+per-32-column scales), they stay mapped and are read on demand (madvise MADV_RANDOM), row by row, by
+the staging gather. The DSpark drafter (`mtp.*`), the vision tower (`vision.*`, `aligner.*`,
+`image_*`) and the image routing bias (`*.ffn.gate.bias_vl`) are not part of the text forward: they
+are left out, with one line at load saying so.
 
 Every disagreement between config, tokenizer and tensors raises CheckpointMismatch naming the field
 (or file and tensor) and both values; a wrongly typed config.json value raises ConfigError naming it.
@@ -21,11 +24,8 @@ Every disagreement between config, tokenizer and tensors raises CheckpointMismat
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import re
-import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,16 +34,15 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from ..config import EngramConfig, ModelConfig, V41Config, read_json
+from ..config import EngramConfig, ModelConfig, read_json
 from ..engram.layout import EngramLayout, build_layout
 from ..engram.quantized import SCALE_COLS, Fp8Table, advise_random, block_size_of, dequantize_blocks, dequantize_fp4
-from ..engram.tables import EngramTables, table_key
+from ..engram.tables import EngramTables, scale_key, table_key
 from ..engram.token_map import build_token_map, load_tokenizer
 from ..errors import CheckpointMismatch, ConfigError, EngramServeError
 from .checkpoint import INDEX_FILE, WEIGHTS_FILE, CheckpointFiles
+from .deepseek_v41 import DeepseekV41
 from .layers import layout_weights_
-from .model import EngramModel, init_weights
-from .names import OFFICIAL_SCHEME, detect_scheme, name_in, scale_name
 
 log = logging.getLogger(__name__)
 TINY_DIR = Path(__file__).resolve().parent.parent / "data" / "tiny"
@@ -58,12 +57,17 @@ Progress = Callable[[int, int, str], None]  # (done, total, what)
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    model: EngramModel
+    model: DeepseekV41
     tables: EngramTables
     layout: EngramLayout
     tokenizer: Tokenizer
     token_map: torch.Tensor  # [tokenizer vocab] int64 raw id -> compressed id
     path: Path
+
+
+def scale_name(name: str) -> str:
+    """Where the E8M0 scales of a quantized tensor live: `a.b.weight` -> `a.b.scale`."""
+    return name[: -len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
 
 
 def check_tokenizer(cfg: ModelConfig, tok: Tokenizer) -> None:
@@ -76,14 +80,10 @@ def check_tokenizer(cfg: ModelConfig, tok: Tokenizer) -> None:
             raise CheckpointMismatch(f"{name}: config says {v}, the tokenizer has only ids 0..{n - 1}")
 
 
-def _shape(t: torch.Tensor) -> list[int]:
-    return list(t.shape)
-
-
-def read_table(files: CheckpointFiles, scheme: str, e: EngramConfig, index: int) -> torch.Tensor | Fp8Table:
+def read_table(files: CheckpointFiles, e: EngramConfig, index: int) -> torch.Tensor | Fp8Table:
     """The table of Engram layer e.engram_layer_ids[index] as stored: float [rows, hd], or an Fp8Table."""
     lid, rows = e.engram_layer_ids[index], e.engram_num_embeddings[index]
-    key = name_in(scheme, table_key(lid))
+    key = table_key(lid)
     if key not in files:
         raise CheckpointMismatch(f"missing tensor {key!r} (expected shape {[rows, e.engram_head_dim]}) in "
                                  f"checkpoint {files.root}")
@@ -101,7 +101,7 @@ def read_table(files: CheckpointFiles, scheme: str, e: EngramConfig, index: int)
         return files.tensor(key, writable=False)
     if dtype != FP8_CODE:
         raise CheckpointMismatch(f"{where}: table {key!r} has dtype {dtype}, expected {FP8_CODE} or one of {FLOAT_CODES}")
-    skey = scale_name(key)
+    skey = scale_key(lid)
     if shape[1] % SCALE_COLS:
         raise CheckpointMismatch(f"engram_head_dim for Engram layer {lid}: {shape[1]} is not a multiple of "
                                  f"{SCALE_COLS}, which an FP8 table {key!r} needs")
@@ -112,9 +112,9 @@ def read_table(files: CheckpointFiles, scheme: str, e: EngramConfig, index: int)
     return Fp8Table(files.tensor(key, writable=False), files.tensor(skey, writable=False))
 
 
-def read_tables(files: CheckpointFiles, scheme: str, e: EngramConfig, pin: bool | None = None,
+def read_tables(files: CheckpointFiles, e: EngramConfig, pin: bool | None = None,
                 dedup: bool = True, cache_bytes: int = 0) -> EngramTables:
-    tabs = [read_table(files, scheme, e, i) for i in range(e.num_layers)]
+    tabs = [read_table(files, e, i) for i in range(e.num_layers)]
     if not pin and not (pin is None and torch.cuda.is_available()):
         for t in tabs:  # stay mapped: read on demand, one page per row touched
             for part in ((t.weight, t.scale) if isinstance(t, Fp8Table) else (t,)):
@@ -168,153 +168,6 @@ def read_fp4(files: CheckpointFiles, name: str, shape: list[int]) -> torch.Tenso
     return dequantize_fp4(files.tensor(name), files.tensor(sname))
 
 
-def load_state(files: CheckpointFiles, scheme: str, expected: dict[str, torch.Tensor], table_names: set[str],
-               note: Progress) -> dict[str, torch.Tensor]:
-    """Every tensor the model expects, by native name; raises on missing, unexpected, misshapen ones."""
-    missing = [k for k in expected if "{e}" not in name_in(scheme, k) and name_in(scheme, k) not in files]
-    if missing:
-        shapes = {k: _shape(expected[k]) for k in missing[:5]}
-        raise CheckpointMismatch(f"missing tensor(s) {[name_in(scheme, k) for k in missing[:5]]}"
-                                 f"{' ...' if len(missing) > 5 else ''} (expected shapes {shapes}; {len(missing)} "
-                                 f"missing in all) in checkpoint {files.root}")
-    state, used = {}, set(table_names)
-    for i, (native, ref) in enumerate(expected.items()):
-        state[native], names = read_weight(files, name_in(scheme, native), _shape(ref))
-        used.update(names)
-        note(i + 1, len(expected), native)
-    unexpected = sorted(set(files.keys()) - used)
-    if unexpected:
-        raise CheckpointMismatch(f"unexpected tensor(s) {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} "
-                                 f"(checkpoint shapes {[files.info(k)[1] for k in unexpected[:5]]}) in {files.root}")
-    return state
-
-
-def load_model(path: str | Path | LoadedModel | None = None, *, device: str | torch.device = "cpu",
-               pin_tables: bool | None = None, progress: bool | Progress | None = None, dedup: bool = True,
-               cache_bytes: int = 0) -> LoadedModel:
-    """Load a checkpoint directory (None: the built-in tiny model). Parameters are memory-mapped on CPU
-    (copied only when `device` is not the CPU, or dequantized/cast as the module docstring says) and have
-    requires_grad off; Engram tables stay on the host, pinned when CUDA is available (pin_tables=None) -
-    pinning copies them out of the mapping, so keep pin_tables=False for tables larger than RAM.
-    `dedup` and `cache_bytes` configure the staging gather (EngramTables).
-
-    A LoadedModel is returned as is (its weights moved to `device` if they are elsewhere). `progress`:
-    a callable (done, total, what) told about each loading stage, or True for a tqdm bar on stderr.
-    A TypeError, ValueError or KeyError while loading is a config.json problem: it becomes a ConfigError
-    naming the first wrongly typed field if there is one (else the error's type and message)."""
-    if isinstance(path, LoadedModel):
-        if path.model.embed_tokens.weight.device.type != torch.device(device).type:
-            path.model.to(device)
-        return path
-    root = Path(path) if path is not None else TINY_DIR
-    try:
-        if progress is True:
-            return _load_with_bar(root, device, pin_tables, dedup, cache_bytes)
-        return _load(root, device, pin_tables, progress or None, dedup, cache_bytes)
-    except EngramServeError:
-        raise
-    except (TypeError, ValueError, KeyError) as e:
-        why = _mistyped_field(root / CONFIG_FILE) or f"{type(e).__name__}: {e}"
-        raise ConfigError(f"{root / CONFIG_FILE}: {why}") from e
-
-
-def _load_with_bar(root: Path, device, pin_tables, dedup: bool, cache_bytes: int) -> LoadedModel:
-    """`_load` with a tqdm bar on stderr following the loading stages."""
-    from tqdm import tqdm
-    with tqdm(total=1, desc="loading", unit="tensor", file=sys.stderr, leave=False,
-              postfix="config, tokenizer, compressed token map") as bar:
-        def note(done: int, total: int, what: str) -> None:
-            if bar.total != total:
-                bar.reset(total=total)
-            bar.n = done
-            bar.set_postfix_str(what[-40:], refresh=False)
-            bar.refresh()
-        return _load(root, device, pin_tables, note, dedup, cache_bytes)
-
-
-def _mistyped_field(config_path: Path) -> str | None:
-    """The first config.json field whose JSON type does not match its ModelConfig/EngramConfig type."""
-    try:
-        raw = json.loads(Path(config_path).read_text())
-    except (OSError, ValueError, TypeError):
-        return None
-    if isinstance(raw, dict) and isinstance(raw.get("text_config"), dict):
-        raw = {**raw, **raw["text_config"]}
-    kinds = {f.name: str(f.type) for cls in (ModelConfig, EngramConfig) for f in dataclasses.fields(cls)}
-    for name, value in raw.items() if isinstance(raw, dict) else ():
-        kind = kinds.get(name)
-        is_int = isinstance(value, int) and not isinstance(value, bool)
-        ok = {"int": is_int, "float": is_int or isinstance(value, float), "bool": isinstance(value, bool)}.get(kind)
-        if kind and kind.startswith("tuple[int"):
-            ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-        if ok is False:
-            return f"{name}={value!r}: must be {'a list of integers' if kind.startswith('tuple') else 'an ' + kind}"
-    return None
-
-
-def _load(root: Path, device, pin_tables, progress: Progress | None, dedup: bool, cache_bytes: int) -> LoadedModel:
-    note = progress or (lambda done, total, what: None)
-    for f in (CONFIG_FILE, TOKENIZER_FILE):
-        if not (root / f).is_file():
-            raise CheckpointMismatch(f"checkpoint {root} has no {f}")
-    if not (root / WEIGHTS_FILE).is_file() and not (root / INDEX_FILE).is_file():
-        raise CheckpointMismatch(f"checkpoint {root} has no {WEIGHTS_FILE} (nor {INDEX_FILE})")
-    cfg = ModelConfig.from_dict(read_json(root / CONFIG_FILE))
-    tok = load_tokenizer(root / TOKENIZER_FILE)
-    check_tokenizer(cfg, tok)
-    token_map = build_token_map(tok, cfg.engram.engram_compressed_vocab_size)  # raises on a V' mismatch
-    layout = build_layout(cfg.engram)  # raises on a row-count mismatch
-    note(0, 1, "config and tokenizer")
-    files = CheckpointFiles.open(root)
-    scheme = detect_scheme(files.keys())
-    tables = read_tables(files, scheme, cfg.engram, pin_tables, dedup, cache_bytes)
-    table_names = {n for lid in cfg.engram.engram_layer_ids for n in
-                   (name_in(scheme, table_key(lid)), scale_name(name_in(scheme, table_key(lid))))}
-    with torch.device("meta"):
-        model = EngramModel(cfg)
-    state = load_state(files, scheme, model.state_dict(), table_names, note)
-    model.load_state_dict(state, strict=True, assign=True)
-    layout_weights_(model)  # one copy of the matmul weights, input-major (the row rule of model/layers.py)
-    model.requires_grad_(False).eval()
-    if torch.device(device).type != "cpu":
-        model = model.to(device)
-    return LoadedModel(cfg, model, tables, layout, tok, token_map, root)
-
-
-def save_checkpoint(out_dir: str | Path, cfg: ModelConfig, model: EngramModel, tables: EngramTables,
-                    tokenizer_path: str | Path) -> Path:
-    """Write config.json, model.safetensors (weights + Engram tables) and tokenizer.json into out_dir."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    state.update({k: v.detach().cpu().contiguous() for k, v in tables.state_dict().items()})
-    save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    if Path(tokenizer_path).resolve() != (out / TOKENIZER_FILE).resolve():
-        shutil.copyfile(tokenizer_path, out / TOKENIZER_FILE)
-    return out
-
-
-def make_random_checkpoint(out_dir: str | Path, seed: int = 0, config: ModelConfig | str | Path | None = None,
-                           tokenizer_path: str | Path | None = None) -> Path:
-    """A deterministic random checkpoint: same seed and config, same bytes. `config` None = the tiny config;
-    the tokenizer defaults to a tokenizer.json beside a config path, else the tiny tokenizer."""
-    if isinstance(config, ModelConfig):
-        cfg = config
-    else:
-        cfg_path = Path(config) if config is not None else TINY_DIR / CONFIG_FILE
-        cfg = ModelConfig.from_dict(read_json(cfg_path))
-        if tokenizer_path is None and (cfg_path.parent / TOKENIZER_FILE).is_file():
-            tokenizer_path = cfg_path.parent / TOKENIZER_FILE
-    tokenizer_path = tokenizer_path or TINY_DIR / TOKENIZER_FILE
-    model = init_weights(EngramModel(cfg), seed)
-    tables = EngramTables.random(cfg.engram, seed + 1, pin=False)
-    return save_checkpoint(out_dir, cfg, model, tables, tokenizer_path)
-
-
-# ---- DeepSeek-V4.1 ----------------------------------------------------------------------------------
 NOT_TEXT_PREFIXES = ("mtp.", "vision.", "aligner.", "image_")  # the DSpark drafter, the vision tower
 
 
@@ -323,8 +176,8 @@ def not_text_forward(name: str) -> bool:
     return name.startswith(NOT_TEXT_PREFIXES) or name.endswith(".ffn.gate.bias_vl")
 
 
-def read_v41_tensor(files: CheckpointFiles, key: str, shape: list[int]) -> tuple[torch.Tensor, list[str]]:
-    """A V4.1 parameter (official name) as float32, with the checkpoint names it used; the stacked experts
+def read_param(files: CheckpointFiles, key: str, shape: list[int]) -> tuple[torch.Tensor, list[str]]:
+    """A model parameter (official name) as float32, with the checkpoint names it used; the stacked experts
     `layers.{l}.ffn.w13` [E, 2I, D] and `.w2` [E, D, I] come from one tensor per expert and projection."""
     m = re.fullmatch(r"(layers\.\d+\.ffn)\.(w13|w2)", key)
     if m is None:
@@ -362,36 +215,72 @@ def model_state_from_official(model, tensors: dict[str, torch.Tensor]) -> dict[s
         def tensor(self, name, writable=True):
             return tensors[name].float()
 
-    return {k: read_v41_tensor(Given(), k, list(v.shape))[0] for k, v in model.state_dict().items()}
+    return {k: read_param(Given(), k, list(v.shape))[0] for k, v in model.state_dict().items()}
 
 
-def load_v41_model(path: str | Path, *, device: str | torch.device = "cpu", pin_tables: bool | None = None,
-                   progress: Progress | None = None, dedup: bool = True, cache_bytes: int = 0) -> LoadedModel:
-    """Load a DeepSeek-V4.1 checkpoint directory in the official layout (sharded safetensors, official
-    names; FP8 block-scaled linears and MXFP4 or FP8 experts dequantized once into float32, the compute
-    dtype). The DSpark drafter (`mtp.*`), the vision tower (`vision.*`, `aligner.*`, `image_*`) and the
-    image routing bias (`*.ffn.gate.bias_vl`) are left out, with one line at load saying so."""
-    from .deepseek_v41 import DeepseekV41
+def load_model(path: str | Path | LoadedModel | None = None, *, device: str | torch.device = "cpu",
+               pin_tables: bool | None = None, progress: bool | Progress | None = None, dedup: bool = True,
+               cache_bytes: int = 0) -> LoadedModel:
+    """Load a checkpoint directory (None: the built-in tiny model). Parameters are memory-mapped on CPU
+    (copied only when `device` is not the CPU, or dequantized/cast as the module docstring says) and have
+    requires_grad off; Engram tables stay on the host, pinned when CUDA is available (pin_tables=None) -
+    pinning copies them out of the mapping, so keep pin_tables=False for tables larger than RAM.
+    `dedup` and `cache_bytes` configure the staging gather (EngramTables).
 
-    root = Path(path)
+    A LoadedModel is returned as is (its weights moved to `device` if they are elsewhere). `progress`:
+    a callable (done, total, what) told about each loading stage, or True for a tqdm bar on stderr.
+    A TypeError, ValueError or KeyError while loading is a config.json problem: it becomes a ConfigError
+    naming the file and the error."""
+    if isinstance(path, LoadedModel):
+        if path.model.embed.weight.device.type != torch.device(device).type:
+            path.model.to(device)
+        return path
+    root = Path(path) if path is not None else TINY_DIR
+    try:
+        if progress is True:
+            return _load_with_bar(root, device, pin_tables, dedup, cache_bytes)
+        return _load(root, device, pin_tables, progress or None, dedup, cache_bytes)
+    except EngramServeError:
+        raise
+    except (TypeError, ValueError, KeyError) as e:
+        raise ConfigError(f"{root / CONFIG_FILE}: {type(e).__name__}: {e}") from e
+
+
+def _load_with_bar(root: Path, device, pin_tables, dedup: bool, cache_bytes: int) -> LoadedModel:
+    """`_load` with a tqdm bar on stderr following the loading stages."""
+    from tqdm import tqdm
+    with tqdm(total=1, desc="loading", unit="tensor", file=sys.stderr, leave=False,
+              postfix="config, tokenizer, compressed token map") as bar:
+        def note(done: int, total: int, what: str) -> None:
+            if bar.total != total:
+                bar.reset(total=total)
+            bar.n = done
+            bar.set_postfix_str(what[-40:], refresh=False)
+            bar.refresh()
+        return _load(root, device, pin_tables, note, dedup, cache_bytes)
+
+
+def _load(root: Path, device, pin_tables, progress: Progress | None, dedup: bool, cache_bytes: int) -> LoadedModel:
     note = progress or (lambda done, total, what: None)
     for f in (CONFIG_FILE, TOKENIZER_FILE):
         if not (root / f).is_file():
             raise CheckpointMismatch(f"checkpoint {root} has no {f}")
-    cfg = V41Config.from_dict(read_json(root / CONFIG_FILE))
+    if not (root / WEIGHTS_FILE).is_file() and not (root / INDEX_FILE).is_file():
+        raise CheckpointMismatch(f"checkpoint {root} has no {WEIGHTS_FILE} (nor {INDEX_FILE})")
+    cfg = ModelConfig.from_dict(read_json(root / CONFIG_FILE))
     tok = load_tokenizer(root / TOKENIZER_FILE)
     check_tokenizer(cfg, tok)
-    token_map = build_token_map(tok, cfg.engram.engram_compressed_vocab_size)
-    layout = build_layout(cfg.engram)
+    token_map = build_token_map(tok, cfg.engram.engram_compressed_vocab_size)  # raises on a V' mismatch
+    layout = build_layout(cfg.engram)  # raises on a row-count mismatch
+    note(0, 1, "config and tokenizer")
     files = CheckpointFiles.open(root)
-    tables = read_tables(files, OFFICIAL_SCHEME, cfg.engram, pin_tables, dedup, cache_bytes)
-    used = {n for lid in cfg.engram.engram_layer_ids for n in (table_key_official(lid), scale_name(table_key_official(lid)))}
+    tables = read_tables(files, cfg.engram, pin_tables, dedup, cache_bytes)
+    used = {n for lid in cfg.engram.engram_layer_ids for n in (table_key(lid), scale_key(lid))}
     with torch.device("meta"):
         model = DeepseekV41(cfg)
-    expected = model.state_dict()
-    state = {}
+    expected, state = model.state_dict(), {}
     for i, (key, ref) in enumerate(expected.items()):
-        state[key], names = read_v41_tensor(files, key, list(ref.shape))
+        state[key], names = read_param(files, key, list(ref.shape))
         used.update(names)
         note(i + 1, len(expected), key)
     left_out = sorted(k for k in files.keys() if k not in used and not_text_forward(k))
@@ -400,16 +289,22 @@ def load_v41_model(path: str | Path, *, device: str | torch.device = "cpu", pin_
         raise CheckpointMismatch(f"unexpected tensor(s) {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} "
                                  f"(checkpoint shapes {[files.info(k)[1] for k in unexpected[:5]]}) in {root}")
     if left_out:
-        kinds = sorted({k.split(".")[0] if not k.endswith("bias_vl") else "*.ffn.gate.bias_vl" for k in left_out})
+        kinds = sorted({"*.ffn.gate.bias_vl" if k.endswith("bias_vl") else k.split(".")[0] + ".*" for k in left_out})
         log.info("left out %d tensor(s) that are not part of the text forward: %s", len(left_out), ", ".join(kinds))
     model.load_state_dict(state, strict=True, assign=True)
-    model.rope_plain.ensure(4096), model.rope_comp.ensure(4096)
-    layout_weights_(model)
+    layout_weights_(model)  # one copy of the matmul weights, input-major (the row rule of model/exactness.py)
     model.requires_grad_(False).eval()
     if torch.device(device).type != "cpu":
         model = model.to(device)
     return LoadedModel(cfg, model, tables, layout, tok, token_map, root)
 
 
-def table_key_official(layer_id: int) -> str:
-    return f"layers.{layer_id}.engram.embed.weight"
+def make_random_checkpoint(out_dir: str | Path, seed: int = 0, config: dict | str | Path | None = None,
+                           **kw) -> Path:
+    """A deterministic random checkpoint in the official layout (writer.random_v41_checkpoint): `config` a
+    text config dict, a config.json path, or None for the built-in model's shape."""
+    from .writer import random_v41_checkpoint
+    if config is None or not isinstance(config, dict):
+        d = read_json(Path(config) if config is not None else TINY_DIR / CONFIG_FILE)
+        config = d.get("text_config", d)
+    return random_v41_checkpoint(out_dir, dict(config), seed, **kw)

@@ -1,4 +1,4 @@
-"""Write a DeepSeek-V4.1 checkpoint directory in the official layout (what `load_v41_model` reads).
+"""Write a DeepSeek-V4.1 checkpoint directory in the official layout (what `loader.load_model` reads).
 
     config.json                       nested as published: architectures, model_type, quantization_config,
                                       text_config (the text model's fields), vision_config
@@ -158,12 +158,12 @@ def random_v41_checkpoint(out_dir: str | Path, text_config: dict | None = None, 
                           extra_tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """A deterministic random V4.1 checkpoint in the official layout (SMALL_TEXT_CONFIG by default; the
     built-in tokenizer). `extra_tensors` are written beside the model's (e.g. `mtp.*` DSpark weights)."""
-    from ..config import V41Config
+    from ..config import ModelConfig
     from .deepseek_v41 import DeepseekV41, init_weights
     from .loader import TINY_DIR
 
     text = with_engram_rows(dict(text_config or SMALL_TEXT_CONFIG))
-    cfg = V41Config.from_dict(text)
+    cfg = ModelConfig.from_dict(text)
     model = init_weights(DeepseekV41(cfg), seed, std)
     tables = EngramTables.random(cfg.engram, seed + 1, pin=False) if cfg.engram.engram_layer_ids else None
     out = save_v41_checkpoint(out_dir, text, model, tables, tokenizer_path or TINY_DIR / "tokenizer.json", quant,

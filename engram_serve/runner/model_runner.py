@@ -26,11 +26,10 @@ from ..microbatch.executor import run_interleaved
 from ..microbatch.plan import MicrobatchConfig, MicrobatchPlanner, check_bounds
 from ..microbatch.slicing import slice_microbatches
 from ..model.context import ForwardContext
-from ..model.kv_cache import KVCache
+from ..model.paged_state import PagedState
 from ..model.exactness import MIN_ROWS, batch_invariant, pad_rows
 from ..model.layers import matmul_weights
 from ..model.loader import LoadedModel
-from .cpu_graphs import CpuGraphs
 from .ownership import OwnershipTracker
 from .process import freeze_startup_objects, keep_freed_memory
 
@@ -38,7 +37,7 @@ from .process import freeze_startup_objects, keep_freed_memory
 @dataclass(frozen=True)
 class RunnerConfig:
     """Sizes and switches of one runner. `exact` (default) runs the forward under the batch-invariance
-    rules (model/exactness.py, model/attention_kernels.py), so a row's logits are bit-identical whatever
+    rules (model/exactness.py, model/deepseek_v41.py), so a row's logits are bit-identical whatever
     the batch, cut or chunk; on CPU it also runs the forward on one intra-op thread (torch splits
     matmuls and elementwise loops across threads at size-dependent places)."""
 
@@ -49,7 +48,6 @@ class RunnerConfig:
     num_blocks: int = 1024
     microbatch: MicrobatchConfig = field(default_factory=MicrobatchConfig)
     graph_sizes: tuple[int, ...] = ()  # padded step sizes for graph mode; () = eager, unpadded
-    cpu_graphs: bool = True  # CPU: decode forwards captured once per layout and replayed (runner/cpu_graphs.py)
     debug_ownership: bool = False
     device: str = "cpu"
     exact: bool = True
@@ -95,12 +93,12 @@ class ModelRunner:
             torch.set_num_threads(1)  # see RunnerConfig: exactness on CPU needs one intra-op thread
         if self.device.type == "cpu":
             keep_freed_memory()  # each step reuses the last one's freed activations instead of faulting them in
-        self.model.rotary.ensure(cfg.max_model_len, self.device)  # every position a request can reach
+        self.model.ensure_positions(cfg.max_model_len, self.device)  # every position a request can reach
         self.layout = loaded.layout.to(self.device)
         self.token_map = loaded.token_map.to(self.device)
         self.pad_id = int(loaded.token_map[mcfg.engram.engram_pad_token_id])
         self.history_len = mcfg.engram.history_len
-        self.kv = KVCache.for_config(mcfg, cfg.num_blocks, cfg.block_size, device=self.device)
+        self.kv = PagedState(mcfg, cfg.num_blocks, cfg.block_size, device=self.device)  # windows, entries, index keys
         from ..inputs.token_store import TokenStore
         self.store = TokenStore(cfg.max_num_seqs, cfg.max_model_len, self.device)
         self.state = StepState(cfg.max_num_seqs, cfg.max_blocks_per_seq, self.device,
@@ -115,8 +113,6 @@ class ModelRunner:
         if self.static is not None and self.device.type == "cuda":
             from .cuda_graphs import CudaGraphs
             self.graphs = CudaGraphs(self.model, cfg.max_blocks_per_seq * cfg.block_size)
-        elif self.device.type == "cpu" and cfg.cpu_graphs and self.tracker is None and CpuGraphs.available():
-            self.graphs = CpuGraphs(self.model)
         self._gather_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-gather")
         # CUDA: the Engram host-to-device copies run on their own stream, ordered by events
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -137,14 +133,10 @@ class ModelRunner:
               block_tables: np.ndarray | None = None, sample: np.ndarray | None = None) -> StepBatch:
         """The step batch. `block_tables` None (the engine): the rows of the persistent `self.state`,
         which the caller keeps in sync; graph mode gathers them at the fixed width max_blocks_per_seq,
-        eager mode at the width this step needs (with CPU graphs, that rounded up to a power of two, so
-        that few layouts are captured). An explicit array [R, <=max_blocks_per_seq] (tests, benchmarks)
+        eager mode at the width this step needs. An explicit array [R, <=max_blocks_per_seq] (tests, benchmarks)
         is padded to the fixed width."""
         if block_tables is None:
             width = self.cfg.max_blocks_per_seq if self.static is not None else None
-            if width is None and isinstance(self.graphs, CpuGraphs):
-                need = -(-int((num_computed + num_new).max() if len(slots) else 1) // self.cfg.block_size)
-                width = min(self.cfg.max_blocks_per_seq, 1 << (need - 1).bit_length())
             return build_step(self.store, slots, num_computed, num_new, self.state, self.cfg.block_size,
                               self.history_len, sample, table_width=width)
         width = self.cfg.max_blocks_per_seq

@@ -145,7 +145,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
       help="KV-cache size in blocks of --block-size tokens (default 1024)")
     a("--block-size", type=positive_int, default=16, metavar="N", help="tokens per KV block (16)")
     a("--enforce-eager", action="store_true",
-      help="never replay graphs: CUDA graphs, or on the CPU the captured decode forwards (cpu_graphs)")
+      help="never replay CUDA graphs")
     a("--microbatches", "--ubatches", dest="microbatches", type=positive_int, default=2, metavar="N",
       help="microbatches per large step (default 2: dual-batch overlap; 1 = off)")
     a("--no-microbatching", "--no-dual-batch-overlap", dest="no_microbatching", action="store_true",
@@ -177,9 +177,7 @@ def run_serve(args: argparse.Namespace) -> int:
         options["max_model_len"] = args.max_model_len
     from ..parallel.options import engine_options
     options.update(engine_options(args))
-    if args.enforce_eager:
-        options["cpu_graphs"] = False
-    elif str(options.get("device", "cpu")).startswith("cuda"):
+    if not args.enforce_eager and str(options.get("device", "cpu")).startswith("cuda"):
         sizes, size = [], 8
         while not sizes or sizes[-1] < args.max_num_batched_tokens:  # decode graphs per padded size
             sizes.append(size)

@@ -23,19 +23,19 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import V41Config
+from ..config import ModelConfig
 
 
-class V41Cache:
+class PagedState:
     """The pools of every layer. `window[l]` [slots + 2, head_dim]; for each kv source s,
     `entries[s]` [slots + 2, head_dim], `index_keys[s]` [slots + 2, index_head_dim] and, if its ratio
     is 2, `open[s]` [slots + 2, 2 * head_dim] float32."""
 
-    def __init__(self, cfg: V41Config, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu"):
         for name, v in (("num_blocks", num_blocks), ("block_size", block_size)):
             if v < 1:
-                raise ValueError(f"V41Cache {name}={v}: must be >= 1")
+                raise ValueError(f"PagedState {name}={v}: must be >= 1")
         self.num_blocks, self.block_size, self.dtype, self.device = num_blocks, block_size, dtype, torch.device(device)
         self.num_slots = num_blocks * block_size
         self.trash_slot, self.zero_slot = self.num_slots, self.num_slots + 1

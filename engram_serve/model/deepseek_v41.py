@@ -184,6 +184,7 @@ class V41Step:
     topk: torch.Tensor
     candidates: torch.Tensor
     touch: Callable[[str, torch.Tensor], None] = lambda name, t: None
+    ctx: object = None  # the runner's ForwardContext (tensor parallelism: its collectives' buffers and tracking)
 
 
 # ---- attention -------------------------------------------------------------------------------------
@@ -469,6 +470,7 @@ class DeepseekV41(nn.Module):
         tables = F.pad(b.block_tables, (0, 0, 0, 1), value=-1)
         step = self.make_step(ctx.kv, b.positions, rows, tables, b.block_size, b.slot_mapping, bufs.topk_idx,
                               bufs.candidates, ctx.touch, None if ctx.max_seq_len is None else ctx.max_seq_len - 1)
+        step.ctx = ctx
         return (yield from self.forward_stages(b.input_ids, b.dead, step, ctx.engram_rows))
 
     def forward_stages(self, ids: torch.Tensor, dead: torch.Tensor | None, step: V41Step,
@@ -481,13 +483,16 @@ class DeepseekV41(nn.Module):
         ratios = {r for r in cfg.ratios if r}
         entry_cs = {r: self.rope_comp((pos - (r - 1)).clamp(min=0)) if r > 1 else comp for r in ratios}
         x = self.embed.weight[ids][:, None, :].expand(-1, cfg.hc_mult, -1)  # [T, hc, D]
+        early = engram_sums(self.layers, engram_rows, step.ctx)  # tensor parallel only
         pre = torch.zeros(ids.shape[0], cfg.hc_mult, device=ids.device)
         pre[:, 0] = 1.0
         for blk in self.layers:
             role = blk.role
             if blk.engram is not None:
                 yield STAGE_ENGRAM_GATHER
-                if engram_rows is not None:
+                if early is not None:
+                    x = blk.engram.apply(x.contiguous(), early(blk.engram_index), dead)
+                elif engram_rows is not None:
                     rows = engram_rows(blk.engram_index)
                     step.touch("staging", rows)
                     x = blk.engram(x.contiguous(), rows, dead)
@@ -496,7 +501,7 @@ class DeepseekV41(nn.Module):
             h = blk.attn_norm(collapse(x, pre))
             cs = comp if role.ratio else plain
             a = blk.attn(h, step, cs, entry_cs.get(role.ratio))
-            yield STAGE_ATTN
+            a = yield from collective_point(a, blk.attn.wo_b, STAGE_ATTN, step.ctx)
             x = expand(a, x, post_a, comb_a)
             pre_f, post_f, comb_f = hyper_mix(x, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale, cfg)
             f = yield from blk.ffn.stages(blk.ffn_norm(collapse(x, pre_a)))
@@ -571,6 +576,40 @@ class DeepseekV41(nn.Module):
         if candidates is None:
             candidates = torch.full((t, cfg.candidate_topk_blocks), -1, dtype=torch.int64, device=dev)
         return V41Step(cache, plan, topk, candidates, touch or (lambda name, x: None))
+
+
+def collective_point(x: torch.Tensor, module, stage: str, ctx) -> Generator[str, None, torch.Tensor]:
+    """Yield `stage`, returning x. Under tensor parallelism `module` produced x as this rank's partial sum
+    (it has `launch_reduce`): the cross-rank sum is launched before the yield and awaited after it, so it
+    is in flight while the other microbatch runs its next stage; returns the sum."""
+    launch = getattr(module, "launch_reduce", None)
+    if launch is None:
+        yield stage
+        return x
+    pending = launch(x, ctx)
+    yield stage
+    return pending.wait()
+
+
+def engram_sums(blocks, engram_rows, ctx):
+    """Tensor parallelism only (each Engram `wkv` has `launch_reduce`): a projection depends on the staged
+    rows alone, so every Engram layer's partial projection (this rank's table shard) is computed at the
+    start of the forward and all are summed across ranks in ONE collective, in flight while the microbatches
+    run the layers before the first Engram layer. Returns `kv(engram_index)` (waits at its first call), or
+    None (one process, or Engram ablated)."""
+    blocks = sorted((b for b in blocks if b.engram is not None), key=lambda b: b.engram_index)
+    if engram_rows is None or not blocks or not hasattr(blocks[0].engram.wkv, "launch_reduce"):
+        return None
+    parts = [b.engram.project(engram_rows(b.engram_index)) for b in blocks]  # [T, (hc+1)*D] partials
+    wkv = blocks[0].engram.wkv
+    pending = wkv.launch_reduce(torch.cat(parts, 1), ctx, wkv.early_buffer)
+    width, summed = parts[0].shape[1], []
+
+    def kv(i: int) -> torch.Tensor:
+        if not summed:
+            summed.append(pending.wait())
+        return summed[0][:, i * width:(i + 1) * width]
+    return kv
 
 
 def run_stages(gen: Generator):

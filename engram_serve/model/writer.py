@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..engram.quantized import quantize_blocks, quantize_fp4, quantize_rows
-from ..engram.tables import EngramTables
+from ..engram.quantized import Fp8Table, quantize_blocks, quantize_fp4, quantize_rows
+from ..engram.tables import EngramTables, scale_key, table_key
 from .checkpoint import INDEX_FILE
 
 FP8_BLOCK = 32
@@ -67,10 +67,12 @@ def official_tensors(model, tables: EngramTables | None, quant: Quant) -> dict[s
                 out[f"{pre}.experts.{e}.w1.weight"], out[f"{pre}.experts.{e}.w3.weight"] = w1, w3
             else:
                 out[f"{pre}.experts.{e}.w2.weight"] = p[e]
-    if tables is not None:
-        for lid, table in zip(tables.layer_ids, tables.tables):
-            out[f"layers.{lid}.engram.embed.weight"] = table
     stored = {}
+    for lid, table in zip(tables.layer_ids, tables.tables) if tables is not None else ():
+        if isinstance(table, Fp8Table):  # already in the stored form
+            stored[table_key(lid)], stored[scale_key(lid)] = table.weight, table.scale
+        else:
+            out[table_key(lid)] = table
     for name, t in out.items():
         t = t.detach().float().contiguous()
         base = name[: -len(".weight")]

@@ -50,10 +50,43 @@ def test_gathers_measure_one_step_in_measure_every_and_run_on_the_worker_only_wh
 def test_moving_averages_follow_the_measurements():
     p = planner()
     p.record_gather(10.0, 100)  # 0.1 ms per token
-    p.record_step(40.0, 100)
+    p.record_step(40.0, 100, cut=False)
     p.record_gather(5.0, 0)  # no tokens: nothing learned
     assert p.gather_ms_per_token == pytest.approx(p.SMOOTHING * 0.1)
     assert p.step_ms_per_token == pytest.approx(p.SMOOTHING * 0.4)
+
+
+def run(p: MicrobatchPlanner, qsl, whole_ms: float, cut_ms: float, steps: int) -> list[bool]:
+    """Plan and "run" `steps` steps whose whole form takes whole_ms and cut form cut_ms; which were cut."""
+    out = []
+    for _ in range(steps):
+        cut = len(p.plan(qsl, False, collectives=True)) > 2
+        p.record_step(cut_ms if cut else whole_ms, int(qsl[-1]), cut)
+        out.append(cut)
+    return out
+
+
+def test_the_planner_cuts_only_where_cut_steps_ran_faster():
+    qsl = np.array([0, 30, 100])
+    paying = run(planner(), qsl, whole_ms=10.0, cut_ms=8.0, steps=64)
+    costly = run(planner(), qsl, whole_ms=10.0, cut_ms=13.0, steps=64)
+    warm = 2 * 2  # StepCosts.WARMUP of each form, alternated
+    assert paying[:warm] == [True, False, True, False] == costly[:warm]
+    after_p, after_c = paying[warm:], costly[warm:]
+    # after warm-up: the faster form, the other one in EXPLORE_EVERY decisions (to keep its estimate current)
+    explored = len(after_p) // MicrobatchPlanner.EXPLORE_EVERY + 1
+    assert 1 <= after_p.count(False) <= explored
+    assert 1 <= after_c.count(True) <= explored
+
+
+def test_predictions_are_measured_against_the_steps():
+    p = planner()
+    run(p, np.array([0, 100]), whole_ms=10.0, cut_ms=8.0, steps=40)
+    assert p.predicted_gain(100, False) == pytest.approx(2.0)
+    assert p.prediction_error() == pytest.approx(0.0)
+    p.record_step(1.0, 100, cut=True)  # a step run with bounds nobody planned teaches nothing
+    assert p.predicted_gain(100, False) == pytest.approx(2.0)
+    assert p.predicted_gain(3, True) is None  # another class: no prediction yet
 
 
 @pytest.mark.parametrize("bounds", [[1, 3], [0, 2], [0, 3, 3], [0, "a", 3], [0, True, 3], "0,3", [0], (0, 2.0, 3)])

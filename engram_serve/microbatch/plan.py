@@ -8,6 +8,7 @@ and decides where each microbatch's Engram gather runs (inline, or on the runner
 from __future__ import annotations
 
 import numbers
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,12 +94,48 @@ def check_bounds(bounds, num_tokens: int, num_microbatches: int) -> None:
                              f"for microbatch.num_microbatches={num_microbatches}", "bounds")
 
 
+class StepCosts:
+    """The cost model behind "cut only where it pays": the measured wall time of recent steps, per step class
+    (decode-only or not; tokens rounded up to a power of two) and per form (whole, cut), as moving averages.
+
+    A cut step's time includes everything a cut costs (every weight read once per microbatch, each
+    operator's fixed cost twice) and everything it hides (a microbatch's collectives and gathers behind
+    the other's compute), so `gain(key) = whole - cut` is the planner's prediction of what cutting this
+    class of step saves. Until both forms of a class have WARMUP samples the planner alternates them."""
+
+    WARMUP = 2
+    SMOOTHING = 0.25
+
+    def __init__(self) -> None:
+        self.ms: dict[tuple, dict[bool, float]] = {}
+        self.samples: dict[tuple, dict[bool, int]] = {}
+
+    @staticmethod
+    def key(num_tokens: int, is_decode_only: bool) -> tuple[bool, int]:
+        return is_decode_only, 1 << max(0, num_tokens - 1).bit_length()
+
+    def predict(self, key: tuple, cut: bool) -> float | None:
+        return self.ms.get(key, {}).get(cut)
+
+    def count(self, key: tuple, cut: bool) -> int:
+        return self.samples.get(key, {}).get(cut, 0)
+
+    def record(self, key: tuple, cut: bool, ms: float) -> None:
+        prev = self.predict(key, cut)
+        self.ms.setdefault(key, {})[cut] = ms if prev is None else prev + self.SMOOTHING * (ms - prev)
+        self.samples.setdefault(key, {})[cut] = self.count(key, cut) + 1
+
+
 class MicrobatchPlanner:
     """The runner's planning state: a cost model measured on recent steps.
 
     `gather_ms_per_token` is a moving average over the Engram gathers run inline (one step in
     MEASURE_EVERY), `step_ms_per_token` one over whole steps. Both start at 0: until a gather is
-    measured, nothing counts as hideable except collectives and tables off the device.
+    measured, nothing counts as hideable except collectives and tables off the device. Where the rule
+    would cut a step (`when="overlap"`), `costs` decides: the step is cut only if cut steps of its class
+    ran faster than whole ones (StepCosts); one decision in EXPLORE_EVERY of a class takes the other form,
+    so the estimate of the form not taken stays current. `predictions` keeps (predicted ms, actual ms) of
+    recent steps, to measure the model against what the steps then took.
     The class attributes are tuning constants, not protections."""
 
     HIDE_FRACTION = 0.25  # a measured gather below this share of a step's time is not worth a cut
@@ -109,6 +146,7 @@ class MicrobatchPlanner:
     # runs update the estimate: on the worker a gather's wall time also counts its waits for the GIL,
     # which the forward holds, so a 0.04 ms gather of one token measured 0.3 ms there and stayed there
     SMOOTHING = 0.25  # weight of the newest measurement in the moving averages
+    EXPLORE_EVERY = 16  # one decision in this many per step class takes the form the model did not choose
 
     def __init__(self, cfg: MicrobatchConfig, tables_off_device: bool):
         self.cfg = cfg
@@ -116,6 +154,10 @@ class MicrobatchPlanner:
         self.gather_ms_per_token = 0.0
         self.step_ms_per_token = 0.0
         self.steps = 0  # steps started (which of them measure the gather)
+        self.costs = StepCosts()
+        self.decisions: dict[tuple, int] = {}
+        self.pending: tuple | None = None  # (class, cut, predicted ms) of the step being run
+        self.predictions: deque[tuple[float, float]] = deque(maxlen=256)
 
     def hideable_ms(self, num_tokens: int, collectives: bool) -> float:
         """What cutting a step of `num_tokens` tokens could hide behind another microbatch's compute:
@@ -131,8 +173,33 @@ class MicrobatchPlanner:
 
     def plan(self, qsl: np.ndarray, is_decode_only: bool, collectives: bool,
              cfg: MicrobatchConfig | None = None) -> list[int]:
-        """The step's boundaries. Under `when="overlap"` only a step with something to hide is cut."""
-        return plan_microbatches(qsl, cfg or self.cfg, is_decode_only, self.hideable_ms(int(qsl[-1]), collectives))
+        """The step's boundaries. Under `when="overlap"` only a step with something to hide is cut, and
+        only where the cost model predicts that cutting it pays."""
+        cfg = cfg or self.cfg
+        total = int(qsl[-1])
+        bounds = plan_microbatches(qsl, cfg, is_decode_only, self.hideable_ms(total, collectives))
+        key = StepCosts.key(total, is_decode_only)
+        if len(bounds) > 2 and cfg.when == "overlap":
+            cut = self._choose(key)
+            bounds = bounds if cut else [0, total]
+        cut = len(bounds) > 2
+        self.pending = (key, cut, self.costs.predict(key, cut))
+        return bounds
+
+    def _choose(self, key: tuple) -> bool:
+        """Cut a step of class `key`? Warm-up alternates; then the faster form, the other one in EXPLORE_EVERY."""
+        n = self.decisions[key] = self.decisions.get(key, 0) + 1
+        whole, cut = self.costs.count(key, False), self.costs.count(key, True)
+        if min(whole, cut) < StepCosts.WARMUP:
+            return cut <= whole
+        pays = self.costs.predict(key, True) < self.costs.predict(key, False)
+        return pays != (n % self.EXPLORE_EVERY == 0)
+
+    def predicted_gain(self, num_tokens: int, is_decode_only: bool) -> float | None:
+        """Predicted ms a cut saves on a step of this class (negative: it costs), None before warm-up."""
+        key = StepCosts.key(num_tokens, is_decode_only)
+        whole, cut = self.costs.predict(key, False), self.costs.predict(key, True)
+        return None if whole is None or cut is None else whole - cut
 
     def start_step(self) -> bool:
         """Count a step; True if it measures its gathers (runs them inline)."""
@@ -152,7 +219,18 @@ class MicrobatchPlanner:
         if num_tokens:
             self.gather_ms_per_token += self.SMOOTHING * (ms / num_tokens - self.gather_ms_per_token)
 
-    def record_step(self, ms: float, num_tokens: int) -> None:
-        """A step of `num_tokens` tokens took `ms` (from planning to its logits)."""
+    def record_step(self, ms: float, num_tokens: int, cut: bool) -> None:
+        """A step of `num_tokens` tokens, cut or whole, took `ms` (from planning to its logits)."""
         if num_tokens:
             self.step_ms_per_token += self.SMOOTHING * (ms / num_tokens - self.step_ms_per_token)
+        if self.pending is not None and self.pending[1] == cut:
+            key, _, predicted = self.pending
+            if predicted is not None:
+                self.predictions.append((predicted, ms))
+            self.costs.record(key, cut, ms)
+        self.pending = None
+
+    def prediction_error(self) -> float | None:
+        """Median |predicted - actual| / actual over recent steps that had a prediction."""
+        errs = sorted(abs(p - a) / a for p, a in self.predictions if a > 0)
+        return errs[len(errs) // 2] if errs else None

@@ -211,7 +211,7 @@ class ModelRunner:
         if record:
             out.staged = torch.cat([self._staged(f)[:, :n] for f, n in zip(futures, real)], dim=1)
             out.hash_ids = torch.cat([u.hash_ids[:n] for u, n in zip(mbs, real)])
-        self.planner.record_step((time.perf_counter() - t_start) * 1e3, batch.num_tokens)
+        self.planner.record_step((time.perf_counter() - t_start) * 1e3, batch.num_tokens, len(bounds) > 2)
         return out
 
     def forward(self, batch: StepBatch, ctxs: list[ForwardContext], futures: list[Future]) -> list[torch.Tensor]:

@@ -43,6 +43,7 @@ class RequestOutput:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 
 
 def _is_token_id(t) -> bool:
@@ -115,6 +116,8 @@ class LLM:
                 for d in self.driver.step():
                     out = outputs[d.request_id]
                     out.text += d.text
+                    if d.prompt_logprobs is not None:
+                        out.prompt_logprobs = d.prompt_logprobs
                     if d.token_id is not None:
                         out.token_ids.append(d.token_id)
                         if out.logprobs is not None:

@@ -63,14 +63,15 @@ def _in(name: str, v: float, lo: float, hi: float, lo_open: bool = False, at: st
 class SamplingParams:
     """How one request samples. Invariants (checked in `__post_init__`, InvalidRequest otherwise):
 
-    - `max_tokens >= 1`; `0 <= min_tokens <= max_tokens` (EOS and `stop_token_ids` are masked
+    - `max_tokens >= 1`, or 0 with `prompt_logprobs` (score the prompt alone); `0 <= min_tokens <= max_tokens` (EOS and `stop_token_ids` are masked
       until `min_tokens` tokens exist);
     - `temperature >= 0` (0 = greedy: argmax); `0 < top_p <= 1` and top_p does not round to 0 in
       float32; `top_k == 0` (off) or `1 <= top_k < 2**63`; `0 <= min_p <= 1`;
     - `presence_penalty`, `frequency_penalty` in [-2, 2]; `repetition_penalty` in [0.01, 100]
       (1 = off); `logit_bias` maps token ids >= 0 to biases in [-100, 100], at most 1024 entries;
     - `seed` None or an int64 (None: the engine draws one); `logprobs` None (off) or 0..20 (0 = the
-      sampled token's logprob only);
+      sampled token's logprob only); `prompt_logprobs` None (off) or 0..20: each prompt token's logprob
+      (the first: None) and the top ones at its position, from the same float32 logits as sampling;
     - `stop`: at most 32 non-empty strings, 4096 characters in all (may be given as one string);
       `stop_token_ids`: at most 1024 ids >= 0.
 
@@ -92,14 +93,21 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def put(name, value):
             object.__setattr__(self, name, value)
 
         put("max_tokens", _int("max_tokens", self.max_tokens))
-        if self.max_tokens < 1:
-            _fail("max_tokens", self.max_tokens, "must be >= 1")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None:
+                put(name, _int(name, v))
+                if not 0 <= getattr(self, name) <= MAX_LOGPROBS:
+                    _fail(name, v, f"must be in [0, {MAX_LOGPROBS}] (0 = the token's own logprob only)")
+        if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            _fail("max_tokens", self.max_tokens, "must be >= 1 (0 only with prompt_logprobs: score the prompt alone)")
         put("min_tokens", _int("min_tokens", self.min_tokens))
         if not 0 <= self.min_tokens <= self.max_tokens:
             _fail("min_tokens", self.min_tokens, f"must be in [0, max_tokens={self.max_tokens}]")
@@ -165,10 +173,6 @@ class SamplingParams:
             _in("logit_bias", b, -100.0, 100.0, at=f"[{k!r}]")
             bias[tok] = b
         put("logit_bias", bias)
-        if self.logprobs is not None:
-            put("logprobs", _int("logprobs", self.logprobs))
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                _fail("logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}] (0 = the sampled token only)")
 
     def with_seed(self, seed: int) -> "SamplingParams":
         """These params with `seed` (an int64), the rest as validated already: what `dataclasses.replace`

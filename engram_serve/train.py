@@ -1,4 +1,4 @@
-"""Train the built-in tiny Engram model on the Python standard library's own sources.
+"""Train the built-in tiny DeepSeek-V4.1 model on the Python standard library's own sources.
 
     engram-serve train [--out DIR] [--steps N] [--no-ablation] ...
     python scripts/train_default.py            (the run that produced the shipped weights)
@@ -12,11 +12,19 @@ a sequence starting at position 0 (input = its first `seq_len` tokens, target = 
 
 Engram: hash ids come from the inference hash (`hash_step`, history all -1, pad_id = the compressed
 id of `engram_pad_token_id`), computed per batch; the tables are trainable parameters gathered with
-`F.embedding` into `forward_dense`'s `engram_rows` and saved as the checkpoint's `engram.{id}.table`.
+`F.embedding` into `forward_dense`'s `engram_rows` and saved as the checkpoint's
+`layers.{id}.engram.embed.weight`.
+
+What gets no gradient: the indexers' weights (the top-k is a hard choice; as NeMo keeps the released
+indexer frozen, they stay at their random init, and the selection they make is part of the model) and the
+router biases `ffn.gate.bias` (they only choose experts; DeepSeek balances them with an update rule this
+run does not use: they stay 0). The checkpoint is written in the official layout (model/writer.py):
+FP8 block-scaled linears, FP8 Engram tables, routed experts as `expert_format` says; its held-out loss
+is measured again after re-loading, so the report states what the rounding costs.
 
 Ablation (on by default): (a) the Engram model; (b) the same budget (steps, batch, length, seed,
-data order) without Engram layers, its Engram parameters (tables, wkv, q_w, k_w) moved into the dense
-MLPs so the totals match; (c) model (a) evaluated with its Engram output zeroed.
+data order) without Engram layers, its Engram parameters (tables, wkv, q_weight, k_weight) moved into the
+experts' width so the totals match; (c) model (a) evaluated with its Engram output zeroed.
 """
 from __future__ import annotations
 
@@ -45,8 +53,11 @@ from .engram.hashing import hash_step
 from .engram.layout import EngramLayout, build_layout
 from .engram.tables import EngramTables
 from .engram.token_map import build_token_map, load_tokenizer
-from .model.deepseek_v41 import DeepseekV41 as EngramModel, init_weights  # (being ported to V4.1)
+from .config import flatten_config
+from .model.checkpoint import INDEX_FILE
+from .model.deepseek_v41 import DeepseekV41, init_weights
 from .model.loader import CONFIG_FILE, TINY_DIR, TOKENIZER_FILE, LoadedModel, load_model
+from .model.writer import Quant, save_v41_checkpoint
 
 DEFAULT_SEED = 0
 DEFAULT_HELDOUT_PCT = 5.0
@@ -72,6 +83,8 @@ class TrainSettings:
     seed: int = DEFAULT_SEED
     heldout_pct: float = DEFAULT_HELDOUT_PCT
     max_files: int | None = None  # first N files of the sorted list (smoke tests only)
+    init_std: float = 0.05  # matrices' init (model/deepseek_v41.py init_weights)
+    expert_format: str | None = None  # the shipped routed experts: None (float32), "fp4" (MXFP4) or "fp8"
 
 
 # ---- data --------------------------------------------------------------------------------------
@@ -200,7 +213,7 @@ class TrainableTables(nn.Module):
 def count_params(cfg: ModelConfig) -> dict[str, int]:
     """{'backbone', 'engram' (tables + gate weights), 'total'} for a config (built on the meta device)."""
     with torch.device("meta"):
-        m = EngramModel(cfg)
+        m = DeepseekV41(cfg)
     gate = sum(p.numel() for n, p in m.named_parameters() if ".engram." in n)
     tables = sum(cfg.engram.engram_num_embeddings) * cfg.engram.engram_head_dim
     total = sum(p.numel() for p in m.parameters()) + tables
@@ -208,17 +221,15 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
 
 
 def baseline_config(cfg: ModelConfig) -> ModelConfig:
-    """`cfg` without Engram layers, the Engram parameters moved into the MLPs: intermediate_size grows
-    (moe_intermediate_size when every layer is MoE) until the total parameter count matches."""
+    """`cfg` without Engram layers, the Engram parameters moved into the experts: moe_intermediate_size (of
+    every routed and shared expert) grows, in steps of 32 (MXFP4 scales cover 32 columns), until the total
+    parameter count is the closest to `cfg`'s."""
     eng = dataclasses.replace(cfg.engram, engram_layer_ids=(), engram_num_embeddings=())
     base = dataclasses.replace(cfg, engram=eng)
     deficit = count_params(cfg)["total"] - count_params(base)["total"]
-    n_dense = cfg.num_hidden_layers - len(cfg.moe_layer_ids)
-    if n_dense > 0:
-        per_unit = 3 * cfg.hidden_size * n_dense  # gate, up, down of every dense MLP
-        return dataclasses.replace(base, intermediate_size=cfg.intermediate_size + round(deficit / per_unit))
-    per_unit = 3 * cfg.hidden_size * cfg.n_routed_experts * len(cfg.moe_layer_ids)
-    return dataclasses.replace(base, moe_intermediate_size=cfg.moe_intermediate_size + round(deficit / per_unit))
+    per_unit = 3 * cfg.hidden_size * (cfg.n_routed_experts + 1) * cfg.num_hidden_layers  # w1, w2, w3 of each
+    grow = round(deficit / per_unit / 32) * 32
+    return dataclasses.replace(base, moe_intermediate_size=cfg.moe_intermediate_size + grow)
 
 
 # ---- training ----------------------------------------------------------------------------------
@@ -231,10 +242,10 @@ def lr_factor(step: int, s: TrainSettings) -> float:
     return s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
 
 
-def make_optimizer(model: EngramModel, tables: TrainableTables | None, s: TrainSettings) -> torch.optim.AdamW:
+def make_optimizer(model: DeepseekV41, tables: TrainableTables | None, s: TrainSettings) -> torch.optim.AdamW:
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        (decay if p.ndim >= 2 and "embed_tokens" not in name else no_decay).append(p)
+        (decay if p.ndim >= 2 and name != "embed.weight" else no_decay).append(p)
     groups = [{"params": decay, "lr": s.lr, "weight_decay": s.weight_decay},
               {"params": no_decay, "lr": s.lr, "weight_decay": 0.0}]
     if tables is not None:
@@ -244,7 +255,7 @@ def make_optimizer(model: EngramModel, tables: TrainableTables | None, s: TrainS
     return torch.optim.AdamW(groups, betas=(0.9, 0.95), eps=1e-8)
 
 
-def batch_loss(model: EngramModel, tables: list[torch.Tensor] | None, hasher: WindowHasher | None,
+def batch_loss(model: DeepseekV41, tables: list[torch.Tensor] | None, hasher: WindowHasher | None,
                win: torch.Tensor, zero_engram: bool = False, reduction: str = "mean") -> torch.Tensor:
     """Token cross-entropy of windows [B, S+1] (input = first S tokens, target = next token)."""
     x, y = win[:, :-1], win[:, 1:]
@@ -254,7 +265,7 @@ def batch_loss(model: EngramModel, tables: list[torch.Tensor] | None, hasher: Wi
 
 
 @torch.no_grad()
-def evaluate(model: EngramModel, tables: list[torch.Tensor] | None, hasher: WindowHasher | None,
+def evaluate(model: DeepseekV41, tables: list[torch.Tensor] | None, hasher: WindowHasher | None,
              windows: np.ndarray, batch_size: int, zero_engram: bool = False) -> float:
     """Mean token cross-entropy (nats) over every target of the windows."""
     was = model.training
@@ -268,12 +279,24 @@ def evaluate(model: EngramModel, tables: list[torch.Tensor] | None, hasher: Wind
     return total / count
 
 
-def evaluate_loaded(lm: LoadedModel, windows: np.ndarray, batch_size: int = 16,
-                    zero_engram: bool = False) -> float:
-    """Held-out loss of a checkpoint loaded with `load_model` (its own tables, layout and token map)."""
+@torch.no_grad()
+def evaluate_loaded(lm: LoadedModel, windows: np.ndarray, batch_size: int = 16) -> float:
+    """Held-out loss of a checkpoint loaded with `load_model`: its own tables (FP8 or float, through the
+    staging gather), layout and token map."""
     pad_id = int(lm.token_map[lm.config.engram.engram_pad_token_id])
     hasher = WindowHasher(lm.layout, lm.token_map, pad_id)
-    return evaluate(lm.model, [t.float() for t in lm.tables.tables], hasher, windows, batch_size, zero_engram)
+    e = lm.config.engram
+    total, count = 0.0, 0
+    for i in range(0, len(windows), batch_size):
+        win = torch.from_numpy(windows[i:i + batch_size])
+        x, y = win[:, :-1], win[:, 1:]
+        b, s = x.shape
+        staged = torch.empty(e.num_layers, b * s, e.num_columns, e.engram_head_dim)
+        lm.tables.gather(hasher(x).reshape(b * s, e.num_layers, e.num_columns), staged)
+        logits = lm.model.forward_dense(x, [staged[j].view(b, s, e.num_columns, -1) for j in range(e.num_layers)])
+        total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"))
+        count += y.numel()
+    return total / count
 
 
 @dataclass
@@ -289,11 +312,11 @@ class RunResult:
 
 
 def train_model(cfg: ModelConfig, corpus: Corpus, s: TrainSettings, name: str, hasher: WindowHasher | None,
-                progress: bool = True) -> tuple[EngramModel, TrainableTables | None, RunResult]:
+                progress: bool = True) -> tuple[DeepseekV41, TrainableTables | None, RunResult]:
     """Train one model for s.steps; the data order depends only on s.seed (not on the model)."""
     t0 = time.perf_counter()
     torch.manual_seed(s.seed)
-    model = init_weights(EngramModel(cfg), s.seed).train()
+    model = init_weights(DeepseekV41(cfg), s.seed, s.init_std).train()
     tables = TrainableTables(cfg.engram, s.seed + 1, s.table_init_std) if cfg.engram.num_layers else None
     table_list = list(tables.tables) if tables is not None else None
     result = RunResult(name, count_params(cfg))
@@ -422,19 +445,19 @@ def train(out_dir: str | Path, settings: TrainSettings | None = None, *, ablatio
     log(f"parameters  engram model: {p_e['total']:,} (backbone {p_e['backbone']:,} + Engram {p_e['engram']:,})")
     if base_cfg is not None:
         p_b = count_params(base_cfg)
-        log(f"parameters  baseline (no Engram, intermediate_size {cfg.intermediate_size} -> "
-            f"{base_cfg.intermediate_size}): {p_b['total']:,} ({100 * (p_b['total'] / p_e['total'] - 1):+.2f}%)")
+        log(f"parameters  baseline (no Engram, moe_intermediate_size {cfg.moe_intermediate_size} -> "
+            f"{base_cfg.moe_intermediate_size}): {p_b['total']:,} ({100 * (p_b['total'] / p_e['total'] - 1):+.2f}%)")
 
     model, tables, res_e = train_model(cfg, corpus, s, "engram", hasher, progress)
     zeroed = None
     if ablation:  # (c): the trained Engram model with its Engram output zeroed
         zeroed = evaluate(model, list(tables.tables), hasher, corpus.heldout, s.batch_size, zero_engram=True)
-    out = save_checkpoint(out_dir, cfg, model, tables.export(), tokenizer_path)
+    text = flatten_config(read_json(config_path))
+    text = {k: v for k, v in text.items() if k not in ("architectures", "quantization_config", "vision_config")}
+    out = save_v41_checkpoint(out_dir, text, model, tables.export(), tokenizer_path,
+                              Quant(experts=s.expert_format), shard_bytes=1 << 30)
     lm = load_model(out)  # the same checks as any user checkpoint
-    loaded = evaluate_loaded(lm, corpus.heldout, s.batch_size)
-    if abs(loaded - res_e.final_heldout) > 1e-3:
-        raise RuntimeError(f"re-loaded checkpoint {out}: held-out loss {loaded:.5f} differs from the trained "
-                           f"model's {res_e.final_heldout:.5f}")
+    loaded = evaluate_loaded(lm, corpus.heldout, s.batch_size)  # the rounding of the stored form included
     sample = greedy_sample(lm, sample_prompt) if sample_prompt else ""
     del model, tables
 
@@ -480,7 +503,7 @@ def plot_curves(report: TrainReport, path: Path) -> None:
     ax.set_ylim(max(0.0, lo - 0.5), lo + 4.0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title("tiny Engram model on the Python stdlib (seed %d)" % report.settings.seed)
+    ax.set_title("tiny DeepSeek-V4.1 model on the Python stdlib (seed %d)" % report.settings.seed)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -496,11 +519,11 @@ def write_report(report: TrainReport, docs: Path) -> None:
 def report_markdown(report: TrainReport) -> str:
     s, e, b, c = report.settings, report.engram, report.baseline, report.corpus_stats
     lines = [
-        "# Training the built-in tiny model",
+        "# Training the built-in tiny DeepSeek-V4.1 model",
         "",
         "Written by `engram_serve.train` for the run below. `python scripts/train_default.py` is "
         "`engram-serve train --out build/train_default --report-dir docs --install`; `--install` copies the "
-        "trained weights over `engram_serve/data/tiny/model.safetensors`, the built-in model.",
+        "trained checkpoint (official layout) over `engram_serve/data/tiny`, the built-in model.",
         "",
         "```",
         report.command or "engram-serve train",
@@ -536,17 +559,20 @@ def report_markdown(report: TrainReport) -> str:
         f"| **{e.final_heldout:.4f}** |",
     ]
     if b is not None:
-        lines.append(f"| (b) no Engram, MLPs widened to match | {b.params['total']:,} "
+        lines.append(f"| (b) no Engram, experts widened to match | {b.params['total']:,} "
                      f"({100 * (b.params['total'] / e.params['total'] - 1):+.2f}%) | {b.final_heldout:.4f} |")
     if report.zeroed_heldout is not None:
         lines.append(f"| (c) model (a), Engram output zeroed | (same as a) | {report.zeroed_heldout:.4f} |")
-    lines += ["", f"The checkpoint re-loaded with `load_model` scores {report.loaded_heldout:.4f} on the same set.", ""]
+    q = report.settings.expert_format or "float32"
+    lines += ["", f"The shipped checkpoint (FP8 block-scaled linears and Engram tables, routed experts in {q}), "
+              f"re-loaded with `load_model`, scores {report.loaded_heldout:.4f} on the same set: the rounding costs "
+              f"{report.loaded_heldout - e.final_heldout:+.4f} nats.", ""]
     if b is not None:
         d = b.final_heldout - e.final_heldout
         verdict = (f"Engram beat the parameter-matched baseline by {d:.4f} nats ({100 * d / b.final_heldout:.1f}%)"
                    if d > 0 else f"Engram did NOT beat the parameter-matched baseline: it is {-d:.4f} nats worse")
         lines += [f"{verdict} at this budget (one seed, one run each; no error bars). The comparison is "
-                  "parameter-matched, not compute-matched: the baseline spends its extra parameters as dense MLP "
+                  "parameter-matched, not compute-matched: the baseline spends its extra parameters as expert "
                   f"width, so it does more arithmetic per token (its training took {b.wall_s / 60:.1f} min against "
                   f"{e.wall_s / 60:.1f} min), while each token touches only (N-1)*H rows of each Engram table.", ""]
     if report.zeroed_heldout is not None:
@@ -565,17 +591,16 @@ def report_markdown(report: TrainReport) -> str:
 # ---- command line ------------------------------------------------------------------------------
 
 def install_weights(out_dir: Path, target: Path = TINY_DIR) -> Path:
-    """Copy a trained checkpoint's weights into the package's built-in model directory, after checking
-    that its config and tokenizer are exactly the built-in ones; then load the result with all checks."""
-    mine = ModelConfig.from_dict(read_json(out_dir / CONFIG_FILE))
-    theirs = ModelConfig.from_dict(read_json(target / CONFIG_FILE))
-    if mine != theirs:
-        raise ValueError(f"install: {out_dir / CONFIG_FILE} differs from {target / CONFIG_FILE}")
+    """Copy a trained checkpoint (config, shards, index) into the package's built-in model directory, after
+    checking that its tokenizer is exactly the built-in one; then load the result with all checks."""
     if (out_dir / TOKENIZER_FILE).read_bytes() != (target / TOKENIZER_FILE).read_bytes():
         raise ValueError(f"install: {out_dir / TOKENIZER_FILE} differs from {target / TOKENIZER_FILE}")
-    shutil.copyfile(out_dir / WEIGHTS_FILE, target / WEIGHTS_FILE)
+    for old in [*target.glob("*.safetensors"), target / INDEX_FILE]:
+        old.unlink(missing_ok=True)
+    for f in [*out_dir.glob("*.safetensors"), out_dir / INDEX_FILE, out_dir / CONFIG_FILE]:
+        shutil.copyfile(f, target / f.name)
     load_model(target)
-    return target / WEIGHTS_FILE
+    return target
 
 
 def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -599,6 +624,8 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
                     help="torch.set_num_threads (0: leave torch's default). 1 by default: on a 2-core machine "
                          "shared with other work, 2 OpenMP threads stall whenever one core is busy (measured "
                          "3x slower per step), 1 thread degrades gracefully")
+    ap.add_argument("--expert-format", choices=("float", "fp4", "fp8"), default="float",
+                    help="the shipped routed experts (default float32)")
     ap.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=True,
                     help="also train the parameter-matched baseline and evaluate with Engram zeroed")
     ap.add_argument("--report-dir", default=None, help="write TRAINING.md and training_curves.png here")
@@ -612,7 +639,7 @@ def run_args(args: argparse.Namespace, command: str = "") -> int:
     s = TrainSettings(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                       table_lr=args.table_lr, warmup_steps=args.warmup_steps, eval_every=args.eval_every,
                       eval_windows=args.eval_windows, seed=args.seed, heldout_pct=args.heldout_pct,
-                      max_files=args.max_files)
+                      max_files=args.max_files, expert_format=None if args.expert_format == "float" else args.expert_format)
     rep = train(args.out, s, ablation=args.ablation, config_path=args.config, tokenizer_path=args.tokenizer,
                 report_dir=args.report_dir, threads=args.threads or None, progress=not args.no_progress,
                 command=command)

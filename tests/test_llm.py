@@ -50,8 +50,8 @@ def poison(monkeypatch, engine: LLMEngine, hit) -> None:
     """Make the runner return NaN logits for the rows of requests where hit(seq) is true."""
     runner, original = engine.runner, engine.runner.execute
 
-    def execute(batch, bounds=None, record=False):
-        out = original(batch, bounds, record)
+    def execute(batch, bounds=None, record=False, score_rows=None):
+        out = original(batch, bounds, record, score_rows)
         by_slot = {s.slot: s for s in engine.seqs.values()}
         for i, slot in enumerate(batch.req_slots[batch.sample].tolist()):  # rows of out.logits, in order
             if hit(by_slot[slot]):

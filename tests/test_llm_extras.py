@@ -77,8 +77,8 @@ def test_logprobs_equal_an_independent_log_softmax_of_the_runner_logits(loaded, 
     seen = []
     original = engine.runner.execute
 
-    def execute(batch, bounds=None, record=False):
-        out = original(batch, bounds, record)
+    def execute(batch, bounds=None, record=False, score_rows=None):
+        out = original(batch, bounds, record, score_rows)
         seen.append(out.logits.clone())
         return out
 
@@ -107,12 +107,12 @@ def explode_on(monkeypatch, engine, marker):
     """The runner raises (as the hash kernel did for a bad id) whenever a step holds the marked request."""
     original = engine.runner.execute
 
-    def execute(batch, bounds=None, record=False):
+    def execute(batch, bounds=None, record=False, score_rows=None):
         slots = set(batch.req_slots.tolist())
         if any(s.slot in slots for s in engine.seqs.values() if s.token_ids[:len(marker)] == marker
                and s.num_output_tokens >= 2):
             raise Boom("kernel refused an id")
-        return original(batch, bounds, record)
+        return original(batch, bounds, record, score_rows)
 
     monkeypatch.setattr(engine.runner, "execute", execute)
 

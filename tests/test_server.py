@@ -45,8 +45,8 @@ def served(tmp_path_factory):
     marker, slow = loaded.tokenizer.encode(POISON).ids, loaded.tokenizer.encode(SLOW).ids
     original = engine.runner.execute
 
-    def execute(batch, bounds=None, record=False):  # runs on the engine thread, like every engine call
-        out = original(batch, bounds, record)
+    def execute(batch, bounds=None, record=False, score_rows=None):  # runs on the engine thread, like every engine call
+        out = original(batch, bounds, record, score_rows)
         by_slot = {s.slot: s for s in engine.seqs.values()}
         if any(by_slot[slot].token_ids[:len(slow)] == slow for slot in batch.req_slots.tolist()):
             time.sleep(0.005)

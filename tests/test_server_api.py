@@ -43,8 +43,8 @@ def served(loaded):
     record: dict[tuple[int, int], torch.Tensor] = {}
     original = engine.runner.execute
 
-    def execute(batch, bounds=None, record_=False):
-        out = original(batch, bounds, record_)
+    def execute(batch, bounds=None, record_=False, score_rows=None):
+        out = original(batch, bounds, record_, score_rows)
         by_slot = {s.slot: s for s in engine.seqs.values()}
         for i, slot in enumerate(batch.req_slots[batch.sample].tolist()):
             s = by_slot[slot]

@@ -113,6 +113,7 @@ class RequestDelta:
     num_output_tokens: int = 0
     logprob: float | None = None  # the sampled token's logprob (requests that asked for logprobs)
     top_logprobs: list[tuple[int, float]] | None = None
+    prompt_logprobs: list | None = None  # on the request's first delta (SamplingParams.prompt_logprobs)
 
 
 @dataclass
@@ -165,7 +166,8 @@ class OutputProcessor:
                 del self._states[ev.request_id]
             deltas.append(RequestDelta(ev.request_id, text, None if ev.token is None else int(ev.token), finished,
                                        reason, error, st.num_prompt_tokens, len(st.token_ids),
-                                       getattr(ev, "logprob", None), getattr(ev, "top_logprobs", None)))
+                                       getattr(ev, "logprob", None), getattr(ev, "top_logprobs", None),
+                                       getattr(ev, "prompt_logprobs", None)))
         return deltas, to_abort
 
     def fail_all(self, message: str) -> list[RequestDelta]:

@@ -37,6 +37,9 @@ class TokenEvent:
     error: str | None = None
     logprob: float | None = None  # the sampled token's logprob (requests with `logprobs` set)
     top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), most probable first
+    # on a request's first event, with SamplingParams.prompt_logprobs: per prompt token (None for the first)
+    # (its logprob, [(token id, logprob), ...] the top ones at its position)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 
 
 @dataclass
@@ -87,6 +90,7 @@ class LLMEngine:
         # ids >= num_token_ids are outside the tokenizer: refused in prompts, never sampled
         self.num_token_ids = min(int(loaded.token_map.shape[0]), loaded.config.vocab_size)
         self._next_seed = np.random.default_rng(seed)
+        self._scored: dict[str, Sequence] = {}  # requests whose prompt logprobs are complete, not yet delivered
 
     # ---- requests ---------------------------------------------------------------------------
     def validate(self, prompt_ids, params) -> list[int]:
@@ -160,6 +164,8 @@ class LLMEngine:
         ids = self.validate(prompt_ids, params)
         dead = self.validate_dead(dead, len(ids))
         seq = Sequence(request_id, ids, params, dead=dead)
+        if params.prompt_logprobs is not None:  # every prompt position computed: no cached prefix
+            seq.reuse_prefix, seq.prompt_logprobs = False, [None] * len(ids)
         self.scheduler.add(seq)  # refuses a live request_id or a full queue; the token-store slot
         # is taken when the request is first scheduled
         if params.seed is None:  # drawn once the request is accepted
@@ -168,6 +174,7 @@ class LLMEngine:
         return seq
 
     def abort(self, request_id: str) -> bool:
+        self._scored.pop(request_id, None)
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return False
@@ -217,7 +224,9 @@ class LLMEngine:
                                       np.fromiter(sample, bool, n))
             if bounds is not None:
                 check_bounds(bounds, batch.num_tokens, self.cfg.microbatch.num_microbatches)
-            return self.runner.execute(batch, bounds, record)
+            score = [i for i, r in enumerate(rows) if r.seq.prompt_logprobs is not None
+                     and r.num_computed < r.seq.num_prompt_tokens]
+            return self.runner.execute(batch, bounds, record, score or None)
 
         try:
             result = run(rows, sample, bounds, record)
@@ -235,10 +244,47 @@ class LLMEngine:
             result = run(rows, sample, None, record)
         self.scheduler.update(out)  # rows of sequences ended above are skipped
         self._account(rows, result)
+        if result.scored is not None:
+            self._prompt_logprobs(rows, result.scored)
         sampled = [r.seq for r, flag in zip(rows, sample) if flag]
+        logits = result.logits
+        if any(s.params.max_tokens == 0 for s in sampled):  # the prompt scored alone: nothing to sample
+            keep = [i for i, s in enumerate(sampled) if s.params.max_tokens]
+            events += [self._finish(s, "length") for s in sampled if not s.params.max_tokens]
+            sampled, logits = [sampled[i] for i in keep], logits[keep]
         if sampled:
-            events += self._sample(sampled, result.logits)
+            events += self._sample(sampled, logits)
+        for ev in events:  # the prompt's logprobs ride on the request's first event
+            seq = self._scored.pop(ev.request_id, None)
+            if seq is not None:
+                ev.prompt_logprobs = seq.prompt_logprobs
         return StepResult(events, out, result, [r.seq.request_id for r in rows], sample)
+
+    def _prompt_logprobs(self, rows, scored: torch.Tensor) -> None:
+        """Store the prompt logprobs of the scored rows (run's `score`, in row order): the logits at position p
+        give token p + 1's logprob and the top ones, log-softmax as the sampler computes it; one transfer."""
+        rows = [r for r in rows if r.seq.prompt_logprobs is not None and r.num_computed < r.seq.num_prompt_tokens]
+        x = scored[:, : self.num_token_ids]
+        k = max(r.seq.params.prompt_logprobs for r in rows)
+        nxt = torch.tensor([r.seq.token_ids[p + 1] if p + 1 < r.seq.num_tokens else 0
+                            for r in rows for p in range(r.num_computed, r.num_computed + r.num_new)], device=x.device)
+        lse = torch.logsumexp(x, dim=1)
+        cols = [(x.gather(1, nxt[:, None]).squeeze(1) - lse)[:, None].double()]
+        if k:
+            vals, ids = x.topk(k, dim=1)
+            cols += [ids.double(), (vals - lse[:, None]).double()]
+        host = torch.cat(cols, 1).cpu().numpy()
+        t = 0
+        for r in rows:
+            seq, want = r.seq, r.seq.params.prompt_logprobs
+            for p in range(r.num_computed, r.num_computed + r.num_new):
+                if p + 1 < seq.num_prompt_tokens:
+                    top = [(int(i), float(v)) for i, v in zip(host[t, 1:1 + want], host[t, 1 + k:1 + k + want])]
+                    seq.prompt_logprobs[p + 1] = (float(host[t, 0]), top)
+                t += 1
+            if r.num_computed + r.num_new >= seq.num_prompt_tokens and not seq.prompt_logprobs_sent:
+                self._scored[seq.request_id] = seq  # complete: delivered with the request's next event
+                seq.prompt_logprobs_sent = True  # (a recompute after preemption computes the same values)
 
     def _culprits(self, rows, sample, run, error: Exception) -> list[int]:
         """The rows that make the forward raise. Halves are re-run (whole, outputs discarded: a row's

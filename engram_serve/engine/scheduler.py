@@ -217,7 +217,7 @@ class Scheduler:
         # 3. waiting sequences, FCFS; none after a preemption (that would undo it).
         while self.waiting and not out.preempted and budget and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
-            prefix = bm.match_prefix(seq.token_ids, seq.dead)
+            prefix = bm.match_prefix(seq.token_ids, seq.dead) if seq.reuse_prefix else []
             prefix = prefix[:(seq.num_tokens - 1) // cfg.block_size]  # leave >= 1 token to compute
             computed = len(prefix) * cfg.block_size
             n = self._chunk(seq.num_tokens - computed, budget, bm.capacity(seq, prefix) - computed)

@@ -35,7 +35,8 @@ class Sequence:
     - `dead`, when not None, has one flag per token (`len(dead) == num_tokens`).
     - `arrival` only orders sequences (earlier = smaller); it never changes.
 
-    `slot`, `params` and `dead` are opaque here: the engine owns their meaning.
+    `slot`, `params` and `dead` are opaque here: the engine owns their meaning. `reuse_prefix` False:
+    the request needs every prompt position computed (prompt logprobs), so no cached prefix is reused.
     """
 
     def __init__(self, request_id: str, token_ids: list[int], params: Any = None, *,
@@ -56,6 +57,9 @@ class Sequence:
                 raise InvalidRequest(f"request {request_id!r}: dead mask length {len(dead)} "
                                      f"!= prompt length {len(self.token_ids)}", "dead")
         self.dead: list[bool] | None = dead
+        self.reuse_prefix = True
+        self.prompt_logprobs: list | None = None  # the engine's, per prompt position (prompt logprobs)
+        self.prompt_logprobs_sent = False
 
     @property
     def num_tokens(self) -> int:

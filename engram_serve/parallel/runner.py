@@ -75,7 +75,8 @@ class ParallelModelRunner(ModelRunner):
         if self.cluster is not None:
             self.cluster.close()
 
-    def execute(self, batch: StepBatch, bounds: list[int] | None = None, record: bool = False) -> StepOutput:
+    def execute(self, batch: StepBatch, bounds: list[int] | None = None, record: bool = False,
+                score_rows: list[int] | None = None) -> StepOutput:
         if self.broken is not None:
             raise ParallelError(f"the tensor-parallel group is down: {self.broken}")
         try:
@@ -86,7 +87,7 @@ class ParallelModelRunner(ModelRunner):
                     if dead:
                         raise ParallelError(dead)
                 self.group.broadcast_object(("step", pack_batch(batch), list(bounds), record))
-            return super().execute(batch, bounds, record)
+            return super().execute(batch, bounds, record, score_rows)
         except ParallelError as e:
             why = self.on_failure(wait_s=3.0) if self.on_failure is not None else None
             self.broken = why or str(e)

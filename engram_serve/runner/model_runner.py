@@ -73,6 +73,7 @@ class StepOutput:
     logits: torch.Tensor
     bounds: list[int]
     straddling_rows: int
+    scored: torch.Tensor | None = None  # [sum of the scored rows' tokens, V] float32: every token of `score_rows`
     hash_ids: torch.Tensor | None = None
     staged: torch.Tensor | None = None
 
@@ -155,9 +156,11 @@ class ModelRunner:
         return self.planner.plan(batch.qsl_host, self.decode_only(batch), self.launches_collectives, microbatch)
 
     # ---- execution --------------------------------------------------------------------------
-    def execute(self, batch: StepBatch, bounds: list[int] | None = None, record: bool = False) -> StepOutput:
+    def execute(self, batch: StepBatch, bounds: list[int] | None = None, record: bool = False,
+                score_rows: list[int] | None = None) -> StepOutput:
         """Run one step cut at `bounds` (default: planned). Returns logits of the sampled rows and,
-        with `record` (verification), copies of the hash ids and staged rows."""
+        with `record` (verification), copies of the hash ids and staged rows; `score_rows`: the logits
+        of every token of these rows too (prompt logprobs), in row order."""
         t_start = time.perf_counter()
         if bounds is None:
             bounds = self.plan(batch)
@@ -202,12 +205,17 @@ class ModelRunner:
                 merged = hidden[0][:real[0]] if len(hidden) == 1 else torch.cat([h[:n] for h, n in zip(hidden, real)])
                 idx = batch.logits_indices  # increasing token indices: all T of them is every token, in order
                 logits = self.model.compute_logits(merged if len(idx) == len(merged) else merged[idx])  # once a step
+                scored = None
+                if score_rows:
+                    q = batch.qsl_host
+                    tok = np.concatenate([np.arange(q[r], q[r + 1]) for r in score_rows])
+                    scored = self.model.compute_logits(merged[torch.from_numpy(tok).to(merged.device)])
         finally:
             for f in futures:
                 f.cancel()
         # cuts inside a row
         straddling = int(np.isin(bounds[1:-1], batch.qsl_host, invert=True).sum()) if len(bounds) > 2 else 0
-        out = StepOutput(logits, bounds, straddling)
+        out = StepOutput(logits, bounds, straddling, scored)
         if record:
             out.staged = torch.cat([self._staged(f)[:, :n] for f, n in zip(futures, real)], dim=1)
             out.hash_ids = torch.cat([u.hash_ids[:n] for u, n in zip(mbs, real)])

@@ -50,7 +50,7 @@ def generation_route(app: "FastAPI", ctx: "AppContext", path: str, request_model
 
 
 def sampling(ctx: "AppContext", body, prompt_len: int, rename: dict[str, str] | None, logprobs: int | None,
-             j: int) -> "SamplingParams":
+             j: int, prompt_logprobs: int | None = None) -> "SamplingParams":
     """The SamplingParams of choice `j` of a prompt of `prompt_len` tokens (seed + j)."""
     from ..sampling_params import SamplingParams
     kwargs = body.sampling_kwargs()
@@ -66,6 +66,7 @@ def sampling(ctx: "AppContext", body, prompt_len: int, rename: dict[str, str] | 
     if body.seed is not None:
         kwargs["seed"] = _wrap64(body.seed + j)
     kwargs["logprobs"] = logprobs
+    kwargs["prompt_logprobs"] = prompt_logprobs
     try:
         return SamplingParams(**kwargs)
     except (InvalidRequest, TypeError, ValueError) as e:
@@ -73,13 +74,13 @@ def sampling(ctx: "AppContext", body, prompt_len: int, rename: dict[str, str] | 
 
 
 async def start_all(ctx: "AppContext", prompts: list[list[int]], body, rename: dict[str, str] | None,
-                    logprobs: int | None, per_prompt: int) -> list["RequestStream"]:
+                    logprobs: int | None, per_prompt: int, prompt_logprobs: int | None = None) -> list["RequestStream"]:
     """One engine request per (prompt, choice); on any refusal the started ones are aborted."""
     streams = []
     try:
         for ids in prompts:
             for j in range(per_prompt):
-                params = sampling(ctx, body, len(ids), rename, logprobs, j)
+                params = sampling(ctx, body, len(ids), rename, logprobs, j, prompt_logprobs)
                 try:
                     streams.append(await ctx.engine.add_request(ids, params, f"req-{uuid.uuid4().hex}"))
                 except QueueFull as e:  # overloaded: the client may retry
@@ -96,12 +97,14 @@ async def start_all(ctx: "AppContext", prompts: list[list[int]], body, rename: d
 
 
 async def collect_all(ctx: "AppContext", request: "Request", streams) -> list[dict]:
-    """Run every stream to its end: per stream {text, token_ids, lps, finish_reason, error}.
+    """Run every stream to its end: per stream {text, token_ids, lps, prompt_lps, finish_reason, error}.
     ClientGone if the client went away (then all are aborted)."""
     async def run(stream):
-        out = {"text": [], "token_ids": [], "lps": [], "finish_reason": None, "error": None}
+        out = {"text": [], "token_ids": [], "lps": [], "prompt_lps": None, "finish_reason": None, "error": None}
         async for d in stream:
             out["text"].append(d.text)
+            if d.prompt_logprobs is not None:
+                out["prompt_lps"] = d.prompt_logprobs
             if d.token_id is not None:
                 out["token_ids"].append(d.token_id)
                 out["lps"].append((d.logprob, d.top_logprobs or []))

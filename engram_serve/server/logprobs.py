@@ -44,15 +44,26 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def completion_logprobs(token_text: TokenText, ids: list[int], lps: list, offset: int) -> dict:
-    """`lps[i]`: (logprob of ids[i], [(token id, logprob), ...]); `offset`: the text offset of ids[0]."""
+    """`lps[i]`: (logprob of ids[i], [(token id, logprob), ...]), or None where there is none (a prompt's
+    first token: null logprob and null top logprobs); `offset`: the text offset of ids[0]."""
     tokens, offsets = [], []
     for t in ids:
         offsets.append(offset)
         s = token_text(t)[0]
         tokens.append(s)
         offset += len(s)
-    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in lps],
-            "top_logprobs": [{token_text(i)[0]: v for i, v in top} for _, top in lps], "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [None if x is None else x[0] for x in lps],
+            "top_logprobs": [None if x is None else {token_text(i)[0]: v for i, v in x[1]} for x in lps],
+            "text_offset": offsets}
+
+
+def echo_logprobs(token_text: TokenText, prompt_ids: list[int], prompt_lps: list, ids: list[int], lps: list,
+                  gen_offset: int) -> dict:
+    """The logprobs of an echoed choice: every prompt token (from 0), then the generated ones (from
+    `gen_offset`, where the generated text starts)."""
+    head = completion_logprobs(token_text, prompt_ids, prompt_lps, 0)
+    tail = completion_logprobs(token_text, ids, lps, gen_offset)
+    return {k: head[k] + tail[k] for k in head}
 
 
 def chat_logprobs(token_text: TokenText, ids: list[int], lps: list, top_n: int) -> dict:

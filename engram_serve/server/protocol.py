@@ -113,7 +113,7 @@ class _Body(BaseModel):
 class CompletionRequest(_Body):
     prompt: Union[StrictStr, list[StrictStr], TokenIds, list[TokenIds]] = Field(
         ..., description="a string, a list of strings, a list of token ids, or a list of token-id lists")
-    max_tokens: Optional[StrictInt] = Field(16, ge=1, le=2 ** 63 - 1)  # OpenAI's default for completions
+    max_tokens: Optional[StrictInt] = Field(16, ge=0, le=2 ** 63 - 1)  # OpenAI's default; 0 only with echo
     best_of: Optional[StrictInt] = Field(None, ge=1, le=MAX_N)
     echo: StrictBool = False
     logprobs: Optional[StrictInt] = Field(None, ge=0, le=20)

@@ -276,6 +276,14 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class TokenizerInfo(BaseModel):
+    tokenizer_class: str
+    eos_token: Optional[str]
+    bos_token: Optional[str]
+    pad_token: Optional[str]
+    model_max_length: int
+
+
 class VersionResponse(BaseModel):
     version: str
 

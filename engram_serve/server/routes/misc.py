@@ -1,4 +1,5 @@
-"""GET /v1/models and /v1/models/{id}; POST /tokenize and /detokenize; GET /version and /health."""
+"""GET /v1/models and /v1/models/{id}; POST /tokenize and /detokenize, GET /tokenizer_info (vLLM's shapes:
+evaluation harnesses such as lm-evaluation-harness tokenize through them); GET /version and /health."""
 # (no `from __future__ import annotations`: FastAPI reads an endpoint's `request: Request` annotation
 # as a class, and that class is imported inside the function that defines the endpoint)
 
@@ -50,6 +51,13 @@ def register(app: "FastAPI", ctx: "AppContext") -> None:
                 raise ApiError(400, f"tokens.{i}: token id {t} is outside the tokenizer's ids [0, {ctx.num_ids})",
                                f"tokens.{i}")
         return JSONResponse({"prompt": ctx.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+
+    @app.get("/tokenizer_info", response_model=P.TokenizerInfo, responses=ERRORS)
+    async def tokenizer_info():
+        cfg = ctx.engine.engine.loaded.config
+        text = lambda i: ctx.tokenizer.id_to_token(i)  # noqa: E731
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": text(cfg.eos_token_id),
+                "bos_token": text(cfg.bos_token_id), "pad_token": None, "model_max_length": ctx.max_len}
 
     @app.get("/version", response_model=P.VersionResponse, responses=ERRORS)
     async def version():

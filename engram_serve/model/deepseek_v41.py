@@ -281,6 +281,7 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.role = cfg, role
         h, hd, og = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
+        self.heads, self.groups = h, og  # this module's heads and output groups (a tensor-parallel shard's own)
         self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.wq_b = Linear(cfg.q_lora_rank, h * hd)
@@ -297,7 +298,7 @@ class Attention(nn.Module):
         """x [T, D] -> [T, D]. rope_cs: this layer kind's cos, sin at the tokens' positions; entry_cs: at the
         first position of the entry each token completes (compressed layers)."""
         cfg, role, plan, t = self.cfg, self.role, step.plan, x.shape[0]
-        h, hd = cfg.num_attention_heads, cfg.head_dim
+        h, hd = self.heads, cfg.head_dim
         qr = self.q_norm(linear(x, self.wq_a.weight))  # [T, ql]
         q = rope(linear(qr, self.wq_b.weight).view(t, h, hd), *rope_cs)  # [T, H, hd]
         kv = rope(self.kv_norm(linear(x, self.wkv.weight)), *rope_cs)  # [T, hd]
@@ -316,9 +317,9 @@ class Attention(nn.Module):
             keys = torch.cat([keys, step.cache.entries[role.kv_source][picked]], 1)
             ok = torch.cat([ok, topk >= 0], 1)
         o = attend(q, keys, ok, self.attn_sink, hd ** -0.5)  # [T, H, hd]
-        o = rope(o, *rope_cs, inverse=True).reshape(t, cfg.o_groups, -1)
+        o = rope(o, *rope_cs, inverse=True).reshape(t, self.groups, -1)
         ol = cfg.o_lora_rank
-        u = torch.cat([linear(o[:, g], self.wo_a.weight[g * ol:(g + 1) * ol]) for g in range(cfg.o_groups)], 1)
+        u = torch.cat([linear(o[:, g], self.wo_a.weight[g * ol:(g + 1) * ol]) for g in range(self.groups)], 1)
         return linear(u, self.wo_b.weight)
 
     def _compress(self, x: torch.Tensor, step: V41Step, entry_cs) -> None:
@@ -404,8 +405,9 @@ class MoE(nn.Module):
         gu = torch.cat([linear(x, s.w1.weight), linear(x, s.w3.weight)], 1)
         return linear(swiglu(gu, self.inter, self.cfg.swiglu_limit), s.w2.weight)
 
-    def stages(self, x: torch.Tensor) -> Generator[str, None, torch.Tensor]:
-        """Yields at dispatch and combine (the expert-parallel overlap points); returns [N, D]."""
+    def stages(self, x: torch.Tensor, ctx=None) -> Generator[str, None, torch.Tensor]:
+        """Yields at dispatch and combine (the expert-parallel overlap points; `ctx`, the runner's
+        ForwardContext, is for an expert-parallel shard's collective); returns [N, D]."""
         n, k = x.shape[0], self.cfg.num_experts_per_tok
         ids, w = self.route(x)
         flat = ids.reshape(-1)
@@ -504,7 +506,7 @@ class DeepseekV41(nn.Module):
             a = yield from collective_point(a, blk.attn.wo_b, STAGE_ATTN, step.ctx)
             x = expand(a, x, post_a, comb_a)
             pre_f, post_f, comb_f = hyper_mix(x, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale, cfg)
-            f = yield from blk.ffn.stages(blk.ffn_norm(collapse(x, pre_a)))
+            f = yield from blk.ffn.stages(blk.ffn_norm(collapse(x, pre_a)), step.ctx)
             x = expand(f, x, post_f, comb_f)
             pre = pre_f
         return self.norm(collapse(x, pre))

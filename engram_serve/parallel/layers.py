@@ -4,7 +4,7 @@ calls them exactly as it calls the unsharded layers. Every matmul goes through t
 
 A module whose output is a per-rank partial sum exposes `launch_reduce(x, ctx)`: the model launches
 the cross-rank sum at its next stage boundary and waits on it when the microbatch resumes
-(`model._collective_point`), so the other microbatch computes while the sum is in flight.
+(`deepseek_v41.collective_point`), so the other microbatch computes while the sum is in flight.
 """
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from collections.abc import Generator
 import torch
 from torch import nn
 
-from ..model.context import MOE_COMBINE, MOE_DISPATCH, ForwardContext
-from ..model.layers import Linear, MoE
-from .collectives import COMM, COMM_ENGRAM, PendingSum, launch_sum, sum_now
+from ..model import deepseek_v41 as v41
+from ..model.context import ForwardContext
+from ..model.layers import Linear, linear
+from .collectives import COMM, COMM_ENGRAM, PendingSum, launch_sum
 from .group import ParallelGroup
 
 
@@ -26,25 +27,24 @@ def _split(n: int, world: int, rank: int, what: str) -> tuple[int, int]:
     return rank * part, (rank + 1) * part
 
 
-def column_parallel_qkv(attn, rank: int, world: int) -> None:
-    """Split an attention's fused q/k/v projection by heads in place: rank r keeps its slice of the q
-    heads, of the kv heads and of the v heads (each GQA group stays on one rank), fused again."""
-    parts = []
-    for w, what in zip(attn.split_qkv(attn.qkv_proj.weight.detach()), ("q heads", "kv heads", "kv heads")):
-        lo, hi = _split(w.shape[0], world, rank, what)
-        parts.append(w[lo:hi])
-    attn.qkv_proj = Linear(attn.qkv_proj.in_features, sum(p.shape[0] for p in parts))
-    attn.qkv_proj.weight = nn.Parameter(torch.cat(parts), requires_grad=False)
-    attn.heads, attn.kv_heads = attn.heads // world, attn.kv_heads // world
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t.detach().clone(), requires_grad=False)
 
 
-def column_parallel_mlp(mlp, rank: int, world: int) -> None:
-    """Split a dense MLP's fused gate/up projection `gate_up` [2, I, H] by its OUTPUT dimension I in place:
-    rank r keeps rows [lo, hi) of both the gate and the up projection (no collective follows: its slice
-    of the activations feeds the RowParallelLinear down projection)."""
-    lo, hi = _split(mlp.intermediate, world, rank, "intermediate_size")
-    mlp.gate_up = nn.Parameter(mlp.gate_up.detach()[:, lo:hi].clone(), requires_grad=False)
-    mlp.intermediate = hi - lo
+def shard_attention(attn, group: "ParallelGroup", name: str) -> None:
+    """Split an attention module by heads in place: rank r keeps heads [r*H/N, (r+1)*H/N) (its rows of `wq_b`,
+    its `attn_sink` entries) and with them whole output groups (consecutive heads: its rows of the
+    block-diagonal `wo_a`); `wo_b` becomes row-parallel over those groups' columns, a cross-rank sum. The
+    MQA latent (`wq_a`, `q_norm`, `wkv`, `kv_norm`), the compressor and the indexer stay replicated."""
+    cfg, world, rank = attn.cfg, group.world, group.rank
+    h0, h1 = _split(attn.heads, world, rank, "num_attention_heads")
+    g0, g1 = _split(attn.groups, world, rank, "o_groups")
+    hd, ol = cfg.head_dim, cfg.o_lora_rank
+    attn.wq_b.weight = _param(attn.wq_b.weight[h0 * hd:h1 * hd])
+    attn.attn_sink = _param(attn.attn_sink[h0:h1])
+    attn.wo_a.weight = _param(attn.wo_a.weight[g0 * ol:g1 * ol])
+    attn.wo_b = RowParallelLinear(attn.wo_b, group, name, (g0 * ol, g1 * ol))
+    attn.heads, attn.groups = h1 - h0, g1 - g0
 
 
 class _SumsAcrossRanks:
@@ -57,14 +57,14 @@ class _SumsAcrossRanks:
 
 
 class RowParallelLinear(_SumsAcrossRanks, Linear):
-    """y_r = x[:, lo:hi] @ W[:, lo:hi].T: the INPUT dimension is split (rank r holds input columns
-    [lo, hi) and receives that slice of x). The outputs are partial sums; a cross-rank sum follows
+    """y_r = x_r @ W[:, lo:hi].T: the INPUT dimension is split (rank r holds input columns [lo, hi) and
+    computes on its own slice of the activations). The outputs are partial sums; a cross-rank sum follows
     (all-gather + rank-ordered sum, `launch_reduce`), launched at the caller's next stage boundary."""
 
-    def __init__(self, full: nn.Linear, group: ParallelGroup, name: str):
-        lo, hi = _split(full.in_features, group.world, group.rank, "in_features")
+    def __init__(self, full: nn.Linear, group: ParallelGroup, name: str, cols: tuple[int, int] | None = None):
+        lo, hi = cols or _split(full.in_features, group.world, group.rank, "in_features")
         super().__init__(hi - lo, full.out_features)
-        self.weight = nn.Parameter(full.weight.detach()[:, lo:hi].clone(), requires_grad=False)
+        self.weight = _param(full.weight[:, lo:hi])
         self.group, self.reduce_name = group, name
 
 
@@ -77,70 +77,60 @@ class PartialInputLinear(_SumsAcrossRanks, Linear):
 
     def __init__(self, full: nn.Linear, group: ParallelGroup, name: str):
         super().__init__(full.in_features, full.out_features)
-        self.weight = nn.Parameter(full.weight.detach().clone(), requires_grad=False)
+        self.weight = _param(full.weight)
         self.group, self.reduce_name = group, name
 
 
-def head_mean_hook(group: ParallelGroup, total_heads: int):
-    """For an index-selecting attention layer: the head-mean of q.k over ALL heads, from this rank's
-    sum over its own heads (a synchronous cross-rank sum, same order rule)."""
-    def head_mean(local_sum: torch.Tensor) -> torch.Tensor:
-        return sum_now(group, local_sum.contiguous(), "index scores") / total_heads
-    return head_mean
+class ExpertParallelMoE(v41.MoE):
+    """The MoE split across ranks: rank r holds routed experts [lo, hi) and the columns [i0, i1) of the shared
+    expert's intermediate dimension. The router is replicated, so every rank routes every token the same
+    way; each rank runs the (token, expert) pairs of its own experts and its slice of the shared expert,
+    and adds them into a partial [N, D] (its experts in ascending order, then its shared slice); the
+    rank-ordered cross-rank sum of the partials is launched before the "moe_combine" stage and awaited
+    after it. A token's chain of additions is fixed per token, so a cut does not change its bits."""
 
-
-class ExpertParallelMoE(MoE):
-    """Experts split across ranks: rank r holds experts [lo, hi) (the EXPERT dimension of the fused
-    w_in [E, 2, I, H] and w_out [H, E, I] is split). The router is replicated, so every rank routes every token the same way; each
-    rank runs only the (token, expert) pairs of its own experts and combines them into a partial
-    [N, hidden]; the cross-rank sum of the partials follows (launched before the "moe_combine" stage,
-    awaited after it). A token's result is the same chain of additions as the unsharded MoE's
-    index_add (pairs in expert order), so expert parallelism does not change its bits."""
-
-    def __init__(self, full: MoE, group: ParallelGroup):
-        lo, hi = _split(full.num_experts, group.world, group.rank, "n_routed_experts")
+    def __init__(self, full: v41.MoE, group: ParallelGroup, name: str):
         nn.Module.__init__(self)
-        self.num_experts, self.top_k = full.num_experts, full.top_k
-        self.hidden, self.intermediate = full.hidden, full.intermediate
-        self.lo, self.num_local, self.group = lo, hi - lo, group
-        self.router = full.router
-        self.w_in = nn.Parameter(full.w_in.detach()[lo:hi].clone(), requires_grad=False)
-        self.w_out = nn.Parameter(full.w_out.detach()[:, lo:hi].clone(), requires_grad=False)
+        cfg = full.cfg
+        lo, hi = _split(cfg.n_routed_experts, group.world, group.rank, "n_routed_experts")
+        i0, i1 = _split(full.inter, group.world, group.rank, "moe_intermediate_size")
+        self.cfg, self.inter, self.lo, self.num_local = cfg, full.inter, lo, hi - lo
+        self.group, self.reduce_name = group, name
+        self.gate = full.gate
+        self.w13 = _param(full.w13[lo:hi])
+        self.w2 = _param(full.w2[lo:hi])
+        s = full.shared_experts
+        self.shared_experts = nn.Module()
+        self.shared_experts.w1, self.shared_experts.w3 = Linear(cfg.hidden_size, i1 - i0), Linear(cfg.hidden_size, i1 - i0)
+        self.shared_experts.w2 = Linear(i1 - i0, cfg.hidden_size)
+        self.shared_experts.w1.weight = _param(s.w1.weight[i0:i1])
+        self.shared_experts.w3.weight = _param(s.w3.weight[i0:i1])
+        self.shared_experts.w2.weight = _param(s.w2.weight[:, i0:i1])
+        self.shared_inter = i1 - i0
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.shared_experts
+        gu = torch.cat([linear(x, s.w1.weight), linear(x, s.w3.weight)], 1)
+        return linear(v41.swiglu(gu, self.shared_inter, self.cfg.swiglu_limit), s.w2.weight)
 
     def stages(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> Generator[str, None, torch.Tensor]:
-        n, k, e_loc = x.shape[0], self.top_k, self.num_local
-        ids, w, _ = self.route(x)  # [N, k] global expert ids, identical on every rank
+        k, e_loc = self.cfg.num_experts_per_tok, self.num_local
+        ids, w = self.route(x)  # [N, k] global expert ids, identical on every rank
         loc = ids - self.lo
-        own = (loc >= 0) & (loc < e_loc)
-        key = torch.where(own, loc, torch.full_like(loc, e_loc)).reshape(-1)  # [N*k]; other ranks' pairs last
+        key = torch.where((loc >= 0) & (loc < e_loc), loc, e_loc).reshape(-1)  # [N*k]; other ranks' pairs last
         order = torch.argsort(key, stable=True)
-        counts = torch.bincount(key, minlength=e_loc + 1).tolist()  # one host read (eager path)
-        m = sum(counts[:e_loc])
-        order = order[:m]
-        tok = order // k  # [m] source token of each local pair
-        w_sorted = w.reshape(-1)[order].to(x.dtype)
-        xs = ys = None
-        if ctx is not None:
-            xs = ctx.bufs.scratch_view(MOE_DISPATCH, n * k)
-            ys = ctx.bufs.scratch_view(MOE_COMBINE, n * k)
-        if xs is not None and ys is not None:
-            xs, ys = xs[:m], ys[:m]
-            torch.index_select(x, 0, tok, out=xs)
-            ctx.touch(MOE_DISPATCH, xs)
-        else:
-            xs, ys = x[tok], torch.empty(m, x.shape[1], dtype=x.dtype, device=x.device)
-        yield "moe_dispatch"
-        if ctx is not None:
-            ctx.touch(MOE_DISPATCH, xs)
-        a = 0
+        counts = torch.bincount(key, minlength=e_loc + 1).tolist()  # one host read
+        order = order[:sum(counts[:e_loc])]
+        tok = torch.div(order, k, rounding_mode="floor")
+        xs = x[tok]
+        yield v41.STAGE_MOE_DISPATCH
+        parts, start = [], 0
         for e in range(e_loc):  # a loop over local experts, never over tokens
-            b = a + counts[e]
-            if b > a:
-                ys[a:b].copy_(self._expert(e, xs[a:b]))  # local expert e (the unsharded MoE's own math)
-            a = b
-        if ctx is not None:
-            ctx.touch(MOE_COMBINE, ys)
-        partial = torch.zeros_like(x).index_add(0, tok, ys * w_sorted[:, None])  # [N, hidden]
-        pending = launch_sum(self.group, partial, ctx, "moe_combine")
-        yield "moe_combine"
+            if counts[e]:
+                parts.append(self.expert(e, xs[start:start + counts[e]]))
+            start += counts[e]
+        ys = torch.cat(parts) if parts else xs
+        partial = torch.zeros_like(x).index_add_(0, tok, ys * w.reshape(-1)[order][:, None]) + self.shared(x)
+        pending = launch_sum(self.group, partial, ctx, self.reduce_name)
+        yield v41.STAGE_MOE_COMBINE
         return pending.wait()

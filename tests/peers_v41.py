@@ -3,7 +3,7 @@
 Install them (two steps; the second keeps NeMo's training stack, megatron-fsdp, torchao,
 mistral-common and the like, out of the environment, and neither step touches torch):
 
-    pip install -e '.[test,peers]'
+    pip install -e '.[test]'
     pip install --no-deps nemo-automodel==0.7.0
 
 On top of `.[test]` that is transformers 5.18.0, mlx-lm, mlx's CPU wheel and NeMo Automodel: about
@@ -38,7 +38,7 @@ import numpy as np
 import pytest
 import torch
 
-INSTALL = "pip install -e '.[test,peers]' && pip install --no-deps nemo-automodel==0.7.0"
+INSTALL = "pip install -e '.[test]' && pip install --no-deps nemo-automodel==0.7.0"
 NEMO_VERSION = "0.7.0"
 MLX_LM_VERSION = "0.32.2"
 

@@ -108,3 +108,23 @@ def test_openai_client_echo_logprobs_scores_the_prompt(server, loaded):
 def test_max_tokens_zero_needs_echo(server):
     r = httpx.post(server.base_url + "/v1/completions", json={"model": "engram-test", "prompt": "x", "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_non_finite_prompt_logits_end_only_that_request(loaded, monkeypatch):
+    """A request whose prompt logits are NaN ends with an error (no NaN reaches its output); its batch mate
+    is untouched."""
+    llm = LLM(loaded, max_num_seqs=4)
+    mate = llm.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0))[0].token_ids
+    real = llm.engine.runner.execute
+
+    def poisoned(batch, bounds=None, record=False, score_rows=None):
+        out = real(batch, bounds, record, score_rows)
+        if out.scored is not None:
+            out.scored[:] = float("nan")
+        return out
+
+    monkeypatch.setattr(llm.engine.runner, "execute", poisoned)
+    bad, good = llm.generate([list(range(60, 70)), PROMPT], [SamplingParams(max_tokens=0, prompt_logprobs=1),
+                                                            SamplingParams(max_tokens=3, temperature=0)])
+    assert bad.finish_reason == "error" and bad.prompt_logprobs is None and "non-finite" in bad.error
+    assert good.token_ids == mate

@@ -245,9 +245,12 @@ class LLMEngine:
         self.scheduler.update(out)  # rows of sequences ended above are skipped
         self._account(rows, result)
         if result.scored is not None:
-            self._prompt_logprobs(rows, result.scored)
+            events += self._prompt_logprobs(rows, result.scored)
         sampled = [r.seq for r, flag in zip(rows, sample) if flag]
         logits = result.logits
+        if len(events) and any(s.request_id not in self.seqs for s in sampled):  # ended above: not sampled
+            keep = [i for i, s in enumerate(sampled) if s.request_id in self.seqs]
+            sampled, logits = [sampled[i] for i in keep], logits[keep]
         if any(s.params.max_tokens == 0 for s in sampled):  # the prompt scored alone: nothing to sample
             keep = [i for i, s in enumerate(sampled) if s.params.max_tokens]
             events += [self._finish(s, "length") for s in sampled if not s.params.max_tokens]
@@ -260,9 +263,10 @@ class LLMEngine:
                 ev.prompt_logprobs = seq.prompt_logprobs
         return StepResult(events, out, result, [r.seq.request_id for r in rows], sample)
 
-    def _prompt_logprobs(self, rows, scored: torch.Tensor) -> None:
+    def _prompt_logprobs(self, rows, scored: torch.Tensor) -> list[TokenEvent]:
         """Store the prompt logprobs of the scored rows (run's `score`, in row order): the logits at position p
-        give token p + 1's logprob and the top ones, log-softmax as the sampler computes it; one transfer."""
+        give token p + 1's logprob and the top ones, log-softmax as the sampler computes it; one transfer. A
+        request whose scored logits are not finite ends with an error (its events), as a sampled one does."""
         rows = [r for r in rows if r.seq.prompt_logprobs is not None and r.num_computed < r.seq.num_prompt_tokens]
         x = scored[:, : self.num_token_ids]
         k = max(r.seq.params.prompt_logprobs for r in rows)
@@ -273,10 +277,16 @@ class LLMEngine:
         if k:
             vals, ids = x.topk(k, dim=1)
             cols += [ids.double(), (vals - lse[:, None]).double()]
+        cols.append(torch.isfinite(x).all(1)[:, None].double())
         host = torch.cat(cols, 1).cpu().numpy()
-        t = 0
+        t, events = 0, []
         for r in rows:
             seq, want = r.seq, r.seq.params.prompt_logprobs
+            if not host[t:t + r.num_new, -1].all():
+                t += r.num_new
+                self.stats.errors += 1
+                events.append(self._finish(seq, "error", "non-finite logits (NaN or Inf) for this request"))
+                continue
             for p in range(r.num_computed, r.num_computed + r.num_new):
                 if p + 1 < seq.num_prompt_tokens:
                     top = [(int(i), float(v)) for i, v in zip(host[t, 1:1 + want], host[t, 1 + k:1 + k + want])]
@@ -285,6 +295,7 @@ class LLMEngine:
             if r.num_computed + r.num_new >= seq.num_prompt_tokens and not seq.prompt_logprobs_sent:
                 self._scored[seq.request_id] = seq  # complete: delivered with the request's next event
                 seq.prompt_logprobs_sent = True  # (a recompute after preemption computes the same values)
+        return events
 
     def _culprits(self, rows, sample, run, error: Exception) -> list[int]:
         """The rows that make the forward raise. Halves are re-run (whole, outputs discarded: a row's

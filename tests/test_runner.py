@@ -53,7 +53,7 @@ def test_logits_bit_identical_at_every_cut_offset_for_two_and_three_microbatches
         assert torch.equal(r.execute(b, bounds).logits, whole), bounds
 
 
-@pytest.mark.parametrize("cls,name", [(SharedTopk, "topk_idx"), (SharedStaging, "staging")])
+@pytest.mark.parametrize("cls,name", [(SharedTopk, "'topk'"), (SharedStaging, "'staging'")])
 def test_ownership_check_names_a_shared_buffer(loaded, cls, name):
     r, b = runner_and_batch(loaded, cls, debug_ownership=True)
     with pytest.raises(OwnershipError, match=f"{name}.*microbatch 0.*microbatch 1"):
@@ -72,32 +72,34 @@ def test_shared_staging_without_the_check_gives_wrong_logits(loaded):
 def test_a_microbatch_that_raises_ends_the_step_fast_and_the_runner_recovers(loaded, monkeypatch):
     r, b = runner_and_batch(loaded)
     whole = r.execute(b, [0, b.num_tokens], record=True)
-    mlp = r.model.layers[2].mlp
-    real = mlp.forward
+    moe = r.model.layers[2].ffn
+    real = moe.shared
     calls = {"n": 0}
 
     def flaky(x):
         calls["n"] += 1
-        if calls["n"] == 2:  # the second microbatch's layer-2 MLP
+        if calls["n"] == 2:  # the second microbatch's layer-2 shared expert
             raise RuntimeError("injected failure in microbatch 1")
         return real(x)
 
-    monkeypatch.setattr(mlp, "forward", flaky)
+    monkeypatch.setattr(moe, "shared", flaky)
     t = time.monotonic()
     with pytest.raises(RuntimeError, match="injected failure"):
         r.execute(b, [0, 40, b.num_tokens])
     assert time.monotonic() - t < 1.0
-    monkeypatch.setattr(mlp, "forward", real)
+    monkeypatch.setattr(moe, "shared", real)
     again = r.execute(b, [0, 40, b.num_tokens])
     assert torch.equal(again.logits, whole.logits)
 
 
 def test_static_shape_forward_used_by_graph_capture_matches_eager(loaded):
-    """The capture-safe path that CUDA graphs record (fixed query/key bounds, MoE without host reads
-    of expert counts) gives the eager result; run here on CPU over padded static buffers."""
+    """The forward with the static bound a graph capture passes (`max_seq_len`: the compressed-entry
+    width fixed by the model length, not read from the positions) gives the eager result; run here on CPU
+    over padded static buffers."""
     from engram_serve.engram.hashing import hash_step
     from engram_serve.inputs.static import StaticInputPool
     from engram_serve.model.context import ForwardContext
+    from engram_serve.model.deepseek_v41 import run_stages
     r, b = runner_and_batch(loaded)
     r.execute(b, [0, b.num_tokens])  # prefill the KV cache
     r.store.append(b.req_slots, torch.full((3,), 77))
@@ -107,9 +109,9 @@ def test_static_shape_forward_used_by_graph_capture_matches_eager(loaded):
     view.hash_ids = hash_step(view.input_ids, view.qsl, view.history, r.layout, r.token_map, r.pad_id, dead=view.dead)
     staging = r.bufs[0].staging[:, :8]
     r._stage_rows(view.hash_ids, staging, dec.num_tokens)
-    eager = r.model.forward_step(ForwardContext(view, r.kv, r.bufs[0], lambda i: staging[i]))
-    static = r.model.forward_step(ForwardContext(view, r.kv, r.bufs[0], lambda i: staging[i], max_query_len=1,
-                                                 max_seq_len=256))
+    eager = run_stages(r.model.stages(ForwardContext(view, r.kv, r.bufs[0], lambda i: staging[i])))
+    static = run_stages(r.model.stages(ForwardContext(view, r.kv, r.bufs[0], lambda i: staging[i], max_query_len=1,
+                                                      max_seq_len=256)))
     assert torch.equal(eager[:3], static[:3]) and torch.isfinite(static).all()
 
 

@@ -237,7 +237,7 @@ def run_verify(args: argparse.Namespace) -> int:
     else:
         print(format_table(res["cases"]))
         c = res["coverage"]
-        print(f"\nDeepSeek-V4.1 state exercised (longest prompt {res['longest_prompt']} tokens): {c['pair_cuts']} "
+        print(f"\nDeepSeek-V4.1 state exercised (longest prompt {res['longest_prompt']} tokens): {c['pair_bounds']} "
               f"microbatch cuts and {c['pair_chunks']} prefill chunks inside a ratio-2 pair, {c['prefix_hits']} "
               f"prefix-cache hits ({c['pair_prefix_hits']} inside a pair), {c['preemptions']} preemptions; tokens past "
               f"the window {c['past_window']}, with a selecting top-k {c['selecting']}, restricted by candidate "

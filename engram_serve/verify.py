@@ -28,7 +28,7 @@ from .sampling_params import SamplingParams
 
 GRAPH_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
 PAIR_BLOCK = 5  # the odd block size of the prefix-cache case: a cached prefix of an odd block count ends inside a pair
-MAX_CUTS = 96  # the first-step cut sweep covers every offset of a row up to this many, else this many spread over it
+MAX_BOUNDARIES = 96  # the first-step cut sweep covers every offset of a row up to this many, else this many spread over it
 
 
 @dataclass
@@ -67,7 +67,7 @@ def long_prompt_len(cfg: ModelConfig, gen_tokens: int) -> int:
 @dataclass
 class Coverage:
     """How often one run met DeepSeek-V4.1's hard places, counted over what it computed:
-    `pair_cuts`: microbatch cuts whose first token closes a ratio-2 pair opened in the microbatch before;
+    `pair_bounds`: microbatch cuts whose first token closes a ratio-2 pair opened in the microbatch before;
     `pair_chunks`: prefill chunks (after a request's first) that start inside a ratio-2 pair;
     `prefix_hits`, `pair_prefix_hits`: requests started from a cached prefix, and those whose cached
     prefix ends inside a ratio-2 pair; `past_window`: tokens at positions >= sliding_window;
@@ -75,7 +75,7 @@ class Coverage:
     `restricted`: tokens whose later index sources see more entries than the candidate blocks cover.
     The ratio-2 counts stay 0 for a model without ratio-2 layers."""
 
-    pair_cuts: int = 0
+    pair_bounds: int = 0
     pair_chunks: int = 0
     prefix_hits: int = 0
     pair_prefix_hits: int = 0
@@ -92,7 +92,7 @@ class Coverage:
         pos = np.concatenate([np.arange(r.num_computed, r.num_computed + r.num_new) for r in rows])
         qsl = np.concatenate([[0], np.cumsum(num_new)])
         inner = [b for b in bounds[1:-1] if b not in qsl]  # cuts inside a row: token b continues token b - 1
-        self.pair_cuts += int(pairs and sum(pos[b] % 2 for b in inner))
+        self.pair_bounds += int(pairs and sum(pos[b] % 2 for b in inner))
         for r in rows:
             s, start = r.seq, r.num_computed
             if start and done.get(id(s)) == start:  # a later chunk of the same run of the request
@@ -245,12 +245,12 @@ def cases(base: RunnerConfig, first_qsl: np.ndarray) -> list[tuple[str, RunnerCo
     out.append(("preemption and recompute (small KV pool), 2 microbatches",
                 microbatched(2, "tokens", num_blocks=base.max_blocks_per_seq + 2), None, False))
     r = int(np.argmax(np.diff(first_qsl)))  # sweep the cuts inside the longest first-step row
-    for c in cut_offsets(int(first_qsl[r]), int(first_qsl[r + 1])):
+    for c in boundary_offsets(int(first_qsl[r]), int(first_qsl[r + 1])):
         out.append((f"first step cut at token {c}", microbatched(2, "tokens"), [0, c, int(first_qsl[-1])], False))
     return out
 
 
-def cut_offsets(start: int, end: int, limit: int = MAX_CUTS) -> list[int]:
+def boundary_offsets(start: int, end: int, limit: int = MAX_BOUNDARIES) -> list[int]:
     """Every token offset strictly inside [start, end), or `limit` of them spread evenly over a longer row
     (a pair's first and second tokens alike: the spacing is odd)."""
     inside = end - start - 1

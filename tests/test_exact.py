@@ -95,7 +95,7 @@ def test_negative_control_without_the_batch_invariance_rules_logits_differ(loade
     assert not torch.equal(alone, batched)
 
 
-@pytest.mark.parametrize("spec", ["none", "-attention"])
+@pytest.mark.parametrize("spec", ["none", "-linear"])
 def test_the_torch_forms_keep_the_rules_and_their_negative_control_fails(loaded, spec):
     """With the C kernels switched off (engram_serve/kernels.py), the torch forms run (padded matmul calls,
     `pointwise`, the chunked attention kernels) and keep the bit-exact claim on their own; with every

@@ -44,8 +44,8 @@ def test_verify_passes_on_every_case_and_meets_every_hard_place(loaded):
     cfg = loaded.config
     assert res["longest_prompt"] > max(cfg.sliding_window, cfg.index_topk * 2,
                                        cfg.candidate_topk_blocks * cfg.candidate_block_size)
-    assert by_name["first step cut at token 7"]["pair_cuts"] == 1  # position 7 closes the pair {6, 7}
-    assert by_name["first step cut at token 8"]["pair_cuts"] == 0
+    assert by_name["first step cut at token 7"]["pair_bounds"] == 1  # position 7 closes the pair {6, 7}
+    assert by_name["first step cut at token 8"]["pair_bounds"] == 0
     assert by_name["prefill chunk 3, 2 microbatches"]["pair_chunks"] > 0
     assert by_name[PREFIX_IN_PAIR]["pair_prefix_hits"] > 0
     assert by_name["reused prefix (prefix cache), 2 microbatches"]["pair_prefix_hits"] == 0  # even blocks
@@ -90,5 +90,5 @@ def test_verify_passes_on_the_shipped_trained_model():
     assert res["passed"], {k: v for k, v in res.items() if k != "cases"}
     assert res["straddling_rows"] > 0 and res["max_abs_logit_diff"] == 0.0
     c = res["coverage"]
-    assert min(c["pair_cuts"], c["pair_prefix_hits"], c["past_window"], c["selecting"], c["restricted"],
+    assert min(c["pair_bounds"], c["pair_prefix_hits"], c["past_window"], c["selecting"], c["restricted"],
                c["preemptions"]) > 0, c

@@ -254,9 +254,9 @@ def _share_model(engram: dict, tables, tmap):
     from ..engram.token_map import load_tokenizer
     from ..model.layers import layout_weights_
     from ..model.loader import TINY_DIR, LoadedModel
-    from ..model.model import EngramModel, init_weights
-    cfg = ModelConfig.from_dict({**read_json(TINY_DIR / "config.json"), **engram})
-    model = layout_weights_(init_weights(EngramModel(cfg), 0)).requires_grad_(False).eval()
+    from ..model.deepseek_v41 import DeepseekV41, init_weights
+    cfg = ModelConfig.from_dict({**read_json(TINY_DIR / "config.json")["text_config"], **engram})
+    model = layout_weights_(init_weights(DeepseekV41(cfg), 0)).requires_grad_(False).eval()
     return LoadedModel(cfg, model, tables, build_layout(cfg.engram), load_tokenizer(TINY_DIR / "tokenizer.json"),
                        tmap, TINY_DIR)
 

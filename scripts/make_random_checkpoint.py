@@ -1,12 +1,14 @@
-"""Write a deterministic random Engram checkpoint (config.json, model.safetensors, tokenizer.json).
+"""Write a deterministic random DeepSeek-V4.1 checkpoint in the official layout (config.json, a shard index
+and its shards, tokenizer.json): engram_serve.model.loader.make_random_checkpoint.
 
     python scripts/make_random_checkpoint.py --out DIR [--seed 0] [--config PATH] [--tokenizer PATH]
 """
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from engram_serve.model.loader import WEIGHTS_FILE, make_random_checkpoint
+from engram_serve.model.loader import make_random_checkpoint
 
 
 def main() -> None:
@@ -14,10 +16,10 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--config", default=None, help="config.json (default: the built-in tiny config)")
-    ap.add_argument("--tokenizer", default=None, help="tokenizer.json (default: beside --config, else the tiny one)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the built-in tiny one)")
     args = ap.parse_args()
-    out = make_random_checkpoint(args.out, args.seed, args.config, args.tokenizer)
-    size = (out / WEIGHTS_FILE).stat().st_size
+    out = make_random_checkpoint(args.out, args.seed, args.config, tokenizer_path=args.tokenizer)
+    size = sum(f.stat().st_size for f in Path(out).glob("*.safetensors"))
     print(f"wrote {out} ({size / 2**20:.1f} MiB of weights)")
 
 

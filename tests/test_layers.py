@@ -180,6 +180,24 @@ def test_small_calls_differ_without_the_row_padding_rule(input_major):
         assert mismatches() > 0
 
 
+@pytest.mark.parametrize("out_f", [5, 6, 7, 9, 11])
+def test_a_row_gets_the_same_bits_at_any_place_of_its_call(out_f):
+    """A router of 5 to 11 experts is such a narrow weight: a row computed alone (at place 0 of its call)
+    equals the same row at any place of a bigger call. Negative control: MKL's own product, padded by the
+    row rule (or not), differs at some place where `position_dependent` says so on this CPU."""
+    g = torch.Generator().manual_seed(out_f)
+    w = exactness.in_major(torch.randn(out_f, 16, generator=g))
+    x = torch.randn(40, 16, generator=g)
+    whole = layers.linear(x, w)
+    assert all(torch.equal(layers.linear(x[s:s + n], w), whole[s:s + n]) for s in range(12) for n in (1, 2, 3, 5))
+    if not exactness.position_dependent(w) or exactness.small_call_kc(w):
+        pytest.skip("MKL gives a row the same bits at every place for this shape on this CPU: nothing to control")
+    m = exactness.min_rows(w)
+    padded = lambda xs: F.linear(F.pad(xs, (0, 0, 0, max(0, m - xs.shape[0]))), w)[:xs.shape[0]]  # noqa: E731
+    full = F.linear(x, w)
+    assert any(not torch.equal(padded(x[s:s + n]), full[s:s + n]) for s in range(12) for n in (1, 2, 3, 5))
+
+
 def _round_f32(q: Fraction) -> np.float32:
     """q rounded to the nearest float32, ties to even (q non-zero and in range)."""
     y = np.float32(float(q))  # float() rounds to float64 first: y is within one float32 step of the answer

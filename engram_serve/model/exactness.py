@@ -19,8 +19,8 @@ process (`first_invariant_rows`: the smallest row count from which every probed 
 the bits of a PROBE_REF-row call). Padding keeps a row's place in its call, so it cannot help where MKL
 gives a row other bits at another place (`position_dependent`: seen for input-major weights of 5 to 7 and
 9 to 11 outputs on an AVX2 CPU, whose every fourth row is summed in another order): such a weight is
-multiplied by `rowwise_linear`, which computes every row by the same operations wherever it sits. The attention's bmm calls get the padding (`bmm_min_rows`). The
-runner pads a small microbatch once to the row count the model's matmuls still need (`pad_rows`: 1
+multiplied by `rowwise_linear`, which computes every row by the same operations wherever it sits. The
+attention's bmm calls get the padding (`bmm_min_rows`). The runner pads a small microbatch once to the row count the model's matmuls still need (`pad_rows`: 1
 where the kernel serves every weight), so that within a step only the sampled rows' logits call may
 still pad. tests/test_layers.py sweeps the rule.
 
@@ -106,13 +106,14 @@ def min_rows(weight: torch.Tensor) -> int:
     return _min_rows[key]
 
 
-POSITION_SHIFTS, POSITION_SIZES = (1, 2, 3, 5, 7, 13), (1, 2, 3, 4, 5, 8, 17)
+POSITION_SHIFTS, POSITION_SIZES = (1, 2, 3, 5, 7, 13), (128, 129, 255)
 
 
 def position_dependent(weight: torch.Tensor) -> bool:
     """Whether `F.linear` with this weight's shape and layout gives a row other bits when the row sits at
     another place of its call: windows rows[s:s + n] of a probe (row i of the full call at place i - s)
-    against the full call. Measured once per shape and layout, like `min_rows`."""
+    against the full call, all bigger than any call the row rule pads (so only the place differs).
+    Measured once per shape and layout, like `min_rows`."""
     if weight.device.type != "cpu":
         return False
     out_f, in_f = weight.shape

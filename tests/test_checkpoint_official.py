@@ -209,7 +209,8 @@ def test_fp8_model_equals_its_float32_conversion_and_generates(official, tmp_pat
 
 def test_verify_passes_on_the_official_checkpoint(official):
     from engram_serve.verify import verify
-    res = verify(load_model(official), seed=1, num_requests=3, gen_tokens=4)
+    res = verify(load_model(official), seed=1, num_requests=3, gen_tokens=4,  # the cut sweep: tests/test_verify.py
+                 only=("microbatches", "prefill chunk", "graph", "reused prefix", "preemption", "at token 7"))
     assert res["passed"], res
     assert res["straddling_rows"] > 0 and res["hash_mismatches"] == 0 and res["row_mismatches"] == 0
 

@@ -3,11 +3,8 @@ and ratio-1 layers, candidate source 4, Engram, mHC): it passes, its workload re
 places (cuts and chunks inside ratio-2 pairs, a prompt past the window and past index_topk entries of every
 ratio, candidate blocks that restrict, preemption, prefix hits inside a pair), and each negative control (a
 protection switched off) makes it fail."""
-import json
-
 import pytest
 
-from engram_serve.cli import main
 from engram_serve.errors import OwnershipError
 from engram_serve.model.loader import load_model, make_random_checkpoint
 from engram_serve.model.writer import SMALL_TEXT_CONFIG, random_v41_checkpoint
@@ -90,7 +87,7 @@ def test_negative_control_stale_padding(loaded):
 
 
 def test_verify_passes_on_the_shipped_trained_model():
-    res = verify(load_model(), seed=0, num_requests=4, gen_tokens=16)
+    res = verify(load_model(), seed=0, num_requests=4, gen_tokens=8)
     assert res["passed"], {k: v for k, v in res.items() if k != "cases"}
     assert res["straddling_rows"] > 0 and res["max_abs_logit_diff"] == 0.0
     c = res["coverage"]
@@ -98,13 +95,14 @@ def test_verify_passes_on_the_shipped_trained_model():
                c["preemptions"]) > 0, c
 
 
-def test_verify_model_dir_sizes_its_workload_from_that_models_config(tmp_path, capsys):
-    """`verify --model DIR` on a model of another shape (window 8, index_topk 4, ratio-2 and ratio-1 layers, a
-    candidate source): the long prompt is sized from its config, and every hard place is met."""
-    path = random_v41_checkpoint(tmp_path / "small", SMALL_TEXT_CONFIG, seed=2)
-    assert main(["verify", "--model", str(path), "--num-requests", "3", "--gen-tokens", "8", "--json"]) == 0
-    res = json.loads(capsys.readouterr().out)
+def test_verify_sizes_its_workload_from_the_models_config(tmp_path):
+    """verify on a checkpoint directory of another shape (window 8, index_topk 4, ratio-2 and ratio-1 layers, a
+    candidate source): the long prompt is sized from that config, and every hard place is met."""
+    loaded = load_model(random_v41_checkpoint(tmp_path / "small", SMALL_TEXT_CONFIG, seed=2))
+    res = verify(loaded, seed=0, num_requests=3, gen_tokens=8,
+                 only=("2 microbatches, tokens", "prefill chunk 3,", PREFIX_IN_PAIR, "preemption", "at token 7"))
     assert res["passed"] and res["max_abs_logit_diff"] == 0.0
+    assert res["longest_prompt"] > max(SMALL_TEXT_CONFIG["sliding_window"], 2 * SMALL_TEXT_CONFIG["index_topk"])
     c = res["coverage"]
     assert min(c["pair_bounds"], c["pair_chunks"], c["pair_prefix_hits"], c["past_window"], c["selecting"],
                c["restricted"], c["preemptions"]) > 0, c

@@ -116,13 +116,15 @@ def test_static_shape_forward_used_by_graph_capture_matches_eager(loaded):
 
 
 class _SlowTables:
-    """Engram tables whose gather takes 50 ms per call, like rows read from disk (wraps the real tables)."""
+    """Engram tables whose gather takes 250 ms per call, like rows read from disk (wraps the real tables):
+    a good share of a step even where the forward of the test's 87 tokens is slow (a loaded machine; the
+    planner hides a gather of at least a quarter of a step)."""
 
     def __init__(self, tables):
         self.inner, self.tables = tables, tables.tables
 
     def gather(self, hash_ids, out):
-        time.sleep(0.05)
+        time.sleep(0.25)
         return self.inner.gather(hash_ids, out)
 
 
@@ -172,7 +174,7 @@ def _slow_after_one_step(r, b):
 
 
 def test_a_whole_step_with_a_slow_gather_overlaps_it_and_waits_for_the_rows(loaded):
-    """A whole step whose gather is measured slow (50 ms here) starts it on the worker, overlapped with
+    """A whole step whose gather is measured slow (250 ms here) starts it on the worker, overlapped with
     the layers before the first Engram layer, and that layer waits for the rows: the bits of the gather
     run inline. Negative control: without the wait, the Engram layers read the staging buffer before
     the rows land (here zeroed, as a buffer's earlier contents), and the logits are wrong."""

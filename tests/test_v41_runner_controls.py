@@ -2,9 +2,9 @@
 per-microbatch buffers, padding), with three protections switched off one at a time; each goes red
 through the real forward, and the same comparison passes with the protection on.
 
-  * the seed's race: ONE top-k buffer shared by both microbatches of a dual-batch-overlap step. The
-    executor runs microbatch 0's index source, then microbatch 1's, which overwrites the shared top-k
-    before microbatch 0's consumer layers read it: wrong logits. With `debug_ownership` the
+  * the shared top-k race (vLLM's failure under dual-batch overlap): ONE top-k buffer for both
+    microbatches. The executor runs microbatch 0's index source, then microbatch 1's, which overwrites the
+    shared top-k before microbatch 0's consumer layers read it: wrong logits. With `debug_ownership` the
     OwnershipTracker names the buffer ('topk') and both microbatches.
   * a compressor that drops the open group at a cut: a token whose ratio-2 partner ran in the microbatch
     before pools with itself. A cut inside a pair changes the logits; the whole step and a cut between
@@ -52,7 +52,7 @@ def runner_and_batch(loaded, runner_cls=ModelRunner, tables=None, **kw):
     return r, b
 
 
-def test_the_seeds_race_a_shared_topk_buffer_gives_wrong_logits_and_is_named(loaded):
+def test_a_topk_buffer_shared_by_both_microbatches_gives_wrong_logits_and_is_named(loaded):
     r, b = runner_and_batch(loaded)
     whole = r.execute(b, [0, b.num_tokens]).logits
     cut = [0, LENS[0], b.num_tokens]  # microbatch 0: the long row; microbatch 1: the two short ones

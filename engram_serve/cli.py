@@ -191,11 +191,13 @@ def _bench_runner(run: Callable[[argparse.Namespace], list[dict]]) -> Callable[[
 def add_verify(sub: argparse._SubParsersAction) -> None:
     from .bench.common import positive_int_list
     p = sub.add_parser("verify", help="check that a seeded workload's results never depend on how steps are cut",
-                       description="Run one seeded workload with whole steps, then with 2 and 3 microbatches "
+                       description="Run one seeded workload (one prompt past the model's window, top-k and "
+                                   "candidate blocks) with whole steps, then with 2 and 3 microbatches "
                                    "under both policies, a boundary swept across every offset of a straddling request, "
-                                   "prefill chunks 1, 3, 17 and unlimited, and graph mode with padding; compare "
-                                   "hash ids, staged rows and logits bit for bit, and greedy tokens. Exit 0 "
-                                   "only if everything matches.")
+                                   "prefill chunks 1, 3, 17 and unlimited, graph mode with padding, preemption and "
+                                   "prefix reuse (an odd block size: hits inside ratio-2 pairs); compare "
+                                   "hash ids, staged rows and logits bit for bit, and greedy tokens, and count the "
+                                   "DeepSeek-V4.1 hard places each case met. Exit 0 only if everything matches.")
     p.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-requests", type=lambda t: positive_int_list(t)[0], default=6, metavar="N")
@@ -234,7 +236,13 @@ def run_verify(args: argparse.Namespace) -> int:
         print(json.dumps(res))
     else:
         print(format_table(res["cases"]))
-        print(f"\n{len(res['cases'])} cases, {res['straddling_rows']} rows straddled a cut; hash mismatches "
+        c = res["coverage"]
+        print(f"\nDeepSeek-V4.1 state exercised (longest prompt {res['longest_prompt']} tokens): {c['pair_bounds']} "
+              f"microbatch cuts and {c['pair_chunks']} prefill chunks inside a ratio-2 pair, {c['prefix_hits']} "
+              f"prefix-cache hits ({c['pair_prefix_hits']} inside a pair), {c['preemptions']} preemptions; tokens past "
+              f"the window {c['past_window']}, with a selecting top-k {c['selecting']}, restricted by candidate "
+              f"blocks {c['restricted']}")
+        print(f"{len(res['cases'])} cases, {res['straddling_rows']} rows straddled a cut; hash mismatches "
               f"{res['hash_mismatches']}, staged-row mismatches {res['row_mismatches']}, max |logit diff| "
               f"{res['max_abs_logit_diff']:.3g} ({res['logit_mismatches']} sampled rows not bit-identical), greedy "
               f"mismatches {res['greedy_mismatches']}: {'PASS' if res['passed'] else 'FAIL'}")

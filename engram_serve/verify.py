@@ -3,6 +3,13 @@
 Compared per token, keyed by (request, absolute position): hash ids, staged Engram rows and the
 logits of sampled positions bit for bit (tolerance 0; the maximum absolute difference is reported),
 and the greedy tokens exactly.
+
+The workload is sized from the model's config so that DeepSeek-V4.1's per-request state is exercised
+where it is hard (docs/deepseek_v41.md): one prompt is longer than the sliding window, than index_topk
+entries of every compress ratio (the top-k really selects) and than the candidate blocks cover (the
+candidate source restricts the later index sources); microbatch cuts and prefill chunks fall inside
+ratio-2 pairs; a small KV pool preempts; a prefix-cache case with an odd block size starts requests
+from a cached prefix that ends inside a pair. Each case reports how often it met these (`Coverage`).
 """
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .config import ModelConfig
 from .engine.llm_engine import EngineStats, LLMEngine
 from .microbatch.plan import MicrobatchConfig
 from .model.loader import LoadedModel
@@ -19,6 +27,8 @@ from .runner.model_runner import ModelRunner, RunnerConfig
 from .sampling_params import SamplingParams
 
 GRAPH_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
+PAIR_BLOCK = 5  # the odd block size of the prefix-cache case: a cached prefix of an odd block count ends inside a pair
+MAX_BOUNDARIES = 96  # the first-step cut sweep covers every offset of a row up to this many, else this many spread over it
 
 
 @dataclass
@@ -27,12 +37,77 @@ class Workload:
     gen_tokens: int
 
     @classmethod
-    def seeded(cls, seed: int, num_requests: int, vocab: int, gen_tokens: int = 16) -> "Workload":
-        """Prompt lengths from 1 to 70 tokens (so rows straddle cuts); ids avoid the first 6 (special) ids."""
+    def seeded(cls, seed: int, num_requests: int, vocab: int, gen_tokens: int = 16,
+               long_prompt: int = 40) -> "Workload":
+        """Prompt lengths from 1 to 70 tokens (so rows straddle cuts), the first at least `long_prompt`;
+        one prompt caches an odd number of PAIR_BLOCK-token blocks (a prefix hit inside a ratio-2 pair).
+        Ids avoid the first 6 (special) ids."""
         rng = np.random.default_rng(seed)
         lens = rng.integers(1, 71, size=num_requests)
-        lens[0] = max(lens[0], 40)  # at least one long prompt to sweep cuts through
+        lens[0] = max(lens[0], long_prompt)  # at least one long prompt to sweep cuts through
+        if not any(((n - 1) // PAIR_BLOCK) % 2 for n in lens):  # cached blocks: all but the last token's
+            lens[-1] += PAIR_BLOCK
         return cls([rng.integers(6, vocab, size=int(n)).tolist() for n in lens], gen_tokens)
+
+
+def long_prompt_len(cfg: ModelConfig, gen_tokens: int) -> int:
+    """A prompt length past every V4.1 threshold of `cfg`: longer than the sliding window, than index_topk
+    entries of its largest compress ratio, and than the candidate blocks cover (bounded by the model's
+    maximum length)."""
+    ratios = [r for r in cfg.ratios if r]
+    need = [40, cfg.sliding_window + 1]
+    if ratios:
+        need.append(cfg.index_topk * max(ratios) + 1)
+    c = cfg.candidate_source_layer_id
+    if c >= 0:
+        need.append(cfg.candidate_topk_blocks * cfg.candidate_block_size * cfg.ratios[c] + 1)
+    return min(max(need) + 1, cfg.max_position_embeddings - gen_tokens - 1)
+
+
+@dataclass
+class Coverage:
+    """How often one run met DeepSeek-V4.1's hard places, counted over what it computed:
+    `pair_bounds`: microbatch cuts whose first token closes a ratio-2 pair opened in the microbatch before;
+    `pair_chunks`: prefill chunks (after a request's first) that start inside a ratio-2 pair;
+    `prefix_hits`, `pair_prefix_hits`: requests started from a cached prefix, and those whose cached
+    prefix ends inside a ratio-2 pair; `past_window`: tokens at positions >= sliding_window;
+    `selecting`: tokens that see more compressed entries than index_topk (the top-k selects);
+    `restricted`: tokens whose later index sources see more entries than the candidate blocks cover.
+    The ratio-2 counts stay 0 for a model without ratio-2 layers."""
+
+    pair_bounds: int = 0
+    pair_chunks: int = 0
+    prefix_hits: int = 0
+    pair_prefix_hits: int = 0
+    past_window: int = 0
+    selecting: int = 0
+    restricted: int = 0
+
+    def add_step(self, cfg: ModelConfig, rows, bounds: list[int], done: dict) -> None:
+        """Count one step: its scheduled `rows`, its microbatch `bounds`; `done` maps each request to the
+        tokens its rows reached so far (updated here)."""
+        ratios = [r for r in cfg.ratios if r]
+        pairs = 2 in ratios
+        num_new = np.array([r.num_new for r in rows])
+        pos = np.concatenate([np.arange(r.num_computed, r.num_computed + r.num_new) for r in rows])
+        qsl = np.concatenate([[0], np.cumsum(num_new)])
+        inner = [b for b in bounds[1:-1] if b not in qsl]  # cuts inside a row: token b continues token b - 1
+        self.pair_bounds += int(pairs and sum(pos[b] % 2 for b in inner))
+        for r in rows:
+            s, start = r.seq, r.num_computed
+            if start and done.get(id(s)) == start:  # a later chunk of the same run of the request
+                self.pair_chunks += int(pairs and start < s.num_prompt_tokens and start % 2)
+            elif start:  # its first row starts past 0: a cached prefix
+                self.prefix_hits += 1
+                self.pair_prefix_hits += int(pairs and start % 2)
+            done[id(s)] = start + r.num_new
+        self.past_window += int((pos >= cfg.sliding_window).sum())
+        if ratios:  # every compressed layer selects: even its largest ratio has more than index_topk entries
+            self.selecting += int(((pos + 1) // max(ratios) > cfg.index_topk).sum())
+        c = cfg.candidate_source_layer_id
+        if c >= 0 and any(i > c for i in cfg.index_source_layer_ids):
+            cover = cfg.candidate_topk_blocks * cfg.candidate_block_size
+            self.restricted += int(((pos + 1) // cfg.ratios[c] > cover).sum())
 
 
 @dataclass
@@ -49,6 +124,7 @@ class Record:
     microbatched_steps: int = 0
     straddling_rows: int = 0
     preemptions: int = 0
+    coverage: Coverage = dataclasses.field(default_factory=Coverage)
 
 
 def run_case(loaded: LoadedModel, work: Workload, cfg: RunnerConfig, first_step_bounds: list[int] | None = None,
@@ -72,7 +148,7 @@ def run_case(loaded: LoadedModel, work: Workload, cfg: RunnerConfig, first_step_
         index[f"r{i}"] = i
     keys, hashes, staged, lkeys, logits = [], [], [], [], []
     tokens: list[list[int]] = [[] for _ in work.prompts]
-    steps = 0
+    steps, coverage, done = 0, Coverage(), {}
     try:
         while engine.has_unfinished() and (max_steps is None or steps < max_steps):
             res = engine.step(first_step_bounds if steps == 0 else None, record=True)
@@ -82,7 +158,9 @@ def run_case(loaded: LoadedModel, work: Workload, cfg: RunnerConfig, first_step_
                     tokens[index[ev.request_id]].append(ev.token)
             if res.output is None:
                 continue
-            rows = res.scheduled.rows
+            ran = set(res.req_ids)  # (a row that failed was ended and left out of the step)
+            rows = [r for r in res.scheduled.rows if r.seq.request_id in ran]
+            coverage.add_step(loaded.config, rows, res.output.bounds, done)
             req = np.repeat([index[r] for r in res.req_ids], [r.num_new for r in rows])
             pos = np.concatenate([np.arange(r.num_computed, r.num_computed + r.num_new) for r in rows])
             keys.append(np.stack([req, pos], 1))
@@ -92,9 +170,16 @@ def run_case(loaded: LoadedModel, work: Workload, cfg: RunnerConfig, first_step_
                        for rid, r, flag in zip(res.req_ids, rows, res.sampled) if flag]
             lkeys.append(np.array(sampled, dtype=np.int64).reshape(-1, 2))
             logits.append(res.output.logits)
+        if not keys:  # every row of every step ended with an error: nothing was computed
+            e = loaded.config.engram
+            keys, lkeys = [np.zeros((0, 2), np.int64)], [np.zeros((0, 2), np.int64)]
+            hashes = [torch.zeros(0, e.num_layers * e.num_columns, dtype=torch.int64)]
+            staged = [torch.zeros(0, e.num_layers * e.num_columns * e.engram_head_dim)]
+            logits = [torch.zeros(0, loaded.config.vocab_size)]
         st = engine.stats
         return Record(np.concatenate(keys), torch.cat(hashes), torch.cat(staged), np.concatenate(lkeys),
-                      torch.cat(logits), tokens, steps, st.microbatched_steps, st.straddling_rows, st.preemptions)
+                      torch.cat(logits), tokens, steps, st.microbatched_steps, st.straddling_rows, st.preemptions,
+                      coverage)
     finally:
         engine.close()
 
@@ -136,6 +221,9 @@ def compare(base: Record, other: Record, work: Workload, tokens: bool = True) ->
             "logit_mismatches": bits, "max_abs_logit_diff": diff, "greedy_mismatches": greedy_bad}
 
 
+COVERAGE = tuple(f.name for f in dataclasses.fields(Coverage))
+
+
 def cases(base: RunnerConfig, first_qsl: np.ndarray) -> list[tuple[str, RunnerConfig, list | None, bool]]:
     """(name, runner config, forced bounds of the first step, reuse a cached prefix) per comparison."""
     big = base.max_num_batched_tokens
@@ -151,12 +239,25 @@ def cases(base: RunnerConfig, first_qsl: np.ndarray) -> list[tuple[str, RunnerCo
     out.append(("graph mode, padded, 2 microbatches",
                 microbatched(2, "tokens", graph_sizes=tuple(s for s in GRAPH_SIZES if s < big) + (big,)), None, False))
     out.append(("reused prefix (prefix cache), 2 microbatches", microbatched(2, "tokens"), None, True))
+    out.append((f"reused prefix, block size {PAIR_BLOCK} (hits inside a ratio-2 pair), 2 microbatches",
+                microbatched(2, "tokens", block_size=PAIR_BLOCK,
+                             num_blocks=-(-base.num_blocks * base.block_size // PAIR_BLOCK) * 2), None, True))
     out.append(("preemption and recompute (small KV pool), 2 microbatches",
                 microbatched(2, "tokens", num_blocks=base.max_blocks_per_seq + 2), None, False))
-    r = int(np.argmax(np.diff(first_qsl)))  # sweep every cut inside the longest first-step row
-    for c in range(int(first_qsl[r]) + 1, int(first_qsl[r + 1])):
+    r = int(np.argmax(np.diff(first_qsl)))  # sweep the cuts inside the longest first-step row
+    for c in boundary_offsets(int(first_qsl[r]), int(first_qsl[r + 1])):
         out.append((f"first step cut at token {c}", microbatched(2, "tokens"), [0, c, int(first_qsl[-1])], False))
     return out
+
+
+def boundary_offsets(start: int, end: int, limit: int = MAX_BOUNDARIES) -> list[int]:
+    """Every token offset strictly inside [start, end), or `limit` of them spread evenly over a longer row
+    (a pair's first and second tokens alike: the spacing is odd)."""
+    inside = end - start - 1
+    if inside <= limit:
+        return list(range(start + 1, end))
+    step = -(-inside // limit) | 1
+    return list(range(start + 1, end, step))[:limit]
 
 
 def verify(loaded: LoadedModel, seed: int = 0, num_requests: int = 6, gen_tokens: int = 16,
@@ -170,7 +271,8 @@ def verify(loaded: LoadedModel, seed: int = 0, num_requests: int = 6, gen_tokens
     Tensor parallel: `make_runner` builds each case's runner on every rank (baseline included: the
     same parallel size, whole steps); `reference` (the unsharded model) adds "vs_single_process": the
     whole-step baseline against one process, where greedy tokens must match and |logit diff| is reported."""
-    work = Workload.seeded(seed, num_requests, loaded.config.vocab_size, gen_tokens)
+    work = Workload.seeded(seed, num_requests, loaded.config.vocab_size, gen_tokens,
+                           long_prompt_len(loaded.config, gen_tokens))
     total = sum(map(len, work.prompts))
     base_cfg = RunnerConfig(max_num_seqs=num_requests, max_model_len=max(map(len, work.prompts)) + gen_tokens + 1,
                             max_num_batched_tokens=total, num_blocks=num_requests * 8 + 64, block_size=16,
@@ -189,7 +291,7 @@ def verify(loaded: LoadedModel, seed: int = 0, num_requests: int = 6, gen_tokens
         res = compare(base, rec, work, tokens=not bounds)
         rows.append({"case": name, "steps": rec.steps, "microbatched_steps": rec.microbatched_steps,
                      "preemptions": rec.preemptions,
-                     "straddling_rows": rec.straddling_rows, **res})
+                     "straddling_rows": rec.straddling_rows, **res, **dataclasses.asdict(rec.coverage)})
         if progress:
             progress(i + 1, len(all_cases))
     summary = {
@@ -199,6 +301,8 @@ def verify(loaded: LoadedModel, seed: int = 0, num_requests: int = 6, gen_tokens
         "logit_mismatches": sum(r["logit_mismatches"] for r in rows),
         "max_abs_logit_diff": max(r["max_abs_logit_diff"] for r in rows),
         "greedy_mismatches": sum(r["greedy_mismatches"] for r in rows),
+        "coverage": {k: sum(r[k] for r in rows) for k in (*COVERAGE, "preemptions")},
+        "longest_prompt": max(map(len, work.prompts)),
     }
     summary["passed"] = all(summary[k] == 0 for k in ("hash_mismatches", "row_mismatches", "logit_mismatches",
                                                       "greedy_mismatches"))

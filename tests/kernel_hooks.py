@@ -1,8 +1,8 @@
 """Test-only hooks of the C kernels (negative controls and tuning knobs), loaded here and nowhere else.
 
-`_gather_kernel.c` and `_attention_kernel.c` each hold a second module in the same shared object,
-`_gather_hooks` and `_attention_hooks` (see their headers). Loaded from the kernel's own file, it shares
-the kernel's state, so a hook set here changes what the real kernel does, through the real forward.
+`_gather_kernel.c` holds a second module in the same shared object, `_gather_hooks` (see its header).
+Loaded from the kernel's own file, it shares the kernel's state, so a hook set here changes what the
+real kernel does, through the real staging gather.
 Production code never loads them: the kernels' modules have no test entry points.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ _loaded: dict[str, ModuleType] = {}
 
 
 def hooks(name: str) -> ModuleType:
-    """The hooks module of kernel `name` ("gather" or "attention"); skips the test if it was not built."""
+    """The hooks module of kernel `name` ("gather"); skips the test if it was not built."""
     import pytest
     if name not in _loaded:
         spec = importlib.util.find_spec(kernels.MODULES[name])
@@ -30,17 +30,6 @@ def hooks(name: str) -> ModuleType:
         hook_spec.loader.exec_module(module)
         _loaded[name] = module
     return _loaded[name]
-
-
-@contextmanager
-def attention_leaks(read_past: int = 0, later_keys: bool = False) -> Iterator[None]:
-    """Inside the block the C attention reads `read_past` positions past each query, and with `later_keys`
-    its row's later keys of the step too, weighted 0 (isolation off: a negative control)."""
-    before = hooks("attention").set_leaks(read_past, later_keys)
-    try:
-        yield
-    finally:
-        hooks("attention").set_leaks(*before)
 
 
 @contextmanager

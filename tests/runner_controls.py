@@ -39,8 +39,10 @@ class SharedStaging(ModelRunner):
 
 
 class SharedTopk(ModelRunner):
-    """Both microbatches keep the index-sharing layer's choice in one buffer: microbatch 1's SELECT
-    layer overwrites microbatch 0's choice before microbatch 0's REUSE layer reads it."""
+    """Both microbatches keep an index source's top-k in ONE buffer (the race vLLM's shared top-k
+    buffer had under dual-batch overlap): the executor runs microbatch 0's index source, then microbatch
+    1's, which overwrites the shared top-k before microbatch 0's consumer layers (those that reuse it)
+    read it."""
 
     def allocate_buffers(self, capacity):
         bufs = super().allocate_buffers(capacity)

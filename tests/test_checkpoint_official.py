@@ -1,5 +1,6 @@
-"""A scaled-down checkpoint in the official DeepSeek-V4.1 layout (scripts/make_official_checkpoint.py):
-nested config, sharded index, official names, FP8 E4M3 tables with E8M0 scales and an FP8 wkv.
+"""A scaled-down checkpoint in the official DeepSeek-V4.1 layout (scripts/make_official_checkpoint.py, the
+built-in model's shape): nested config, sharded index, official names, FP8 E4M3 tables with E8M0 scales,
+FP8 block-scaled linears (the Engram wkv among them) and MXFP4 experts.
 
 The reference here shares no code with the loader: it parses the safetensors headers with `struct`
 and `json`, reads the bytes with `open`, decodes E4M3 and E8M0 bit by bit and hashes with the
@@ -27,8 +28,9 @@ from engram_serve.engram.layout import build_layout
 from engram_serve.engram.lookup import EngramReader, engram_lookup
 from engram_serve.engram.quantized import Fp8Table
 from engram_serve.errors import CheckpointMismatch
-from engram_serve.model.loader import load_model, save_checkpoint
 from engram_serve.engram.tables import EngramTables
+from engram_serve.model.loader import load_model
+from engram_serve.model.writer import Quant, save_v41_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARD_MIB = 0.25
@@ -117,6 +119,8 @@ def test_directory_is_sharded_with_official_names_and_fp8_tables(official):
             assert raw_bytes(official, f"layers.{lid}.engram.{qk}")[1] == [text["hc_mult"], text["hidden_size"]]
     assert "embed.weight" in weight_map and "head.weight" in weight_map
     assert not any(n.startswith("engram.") or "embed_tokens" in n for n in weight_map)
+    experts = [n for n in weight_map if ".ffn.experts." in n and n.endswith(".weight")]
+    assert experts and all(raw_bytes(official, n)[0] in ("I8", "U8") for n in experts[:4])  # MXFP4, packed
 
 
 def test_script_is_deterministic(official, tmp_path):
@@ -173,9 +177,11 @@ def test_fp8_model_equals_its_float32_conversion_and_generates(official, tmp_pat
 
     fp8 = load_model(official, pin_tables=False)
     assert all(isinstance(t, Fp8Table) for t in fp8.tables.tables)
-    native = save_checkpoint(tmp_path / "native", fp8.config, fp8.model,
-                             EngramTables(fp8.tables.layer_ids, [t.dequantize() for t in fp8.tables.tables], pin=False),
-                             official / "tokenizer.json")
+    text = read_json(official / "config.json")["text_config"]
+    native = save_v41_checkpoint(tmp_path / "native", text, fp8.model,
+                                 EngramTables(fp8.tables.layer_ids, [t.dequantize() for t in fp8.tables.tables],
+                                              pin=False), official / "tokenizer.json",
+                                 Quant(linears=False, experts=None, tables=False))
     flt = load_model(native, pin_tables=False)
     params = SamplingParams(max_tokens=12, temperature=0.0)
     outs = [LLM(m).generate([TEXT, "import os\n"], params) for m in (fp8, flt)]
@@ -192,8 +198,8 @@ def test_fp8_model_equals_its_float32_conversion_and_generates(official, tmp_pat
     assert all(torch.equal(a, b) for a, b in zip(*rows))
     with torch.no_grad():
         assert torch.equal(fp8.model.forward_dense(ids, rows[0]), flt.model.forward_dense(ids, rows[1]))
-    # the script converts a native float32 checkpoint's tables (and wkv) back to FP8: it loads, and its rows
-    # are the float ones within E4M3 precision
+    # the script re-stores a float32 checkpoint quantized (tables, linears, experts): it loads, and its table
+    # rows are the float ones within E4M3 precision
     again = load_model(write_official(tmp_path / "converted", "--from", str(native)), pin_tables=False)
     assert all(isinstance(t, Fp8Table) for t in again.tables.tables)
     for a, b in zip(again.tables.tables, flt.tables.tables):
@@ -203,7 +209,8 @@ def test_fp8_model_equals_its_float32_conversion_and_generates(official, tmp_pat
 
 def test_verify_passes_on_the_official_checkpoint(official):
     from engram_serve.verify import verify
-    res = verify(load_model(official), seed=1, num_requests=3, gen_tokens=4)
+    res = verify(load_model(official), seed=1, num_requests=3, gen_tokens=4,  # the cut sweep: tests/test_verify.py
+                 only=("microbatches", "prefill chunk", "graph", "reused prefix", "preemption", "at token 7"))
     assert res["passed"], res
     assert res["straddling_rows"] > 0 and res["hash_mismatches"] == 0 and res["row_mismatches"] == 0
 
@@ -245,23 +252,25 @@ def test_index_names_a_shard_without_the_tensor(broken):
     d = broken()
     idx = _index(d)
     wrong = idx["weight_map"]["embed.weight"]
-    idx["weight_map"]["layers.2.engram.embed.scale"] = wrong
+    idx["weight_map"]["layers.4.engram.embed.scale"] = wrong
     (d / "model.safetensors.index.json").write_text(json.dumps(idx))
     with pytest.raises(CheckpointMismatch, match=rf"{wrong}: the shard index places tensor "
-                                                 r"'layers\.2\.engram\.embed\.scale' in this file"):
+                                                 r"'layers\.4\.engram\.embed\.scale' in this file"):
         load_model(d)
 
 
 def test_missing_shard_and_missing_tensor(broken):
     d = broken()
     idx = _index(d)
-    del idx["weight_map"]["layers.0.ffn.w2.weight"]
+    del idx["weight_map"]["layers.0.ffn.shared_experts.w2.weight"]
     (d / "model.safetensors.index.json").write_text(json.dumps(idx))
-    with pytest.raises(CheckpointMismatch, match=r"missing tensor.*layers\.0\.ffn\.w2\.weight.*\[64, 128\]"):
+    with pytest.raises(CheckpointMismatch, match=r"missing tensor.*layers\.0\.ffn\.shared_experts\.w2\.weight"
+                                                 r".*\[128, 128\]"):
         load_model(d)
-    idx["weight_map"]["layers.0.ffn.w2.weight"] = "model-00099-of-00007.safetensors"
+    idx["weight_map"]["layers.0.ffn.shared_experts.w2.weight"] = "model-00099-of-00007.safetensors"
     (d / "model.safetensors.index.json").write_text(json.dumps(idx))
-    with pytest.raises(CheckpointMismatch, match=r"layers\.0\.ffn\.w2\.weight.*model-00099-of-00007"):
+    with pytest.raises(CheckpointMismatch, match=r"layers\.0\.ffn\.shared_experts\.w2\.weight"
+                                                 r".*model-00099-of-00007"):
         load_model(d)
 
 
@@ -282,7 +291,7 @@ def _table_as_int8(t):
 
 
 def _q_weight_shape(t):
-    t["layers.1.engram.q_weight"] = torch.zeros(3, 64)
+    t["layers.1.engram.q_weight"] = torch.zeros(3, 128)
 
 
 @pytest.mark.parametrize("name, fn, pattern", [
@@ -291,11 +300,11 @@ def _q_weight_shape(t):
     ("layers.1.engram.embed.scale", _scale_narrow,
      r"tensor 'layers\.1\.engram\.embed\.scale' has shape \[\d+, 0\], expected \[\d+, 1\]"),
     ("layers.1.engram.wkv.scale", _wkv_scale_shape,
-     r"scales 'layers\.1\.engram\.wkv\.scale' are F8_E8M0 \[5, 8\]; expected F8_E8M0 \[ceil\(192/b\), ceil\(256/b\)\]"),
+     r"scales 'layers\.1\.engram\.wkv\.scale' are F8_E8M0 \[19, 8\]; expected F8_E8M0 \[ceil\(640/b\), ceil\(256/b\)\]"),
     ("layers.1.engram.embed.weight", _table_as_int8,
      r"table 'layers\.1\.engram\.embed\.weight' has dtype I8, expected F8_E4M3"),
     ("layers.1.engram.q_weight", _q_weight_shape,
-     r"tensor 'layers\.1\.engram\.q_weight': checkpoint shape \[3, 64\], the config needs \[2, 64\]"),
+     r"tensor 'layers\.1\.engram\.q_weight': checkpoint shape \[3, 128\], the config needs \[4, 128\]"),
 ])
 def test_wrong_dtype_or_shape_names_file_tensor_and_values(broken, name, fn, pattern):
     d = broken()

@@ -54,7 +54,7 @@ def test_wrongly_typed_config_is_one_line(tmp_path, capsys, value, needle):
     for f in TINY_DIR.iterdir():
         shutil.copy(f, tmp_path / f.name)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["hidden_size"] = value
+    cfg["text_config"]["hidden_size"] = value
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert main(["generate", "x", "--model", str(tmp_path), "--no-check"]) == 2
     assert needle in one_line_error(capsys.readouterr().err)

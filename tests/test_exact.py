@@ -3,7 +3,15 @@ beside 0 to 31 other requests, whole or cut into 2 or 3 microbatches at forced c
 of 1, 3, 17 tokens or unlimited, padded into static (graph) buffers, recomputed after preemption, or
 on a reused prefix. The negative control turns the batch-invariance rules off (matmul rows padded to
 a fixed tile, vectorised elementwise tails) and the same comparison goes red. The same holds for the
-torch forms alone (the C kernels switched off), with the same negative control."""
+torch forms alone (the C kernels switched off), with the same negative control.
+
+The same sweep on random DeepSeek-V4.1 configs (tests/v41_fixtures.py: layer roles, ratios 0/1/2, windows,
+top-k, candidate blocks, experts, hc_mult, one or more Engram layers; random weights written in the official
+layout):
+cut offsets anywhere (inside ratio-2 pairs too), chunk sizes, batch mates (one sharing the target's prefix),
+block sizes odd and even, preemption and prefix reuse. There the target's logits also equal, bit for bit,
+`forward_dense` over its whole sequence: the function tests/test_v41_reference.py holds against the
+float64 reference."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,11 +21,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engram_serve import kernels
+from engram_serve.config import ModelConfig
+from engram_serve.engram.tables import EngramTables
 from engram_serve.microbatch.plan import MicrobatchConfig
 from engram_serve.model import exactness, layers
-from engram_serve.model.loader import load_model, make_random_checkpoint
-from engram_serve.runner.model_runner import RunnerConfig
+from engram_serve.model.deepseek_v41 import DeepseekV41
+from engram_serve.model.loader import load_model, make_random_checkpoint, model_state_from_official
+from engram_serve.model.writer import Quant, save_v41_checkpoint
+from engram_serve.runner.model_runner import ModelRunner, RunnerConfig
 from engram_serve.verify import Workload, run_case
+from v41_fixtures import TINY_TOKENIZER, engram_hash_ids, random_v41_weights, v41_configs
 
 GEN = 5
 
@@ -95,7 +108,7 @@ def test_negative_control_without_the_batch_invariance_rules_logits_differ(loade
     assert not torch.equal(alone, batched)
 
 
-@pytest.mark.parametrize("spec", ["none", "-attention"])
+@pytest.mark.parametrize("spec", ["none", "-linear"])
 def test_the_torch_forms_keep_the_rules_and_their_negative_control_fails(loaded, spec):
     """With the C kernels switched off (engram_serve/kernels.py), the torch forms run (padded matmul calls,
     `pointwise`, the chunked attention kernels) and keep the bit-exact claim on their own; with every
@@ -106,3 +119,74 @@ def test_the_torch_forms_keep_the_rules_and_their_negative_control_fails(loaded,
         assert torch.equal(alone, run(loaded, work, microbatches=2)[0])
         alone, _ = run(loaded, Workload(work.prompts[:1], GEN), exact=False)
         assert not torch.equal(alone, run(loaded, work, microbatches=2, exact=False)[0])
+
+
+# ---- random DeepSeek-V4.1 configs ----------------------------------------------------------------------
+
+def write_v41_checkpoint(path, config: dict, seed: int):
+    """`config`'s model with tests/v41_fixtures.py's random weights (activations O(1)), in the official
+    layout, float32; returns (directory, weights by official name)."""
+    weights = random_v41_weights(config, seed)
+    cfg = ModelConfig.from_dict(config)
+    model = DeepseekV41(cfg)
+    model.load_state_dict(model_state_from_official(model, weights))
+    ids = cfg.engram.engram_layer_ids
+    tables = EngramTables(ids, [weights[f"layers.{lid}.engram.embed.weight"] for lid in ids], pin=False) if ids else None
+    return save_v41_checkpoint(path, config, model, tables, TINY_TOKENIZER, Quant(False, None, False)), weights
+
+
+class CutAt(ModelRunner):
+    """Cuts every step with more than one token at the fractions `at` of its tokens (a test's choice of
+    where microbatch boundaries fall; the protections are all on)."""
+
+    at: tuple[float, ...] = (0.5,)
+
+    def plan(self, batch, microbatch=None):
+        t, n = batch.num_tokens, self.cfg.microbatch.num_microbatches
+        inner = sorted({min(t - 1, max(1, round(f * t))) for f in self.at[:n - 1]}) if t > 1 else []
+        return [0, *inner, t]
+
+
+def dense_logits(loaded, config: dict, weights: dict, tokens: list[int]) -> torch.Tensor:
+    """[S, V] logits of the whole sequence through forward_dense, with its Engram rows."""
+    hashes = engram_hash_ids(config, tokens, token_map=loaded.token_map)
+    rows = [weights[f"layers.{lid}.engram.embed.weight"][hashes[lid]][None] for lid in config["engram_layer_ids"]]
+    with torch.no_grad():
+        return loaded.model.forward_dense(torch.tensor([tokens]), rows or None)[0]
+
+
+@settings(max_examples=10, deadline=None)
+@given(config=v41_configs(tiny_tokenizer=True).filter(lambda c: c["engram_layer_ids"]), seed=st.integers(0, 2**16), mates=st.sampled_from([0, 1, 3, 5]),
+       microbatches=st.integers(1, 3), at=st.lists(st.floats(0.0, 1.0), min_size=2, max_size=2),
+       chunk=st.sampled_from([None, 1, 3, 5, 17]), block=st.sampled_from([3, 4, 5, 16]), graph=st.booleans(),
+       small_pool=st.booleans(), reuse=st.booleans(), shared_prefix=st.integers(0, 12))
+def test_a_row_alone_equals_the_same_row_in_a_busy_batch_on_random_v41_configs(
+        tmp_path_factory, config, seed, mates, microbatches, at, chunk, block, graph, small_pool, reuse, shared_prefix):
+    path, weights = write_v41_checkpoint(tmp_path_factory.mktemp("v41"), config, seed)
+    loaded = load_model(path)
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, 31, size=mates + 1)
+    prompts = [rng.integers(6, 4096, size=int(n)).tolist() for n in lens]
+    if mates and shared_prefix:  # a mate that starts with the target's first tokens (a prefix-cache hit)
+        prompts[1] = prompts[0][:shared_prefix] + prompts[1]
+    work = Workload(prompts, GEN)
+    n = len(prompts)
+    longest = max(map(len, prompts)) + GEN
+    budget = max(chunk or 256, n)
+
+    def runner_config(microbatches: int, **kw) -> RunnerConfig:
+        return RunnerConfig(max_num_seqs=n, max_model_len=longest, max_num_batched_tokens=budget, block_size=block,
+                            num_blocks=n * (longest // block + 1), microbatch=MicrobatchConfig(
+                                microbatches, "tokens", 0, 0, when="always"), **kw)
+    alone = run_case(loaded, Workload(prompts[:1], GEN), runner_config(1))
+    cut = type("Cut", (CutAt,), {"at": tuple(at)})
+    busy_cfg = runner_config(microbatches, graph_sizes=tuple(s for s in (8, 32) if s < budget) + (budget,) if graph else ())
+    if small_pool and mates:  # room for the longest request and a little more: the others get preempted
+        busy_cfg = RunnerConfig(**{**busy_cfg.__dict__, "num_blocks": longest // block + 2})
+    busy = run_case(loaded, work, busy_cfg, reuse_prefix=reuse, runner_cls=cut)
+    want, want_tokens = target_logits(alone)
+    got, tokens = target_logits(busy)
+    assert tokens == want_tokens
+    assert torch.equal(got, want), float((got - want).abs().max())
+    dense = dense_logits(loaded, config, weights, prompts[0] + want_tokens)  # the sampled positions' logits
+    assert torch.equal(dense[len(prompts[0]) - 1:len(prompts[0]) - 1 + GEN], want)

@@ -1,37 +1,30 @@
-"""Isolation (docs/contract.md §9): a non-finite value in one request never reaches another.
+"""Isolation (docs/contract.md §9) on DeepSeek-V4.1: a non-finite value in one request never reaches another.
 
 200 seeded trials. Each batches good requests with one poisoned request (or with poisoned padding)
 under forced microbatch cuts, a small KV pool (so freed blocks are reused at once) and, for padding,
 static (graph) buffers. Kinds of poison:
   * embedding: the poisoned prompt holds a token whose embedding row is NaN;
-  * kv: after its first step, every slot of the poisoned request's KV blocks (all layers) is set to
-    NaN or Inf; the blocks are freed with it and handed to later requests with the NaN still there
-    (its prompt is its own, so no mate shares those blocks through the prefix cache);
+  * kv: after its first step, every slot of the poisoned request's blocks in every pool of the paged
+    state (each layer's window, each kv source's compressed entries, index keys and open-group rows) is
+    set to NaN or Inf; the blocks are freed with it and handed to later requests with the NaN still
+    there (its prompt is its own, so no mate shares those blocks through the prefix cache);
   * engram: the poisoned request's staged Engram rows are NaN;
-  * padding: the KV pool's trash slot, every unallocated block and the static buffers' padding
-    staging rows hold NaN (no request is poisoned).
+  * padding: every pool's trash slot, every unallocated block and the static buffers' padding staging
+    rows hold NaN (no request is poisoned).
 Each trial checks that every good request's tokens equal its run alone, that the poisoned one ends
-with `error`, and that the KV pool is empty afterwards. Negative controls: attention reads one slot
-past a row's length (the stale NaN left in a reused block reaches good requests); attention does not
-zero a step's later non-finite values for the row's earlier queries (0 * NaN reaches them, and
-through the prefix cache a good request). Each control switches the protection off in both attention
-paths: the torch kernels through a test subclass of PagedAttention, the C kernel through its test hook
-(tests/kernel_hooks.py).
+with `error`, and that the KV pool is empty afterwards. Negative controls, each a slot plan that reads a
+slot its token has not written (the stale NaN left in a reused block reaches good requests): windows
+one position past the token; compressed entries visible one past the complete ones.
 """
 from __future__ import annotations
-
-import contextlib
 
 import numpy as np
 import pytest
 import torch
-from kernel_hooks import attention_leaks
 
-from engram_serve import kernels
 from engram_serve.engine.llm_engine import LLMEngine
 from engram_serve.microbatch.plan import MicrobatchConfig
-from engram_serve.model.attention import PagedAttention
-from engram_serve.model.attention_kernels import AttentionPlan
+from engram_serve.model import paged_state
 from engram_serve.model.loader import load_model
 from engram_serve.runner.model_runner import ModelRunner, RunnerConfig
 from engram_serve.sampling_params import SamplingParams
@@ -50,7 +43,7 @@ POOL = [np.random.default_rng(1000 + i).integers(6, 4096, size=int(n)).tolist()
 def loaded():
     lm = load_model()
     with torch.no_grad():
-        lm.model.embed_tokens.weight[POISON_TOKEN] = float("nan")  # a private copy-on-write page
+        lm.model.embed.weight[POISON_TOKEN] = float("nan")  # a private copy-on-write page
     return lm
 
 
@@ -96,23 +89,33 @@ class PoisonedPadding(ModelRunner):
         return super().forward(batch, ctxs, futures)
 
 
-class OnePastTheEndPlan(AttentionPlan):
-    @staticmethod
-    def readable(kpos, seq):
-        return kpos < seq + 1
+def pools(kv) -> list[torch.Tensor]:
+    """Every pool of the paged state, each [slots + 2, width]."""
+    return [*kv.window, *kv.entries.values(), *kv.index_keys.values(), *kv.open.values()]
 
 
-class ReadsOnePastTheEnd(PagedAttention):
-    plan_type = OnePastTheEndPlan
+def window_one_past_the_token(build):
+    """SlotPlan.build whose windows cover positions p - W + 2 .. p + 1: one slot the token has not written."""
+    def patched(cls, positions, rows, block_tables, block_size, slots, zero_slot, window, ratios, max_position=None):
+        plan = build(cls, positions + 1, rows, block_tables, block_size, slots, zero_slot, window, ratios,
+                     None if max_position is None else max_position + 1)
+        real = build(cls, positions, rows, block_tables, block_size, slots, zero_slot, window, ratios, max_position)
+        real.window, real.window_ok = plan.window, plan.window_ok
+        return real
+    return classmethod(patched)
 
 
-class UnguardedFreshValues(PagedAttention):
-    guard_fresh = False
-
-
-def c_kernel_leaks(**leaks):
-    """The C attention's isolation off (where it runs: loaded), for the negative controls."""
-    return attention_leaks(**leaks) if kernels.loaded("attention") else contextlib.nullcontext()
+def entries_one_past_the_complete(build):
+    """SlotPlan.build that shows every token one compressed entry more than are complete at its position."""
+    def patched(cls, positions, rows, block_tables, block_size, slots, zero_slot, window, ratios, max_position=None):
+        real = build(cls, positions, rows, block_tables, block_size, slots, zero_slot, window, ratios, max_position)
+        ahead = {r: build(cls, positions + r, rows, block_tables, block_size, slots, zero_slot, window, ratios,
+                          None if max_position is None else max_position + r) for r in (1, 2)}
+        for r in real.entry_count:
+            real.entry_count[r] = ahead[r].entry_count[r]
+            real.entry_slots[r] = ahead[r].entry_slots[r]
+        return real
+    return classmethod(patched)
 
 
 def trial(loaded, alone, seed: int, kind: str) -> list[str]:
@@ -125,11 +128,10 @@ def trial(loaded, alone, seed: int, kind: str) -> list[str]:
     kv = engine.runner.kv
     bad = float(rng.choice([np.nan, np.inf, -np.inf]))
     if kind == "padding":
-        for layer in range(kv.num_layers):
-            for pool in kv.layer(layer):
-                pool[:, kv.trash_slot] = bad  # [kv_heads, slots, hd]
-        kv.k[:] = bad  # every block is unallocated now: what a request reads of them must be its own writes
-        kv.v[:] = bad
+        for pool in pools(kv):
+            pool[kv.trash_slot] = bad
+            pool[:kv.num_slots] = bad  # every block is unallocated now: what a request reads of them must be
+            # its own writes (the zero slot stays zero: it is what a masked key reads)
     poisoned = None
     if kind != "padding":
         if kind == "embedding":  # a pool prompt: its clean prefix blocks may be shared through the prefix cache
@@ -159,8 +161,9 @@ def trial(loaded, alone, seed: int, kind: str) -> list[str]:
                 reasons[ev.request_id] = ev.finish_reason
         if kind == "kv" and steps == 1 and poisoned is not None and poisoned.block_ids:
             blocks = torch.tensor(poisoned.block_ids)
-            kv.k[:, blocks] = bad
-            kv.v[:, blocks] = bad
+            slots = (blocks[:, None] * kv.block_size + torch.arange(kv.block_size)).flatten()
+            for pool in pools(kv):
+                pool[slots] = bad
         assert steps < 200, "the trial did not finish"
     problems = [f"m{i}: {got.get(f'm{i}')} ({reasons.get(f'm{i}')}), alone {alone[i]}"
                 for i in mates if got.get(f"m{i}") != alone[i] or reasons.get(f"m{i}") != "length"]
@@ -178,18 +181,16 @@ def test_poison_never_reaches_another_request(loaded, alone, kind):
     assert not failures, failures
 
 
-def test_negative_control_reading_one_slot_past_the_row_leaks_nan(loaded, alone, monkeypatch):
-    monkeypatch.setattr(loaded.model, "paged_attention", ReadsOnePastTheEnd)
-    with c_kernel_leaks(read_past=1):
-        failures = [p for s in range(10) if (p := trial(loaded, alone, s, "kv"))]
+def test_negative_control_a_window_one_slot_past_the_token_leaks_nan(loaded, alone, monkeypatch):
+    monkeypatch.setattr(paged_state.SlotPlan, "build", window_one_past_the_token(paged_state.SlotPlan.build.__func__))
+    failures = [p for s in range(10) if (p := trial(loaded, alone, s, "kv"))]
     assert failures and any(line.startswith("m") for p in failures for line in p)  # a good request was hit
 
 
-def test_negative_control_unguarded_later_values_of_a_step_leak_through_the_prefix_cache(loaded, alone, monkeypatch):
-    """Without the guard, a poisoned token's NaN value is multiplied by 0 into its own row's earlier
-    queries; their KV blocks then hold NaN under a prefix-cache key without the poisoned token, and a
-    good request that shares the prefix reads it."""
-    monkeypatch.setattr(loaded.model, "paged_attention", UnguardedFreshValues)
-    with c_kernel_leaks(later_keys=True):
-        failures = [p for s in range(20) if (p := trial(loaded, alone, s, "embedding"))]
+def test_negative_control_an_entry_one_past_the_complete_ones_leaks_nan(loaded, alone, monkeypatch):
+    """An entry whose completing token has not run yet is read from its slot: in a reused block, the stale
+    NaN of the block's previous owner (the indexer scores its index key, the attention may pick it)."""
+    monkeypatch.setattr(paged_state.SlotPlan, "build",
+                        entries_one_past_the_complete(paged_state.SlotPlan.build.__func__))
+    failures = [p for s in range(10) if (p := trial(loaded, alone, s, "kv"))]
     assert failures and any(line.startswith("m") for p in failures for line in p)  # a good request was hit

@@ -18,8 +18,7 @@ from engram_serve import kernels
 from engram_serve.engine.factory import build_engine
 from engram_serve.engram import hashing, staging
 from engram_serve.errors import ConfigError
-from engram_serve.model import attention_kernels, exactness, fused
-from engram_serve.runner.cpu_graphs import CpuGraphs
+from engram_serve.model import exactness, fused
 
 ALL = set(kernels.MODULES)
 
@@ -38,7 +37,7 @@ def env_command(*args: str, kernels_env: str | None = None, hide: tuple[str, ...
 @pytest.mark.parametrize("spec,want", [
     (None, ALL), ("", ALL), ("all", ALL), (" all ", ALL), ("none", set()),
     ("hash,gather", {"hash", "gather"}), ("linear", {"linear"}),
-    ("-linear,-attention", ALL - {"linear", "attention"}), ("-token", ALL - {"token"}),
+    ("-linear,-token", ALL - {"linear", "token"}), ("-token", ALL - {"token"}),
 ])
 def test_spec_names_the_kernels_to_load(spec, want):
     assert kernels.parse(spec) == want
@@ -61,10 +60,9 @@ def test_override_switches_every_user_to_its_torch_path_and_back():
     ids, qsl, hist = torch.tensor([5, 6, 7]), torch.tensor([0, 3]), torch.full((1, 3), -1)
 
     def paths() -> dict[str, bool]:
-        return {"token": fused.runs_in_c(x), "attention": attention_kernels.native_available(x[None], x[None]),
+        return {"token": fused.runs_in_c(x), "linear": kernels.simd_level() is not None,
                 "hash": hashing.hash_backend(ids, qsl, hist) == "kernel",
-                "gather": staging.gather_backend(x, torch.empty(2, 32)) == "kernel",
-                "cpu_graphs": CpuGraphs.available()}
+                "gather": staging.gather_backend(x, torch.empty(2, 32)) == "kernel"}
     on = paths()
     assert all(on.values())
     with kernels.override("none"):
@@ -73,20 +71,23 @@ def test_override_switches_every_user_to_its_torch_path_and_back():
         assert exactness.small_call_kc(w) is None  # the probe asks the registry: no kernel, no kc
         assert {s.reason for s in kernels.status()} == {"switched off by override='none'"}
     with kernels.override("-token"):
-        assert paths() == {**on, "token": False, "cpu_graphs": False}
+        assert paths() == {**on, "token": False}
         assert [s.name for s in kernels.status() if not s.loaded] == ["token"]
     assert paths() == on and kernels.get("token") is not None  # the choice before the block is back
 
 
 @pytest.mark.skipif(not kernels.loaded("token"), reason="needs the token kernel")
 def test_the_torch_form_under_the_override_computes_the_same_function():
-    """The override reaches the computation, not only the choice: silu x up in C and in torch agree (to
+    """The override reaches the computation, not only the choice: the Engram gate in C and in torch agree (to
     rounding; they are different code)."""
-    gu = torch.randn(7, 64)
-    c = fused.silu_mul(gu, 32)
+    g = torch.Generator().manual_seed(0)
+    h, kv = torch.randn(7, 2, 32, generator=g), torch.randn(7, 3 * 32, generator=g)
+    qw, kw = torch.randn(2, 32, generator=g), torch.randn(2, 32, generator=g)
+    c = fused.engram_gate(h, kv, qw, kw, None, 1e-6)
     with kernels.override("-token"):
-        t = fused.silu_mul(gu, 32)
-    assert torch.allclose(c, t, rtol=1e-6, atol=1e-6)
+        assert not fused.runs_in_c(h)
+        t = fused.engram_gate(h, kv, qw, kw, None, 1e-6)
+    assert torch.allclose(c, t, rtol=1e-5, atol=1e-5)
 
 
 def test_env_without_kernels_says_none_is_loaded():
@@ -97,7 +98,6 @@ def test_env_without_kernels_says_none_is_loaded():
         state = next(ln for ln in lines if ln.startswith(f"kernel {name}: "))
         assert state in (f"kernel {name}: switched off by ENGRAM_SERVE_KERNELS='none'", f"kernel {name}: not built")
     assert "SIMD level: - (no matmul kernel)" in lines
-    assert "CPU graphs: off (they need linear, attention, token)" in lines
     assert any(ln.startswith("engram-serve ") and f"torch {torch.__version__}" in ln for ln in lines)
     assert any(ln.startswith("threads: ") for ln in lines)
 
@@ -107,7 +107,7 @@ def test_env_of_a_build_without_a_kernel_says_not_built():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["kernels"]["linear"] == out["kernels"]["gather"] == "not built"
-    assert out["simd_level"] is None and out["cpu_graphs_possible"] is False
+    assert out["simd_level"] is None
     assert out["torch"] == torch.__version__ and out["threads"] >= 1
     built = {name for name in kernels.MODULES if kernels.loaded(name)} - {"linear", "gather"}
     assert all(out["kernels"][name] == "loaded" for name in built)
@@ -118,7 +118,7 @@ def test_env_with_a_bad_spec_is_one_line_exit_2():
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines() == [
         "engram-serve: error: ENGRAM_SERVE_KERNELS='linear,-hash': names with and without '-' mixed; give the "
-        "kernels to load (hash,gather) or those to leave out (-linear,-attention)"]
+        "kernels to load (hash,gather) or those to leave out (-linear,-token)"]
 
 
 def test_summary_is_one_line_naming_loaded_kernels_the_others_and_why_and_the_simd_level():
@@ -129,7 +129,7 @@ def test_summary_is_one_line_naming_loaded_kernels_the_others_and_why_and_the_si
     assert line.startswith(f"C kernels loaded: {', '.join(loaded) or 'none'}; not loaded: ")
     for name in ("hash", "linear"):
         assert f"{name} (switched off by override='-linear,-hash')" in line or f"{name} (not built)" in line
-    assert "SIMD: -" in line and "CPU graphs off (they need linear, attention, token)" in line
+    assert "SIMD: -" in line
     if kernels.loaded("linear"):
         level = kernels.simd_level()
         assert f"SIMD: {level} ({kernels.SIMD_LEVELS[level]})" in kernels.summary()

@@ -1,4 +1,6 @@
-"""Checkpoint loading: round trip, memory mapping, and every mismatch named with both values."""
+"""Checkpoint loading (the official V4.1 layout: a shard index, or one model.safetensors): round trip,
+determinism, memory mapping, and every mismatch named with both values. The checkpoint here stores float32
+(quantized storage: tests/test_v41_checkpoint.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -18,15 +20,18 @@ from engram_serve.engram.tables import EngramTables
 from engram_serve.engram.token_map import build_token_map, load_tokenizer
 from engram_serve.errors import CheckpointMismatch, ConfigError
 from engram_serve.model import exactness, layers
-from engram_serve.model.checkpoint import CheckpointFiles
+from engram_serve.model.checkpoint import INDEX_FILE, CheckpointFiles
+from engram_serve.model.deepseek_v41 import DeepseekV41, init_weights
 from engram_serve.model.loader import (CONFIG_FILE, TINY_DIR, WEIGHTS_FILE, check_tokenizer, load_model,
                                        make_random_checkpoint)
-from engram_serve.model.model import EngramModel, init_weights
+from engram_serve.model.writer import Quant
+
+FLOAT = Quant(linears=False, experts=None, tables=False)
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    return make_random_checkpoint(tmp_path_factory.mktemp("ck") / "tiny", seed=0)
+    return make_random_checkpoint(tmp_path_factory.mktemp("ck") / "tiny", seed=0, quant=FLOAT)
 
 
 @pytest.fixture
@@ -36,15 +41,24 @@ def copy(ckpt, tmp_path):
     return make
 
 
+def shards(d: Path) -> list[Path]:
+    return sorted(d / f for f in set(json.loads((d / INDEX_FILE).read_text())["weight_map"].values()))
+
+
 def edit_config(d: Path, **changes) -> None:
     cfg = read_json(d / CONFIG_FILE)
-    cfg.update(changes)
+    cfg["text_config"].update(changes)
+    cfg.update({k: v for k, v in changes.items() if k in cfg})  # (token ids are at both levels)
     (d / CONFIG_FILE).write_text(json.dumps(cfg))
 
 
 def edit_weights(d: Path, fn) -> None:
-    tensors = {k: v.clone() for k, v in load_file(d / WEIGHTS_FILE).items()}
+    """Apply fn to every tensor of the checkpoint, rewritten as one model.safetensors (no index)."""
+    tensors = {k: v.clone() for f in shards(d) for k, v in load_file(f).items()}
     fn(tensors)
+    for f in shards(d):
+        f.unlink()
+    (d / INDEX_FILE).unlink()
     save_file(tensors, d / WEIGHTS_FILE)
 
 
@@ -54,14 +68,14 @@ def test_tiny_config_matches_tokenizer_and_layout():
     tok = load_tokenizer(TINY_DIR / "tokenizer.json")
     check_tokenizer(cfg, tok)
     assert int(build_token_map(tok, cfg.engram.engram_compressed_vocab_size).max()) + 1 == 2726
-    assert build_layout(cfg.engram).table_rows == list(cfg.engram.engram_num_embeddings) == [65856, 66338]
+    assert build_layout(cfg.engram).table_rows == list(cfg.engram.engram_num_embeddings) == [33048, 33644]
 
 
 def test_round_trip_same_logits_and_tables(ckpt):
     loaded = load_model(ckpt)
     cfg = loaded.config
-    ref = layers.layout_weights_(init_weights(EngramModel(cfg), 0).eval())  # the loader's weight layout: MKL may round
-    ref_tables = EngramTables.random(cfg.engram, 1)  # a call differently with another layout
+    ref = layers.layout_weights_(init_weights(DeepseekV41(cfg), 0, 0.05).eval())  # the loader's weight layout: MKL
+    ref_tables = EngramTables.random(cfg.engram, 1)  # may round a call differently with another layout
     assert loaded.tables.rows_per_layer == list(cfg.engram.engram_num_embeddings)
     for a, b in zip(loaded.tables.tables, ref_tables.tables):
         assert torch.equal(a, b)
@@ -74,10 +88,13 @@ def test_round_trip_same_logits_and_tables(ckpt):
 
 
 def test_random_checkpoint_is_deterministic_and_small(ckpt, tmp_path):
-    again = make_random_checkpoint(tmp_path / "again", seed=0)
-    digest = [hashlib.sha256((d / WEIGHTS_FILE).read_bytes()).hexdigest() for d in (ckpt, again)]
-    assert digest[0] == digest[1]
-    assert (ckpt / WEIGHTS_FILE).stat().st_size < 20 * 2**20
+    again = make_random_checkpoint(tmp_path / "again", seed=0, quant=FLOAT)
+    names = sorted(os.listdir(ckpt))
+    assert names == sorted(os.listdir(again))
+    for name in names:
+        assert hashlib.sha256((ckpt / name).read_bytes()).digest() == \
+            hashlib.sha256((again / name).read_bytes()).digest(), name
+    assert sum((ckpt / n).stat().st_size for n in names) < 24 * 2**20
 
 
 def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
@@ -94,7 +111,8 @@ def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
 def test_weights_and_tables_are_memory_mapped(ckpt):
     loaded = load_model(ckpt, pin_tables=False)
-    ranges = _mapped_ranges(ckpt / WEIGHTS_FILE)
+    files = shards(ckpt)
+    ranges = [r for f in files for r in _mapped_ranges(f)]
     assert ranges, "the weights file is not mapped"
 
     def mapped(t: torch.Tensor) -> bool:
@@ -105,20 +123,21 @@ def test_weights_and_tables_are_memory_mapped(ckpt):
     matmul = [(getattr(m, name), n_in) for m, name, n_in in layers.matmul_params(loaded.model)]
     assert matmul and all(not mapped(p) and exactness.in_major(p, n_in) is p for p, n_in in matmul)
     copied = {id(p) for p, _ in matmul}
-    assert all(mapped(p) for p in params.values() if id(p) not in copied)  # norms, embedding
+    assert all(mapped(p) for p in params.values() if id(p) not in copied and p.dim() < 3)  # norms, embedding, mHC
+    # (the stacked experts are built from one tensor per expert: new tensors)
     assert all(mapped(t) for t in loaded.tables.tables)
     assert not mapped(params["norm.weight"].clone())  # control: a copy is not in the mapping
     # copy-on-write: writing a parameter leaves the file untouched
-    before = (ckpt / WEIGHTS_FILE).read_bytes()
+    before = [f.read_bytes() for f in files]
     with torch.no_grad():
         params["norm.weight"].add_(1.0)
-    assert (ckpt / WEIGHTS_FILE).read_bytes() == before
+    assert [f.read_bytes() for f in files] == before
 
 
 def test_load_reports_progress(ckpt):
     seen = []
     load_model(ckpt, progress=lambda done, total, what: seen.append((done, total, what)))
-    assert seen[-1][0] == seen[-1][1] and any(w == "lm_head.weight" for _, _, w in seen)
+    assert seen[-1][0] == seen[-1][1] and any(w == "head.weight" for _, _, w in seen)
 
 
 def test_one_loader_for_every_caller(ckpt, tmp_path, capsys):
@@ -133,9 +152,14 @@ def test_one_loader_for_every_caller(ckpt, tmp_path, capsys):
     bad = tmp_path / "bad"
     shutil.copytree(ckpt, bad)
     raw = json.loads((bad / CONFIG_FILE).read_text())
-    raw["num_attention_heads"] = 2.0  # not checked by ModelConfig: it fails while the model is built
+    raw["text_config"]["num_attention_heads"] = 2.0
     (bad / CONFIG_FILE).write_text(json.dumps(raw))
-    with pytest.raises(ConfigError, match=r"config\.json: num_attention_heads=2\.0: must be an int"):
+    with pytest.raises(ConfigError, match=r"num_attention_heads=2\.0: must be an integer"):
+        load_model(bad)
+    raw["text_config"]["num_attention_heads"] = 4
+    raw["text_config"]["rope_scaling"] = {"rope_type": "yarn", "factor": 4}  # a KeyError while the model is built
+    (bad / CONFIG_FILE).write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"config\.json: KeyError: 'original_max_position_embeddings'"):
         load_model(bad)
 
 
@@ -144,7 +168,7 @@ def test_one_loader_for_every_caller(ckpt, tmp_path, capsys):
     (dict(vocab_size=5000, engram_pad_token_id=4500), r"engram_pad_token_id: config says 4500.*0\.\.4095"),
     (dict(vocab_size=5000, eos_token_id=4097), r"eos_token_id: config says 4097.*0\.\.4095"),
     (dict(engram_compressed_vocab_size=2725), r"engram_compressed_vocab_size: config says 2725.*yields 2726"),
-    (dict(engram_num_embeddings=[65856, 66000]), r"engram_num_embeddings for Engram layer 2: config says 66000.*66338"),
+    (dict(engram_num_embeddings=[33048, 33000]), r"engram_num_embeddings for Engram layer 4: config says 33000.*33644"),
 ])
 def test_config_and_tokenizer_mismatch(copy, change, pattern):
     d = copy()
@@ -154,36 +178,37 @@ def test_config_and_tokenizer_mismatch(copy, change, pattern):
 
 
 def _shrink_rows(t):
-    t["engram.2.table"] = t["engram.2.table"][:-5].contiguous()
+    t["layers.4.engram.embed.weight"] = t["layers.4.engram.embed.weight"][:-5].contiguous()
 
 
 def _narrow(t):
-    t["engram.1.table"] = t["engram.1.table"][:, :15].contiguous()
+    t["layers.1.engram.embed.weight"] = t["layers.1.engram.embed.weight"][:, :15].contiguous()
 
 
 def _drop(t):
-    del t["layers.2.mlp.down_proj.weight"]
+    del t["layers.2.ffn.experts.3.w2.weight"]
 
 
 def _reshape(t):
-    t["layers.0.attn.q_proj.weight"] = torch.zeros(128, 96)
+    t["layers.0.attn.wq_a.weight"] = torch.zeros(64, 96)
 
 
 def _extra(t):
-    t["layers.9.attn.q_proj.weight"] = torch.zeros(4)
+    t["layers.9.attn.wq_a.weight"] = torch.zeros(4)
 
 
 def _drop_table(t):
-    del t["engram.1.table"]
+    del t["layers.1.engram.embed.weight"]
 
 
 @pytest.mark.parametrize("fn, pattern", [
-    (_shrink_rows, r"engram_num_embeddings for Engram layer 2: config says 66338, .*'engram.2.table' has 66333 rows"),
-    (_narrow, r"engram_head_dim for Engram layer 1: config says 16, .*'engram.1.table' is 15 wide"),
-    (_drop, r"missing tensor.*layers\.2\.mlp\.down_proj\.weight.*\[128, 384\]"),
-    (_reshape, r"layers\.0\.attn\.q_proj\.weight.*checkpoint shape \[128, 96\].*\[128, 128\]"),
-    (_extra, r"unexpected tensor.*layers\.9\.attn\.q_proj\.weight"),
-    (_drop_table, r"missing tensor 'engram\.1\.table'"),
+    (_shrink_rows, r"engram_num_embeddings for Engram layer 4: config says 33644, .*'layers.4.engram.embed.weight' "
+                   r"has 33639 rows"),
+    (_narrow, r"engram_head_dim for Engram layer 1: config says 32, .*'layers.1.engram.embed.weight' is 15 wide"),
+    (_drop, r"missing tensor.*layers\.2\.ffn\.experts\.3\.w2\.weight.*\[128, 128\]"),
+    (_reshape, r"layers\.0\.attn\.wq_a\.weight.*checkpoint shape \[64, 96\].*\[64, 128\]"),
+    (_extra, r"unexpected tensor.*layers\.9\.attn\.wq_a\.weight"),
+    (_drop_table, r"missing tensor 'layers\.1\.engram\.embed\.weight'"),
 ])
 def test_weight_mismatch(copy, fn, pattern):
     d = copy()
@@ -201,6 +226,7 @@ def test_untouched_copy_loads(copy):
 
 def test_corrupt_files(copy):
     d = copy()
+    edit_weights(d, lambda t: None)  # one model.safetensors
     data = (d / WEIGHTS_FILE).read_bytes()
     (d / WEIGHTS_FILE).write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointMismatch, match=r"model\.safetensors: not a valid safetensors file.*not fully covered"):
@@ -230,3 +256,5 @@ def test_script_writes_a_loadable_checkpoint(tmp_path):
                     "--seed", "3"], check=True, cwd=root, capture_output=True,
                    env={**os.environ, "PYTHONPATH": str(root)})
     assert load_model(tmp_path / "s").config.hidden_size == 128
+    same = make_random_checkpoint(tmp_path / "f", seed=3)  # the script is a front end of this function
+    assert all((tmp_path / "s" / n).read_bytes() == (same / n).read_bytes() for n in os.listdir(same))

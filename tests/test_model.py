@@ -1,4 +1,8 @@
-"""The paged serving path against the dense reference path, Engram gating, stages and buffer ownership."""
+"""The paged serving path of DeepSeek-V4.1 against its dense path (`forward_dense`, the same code over a
+fresh cache, which tests/test_v41_reference.py holds against the float64 reference), bit for bit: prefill
+chunks, decode, padding tokens and rows, interleaved microbatches with straddling requests. Engram gating,
+the stages every layer yields, buffer ownership (the debug check names the shared buffer), the paged
+state's trash and zero slots, the attention with a sink, causality and gradients of the dense path."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,45 +17,52 @@ from engram_serve.engram.layer import EngramGate
 from engram_serve.engram.layout import build_layout
 from engram_serve.engram.tables import EngramTables
 from engram_serve.engram.token_map import build_token_map, load_tokenizer
-from engram_serve.errors import OwnershipError
+from engram_serve.errors import OwnershipError, StaticBufferError
 from engram_serve.inputs.batch import StepBatch
 from engram_serve.inputs.token_store import TokenStore
-from engram_serve.microbatch.buffers import MOE_COMBINE, MOE_DISPATCH, MicrobatchBuffers
+from engram_serve.microbatch.buffers import MicrobatchBuffers
+from engram_serve.model import deepseek_v41 as v41
 from engram_serve.model.context import ForwardContext
-from engram_serve.model.kv_cache import KVCache
-from engram_serve.model.loader import TINY_DIR
-from engram_serve.model.model import EngramModel, init_weights
+from engram_serve.model.deepseek_v41 import DeepseekV41, run_stages
+from engram_serve.model.loader import TINY_DIR, model_state_from_official
+from engram_serve.model.paged_state import PagedState
 from engram_serve.runner.ownership import OwnershipTracker
+from v41_fixtures import random_v41_weights, with_engram_rows
 
 BLOCK = 4
-TOL = 1e-5
+TOL = 1e-5  # only for "visibly different" (negative controls): every comparison with the dense path is exact
 
-
-def tiny_config(**over) -> ModelConfig:
-    cfg = ModelConfig.from_dict(read_json(TINY_DIR / "config.json"))
-    eng = {k: over.pop(k) for k in list(over) if k == "hc_mult"}
-    if eng:
-        over["engram"] = dataclasses.replace(cfg.engram, **eng)
-    return dataclasses.replace(cfg, **over)
-
-
+TINY_TEXT = read_json(TINY_DIR / "config.json")["text_config"]
 CONFIGS = {
-    # everything on: hc_mult=2, MoE on layer 3, Engram on 1-2, index sharing 1 -> 2 with a top-k that bites
-    "full": dict(index_topk=6),
-    "plain": dict(hc_mult=1, moe_layer_ids=(), n_routed_experts=0, index_layer_ids=(), index_topk=0),
+    # the built-in model's layer roles (ratio-2 and ratio-1 kv sources, a candidate source, Engram on two
+    # layers, hc_mult 4) with a window of 8 and index_topk 6, so that both bite on these short sequences
+    "tiny": dict(sliding_window=8, index_topk=6, candidate_topk_blocks=2),
+    # windows only: no compressed layer, one stream
+    "windows": dict(hc_mult=1, compress_ratios=[0] * 7, kv_source_layer_ids=[], index_source_layer_ids=[],
+                    candidate_source_layer_id=-1),
 }
 
 
-class World:
-    """A random model, its tables and the Engram hashing inputs, plus a hand-built step batch factory."""
+def text_config(**over) -> dict:
+    return with_engram_rows({**TINY_TEXT, **CONFIGS["tiny"], **over})
 
-    def __init__(self, cfg: ModelConfig, seed: int = 0):
-        self.cfg = cfg
-        self.model = init_weights(EngramModel(cfg), seed).eval()
-        self.tables = EngramTables.random(cfg.engram, seed + 1)
-        self.layout = build_layout(cfg.engram)
+
+class World:
+    """A model with random weights (tests/v41_fixtures.py, under the official names), its Engram tables and
+    the hashing inputs, plus a hand-built step batch factory."""
+
+    def __init__(self, text: dict, seed: int = 0):
+        self.cfg = ModelConfig.from_dict(text)
+        weights = random_v41_weights(text, seed)
+        self.model = DeepseekV41(self.cfg)
+        self.model.load_state_dict(model_state_from_official(self.model, weights))
+        self.model.requires_grad_(False).eval()
+        e = self.cfg.engram
+        self.tables = EngramTables(e.engram_layer_ids, [weights[f"layers.{lid}.engram.embed.weight"]
+                                                        for lid in e.engram_layer_ids], pin=False)
+        self.layout = build_layout(e)
         self.token_map = TOKEN_MAP
-        self.pad_id = int(self.token_map[cfg.engram.engram_pad_token_id])
+        self.pad_id = int(self.token_map[e.engram_pad_token_id])
 
     def hash(self, ids, qsl, history, dead):
         return hash_step(ids, qsl, history, self.layout, self.token_map, self.pad_id, dead)
@@ -71,13 +82,18 @@ _tok = load_tokenizer(TINY_DIR / "tokenizer.json")
 TOKEN_MAP = build_token_map(_tok)
 
 
+def forward(model: DeepseekV41, ctx: ForwardContext) -> torch.Tensor:
+    with torch.no_grad():
+        return run_stages(model.stages(ctx))
+
+
 class Requests:
     """Requests with fixed token sequences, their blocks (shuffled pool) and a token store."""
 
     def __init__(self, world: World, lengths: list[int], dead_at: dict[int, list[int]] | None = None, seed: int = 0):
         rng = random.Random(seed)
         self.world = world
-        self.tokens = [[rng.randrange(world.cfg.vocab_size) for _ in range(n)] for n in lengths]
+        self.tokens = [[rng.randrange(6, world.cfg.vocab_size) for _ in range(n)] for n in lengths]
         self.dead = [[False] * n for n in lengths]
         for r, ps in (dead_at or {}).items():
             for p in ps:
@@ -89,8 +105,7 @@ class Requests:
         self.store = TokenStore(len(lengths), max(lengths))
         self.slots = [self.store.add(t, d) for t, d in zip(self.tokens, self.dead)]
         self.done = [0] * len(lengths)  # tokens computed so far
-        self.kv = KVCache.for_config(world.cfg, num_blocks=len(pool), block_size=BLOCK)
-
+        self.kv = PagedState(world.cfg, num_blocks=len(pool), block_size=BLOCK)
     def batch(self, chunks: list[tuple[int, int]], pad_tokens: int = 0, pad_rows: int = 0, advance=True) -> StepBatch:
         """One step (or microbatch) with `n` tokens of request `r` for each (r, n); then padding."""
         ids, pos, dead, rows = [], [], [], []
@@ -149,47 +164,57 @@ class Requests:
     def run(self, chunks, out: dict, bufs: MicrobatchBuffers, **pad) -> None:
         batch = self.batch(chunks, **pad)
         with torch.no_grad():
-            hidden = self.world.model.forward_step(self.context(batch, bufs))
+            hidden = run_stages(self.world.model.stages(self.context(batch, bufs)))
         assert hidden.shape == (batch.num_tokens, self.world.cfg.hidden_size)
         self.collect(batch, hidden, out)
 
 
-def check_against_dense(reqs: Requests, out: dict) -> float:
-    worst = 0.0
+def check_against_dense(reqs: Requests, out: dict) -> list[tuple[int, int]]:
+    """The (request, position) whose serving logits are not bit-identical to the dense path's."""
+    bad = []
     for r, toks in enumerate(reqs.tokens):
         ref = reqs.world.dense_logits(toks, reqs.dead[r])
-        got = torch.stack([out[(r, p)] for p in range(len(toks))])
-        worst = max(worst, (got - ref).abs().max().item())
-    return worst
+        bad += [(r, p) for p in range(len(toks)) if not torch.equal(out[(r, p)], ref[p])]
+    return bad
+
+
+def max_dense_diff(reqs: Requests, out: dict) -> float:
+    return max(float((torch.stack([out[(r, p)] for p in range(len(t))]) - reqs.world.dense_logits(t, reqs.dead[r]))
+                     .abs().max()) for r, t in enumerate(reqs.tokens))
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def world(request) -> World:
-    return World(tiny_config(**CONFIGS[request.param]))
+    return World(text_config(**CONFIGS[request.param]))
+
+
+@pytest.fixture(scope="module")
+def tiny() -> World:
+    return World(text_config())
 
 
 LENGTHS = [23, 9, 17]
 DEAD_AT = {1: [3, 4]}
 
 
-def test_paged_prefill_chunks_and_decode_match_dense(world):
+def test_paged_prefill_chunks_and_decode_equal_dense(world):
     reqs = Requests(world, LENGTHS, DEAD_AT)
     bufs = MicrobatchBuffers.allocate(world.cfg, 0, 64)
     out: dict = {}
-    reqs.run([(0, 12), (1, 5), (2, 3)], out, bufs)  # prefill, whole and chunked, mixed
+    reqs.run([(0, 11), (1, 5), (2, 3)], out, bufs)  # prefill, whole and chunked, mixed; chunks end inside pairs
     reqs.run([(2, 6), (0, 4)], out, bufs, pad_tokens=3, pad_rows=2)  # chunks + static-style padding
     reqs.run([(1, 2), (0, 1), (2, 1)], out, bufs)
     while any(d < len(t) for d, t in zip(reqs.done, reqs.tokens)):  # decode token by token
         reqs.run([(r, 1) for r in range(len(LENGTHS)) if reqs.done[r] < len(reqs.tokens[r])], out, bufs)
     assert len(out) == sum(LENGTHS)
-    assert check_against_dense(reqs, out) < TOL
+    assert check_against_dense(reqs, out) == []
 
 
-def test_one_step_prefill_matches_dense(world):
+def test_one_step_prefill_equals_dense(world):
     reqs = Requests(world, LENGTHS, DEAD_AT, seed=1)
     out: dict = {}
     reqs.run([(r, n) for r, n in enumerate(LENGTHS)], out, MicrobatchBuffers.allocate(world.cfg, 0, 64))
-    assert check_against_dense(reqs, out) < TOL
+    assert check_against_dense(reqs, out) == []
 
 
 def test_dense_comparison_can_fail(world):
@@ -201,8 +226,7 @@ def test_dense_comparison_can_fail(world):
     bufs = MicrobatchBuffers.allocate(world.cfg, 0, 64)
     batch = reqs.batch([(0, 20)])
     batch.hash_ids = torch.roll(batch.hash_ids, 1, dims=0)
-    with torch.no_grad():
-        logits = world.model.compute_logits(world.model.forward_step(reqs.context(batch, bufs)))
+    logits = world.model.compute_logits(forward(world.model, reqs.context(batch, bufs)))
     assert (logits - ref).abs().max() > 1e3 * TOL
 
 
@@ -218,76 +242,73 @@ def round_robin(gens) -> tuple[list, list[str]]:
     return results, order
 
 
-def test_interleaved_microbatches_with_straddling_request_match_dense():
-    world = World(tiny_config(index_topk=6))
-    reqs = Requests(world, [14, 11, 8], seed=3)
+def test_interleaved_microbatches_with_straddling_requests_equal_dense(tiny):
+    reqs = Requests(tiny, [14, 11, 8], seed=3)
     tracker = OwnershipTracker()
-    bufs = [MicrobatchBuffers.allocate(world.cfg, k, 32) for k in range(2)]
+    bufs = [MicrobatchBuffers.allocate(tiny.cfg, k, 32) for k in range(2)]
     out: dict = {}
-    # one step [(0, 10), (1, 7), (2, 8)] cut at token 6 and token 15: request 0 and 1 straddle
-    b0 = reqs.batch([(0, 6)])
-    b1 = reqs.batch([(0, 4), (1, 7), (2, 8)])
+    # one step [(0, 10), (1, 7), (2, 8)] cut at token 7 and token 15: request 0 straddles inside a pair (6, 7)
+    b0 = reqs.batch([(0, 7)])
+    b1 = reqs.batch([(0, 3), (1, 7), (2, 8)])
     with torch.no_grad():
-        (h0, h1), order = round_robin([world.model.stages(reqs.context(b, q, tracker)) for b, q in zip((b0, b1), bufs)])
+        (h0, h1), order = round_robin([tiny.model.stages(reqs.context(b, q, tracker)) for b, q in zip((b0, b1), bufs)])
     reqs.collect(b0, h0, out)
     reqs.collect(b1, h1, out)
     reqs.run([(0, 4), (1, 4)], out, bufs[0])
     assert order[:2] == ["0:attn", "1:attn"]  # layer 0 of microbatch 0 before layer 0 of microbatch 1
-    assert check_against_dense(reqs, out) < TOL
+    assert check_against_dense(reqs, out) == []
 
 
-def test_out_of_order_microbatches_break_the_straddling_request():
+def test_out_of_order_microbatches_break_the_straddling_request(tiny):
     """Negative control for the ordering guarantee: run microbatch 1 before microbatch 0 and the straddling
-    request reads keys that are not written yet."""
-    world = World(tiny_config(index_topk=6))
-    reqs = Requests(world, [10], seed=3)
-    b0, b1 = reqs.batch([(0, 6)]), reqs.batch([(0, 4)])
-    bufs = [MicrobatchBuffers.allocate(world.cfg, k, 16) for k in range(2)]
+    request reads window keys and an open group that are not written yet."""
+    reqs = Requests(tiny, [10], seed=3)
+    b0, b1 = reqs.batch([(0, 5)]), reqs.batch([(0, 5)])
+    bufs = [MicrobatchBuffers.allocate(tiny.cfg, k, 16) for k in range(2)]
     out: dict = {}
     with torch.no_grad():
-        (h1, h0), _ = round_robin([world.model.stages(reqs.context(b, q)) for b, q in ((b1, bufs[1]), (b0, bufs[0]))])
+        (h1, h0), _ = round_robin([tiny.model.stages(reqs.context(b, q)) for b, q in ((b1, bufs[1]), (b0, bufs[0]))])
     reqs.collect(b0, h0, out)
     reqs.collect(b1, h1, out)
-    assert check_against_dense(reqs, out) > 1e3 * TOL
+    assert max_dense_diff(reqs, out) > 1e3 * TOL
 
 
-@pytest.mark.parametrize("shared", ["none", "staging", "topk_idx", MOE_DISPATCH, MOE_COMBINE])
-def test_ownership_check_fires_on_a_shared_buffer(shared):
-    world = World(tiny_config(index_topk=6))
-    reqs = Requests(world, [12, 12], seed=4)
+@pytest.mark.parametrize("shared", ["none", "staging", "topk", "candidates"])
+def test_ownership_check_fires_on_a_shared_buffer(tiny, shared):
+    reqs = Requests(tiny, [12, 12], seed=4)
     b0, b1 = reqs.batch([(0, 12)]), reqs.batch([(1, 12)])
-    own = [MicrobatchBuffers.allocate(world.cfg, k, 16) for k in range(2)]
+    own = [MicrobatchBuffers.allocate(tiny.cfg, k, 16) for k in range(2)]
     if shared == "staging":
         own[1].staging = own[0].staging
-    elif shared == "topk_idx":
+    elif shared == "topk":
         own[1].topk_idx = own[0].topk_idx
-    elif shared != "none":
-        own[1].scratch[shared] = own[0].scratch[shared]
+    elif shared == "candidates":
+        own[1].candidates = own[0].candidates
     tracker = OwnershipTracker()
     with torch.no_grad():
-        gens = [world.model.stages(reqs.context(b, q, tracker)) for b, q in zip((b0, b1), own)]
+        gens = [tiny.model.stages(reqs.context(b, q, tracker)) for b, q in zip((b0, b1), own)]
         if shared == "none":
             round_robin(gens)
         else:
-            with pytest.raises(OwnershipError, match=shared):
+            with pytest.raises(OwnershipError, match=f"'{shared}' is owned by microbatch 0 .* by microbatch 1"):
                 round_robin(gens)
 
 
-def test_stage_names_every_layer_yields():
-    world = World(tiny_config())
-    reqs = Requests(world, [5], seed=5)
-    bufs = MicrobatchBuffers.allocate(world.cfg, 0, 8)
+def test_stage_names_every_layer_yields(tiny):
+    reqs = Requests(tiny, [5], seed=5)
+    bufs = MicrobatchBuffers.allocate(tiny.cfg, 0, 8)
     with torch.no_grad():
-        _, order = round_robin([world.model.stages(reqs.context(reqs.batch([(0, 5)]), bufs))])
+        _, order = round_robin([tiny.model.stages(reqs.context(reqs.batch([(0, 5)]), bufs))])
     names = [o.split(":")[1] for o in order]
-    # layer 0 attn | layer 1 engram, attn | layer 2 engram, attn | layer 3 attn + MoE
-    assert names == ["attn", "engram_gather", "engram", "attn", "engram_gather", "engram", "attn",
-                     "attn", "moe_dispatch", "moe_combine"]
-    assert names.count("attn") == world.cfg.num_hidden_layers
+    want = []
+    for layer in range(tiny.cfg.num_hidden_layers):  # Engram on layers 1 and 4 of the built-in roles
+        want += ["engram_gather", "engram"] * (layer in tiny.cfg.engram.engram_layer_ids)
+        want += ["attn", "moe_dispatch", "moe_combine"]
+    assert tiny.cfg.engram.engram_layer_ids == (1, 4) and names == want
 
 
-def test_dead_tokens_get_gate_zero():
-    cfg = tiny_config()
+def test_dead_tokens_get_gate_zero(tiny):
+    cfg = tiny.cfg
     gate = EngramGate(cfg.hidden_size, cfg.hc_mult, cfg.engram.num_columns, cfg.engram.engram_head_dim, 1e-6)
     torch.nn.init.normal_(gate.wkv.weight, std=0.05)
     h = torch.randn(6, cfg.hc_mult, cfg.hidden_size)
@@ -295,63 +316,68 @@ def test_dead_tokens_get_gate_zero():
     dead = torch.tensor([False, True, False, False, True, False])
     g, _ = gate.gate(h, rows, dead)
     assert (g[dead] == 0).all() and (g[~dead] > 0).all()
-    out = gate(h, rows, dead)
+    with torch.no_grad():
+        out = gate(h, rows, dead)
     assert torch.equal(out[dead], h[dead]) and not torch.allclose(out[~dead], h[~dead])
 
 
 @pytest.mark.parametrize("perturb_dead", [True, False])
-def test_dead_token_rows_have_no_effect_anywhere(perturb_dead):
+def test_dead_token_rows_have_no_effect_anywhere(tiny, perturb_dead):
     """Noise in a dead token's staged rows changes nothing; in a live token's rows (control) it does."""
-    world = World(tiny_config())
     target = 5 if perturb_dead else 6
     results = []
     for noise in (False, True):
-        reqs = Requests(world, [14], {0: [5]}, seed=6)
+        reqs = Requests(tiny, [14], {0: [5]}, seed=6)
         batch = reqs.batch([(0, 14)])
-        bufs = MicrobatchBuffers.allocate(world.cfg, 0, 16)
+        bufs = MicrobatchBuffers.allocate(tiny.cfg, 0, 16)
         ctx = reqs.context(batch, bufs)
         if noise:
             bufs.staging[:, target] = torch.randn_like(bufs.staging[:, target]) * 10
-        with torch.no_grad():
-            results.append(world.model.compute_logits(world.model.forward_step(ctx)))
+        results.append(tiny.model.compute_logits(forward(tiny.model, ctx)))
     same = torch.equal(results[0], results[1])
     assert same == perturb_dead
 
 
-def test_index_sharing_changes_the_output():
-    """Control that index sharing is really active in the 'full' config: a larger top-k changes logits."""
-    a = World(tiny_config(index_topk=6))
-    b = World(tiny_config(index_topk=64))
+def test_the_top_k_selects_on_these_sequences():
+    """Control that selection is really active in the "tiny" variant: with an index_topk large enough to keep
+    every entry (and candidate blocks covering them all) the logits change."""
+    a = World(text_config())
+    b = World(text_config(index_topk=64, candidate_topk_blocks=64))
     toks, dead = list(range(100, 130)), [False] * 30
     assert (a.dense_logits(toks, dead) - b.dense_logits(toks, dead)).abs().max() > 1e3 * TOL
 
 
-def test_forward_dense_is_differentiable():
-    world = World(tiny_config(index_topk=6))
-    world.model.train()
-    ids = torch.randint(0, world.cfg.vocab_size, (2, 10))
-    c, hd = world.cfg.engram.num_columns, world.cfg.engram.engram_head_dim
-    rows = [torch.randn(2, 10, c, hd) for _ in range(world.cfg.engram.num_layers)]
-    loss = world.model.forward_dense(ids, rows).logsumexp(-1).mean()
+def test_forward_dense_is_differentiable(tiny):
+    """Every parameter gets a finite gradient but those that only choose: the indexers (their scores pick
+    entries; the top-k has no gradient) and the router's bias (it picks experts, never weighs them)."""
+    model = World(text_config()).model
+    model.train().requires_grad_(True)
+    ids = torch.randint(6, tiny.cfg.vocab_size, (2, 20))
+    c, hd = tiny.cfg.engram.num_columns, tiny.cfg.engram.engram_head_dim
+    rows = [torch.randn(2, 20, c, hd) for _ in range(tiny.cfg.engram.num_layers)]
+    loss = model.forward_dense(ids, rows).logsumexp(-1).mean()
     loss.backward()
-    grads = {n: p.grad for n, p in world.model.named_parameters()}
-    assert all(g is not None and torch.isfinite(g).all() for g in grads.values()), \
-        [n for n, g in grads.items() if g is None]
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    none = {n for n, g in grads.items() if g is None}
+    choosers = {n for n in grads if ".indexer." in n or n.endswith("ffn.gate.bias")}
+    assert none == choosers
+    assert all(torch.isfinite(g).all() for g in grads.values() if g is not None)
 
 
-def test_kv_cache_skips_padding_slots():
-    kv = KVCache(1, 2, 4, 1, 2)
-    k = torch.arange(6.0).view(3, 1, 2)
-    kv.write(0, torch.tensor([5, -1, 0]), k, -k)
-    assert kv.k[0, 1, 1, 0].tolist() == [0.0, 1.0] and kv.k[0, 0, 0, 0].tolist() == [4.0, 5.0]
-    assert kv.k.abs().sum() == 10.0  # the -1 token went nowhere visible
-    k_pool, _ = kv.layer(0)  # [kv_heads, slots, hd]
-    assert k_pool[:, kv.trash_slot].tolist() == [[2.0, 3.0]]  # padding writes land in the trash slot
-    assert (k_pool[:, kv.zero_slot] == 0).all()  # the zero slot is never written
+def test_paged_state_writes_padding_to_the_trash_slot_and_never_the_zero_slot(tiny):
+    kv = PagedState(tiny.cfg, num_blocks=2, block_size=4)
+    pool = kv.window[0]  # [slots + 2, head_dim]
+    vals = torch.arange(3.0)[:, None].expand(3, pool.shape[1])
+    kv.write(pool, torch.tensor([5, -1, 0]), vals)
+    assert (pool[5] == 0).all() and (pool[0] == 2).all()
+    assert (pool[kv.trash_slot] == 1).all()  # the -1 token's write landed in the trash slot
+    assert (pool[:kv.num_slots].sum(1) != 0).sum() == 1 and (pool[kv.zero_slot] == 0).all()
+    assert set(kv.entries) == set(kv.index_keys) == set(tiny.cfg.kv_source_layer_ids)
+    assert set(kv.open) == {s for s in tiny.cfg.kv_source_layer_ids if tiny.cfg.ratios[s] == 2}
 
 
-def test_tables_gather_into_staging_in_place():
-    cfg = tiny_config()
+def test_tables_gather_into_staging_in_place(tiny):
+    cfg = tiny.cfg
     tables = EngramTables.random(cfg.engram, 0)
     ids = torch.stack([torch.randint(0, n, (7, cfg.engram.num_columns)) for n in tables.rows_per_layer], dim=1)
     staging = torch.zeros(cfg.engram.num_layers, 10, cfg.engram.num_columns, cfg.engram.engram_head_dim)
@@ -362,45 +388,55 @@ def test_tables_gather_into_staging_in_place():
         assert torch.equal(staging[layer, :7], tab[ids[:, layer]])  # plain-indexing reference
 
 
-def test_padding_only_step_is_finite_and_writes_no_kv():
-    world = World(tiny_config(index_topk=6))
-    reqs = Requests(world, [5], seed=7)
-    before = reqs.kv.k.clone()
-    bufs = MicrobatchBuffers.allocate(world.cfg, 0, 8)
-    with torch.no_grad():
-        hidden = world.model.forward_step(reqs.context(reqs.batch([], pad_tokens=3, pad_rows=1), bufs))
-    assert hidden.shape == (3, world.cfg.hidden_size) and torch.isfinite(hidden).all()
-    assert torch.equal(reqs.kv.k, before)
-    assert (bufs.topk_idx[:3] == -1).all()
+def test_padding_only_step_reads_only_the_zero_slot_and_writes_only_the_trash_slot(tiny):
+    """Padding tokens (a null row at position 0) read nothing but the zero slot: with every other slot of
+    every pool NaN, their hidden states are finite; and nothing but the trash slot changes."""
+    reqs = Requests(tiny, [5], seed=7)
+    kv = reqs.kv
+    pools = [*kv.window, *kv.entries.values(), *kv.index_keys.values(), *kv.open.values()]
+    for pool in pools:
+        pool[:kv.num_slots] = float("nan")
+    before = [p.clone() for p in pools]
+    bufs = MicrobatchBuffers.allocate(tiny.cfg, 0, 8)
+    hidden = forward(tiny.model, reqs.context(reqs.batch([], pad_tokens=3, pad_rows=1), bufs))
+    assert hidden.shape == (3, tiny.cfg.hidden_size) and torch.isfinite(hidden).all()
+    trash = kv.trash_slot
+    assert all(torch.equal(a[:trash].isnan(), b[:trash].isnan()) and torch.equal(a[trash + 1:], b[trash + 1:])
+               for a, b in zip(pools, before))
 
 
-def test_microbatch_larger_than_its_buffers_is_refused():
-    from engram_serve.errors import StaticBufferError
-    world = World(tiny_config())
-    reqs = Requests(world, [9], seed=8)
-    bufs = MicrobatchBuffers.allocate(world.cfg, 0, 16)
-    small = MicrobatchBuffers(0, bufs.staging[:, :4], bufs.topk_idx, bufs.scratch)
+def test_microbatch_larger_than_its_buffers_is_refused(tiny):
+    reqs = Requests(tiny, [9], seed=8)
+    bufs = MicrobatchBuffers.allocate(tiny.cfg, 0, 16)
+    small = dataclasses.replace(bufs, staging=bufs.staging[:, :4])
     batch = reqs.batch([(0, 9)])
     ctx = ForwardContext(batch, reqs.kv, small, lambda i: bufs.staging[i, :9])
-    with pytest.raises(StaticBufferError, match="staging"):
-        world.model.forward_step(ctx)
+    with pytest.raises(StaticBufferError, match="buffers of microbatch 0 hold 4 tokens; the microbatch has 9"):
+        forward(tiny.model, ctx)
 
 
-def test_dense_attention_full_matches_plain_causal_sdpa():
-    """The training attention against the textbook form (kv heads repeated, is_causal)."""
-    from engram_serve.model.attention import FULL, DenseAttention
+def test_attention_with_a_sink_is_softmax_attention_with_one_more_logit():
+    """`attend` (key = value, a sink logit in the denominator only, masked keys) against the textbook form:
+    with a sink of -inf, plain softmax attention; with a finite sink, its weights scaled by the softmax's
+    share of the sink."""
     g = torch.Generator().manual_seed(0)
-    b, s, heads, kvh, hd = 2, 9, 4, 2, 8
-    q, k, v = (torch.randn(b * s, n, hd, generator=g) for n in (heads, kvh, kvh))
-    out = DenseAttention(b, s, torch.device("cpu")).attend(0, q, k, v, FULL, 0).view(b, s, heads * hd)
-    view = lambda x: x.view(b, s, -1, hd).repeat_interleave(heads // x.shape[1], 2).transpose(1, 2)  # noqa: E731
-    ref = torch.nn.functional.scaled_dot_product_attention(view(q), view(k), view(v), is_causal=True)
-    assert (out - ref.transpose(1, 2).reshape(b, s, heads * hd)).abs().max() < 1e-6
+    n, heads, k, hd = 5, 3, 7, 8
+    q, keys = torch.randn(n, heads, hd, generator=g), torch.randn(n, k, hd, generator=g)
+    ok = torch.rand(n, k, generator=g) < 0.7
+    ok[:, 0] = True
+    sink = torch.randn(heads, generator=g)
+    z = torch.einsum("nhd,nkd->nhk", q.double(), keys.double()) / hd ** 0.5
+    z = z.masked_fill(~ok[:, None, :], float("-inf"))
+    plain = torch.einsum("nhk,nkd->nhd", torch.softmax(z, -1), keys.double())
+    got = v41.attend(q, keys, ok, torch.full((heads,), float("-inf")), hd ** -0.5)
+    assert torch.allclose(got.double(), plain, atol=1e-6)
+    share = torch.exp(z).sum(-1) / (torch.exp(z).sum(-1) + torch.exp(sink.double())[None, :])  # [n, heads]
+    got = v41.attend(q, keys, ok, sink, hd ** -0.5)
+    assert torch.allclose(got.double(), plain * share[..., None], atol=1e-6)
 
 
-def test_dense_forward_is_causal():
-    world = World(tiny_config(index_topk=6))
+def test_dense_forward_is_causal(tiny):
     toks = list(range(200, 216))
-    a = world.dense_logits(toks, [False] * 16)
-    b = world.dense_logits(toks[:10] + [7] * 6, [False] * 16)
-    assert (a[:10] - b[:10]).abs().max() < 1e-6 and (a[10:] - b[10:]).abs().max() > 1e-2
+    a = tiny.dense_logits(toks, [False] * 16)
+    b = tiny.dense_logits(toks[:10] + [7] * 6, [False] * 16)
+    assert torch.equal(a[:10], b[:10]) and (a[10:] - b[10:]).abs().max() > 1e-2

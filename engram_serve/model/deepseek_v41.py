@@ -465,7 +465,7 @@ class DeepseekV41(nn.Module):
         b, bufs = ctx.batch, ctx.bufs
         t = b.num_tokens
         if t > bufs.capacity:
-            raise StaticBufferError(f"buffers of microbatch {bufs.ubatch} hold {bufs.capacity} tokens; "
+            raise StaticBufferError(f"buffers of microbatch {bufs.microbatch} hold {bufs.capacity} tokens; "
                                     f"the microbatch has {t}")
         # padding tokens (past qsl[-1]) belong to an extra null row: every read of theirs is the zero slot
         rows = torch.searchsorted(b.qsl[1:b.num_rows + 1], torch.arange(t, device=b.qsl.device), right=True)

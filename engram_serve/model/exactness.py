@@ -16,8 +16,11 @@ added), every call goes to it: it computes each row by the same operations whate
 so no call pads. Elsewhere (another BLAS, the kernel not loaded, autograd) a call of fewer than
 `min_rows(weight)` rows is padded with zero rows. Both are measured once per shape and layout in the
 process (`first_invariant_rows`: the smallest row count from which every probed call gives each row
-the bits of a PROBE_REF-row call). The attention's bmm calls get the padding (`bmm_min_rows`). The
-runner pads a small microbatch once to the row count the model's matmuls still need (`pad_rows`: 1
+the bits of a PROBE_REF-row call). Padding keeps a row's place in its call, so it cannot help where MKL
+gives a row other bits at another place (`position_dependent`: seen for input-major weights of 5 to 7 and
+9 to 11 outputs on an AVX2 CPU, whose every fourth row is summed in another order): such a weight is
+multiplied by `rowwise_linear`, which computes every row by the same operations wherever it sits. The
+attention's bmm calls get the padding (`bmm_min_rows`). The runner pads a small microbatch once to the row count the model's matmuls still need (`pad_rows`: 1
 where the kernel serves every weight), so that within a step only the sampled rows' logits call may
 still pad. tests/test_layers.py sweeps the rule.
 
@@ -103,6 +106,37 @@ def min_rows(weight: torch.Tensor) -> int:
     return _min_rows[key]
 
 
+POSITION_SHIFTS, POSITION_SIZES = (1, 2, 3, 5, 7, 13), (128, 129, 255)
+
+
+def position_dependent(weight: torch.Tensor) -> bool:
+    """Whether `F.linear` with this weight's shape and layout gives a row other bits when the row sits at
+    another place of its call: windows rows[s:s + n] of a probe (row i of the full call at place i - s)
+    against the full call, all bigger than any call the row rule pads (so only the place differs).
+    Measured once per shape and layout, like `min_rows`."""
+    if weight.device.type != "cpu":
+        return False
+    out_f, in_f = weight.shape
+    input_major = weight.stride(0) == 1 and out_f > 1
+    key = ("position", in_f, out_f, weight.dtype, input_major, torch.get_num_threads())
+    if key not in _min_rows:
+        w = _probe(out_f, in_f, dtype=weight.dtype)
+        w = in_major(w) if input_major else w
+        x = _probe(PROBE_REF, in_f, dtype=weight.dtype, seed=1)
+        with torch.no_grad():
+            full = F.linear(x, w)
+            _min_rows[key] = any(not torch.equal(F.linear(x[s:s + n], w), full[s:s + n])
+                                 for s in POSITION_SHIFTS for n in POSITION_SIZES)
+    return _min_rows[key]
+
+
+def rowwise_linear(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x2 [N, in] @ weight.T as products summed over `in`: each row by the same operations wherever it sits
+    in the call (the reduction of one output depends on `in` alone). [N, out, in] of memory: for the narrow
+    weights of `position_dependent`."""
+    return (x2[:, None, :] * weight[None, :, :]).sum(-1)
+
+
 def bmm_min_rows(k: int, n: int, transposed: bool, dtype: torch.dtype = torch.float32) -> int:
     """Rows from which torch.bmm gives an item's row the same bits whatever the item's row count, for items
     [rows, k] @ [k, n] with the right operand contiguous, or the transpose of a contiguous [n, k] (measured
@@ -162,10 +196,11 @@ _plans: dict[tuple, tuple] = {}
 
 
 def plan(weight: torch.Tensor) -> tuple:
-    """(min_rows, kc or None, the weight's packed panels where kc) for this weight view, memoised by address
-    and layout: ~1 us a call instead of ~12 us for measuring keys each time. The panels are a copy (the
-    weight's memory once more), made again when the weight was modified in place (its version counter).
-    A cached plan keeps its weight alive, so its address cannot be reused by another tensor while cached."""
+    """(min_rows, kc or None, the weight's packed panels where kc, the weight, its version, whether MKL is
+    position dependent for it) for this weight view, memoised by address and layout: ~1 us a call instead
+    of ~12 us for measuring keys each time. The panels are a copy (the weight's memory once more), made
+    again when the weight was modified in place (its version counter). A cached plan keeps its weight
+    alive, so its address cannot be reused by another tensor while cached."""
     key = (weight.data_ptr(), weight.shape, weight.stride(), weight.dtype, weight.is_cuda, torch.get_num_threads(),
            kernels.get("linear"))
     p = _plans.get(key)
@@ -174,7 +209,7 @@ def plan(weight: torch.Tensor) -> tuple:
             _plans.clear()
         kc = small_call_kc(weight)
         p = _plans[key] = (min_rows(weight), kc, pack_panels(weight.detach().t()) if kc else None, weight,
-                           weight._version)
+                           weight._version, kc is None and position_dependent(weight))
     return p
 
 

@@ -18,14 +18,17 @@ from .exactness import in_major
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T -> [..., out], batch-invariant (the row rule of model/exactness.py).
 
-    Where `exactness.small_call_kc` allows (not under autograd), every call goes to the C matmul; else a
+    Where `exactness.small_call_kc` allows (not under autograd), every call goes to the C matmul; where
+    MKL gives a row other bits at another place of its call, to `exactness.rowwise_linear`; else a
     call of fewer than min_rows(weight) rows is zero-padded with one `F.pad` (host-side shape checks, no
     device sync); a 2-D input needs no reshape."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     n = x2.shape[0]
-    m, kc, panels = exactness.plan(weight)[:3] if exactness.rules_on() else (0, None, None)
+    m, kc, panels, _, _, positional = exactness.plan(weight) if exactness.rules_on() else (0, None, None, 0, 0, False)
     if exactness.kernel_takes(x2, weight, kc):
         y = exactness.matmul_kernel(x2, panels, weight.shape[0], kc)
+    elif positional:
+        y = exactness.rowwise_linear(x2, weight)
     elif n >= m:
         y = F.linear(x2, weight)
     else:

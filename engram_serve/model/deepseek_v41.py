@@ -29,6 +29,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..engram.layer import EngramGate
 from ..errors import StaticBufferError
+from . import fused
 from .exactness import pointwise
 from .layers import Linear, RMSNorm, linear
 from .paged_state import SlotPlan, PagedState
@@ -107,6 +108,8 @@ class RopeTable:
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Interleaved RoPE on the last rd = 2 * cos.shape[-1] dims of x [N, ..., width]; cos, sin [N, rd / 2]."""
+    if fused.runs_in_c(x, cos, sin):
+        return fused.rope(x, cos, sin, inverse)
     rd = 2 * cos.shape[-1]
     while cos.dim() < x.dim():
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
@@ -125,9 +128,12 @@ def hyper_mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
     """(pre [N, hc], post [N, hc], comb [N, hc, hc]) of one sublayer from its streams x [N, hc, D]."""
     n, hc, _ = x.shape
     v = x.reshape(n, -1)  # [N, hc*D]
+    mm = linear(v, fn)  # [N, (2+hc)*hc]
+    if fused.runs_in_c(v, mm, scale, base):
+        return fused.hc_mix(x, mm, scale, base, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
     r = torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
     seg = torch.cat([scale[0].expand(hc), scale[1].expand(hc), scale[2].expand(hc * hc)])
-    m = linear(v, fn) * r * seg + base  # [N, (2+hc)*hc]
+    m = mm * r * seg + base
     pre = pointwise(torch.sigmoid, m[:, :hc]) + cfg.hc_eps
     post = 2 * pointwise(torch.sigmoid, m[:, hc:2 * hc])
     c = m[:, 2 * hc:].reshape(n, hc, hc)
@@ -142,6 +148,8 @@ def hyper_mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
 
 def collapse(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
     """sum_i mix[:, i] * x[:, i] for x [N, hc, D], mix [N, hc]: [N, D] (streams added in order)."""
+    if fused.runs_in_c(x, mix):
+        return fused.collapse(x, mix)
     out = mix[:, :1] * x[:, 0]
     for i in range(1, x.shape[1]):
         out = out + mix[:, i:i + 1] * x[:, i]
@@ -150,6 +158,8 @@ def collapse(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
 
 def expand(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """x'[b] = post[b] * o + sum_a comb[a, b] * x[a] for o [N, D], x [N, hc, D]: [N, hc, D]."""
+    if fused.runs_in_c(o, x, post, comb):
+        return fused.expand(o, x, post, comb)
     hc = x.shape[1]
     outs = []
     for b in range(hc):
@@ -164,6 +174,8 @@ def expand(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Ten
 def topk_first(scores: torch.Tensor, k: int) -> torch.Tensor:
     """The k best of scores [N, n] by value, ties to the lower index, -1 where fewer than k are finite (or
     above -inf): [N, k] int64."""
+    if fused.runs_in_c(scores):
+        return fused.topk(scores, k)
     n = scores.shape[1]
     if n < k:
         scores = F.pad(scores, (0, k - n), value=NEG_INF)
@@ -191,6 +203,8 @@ class V41Step:
 def attend(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax attention with a sink logit, key = value. q [N, H, hd], keys [N, K, hd], ok [N, K] bool,
     sink [H] -> [N, H, hd]. Per-item shapes of the two batched matmuls are fixed by the caller."""
+    if fused.runs_in_c(q, keys, sink):
+        return fused.attend(q, keys, ok, sink, scale)
     z = torch.bmm(q, keys.transpose(1, 2)) * scale  # [N, H, K]
     z = z.masked_fill(~ok[:, None, :], NEG_INF)
     m = torch.maximum(z.amax(-1), sink[None, :])  # [N, H]
@@ -202,6 +216,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: torch.Te
 def pool_pair(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     """A ratio-2 entry from its two tokens' [kv, gate] rows [T, 2hd]: sum of kv weighted by a per-channel
     softmax over the two gates -> [T, hd]."""
+    if fused.runs_in_c(first, second):
+        return fused.pool_pair(first, second)
     hd = first.shape[1] // 2
     s0, s1 = first[:, hd:], second[:, hd:]
     m = torch.maximum(s0, s1)
@@ -250,23 +266,41 @@ class Indexer(nn.Module):
         self.wk = Linear(cfg.head_dim, self.dim) if owns_keys else None
         self.k_norm = RMSNorm(self.dim, cfg.rms_norm_eps) if owns_keys else None
 
-    def scores(self, x: torch.Tensor, qr: torch.Tensor, cos, sin, keys: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-        """s [T, E]: sum_h w_h relu(q_h . k_g) for every entry slot of each token; -inf where not visible.
-        keys [T, E, ihd] with E a multiple of KEY_CHUNK (each batched-matmul item is one chunk)."""
-        t, e = ok.shape
+    def scores(self, x: torch.Tensor, qr: torch.Tensor, cos, sin, pool: torch.Tensor, slots: torch.Tensor,
+               count: torch.Tensor, width: int, zero_slot: int, cands: torch.Tensor | None, block: int) -> torch.Tensor:
+        """s [T, width]: sum_h w_h relu(q_h . k_g) for entry g of each token (its key at pool[slots[:, g]],
+        slots [T, E], E <= width); -inf where not visible (g >= count) and, with cands [T, nc] (block ids, -1
+        none), outside the candidate blocks of `block` entries. width is a multiple of KEY_CHUNK (each batched-
+        matmul item of the torch form is one chunk)."""
+        t = x.shape[0]
         q = rope(linear(qr, self.wq_b.weight).view(t, self.heads, self.dim), cos, sin)  # [T, nh, ihd]
-        w = linear(x, self.weights_proj.weight) * (self.dim ** -0.5 * self.heads ** -0.5)  # [T, nh]
+        w = linear(x, self.weights_proj.weight)  # [T, nh]
+        wscale = self.dim ** -0.5 * self.heads ** -0.5
+        if fused.runs_in_c(q, w, pool):
+            return fused.index_scores(q, w, wscale, pool, slots, count, width, cands, block)
+        w = w * wscale
+        keys = pool[F.pad(slots, (0, width - slots.shape[1]), value=zero_slot)]  # [T, width, ihd]
+        ok = torch.arange(width, device=x.device)[None, :] < count[:, None]
+        e = width
         c = e // KEY_CHUNK
         qc = q[:, None].expand(t, c, self.heads, self.dim).reshape(t * c, self.heads, self.dim)
         dots = torch.bmm(qc, keys.view(t * c, KEY_CHUNK, self.dim).transpose(1, 2))  # [T*C, nh, CH]
         wc = w[:, None, :, None].expand(t, c, self.heads, 1).reshape(t * c, self.heads, 1)
         s = (torch.relu(dots) * wc).transpose(1, 2).contiguous().sum(-1).view(t, e)  # heads summed per entry
-        return s.masked_fill(~ok, NEG_INF)
+        s = s.masked_fill(~ok, NEG_INF)
+        if cands is not None:
+            nb = width // block
+            chosen = torch.zeros(t, nb + 1, dtype=torch.bool, device=x.device)
+            chosen.scatter_(1, torch.where(cands < 0, nb, cands), True)  # [T, blocks + 1]: the last column is "none"
+            s = s.masked_fill(~chosen[:, :nb].repeat_interleave(block, 1), NEG_INF)
+        return s
 
 
 def candidate_blocks(s: torch.Tensor, count: torch.Tensor, block: int, k: int) -> torch.Tensor:
     """The candidate source's blocks [T, k] (ids, -1 none): block scores are the max of their entries'
     scores s [T, E] (E a multiple of `block`), the newest visible block (count - 1) // block is +inf."""
+    if fused.runs_in_c(s):
+        return fused.candidate_blocks(s, count, block, k)
     t, e = s.shape
     bs = s.view(t, e // block, block).amax(-1)  # [T, B]
     newest = torch.where(count > 0, torch.div(count - 1, block, rounding_mode="floor"), -1)
@@ -337,23 +371,16 @@ class Attention(nn.Module):
         cfg, role, plan, t = self.cfg, self.role, step.plan, x.shape[0]
         eslots, count = plan.entry_slots[role.ratio], plan.entry_count[role.ratio]  # [T, E], [T]
         unit = math.lcm(KEY_CHUNK, cfg.candidate_block_size)  # whole indexer items and whole candidate blocks
-        e = eslots.shape[1]
-        width = max(1, -(-e // unit)) * unit
-        slots = F.pad(eslots, (0, width - e), value=step.cache.zero_slot)  # [T, E'] padded
-        ok = torch.arange(width, device=x.device)[None, :] < count[:, None]
-        keys = step.cache.index_keys[role.kv_source][slots]  # [T, E', ihd]
-        s = self.indexer.scores(x, qr, *rope_cs, keys, ok)
+        width = max(1, -(-eslots.shape[1] // unit)) * unit
         cands = step.candidates[:t]
+        if role.uses_candidates:
+            step.touch("candidates", cands)
+        s = self.indexer.scores(x, qr, *rope_cs, step.cache.index_keys[role.kv_source], eslots, count, width,
+                                step.cache.zero_slot, cands if role.uses_candidates else None,
+                                cfg.candidate_block_size)  # [T, width]
         if role.publishes_candidates:
             cands.copy_(candidate_blocks(s, count, cfg.candidate_block_size, cfg.candidate_topk_blocks))
             step.touch("candidates", cands)
-        elif role.uses_candidates:
-            step.touch("candidates", cands)
-            nb = width // cfg.candidate_block_size
-            chosen = torch.zeros(t, nb + 1, dtype=torch.bool, device=x.device)
-            chosen.scatter_(1, torch.where(cands < 0, nb, cands), True)  # [T, blocks + 1]: the last column is "none"
-            keep = chosen[:, :nb].repeat_interleave(cfg.candidate_block_size, 1)  # [T, E']
-            s = s.masked_fill(~keep, NEG_INF)
         step.topk[:t].copy_(topk_first(s, cfg.index_topk))
         step.touch("topk", step.topk[:t])
 
@@ -361,6 +388,8 @@ class Attention(nn.Module):
 # ---- MoE -------------------------------------------------------------------------------------------
 def swiglu(gu: torch.Tensor, inter: int, limit: float) -> torch.Tensor:
     """silu(min(g, L)) * clamp(u, -L, L) for gu [N, 2 * inter] = (g, u); no clamp when L <= 0."""
+    if fused.runs_in_c(gu):
+        return fused.swiglu(gu, inter, limit)
     g, u = gu[:, :inter], gu[:, inter:]
     if limit > 0:
         g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
@@ -390,7 +419,11 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [N, k] best first, ties to the lower id; their weights [N, k])."""
         cfg = self.cfg
-        score = torch.sqrt(pointwise(F.softplus, linear(x, self.gate.weight)))  # [N, E]
+        z = linear(x, self.gate.weight)  # [N, E]
+        if fused.runs_in_c(z, self.gate.bias):
+            return fused.moe_route(z, self.gate.bias, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                                   cfg.routed_scaling_factor)
+        score = torch.sqrt(pointwise(F.softplus, z))
         ids = topk_first(score + self.gate.bias, cfg.num_experts_per_tok)
         w = score.gather(1, ids)
         if cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:  # (one expert: its raw score, as the peers do)
@@ -408,14 +441,20 @@ class MoE(nn.Module):
     def stages(self, x: torch.Tensor, ctx=None) -> Generator[str, None, torch.Tensor]:
         """Yields at dispatch and combine (the expert-parallel overlap points; `ctx`, the runner's
         ForwardContext, is for an expert-parallel shard's collective); returns [N, D]."""
-        n, k = x.shape[0], self.cfg.num_experts_per_tok
+        k, experts = self.cfg.num_experts_per_tok, self.cfg.n_routed_experts
         ids, w = self.route(x)
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order kept inside
-        tok = torch.div(order, k, rounding_mode="floor")
-        xs = x[tok]  # [N*k, D]
+        in_c = fused.runs_in_c(x, w)
+        if in_c:
+            order, counts, tok = fused.moe_group(ids, experts)
+            xs = fused.gather_rows(x, tok)[:, 0]  # [N*k, D]
+        else:
+            flat = ids.reshape(-1)
+            order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order kept inside
+            counts = torch.bincount(flat, minlength=experts)
+            tok = torch.div(order, k, rounding_mode="floor")
+            xs = x[tok]  # [N*k, D]
         yield STAGE_MOE_DISPATCH
-        counts = torch.bincount(flat, minlength=self.cfg.n_routed_experts).tolist()  # one host read
+        counts = counts.tolist()  # one host read
         parts, start = [], 0
         for e, c in enumerate(counts):
             if c:
@@ -423,6 +462,8 @@ class MoE(nn.Module):
             start += c
         ys = torch.cat(parts) if parts else xs
         yield STAGE_MOE_COMBINE
+        if in_c:
+            return fused.moe_combine(ys, order, w, self.shared(x))
         routed = torch.zeros_like(x).index_add_(0, tok, ys * w.reshape(-1)[order][:, None])
         return routed + self.shared(x)
 
@@ -484,7 +525,7 @@ class DeepseekV41(nn.Module):
         plain, comp = self.rope_plain(pos), self.rope_comp(pos)
         ratios = {r for r in cfg.ratios if r}
         entry_cs = {r: self.rope_comp((pos - (r - 1)).clamp(min=0)) if r > 1 else comp for r in ratios}
-        x = self.embed.weight[ids][:, None, :].expand(-1, cfg.hc_mult, -1)  # [T, hc, D]
+        x = fused.gather_rows(self.embed.weight, ids, cfg.hc_mult)  # [T, hc, D]: the embedding on every stream
         early = engram_sums(self.layers, engram_rows, step.ctx)  # tensor parallel only
         pre = torch.zeros(ids.shape[0], cfg.hc_mult, device=ids.device)
         pre[:, 0] = 1.0

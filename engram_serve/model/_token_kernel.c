@@ -23,6 +23,15 @@
  *   rope(x, n, m, width, cos, sin, half, inverse, out): x [n, m, width], cos, sin [n, half]; out = x with
  *     the last 2 * half dims rotated in interleaved pairs (j: dims d0 + 2j, d0 + 2j + 1):
  *     (x0 c - x1 s, x0 s + x1 c), inverse (x0 c + x1 s, x1 c - x0 s).
+ * Paged state (model/paged_state.py):
+ *   store_rows(pool, rows, width, slots, n, values, trash, positions, ratio): pool [rows, width] row slots[t] =
+ *     values[t] for each token t, in token order; the trash row where slots[t] < 0 or, with positions [n]
+ *     (else 0), where positions[t] % ratio != ratio - 1 (the token completes no entry). ValueError, and
+ *     nothing written, if a slot is outside [0, rows) (PagedState.write; a compressor's entries).
+ *   attn_keys(window, wslots, wok, n, w, entries, eslots, es, topk, k, rows, hd, keys, ok): the keys one token
+ *     reads, keys [n, w + k, hd] and ok [n, w + k]: the window rows window[wslots[t][j]] with wok; then, with
+ *     topk [n, k] (else k = 0), entries[eslots[t][topk[t][i]]] where the pick is >= 0 (below es), a zero
+ *     row and ok 0 where it is not. ValueError, and nothing written, if a slot is outside [0, rows).
  * Attention:
  *   attend(q, keys, ok, sink, n, h, k, hd, scale, out): q [n, h, hd], keys [n, k, hd] (key = value), ok [n, k],
  *     sink [h] -> out [n, h, hd]. Per token and head: z_j = dot(q, key_j) * scale over the keys with ok (the
@@ -216,6 +225,57 @@ CLONES static void rope_rows(const float *restrict x, Py_ssize_t n, Py_ssize_t m
                 }
         }
     }
+}
+
+/* ---- paged state ---------------------------------------------------------------------------------------- */
+
+/* returns the first token whose slot is outside [0, rows), or -1 */
+static Py_ssize_t store_rows(float *restrict pool, Py_ssize_t rows, Py_ssize_t width, const int64_t *restrict slots,
+                             Py_ssize_t n, const float *restrict values, int64_t trash,
+                             const int64_t *restrict positions, int64_t ratio) {
+    for (Py_ssize_t t = 0; t < n; t++)
+        if (slots[t] >= rows) return t;
+    if (trash < 0 || trash >= rows) return n;
+    for (Py_ssize_t t = 0; t < n; t++) {
+        const int complete = !positions || positions[t] % ratio == ratio - 1;
+        const int64_t s = slots[t] < 0 || !complete ? trash : slots[t];
+        memcpy(pool + s * width, values + t * width, (size_t)width * sizeof(float));
+    }
+    return -1;
+}
+
+/* returns 1 if a slot read is outside [0, rows) (nothing written), else 0 */
+static int attn_keys(const float *restrict window, const int64_t *restrict wslots, const uint8_t *restrict wok,
+                     Py_ssize_t n, Py_ssize_t w, const float *restrict entries, const int64_t *restrict eslots,
+                     Py_ssize_t es, const int64_t *restrict topk, Py_ssize_t k, Py_ssize_t rows, Py_ssize_t hd,
+                     float *restrict keys, uint8_t *restrict ok) {
+    for (Py_ssize_t t = 0; t < n; t++) {
+        for (Py_ssize_t j = 0; j < w; j++)
+            if (wslots[t * w + j] < 0 || wslots[t * w + j] >= rows) return 1;
+        for (Py_ssize_t i = 0; i < k; i++) {
+            const int64_t g = topk[t * k + i];
+            if (g >= 0 && g < es && (eslots[t * es + g] < 0 || eslots[t * es + g] >= rows)) return 1;
+        }
+    }
+    const size_t row = (size_t)hd * sizeof(float);
+    for (Py_ssize_t t = 0; t < n; t++) {
+        float *kt = keys + t * (w + k) * hd;
+        uint8_t *okt = ok + t * (w + k);
+        for (Py_ssize_t j = 0; j < w; j++) {
+            memcpy(kt + j * hd, window + wslots[t * w + j] * hd, row);
+            okt[j] = wok[t * w + j] != 0;
+        }
+        for (Py_ssize_t i = 0; i < k; i++) {
+            const int64_t g = topk[t * k + i];
+            const int pick = g >= 0 && g < es;
+            if (pick)
+                memcpy(kt + (w + i) * hd, entries + eslots[t * es + g] * hd, row);
+            else
+                memset(kt + (w + i) * hd, 0, row);
+            okt[w + i] = (uint8_t)pick;
+        }
+    }
+    return 0;
 }
 
 /* ---- attention --------------------------------------------------------------------------------------- */
@@ -594,6 +654,43 @@ static PyObject *py_rope(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_store_rows(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long pa, sa, va, qa;
+    Py_ssize_t rows, width, n;
+    long long trash, ratio;
+    if (!PyArg_ParseTuple(args, "KnnKnKLKL", &pa, &rows, &width, &sa, &n, &va, &trash, &qa, &ratio)) return NULL;
+    if (rows < 1 || width < 1 || n < 0 || (qa && ratio < 1) || !pa || (n && (!sa || !va)))
+        return misfit("store_rows", "rows, width >= 1, n >= 0, ratio >= 1 with positions");
+    Py_ssize_t bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = store_rows(F(pa), rows, width, CI64(sa), n, CF(va), trash, CI64(qa), ratio);
+    Py_END_ALLOW_THREADS
+    if (bad >= 0) {
+        PyErr_Format(PyExc_ValueError, "store_rows: slot %lld (token %zd) is outside the pool's %zd rows",
+                     bad < n ? (long long)CI64(sa)[bad] : trash, bad, rows);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_attn_keys(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long wa, wsa, woka, ea, esa, ta, ka, oka;
+    Py_ssize_t n, w, es, k, rows, hd;
+    if (!PyArg_ParseTuple(args, "KKKnnKKnKnnnKK", &wa, &wsa, &woka, &n, &w, &ea, &esa, &es, &ta, &k, &rows, &hd, &ka,
+                          &oka))
+        return NULL;
+    if (n < 0 || w < 0 || es < 0 || k < 0 || rows < 1 || hd < 1 || (k && !ta) ||
+        (n && (!wa || (w && (!wsa || !woka)) || !ka || !oka || (k && es && (!ea || !esa)))))
+        return misfit("attn_keys", "n, w, es, k >= 0, rows, hd >= 1");
+    int bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = attn_keys(CF(wa), CI64(wsa), U8(woka), n, w, CF(ea), CI64(esa), es, CI64(ta), k, rows, hd, F(ka),
+                    (uint8_t *)(uintptr_t)oka);
+    Py_END_ALLOW_THREADS
+    if (bad) return misfit("attn_keys", "a slot is outside the pool");
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_attend(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long qa, ka, oka, sa, oa;
     Py_ssize_t n, h, k, hd;
@@ -795,6 +892,10 @@ static PyMethodDef methods[] = {
     {"expand", py_expand, METH_VARARGS, "expand(o, x, post, comb, n, hc, dim, out): stream b = post_b o + sum_a comb[a][b] x_a."},
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, rows, dim, w, eps, out): out = x * rsqrt(mean(x^2) + eps) [* w]."},
     {"rope", py_rope, METH_VARARGS, "rope(x, n, m, width, cos, sin, half, inverse, out): interleaved RoPE of the last 2 half dims."},
+    {"store_rows", py_store_rows, METH_VARARGS,
+     "store_rows(pool, rows, width, slots, n, values, trash, positions, ratio): pool[slots[t]] = values[t], else the trash row."},
+    {"attn_keys", py_attn_keys, METH_VARARGS,
+     "attn_keys(window, wslots, wok, n, w, entries, eslots, es, topk, k, rows, hd, keys, ok): the keys a token reads."},
     {"attend", py_attend, METH_VARARGS, "attend(q, keys, ok, sink, n, h, k, hd, scale, out): softmax attention with a sink logit."},
     {"pool_pair", py_pool_pair, METH_VARARGS, "pool_pair(first, second, n, hd, out): a ratio-2 entry from two [kv, gate] rows."},
     {"topk_rows", py_topk_rows, METH_VARARGS, "topk_rows(x, rows, v, k, out): the k best per row, ties to the lower index, -1 for -inf."},

@@ -103,7 +103,7 @@ class RopeTable:
         top = int(positions.max()) + 1 if positions.numel() else 1
         if self.cos is None or self.cos.shape[0] < top or self.cos.device != positions.device:
             self.ensure(top, positions.device)
-        return self.cos[positions], self.sin[positions]
+        return fused.gather_rows(self.cos, positions)[:, 0], fused.gather_rows(self.sin, positions)[:, 0]
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -199,6 +199,32 @@ class V41Step:
     ctx: object = None  # the runner's ForwardContext (tensor parallelism: its collectives' buffers and tracking)
 
 
+# ---- the paged state: writes and the keys a token reads -------------------------------------------
+def store(cache: PagedState, pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor,
+          positions: torch.Tensor | None = None, ratio: int = 1) -> None:
+    """cache.write(pool, slots, values); with positions, only the rows of the tokens that complete an entry of
+    `ratio` tokens (positions % ratio == ratio - 1): the others go to the trash slot."""
+    if fused.runs_in_c(pool, values):
+        fused.store_rows(pool, slots, values, cache.trash_slot, positions, ratio)
+        return
+    if positions is not None:
+        slots = torch.where(positions % ratio == ratio - 1, slots, -1)
+    cache.write(pool, slots, values)
+
+
+def attention_keys(window: torch.Tensor, plan: SlotPlan, entries: torch.Tensor | None, eslots: torch.Tensor | None,
+                   topk: torch.Tensor | None, zero_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys [T, W + K, hd], ok [T, W + K] bool): the window's keys, then (with topk [T, K], -1 none) the
+    entries it picked, their slots from eslots [T, E]; a pick of -1 reads the zero slot, masked."""
+    if fused.runs_in_c(window, entries):
+        return fused.attn_keys(window, plan.window, plan.window_ok, entries, eslots, topk)
+    keys, ok = window[plan.window], plan.window_ok  # [T, W, hd]
+    if topk is None:
+        return keys, ok
+    picked = eslots.gather(1, topk.clamp(min=0)).masked_fill(topk < 0, zero_slot)  # [T, K]
+    return torch.cat([keys, entries[picked]], 1), torch.cat([ok, topk >= 0], 1)
+
+
 # ---- attention -------------------------------------------------------------------------------------
 def attend(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax attention with a sink logit, key = value. q [N, H, hd], keys [N, K, hd], ok [N, K] bool,
@@ -251,8 +277,8 @@ class Compressor(nn.Module):
         """Store this microbatch's [kv, gate] rows, then read each token's partner: the row of position
         p - 1 (the open group, when p is odd), from this microbatch or from wherever it ran before."""
         pool = step.cache.open[layer]
-        step.cache.write(pool, step.plan.slots, row)
-        return pool[step.plan.prev_slots]  # [T, 2hd]
+        store(step.cache, pool, step.plan.slots, row)
+        return fused.gather_rows(pool, step.plan.prev_slots)[:, 0]  # [T, 2hd]
 
 
 class Indexer(nn.Module):
@@ -337,8 +363,8 @@ class Attention(nn.Module):
         q = rope(linear(qr, self.wq_b.weight).view(t, h, hd), *rope_cs)  # [T, H, hd]
         kv = rope(self.kv_norm(linear(x, self.wkv.weight)), *rope_cs)  # [T, hd]
         window = step.cache.window[role.layer]
-        step.cache.write(window, plan.slots, kv)  # this microbatch's keys first: a token attends to itself
-        keys, ok = window[plan.window], plan.window_ok  # [T, W, hd]
+        store(step.cache, window, plan.slots, kv)  # this microbatch's keys first: a token attends to itself
+        topk = entries = eslots = None
         if role.ratio:
             if self.compressor is not None:
                 self._compress(x, step, entry_cs)
@@ -346,10 +372,8 @@ class Attention(nn.Module):
                 self._select(x, qr, step, rope_cs)
             topk = step.topk[:t]
             step.touch("topk", topk)
-            eslots = plan.entry_slots[role.ratio]
-            picked = eslots.gather(1, topk.clamp(min=0)).masked_fill(topk < 0, step.cache.zero_slot)  # [T, K]
-            keys = torch.cat([keys, step.cache.entries[role.kv_source][picked]], 1)
-            ok = torch.cat([ok, topk >= 0], 1)
+            entries, eslots = step.cache.entries[role.kv_source], plan.entry_slots[role.ratio]
+        keys, ok = attention_keys(window, plan, entries, eslots, topk, step.cache.zero_slot)  # [T, K, hd], [T, K]
         o = attend(q, keys, ok, self.attn_sink, hd ** -0.5)  # [T, H, hd]
         o = rope(o, *rope_cs, inverse=True).reshape(t, self.groups, -1)
         ol = cfg.o_lora_rank
@@ -360,11 +384,9 @@ class Attention(nn.Module):
         """Store the entries (and index keys) completed by this microbatch's tokens."""
         layer, r, plan = self.role.layer, self.role.ratio, step.plan
         latent = self.compressor.latent(x, step, layer)  # [T, hd]
-        complete = (plan.positions % r == r - 1) & (plan.slots >= 0)
-        slots = torch.where(complete, plan.slots, -1)
-        step.cache.write(step.cache.entries[layer], slots, rope(latent, *entry_cs))
+        store(step.cache, step.cache.entries[layer], plan.slots, rope(latent, *entry_cs), plan.positions, r)
         ik = rope(self.indexer.k_norm(linear(latent, self.indexer.wk.weight)), *entry_cs)
-        step.cache.write(step.cache.index_keys[layer], slots, ik)
+        store(step.cache, step.cache.index_keys[layer], plan.slots, ik, plan.positions, r)
 
     def _select(self, x: torch.Tensor, qr: torch.Tensor, step: V41Step, rope_cs) -> None:
         """Score the key source's entries and write this microbatch's top-k (and candidate blocks)."""

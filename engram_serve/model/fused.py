@@ -158,6 +158,36 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -
     return out
 
 
+def store_rows(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, trash: int,
+               positions: torch.Tensor | None = None, ratio: int = 1) -> None:
+    """pool[slots[t]] = values[t] in place, the `trash` row where slots[t] < 0 or, with positions, where the
+    token completes no entry of `ratio` tokens (positions[t] % ratio != ratio - 1). pool [rows, width]
+    contiguous (written in place: a copy would lose the writes), values [T, width]."""
+    if not pool.is_contiguous():
+        raise ValueError(f"store_rows: the pool {tuple(pool.shape)} must be contiguous (it is written in place)")
+    slots, values = _c(slots), _c(values)
+    positions = None if positions is None else _c(positions)
+    capture.call(_kernel().store_rows, pool.data_ptr(), pool.shape[0], pool.shape[1], slots.data_ptr(), slots.shape[0],
+                 values.data_ptr(), trash, 0 if positions is None else positions.data_ptr(), ratio)
+
+
+def attn_keys(window: torch.Tensor, wslots: torch.Tensor, wok: torch.Tensor, entries: torch.Tensor | None,
+              eslots: torch.Tensor | None, topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys [T, W + K, hd], ok [T, W + K] bool) a token attends to: window[wslots] with wok [T, W], then with
+    topk [T, K] the picked entries entries[eslots[t, topk]] (a zero row, not ok, where the pick is -1)."""
+    t, w = wslots.shape
+    hd = window.shape[1]
+    window, wslots, wok = _c(window), _c(wslots), _c(wok)
+    k = 0 if topk is None else topk.shape[1]
+    if k:
+        entries, eslots, topk = _c(entries), _c(eslots), _c(topk)
+    keys, ok = torch.empty(t, w + k, hd), torch.empty(t, w + k, dtype=torch.bool)
+    capture.call(_kernel().attn_keys, window.data_ptr(), wslots.data_ptr(), wok.data_ptr(), t, w,
+                 entries.data_ptr() if k else 0, eslots.data_ptr() if k else 0, eslots.shape[1] if k else 0,
+                 topk.data_ptr() if k else 0, k, window.shape[0], hd, keys.data_ptr(), ok.data_ptr())
+    return keys, ok
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax attention with a sink logit, key = value: q [N, H, hd], keys [N, K, hd], ok [N, K] bool, sink [H]
     -> [N, H, hd]; keys without ok are never read."""

@@ -62,6 +62,9 @@
  *     w [n * k] -> out [n, dim] = (0 + w y of the token's pairs, in order: ascending expert) + shared [n, dim].
  *   swiglu(gu, n, inter, limit, out): gu [n, 2 inter] (g, u) -> out [n, inter] = silu(min(g, L)) *
  *     clamp(u, -L, L), L = limit (no clamp when L <= 0); silu(x) = x / (1 + exp(-x)).
+ * Copies:
+ *   concat_cols(out, n, width, a_0, w_0, a_1, w_1, ...): out [n, width] = the parts a_i [n, w_i] side by side
+ *     (row strides w_i; the w_i add up to width): torch.cat(dim=1) of a microbatch's few column blocks.
  * Engram, embedding, sampling:
  *   engram_gate(h, n, hc, hidden, kv, q_w, k_w, dead, eps, h_out) -> None
  *     The Engram gate of docs/contract.md §7, h_out = h with the gated value added: kv [n, (hc + 1) * hidden]
@@ -486,14 +489,7 @@ CLONES static void swiglu_rows(const float *restrict gu, Py_ssize_t n, Py_ssize_
     for (Py_ssize_t t = 0; t < n; t++) {
         const float *g = gu + t * 2 * inter, *u = g + inter;
         float *o = out + t * inter;
-        if (limit > 0.0f)
-            for (Py_ssize_t d = 0; d < inter; d++) {
-                const float gv = g[d] > limit ? limit : g[d];
-                const float uv = u[d] > limit ? limit : (u[d] < -limit ? -limit : u[d]);
-                o[d] = gv / (1.0f + exp_fixed(-gv)) * uv;
-            }
-        else
-            for (Py_ssize_t d = 0; d < inter; d++) o[d] = g[d] / (1.0f + exp_fixed(-g[d])) * u[d];
+        for (Py_ssize_t d = 0; d < inter; d++) o[d] = swiglu_value(g[d], u[d], limit);
     }
 }
 
@@ -650,6 +646,37 @@ static PyObject *py_rope(PyObject *Py_UNUSED(self), PyObject *args) {
         return misfit("rope", "n, m >= 0, 0 <= 2 half <= width");
     Py_BEGIN_ALLOW_THREADS
     rope_rows(CF(xa), n, m, width, CF(ca), CF(sa), half, inverse, F(oa));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+#define MAX_PARTS 16
+
+static PyObject *py_concat_cols(PyObject *Py_UNUSED(self), PyObject *args) {
+    const Py_ssize_t nargs = PyTuple_GET_SIZE(args);
+    if (nargs < 3 || (nargs - 3) % 2 || (nargs - 3) / 2 > MAX_PARTS)
+        return misfit("concat_cols", "out, n, width, then 1 to 16 (address, width) pairs");
+    unsigned long long oa = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args, 0));
+    const Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 1)), width = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 2));
+    const Py_ssize_t parts = (nargs - 3) / 2;
+    unsigned long long pa[MAX_PARTS];
+    Py_ssize_t pw[MAX_PARTS], sum = 0;
+    for (Py_ssize_t i = 0; i < parts; i++) {
+        pa[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args, 3 + 2 * i));
+        pw[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 4 + 2 * i));
+        sum += pw[i];
+        if (pw[i] < 0 || (n && pw[i] && !pa[i])) return misfit("concat_cols", "a part of negative width or a null address");
+    }
+    if (PyErr_Occurred()) return NULL;
+    if (n < 0 || sum != width || (n && width && !oa)) return misfit("concat_cols", "n >= 0, the parts' widths adding up to width");
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t t = 0; t < n; t++) {
+        float *o = F(oa) + t * width;
+        for (Py_ssize_t i = 0; i < parts; i++) {
+            memcpy(o, CF(pa[i]) + t * pw[i], (size_t)pw[i] * sizeof(float));
+            o += pw[i];
+        }
+    }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -892,6 +919,7 @@ static PyMethodDef methods[] = {
     {"expand", py_expand, METH_VARARGS, "expand(o, x, post, comb, n, hc, dim, out): stream b = post_b o + sum_a comb[a][b] x_a."},
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, rows, dim, w, eps, out): out = x * rsqrt(mean(x^2) + eps) [* w]."},
     {"rope", py_rope, METH_VARARGS, "rope(x, n, m, width, cos, sin, half, inverse, out): interleaved RoPE of the last 2 half dims."},
+    {"concat_cols", py_concat_cols, METH_VARARGS, "concat_cols(out, n, width, a_0, w_0, ...): column blocks side by side."},
     {"store_rows", py_store_rows, METH_VARARGS,
      "store_rows(pool, rows, width, slots, n, values, trash, positions, ratio): pool[slots[t]] = values[t], else the trash row."},
     {"attn_keys", py_attn_keys, METH_VARARGS,

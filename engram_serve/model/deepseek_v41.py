@@ -29,7 +29,8 @@ from torch import nn
 from ..config import ModelConfig
 from ..engram.layer import EngramGate
 from ..errors import StaticBufferError
-from . import fused
+from .. import kernels
+from . import capture, exactness, fused
 from .exactness import pointwise
 from .layers import Linear, RMSNorm, linear
 from .paged_state import SlotPlan, PagedState
@@ -197,6 +198,19 @@ class V41Step:
     candidates: torch.Tensor
     touch: Callable[[str, torch.Tensor], None] = lambda name, t: None
     ctx: object = None  # the runner's ForwardContext (tensor parallelism: its collectives' buffers and tracking)
+    rotary: dict = None  # "plain", "comp": (cos, sin) [T, rd / 2] at the positions; ratio r: at each token's entry
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of this step that depends on its positions and block tables (the plan, the rotary
+        lookups), by name: a CPU graph rebinds the addresses inside them (runner/cpu_graphs.py)."""
+        p = self.plan
+        out = {"positions": p.positions, "slots": p.slots, "window": p.window, "window_ok": p.window_ok,
+               "prev_slots": p.prev_slots}
+        for r in p.entry_count:
+            out[f"entry_count{r}"], out[f"entry_slots{r}"] = p.entry_count[r], p.entry_slots[r]
+        for kind, (cos, sin) in self.rotary.items():
+            out[f"cos_{kind}"], out[f"sin_{kind}"] = cos, sin
+        return out
 
 
 # ---- the paged state: writes and the keys a token reads -------------------------------------------
@@ -268,7 +282,7 @@ class Compressor(nn.Module):
         a = linear(x, self.wkv.weight)  # [T, hd]
         if self.ratio == 1:
             return self.norm(a)
-        row = torch.cat([a, linear(x, self.wgate.weight)], 1).float()  # [T, 2hd]
+        row = fused.cat_cols([a, linear(x, self.wgate.weight)]).float()  # [T, 2hd]
         return self.norm(pool_pair(self.partner(row, step, layer), row).to(x.dtype))
 
 
@@ -377,7 +391,7 @@ class Attention(nn.Module):
         o = attend(q, keys, ok, self.attn_sink, hd ** -0.5)  # [T, H, hd]
         o = rope(o, *rope_cs, inverse=True).reshape(t, self.groups, -1)
         ol = cfg.o_lora_rank
-        u = torch.cat([linear(o[:, g], self.wo_a.weight[g * ol:(g + 1) * ol]) for g in range(self.groups)], 1)
+        u = fused.cat_cols([linear(o[:, g], self.wo_a.weight[g * ol:(g + 1) * ol]) for g in range(self.groups)])
         return linear(u, self.wo_b.weight)
 
     def _compress(self, x: torch.Tensor, step: V41Step, entry_cs) -> None:
@@ -455,9 +469,45 @@ class MoE(nn.Module):
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         return linear(swiglu(linear(x, self.w13[e]), self.inter, self.cfg.swiglu_limit), self.w2[e])
 
+    def experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """ys [P, D]: each expert's output for its rows of xs [P, D] (grouped by expert, counts [E] int64 rows
+        each). One linear-kernel call where the C matmul serves every expert's weights (`exactness.moe_experts`:
+        the very products and SwiGLU of `expert`, so the same bits, and no host read); else `expert` per
+        expert with rows, after a host read of the counts."""
+        panels = self._expert_panels(xs, counts)
+        if panels is not None:
+            return exactness.moe_experts(xs, counts, *panels[:4], self.inter, self.cfg.swiglu_limit)
+        capture.refuse("the MoE reads its expert counts on the host")
+        parts, start = [], 0
+        for e, c in enumerate(counts.tolist()):  # one host read
+            if c:
+                parts.append(self.expert(e, xs[start:start + c]))
+            start += c
+        return torch.cat(parts) if parts else xs
+
+    def _expert_panels(self, xs: torch.Tensor, counts: torch.Tensor) -> tuple | None:
+        """(w13 panel addresses [E] int64, kc13, w2 panel addresses, kc2, the plans kept alive) where the C matmul
+        takes every expert's product (model/exactness.py: the rules on, a probed kc, float32 CPU rows, no
+        autograd), else None. Cached per weight version."""
+        w13, w2 = self.w13, self.w2
+        if not (exactness.rules_on() and xs.is_cpu and xs.dtype == torch.float32 and xs.is_contiguous()
+                and counts.is_cpu and not (torch.is_grad_enabled() and (w13.requires_grad or w2.requires_grad))):
+            return None
+        key = (w13.data_ptr(), w13._version, w2.data_ptr(), w2._version, kernels.get("linear"), torch.get_num_threads())
+        cached = getattr(self, "_panels", None)
+        if cached is None or cached[0] != key:
+            plans13 = [exactness.plan(w13[e]) for e in range(w13.shape[0])]
+            plans2 = [exactness.plan(w2[e]) for e in range(w2.shape[0])]
+            ok = all(p[1] is not None for p in plans13 + plans2)
+            panels = None if not ok else (
+                torch.tensor([p[2].data_ptr() for p in plans13], dtype=torch.int64), plans13[0][1],
+                torch.tensor([p[2].data_ptr() for p in plans2], dtype=torch.int64), plans2[0][1], plans13 + plans2)
+            self._panels = cached = (key, panels)
+        return cached[1]
+
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         s = self.shared_experts
-        gu = torch.cat([linear(x, s.w1.weight), linear(x, s.w3.weight)], 1)
+        gu = fused.cat_cols([linear(x, s.w1.weight), linear(x, s.w3.weight)])
         return linear(swiglu(gu, self.inter, self.cfg.swiglu_limit), s.w2.weight)
 
     def stages(self, x: torch.Tensor, ctx=None) -> Generator[str, None, torch.Tensor]:
@@ -476,13 +526,7 @@ class MoE(nn.Module):
             tok = torch.div(order, k, rounding_mode="floor")
             xs = x[tok]  # [N*k, D]
         yield STAGE_MOE_DISPATCH
-        counts = counts.tolist()  # one host read
-        parts, start = [], 0
-        for e, c in enumerate(counts):
-            if c:
-                parts.append(self.expert(e, xs[start:start + c]))
-            start += c
-        ys = torch.cat(parts) if parts else xs
+        ys = self.experts(xs, counts)  # [N*k, D]
         yield STAGE_MOE_COMBINE
         if in_c:
             return fused.moe_combine(ys, order, w, self.shared(x))
@@ -525,10 +569,16 @@ class DeepseekV41(nn.Module):
     def stages(self, ctx) -> Generator[str, None, torch.Tensor]:
         """The serving forward of one microbatch (a ForwardContext: its StepBatch slice, the cache, its own
         buffers, its staged Engram rows) -> hidden [T, D]; yields at overlap points."""
+        step = self.prepare(ctx)
+        return (yield from self.forward_stages(ctx.batch.input_ids, ctx.batch.dead, step, ctx.engram_rows))
+
+    def prepare(self, ctx) -> V41Step:
+        """The V41Step of one microbatch: its slot plan over its rows' block tables (padding tokens form an extra
+        null row), its own buffers, its rotary lookups."""
         b, bufs = ctx.batch, ctx.bufs
         t = b.num_tokens
         if t > bufs.capacity:
-            raise StaticBufferError(f"buffers of microbatch {bufs.ubatch} hold {bufs.capacity} tokens; "
+            raise StaticBufferError(f"buffers of microbatch {bufs.microbatch} hold {bufs.capacity} tokens; "
                                     f"the microbatch has {t}")
         # padding tokens (past qsl[-1]) belong to an extra null row: every read of theirs is the zero slot
         rows = torch.searchsorted(b.qsl[1:b.num_rows + 1], torch.arange(t, device=b.qsl.device), right=True)
@@ -536,21 +586,26 @@ class DeepseekV41(nn.Module):
         step = self.make_step(ctx.kv, b.positions, rows, tables, b.block_size, b.slot_mapping, bufs.topk_idx,
                               bufs.candidates, ctx.touch, None if ctx.max_seq_len is None else ctx.max_seq_len - 1)
         step.ctx = ctx
-        return (yield from self.forward_stages(b.input_ids, b.dead, step, ctx.engram_rows))
+        return step
+
+    def rotary(self, pos: torch.Tensor) -> dict:
+        """The cos, sin [T, rd / 2] a forward reads: "plain" (window-only layers) and "comp" (compressed layers)
+        at the positions pos [T], and per ratio r > 1 at the first position of the entry each token completes."""
+        plain, comp = self.rope_plain(pos), self.rope_comp(pos)
+        out = {"plain": plain, "comp": comp}
+        for r in sorted({r for r in self.config.ratios if r > 1}):
+            out[r] = self.rope_comp((pos - (r - 1)).clamp(min=0))
+        return out
 
     def forward_stages(self, ids: torch.Tensor, dead: torch.Tensor | None, step: V41Step,
                        engram_rows: Callable[[int], torch.Tensor] | None) -> Generator[str, None, torch.Tensor]:
         """The forward of one microbatch: ids [T] -> final hidden [T, D]; yields at overlap points.
         `engram_rows(i)` gives Engram layer i's staged rows [T, C, hd] (None: Engram ablated)."""
-        cfg, plan = self.config, step.plan
-        pos = plan.positions
-        plain, comp = self.rope_plain(pos), self.rope_comp(pos)
-        ratios = {r for r in cfg.ratios if r}
-        entry_cs = {r: self.rope_comp((pos - (r - 1)).clamp(min=0)) if r > 1 else comp for r in ratios}
+        cfg, cs = self.config, step.rotary
         x = fused.gather_rows(self.embed.weight, ids, cfg.hc_mult)  # [T, hc, D]: the embedding on every stream
         early = engram_sums(self.layers, engram_rows, step.ctx)  # tensor parallel only
         pre = torch.zeros(ids.shape[0], cfg.hc_mult, device=ids.device)
-        pre[:, 0] = 1.0
+        pre[:, 0].fill_(1.0)  # layer 0's attention reads stream 0 alone
         for blk in self.layers:
             role = blk.role
             if blk.engram is not None:
@@ -564,8 +619,8 @@ class DeepseekV41(nn.Module):
                 yield STAGE_ENGRAM
             pre_a, post_a, comb_a = hyper_mix(x, blk.hc_attn_fn, blk.hc_attn_base, blk.hc_attn_scale, cfg)
             h = blk.attn_norm(collapse(x, pre))
-            cs = comp if role.ratio else plain
-            a = blk.attn(h, step, cs, entry_cs.get(role.ratio))
+            rope_cs = cs["comp"] if role.ratio else cs["plain"]
+            a = blk.attn(h, step, rope_cs, cs.get(role.ratio, cs["comp"]) if role.ratio else None)
             a = yield from collective_point(a, blk.attn.wo_b, STAGE_ATTN, step.ctx)
             x = expand(a, x, post_a, comb_a)
             pre_f, post_f, comb_f = hyper_mix(x, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale, cfg)
@@ -640,7 +695,7 @@ class DeepseekV41(nn.Module):
         topk = topk if topk is not None else torch.full((t, cfg.index_topk), -1, dtype=torch.int64, device=dev)
         if candidates is None:
             candidates = torch.full((t, cfg.candidate_topk_blocks), -1, dtype=torch.int64, device=dev)
-        return V41Step(cache, plan, topk, candidates, touch or (lambda name, x: None))
+        return V41Step(cache, plan, topk, candidates, touch or (lambda name, x: None), rotary=self.rotary(positions))
 
 
 def collective_point(x: torch.Tensor, module, stage: str, ctx) -> Generator[str, None, torch.Tensor]:

@@ -5,8 +5,8 @@ The C form is taken for float32 CPU tensors outside autograd when the token kern
 switched off). Which form runs depends only on devices, dtypes and the loaded kernels, never on a batch, so a
 serving config always takes the same one (`runs_in_c`). The callers choose with `runs_in_c` and keep the
 torch form beside the call (model/deepseek_v41.py `hyper_mix`, `collapse`, `expand`, `attend`, `pool_pair`,
-`swiglu`, `topk_first`, the indexer and the MoE; model/layers.py `rms_norm`); `engram_gate` and
-`argmax_rows` choose here. The C form computes each token alone, in an order fixed per token (see the
+`swiglu`, `topk_first`, `store`, `attention_keys`, the indexer and the MoE; model/layers.py `rms_norm`);
+`engram_gate`, `gather_rows`, `cat_cols` and `argmax_rows` choose here. The C form computes each token alone, in an order fixed per token (see the
 kernel's header): a token's bits do not depend on its batch mates, the cut or padding, by construction.
 The two forms compute the same formula, not the same bits; the torch form keeps the batch-invariance rules
 of model/exactness.py (`pointwise`).
@@ -90,6 +90,18 @@ def gate_torch(h: torch.Tensor, kv: torch.Tensor, q_w: torch.Tensor, k_w: torch.
     if dead is not None:
         g = g.masked_fill(dead[:, None], 0.0)
     return (g if g.dtype == h.dtype else g.to(h.dtype)), value
+
+
+def cat_cols(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts, 1) of [N, w_i] parts: one C copy where it runs, else torch.cat."""
+    if not runs_in_c(*parts) or len(parts) > 16:
+        return torch.cat(parts, 1)
+    parts = [_c(p) for p in parts]
+    n, width = parts[0].shape[0], sum(p.shape[1] for p in parts)
+    out = torch.empty(n, width)
+    args = [a for p in parts for a in (p.data_ptr(), p.shape[1])]
+    capture.call(_kernel().concat_cols, out.data_ptr(), n, width, *args)
+    return out
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -483,7 +483,7 @@ class MoE(nn.Module):
             if c:
                 parts.append(self.expert(e, xs[start:start + c]))
             start += c
-        return torch.cat(parts) if parts else xs
+        return fused.cat_rows(parts) if parts else xs
 
     def _expert_panels(self, xs: torch.Tensor, counts: torch.Tensor) -> tuple | None:
         """(w13 panel addresses [E] int64, kc13, w2 panel addresses, kc2, the plans kept alive) where the C matmul

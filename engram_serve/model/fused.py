@@ -6,7 +6,7 @@ switched off). Which form runs depends only on devices, dtypes and the loaded ke
 serving config always takes the same one (`runs_in_c`). The callers choose with `runs_in_c` and keep the
 torch form beside the call (model/deepseek_v41.py `hyper_mix`, `collapse`, `expand`, `attend`, `pool_pair`,
 `swiglu`, `topk_first`, `store`, `attention_keys`, the indexer and the MoE; model/layers.py `rms_norm`);
-`engram_gate`, `gather_rows`, `cat_cols` and `argmax_rows` choose here. The C form computes each token alone, in an order fixed per token (see the
+`engram_gate`, `gather_rows`, `cat_cols`, `cat_rows` and `argmax_rows` choose here. The C form computes each token alone, in an order fixed per token (see the
 kernel's header): a token's bits do not depend on its batch mates, the cut or padding, by construction.
 The two forms compute the same formula, not the same bits; the torch form keeps the batch-invariance rules
 of model/exactness.py (`pointwise`).
@@ -102,6 +102,15 @@ def cat_cols(parts: list[torch.Tensor]) -> torch.Tensor:
     args = [a for p in parts for a in (p.data_ptr(), p.shape[1])]
     capture.call(_kernel().concat_cols, out.data_ptr(), n, width, *args)
     return out
+
+
+def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts) of [n_i, w] parts: one C copy where it runs (each part a block of one flat row), else
+    torch.cat."""
+    if not runs_in_c(*parts) or len(parts) > 16:
+        return torch.cat(parts)
+    flat = cat_cols([p.contiguous().view(1, -1) for p in parts])
+    return flat.view(-1, parts[0].shape[1])
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -412,6 +412,33 @@ def test_negative_control_the_form_chosen_by_the_token_count(exact, monkeypatch)
     seqs = [torch.randint(0, 4096, (6,), generator=gen(s)) for s in (1, 2)]
     want = [exact.alone(m, s) for s in seqs]
     real = fused.runs_in_c
-    monkeypatch.setattr(fused, "runs_in_c", lambda *ts: real(*ts) and next(t for t in ts if t is not None).shape[0] == 1)
+    first = lambda ts: next((t for t in ts if t is not None), None)  # noqa: E731
+    monkeypatch.setattr(fused, "runs_in_c", lambda *ts: real(*ts) and (first(ts) is None or first(ts).shape[0] == 1))
     got = exact.run_schedule(m, seqs, [[(0, 1), (1, 1)], [(0, 5), (1, 5)]])
     assert not all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 6), rows=st.integers(1, 3), blocks=st.integers(1, 5), bs=st.sampled_from([1, 4, 5]),
+       window=st.integers(1, 9), bound=st.integers(0, 40), seed=st.integers(0, 2**31))
+def test_the_slot_plan_in_c_is_the_torch_plan(n, rows, blocks, bs, window, bound, seed):
+    """SlotPlan.build's C form (plan_window, plan_entries) against its torch form, with null blocks, positions
+    past the block table, padding rows and a static bound."""
+    from engram_serve.model.paged_state import SlotPlan
+    g = gen(seed)
+    tables = torch.randint(-1, 30, (rows, blocks), generator=g)
+    positions = torch.randint(0, blocks * bs + 3, (n,), generator=g)
+    row = torch.randint(0, rows, (n,), generator=g)
+    slots = torch.randint(-1, 30, (n,), generator=g)
+    top = int(positions.max()) + bound
+    build = lambda: SlotPlan.build(positions, row, tables, bs, slots, 99, window, (0, 1, 2, 2), top)  # noqa: E731
+    c = build()
+    with kernels.override("none"):
+        t = build()
+    for f in ("window", "window_ok", "prev_slots"):
+        assert torch.equal(getattr(c, f), getattr(t, f)), f
+    assert c.entry_count.keys() == t.entry_count.keys() == {1, 2}
+    for r in (1, 2):
+        assert torch.equal(c.entry_count[r], t.entry_count[r]) and torch.equal(c.entry_slots[r], t.entry_slots[r])
+    with pytest.raises(ValueError, match="plan_window: row 3"):  # rows <= 3: row 3 is past the table
+        SlotPlan.build(positions, torch.full((n,), 3), tables, bs, slots, 99, window, (1,), top)

@@ -14,7 +14,9 @@ cache-quantization emulation replaced by the identity (as tests/peers_v41.py doe
 same float32 model (the greedy tokens of every call are compared: `same_tokens`). Workloads:
 - `prefill`: one prompt of --prompt tokens to its first token (tokens/s = prompt tokens / call);
 - `decode-B`: B prompts of --prompt tokens prefilled (untimed), then --new - 1 greedy steps timed
-  (tokens/s = B x (new - 1) / their time). mlx-lm's `batch_generate` refuses V4.1's cache ("does not yet
+  (tokens/s = B x (new - 1) / their time). The same prompts every round: mlx-lm prefills them once
+  (its float32 prefill of 32 mid-size prompts takes minutes on this BLAS) and each round starts from a
+  copy of that cache; engram-serve prefills them again in every call (untimed). mlx-lm's `batch_generate` refuses V4.1's cache ("does not yet
   support batching with history"), so mlx-lm decodes B > 1 as one [B, 1] batch a step through the
   model's own batch dimension (all prompts have the same length: no padding).
 Peak memory: `rss_mib` after setup and warm-up (weights, packed panels, caches), `peak_mib` the growth of
@@ -45,7 +47,8 @@ LLAMA = dict(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden
              num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=False)
 CANDIDATES = ("ct2", "hf", "engram_off", "engram_on")
 V41_WORKLOADS = ("prefill", "decode-1", "decode-32")
-WARMUP_SEED = 1 << 20  # the untimed call's prompts (the timed rounds use seeds 0, 1, ...)
+WARMUP_SEED = 1 << 20  # the untimed call's prompts (the timed prefill rounds use seeds 0, 1, ...)
+DECODE_SEED = 0  # decode workloads decode the same prompts every round (mlx-lm prefills them once)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -206,7 +209,7 @@ def _setup_v41_engram(ckpt: str, kind: str, batch: int, prompt: int, new: int):
 
     def call(seed: int) -> tuple[float, list]:
         calls[0] += 1
-        prompts = _v41_prompts(seed, batch, prompt, vocab)
+        prompts = _v41_prompts(seed if kind == "prefill" else DECODE_SEED, batch, prompt, vocab)
         params = SamplingParams(max_tokens=1 if kind == "prefill" else new, temperature=0.0, ignore_eos=True)
         out: dict[str, list[int]] = {}
         for i, p in enumerate(prompts):
@@ -252,14 +255,24 @@ def _setup_v41_mlx(ckpt: str, kind: str, batch: int, prompt: int, new: int):
     mx.eval(model.parameters())
     del arrays
 
+    prefilled: list = []  # decode: the caches after the prompts' prefill, and the first tokens (made once)
+
     def call(seed: int) -> tuple[float, list]:
-        prompts = mx.array(_v41_prompts(seed, batch, prompt, text["vocab_size"]), dtype=mx.int32)  # [B, P]
+        prompts = mx.array(_v41_prompts(seed if kind == "prefill" else DECODE_SEED, batch, prompt, text["vocab_size"]),
+                           dtype=mx.int32)  # [B, P]
         with (mock.patch.object(mlx_v41, "_fake_quant_fp8", _identity),
               mock.patch.object(mlx_v41, "_fake_quant_fp4", _identity)):
             cache = model.make_cache()
             t0 = time.perf_counter()
-            tok = mx.argmax(model(prompts, cache)[:, -1], axis=-1)  # [B]
-            mx.eval(tok)
+            if kind == "decode" and prefilled:
+                for c, state in zip(cache, prefilled[0]):
+                    vars(c).update(state)  # (mlx arrays are immutable: the caches share them safely)
+                tok = prefilled[1]
+            else:
+                tok = mx.argmax(model(prompts, cache)[:, -1], axis=-1)  # [B]
+                mx.eval(tok)
+                if kind == "decode":
+                    prefilled[:] = [[dict(vars(c)) for c in cache], tok]
             t1 = time.perf_counter()
             toks = [tok]
             for _ in range(0 if kind == "prefill" else new - 1):

@@ -24,6 +24,14 @@
  *     the last 2 * half dims rotated in interleaved pairs (j: dims d0 + 2j, d0 + 2j + 1):
  *     (x0 c - x1 s, x0 s + x1 c), inverse (x0 c + x1 s, x1 c - x0 s).
  * Paged state (model/paged_state.py):
+ *   plan_window(positions, rows, tables, n, tr, tb, bs, zero, window, win, win_ok, prev): the SlotPlan's window
+ *     and partner slots of tokens at positions [n] in rows [n] of tables [tr, tb] (-1 a null block): slot_of(q)
+ *     = tables[row][q / bs] * bs + q % bs where q >= 0, q / bs < tb and that block is not null, else `zero`;
+ *     win [n, window] = slot_of(p - window + 1 + j), win_ok [n, window] = (p - window + 1 + j >= 0), prev [n] =
+ *     slot_of(p - 1). ValueError, and nothing written, if a row is outside [0, tr).
+ *   plan_entries(positions, rows, tables, n, tr, tb, bs, zero, ratio, width, count, eslots): count [n] =
+ *     (p + 1) / ratio (the entries complete at p), eslots [n, width] = slot_of(g * ratio + ratio - 1) for
+ *     g < count, else `zero`.
  *   store_rows(pool, rows, width, slots, n, values, trash, positions, ratio): pool [rows, width] row slots[t] =
  *     values[t] for each token t, in token order; the trash row where slots[t] < 0 or, with positions [n]
  *     (else 0), where positions[t] % ratio != ratio - 1 (the token completes no entry). ValueError, and
@@ -231,6 +239,47 @@ CLONES static void rope_rows(const float *restrict x, Py_ssize_t n, Py_ssize_t m
 }
 
 /* ---- paged state ---------------------------------------------------------------------------------------- */
+
+static inline int64_t slot_of(int64_t q, const int64_t *restrict table, Py_ssize_t tb, int64_t bs, int64_t zero) {
+    if (q < 0 || q / bs >= tb) return zero;
+    const int64_t block = table[q / bs];
+    return block < 0 ? zero : block * bs + q % bs;
+}
+
+/* returns the first token whose row is outside [0, tr), or -1 */
+static Py_ssize_t plan_window(const int64_t *restrict positions, const int64_t *restrict rows,
+                              const int64_t *restrict tables, Py_ssize_t n, Py_ssize_t tr, Py_ssize_t tb, int64_t bs,
+                              int64_t zero, Py_ssize_t window, int64_t *restrict win, uint8_t *restrict win_ok,
+                              int64_t *restrict prev) {
+    for (Py_ssize_t t = 0; t < n; t++)
+        if (rows[t] < 0 || rows[t] >= tr) return t;
+    for (Py_ssize_t t = 0; t < n; t++) {
+        const int64_t *table = tables + rows[t] * tb, p = positions[t];
+        for (Py_ssize_t j = 0; j < window; j++) {
+            const int64_t q = p - window + 1 + j;
+            win[t * window + j] = slot_of(q, table, tb, bs, zero);
+            win_ok[t * window + j] = q >= 0;
+        }
+        prev[t] = slot_of(p - 1, table, tb, bs, zero);
+    }
+    return -1;
+}
+
+static Py_ssize_t plan_entries(const int64_t *restrict positions, const int64_t *restrict rows,
+                               const int64_t *restrict tables, Py_ssize_t n, Py_ssize_t tr, Py_ssize_t tb, int64_t bs,
+                               int64_t zero, int64_t ratio, Py_ssize_t width, int64_t *restrict count,
+                               int64_t *restrict eslots) {
+    for (Py_ssize_t t = 0; t < n; t++)
+        if (rows[t] < 0 || rows[t] >= tr) return t;
+    for (Py_ssize_t t = 0; t < n; t++) {
+        const int64_t *table = tables + rows[t] * tb, p = positions[t];
+        const int64_t c = p + 1 >= 0 ? (p + 1) / ratio : -((-(p + 1) + ratio - 1) / ratio); /* floor */
+        count[t] = c;
+        for (Py_ssize_t g = 0; g < width; g++)
+            eslots[t * width + g] = g < c ? slot_of(g * ratio + ratio - 1, table, tb, bs, zero) : zero;
+    }
+    return -1;
+}
 
 /* returns the first token whose slot is outside [0, rows), or -1 */
 static Py_ssize_t store_rows(float *restrict pool, Py_ssize_t rows, Py_ssize_t width, const int64_t *restrict slots,
@@ -681,6 +730,46 @@ static PyObject *py_concat_cols(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_plan_window(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long pa, ra, ta, wa, oka, qa;
+    Py_ssize_t n, tr, tb, window;
+    long long bs, zero;
+    if (!PyArg_ParseTuple(args, "KKKnnnLLnKKK", &pa, &ra, &ta, &n, &tr, &tb, &bs, &zero, &window, &wa, &oka, &qa))
+        return NULL;
+    if (n < 0 || tr < 1 || tb < 1 || bs < 1 || window < 0 || (n && (!pa || !ra || !ta || !qa || (window && (!wa || !oka)))))
+        return misfit("plan_window", "n, window >= 0, tr, tb, block size >= 1");
+    Py_ssize_t bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = plan_window(CI64(pa), CI64(ra), CI64(ta), n, tr, tb, bs, zero, window, I64(wa), (uint8_t *)(uintptr_t)oka, I64(qa));
+    Py_END_ALLOW_THREADS
+    if (bad >= 0) {
+        PyErr_Format(PyExc_ValueError, "plan_window: row %lld of token %zd is outside the %zd block-table rows",
+                     (long long)CI64(ra)[bad], bad, tr);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_plan_entries(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long pa, ra, ta, ca, ea;
+    Py_ssize_t n, tr, tb, width;
+    long long bs, zero, ratio;
+    if (!PyArg_ParseTuple(args, "KKKnnnLLLnKK", &pa, &ra, &ta, &n, &tr, &tb, &bs, &zero, &ratio, &width, &ca, &ea))
+        return NULL;
+    if (n < 0 || tr < 1 || tb < 1 || bs < 1 || ratio < 1 || width < 1 || (n && (!pa || !ra || !ta || !ca || !ea)))
+        return misfit("plan_entries", "n >= 0, tr, tb, block size, ratio, width >= 1");
+    Py_ssize_t bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = plan_entries(CI64(pa), CI64(ra), CI64(ta), n, tr, tb, bs, zero, ratio, width, I64(ca), I64(ea));
+    Py_END_ALLOW_THREADS
+    if (bad >= 0) {
+        PyErr_Format(PyExc_ValueError, "plan_entries: row %lld of token %zd is outside the %zd block-table rows",
+                     (long long)CI64(ra)[bad], bad, tr);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_store_rows(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long pa, sa, va, qa;
     Py_ssize_t rows, width, n;
@@ -920,6 +1009,10 @@ static PyMethodDef methods[] = {
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, rows, dim, w, eps, out): out = x * rsqrt(mean(x^2) + eps) [* w]."},
     {"rope", py_rope, METH_VARARGS, "rope(x, n, m, width, cos, sin, half, inverse, out): interleaved RoPE of the last 2 half dims."},
     {"concat_cols", py_concat_cols, METH_VARARGS, "concat_cols(out, n, width, a_0, w_0, ...): column blocks side by side."},
+    {"plan_window", py_plan_window, METH_VARARGS,
+     "plan_window(positions, rows, tables, n, tr, tb, bs, zero, window, win, win_ok, prev): window and partner slots."},
+    {"plan_entries", py_plan_entries, METH_VARARGS,
+     "plan_entries(positions, rows, tables, n, tr, tb, bs, zero, ratio, width, count, eslots): entry counts and slots."},
     {"store_rows", py_store_rows, METH_VARARGS,
      "store_rows(pool, rows, width, slots, n, values, trash, positions, ratio): pool[slots[t]] = values[t], else the trash row."},
     {"attn_keys", py_attn_keys, METH_VARARGS,

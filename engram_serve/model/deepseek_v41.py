@@ -11,10 +11,16 @@ generator that yields a stage name at each overlap point (the executor interleav
 the yield points are data-independent, so microbatches stay in lock step.
 
 Row invariance (docs/contract.md §9): every matmul goes through `layers.linear` (the same bits for a
-row whatever the call), transcendental elementwise functions through `layers.pointwise`, reductions run
-over a fixed-length last dimension or as explicit loops over streams, and the attention and indexer
-products are batched matmuls whose per-item shapes are fixed by the config (KEY_CHUNK entries per
-indexer item), so a token's bits never depend on its batch mates, the cut or padding.
+row whatever the call). Each token-wise step (the mHC mix after its matmul, collapse, expand, RMSNorm,
+RoPE, the attention with its sink, the pooling, the indexer's scores, the top-k, the router, the SwiGLU,
+the cache writes and key gathers) has two forms that compute the same formula: one call into the C token
+kernel (model/fused.py), which computes each token alone in an order fixed per token, taken wherever it
+runs (float32 CPU tensors outside autograd with the kernel loaded: a choice by devices, dtypes and
+kernels, never by the batch); and the torch operators, where transcendental elementwise functions go
+through `exactness.pointwise`, reductions run over a fixed-length last dimension or as explicit loops
+over streams, and the attention and indexer products are batched matmuls whose per-item shapes are fixed
+by the config (KEY_CHUNK entries per indexer item). Either way a token's bits never depend on its batch
+mates, the cut or padding.
 """
 from __future__ import annotations
 

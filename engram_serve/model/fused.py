@@ -179,6 +179,31 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -
     return out
 
 
+def plan_window(positions: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor, block_size: int, zero: int,
+                window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(window slots [T, W], window_ok [T, W] bool, the partner's slot [T]) of tokens at positions [T] in rows [T]
+    of tables [R, B] (model/paged_state.py SlotPlan: slot_of, the zero slot where unreadable)."""
+    positions, rows, tables = _c(positions), _c(rows), _c(tables)
+    n = positions.shape[0]
+    win, ok, prev = (torch.empty(n, window, dtype=torch.int64), torch.empty(n, window, dtype=torch.bool),
+                     torch.empty(n, dtype=torch.int64))
+    capture.call(_kernel().plan_window, positions.data_ptr(), rows.data_ptr(), tables.data_ptr(), n, tables.shape[0],
+                 tables.shape[1], block_size, zero, window, win.data_ptr(), ok.data_ptr(), prev.data_ptr())
+    return win, ok, prev
+
+
+def plan_entries(positions: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor, block_size: int, zero: int,
+                 ratio: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count [T] = (p + 1) // ratio, entry slots [T, width]: entry g's slot (position g ratio + ratio - 1) for
+    g < count, the zero slot beyond) (model/paged_state.py SlotPlan)."""
+    positions, rows, tables = _c(positions), _c(rows), _c(tables)
+    n = positions.shape[0]
+    count, eslots = torch.empty(n, dtype=torch.int64), torch.empty(n, width, dtype=torch.int64)
+    capture.call(_kernel().plan_entries, positions.data_ptr(), rows.data_ptr(), tables.data_ptr(), n, tables.shape[0],
+                 tables.shape[1], block_size, zero, ratio, width, count.data_ptr(), eslots.data_ptr())
+    return count, eslots
+
+
 def store_rows(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, trash: int,
                positions: torch.Tensor | None = None, ratio: int = 1) -> None:
     """pool[slots[t]] = values[t] in place, the `trash` row where slots[t] < 0 or, with positions, where the

@@ -176,7 +176,7 @@ class CpuGraphs:
     def available() -> bool:
         """Whether the C kernels a decode forward needs are loaded: without them it runs torch's operators,
         which a capture cannot replay."""
-        return kernels.loaded("linear", "token")
+        return kernels.loaded(*kernels.CPU_GRAPHS_NEED)
 
     def __init__(self, model, max_model_len: int):
         self.model, self.limit = model, max_model_len

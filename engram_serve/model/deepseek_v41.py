@@ -494,11 +494,10 @@ class MoE(nn.Module):
     def _expert_panels(self, xs: torch.Tensor, counts: torch.Tensor) -> tuple | None:
         """(w13 panel addresses [E] int64, kc13, w2 panel addresses, kc2, the plans kept alive) where the C matmul
         takes every expert's product (model/exactness.py: the rules on, a probed kc, float32 CPU rows, no
-        autograd), else None. Cached per weight version."""
+        autograd) and the SwiGLU takes its C form, else None. Cached per weight version."""
         w13, w2 = self.w13, self.w2
-        if not (exactness.rules_on() and xs.is_cpu and xs.dtype == torch.float32 and xs.is_contiguous()
-                and counts.is_cpu and not (torch.is_grad_enabled() and (w13.requires_grad or w2.requires_grad))):
-            return None
+        if not (exactness.rules_on() and fused.runs_in_c(xs, w13, w2) and xs.is_contiguous() and counts.is_cpu):
+            return None  # (the token kernel's SwiGLU is the one inside: with the token kernel on only)
         key = (w13.data_ptr(), w13._version, w2.data_ptr(), w2._version, kernels.get("linear"), torch.get_num_threads())
         cached = getattr(self, "_panels", None)
         if cached is None or cached[0] != key:

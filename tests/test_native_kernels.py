@@ -442,3 +442,14 @@ def test_the_slot_plan_in_c_is_the_torch_plan(n, rows, blocks, bs, window, bound
         assert torch.equal(c.entry_count[r], t.entry_count[r]) and torch.equal(c.entry_slots[r], t.entry_slots[r])
     with pytest.raises(ValueError, match="plan_window: row 3"):  # rows <= 3: row 3 is past the table
         SlotPlan.build(positions, torch.full((n,), 3), tables, bs, slots, 99, window, (1,), top)
+
+
+@pytest.mark.parametrize("spec", ["all", "none"])
+def test_the_attention_of_a_long_prefill_in_token_chunks_has_the_same_bits(exact, monkeypatch, spec):
+    """A prefill's keys are gathered ATTN_TOKENS tokens at a time: chunks of 3 give the bits of one chunk."""
+    m = exact.make_model()
+    seq = torch.randint(0, 4096, (20,), generator=gen(8))
+    with kernels.override(spec):
+        whole = exact.alone(m, seq)
+        monkeypatch.setattr(v41, "ATTN_TOKENS", 3)
+        assert torch.equal(exact.alone(m, seq), whole)

@@ -42,6 +42,8 @@ from .layers import Linear, RMSNorm, linear
 from .paged_state import SlotPlan, PagedState
 
 KEY_CHUNK = 64  # indexer entries per batched-matmul item: a fixed per-item shape whatever the context
+ATTN_TOKENS = 256  # tokens whose keys are gathered at once (bounds a long prefill's gathered keys; a token's
+# keys and result do not depend on it)
 NEG_INF = float("-inf")
 STAGE_ENGRAM_GATHER, STAGE_ENGRAM, STAGE_ATTN = "engram_gather", "engram", "attn"
 STAGE_MOE_DISPATCH, STAGE_MOE_COMBINE = "moe_dispatch", "moe_combine"
@@ -232,13 +234,14 @@ def store(cache: PagedState, pool: torch.Tensor, slots: torch.Tensor, values: to
     cache.write(pool, slots, values)
 
 
-def attention_keys(window: torch.Tensor, plan: SlotPlan, entries: torch.Tensor | None, eslots: torch.Tensor | None,
-                   topk: torch.Tensor | None, zero_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(keys [T, W + K, hd], ok [T, W + K] bool): the window's keys, then (with topk [T, K], -1 none) the
-    entries it picked, their slots from eslots [T, E]; a pick of -1 reads the zero slot, masked."""
+def attention_keys(window: torch.Tensor, wslots: torch.Tensor, wok: torch.Tensor, entries: torch.Tensor | None,
+                   eslots: torch.Tensor | None, topk: torch.Tensor | None, zero_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys [T, W + K, hd], ok [T, W + K] bool): the window's keys window[wslots] (wslots, wok [T, W]), then
+    (with topk [T, K], -1 none) the entries it picked, their slots from eslots [T, E]; a pick of -1 reads the
+    zero slot, masked."""
     if fused.runs_in_c(window, entries):
-        return fused.attn_keys(window, plan.window, plan.window_ok, entries, eslots, topk)
-    keys, ok = window[plan.window], plan.window_ok  # [T, W, hd]
+        return fused.attn_keys(window, wslots, wok, entries, eslots, topk)
+    keys, ok = window[wslots], wok  # [T, W, hd]
     if topk is None:
         return keys, ok
     picked = eslots.gather(1, topk.clamp(min=0)).masked_fill(topk < 0, zero_slot)  # [T, K]
@@ -393,8 +396,14 @@ class Attention(nn.Module):
             topk = step.topk[:t]
             step.touch("topk", topk)
             entries, eslots = step.cache.entries[role.kv_source], plan.entry_slots[role.ratio]
-        keys, ok = attention_keys(window, plan, entries, eslots, topk, step.cache.zero_slot)  # [T, K, hd], [T, K]
-        o = attend(q, keys, ok, self.attn_sink, hd ** -0.5)  # [T, H, hd]
+        parts = []
+        for a in range(0, t, ATTN_TOKENS):  # [T, K, hd] keys for a bounded number of tokens at once
+            b = min(t, a + ATTN_TOKENS)
+            keys, ok = attention_keys(window, plan.window[a:b], plan.window_ok[a:b], entries,
+                                      None if eslots is None else eslots[a:b], None if topk is None else topk[a:b],
+                                      step.cache.zero_slot)
+            parts.append(attend(q[a:b], keys, ok, self.attn_sink, hd ** -0.5))  # [b - a, H, hd]
+        o = parts[0] if len(parts) == 1 else fused.cat_rows([p.reshape(p.shape[0], -1) for p in parts]).view(t, h, hd)
         o = rope(o, *rope_cs, inverse=True).reshape(t, self.groups, -1)
         ol = cfg.o_lora_rank
         u = fused.cat_cols([linear(o[:, g], self.wo_a.weight[g * ol:(g + 1) * ol]) for g in range(self.groups)])

@@ -117,7 +117,7 @@ static inline float sigmoid_fixed(float x) { return 1.0f / (1.0f + exp_fixed(-x)
 
 /* ---- mHC ------------------------------------------------------------------------------------------ */
 
-static void sinkhorn_columns(float *restrict c, Py_ssize_t hc, float eps) {
+static inline __attribute__((always_inline)) void sinkhorn_columns(float *restrict c, const Py_ssize_t hc, float eps) {
     for (Py_ssize_t b = 0; b < hc; b++) {
         float s = 0.0f;
         for (Py_ssize_t a = 0; a < hc; a++) s = s + c[a * hc + b];
@@ -125,7 +125,7 @@ static void sinkhorn_columns(float *restrict c, Py_ssize_t hc, float eps) {
     }
 }
 
-static void sinkhorn_rows(float *restrict c, Py_ssize_t hc, float eps) {
+static inline __attribute__((always_inline)) void sinkhorn_rows(float *restrict c, const Py_ssize_t hc, float eps) {
     for (Py_ssize_t a = 0; a < hc; a++) {
         float s = 0.0f;
         for (Py_ssize_t b = 0; b < hc; b++) s = s + c[a * hc + b];
@@ -133,10 +133,12 @@ static void sinkhorn_rows(float *restrict c, Py_ssize_t hc, float eps) {
     }
 }
 
-CLONES static void hc_mix_rows(const float *restrict x, const float *restrict mm, Py_ssize_t n, Py_ssize_t hc,
-                               Py_ssize_t dim, const float *restrict scale, const float *restrict base, float eps,
-                               float hc_eps, Py_ssize_t iters, float *restrict pre, float *restrict post,
-                               float *restrict comb) {
+/* One token's mix (the header's formula); inlined with hc a constant where the call site knows it (V4.1's 4),
+ * so that its small loops unroll: the same operations in the same order either way. */
+static inline __attribute__((always_inline)) void
+hc_mix_rows_of(const float *restrict x, const float *restrict mm, Py_ssize_t n, const Py_ssize_t hc, Py_ssize_t dim,
+               const float *restrict scale, const float *restrict base, float eps, float hc_eps, Py_ssize_t iters,
+               float *restrict pre, float *restrict post, float *restrict comb) {
     const Py_ssize_t mix = (2 + hc) * hc;
     float m[(2 + MAX_HC) * MAX_HC];
     for (Py_ssize_t t = 0; t < n; t++) {
@@ -164,6 +166,16 @@ CLONES static void hc_mix_rows(const float *restrict x, const float *restrict mm
             sinkhorn_columns(c, hc, hc_eps);
         }
     }
+}
+
+CLONES static void hc_mix_rows(const float *restrict x, const float *restrict mm, Py_ssize_t n, Py_ssize_t hc,
+                               Py_ssize_t dim, const float *restrict scale, const float *restrict base, float eps,
+                               float hc_eps, Py_ssize_t iters, float *restrict pre, float *restrict post,
+                               float *restrict comb) {
+    if (hc == 4)
+        hc_mix_rows_of(x, mm, n, 4, dim, scale, base, eps, hc_eps, iters, pre, post, comb);
+    else
+        hc_mix_rows_of(x, mm, n, hc, dim, scale, base, eps, hc_eps, iters, pre, post, comb);
 }
 
 CLONES static void collapse_rows(const float *restrict x, const float *restrict mix, Py_ssize_t n, Py_ssize_t hc,
@@ -341,18 +353,14 @@ CLONES static void attend_rows(const float *restrict q, const float *restrict ke
         const uint8_t *okt = ok + t * k;
         float *ot = out + t * h * hd;
         for (Py_ssize_t j = 0; j < k; j++)
-            if (okt[j])
-                for (Py_ssize_t i = 0; i < h; i++) z[i * k + j] = dot(qt + i * hd, kt + j * hd, hd) * scale;
+            for (Py_ssize_t i = 0; i < h; i++) /* a masked key's score is -inf: its weight exp(-inf) is 0 */
+                z[i * k + j] = okt[j] ? dot(qt + i * hd, kt + j * hd, hd) * scale : -INFINITY;
         for (Py_ssize_t i = 0; i < h; i++) {
             float *zi = z + i * k;
             float mx = sink[i], s = 0.0f;
-            for (Py_ssize_t j = 0; j < k; j++)
-                if (okt[j]) mx = zi[j] > mx ? zi[j] : mx;
-            for (Py_ssize_t j = 0; j < k; j++)
-                if (okt[j]) {
-                    zi[j] = exp_fixed(zi[j] - mx);
-                    s = s + zi[j];
-                }
+            for (Py_ssize_t j = 0; j < k; j++) mx = zi[j] > mx ? zi[j] : mx;
+            for (Py_ssize_t j = 0; j < k; j++) zi[j] = exp_fixed(zi[j] - mx); /* (no branch: vectorised) */
+            for (Py_ssize_t j = 0; j < k; j++) s = s + zi[j]; /* in key order; a masked key adds +0 */
             den[i] = s + exp_fixed(sink[i] - mx);
         }
         for (Py_ssize_t x = 0; x < h * hd; x++) ot[x] = 0.0f;

@@ -8,6 +8,8 @@ install still succeeds with a warning and the torch paths run (`engram_serve.mod
 matmul calls instead). `engram_serve.kernels` loads them (ENGRAM_SERVE_KERNELS switches them) and
 `engram-serve env` says which loaded; docs/kernels.md describes them.
 """
+import sys
+
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
@@ -28,6 +30,7 @@ class BuildExt(build_ext):
 setup(
     ext_modules=[Extension(f"engram_serve.{pkg}._{name}_kernel", [f"engram_serve/{pkg}/_{name}_kernel.c"],
                            depends=[f"engram_serve/{pkg}/_kernel_buffers.h" if pkg == "engram" else "engram_serve/model/_kernel_math.h"],
+                           libraries=["m"] if name == "token" and sys.platform != "win32" else [],  # log1pf
                            optional=True)
                  for pkg, name in (("engram", "hash"), ("engram", "gather"), ("model", "linear"), ("model", "token"))],
     cmdclass={"build_ext": BuildExt},

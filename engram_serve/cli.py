@@ -401,8 +401,9 @@ def run_env(args: argparse.Namespace) -> int:
     print(f"{kernels.ENV}: {env['kernels_env'] if env['kernels_env'] is not None else '(unset: all)'}")
     for name, state in env["kernels"].items():
         print(f"kernel {name}: {state}")
-    simd = env["simd_level"]
+    simd, need = env["simd_level"], ", ".join(kernels.CPU_GRAPHS_NEED)
     print("SIMD level: " + ("- (no matmul kernel)" if simd is None else f"{simd} ({env['simd']})"))
+    print("CPU graphs: " + ("possible" if env["cpu_graphs_possible"] else f"off (they need {need})"))
     return 0
 
 

@@ -45,6 +45,7 @@ MODULES = {
     "token": "engram_serve.model._token_kernel",
 }
 SIMD_LEVELS = {0: "portable", 1: "AVX2", 2: "AVX-512"}
+CPU_GRAPHS_NEED = ("linear", "token")  # runner/cpu_graphs.py replays only C kernel calls
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ def simd_level() -> int | None:
 
 
 def summary() -> str:
-    """One line: the loaded kernels, the others with why, and the SIMD level in use."""
+    """One line: the loaded kernels, the others with why, the SIMD level in use, and whether CPU graphs run."""
     st = status()
     on = [s.name for s in st if s.loaded]
     off = [f"{s.name} ({s.reason})" for s in st if not s.loaded]
@@ -156,12 +157,14 @@ def summary() -> str:
     if off:
         parts.append(f"not loaded: {', '.join(off)}")
     parts.append(f"SIMD: {'-' if level is None else f'{level} ({SIMD_LEVELS[level]})'}")
+    if not loaded(*CPU_GRAPHS_NEED):
+        parts.append(f"CPU graphs off (they need {', '.join(CPU_GRAPHS_NEED)})")
     return "; ".join(parts)
 
 
 def environment() -> dict:
-    """What `engram-serve env` prints: the kernels, the SIMD level, torch's version and the thread count
-    the engine would set (engine/threads.py, without setting it)."""
+    """What `engram-serve env` prints: the kernels, the SIMD level, whether CPU graphs can run, torch's version
+    and the thread count the engine would set (engine/threads.py, without setting it)."""
     import torch
 
     from .engine.threads import ENV as THREADS_ENV, available_cores, parse_threads
@@ -171,6 +174,7 @@ def environment() -> dict:
         "kernels_env": os.environ.get(ENV),
         "simd_level": simd_level(),
         "simd": None if simd_level() is None else SIMD_LEVELS[simd_level()],
+        "cpu_graphs_possible": loaded(*CPU_GRAPHS_NEED),
         "torch": torch.__version__,
         "threads": parse_threads(threads, THREADS_ENV) if threads else available_cores(),
         "threads_source": THREADS_ENV if threads else "cores of the affinity mask",

@@ -1,10 +1,18 @@
-"""The token kernel of the CPU forward (model/_token_kernel.c, model/_kernel_math.h, through model/fused.py)
-against independent float64 plain loops, and the property it exists for: a token's bits do not depend on
-its batch mates or on its place in a call, and the form taken (C or torch) does not depend on the layout
-of the tensors handed in."""
+"""The token kernel of DeepSeek-V4.1's CPU forward (model/_token_kernel.c through model/fused.py) against plain
+definitions (float64 loops written from docs/deepseek_v41.md, or the torch form beside the caller), and the
+property the kernel exists for: a token's bits do not depend on its batch mates, its place in a call or the
+call's size. Each exactness rule has its negative control here or in the model-level tests below:
+- a token alone has its bits in any batch: the checker flags torch's own sigmoid, whose vector body and
+  scalar tail round differently (the reason `exactness.pointwise` pads);
+- the top-k tie rule (higher first, ties to the earlier entry, a NaN above every number): a top-k that
+  breaks ties the other way is flagged;
+- C or torch is chosen by devices, dtypes and loaded kernels only: a choice by the token count breaks the
+  model's bit-exactness across batches (the two forms compute the same formula, not the same bits).
+"""
 from __future__ import annotations
 
 import math
+import random
 
 import numpy as np
 import pytest
@@ -13,25 +21,301 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engram_serve import kernels
+from engram_serve.model import deepseek_v41 as v41
 from engram_serve.model import fused
+from engram_serve.model.layers import layout_weights_
 
 pytestmark = pytest.mark.skipif(not kernels.loaded("token"),
                                 reason="the token kernel is not loaded (`engram-serve env` says why)")
 
+F64 = torch.float64
 
-def rms(a: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return a / math.sqrt(sum(float(e) ** 2 for e in a) / len(a) + eps)
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def alone_bits(fn, *batched: torch.Tensor, rows: int | None = None) -> list[int]:
+    """The tokens t whose output of fn over the whole batch differs (in any bit) from fn over token t alone;
+    every batched input has its tokens on dim 0, and fn returns a tensor or a tuple of them."""
+    whole = fn(*batched)
+    whole = whole if isinstance(whole, tuple) else (whole,)
+    bad = []
+    for t in range(rows or batched[0].shape[0]):
+        one = fn(*(b[t:t + 1] for b in batched))
+        one = one if isinstance(one, tuple) else (one,)
+        if not all(torch.equal(o, w[t:t + 1]) for o, w in zip(one, whole)):
+            bad.append(t)
+    return bad
+
+
+# ---- plain definitions (float64) -------------------------------------------------------------------------
+def plain_mix(x: np.ndarray, mm: np.ndarray, scale, base, eps, hc_eps, iters):
+    """docs/deepseek_v41.md "mHC" for one token: x [hc, D], mm [(2 + hc) hc]."""
+    hc = x.shape[0]
+    r = 1 / math.sqrt(float((x.reshape(-1) ** 2).mean()) + eps)
+    seg = [scale[0]] * hc + [scale[1]] * hc + [scale[2]] * hc * hc
+    m = [mm[j] * r * seg[j] + base[j] for j in range(len(seg))]
+    sig = lambda v: 1 / (1 + math.exp(-v))  # noqa: E731
+    pre = [sig(m[i]) + hc_eps for i in range(hc)]
+    post = [2 * sig(m[hc + i]) for i in range(hc)]
+    c = np.array(m[2 * hc:]).reshape(hc, hc)
+    c = np.exp(c - c.max(1, keepdims=True))
+    c = c / c.sum(1, keepdims=True) + hc_eps
+    c = c / (c.sum(0, keepdims=True) + hc_eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(1, keepdims=True) + hc_eps)
+        c = c / (c.sum(0, keepdims=True) + hc_eps)
+    return np.array(pre), np.array(post), c
+
+
+def plain_topk(row: list[float], k: int) -> list[int]:
+    """The k best of row: higher first, a NaN above every number, ties to the lower index; -1 for -inf picks
+    and beyond the row (a stable sort on a key)."""
+    order = sorted(range(len(row)), key=lambda j: (0 if math.isnan(row[j]) else 1, -row[j] if not math.isnan(row[j]) else 0, j))
+    out = [j if not row[j] == -math.inf else -1 for j in order[:k]]
+    return out + [-1] * (k - len(out))
+
+
+# ---- mHC -------------------------------------------------------------------------------------------------
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 6), hc=st.sampled_from([1, 2, 4, 5]), dim=st.sampled_from([8, 16, 24]),
+       iters=st.integers(0, 20), seed=st.integers(0, 2**31))
+def test_mhc_mix_collapse_and_expand_match_their_definition_and_a_token_alone(n, hc, dim, iters, seed):
+    g = gen(seed)
+    x, mm = torch.randn(n, hc, dim, generator=g), torch.randn(n, (2 + hc) * hc, generator=g) * 3
+    scale, base = torch.rand(3, generator=g) + 0.5, torch.randn((2 + hc) * hc, generator=g)
+    mix = lambda a, b: fused.hc_mix(a, b, scale, base, 1e-6, 1e-6, iters)  # noqa: E731
+    pre, post, comb = mix(x, mm)
+    for t in range(n):
+        want = plain_mix(x[t].double().numpy(), mm[t].double().numpy(), scale.double().tolist(), base.double().tolist(),
+                         1e-6, 1e-6, iters)
+        for got, w in zip((pre[t], post[t], comb[t]), want):
+            np.testing.assert_allclose(got.double().numpy(), w, rtol=2e-5, atol=2e-6)
+    o, weights = torch.randn(n, dim, generator=g), torch.rand(n, hc, generator=g)
+    np.testing.assert_allclose(fused.collapse(x, weights).double(), (weights.double()[:, :, None] * x.double()).sum(1),
+                               rtol=1e-5, atol=1e-5)
+    want = post.double()[:, :, None] * o.double()[:, None] + torch.einsum("nab,nad->nbd", comb.double(), x.double())
+    np.testing.assert_allclose(fused.expand(o, x, post, comb).double(), want, rtol=1e-5, atol=1e-5)
+    assert alone_bits(mix, x, mm) == []
+    assert alone_bits(fused.collapse, x, weights) == []
+    assert alone_bits(fused.expand, o, x, post, comb) == []
+
+
+def test_the_mhc_forms_agree():
+    """The C form of hyper_mix / collapse / expand and their torch form (kernels off) compute the same formula."""
+    g = gen(3)
+    cfg = v41.ModelConfig.from_dict(v41_small())
+    hc, d = cfg.hc_mult, cfg.hidden_size
+    x = torch.randn(5, hc, d, generator=g)
+    fn, base = torch.randn((2 + hc) * hc, hc * d, generator=g) * 0.1, torch.randn((2 + hc) * hc, generator=g)
+    scale = torch.tensor([0.7, 1.1, 0.9])
+    c = v41.hyper_mix(x, fn, base, scale, cfg)
+    with kernels.override("none"):
+        t = v41.hyper_mix(x, fn, base, scale, cfg)
+    for a, b in zip(c, t):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def v41_small() -> dict:
+    from engram_serve.model.writer import SMALL_TEXT_CONFIG, with_engram_rows
+    return with_engram_rows(dict(SMALL_TEXT_CONFIG, engram_layer_ids=[]))
+
+
+# ---- norm, rotary, pooling, SwiGLU -----------------------------------------------------------------------
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 5), m=st.integers(1, 3), width=st.sampled_from([8, 16, 20]), half=st.sampled_from([1, 2, 4]),
+       inverse=st.booleans(), seed=st.integers(0, 2**31))
+def test_rms_norm_and_rope_match_their_definition_and_a_token_alone(n, m, width, half, inverse, seed):
+    g = gen(seed)
+    x, w = torch.randn(n, m, width, generator=g), torch.randn(width, generator=g)
+    y = fused.rms_norm(x, 1e-6, w)
+    want = x.double() / torch.sqrt((x.double() ** 2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    np.testing.assert_allclose(y.double(), want, rtol=1e-5, atol=1e-6)
+    ang = torch.rand(n, half, generator=g, dtype=F64) * 6
+    cos, sin = ang.cos().float(), ang.sin().float()
+    r = fused.rope(x, cos, sin, inverse)
+    d0 = width - 2 * half
+    want = x.double().clone()
+    s = -1 if inverse else 1
+    for j in range(half):
+        a, b = x.double()[..., d0 + 2 * j], x.double()[..., d0 + 2 * j + 1]
+        c_, s_ = cos.double()[:, None, j], s * sin.double()[:, None, j]
+        want[..., d0 + 2 * j], want[..., d0 + 2 * j + 1] = a * c_ - b * s_, a * s_ + b * c_
+    np.testing.assert_allclose(r.double(), want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(fused.rope(r, cos, sin, not inverse)[..., :d0], x[..., :d0])
+    assert alone_bits(lambda a: fused.rms_norm(a, 1e-6, w), x) == []
+    assert alone_bits(lambda a, c, si: fused.rope(a, c, si, inverse), x, cos, sin) == []
+
+
+def test_exp_fixed_is_accurate_and_the_same_in_any_place():
+    """exp_fixed through the SwiGLU without a clamp (silu(x) * 1), in the vector body and the tail."""
+    x = torch.linspace(-87.0, 88.0, 100_003)
+    gu = torch.stack([x, torch.ones_like(x)], 1)
+    y = fused.swiglu(gu, 1, 0.0).view(-1).double()
+    want = x.double() / (1 + torch.exp(-x.double()))
+    assert float(((y - want).abs() / want.abs().clamp(min=1e-30)).max()) < 4e-7
+    for start, n in ((0, 1), (5, 17), (1000, 33), (99_990, 13)):
+        assert torch.equal(fused.swiglu(gu[start:start + n], 1, 0.0).view(-1), y.float()[start:start + n])
+    special = fused.swiglu(torch.tensor([[float("nan"), 1.0], [100.0, 1.0], [-100.0, 1.0]]), 1, 0.0).view(-1)
+    assert math.isnan(special[0]) and special[1] == 100.0 and special[2] == 0.0
 
 
 @settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 6), inter=st.sampled_from([1, 8, 19]), limit=st.sampled_from([0.0, 0.25, 1.0, 10.0]),
+       seed=st.integers(0, 2**31))
+def test_clamped_swiglu_and_pooling_match_their_definition(n, inter, limit, seed):
+    g = gen(seed)
+    gu = torch.randn(n, 2 * inter, generator=g) * 3
+    a, b = gu.double()[:, :inter], gu.double()[:, inter:]
+    if limit > 0:
+        a, b = a.clamp(max=limit), b.clamp(-limit, limit)
+    np.testing.assert_allclose(fused.swiglu(gu, inter, limit).double(), a / (1 + torch.exp(-a)) * b, rtol=1e-5, atol=1e-6)
+    first, second = torch.randn(n, 2 * inter, generator=g) * 4, torch.randn(n, 2 * inter, generator=g) * 4
+    w = torch.softmax(torch.stack([first[:, inter:], second[:, inter:]]).double(), 0)
+    want = w[0] * first.double()[:, :inter] + w[1] * second.double()[:, :inter]
+    np.testing.assert_allclose(fused.pool_pair(first, second).double(), want, rtol=1e-5, atol=1e-6)
+    assert alone_bits(lambda x: fused.swiglu(x, inter, limit), gu) == []
+    assert alone_bits(fused.pool_pair, first, second) == []
+
+
+def test_the_alone_checker_sees_a_batch_dependent_kernel():
+    """Negative control of `alone_bits`: torch's sigmoid over a flat call rounds its vector body and its scalar
+    tail differently (on the AVX2 and AVX-512 CPUs measured), so a token's bits depend on its place."""
+    x = torch.randn(64, 13, generator=gen(0)) * 3
+    bad = alone_bits(lambda a: torch.sigmoid(a.reshape(-1)).view(a.shape), x)
+    if not bad:
+        pytest.skip("torch's sigmoid rounds the same in the vector body and the tail on this CPU")
+    assert alone_bits(lambda a: fused.swiglu(torch.cat([a, torch.ones_like(a)], 1), 13, 0.0), x) == []
+
+
+# ---- attention ------------------------------------------------------------------------------------------
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 4), h=st.integers(1, 4), k=st.integers(1, 40), hd=st.sampled_from([8, 16, 24]),
+       seed=st.integers(0, 2**31))
+def test_attend_is_softmax_with_a_sink_and_never_reads_a_masked_key(n, h, k, hd, seed):
+    g = gen(seed)
+    q, keys = torch.randn(n, h, hd, generator=g), torch.randn(n, k, hd, generator=g)
+    ok = torch.rand(n, k, generator=g) < 0.7
+    sink = torch.randn(h, generator=g)
+    planted = keys.masked_fill(~ok[:, :, None], float("nan"))  # a masked key is never read
+    out = fused.attend(q, planted, ok, sink, hd ** -0.5)
+    z = torch.einsum("nhd,nkd->nhk", q.double(), keys.double()) * hd ** -0.5
+    z = z.masked_fill(~ok[:, None, :], -math.inf)
+    m = torch.maximum(z.amax(-1), sink.double()[None])
+    e = torch.exp(z - m[..., None])
+    want = torch.einsum("nhk,nkd->nhd", e, keys.double()) / (e.sum(-1) + torch.exp(sink.double()[None] - m))[..., None]
+    np.testing.assert_allclose(out.double(), want, rtol=1e-5, atol=1e-6)
+    assert alone_bits(lambda a, b, c: fused.attend(a, b, c, sink, hd ** -0.5), q, planted, ok) == []
+
+
+def test_store_rows_and_the_keys_a_token_reads():
+    pool = torch.zeros(10, 4)
+    slots, vals = torch.tensor([3, -1, 5, 7]), torch.arange(16.0).view(4, 4)
+    fused.store_rows(pool, slots, vals, 8, torch.tensor([1, 2, 4, 5]), 2)  # ratio 2: positions 1 and 5 complete
+    assert torch.equal(pool[3], vals[0]) and torch.equal(pool[7], vals[3]) and pool[5].eq(0).all()
+    assert torch.equal(pool[8], vals[2])  # the trash slot took the rest (the last write wins)
+    with pytest.raises(ValueError, match="store_rows: slot 12"):
+        fused.store_rows(pool, torch.tensor([1, 12]), vals[:2], 8)
+    assert pool[1].eq(0).all()  # nothing written
+    window, entries = torch.randn(10, 4, generator=gen(1)), torch.randn(10, 4, generator=gen(2))
+    wslots, wok = torch.tensor([[9, 2, 3]]), torch.tensor([[False, True, True]])
+    eslots, topk = torch.tensor([[4, 6, 9]]), torch.tensor([[1, -1, 0]])
+    keys, ok = fused.attn_keys(window, wslots, wok, entries, eslots, topk)
+    assert ok.tolist() == [[False, True, True, True, False, True]]
+    assert torch.equal(keys[0, :3], window[[9, 2, 3]]) and torch.equal(keys[0, 3], entries[6])
+    assert keys[0, 4].eq(0).all() and torch.equal(keys[0, 5], entries[4])
+    with pytest.raises(ValueError, match="attn_keys"):
+        fused.attn_keys(window, torch.tensor([[10, 2, 3]]), wok, entries, eslots, topk)
+
+
+# ---- the indexer, top-k, candidate blocks ----------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 4), v=st.integers(0, 40), k=st.integers(1, 12), data=st.data())
+def test_topk_rows_is_the_written_tie_rule(rows, v, k, data):
+    special = st.sampled_from([0.0, 1.0, 1.0, -1.0, math.inf, -math.inf, math.nan, 2.5])
+    x = torch.tensor([[data.draw(special | st.floats(-3, 3, width=32)) for _ in range(v)] for _ in range(rows)],
+                     dtype=torch.float32).view(rows, v)
+    got = fused.topk(x, k)
+    assert got.tolist() == [plain_topk(r, k) for r in x.tolist()]
+    with kernels.override("none"):
+        assert torch.equal(v41.topk_first(x, k), got)  # the torch form: the same rule
+
+
+def test_the_tie_rule_checker_sees_a_later_entry_winning():
+    """Negative control: a top-k that lets the later of two equal scores win is told apart."""
+    row = [1.0, 3.0, 3.0, 0.5]
+    later_wins = sorted(range(4), key=lambda j: (-row[j], -j))[:2]
+    assert later_wins == [2, 1] != plain_topk(row, 2) == fused.topk(torch.tensor([row]), 2)[0].tolist() == [1, 2]
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 4), nh=st.integers(1, 4), ihd=st.sampled_from([8, 16]), block=st.sampled_from([1, 2, 4]),
+       restrict=st.booleans(), seed=st.integers(0, 2**31))
+def test_index_scores_and_candidate_blocks_match_the_torch_form(n, nh, ihd, block, restrict, seed):
+    g = gen(seed)
+    rows = 40
+    pool = torch.randn(rows, ihd, generator=g)
+    e = int(torch.randint(1, 20, (1,), generator=g))
+    slots = torch.randint(0, rows, (n, e), generator=g)
+    count = torch.randint(0, e + 1, (n,), generator=g)
+    width = -(-max(e, 1) // (v41.KEY_CHUNK * block)) * v41.KEY_CHUNK * block
+    q, w = torch.randn(n, nh, ihd, generator=g), torch.randn(n, nh, generator=g)
+    cands = torch.randint(-1, width // block, (n, 3), generator=g) if restrict else None
+    got = fused.index_scores(q, w, 0.3, pool, slots, count, width, cands, block)
+    keys = pool[torch.nn.functional.pad(slots, (0, width - e), value=0)].double()
+    want = (torch.relu(torch.einsum("nhd,ned->nhe", q.double(), keys)) * (w.double() * 0.3)[..., None]).sum(1)
+    vis = torch.arange(width)[None] < count[:, None]
+    if restrict:
+        chosen = torch.zeros(n, width // block + 1, dtype=torch.bool).scatter_(1, torch.where(cands < 0, width // block, cands), True)
+        vis &= chosen[:, :-1].repeat_interleave(block, 1)
+    assert torch.equal(torch.isinf(got), ~vis)
+    np.testing.assert_allclose(got.double()[vis], want[vis], rtol=1e-5, atol=1e-5)
+    assert alone_bits(lambda a, b, s_, c_, *cd: fused.index_scores(a, b, 0.3, pool, s_, c_, width, cd[0] if cd else None, block),
+                      q, w, slots, count, *([cands] if restrict else [])) == []
+    blocks = fused.candidate_blocks(got, count, block, 3)
+    with kernels.override("none"):
+        assert torch.equal(v41.candidate_blocks(got, count, block, 3), blocks)
+
+
+# ---- MoE ---------------------------------------------------------------------------------------------------
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 7), e=st.integers(1, 9), data=st.data(), norm=st.booleans(), seed=st.integers(0, 2**31))
+def test_router_grouping_and_combine_match_their_definition(n, e, data, norm, seed):
+    k = data.draw(st.integers(1, e))
+    g = gen(seed)
+    z, bias = torch.randn(n, e, generator=g) * 3, torch.randn(e, generator=g) * 0.1
+    ids, w = fused.moe_route(z, bias, k, norm, 1.5)
+    score = torch.sqrt(torch.nn.functional.softplus(z.double()))
+    for t in range(n):
+        assert ids[t].tolist() == plain_topk((score[t] + bias.double()).tolist(), k)
+        want = score[t, ids[t]]
+        want = want / want.sum() if norm and k > 1 else want
+        np.testing.assert_allclose(w[t].double(), want * 1.5, rtol=1e-5)
+    order, counts, tok = fused.moe_group(ids, e)
+    flat = ids.reshape(-1)
+    assert torch.equal(order, torch.argsort(flat, stable=True))
+    assert torch.equal(counts, torch.bincount(flat, minlength=e)) and torch.equal(tok, order // k)
+    ys, shared = torch.randn(n * k, 5, generator=g), torch.randn(n, 5, generator=g)
+    want = torch.zeros(n, 5).index_add_(0, tok, ys * w.reshape(-1)[order][:, None]) + shared
+    assert torch.equal(fused.moe_combine(ys, order, w, shared), want)  # the torch form's very operations
+    assert alone_bits(lambda a: fused.moe_route(a, bias, k, norm, 1.5), z) == []
+    with pytest.raises(ValueError, match="moe_group: expert id"):
+        fused.moe_group(torch.tensor([[0, e]]), e)
+
+
+# ---- Engram, embedding, sampling ------------------------------------------------------------------------
+@settings(max_examples=20, deadline=None)
 @given(n=st.integers(1, 12), hc=st.sampled_from([1, 2, 4]), dim=st.sampled_from([16, 40]), seed=st.integers(0, 2**31))
 def test_engram_gate_matches_the_plain_loop_and_a_row_alone(n, hc, dim, seed):
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(n, hc, dim, generator=g)
-    kv = torch.randn(n, (hc + 1) * dim, generator=g)
+    g = gen(seed)
+    h, kv = torch.randn(n, hc, dim, generator=g), torch.randn(n, (hc + 1) * dim, generator=g)
     qw, kw = torch.randn(hc, dim, generator=g), torch.randn(hc, dim, generator=g)
     dead = torch.rand(n, generator=g) < 0.3
     gated = fused.engram_gate(h, kv, qw, kw, dead, 1e-6)
+
+    def rms(a):
+        return a / math.sqrt(sum(float(x) ** 2 for x in a) / dim + 1e-6)
     for t in range(n):
         for i in range(hc):
             dot = float((rms(h[t, i].double()) * qw[i].double() * rms(kv[t, i * dim:(i + 1) * dim].double())
@@ -39,28 +323,24 @@ def test_engram_gate_matches_the_plain_loop_and_a_row_alone(n, hc, dim, seed):
             gate = 0.0 if dead[t] else 1 / (1 + math.exp(-math.copysign(math.sqrt(max(abs(dot), 1e-6)), dot)))
             np.testing.assert_allclose(gated[t, i].double(), h[t, i].double() + gate * kv[t, hc * dim:].double(),
                                        rtol=1e-5, atol=1e-5)
-        one = slice(t, t + 1)  # a token alone: the same bits
-        assert torch.equal(fused.engram_gate(h[one], kv[one], qw, kw, dead[one], 1e-6), gated[one])
+    assert alone_bits(lambda a, b, c: fused.engram_gate(a, b, qw, kw, c, 1e-6), h, kv, dead) == []
 
 
 def test_the_form_taken_does_not_depend_on_the_layout():
     """A column slice of one row is contiguous, of several rows not (tensor parallelism's summed Engram
-    projections are such slices): the C form must run for both, or a token's bits would depend on
-    its batch. (Choosing the form by contiguity broke verify at TP=2 across cuts.)"""
-    g = torch.Generator().manual_seed(0)
+    projections, a fused matmul's halves are such slices): the C form runs for both, or a token's bits would
+    depend on its batch. (Choosing the form by contiguity once broke TP=2 across cuts.)"""
+    g = gen(0)
     hc, dim = 2, 16
     h = torch.randn(3, hc, dim, generator=g)
-    both = torch.randn(3, 2 * (hc + 1) * dim, generator=g)
-    kv = both[:, :(hc + 1) * dim]  # not contiguous
+    kv = torch.randn(3, 2 * (hc + 1) * dim, generator=g)[:, :(hc + 1) * dim]
     qw, kw = torch.randn(hc, dim, generator=g), torch.randn(hc, dim, generator=g)
     assert not kv.is_contiguous() and kv[1:2].is_contiguous()
-    batch = fused.engram_gate(h, kv, qw, kw, None, 1e-6)
-    for t in range(3):
-        assert torch.equal(fused.engram_gate(h[t:t + 1], kv[t:t + 1], qw, kw, None, 1e-6), batch[t:t + 1])
-    src = torch.randn(9, 2 * 8, generator=g)[:, :8]  # rows of a column slice
-    ids = torch.tensor([4, 0, 4, 8])
-    assert torch.equal(fused.gather_rows(src, ids, 3), src[ids][:, None].expand(4, 3, 8))
-    assert torch.equal(fused.gather_rows(src, ids[2:3]), fused.gather_rows(src, ids)[2:3])
+    assert alone_bits(lambda a, b: fused.engram_gate(a, b, qw, kw, None, 1e-6), h, kv) == []
+    gu = torch.randn(3, 4 * 8, generator=g)[:, :2 * 8]
+    assert alone_bits(lambda a: v41.swiglu(a, 8, 1.0), gu) == []
+    x = torch.randn(3, 2 * dim, generator=g)[:, :dim]
+    assert alone_bits(lambda a: fused.rms_norm(a, 1e-6, None), x) == []
 
 
 def plain_argmax(row: list[float]) -> int:
@@ -89,8 +369,87 @@ def test_argmax_rows_is_the_first_maximum_with_nan_first(rows, v, data):
 
 
 def test_gather_rows_refuses_an_id_outside_the_table():
-    src = torch.randn(5, 4)
-    with pytest.raises(ValueError):
-        fused.gather_rows(src, torch.tensor([1, 5]))
-    with kernels.override("-token"), pytest.raises(IndexError):  # the torch form: plain indexing
-        fused.gather_rows(src, torch.tensor([1, 5]))
+    src = torch.randn(5, 3)
+    assert torch.equal(fused.gather_rows(src, torch.tensor([4, 0]), 2), src[[4, 0]][:, None].expand(2, 2, 3))
+    with pytest.raises(ValueError, match="index 5 at entry 1"):
+        fused.gather_rows(src, torch.tensor([0, 5]))
+
+
+# ---- the model: both forms, the serving layout, the choice rule ------------------------------------------
+@pytest.fixture(scope="module")
+def exact():
+    import test_v41_exact
+    return test_v41_exact
+
+
+def test_the_c_and_torch_forms_compute_the_same_model(exact):
+    """The whole forward with the C forms and with the torch forms (kernels off): the same formula, so logits
+    agree to float32 rounding (not bit for bit: each form is exact against itself)."""
+    m = exact.make_model()
+    seq = torch.randint(0, 4096, (23,), generator=gen(5))
+    c = exact.alone(m, seq)
+    with kernels.override("none"):
+        t = exact.alone(m, seq)
+    assert not torch.equal(c, t)  # two forms indeed
+    torch.testing.assert_close(torch.log_softmax(c.double(), -1), torch.log_softmax(t.double(), -1), rtol=0, atol=2e-5)
+
+
+def test_the_serving_layout_is_exact_across_batches_and_chunks(exact):
+    """The model as load_model lays it out (input-major matmul weights: the C matmul serves them) gives a
+    request the bits of its run alone, beside other requests and in chunks."""
+    m = layout_weights_(exact.make_model(seed=1))
+    rng = random.Random(0)
+    seqs = [torch.randint(0, 4096, (n,), generator=gen(10 + n)) for n in (9, 17, 4)]
+    got = exact.run_schedule(m, seqs, exact.random_schedule([len(s) for s in seqs], rng))
+    for r, s in enumerate(seqs):
+        assert torch.equal(got[r], exact.alone(m, s)), r
+
+
+def test_negative_control_the_form_chosen_by_the_token_count(exact, monkeypatch):
+    """Choosing C or torch by the number of tokens (C for a one-token call) gives a request in a batch other
+    bits than alone: the choice must depend on devices, dtypes and kernels only."""
+    m = exact.make_model()
+    seqs = [torch.randint(0, 4096, (6,), generator=gen(s)) for s in (1, 2)]
+    want = [exact.alone(m, s) for s in seqs]
+    real = fused.runs_in_c
+    first = lambda ts: next((t for t in ts if t is not None), None)  # noqa: E731
+    monkeypatch.setattr(fused, "runs_in_c", lambda *ts: real(*ts) and (first(ts) is None or first(ts).shape[0] == 1))
+    got = exact.run_schedule(m, seqs, [[(0, 1), (1, 1)], [(0, 5), (1, 5)]])
+    assert not all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 6), rows=st.integers(1, 3), blocks=st.integers(1, 5), bs=st.sampled_from([1, 4, 5]),
+       window=st.integers(1, 9), bound=st.integers(0, 40), seed=st.integers(0, 2**31))
+def test_the_slot_plan_in_c_is_the_torch_plan(n, rows, blocks, bs, window, bound, seed):
+    """SlotPlan.build's C form (plan_window, plan_entries) against its torch form, with null blocks, positions
+    past the block table, padding rows and a static bound."""
+    from engram_serve.model.paged_state import SlotPlan
+    g = gen(seed)
+    tables = torch.randint(-1, 30, (rows, blocks), generator=g)
+    positions = torch.randint(0, blocks * bs + 3, (n,), generator=g)
+    row = torch.randint(0, rows, (n,), generator=g)
+    slots = torch.randint(-1, 30, (n,), generator=g)
+    top = int(positions.max()) + bound
+    build = lambda: SlotPlan.build(positions, row, tables, bs, slots, 99, window, (0, 1, 2, 2), top)  # noqa: E731
+    c = build()
+    with kernels.override("none"):
+        t = build()
+    for f in ("window", "window_ok", "prev_slots"):
+        assert torch.equal(getattr(c, f), getattr(t, f)), f
+    assert c.entry_count.keys() == t.entry_count.keys() == {1, 2}
+    for r in (1, 2):
+        assert torch.equal(c.entry_count[r], t.entry_count[r]) and torch.equal(c.entry_slots[r], t.entry_slots[r])
+    with pytest.raises(ValueError, match="plan_window: row 3"):  # rows <= 3: row 3 is past the table
+        SlotPlan.build(positions, torch.full((n,), 3), tables, bs, slots, 99, window, (1,), top)
+
+
+@pytest.mark.parametrize("spec", ["all", "none"])
+def test_the_attention_of_a_long_prefill_in_token_chunks_has_the_same_bits(exact, monkeypatch, spec):
+    """A prefill's keys are gathered ATTN_TOKENS tokens at a time: chunks of 3 give the bits of one chunk."""
+    m = exact.make_model()
+    seq = torch.randint(0, 4096, (20,), generator=gen(8))
+    with kernels.override(spec):
+        whole = exact.alone(m, seq)
+        monkeypatch.setattr(v41, "ATTN_TOKENS", 3)
+        assert torch.equal(exact.alone(m, seq), whole)

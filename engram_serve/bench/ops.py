@@ -6,7 +6,7 @@ B requests of 64 random prompt tokens are prefilled, a few decode steps warm up,
 - `aten_ops`: every `aten::` event torch.profiler records during ONE decode step (nested ones
   included: a composite operator counts with the operators it calls);
 - `top_level_ops`: those not called from another aten operator (what Python code launched);
-- `native_calls`: calls into this project's C kernels (attention, token-wise steps, row matmuls, hash,
+- `native_calls`: calls into this project's C kernels (V4.1's token-wise steps, row matmuls, hash,
   gather) in that step, which the profiler does not record, those a CPU graph replay makes included:
   each is one call from Python, like an operator;
 - `python_calls`: Python function calls (cProfile) in the next decode step;

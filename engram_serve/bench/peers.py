@@ -1,22 +1,37 @@
-"""engram-serve against CTranslate2 and Hugging Face `generate` on one workload, tokens/s and ratios.
+"""engram-serve against mlx-lm on DeepSeek-V4.1, and against CTranslate2 and Hugging Face `generate`.
 
-Workload, end to end (prefill included): B prompts of 64 random token ids, 32 greedy tokens each
-(no early stop), B = 1, 32, 128 by default. Every call draws fresh prompts (so no cache carries over).
-- Peers: a Llama with the built-in model's backbone shape (vocab 4096, hidden 128, SwiGLU 384,
-  4 layers, 4 heads, 2 KV heads, head_dim 32), random weights, built with `transformers.LlamaConfig`.
-  `hf`: `model.generate` (greedy, min_new_tokens = max_new_tokens = 32), torch with one thread.
-  `ct2`: the same weights converted in-process by CTranslate2's transformers converter (float32, to a
-  temporary directory, offline), `Generator.generate_batch` (greedy, min_length = max_length = 32,
-  prompt forwarded at once), intra_threads=1.
-- engram-serve: the built-in Engram model (which does more per token: Engram gather and gate, MoE,
-  index selection) through `LLMEngine` (the engine under `LLM`), prefix caching off, greedy, with
-  microbatching off (`MicrobatchConfig(1)`) and on (`MicrobatchConfig(2)`: the planner cuts a step only
-  when a cut hides something). Token ids out, as for the peers (no detokenisation on either side).
-Each candidate lives in its own process (spawned fresh, one torch/CTranslate2 thread, a warm-up
-call). Timed calls then alternate between the candidates, round by round with the order rotated, so
-that a change in machine load hits every candidate alike; only one candidate runs at a time.
-tokens/s = B x 32 / median call time; the spread is min..max over the rounds. Needs the `bench`
-extras: `pip install -e '.[bench]'` (ctranslate2, transformers).
+Two suites, each candidate in its own fresh process (spawned, one thread, an untimed warm-up call), the
+timed calls alternating between the candidates round by round with the order rotated, so that a change in
+machine load hits every candidate alike; only one candidate runs at a time. tokens/s is taken at the
+median call time; the spread is min..max over the rounds; a ratio is the median of the per-round ratios.
+
+`mlx` (the V4.1 peer): engram-serve against mlx-lm 0.32.2's `deepseek_v41` on the SAME random V4.1 config,
+weights and prompts, without Engram (mlx-lm has none), float32 (bench/v41_shapes.py: the built-in model's
+shape and a mid-size one). The checkpoint is written once (official layout); engram-serve loads it with
+`load_model` and runs `LLMEngine` (prefix caching and microbatching off, greedy, exact); mlx-lm loads the
+same tensors through `Model.sanitize` and `load_weights` and runs on MLX's CPU device with its
+cache-quantization emulation replaced by the identity (as tests/peers_v41.py does), so both compute the
+same float32 model (the greedy tokens of every call are compared: `same_tokens`). Workloads:
+- `prefill`: one prompt of --prompt tokens to its first token (tokens/s = prompt tokens / call);
+- `decode-B`: B prompts of --prompt tokens prefilled (untimed), then --new - 1 greedy steps timed
+  (tokens/s = B x (new - 1) / their time). The same prompts every round: mlx-lm prefills them once
+  (its float32 prefill of 32 mid-size prompts takes minutes on this BLAS) and each round starts from a
+  copy of that cache; engram-serve prefills them again in every call (untimed). mlx-lm's `batch_generate` refuses V4.1's cache ("does not yet
+  support batching with history"), so mlx-lm decodes B > 1 as one [B, 1] batch a step through the
+  model's own batch dimension (all prompts have the same length: no padding).
+Peak memory: `rss_mib` after setup and warm-up (weights, packed panels, caches), `peak_mib` the growth of
+the peak resident set over it during the timed calls. The mid-size rows add the physical limits:
+prefill as a fraction of the float32 FMA peak of the one core in use (clock from /proc/cpuinfo x FMA lanes
+x 2 FMA units x 2 FLOP), B = 1 decode as a fraction of the memory-bandwidth bound (weight bytes read per
+token over the copy bandwidth measured in this run).
+
+`llama` (unchanged workload): B prompts of 64 random ids, 32 greedy tokens each, end to end, B = 1, 32,
+128. CTranslate2 `generate_batch` and HF `generate` run a Llama with the built-in model's hidden size and
+depth class (vocab 4096, hidden 128, SwiGLU 384, 4 layers, 4 heads, 2 KV heads, head_dim 32, random
+weights, `transformers.LlamaConfig`; converted in-process for CTranslate2); engram-serve runs its built-in
+V4.1 model (Engram on) through `LLMEngine`, microbatching off (`MicrobatchConfig(1)`) and on (2).
+
+Needs the `bench` extras: `pip install -e '.[bench]'` (ctranslate2, transformers, mlx-lm with mlx[cpu]).
 """
 from __future__ import annotations
 
@@ -26,24 +41,39 @@ import importlib.util
 from . import common
 
 NAME = "peers"
+SUITES = ("mlx", "llama")
 PROMPT, NEW = 64, 32
 LLAMA = dict(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=False)
 CANDIDATES = ("ct2", "hf", "engram_off", "engram_on")
+V41_WORKLOADS = ("prefill", "decode-1", "decode-32")
+WARMUP_SEED = 1 << 20  # the untimed call's prompts (the timed prefill rounds use seeds 0, 1, ...)
+DECODE_SEED = 0  # decode workloads decode the same prompts every round (mlx-lm prefills them once)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch", type=common.positive_int_list, default=[1, 32, 128], metavar="B,...",
-                        help="prompts per call (default 1,32,128)")
+    parser.add_argument("--suite", default=",".join(SUITES), help="comma-separated: mlx (V4.1 against mlx-lm), "
+                                                                     "llama (against CTranslate2 and HF generate)")
     parser.add_argument("--rounds", type=common.positive_int, default=5, metavar="N",
                         help="timed calls per candidate and size, alternating between candidates (default 5)")
-    parser.add_argument("--candidates", default=",".join(CANDIDATES), help="comma-separated: " + ", ".join(CANDIDATES))
+    parser.add_argument("--shapes", default="builtin,mid", help="mlx suite: V4.1 shapes, comma-separated (builtin, mid)")
+    parser.add_argument("--workloads", default=",".join(V41_WORKLOADS),
+                        help="mlx suite: prefill and/or decode-B (B prompts decoding together), comma-separated")
+    parser.add_argument("--prompt", type=common.positive_int, default=PROMPT, metavar="TOKENS",
+                        help=f"mlx suite: prompt tokens (default {PROMPT})")
+    parser.add_argument("--new", type=common.bounded_int(2, 4096, "must be in [2, 4096]"), default=NEW, metavar="TOKENS",
+                        help=f"mlx suite: generated tokens per prompt in decode workloads (default {NEW})")
+    parser.add_argument("--batch", type=common.positive_int_list, default=[1, 32, 128], metavar="B,...",
+                        help="llama suite: prompts per call (default 1,32,128)")
+    parser.add_argument("--candidates", default=",".join(CANDIDATES), help="llama suite, comma-separated: " + ", ".join(CANDIDATES))
 
 
-def missing_extras() -> list[str]:
-    return [m for m in ("ctranslate2", "transformers") if importlib.util.find_spec(m) is None]
+def missing_extras(suites: list[str]) -> list[str]:
+    need = {"mlx": ("mlx_lm", "mlx"), "llama": ("ctranslate2", "transformers")}
+    return [m for s in suites for m in need[s] if importlib.util.find_spec(m) is None]
 
 
+# ---- the llama suite -------------------------------------------------------------------------------------
 def _llama(seed: int = 0):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -51,8 +81,8 @@ def _llama(seed: int = 0):
     return LlamaForCausalLM(LlamaConfig(**LLAMA, bos_token_id=0, eos_token_id=1, pad_token_id=0)).eval()
 
 
-def _prompts(rng, batch: int, vocab: int, low: int = 2) -> list[list[int]]:
-    return rng.integers(low, vocab, size=(batch, PROMPT)).tolist()
+def _prompts(rng, batch: int, vocab: int, low: int = 2, length: int = PROMPT) -> list[list[int]]:
+    return rng.integers(low, vocab, size=(batch, length)).tolist()
 
 
 def _setup_hf(batch: int):
@@ -71,10 +101,11 @@ def _setup_hf(batch: int):
 
 def _convert_ct2(out_dir: str) -> None:
     """Save the Llama with a word-level tokenizer (token i is "t<i>") and convert it for CTranslate2."""
+    import os
+
     from ctranslate2.converters import TransformersConverter
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    import os
     hf_dir = os.path.join(out_dir, "hf")
     _llama().save_pretrained(hf_dir)
     vocab = {f"t{i}": i for i in range(LLAMA["vocab_size"])}
@@ -104,19 +135,23 @@ def _setup_ct2(batch: int):
     return call
 
 
-def _setup_engram(batch: int, microbatches: int):
-    import numpy as np
-
+def _engine(model, batch: int, max_model_len: int, prompt: int, microbatches: int = 1):
     from ..engine.llm_engine import LLMEngine
     from ..microbatch.plan import MicrobatchConfig
     from ..model.loader import load_model
     from ..runner.model_runner import RunnerConfig
-    from ..sampling_params import SamplingParams
-    loaded = load_model()
-    cfg = RunnerConfig(max_num_seqs=max(batch, 4), max_model_len=PROMPT + NEW,
-                       max_num_batched_tokens=max(1024, min(8192, batch * PROMPT)), num_blocks=max(64, batch * 8),
+    loaded = load_model(model)
+    cfg = RunnerConfig(max_num_seqs=max(batch, 4), max_model_len=max_model_len,
+                       max_num_batched_tokens=max(1024, min(8192, batch * prompt)), num_blocks=max(64, batch * 8),
                        microbatch=MicrobatchConfig(microbatches))
-    eng = LLMEngine(loaded, cfg, enable_prefix_caching=False)
+    return LLMEngine(loaded, cfg, enable_prefix_caching=False), loaded
+
+
+def _setup_engram(batch: int, microbatches: int):
+    import numpy as np
+
+    from ..sampling_params import SamplingParams
+    eng, loaded = _engine(None, batch, PROMPT + NEW, PROMPT, microbatches)
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     rng, calls = np.random.default_rng(batch), [0]
 
@@ -140,70 +175,287 @@ def setup(candidate: str, batch: int):
         fn = _setup_engram(batch, 1 if candidate == "engram_off" else 2)
     want = batch * NEW
 
-    def call() -> None:
+    def call() -> float:
+        import time
+        t0 = time.perf_counter()
         got = fn()
         if got != want:
             raise RuntimeError(f"{candidate} generated {got} tokens for batch {batch}, expected {want}")
+        return time.perf_counter() - t0, None
     return call
 
 
+# ---- the mlx suite: V4.1 on both engines -----------------------------------------------------------------
+def _workload(name: str) -> tuple[str, int]:
+    if name == "prefill":
+        return "prefill", 1
+    kind, _, b = name.partition("-")
+    if kind != "decode" or not b.isdigit() or int(b) < 1:
+        raise ValueError(f"--workloads: {name!r} is neither prefill nor decode-B (B >= 1)")
+    return "decode", int(b)
+
+
+def _v41_prompts(seed: int, batch: int, length: int, vocab: int) -> list[list[int]]:
+    import numpy as np
+    return np.random.default_rng(seed).integers(6, vocab, size=(batch, length)).tolist()
+
+
+def _setup_v41_engram(ckpt: str, kind: str, batch: int, prompt: int, new: int):
+    import time
+
+    from ..sampling_params import SamplingParams
+    eng, loaded = _engine(ckpt, batch, prompt + new, prompt)
+    vocab, calls = loaded.config.vocab_size, [0]
+
+    def call(seed: int) -> tuple[float, list]:
+        calls[0] += 1
+        prompts = _v41_prompts(seed if kind == "prefill" else DECODE_SEED, batch, prompt, vocab)
+        params = SamplingParams(max_tokens=1 if kind == "prefill" else new, temperature=0.0, ignore_eos=True)
+        out: dict[str, list[int]] = {}
+        for i, p in enumerate(prompts):
+            eng.add_request(f"c{calls[0]}-{i}", p, params)
+            out[f"c{calls[0]}-{i}"] = []
+        t0 = time.perf_counter()
+        first = eng.step().events  # the prefill of every prompt (one step: max_num_batched_tokens holds them)
+        t1 = time.perf_counter()
+        events = list(first)
+        while eng.has_unfinished():
+            events += eng.step().events
+        t2 = time.perf_counter()
+        for e in events:
+            if e.token is not None:
+                out[e.request_id].append(e.token)
+        return (t1 - t0 if kind == "prefill" else t2 - t1), list(out.values())
+    return call
+
+
+def _identity(values, *args, **kwargs):
+    return values
+
+
+def _setup_v41_mlx(ckpt: str, kind: str, batch: int, prompt: int, new: int):
+    import glob
+    import json
+    import os
+    import time
+    from unittest import mock
+
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models import deepseek_v41 as mlx_v41
+    from safetensors.numpy import load_file
+    mx.set_default_device(mx.cpu)
+    with open(os.path.join(ckpt, "config.json")) as f:
+        text = json.load(f)["text_config"]
+    model = mlx_v41.Model(mlx_v41.ModelArgs.from_dict({**text, "model_type": "deepseek_v41"}))
+    arrays = {}
+    for f in sorted(glob.glob(os.path.join(ckpt, "*.safetensors"))):
+        arrays.update({k: mx.array(v.astype(np.float32)) for k, v in load_file(f).items()})
+    model.load_weights(list(model.sanitize(arrays).items()), strict=True)
+    mx.eval(model.parameters())
+    del arrays
+
+    prefilled: list = []  # decode: the caches after the prompts' prefill, and the first tokens (made once)
+
+    def call(seed: int) -> tuple[float, list]:
+        prompts = mx.array(_v41_prompts(seed if kind == "prefill" else DECODE_SEED, batch, prompt, text["vocab_size"]),
+                           dtype=mx.int32)  # [B, P]
+        with (mock.patch.object(mlx_v41, "_fake_quant_fp8", _identity),
+              mock.patch.object(mlx_v41, "_fake_quant_fp4", _identity)):
+            cache = model.make_cache()
+            t0 = time.perf_counter()
+            if kind == "decode" and prefilled:
+                for c, state in zip(cache, prefilled[0]):
+                    vars(c).update(state)  # (mlx arrays are immutable: the caches share them safely)
+                tok = prefilled[1]
+            else:
+                tok = mx.argmax(model(prompts, cache)[:, -1], axis=-1)  # [B]
+                mx.eval(tok)
+                if kind == "decode":
+                    prefilled[:] = [[dict(vars(c)) for c in cache], tok]
+            t1 = time.perf_counter()
+            toks = [tok]
+            for _ in range(0 if kind == "prefill" else new - 1):
+                tok = mx.argmax(model(tok[:, None], cache)[:, -1], axis=-1)
+                mx.eval(tok)
+                toks.append(tok)
+            t2 = time.perf_counter()
+        out = np.stack([np.array(t) for t in toks], 1).tolist()  # [B, tokens]
+        return (t1 - t0 if kind == "prefill" else t2 - t1), out
+    return call
+
+
+# ---- workers ------------------------------------------------------------------------------------------------
 _WORKER: dict = {}
 
 
-def _worker_setup(candidate: str, batch: int, threads: int) -> None:
-    """In the candidate's own process: build it and make one untimed warm-up call."""
+def _worker_setup(spec: tuple, threads: int) -> dict:
+    """In the candidate's own process: build it, make one untimed warm-up call, set the memory baseline."""
+    import gc
+
     import torch
     torch.set_num_threads(threads)
-    _WORKER["fn"] = setup(candidate, batch)
-    _WORKER["fn"]()
+    suite, *rest = spec
+    if suite == "llama":
+        _WORKER["fn"] = setup(*rest)
+    else:
+        engine, ckpt, kind, batch, prompt, new = rest
+        make = _setup_v41_engram if engine == "engram" else _setup_v41_mlx
+        _WORKER["fn"] = make(ckpt, kind, batch, prompt, new)
+    _WORKER["fn"](WARMUP_SEED) if suite == "mlx" else _WORKER["fn"]()
+    gc.collect()
+    common._malloc_trim()
+    rss = common._status_kib("VmRSS") or 0
+    _WORKER["base"] = rss if common._reset_peak_rss() else None
+    return {"rss_mib": rss / 1024}
 
 
-def _worker_call() -> float:
-    import time
-    t0 = time.perf_counter()
-    _WORKER["fn"]()
-    return time.perf_counter() - t0
+def _worker_call(seed: int | None) -> tuple[float, list | None]:
+    fn = _WORKER["fn"]
+    return fn(seed) if seed is not None else fn()
 
 
-def run(args: argparse.Namespace) -> list[dict]:
+def _worker_peak() -> float | None:
+    base = _WORKER.get("base")
+    return None if base is None else max(0, (common._status_kib("VmHWM") or 0) - base) / 1024
+
+
+def _rounds(specs: dict[str, tuple], rounds: int, threads: int, seeded: bool) -> dict:
+    """Alternate timed calls between the candidates (one process each); returns per candidate its times,
+    outputs, rss_mib and peak_mib."""
     import multiprocessing
-    import statistics
     from concurrent.futures import ProcessPoolExecutor
-    missing = missing_extras()
-    if missing:
-        from ..errors import ConfigError
-        raise ConfigError(f"bench peers needs {', '.join(missing)}: pip install -e '.[bench]' "
-                          f"(or: pip install 'ctranslate2==4.8.5' transformers)")
+    names = list(specs)
+    pools = {c: ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) for c in names}
+    res = {c: {"times": [], "outs": []} for c in names}
+    try:
+        for c in names:  # one at a time: a setup never competes with another candidate
+            res[c].update(pools[c].submit(_worker_setup, specs[c], threads).result())
+        for r in range(rounds):
+            for c in names[r % len(names):] + names[:r % len(names)]:
+                t, out = pools[c].submit(_worker_call, r if seeded else None).result()
+                res[c]["times"].append(t)
+                res[c]["outs"].append(out)
+        for c in names:
+            res[c]["peak_mib"] = pools[c].submit(_worker_peak).result()
+    finally:
+        for pool in pools.values():
+            pool.shutdown(cancel_futures=True)
+    return res
+
+
+def _speed(row: dict, name: str, work: int, times: list[float]) -> None:
+    import statistics
+    row[f"{name}_tok_s"] = work / statistics.median(times)
+    row[f"{name}_tok_s_min"] = work / max(times)
+    row[f"{name}_tok_s_max"] = work / min(times)
+
+
+def run_llama(args: argparse.Namespace) -> list[dict]:
+    import statistics
     cands = [c.strip() for c in args.candidates.split(",")]
     bad = [c for c in cands if c not in CANDIDATES]
     if bad:
         raise ValueError(f"--candidates: unknown {bad}; choose from {list(CANDIDATES)}")
+    from .v41_shapes import flops_per_token, llama_flops_per_token, text_config
+    tiny = {**text_config("builtin")}
     rows = []
     for b in args.batch:
-        pools = {c: ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) for c in cands}
-        try:
-            for c in cands:  # one at a time: a setup never competes with another candidate
-                pools[c].submit(_worker_setup, c, b, args.threads).result()
-            times: dict[str, list[float]] = {c: [] for c in cands}
-            for r in range(args.rounds):
-                for c in cands[r % len(cands):] + cands[:r % len(cands)]:
-                    times[c].append(pools[c].submit(_worker_call).result())
-        finally:
-            for pool in pools.values():
-                pool.shutdown(cancel_futures=True)
-        row: dict = {"batch": b, "tokens_per_call": b * NEW, "rounds": args.rounds}
+        res = _rounds({c: ("llama", c, b) for c in cands}, args.rounds, args.threads, seeded=False)
+        row: dict = {"suite": "llama", "batch": b, "tokens_per_call": b * NEW, "rounds": args.rounds}
         for c in cands:
-            t = times[c]
-            row[f"{c}_tok_s"] = b * NEW / statistics.median(t)
-            row[f"{c}_tok_s_min"] = b * NEW / max(t)
-            row[f"{c}_tok_s_max"] = b * NEW / min(t)
+            _speed(row, c, b * NEW, res[c]["times"])
         for mine in ("engram_off", "engram_on"):
             for peer in ("ct2", "hf"):
                 if mine in cands and peer in cands:
-                    # ratio of medians, and its spread: the median of the per-round ratios
-                    row[f"{mine}_over_{peer}"] = row[f"{mine}_tok_s"] / row[f"{peer}_tok_s"]
-                    row[f"{mine}_over_{peer}_round_median"] = statistics.median(
-                        p / m for m, p in zip(times[mine], times[peer]))
+                    row[f"{mine}_over_{peer}"] = statistics.median(
+                        p / m for m, p in zip(res[mine]["times"], res[peer]["times"]))
+        for c in cands:
+            row[f"{c}_rss_mib"], row[f"{c}_peak_mib"] = res[c]["rss_mib"], res[c]["peak_mib"]
+        ctx = PROMPT + NEW // 2
+        row["llama_mflop_per_token"] = llama_flops_per_token(LLAMA, ctx) / 1e6
+        row["v41_builtin_mflop_per_token"] = flops_per_token(tiny, ctx) / 1e6  # (Engram's projection not counted)
         row["threads"] = args.threads
         rows.append(row)
+    return rows
+
+
+def run_mlx(args: argparse.Namespace) -> list[dict]:
+    import statistics
+    import tempfile
+    from pathlib import Path
+
+    from . import v41_shapes as vs
+    shapes = [s.strip() for s in args.shapes.split(",")]
+    for s in shapes:
+        vs.text_config(s)  # refuses an unknown shape before any work
+    work = [_workload(w.strip()) for w in args.workloads.split(",")]
+    facts = vs.cpu_facts()
+    bandwidth = [vs.copy_bandwidth()]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="engram-peers-v41-") as tmp:
+        for shape in shapes:
+            ckpt = str(vs.write_checkpoint(shape, Path(tmp) / shape))
+            cfg = vs.text_config(shape)
+            for kind, b in work:
+                new = 1 if kind == "prefill" else args.new
+                specs = {e: ("mlx", e, ckpt, kind, b, args.prompt, new) for e in ("engram", "mlx")}
+                res = _rounds(specs, args.rounds, args.threads, seeded=True)
+                tokens = args.prompt if kind == "prefill" else b * (new - 1)
+                row: dict = {"suite": "mlx", "shape": shape, "workload": "prefill" if kind == "prefill" else f"decode-{b}",
+                             "batch": b, "prompt": args.prompt, "new": new, "rounds": args.rounds}
+                for e in ("engram", "mlx"):
+                    _speed(row, e, tokens, res[e]["times"])
+                row["engram_over_mlx"] = statistics.median(
+                    m / e for e, m in zip(res["engram"]["times"], res["mlx"]["times"]))
+                row["same_tokens"] = res["engram"]["outs"] == res["mlx"]["outs"]
+                for e in ("engram", "mlx"):
+                    row[f"{e}_rss_mib"], row[f"{e}_peak_mib"] = res[e]["rss_mib"], res[e]["peak_mib"]
+                if kind == "prefill":
+                    flop = sum(vs.flops_per_token(cfg, c) for c in range(1, args.prompt + 1))
+                    row["mflop_per_token"] = flop / args.prompt / 1e6
+                else:
+                    ctxs = range(args.prompt + 1, args.prompt + new)
+                    row["mflop_per_token"] = sum(vs.flops_per_token(cfg, c) for c in ctxs) / len(ctxs) / 1e6
+                if shape == "mid":
+                    _limits(row, cfg, kind, b, facts, bandwidth, args.threads)
+                row["threads"] = args.threads
+                rows.append(row)
+    bandwidth.append(vs.copy_bandwidth())
+    rows.append({"suite": "mlx", "shape": "machine", "cpu": facts["cpu"], "mhz": facts["mhz"],
+                 "fma_lanes": facts["fma_lanes"], "fma_units": facts["fma_units"],
+                 "copy_gb_s": max(bandwidth) / 1e9, "copy_gb_s_min": min(bandwidth) / 1e9})
+    return rows
+
+
+def _limits(row: dict, cfg: dict, kind: str, batch: int, facts: dict, bandwidth: list[float], threads: int) -> None:
+    """The physical-limit figures of a mid-size row (module docstring)."""
+    from .v41_shapes import copy_bandwidth, weight_bytes_per_token
+    if kind == "prefill" and facts["mhz"]:
+        peak = facts["mhz"] * 1e6 * facts["fma_lanes"] * facts["fma_units"] * 2 * threads
+        row["engram_gflop_s"] = row["engram_tok_s"] * row["mflop_per_token"] / 1e3
+        row["fma_peak_gflop_s"] = peak / 1e9
+        row["engram_fraction_of_fma_peak"] = row["engram_gflop_s"] * 1e9 / peak
+    if kind == "decode" and batch == 1:
+        bandwidth.append(copy_bandwidth())
+        bound = bandwidth[-1] / weight_bytes_per_token(cfg)
+        row["weight_mib_per_token"] = weight_bytes_per_token(cfg) / 2**20
+        row["bandwidth_bound_tok_s"] = bound
+        row["engram_fraction_of_bandwidth_bound"] = row["engram_tok_s"] / bound
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    suites = [s.strip() for s in args.suite.split(",")]
+    bad = [s for s in suites if s not in SUITES]
+    if bad:
+        raise ValueError(f"--suite: unknown {bad}; choose from {list(SUITES)}")
+    missing = missing_extras(suites)
+    if missing:
+        from ..errors import ConfigError
+        raise ConfigError(f"bench peers needs {', '.join(missing)}: pip install -e '.[bench]'")
+    rows = []
+    if "mlx" in suites:
+        rows += run_mlx(args)
+    if "llama" in suites:
+        rows += run_llama(args)
     return rows

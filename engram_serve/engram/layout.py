@@ -95,13 +95,13 @@ def build_layout(cfg: EngramConfig, check_rows: bool = True) -> EngramLayout:
                 used.add(cur)
                 row.append(cur)
         moduli.append(row)
-    mod = torch.tensor(moduli, dtype=torch.int64)  # [L, C]
+    mod = torch.tensor(moduli, dtype=torch.int64).reshape(len(moduli), (n_max - 1) * heads)  # [L, C]
     off = torch.cumsum(mod, dim=1) - mod  # exclusive prefix sums
     if check_rows:
         for lid, want, got in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings, mod.sum(1).tolist()):
             if want != got:
                 raise CheckpointMismatch(
                     f"engram_num_embeddings for Engram layer {lid}: config says {want}, the hash layout needs {got}")
-    mult = torch.from_numpy(np.stack([layer_multipliers(lid, n_max, cfg.engram_compressed_vocab_size)
-                                      for lid in cfg.engram_layer_ids]))  # [L, N]
-    return EngramLayout(cfg, mod, off, mult, division_magic(moduli))
+    mult = torch.from_numpy(np.array([layer_multipliers(lid, n_max, cfg.engram_compressed_vocab_size)
+                                      for lid in cfg.engram_layer_ids], dtype=np.int64).reshape(len(moduli), n_max))  # [L, N]
+    return EngramLayout(cfg, mod, off, mult, division_magic(moduli).reshape(mod.shape))

@@ -152,6 +152,8 @@ class EngramTables:
         Vectorised over all tokens and columns, per layer. `out` may be a slice of a persistent staging
         buffer on another device; ids are moved to the table's device first, stored rows to out's."""
         t, n_layers, c = hash_ids.shape
+        if n_layers == self.num_layers == 0 and out.shape[:3] == (0, t, c):
+            return out  # a model without Engram layers: nothing to stage
         if n_layers != self.num_layers or out.shape != (n_layers, t, c, self.head_dim):
             raise ValueError(f"gather: hash_ids {tuple(hash_ids.shape)} and out {tuple(out.shape)} do not fit "
                              f"{self.num_layers} tables of width {self.head_dim}")

@@ -1,4 +1,4 @@
-/* Arithmetic shared by the C kernels of the forward (_attention_kernel.c, _token_kernel.c): every
+/* Arithmetic shared by the C kernels of the forward (_linear_kernel.c, _token_kernel.c): every
  * function here is the same IEEE operations in the same order whatever the call, so a value's bits do
  * not depend on where it sits in a loop or on the loop's length.
  *
@@ -18,6 +18,7 @@
  *                 element in the vector body or the scalar tail goes through the same operations.
  *   exp8_fixed(x) exp_fixed on 8 lanes in AVX2 intrinsics, the same operations (for loops the compiler
  *                 vectorises poorly, e.g. a short one inside a tile).
+ *   swiglu_value(g, u, limit)  V4.1's clamped SwiGLU of one value (exp_fixed inside).
  *
  * Built with -ffp-contract=off (setup.py): no multiply-add is contracted, in any clone; and with
  * -fno-trapping-math, so that exp_fixed's selects if-convert in the AVX2 clones (no value changes).
@@ -117,6 +118,16 @@ static inline float exp_fixed(float x) {
     memcpy(&scale, &eb, 4);
     const float y = p * scale;
     return x > hi ? INFINITY : (x < lo ? 0.0f : y);
+}
+
+/* silu(min(g, L)) * clamp(u, -L, L), no clamp when L <= 0, silu(x) = x / (1 + exp(-x)): V4.1's SwiGLU of one
+ * value, the same operations wherever it runs (the token kernel's `swiglu`, the linear kernel's `moe_experts`). */
+static inline float swiglu_value(float g, float u, float limit) {
+    if (limit > 0.0f) {
+        g = g > limit ? limit : g;
+        u = u > limit ? limit : (u < -limit ? -limit : u);
+    }
+    return g / (1.0f + exp_fixed(-g)) * u;
 }
 
 #if HAVE_X86_AVX2

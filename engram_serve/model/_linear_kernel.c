@@ -29,6 +29,13 @@
  *       (tests: all give the same bits).
  *   The GIL is released during the arithmetic.
  *   simd_level() -> 0, 1 or 2: the level that simd 2 (what layers.py passes) runs at on this CPU.
+ *   moe_experts(xs, rows, counts, e, d, inter, panels13, kc13, panels2, kc2, limit, h, g, ys, simd) -> None
+ *       DeepSeek-V4.1's routed experts in one call (model/deepseek_v41.py MoE): xs [rows, d] the (token, expert)
+ *       pairs grouped by expert, counts [e] int64 the rows of each expert in order; for each expert x with
+ *       rows, h = its rows @ w13[x] (panels13[x], kc13: [2 inter] outputs, w1 then w3), g = the clamped SwiGLU
+ *       of h (_kernel_math.h `swiglu_value`), its rows of ys = g @ w2[x] (panels2[x], kc2). The very products
+ *       and SwiGLU the MoE computes call by call (`linear`, `swiglu`), so the same bits, without a host read
+ *       of the counts (a decode step's CPU graph replays it).
  *
  * Built without -ffast-math and with -ffp-contract=off: every operation is the IEEE one written
  * (fmaf and the vector fused multiply-add round once).
@@ -201,20 +208,9 @@ __attribute__((target("avx2"))) static void silu_store_avx2(int mr, const float 
 }
 #endif
 
-static PyObject *py_linear_packed(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long xa, pa, ya, wa;
-    Py_ssize_t ldx, m, k, n, kc, inter;
-    int simd;
-    if (!PyArg_ParseTuple(args, "KnKKnnnnnKi", &xa, &ldx, &pa, &ya, &m, &k, &n, &kc, &inter, &wa, &simd)) return NULL;
-    if (m < 0 || k < 1 || n < 0 || kc < 1 || ldx < k || inter < 0 || (m && n && (!xa || !pa || !ya))
-            || (inter && (inter % NR || n % (2 * inter))) || (wa && !inter)) {
-        PyErr_Format(PyExc_ValueError, "linear_packed: m %zd, k %zd, n %zd, kc %zd, ldx %zd, inter %zd do not fit (k and "
-                     "kc at least 1, ldx >= k, inter a multiple of %d dividing n / 2, weights only with inter, "
-                     "non-null addresses)", m, k, n, kc, ldx, inter, NR);
-        return NULL;
-    }
-    const float *xp = (const float *)(uintptr_t)xa, *bp = (const float *)(uintptr_t)pa, *wp = (const float *)(uintptr_t)wa;
-    float *yp = (float *)(uintptr_t)ya;
+/* The product (see the header) of checked arguments; runs without the GIL. */
+static void linear_packed(const float *xp, Py_ssize_t ldx, const float *bp, float *yp, Py_ssize_t m, Py_ssize_t k,
+                          Py_ssize_t n, Py_ssize_t kc, Py_ssize_t inter, const float *wp, int simd) {
     tile_fn tile = tile_plain;
     wide_fn wide = NULL; /* several full panels at once, where the CPU has AVX-512 */
     silu_fn silu = silu_store;
@@ -230,7 +226,6 @@ static PyObject *py_linear_packed(PyObject *Py_UNUSED(self), PyObject *args) {
     const Py_ssize_t reads = inter ? 2 : 1, ny = inter ? n / 2 : n, panels = (ny + NR - 1) / NR,
                      ip = inter / NR, groups = inter ? n / (2 * inter) : 1;
     const Py_ssize_t group = PANEL_BYTES / (reads * k * NR * 4) > 1 ? PANEL_BYTES / (reads * k * NR * 4) : 1;
-    Py_BEGIN_ALLOW_THREADS
     float part[MR * NR], up[MR * NR]; /* a partial panel's tile; the up tile */
     for (Py_ssize_t p0 = 0; p0 < panels; p0 += group) {
         const Py_ssize_t p1 = p0 + group < panels ? p0 + group : panels;
@@ -262,7 +257,83 @@ static PyObject *py_linear_packed(PyObject *Py_UNUSED(self), PyObject *args) {
             }
         }
     }
+}
+
+static PyObject *py_linear_packed(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long xa, pa, ya, wa;
+    Py_ssize_t ldx, m, k, n, kc, inter;
+    int simd;
+    if (!PyArg_ParseTuple(args, "KnKKnnnnnKi", &xa, &ldx, &pa, &ya, &m, &k, &n, &kc, &inter, &wa, &simd)) return NULL;
+    if (m < 0 || k < 1 || n < 0 || kc < 1 || ldx < k || inter < 0 || (m && n && (!xa || !pa || !ya))
+            || (inter && (inter % NR || n % (2 * inter))) || (wa && !inter)) {
+        PyErr_Format(PyExc_ValueError, "linear_packed: m %zd, k %zd, n %zd, kc %zd, ldx %zd, inter %zd do not fit (k and "
+                     "kc at least 1, ldx >= k, inter a multiple of %d dividing n / 2, weights only with inter, "
+                     "non-null addresses)", m, k, n, kc, ldx, inter, NR);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    linear_packed((const float *)(uintptr_t)xa, ldx, (const float *)(uintptr_t)pa, (float *)(uintptr_t)ya, m, k, n, kc,
+                  inter, (const float *)(uintptr_t)wa, simd);
     Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* V4.1's routed experts over their grouped rows (see the header): per expert with rows, its w1/w3 product,
+ * the clamped SwiGLU, its w2 product; returns 1 if the counts exceed the rows (nothing computed). */
+CLONES static void swiglu_rows(const float *restrict h, Py_ssize_t rows, Py_ssize_t inter, float limit,
+                               float *restrict g) {
+    for (Py_ssize_t r = 0; r < rows; r++)
+        for (Py_ssize_t j = 0; j < inter; j++)
+            g[r * inter + j] = swiglu_value(h[r * 2 * inter + j], h[r * 2 * inter + inter + j], limit);
+}
+
+static int moe_experts(const float *xs, Py_ssize_t rows, const int64_t *counts, Py_ssize_t e, Py_ssize_t d,
+                       Py_ssize_t inter, const int64_t *p13, Py_ssize_t kc13, const int64_t *p2, Py_ssize_t kc2,
+                       float limit, float *h, float *g, float *ys, int simd) {
+    int64_t total = 0;
+    for (Py_ssize_t x = 0; x < e; x++) {
+        if (counts[x] < 0) return 1;
+        total += counts[x];
+    }
+    if (total > rows) return 1;
+    Py_ssize_t start = 0;
+    for (Py_ssize_t x = 0; x < e; x++) {
+        const Py_ssize_t c = (Py_ssize_t)counts[x];
+        if (!c) continue;
+        linear_packed(xs + start * d, d, (const float *)(uintptr_t)p13[x], h + start * 2 * inter, c, d, 2 * inter, kc13,
+                      0, NULL, simd);
+        swiglu_rows(h + start * 2 * inter, c, inter, limit, g + start * inter);
+        linear_packed(g + start * inter, inter, (const float *)(uintptr_t)p2[x], ys + start * d, c, inter, d, kc2, 0,
+                      NULL, simd);
+        start += c;
+    }
+    return 0;
+}
+
+static PyObject *py_moe_experts(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long xa, ca, p13a, p2a, ha, ga, ya;
+    Py_ssize_t rows, e, d, inter, kc13, kc2;
+    double limit;
+    int simd;
+    if (!PyArg_ParseTuple(args, "KnKnnnKnKndKKKi", &xa, &rows, &ca, &e, &d, &inter, &p13a, &kc13, &p2a, &kc2, &limit,
+                          &ha, &ga, &ya, &simd))
+        return NULL;
+    if (rows < 0 || e < 1 || d < 1 || inter < 1 || kc13 < 1 || kc2 < 1 || !ca || !p13a || !p2a ||
+        (rows && (!xa || !ha || !ga || !ya))) {
+        PyErr_Format(PyExc_ValueError, "moe_experts: rows %zd, %zd experts, d %zd, inter %zd, kc %zd / %zd do not fit",
+                     rows, e, d, inter, kc13, kc2);
+        return NULL;
+    }
+    int bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = moe_experts((const float *)(uintptr_t)xa, rows, (const int64_t *)(uintptr_t)ca, e, d, inter,
+                      (const int64_t *)(uintptr_t)p13a, kc13, (const int64_t *)(uintptr_t)p2a, kc2, (float)limit,
+                      (float *)(uintptr_t)ha, (float *)(uintptr_t)ga, (float *)(uintptr_t)ya, simd);
+    Py_END_ALLOW_THREADS
+    if (bad) {
+        PyErr_Format(PyExc_ValueError, "moe_experts: the experts' row counts exceed the %zd rows (or one is negative)", rows);
+        return NULL;
+    }
     Py_RETURN_NONE;
 }
 
@@ -284,6 +355,11 @@ static PyMethodDef methods[] = {
      "beyond n), y [m, n] contiguous; inter > 0: y [m, n / 2] = silu(gate) * up [* weights [m, n / (2 inter)]] per "
      "group of 2 inter columns (gate, up); simd 0 takes the portable tile and epilogue, 1 AVX2 at most, 2 AVX-512 "
      "where the CPU has it."},
+    {"moe_experts", py_moe_experts, METH_VARARGS,
+     "moe_experts(xs, rows, counts, e, d, inter, panels13, kc13, panels2, kc2, limit, h, g, ys, simd) -> None: "
+     "V4.1's routed experts over rows grouped by expert (counts [e] int64): per expert its packed w1/w3 product "
+     "(panels13 [e] addresses, [2 inter] outputs), the clamped SwiGLU, its w2 product (panels2), into ys [rows, d]; "
+     "h [rows, 2 inter], g [rows, inter] scratch."},
     {NULL, NULL, 0, NULL},
 };
 

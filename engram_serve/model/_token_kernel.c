@@ -1,73 +1,556 @@
-/* Token-wise fused steps of the serving forward (model/fused.py): each token computed alone, by the same
- * operations in the same order whatever the call's size, so a token's bits do not depend on its batch
- * mates, the cut or padding (docs/contract.md §9) with no padding rule; one call instead of the several torch
- * operators each step takes. model/fused.py keeps the torch form of each (CUDA, autograd, no compiler).
+/* Token-wise fused steps of DeepSeek-V4.1's serving forward (model/fused.py): each token computed alone,
+ * by the same operations in the same order whatever the call's size, so a token's bits do not depend on
+ * its batch mates, the cut or padding (docs/contract.md §9) with no padding rule; one call instead of the
+ * several torch operators each step takes. The torch form of each lives beside its caller
+ * (model/deepseek_v41.py, model/layers.py, model/fused.py) and runs where this kernel does not (CUDA,
+ * autograd, no compiler, ENGRAM_SERVE_KERNELS). The two forms compute the same formula, not the same bits.
  *
- *   residual_norm(h, n, hc, hidden, delta, w, eps, h_out, x) -> None
- *     h [n, hc, hidden] float32 contiguous, the residual branches; delta [n, hidden] contiguous or 0:
- *     if given, h_out = h + delta on every branch, and h stands for h_out below (h_out unused
- *     otherwise). Then x [n, hidden] = rmsnorm(mean_i h_i) * w:
- *     mean = (h_0 + h_1 + ...) / hc, r = 1 / sqrt(sum(mean^2) / hidden + eps), x = mean * r * w.
+ * Arrays come as addresses (torch's `data_ptr()`): float32 C-contiguous unless said otherwise, int64
+ * ids, bool masks as one byte. model/fused.py checks dtypes, devices and shapes; the kernel checks sizes.
+ *
+ * mHC (docs/deepseek_v41.md, "mHC"), hc <= 16 streams:
+ *   hc_mix(x, mm, n, hc, dim, scale, base, eps, hc_eps, iters, pre, post, comb)
+ *     x [n, hc * dim] the streams, mm [n, (2 + hc) * hc] = fn . x (the matmul, done before). Per token:
+ *     r = 1 / sqrt(dot(x, x) / (hc * dim) + eps); m_j = mm_j * r * scale[seg j] + base_j;
+ *     pre [n, hc] = sigmoid(m_i) + hc_eps; post [n, hc] = 2 * sigmoid(m_{hc + i});
+ *     comb [n, hc, hc]: per row a softmax over b of m_{2hc + a hc + b} (max first, sums in b order),
+ *     + hc_eps, then columns c / (sum_a c + hc_eps); iters - 1 times rows c / (sum_b c + hc_eps) then columns.
+ *   collapse(x, mix, n, hc, dim, out): out [n, dim] = mix_0 x_0 + mix_1 x_1 + ... (streams in order).
+ *   expand(o, x, post, comb, n, hc, dim, out): out [n, hc, dim], stream b = post_b o + comb[0][b] x_0
+ *     + comb[1][b] x_1 + ... (added left to right).
+ * Norm and rotary:
+ *   rms_norm(x, rows, dim, w, eps, out): out = x * (1 / sqrt(dot(x, x) / dim + eps)) [* w] (w [dim] or 0).
+ *   rope(x, n, m, width, cos, sin, half, inverse, out): x [n, m, width], cos, sin [n, half]; out = x with
+ *     the last 2 * half dims rotated in interleaved pairs (j: dims d0 + 2j, d0 + 2j + 1):
+ *     (x0 c - x1 s, x0 s + x1 c), inverse (x0 c + x1 s, x1 c - x0 s).
+ * Paged state (model/paged_state.py):
+ *   plan_window(positions, rows, tables, n, tr, tb, bs, zero, window, win, win_ok, prev): the SlotPlan's window
+ *     and partner slots of tokens at positions [n] in rows [n] of tables [tr, tb] (-1 a null block): slot_of(q)
+ *     = tables[row][q / bs] * bs + q % bs where q >= 0, q / bs < tb and that block is not null, else `zero`;
+ *     win [n, window] = slot_of(p - window + 1 + j), win_ok [n, window] = (p - window + 1 + j >= 0), prev [n] =
+ *     slot_of(p - 1). ValueError, and nothing written, if a row is outside [0, tr).
+ *   plan_entries(positions, rows, tables, n, tr, tb, bs, zero, ratio, width, count, eslots): count [n] =
+ *     (p + 1) / ratio (the entries complete at p), eslots [n, width] = slot_of(g * ratio + ratio - 1) for
+ *     g < count, else `zero`.
+ *   store_rows(pool, rows, width, slots, n, values, trash, positions, ratio): pool [rows, width] row slots[t] =
+ *     values[t] for each token t, in token order; the trash row where slots[t] < 0 or, with positions [n]
+ *     (else 0), where positions[t] % ratio != ratio - 1 (the token completes no entry). ValueError, and
+ *     nothing written, if a slot is outside [0, rows) (PagedState.write; a compressor's entries).
+ *   attn_keys(window, wslots, wok, n, w, entries, eslots, es, topk, k, rows, hd, keys, ok): the keys one token
+ *     reads, keys [n, w + k, hd] and ok [n, w + k]: the window rows window[wslots[t][j]] with wok; then, with
+ *     topk [n, k] (else k = 0), entries[eslots[t][topk[t][i]]] where the pick is >= 0 (below es), a zero
+ *     row and ok 0 where it is not. ValueError, and nothing written, if a slot is outside [0, rows).
+ * Attention:
+ *   attend(q, keys, ok, sink, n, h, k, hd, scale, out): q [n, h, hd], keys [n, k, hd] (key = value), ok [n, k],
+ *     sink [h] -> out [n, h, hd]. Per token and head: z_j = dot(q, key_j) * scale over the keys with ok (the
+ *     others are never read), m = the max of sink and the z_j, e_j = exp(z_j - m),
+ *     out = (sum_j e_j key_j) / (sum_j e_j + exp(sink - m)), sums over j in key order.
+ *   pool_pair(first, second, n, hd, out): first, second [n, 2 hd] ([kv, gate] rows) -> out [n, hd]: per
+ *     channel e0 = exp(g0 - m), e1 = exp(g1 - m), m = max(g0, g1); out = (e0 kv0 + e1 kv1) / (e0 + e1).
+ * Indexer (docs/deepseek_v41.md, "Indexer"):
+ *   index_scores(q, w, wscale, pool, slots, count, n, es, e, nh, ihd, cands, nc, block, out): q [n, nh, ihd],
+ *     w [n, nh], pool [slots, ihd] the index keys, slots [n, es] each entry's slot, count [n] the visible
+ *     entries, cands [n, nc] block ids (-1 none) or 0 -> out [n, e]: entry g scores
+ *     sum_h (w_h * wscale) * relu(dot(q_h, key_g)) (heads in order) if g < min(count, es) and, with cands,
+ *     its block g / block is a candidate; -inf otherwise (no key read). relu keeps a NaN.
+ *   candidate_blocks(s, count, n, e, block, k, out): s [n, e] (e a multiple of block) -> out [n, k]: block
+ *     scores are the max of their entries (a NaN wins), the newest visible block (count - 1) / block is
+ *     +inf, then topk_rows.
+ *   topk_rows(x, rows, v, k, out): out [rows, k] int64, the k best of each row x [rows, v]: higher first, a
+ *     NaN above every number, ties to the lower index; -1 for a pick that is -inf or beyond v
+ *     (model/deepseek_v41.py `topk_first`).
+ * MoE (docs/deepseek_v41.md, "MoE"):
+ *   moe_route(z, bias, n, e, k, norm, scale, ids, w): z [n, e] the router's logits -> ids [n, k] best first
+ *     by score + bias (topk_rows' order, always k experts), w [n, k]: score = sqrt(softplus(z)) (softplus =
+ *     z above 20, else log1p(exp(z))), w_i = score[ids_i] [/ (w_0 + w_1 + ...) if norm] * scale.
+ *   moe_group(ids, pairs, e, k, order, counts, tok): ids [pairs] expert of each (token, pick) pair (pair p is
+ *     token p / k's pick p % k) -> counts [e], order [pairs] the pairs sorted by expert, ascending pair index
+ *     inside an expert (a stable counting sort), tok [pairs] = order / k; ValueError if an id is outside [0, e).
+ *   moe_combine(ys, order, w, pairs, n, k, dim, shared, out): ys [pairs, dim] the expert outputs in `order`,
+ *     w [n * k] -> out [n, dim] = (0 + w y of the token's pairs, in order: ascending expert) + shared [n, dim].
+ *   swiglu(gu, n, inter, limit, out): gu [n, 2 inter] (g, u) -> out [n, inter] = silu(min(g, L)) *
+ *     clamp(u, -L, L), L = limit (no clamp when L <= 0); silu(x) = x / (1 + exp(-x)).
+ * Copies:
+ *   concat_cols(out, n, width, a_0, w_0, a_1, w_1, ...): out [n, width] = the parts a_i [n, w_i] side by side
+ *     (row strides w_i; the w_i add up to width): torch.cat(dim=1) of a microbatch's few column blocks.
+ * Engram, embedding, sampling:
  *   engram_gate(h, n, hc, hidden, kv, q_w, k_w, dead, eps, h_out) -> None
- *     The Engram gate of docs/contract.md §7, h_out = h with the gated value added: kv [n, (hc + 1) * hidden] (hc keys, then the value),
- *     q_w, k_w [hc, hidden], dead [n] bool or 0. Per branch i: dot = sum(rmsnorm(h_i) * q_w[i] *
- *     rmsnorm(key_i) * k_w[i]) / sqrt(hidden), gate = sigmoid(s * sqrt(max(|dot|, 1e-6))) with s = -1 if dot < 0 else +1 (the positive root at +-0),
- *     0 for a dead token; h_out_i = h_i + gate * value.
- *   silu_mul(gu, rows, inter, weights, out) -> None
- *     gu [rows, 2, inter] (gate, up), out [rows, inter] = silu(gate) * up [* weights[row]] (weights
- *     [rows] or 0); silu(x) = x / (1 + exp(-x)).
- *   gather_rows(src, rows, width, ids, n, copies, out) -> None
- *     out [n, copies, width] = src[ids[t]] on each copy, src [rows, width] float32 contiguous, ids [n]
- *     int64 (the embedding, the rotary tables); ValueError, and nothing written, if an id is outside
- *     [0, rows).
- *   add_branches(h, n, hc, hidden, delta, out) -> None
- *     out [n, hc, hidden] = h + delta on every branch (delta [n, hidden]).
- *   moe_route(logits, n, e, k, ids, w, dense) -> None
- *     The MoE router of model/layers.py for logits [n, e] (e <= 256, k <= e): probs = softmax (p_j =
- *     exp(l_j - max) / sum in index order), ids [n, k] int64 the k largest probs, best first (ties: lower
- *     index first), w [n, k] = those probs / their sum (in that order), dense [n, e] (or 0) = w at ids,
- *     0 elsewhere. A row with a non-finite logit gets ids 0..k-1 and NaN weights: its request errs.
- *   argmax_rows(x, rows, v, out) -> None
- *     x [rows, v] float32 contiguous (v >= 1), out [rows] int64: per row the first index of its maximum,
- *     a NaN above every number (torch.argmax's order: the first NaN if there is one).
- *   Sums run over 16 lanes (index mod 16, in order) added in a fixed tree. The GIL is released.
+ *     The Engram gate of docs/contract.md §7, h_out = h with the gated value added: kv [n, (hc + 1) * hidden]
+ *     (hc keys, then the value), q_w, k_w [hc, hidden], dead [n] bool or 0. Per branch i: dot =
+ *     sum(rmsnorm(h_i) * q_w[i] * rmsnorm(key_i) * k_w[i]) / sqrt(hidden), gate = sigmoid(s * sqrt(max(|dot|,
+ *     1e-6))) with s = -1 if dot < 0 else +1 (the positive root at +-0), 0 for a dead token; h_out_i = h_i +
+ *     gate * value.
+ *   gather_rows(src, rows, width, ids, n, copies, out): out [n, copies, width] = src[ids[t]] on each copy
+ *     (the embedding into every stream, the rotary tables); ValueError, and nothing written, if an id is
+ *     outside [0, rows).
+ *   argmax_rows(x, rows, v, out): out [rows] int64, per row the first index of its maximum, a NaN above
+ *     every number (torch.argmax's order: the first NaN if there is one).
  *
- * Built without -ffast-math and with -ffp-contract=off: every operation is the IEEE one written, in
- * every clone; exp is `exp_fixed` (_kernel_math.h, the same operations for every element), sqrtf the IEEE one.
+ * Sums of products run over 16 lanes (index mod 16, in order) added in a fixed tree (`dot`); exp is
+ * `exp_fixed` (_kernel_math.h, the same operations for every element), sqrtf the IEEE one, log1pf libm's
+ * (one scalar function). Built without -ffast-math and with -ffp-contract=off: every operation is the
+ * IEEE one written, in every clone. Scratch memory is allocated per call, sized by the call's shape
+ * parameters that do not depend on the token count. The GIL is released during the arithmetic.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "_kernel_math.h"
+
+#define MAX_HC 16
+#define F(a) ((float *)(uintptr_t)(a))
+#define CF(a) ((const float *)(uintptr_t)(a))
+#define I64(a) ((int64_t *)(uintptr_t)(a))
+#define CI64(a) ((const int64_t *)(uintptr_t)(a))
+#define U8(a) ((const uint8_t *)(uintptr_t)(a))
 
 /* 1 / sqrt(mean of x^2 + eps) over d values */
 static inline float rms_scale(const float *restrict x, Py_ssize_t d, float eps) {
     return 1.0f / sqrtf(dot(x, x, d) / (float)d + eps);
 }
 
-CLONES static void residual_norm_rows(const float *restrict h, Py_ssize_t n, Py_ssize_t hc, Py_ssize_t dim,
-                                      const float *restrict delta, const float *restrict w, float eps,
-                                      float *restrict hout, float *restrict x) {
-    for (Py_ssize_t t = 0; t < n; t++) {
-        const float *ht = h + t * hc * dim;
-        float *xt = x + t * dim;
-        if (delta) {
-            float *ho = hout + t * hc * dim;
-            for (Py_ssize_t i = 0; i < hc; i++)
-                for (Py_ssize_t d = 0; d < dim; d++) ho[i * dim + d] = ht[i * dim + d] + delta[t * dim + d];
-            ht = ho;
-        }
-        for (Py_ssize_t d = 0; d < dim; d++) xt[d] = ht[d];
-        for (Py_ssize_t i = 1; i < hc; i++)
-            for (Py_ssize_t d = 0; d < dim; d++) xt[d] = xt[d] + ht[i * dim + d];
-        for (Py_ssize_t d = 0; d < dim; d++) xt[d] = xt[d] / (float)hc;
-        const float r = rms_scale(xt, dim, eps);
-        for (Py_ssize_t d = 0; d < dim; d++) xt[d] = xt[d] * r * w[d];
+static inline float sigmoid_fixed(float x) { return 1.0f / (1.0f + exp_fixed(-x)); }
+
+/* ---- mHC ------------------------------------------------------------------------------------------ */
+
+static inline __attribute__((always_inline)) void sinkhorn_columns(float *restrict c, const Py_ssize_t hc, float eps) {
+    for (Py_ssize_t b = 0; b < hc; b++) {
+        float s = 0.0f;
+        for (Py_ssize_t a = 0; a < hc; a++) s = s + c[a * hc + b];
+        for (Py_ssize_t a = 0; a < hc; a++) c[a * hc + b] = c[a * hc + b] / (s + eps);
     }
 }
+
+static inline __attribute__((always_inline)) void sinkhorn_rows(float *restrict c, const Py_ssize_t hc, float eps) {
+    for (Py_ssize_t a = 0; a < hc; a++) {
+        float s = 0.0f;
+        for (Py_ssize_t b = 0; b < hc; b++) s = s + c[a * hc + b];
+        for (Py_ssize_t b = 0; b < hc; b++) c[a * hc + b] = c[a * hc + b] / (s + eps);
+    }
+}
+
+/* One token's mix (the header's formula); inlined with hc a constant where the call site knows it (V4.1's 4),
+ * so that its small loops unroll: the same operations in the same order either way. */
+static inline __attribute__((always_inline)) void
+hc_mix_rows_of(const float *restrict x, const float *restrict mm, Py_ssize_t n, const Py_ssize_t hc, Py_ssize_t dim,
+               const float *restrict scale, const float *restrict base, float eps, float hc_eps, Py_ssize_t iters,
+               float *restrict pre, float *restrict post, float *restrict comb) {
+    const Py_ssize_t mix = (2 + hc) * hc;
+    float m[(2 + MAX_HC) * MAX_HC];
+    for (Py_ssize_t t = 0; t < n; t++) {
+        const float r = rms_scale(x + t * hc * dim, hc * dim, eps);
+        const float *mt = mm + t * mix;
+        for (Py_ssize_t j = 0; j < mix; j++) m[j] = mt[j] * r * scale[j < hc ? 0 : (j < 2 * hc ? 1 : 2)] + base[j];
+        for (Py_ssize_t i = 0; i < hc; i++) {
+            pre[t * hc + i] = sigmoid_fixed(m[i]) + hc_eps;
+            post[t * hc + i] = 2.0f * sigmoid_fixed(m[hc + i]);
+        }
+        float *c = comb + t * hc * hc;
+        for (Py_ssize_t a = 0; a < hc; a++) {
+            const float *row = m + 2 * hc + a * hc;
+            float mx = row[0], s = 0.0f;
+            for (Py_ssize_t b = 1; b < hc; b++) mx = row[b] > mx ? row[b] : mx;
+            for (Py_ssize_t b = 0; b < hc; b++) {
+                c[a * hc + b] = exp_fixed(row[b] - mx);
+                s = s + c[a * hc + b];
+            }
+            for (Py_ssize_t b = 0; b < hc; b++) c[a * hc + b] = c[a * hc + b] / s + hc_eps;
+        }
+        sinkhorn_columns(c, hc, hc_eps);
+        for (Py_ssize_t it = 1; it < iters; it++) {
+            sinkhorn_rows(c, hc, hc_eps);
+            sinkhorn_columns(c, hc, hc_eps);
+        }
+    }
+}
+
+CLONES static void hc_mix_rows(const float *restrict x, const float *restrict mm, Py_ssize_t n, Py_ssize_t hc,
+                               Py_ssize_t dim, const float *restrict scale, const float *restrict base, float eps,
+                               float hc_eps, Py_ssize_t iters, float *restrict pre, float *restrict post,
+                               float *restrict comb) {
+    if (hc == 4)
+        hc_mix_rows_of(x, mm, n, 4, dim, scale, base, eps, hc_eps, iters, pre, post, comb);
+    else
+        hc_mix_rows_of(x, mm, n, hc, dim, scale, base, eps, hc_eps, iters, pre, post, comb);
+}
+
+CLONES static void collapse_rows(const float *restrict x, const float *restrict mix, Py_ssize_t n, Py_ssize_t hc,
+                                 Py_ssize_t dim, float *restrict out) {
+    for (Py_ssize_t t = 0; t < n; t++) {
+        const float *xt = x + t * hc * dim, *mt = mix + t * hc;
+        float *ot = out + t * dim;
+        for (Py_ssize_t d = 0; d < dim; d++) ot[d] = mt[0] * xt[d];
+        for (Py_ssize_t i = 1; i < hc; i++)
+            for (Py_ssize_t d = 0; d < dim; d++) ot[d] = ot[d] + mt[i] * xt[i * dim + d];
+    }
+}
+
+CLONES static void expand_rows(const float *restrict o, const float *restrict x, const float *restrict post,
+                               const float *restrict comb, Py_ssize_t n, Py_ssize_t hc, Py_ssize_t dim,
+                               float *restrict out) {
+    for (Py_ssize_t t = 0; t < n; t++) {
+        const float *xt = x + t * hc * dim, *ct = comb + t * hc * hc, *ot = o + t * dim;
+        for (Py_ssize_t b = 0; b < hc; b++) {
+            float *ob = out + (t * hc + b) * dim;
+            const float p = post[t * hc + b];
+            for (Py_ssize_t d = 0; d < dim; d++) ob[d] = p * ot[d];
+            for (Py_ssize_t a = 0; a < hc; a++) {
+                const float w = ct[a * hc + b];
+                const float *xa = xt + a * dim;
+                for (Py_ssize_t d = 0; d < dim; d++) ob[d] = ob[d] + w * xa[d];
+            }
+        }
+    }
+}
+
+/* ---- norm and rotary ------------------------------------------------------------------------------- */
+
+CLONES static void rms_norm_rows(const float *restrict x, Py_ssize_t rows, Py_ssize_t dim, const float *restrict w,
+                                 float eps, float *restrict out) {
+    for (Py_ssize_t t = 0; t < rows; t++) {
+        const float *xt = x + t * dim;
+        float *ot = out + t * dim;
+        const float r = rms_scale(xt, dim, eps);
+        if (w)
+            for (Py_ssize_t d = 0; d < dim; d++) ot[d] = xt[d] * r * w[d];
+        else
+            for (Py_ssize_t d = 0; d < dim; d++) ot[d] = xt[d] * r;
+    }
+}
+
+CLONES static void rope_rows(const float *restrict x, Py_ssize_t n, Py_ssize_t m, Py_ssize_t width,
+                             const float *restrict cs, const float *restrict sn, Py_ssize_t half, int inverse,
+                             float *restrict out) {
+    const Py_ssize_t d0 = width - 2 * half;
+    for (Py_ssize_t t = 0; t < n; t++) {
+        const float *c = cs + t * half, *s = sn + t * half;
+        for (Py_ssize_t v = 0; v < m; v++) {
+            const float *xv = x + (t * m + v) * width;
+            float *ov = out + (t * m + v) * width;
+            memcpy(ov, xv, (size_t)d0 * sizeof(float));
+            const float *xr = xv + d0;
+            float *orr = ov + d0;
+            if (inverse)
+                for (Py_ssize_t j = 0; j < half; j++) {
+                    const float x0 = xr[2 * j], x1 = xr[2 * j + 1];
+                    orr[2 * j] = x0 * c[j] + x1 * s[j];
+                    orr[2 * j + 1] = x1 * c[j] - x0 * s[j];
+                }
+            else
+                for (Py_ssize_t j = 0; j < half; j++) {
+                    const float x0 = xr[2 * j], x1 = xr[2 * j + 1];
+                    orr[2 * j] = x0 * c[j] - x1 * s[j];
+                    orr[2 * j + 1] = x0 * s[j] + x1 * c[j];
+                }
+        }
+    }
+}
+
+/* ---- paged state ---------------------------------------------------------------------------------------- */
+
+static inline int64_t slot_of(int64_t q, const int64_t *restrict table, Py_ssize_t tb, int64_t bs, int64_t zero) {
+    if (q < 0 || q / bs >= tb) return zero;
+    const int64_t block = table[q / bs];
+    return block < 0 ? zero : block * bs + q % bs;
+}
+
+/* returns the first token whose row is outside [0, tr), or -1 */
+static Py_ssize_t plan_window(const int64_t *restrict positions, const int64_t *restrict rows,
+                              const int64_t *restrict tables, Py_ssize_t n, Py_ssize_t tr, Py_ssize_t tb, int64_t bs,
+                              int64_t zero, Py_ssize_t window, int64_t *restrict win, uint8_t *restrict win_ok,
+                              int64_t *restrict prev) {
+    for (Py_ssize_t t = 0; t < n; t++)
+        if (rows[t] < 0 || rows[t] >= tr) return t;
+    for (Py_ssize_t t = 0; t < n; t++) {
+        const int64_t *table = tables + rows[t] * tb, p = positions[t];
+        for (Py_ssize_t j = 0; j < window; j++) {
+            const int64_t q = p - window + 1 + j;
+            win[t * window + j] = slot_of(q, table, tb, bs, zero);
+            win_ok[t * window + j] = q >= 0;
+        }
+        prev[t] = slot_of(p - 1, table, tb, bs, zero);
+    }
+    return -1;
+}
+
+static Py_ssize_t plan_entries(const int64_t *restrict positions, const int64_t *restrict rows,
+                               const int64_t *restrict tables, Py_ssize_t n, Py_ssize_t tr, Py_ssize_t tb, int64_t bs,
+                               int64_t zero, int64_t ratio, Py_ssize_t width, int64_t *restrict count,
+                               int64_t *restrict eslots) {
+    for (Py_ssize_t t = 0; t < n; t++)
+        if (rows[t] < 0 || rows[t] >= tr) return t;
+    for (Py_ssize_t t = 0; t < n; t++) {
+        const int64_t *table = tables + rows[t] * tb, p = positions[t];
+        const int64_t c = p + 1 >= 0 ? (p + 1) / ratio : -((-(p + 1) + ratio - 1) / ratio); /* floor */
+        count[t] = c;
+        for (Py_ssize_t g = 0; g < width; g++)
+            eslots[t * width + g] = g < c ? slot_of(g * ratio + ratio - 1, table, tb, bs, zero) : zero;
+    }
+    return -1;
+}
+
+/* returns the first token whose slot is outside [0, rows), or -1 */
+static Py_ssize_t store_rows(float *restrict pool, Py_ssize_t rows, Py_ssize_t width, const int64_t *restrict slots,
+                             Py_ssize_t n, const float *restrict values, int64_t trash,
+                             const int64_t *restrict positions, int64_t ratio) {
+    for (Py_ssize_t t = 0; t < n; t++)
+        if (slots[t] >= rows) return t;
+    if (trash < 0 || trash >= rows) return n;
+    for (Py_ssize_t t = 0; t < n; t++) {
+        const int complete = !positions || positions[t] % ratio == ratio - 1;
+        const int64_t s = slots[t] < 0 || !complete ? trash : slots[t];
+        memcpy(pool + s * width, values + t * width, (size_t)width * sizeof(float));
+    }
+    return -1;
+}
+
+/* returns 1 if a slot read is outside [0, rows) (nothing written), else 0 */
+static int attn_keys(const float *restrict window, const int64_t *restrict wslots, const uint8_t *restrict wok,
+                     Py_ssize_t n, Py_ssize_t w, const float *restrict entries, const int64_t *restrict eslots,
+                     Py_ssize_t es, const int64_t *restrict topk, Py_ssize_t k, Py_ssize_t rows, Py_ssize_t hd,
+                     float *restrict keys, uint8_t *restrict ok) {
+    for (Py_ssize_t t = 0; t < n; t++) {
+        for (Py_ssize_t j = 0; j < w; j++)
+            if (wslots[t * w + j] < 0 || wslots[t * w + j] >= rows) return 1;
+        for (Py_ssize_t i = 0; i < k; i++) {
+            const int64_t g = topk[t * k + i];
+            if (g >= 0 && g < es && (eslots[t * es + g] < 0 || eslots[t * es + g] >= rows)) return 1;
+        }
+    }
+    const size_t row = (size_t)hd * sizeof(float);
+    for (Py_ssize_t t = 0; t < n; t++) {
+        float *kt = keys + t * (w + k) * hd;
+        uint8_t *okt = ok + t * (w + k);
+        for (Py_ssize_t j = 0; j < w; j++) {
+            memcpy(kt + j * hd, window + wslots[t * w + j] * hd, row);
+            okt[j] = wok[t * w + j] != 0;
+        }
+        for (Py_ssize_t i = 0; i < k; i++) {
+            const int64_t g = topk[t * k + i];
+            const int pick = g >= 0 && g < es;
+            if (pick)
+                memcpy(kt + (w + i) * hd, entries + eslots[t * es + g] * hd, row);
+            else
+                memset(kt + (w + i) * hd, 0, row);
+            okt[w + i] = (uint8_t)pick;
+        }
+    }
+    return 0;
+}
+
+/* ---- attention --------------------------------------------------------------------------------------- */
+
+/* z [h, k] scores, then weights; den [h]; scratch of the call */
+CLONES static void attend_rows(const float *restrict q, const float *restrict keys, const uint8_t *restrict ok,
+                               const float *restrict sink, Py_ssize_t n, Py_ssize_t h, Py_ssize_t k, Py_ssize_t hd,
+                               float scale, float *restrict out, float *restrict z, float *restrict den) {
+    for (Py_ssize_t t = 0; t < n; t++) {
+        const float *qt = q + t * h * hd, *kt = keys + t * k * hd;
+        const uint8_t *okt = ok + t * k;
+        float *ot = out + t * h * hd;
+        for (Py_ssize_t j = 0; j < k; j++)
+            for (Py_ssize_t i = 0; i < h; i++) /* a masked key's score is -inf: its weight exp(-inf) is 0 */
+                z[i * k + j] = okt[j] ? dot(qt + i * hd, kt + j * hd, hd) * scale : -INFINITY;
+        for (Py_ssize_t i = 0; i < h; i++) {
+            float *zi = z + i * k;
+            float mx = sink[i], s = 0.0f;
+            for (Py_ssize_t j = 0; j < k; j++) mx = zi[j] > mx ? zi[j] : mx;
+            for (Py_ssize_t j = 0; j < k; j++) zi[j] = exp_fixed(zi[j] - mx); /* (no branch: vectorised) */
+            for (Py_ssize_t j = 0; j < k; j++) s = s + zi[j]; /* in key order; a masked key adds +0 */
+            den[i] = s + exp_fixed(sink[i] - mx);
+        }
+        for (Py_ssize_t x = 0; x < h * hd; x++) ot[x] = 0.0f;
+        for (Py_ssize_t j = 0; j < k; j++) {
+            if (!okt[j]) continue;
+            const float *kj = kt + j * hd;
+            for (Py_ssize_t i = 0; i < h; i++) {
+                const float e = z[i * k + j];
+                float *oi = ot + i * hd;
+                for (Py_ssize_t d = 0; d < hd; d++) oi[d] = oi[d] + e * kj[d];
+            }
+        }
+        for (Py_ssize_t i = 0; i < h; i++)
+            for (Py_ssize_t d = 0; d < hd; d++) ot[i * hd + d] = ot[i * hd + d] / den[i];
+    }
+}
+
+CLONES static void pool_pair_rows(const float *restrict first, const float *restrict second, Py_ssize_t n,
+                                  Py_ssize_t hd, float *restrict out) {
+    for (Py_ssize_t t = 0; t < n; t++) {
+        const float *f = first + t * 2 * hd, *s = second + t * 2 * hd;
+        float *o = out + t * hd;
+        for (Py_ssize_t d = 0; d < hd; d++) {
+            const float g0 = f[hd + d], g1 = s[hd + d];
+            const float m = g0 > g1 ? g0 : g1;
+            const float e0 = exp_fixed(g0 - m), e1 = exp_fixed(g1 - m);
+            o[d] = (e0 * f[d] + e1 * s[d]) / (e0 + e1);
+        }
+    }
+}
+
+/* ---- top-k with the written tie rule -------------------------------------------------------------- */
+
+/* whether value a (index ia) comes before b (index ib): higher first, a NaN above every number, ties to the
+ * lower index */
+static inline int ranks_before(float a, Py_ssize_t ia, float b, Py_ssize_t ib) {
+    if (a != a) return b == b || ia < ib;
+    if (b != b) return 0;
+    return a > b || (a == b && ia < ib);
+}
+
+/* out [k]: the k best of x [v] in order (an insertion into the sorted picks so far; the indices come in
+ * ascending order, so an equal value goes after the earlier ones); -1 for -inf picks and beyond v.
+ * vals [k] scratch. Returns the picks made (min(k, v)). */
+static Py_ssize_t topk_row(const float *restrict x, Py_ssize_t v, Py_ssize_t k, int64_t *restrict out,
+                           float *restrict vals) {
+    Py_ssize_t cnt = 0;
+    for (Py_ssize_t j = 0; j < v; j++) {
+        const float xj = x[j];
+        if (cnt == k && !ranks_before(xj, j, vals[k - 1], out[k - 1])) continue;
+        Py_ssize_t p = cnt < k ? cnt++ : k - 1;
+        while (p > 0 && ranks_before(xj, j, vals[p - 1], out[p - 1])) {
+            vals[p] = vals[p - 1], out[p] = out[p - 1];
+            p--;
+        }
+        vals[p] = xj, out[p] = j;
+    }
+    return cnt;
+}
+
+static void topk_rows(const float *restrict x, Py_ssize_t rows, Py_ssize_t v, Py_ssize_t k, int64_t *restrict out,
+                      float *restrict vals) {
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        int64_t *o = out + r * k;
+        const Py_ssize_t cnt = topk_row(x + r * v, v, k, o, vals);
+        for (Py_ssize_t i = 0; i < k; i++)
+            if (i >= cnt || vals[i] == -INFINITY) o[i] = -1;
+    }
+}
+
+/* ---- indexer --------------------------------------------------------------------------------------------- */
+
+CLONES static void index_scores_rows(const float *restrict q, const float *restrict w, float wscale,
+                                     const float *restrict pool, const int64_t *restrict slots,
+                                     const int64_t *restrict count, Py_ssize_t n, Py_ssize_t es, Py_ssize_t e,
+                                     Py_ssize_t nh, Py_ssize_t ihd, const int64_t *restrict cands, Py_ssize_t nc,
+                                     Py_ssize_t block, float *restrict out, uint8_t *restrict keep, float *restrict wt) {
+    const Py_ssize_t nb = e / block;
+    for (Py_ssize_t t = 0; t < n; t++) {
+        const float *qt = q + t * nh * ihd;
+        const int64_t *st = slots + t * es;
+        float *ot = out + t * e;
+        const Py_ssize_t lim = count[t] < es ? (count[t] < 0 ? 0 : count[t]) : es;
+        for (Py_ssize_t i = 0; i < nh; i++) wt[i] = w[t * nh + i] * wscale;
+        if (cands) {
+            memset(keep, 0, (size_t)nb);
+            for (Py_ssize_t c = 0; c < nc; c++) {
+                const int64_t b = cands[t * nc + c];
+                if (b >= 0 && b < nb) keep[b] = 1;
+            }
+        }
+        for (Py_ssize_t g = 0; g < e; g++) {
+            if (g >= lim || (cands && !keep[g / block])) {
+                ot[g] = -INFINITY;
+                continue;
+            }
+            const float *key = pool + st[g] * ihd;
+            float acc = 0.0f;
+            for (Py_ssize_t i = 0; i < nh; i++) {
+                const float d = dot(qt + i * ihd, key, ihd);
+                acc = acc + wt[i] * (d < 0.0f ? 0.0f : d);
+            }
+            ot[g] = acc;
+        }
+    }
+}
+
+static void candidate_blocks_rows(const float *restrict s, const int64_t *restrict count, Py_ssize_t n, Py_ssize_t e,
+                                  Py_ssize_t block, Py_ssize_t k, int64_t *restrict out, float *restrict bs,
+                                  float *restrict vals) {
+    const Py_ssize_t nb = e / block;
+    for (Py_ssize_t t = 0; t < n; t++) {
+        const float *st = s + t * e;
+        for (Py_ssize_t b = 0; b < nb; b++) {
+            float m = -INFINITY;
+            for (Py_ssize_t i = 0; i < block; i++) {
+                const float v = st[b * block + i];
+                m = (v > m || v != v) && m == m ? v : m; /* a NaN, once seen, stays */
+            }
+            bs[b] = m;
+        }
+        const int64_t newest = count[t] > 0 ? (count[t] - 1) / block : -1;
+        if (newest >= 0 && newest < nb) bs[newest] = INFINITY;
+        topk_rows(bs, 1, nb, k, out + t * k, vals);
+    }
+}
+
+/* ---- MoE ------------------------------------------------------------------------------------------------ */
+
+static void moe_route_rows(const float *restrict z, const float *restrict bias, Py_ssize_t n, Py_ssize_t e,
+                           Py_ssize_t k, int norm, float scale, int64_t *restrict ids, float *restrict w,
+                           float *restrict score, float *restrict choose, float *restrict vals) {
+    for (Py_ssize_t t = 0; t < n; t++) {
+        const float *zt = z + t * e;
+        for (Py_ssize_t j = 0; j < e; j++) {
+            const float x = zt[j];
+            score[j] = sqrtf(x > 20.0f ? x : log1pf(exp_fixed(x)));
+            choose[j] = score[j] + bias[j];
+        }
+        int64_t *it = ids + t * k;
+        float *wt = w + t * k;
+        topk_row(choose, e, k, it, vals);
+        float sum = 0.0f;
+        for (Py_ssize_t i = 0; i < k; i++) {
+            wt[i] = score[it[i]];
+            sum = sum + wt[i];
+        }
+        for (Py_ssize_t i = 0; i < k; i++) wt[i] = ((norm && k > 1) ? wt[i] / sum : wt[i]) * scale;
+    }
+}
+
+/* returns the first pair whose id is outside [0, e), or -1 */
+static Py_ssize_t moe_group(const int64_t *restrict ids, Py_ssize_t pairs, Py_ssize_t e, Py_ssize_t k,
+                            int64_t *restrict order, int64_t *restrict counts, int64_t *restrict tok,
+                            int64_t *restrict start) {
+    for (Py_ssize_t p = 0; p < pairs; p++)
+        if (ids[p] < 0 || ids[p] >= e) return p;
+    for (Py_ssize_t j = 0; j < e; j++) counts[j] = 0;
+    for (Py_ssize_t p = 0; p < pairs; p++) counts[ids[p]]++;
+    int64_t at = 0;
+    for (Py_ssize_t j = 0; j < e; j++) start[j] = at, at += counts[j];
+    for (Py_ssize_t p = 0; p < pairs; p++) order[start[ids[p]]++] = p;
+    for (Py_ssize_t p = 0; p < pairs; p++) tok[p] = order[p] / k;
+    return -1;
+}
+
+CLONES static void moe_combine_rows(const float *restrict ys, const int64_t *restrict order, const float *restrict w,
+                                    Py_ssize_t pairs, Py_ssize_t n, Py_ssize_t k, Py_ssize_t dim,
+                                    const float *restrict shared, float *restrict out) {
+    for (Py_ssize_t x = 0; x < n * dim; x++) out[x] = 0.0f;
+    for (Py_ssize_t p = 0; p < pairs; p++) {
+        const float wp = w[order[p]];
+        const float *yp = ys + p * dim;
+        float *ot = out + (order[p] / k) * dim;
+        for (Py_ssize_t d = 0; d < dim; d++) ot[d] = ot[d] + yp[d] * wp;
+    }
+    if (shared)
+        for (Py_ssize_t x = 0; x < n * dim; x++) out[x] = out[x] + shared[x];
+}
+
+CLONES static void swiglu_rows(const float *restrict gu, Py_ssize_t n, Py_ssize_t inter, float limit,
+                               float *restrict out) {
+    for (Py_ssize_t t = 0; t < n; t++) {
+        const float *g = gu + t * 2 * inter, *u = g + inter;
+        float *o = out + t * inter;
+        for (Py_ssize_t d = 0; d < inter; d++) o[d] = swiglu_value(g[d], u[d], limit);
+    }
+}
+
+/* ---- Engram, embedding, sampling ------------------------------------------------------------------------ */
 
 CLONES static void engram_gate_rows(const float *restrict h, Py_ssize_t n, Py_ssize_t hc, Py_ssize_t dim,
                                     const float *restrict kv, const float *restrict qw, const float *restrict kw,
@@ -92,17 +575,6 @@ CLONES static void engram_gate_rows(const float *restrict h, Py_ssize_t n, Py_ss
             const float gate = (dead && dead[t]) ? 0.0f : 1.0f / (1.0f + exp_fixed(-z));
             for (Py_ssize_t d = 0; d < dim; d++) hot[i * dim + d] = hi[d] + gate * value[d];
         }
-    }
-}
-
-CLONES static void silu_mul_rows(const float *restrict gu, Py_ssize_t rows, Py_ssize_t inter,
-                                 const float *restrict wt, float *restrict out) {
-    for (Py_ssize_t r = 0; r < rows; r++) {
-        const float *g = gu + r * 2 * inter, *u = g + inter;
-        float *o = out + r * inter;
-        for (Py_ssize_t d = 0; d < inter; d++) o[d] = g[d] / (1.0f + exp_fixed(-g[d])) * u[d];
-        if (wt)
-            for (Py_ssize_t d = 0; d < inter; d++) o[d] = o[d] * wt[r];
     }
 }
 
@@ -164,58 +636,342 @@ static Py_ssize_t gather_rows(const float *restrict src, Py_ssize_t rows, Py_ssi
     return -1;
 }
 
-CLONES static void add_branches_rows(const float *restrict h, Py_ssize_t n, Py_ssize_t hc, Py_ssize_t dim,
-                                     const float *restrict delta, float *restrict out) {
-    for (Py_ssize_t t = 0; t < n; t++)
-        for (Py_ssize_t i = 0; i < hc; i++)
-            for (Py_ssize_t d = 0; d < dim; d++)
-                out[(t * hc + i) * dim + d] = h[(t * hc + i) * dim + d] + delta[t * dim + d];
+
+/* ---- the Python functions ------------------------------------------------------------------------------- */
+
+static PyObject *misfit(const char *fn, const char *what) {
+    PyErr_Format(PyExc_ValueError, "%s: %s", fn, what);
+    return NULL;
 }
 
-#define MAX_EXPERTS 256
-static void moe_route_rows(const float *restrict logits, Py_ssize_t n, Py_ssize_t e, Py_ssize_t k,
-                           int64_t *restrict ids, float *restrict w, float *restrict dense) {
-    float p[MAX_EXPERTS];
-    unsigned char taken[MAX_EXPERTS];
+static void *scratch(size_t bytes) { return malloc(bytes ? bytes : 1); }
+
+static PyObject *py_hc_mix(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long xa, ma, sa, ba, pa, qa, ca;
+    Py_ssize_t n, hc, dim, iters;
+    double eps, hc_eps;
+    if (!PyArg_ParseTuple(args, "KKnnnKKddnKKK", &xa, &ma, &n, &hc, &dim, &sa, &ba, &eps, &hc_eps, &iters, &pa, &qa, &ca))
+        return NULL;
+    if (n < 0 || hc < 1 || hc > MAX_HC || dim < 1 || (n && (!xa || !ma || !sa || !ba || !pa || !qa || !ca)))
+        return misfit("hc_mix", "n >= 0, 1 <= hc <= 16, dim >= 1 and every array");
+    Py_BEGIN_ALLOW_THREADS
+    hc_mix_rows(CF(xa), CF(ma), n, hc, dim, CF(sa), CF(ba), (float)eps, (float)hc_eps, iters, F(pa), F(qa), F(ca));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_collapse(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long xa, ma, oa;
+    Py_ssize_t n, hc, dim;
+    if (!PyArg_ParseTuple(args, "KKnnnK", &xa, &ma, &n, &hc, &dim, &oa)) return NULL;
+    if (n < 0 || hc < 1 || dim < 1 || (n && (!xa || !ma || !oa))) return misfit("collapse", "n >= 0, hc, dim >= 1");
+    Py_BEGIN_ALLOW_THREADS
+    collapse_rows(CF(xa), CF(ma), n, hc, dim, F(oa));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_expand(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long oa, xa, pa, ca, ra;
+    Py_ssize_t n, hc, dim;
+    if (!PyArg_ParseTuple(args, "KKKKnnnK", &oa, &xa, &pa, &ca, &n, &hc, &dim, &ra)) return NULL;
+    if (n < 0 || hc < 1 || dim < 1 || (n && (!oa || !xa || !pa || !ca || !ra))) return misfit("expand", "n >= 0, hc, dim >= 1");
+    Py_BEGIN_ALLOW_THREADS
+    expand_rows(CF(oa), CF(xa), CF(pa), CF(ca), n, hc, dim, F(ra));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_rms_norm(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long xa, wa, oa;
+    Py_ssize_t rows, dim;
+    double eps;
+    if (!PyArg_ParseTuple(args, "KnnKdK", &xa, &rows, &dim, &wa, &eps, &oa)) return NULL;
+    if (rows < 0 || dim < 1 || (rows && (!xa || !oa))) return misfit("rms_norm", "rows >= 0, dim >= 1");
+    Py_BEGIN_ALLOW_THREADS
+    rms_norm_rows(CF(xa), rows, dim, CF(wa), (float)eps, F(oa));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_rope(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long xa, ca, sa, oa;
+    Py_ssize_t n, m, width, half;
+    int inverse;
+    if (!PyArg_ParseTuple(args, "KnnnKKnpK", &xa, &n, &m, &width, &ca, &sa, &half, &inverse, &oa)) return NULL;
+    if (n < 0 || m < 0 || half < 0 || 2 * half > width || (n && m && (!xa || !ca || !sa || !oa)))
+        return misfit("rope", "n, m >= 0, 0 <= 2 half <= width");
+    Py_BEGIN_ALLOW_THREADS
+    rope_rows(CF(xa), n, m, width, CF(ca), CF(sa), half, inverse, F(oa));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+#define MAX_PARTS 16
+
+static PyObject *py_concat_cols(PyObject *Py_UNUSED(self), PyObject *args) {
+    const Py_ssize_t nargs = PyTuple_GET_SIZE(args);
+    if (nargs < 3 || (nargs - 3) % 2 || (nargs - 3) / 2 > MAX_PARTS)
+        return misfit("concat_cols", "out, n, width, then 1 to 16 (address, width) pairs");
+    unsigned long long oa = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args, 0));
+    const Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 1)), width = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 2));
+    const Py_ssize_t parts = (nargs - 3) / 2;
+    unsigned long long pa[MAX_PARTS];
+    Py_ssize_t pw[MAX_PARTS], sum = 0;
+    for (Py_ssize_t i = 0; i < parts; i++) {
+        pa[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args, 3 + 2 * i));
+        pw[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 4 + 2 * i));
+        sum += pw[i];
+        if (pw[i] < 0 || (n && pw[i] && !pa[i])) return misfit("concat_cols", "a part of negative width or a null address");
+    }
+    if (PyErr_Occurred()) return NULL;
+    if (n < 0 || sum != width || (n && width && !oa)) return misfit("concat_cols", "n >= 0, the parts' widths adding up to width");
+    Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t t = 0; t < n; t++) {
-        const float *l = logits + t * e;
-        int64_t *it = ids + t * k;
-        float *wt = w + t * k, *dt = dense ? dense + t * e : NULL;
-        int finite = 1;
-        float m = -INFINITY;
-        for (Py_ssize_t j = 0; j < e; j++) {
-            finite &= isfinite(l[j]) != 0;
-            m = l[j] > m ? l[j] : m;
-        }
-        if (dt)
-            for (Py_ssize_t j = 0; j < e; j++) dt[j] = 0.0f;
-        if (!finite) {
-            for (Py_ssize_t i = 0; i < k; i++) {
-                it[i] = i, wt[i] = NAN;
-                if (dt) dt[i] = NAN;
-            }
-            continue;
-        }
-        float sum = 0.0f;
-        for (Py_ssize_t j = 0; j < e; j++) {
-            p[j] = exp_fixed(l[j] - m);
-            sum = sum + p[j];
-            taken[j] = 0;
-        }
-        for (Py_ssize_t j = 0; j < e; j++) p[j] = p[j] / sum;
-        float wsum = 0.0f;
-        for (Py_ssize_t i = 0; i < k; i++) {
-            Py_ssize_t best = -1;
-            for (Py_ssize_t j = 0; j < e; j++)
-                if (!taken[j] && (best < 0 || p[j] > p[best])) best = j;
-            taken[best] = 1, it[i] = best, wt[i] = p[best];
-            wsum = wsum + p[best];
-        }
-        for (Py_ssize_t i = 0; i < k; i++) {
-            wt[i] = wt[i] / wsum;
-            if (dt) dt[it[i]] = wt[i];
+        float *o = F(oa) + t * width;
+        for (Py_ssize_t i = 0; i < parts; i++) {
+            memcpy(o, CF(pa[i]) + t * pw[i], (size_t)pw[i] * sizeof(float));
+            o += pw[i];
         }
     }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_plan_window(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long pa, ra, ta, wa, oka, qa;
+    Py_ssize_t n, tr, tb, window;
+    long long bs, zero;
+    if (!PyArg_ParseTuple(args, "KKKnnnLLnKKK", &pa, &ra, &ta, &n, &tr, &tb, &bs, &zero, &window, &wa, &oka, &qa))
+        return NULL;
+    if (n < 0 || tr < 1 || tb < 1 || bs < 1 || window < 0 || (n && (!pa || !ra || !ta || !qa || (window && (!wa || !oka)))))
+        return misfit("plan_window", "n, window >= 0, tr, tb, block size >= 1");
+    Py_ssize_t bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = plan_window(CI64(pa), CI64(ra), CI64(ta), n, tr, tb, bs, zero, window, I64(wa), (uint8_t *)(uintptr_t)oka, I64(qa));
+    Py_END_ALLOW_THREADS
+    if (bad >= 0) {
+        PyErr_Format(PyExc_ValueError, "plan_window: row %lld of token %zd is outside the %zd block-table rows",
+                     (long long)CI64(ra)[bad], bad, tr);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_plan_entries(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long pa, ra, ta, ca, ea;
+    Py_ssize_t n, tr, tb, width;
+    long long bs, zero, ratio;
+    if (!PyArg_ParseTuple(args, "KKKnnnLLLnKK", &pa, &ra, &ta, &n, &tr, &tb, &bs, &zero, &ratio, &width, &ca, &ea))
+        return NULL;
+    if (n < 0 || tr < 1 || tb < 1 || bs < 1 || ratio < 1 || width < 1 || (n && (!pa || !ra || !ta || !ca || !ea)))
+        return misfit("plan_entries", "n >= 0, tr, tb, block size, ratio, width >= 1");
+    Py_ssize_t bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = plan_entries(CI64(pa), CI64(ra), CI64(ta), n, tr, tb, bs, zero, ratio, width, I64(ca), I64(ea));
+    Py_END_ALLOW_THREADS
+    if (bad >= 0) {
+        PyErr_Format(PyExc_ValueError, "plan_entries: row %lld of token %zd is outside the %zd block-table rows",
+                     (long long)CI64(ra)[bad], bad, tr);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_store_rows(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long pa, sa, va, qa;
+    Py_ssize_t rows, width, n;
+    long long trash, ratio;
+    if (!PyArg_ParseTuple(args, "KnnKnKLKL", &pa, &rows, &width, &sa, &n, &va, &trash, &qa, &ratio)) return NULL;
+    if (rows < 1 || width < 1 || n < 0 || (qa && ratio < 1) || !pa || (n && (!sa || !va)))
+        return misfit("store_rows", "rows, width >= 1, n >= 0, ratio >= 1 with positions");
+    Py_ssize_t bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = store_rows(F(pa), rows, width, CI64(sa), n, CF(va), trash, CI64(qa), ratio);
+    Py_END_ALLOW_THREADS
+    if (bad >= 0) {
+        PyErr_Format(PyExc_ValueError, "store_rows: slot %lld (token %zd) is outside the pool's %zd rows",
+                     bad < n ? (long long)CI64(sa)[bad] : trash, bad, rows);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_attn_keys(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long wa, wsa, woka, ea, esa, ta, ka, oka;
+    Py_ssize_t n, w, es, k, rows, hd;
+    if (!PyArg_ParseTuple(args, "KKKnnKKnKnnnKK", &wa, &wsa, &woka, &n, &w, &ea, &esa, &es, &ta, &k, &rows, &hd, &ka,
+                          &oka))
+        return NULL;
+    if (n < 0 || w < 0 || es < 0 || k < 0 || rows < 1 || hd < 1 || (k && !ta) ||
+        (n && (!wa || (w && (!wsa || !woka)) || !ka || !oka || (k && es && (!ea || !esa)))))
+        return misfit("attn_keys", "n, w, es, k >= 0, rows, hd >= 1");
+    int bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = attn_keys(CF(wa), CI64(wsa), U8(woka), n, w, CF(ea), CI64(esa), es, CI64(ta), k, rows, hd, F(ka),
+                    (uint8_t *)(uintptr_t)oka);
+    Py_END_ALLOW_THREADS
+    if (bad) return misfit("attn_keys", "a slot is outside the pool");
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_attend(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long qa, ka, oka, sa, oa;
+    Py_ssize_t n, h, k, hd;
+    double scale;
+    if (!PyArg_ParseTuple(args, "KKKKnnnndK", &qa, &ka, &oka, &sa, &n, &h, &k, &hd, &scale, &oa)) return NULL;
+    if (n < 0 || h < 1 || k < 0 || hd < 1 || (n && (!qa || (k && (!ka || !oka)) || !sa || !oa)))
+        return misfit("attend", "n, k >= 0, h, hd >= 1");
+    float *z = scratch(sizeof(float) * (size_t)(h * k + h));
+    if (!z) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS
+    attend_rows(CF(qa), CF(ka), U8(oka), CF(sa), n, h, k, hd, (float)scale, F(oa), z, z + h * k);
+    Py_END_ALLOW_THREADS
+    free(z);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_pool_pair(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long fa, sa, oa;
+    Py_ssize_t n, hd;
+    if (!PyArg_ParseTuple(args, "KKnnK", &fa, &sa, &n, &hd, &oa)) return NULL;
+    if (n < 0 || hd < 1 || (n && (!fa || !sa || !oa))) return misfit("pool_pair", "n >= 0, hd >= 1");
+    Py_BEGIN_ALLOW_THREADS
+    pool_pair_rows(CF(fa), CF(sa), n, hd, F(oa));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_topk_rows(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long xa, oa;
+    Py_ssize_t rows, v, k;
+    if (!PyArg_ParseTuple(args, "KnnnK", &xa, &rows, &v, &k, &oa)) return NULL;
+    if (rows < 0 || v < 0 || k < 1 || (rows && (!oa || (v && !xa)))) return misfit("topk_rows", "rows, v >= 0, k >= 1");
+    float *vals = scratch(sizeof(float) * (size_t)k);
+    if (!vals) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS
+    topk_rows(CF(xa), rows, v, k, I64(oa), vals);
+    Py_END_ALLOW_THREADS
+    free(vals);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_index_scores(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long qa, wa, pa, sa, ca, cda, oa;
+    Py_ssize_t n, es, e, nh, ihd, nc, block;
+    double wscale;
+    if (!PyArg_ParseTuple(args, "KKdKKKnnnnnKnnK", &qa, &wa, &wscale, &pa, &sa, &ca, &n, &es, &e, &nh, &ihd, &cda, &nc,
+                          &block, &oa))
+        return NULL;
+    if (n < 0 || es < 0 || e < 0 || nh < 1 || ihd < 1 || block < 1 || (cda && (nc < 1 || e % block)) ||
+        (n && (!qa || !wa || !pa || !ca || !oa || (es && !sa))))
+        return misfit("index_scores", "n, es, e >= 0, nh, ihd, block >= 1; with candidates nc >= 1 and e a multiple of block");
+    const size_t keep_bytes = (size_t)((e / block + 16) / 16) * 16; /* whole 16-byte units: the floats after it align */
+    uint8_t *keep = scratch(keep_bytes + sizeof(float) * (size_t)nh);
+    if (!keep) return PyErr_NoMemory();
+    float *wt = (float *)(void *)(keep + keep_bytes);
+    Py_BEGIN_ALLOW_THREADS
+    index_scores_rows(CF(qa), CF(wa), (float)wscale, CF(pa), CI64(sa), CI64(ca), n, es, e, nh, ihd, CI64(cda), nc, block,
+                      F(oa), keep, wt);
+    Py_END_ALLOW_THREADS
+    free(keep);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_candidate_blocks(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long sa, ca, oa;
+    Py_ssize_t n, e, block, k;
+    if (!PyArg_ParseTuple(args, "KKnnnnK", &sa, &ca, &n, &e, &block, &k, &oa)) return NULL;
+    if (n < 0 || e < 0 || block < 1 || e % block || k < 1 || (n && (!ca || !oa || (e && !sa))))
+        return misfit("candidate_blocks", "n, e >= 0, e a multiple of block >= 1, k >= 1");
+    float *bs = scratch(sizeof(float) * (size_t)(e / block + k));
+    if (!bs) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS
+    candidate_blocks_rows(CF(sa), CI64(ca), n, e, block, k, I64(oa), bs, bs + e / block);
+    Py_END_ALLOW_THREADS
+    free(bs);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_moe_route(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long za, ba, ia, wa;
+    Py_ssize_t n, e, k;
+    int norm;
+    double scale;
+    if (!PyArg_ParseTuple(args, "KKnnnpdKK", &za, &ba, &n, &e, &k, &norm, &scale, &ia, &wa)) return NULL;
+    if (n < 0 || e < 1 || k < 1 || k > e || (n && (!za || !ba || !ia || !wa))) return misfit("moe_route", "n >= 0, 1 <= k <= e");
+    float *buf = scratch(sizeof(float) * (size_t)(2 * e + k));
+    if (!buf) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS
+    moe_route_rows(CF(za), CF(ba), n, e, k, norm, (float)scale, I64(ia), F(wa), buf, buf + e, buf + 2 * e);
+    Py_END_ALLOW_THREADS
+    free(buf);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_moe_group(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long ia, oa, ca, ta;
+    Py_ssize_t pairs, e, k;
+    if (!PyArg_ParseTuple(args, "KnnnKKK", &ia, &pairs, &e, &k, &oa, &ca, &ta)) return NULL;
+    if (pairs < 0 || e < 1 || k < 1 || !ca || (pairs && (!ia || !oa || !ta))) return misfit("moe_group", "pairs >= 0, e, k >= 1");
+    int64_t *start = scratch(sizeof(int64_t) * (size_t)e);
+    if (!start) return PyErr_NoMemory();
+    Py_ssize_t bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = moe_group(CI64(ia), pairs, e, k, I64(oa), I64(ca), I64(ta), start);
+    Py_END_ALLOW_THREADS
+    free(start);
+    if (bad >= 0) {
+        PyErr_Format(PyExc_ValueError, "moe_group: expert id %lld of pair %zd is outside [0, %zd)",
+                     (long long)CI64(ia)[bad], bad, e);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_moe_combine(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long ya, oa, wa, sa, ra;
+    Py_ssize_t pairs, n, k, dim;
+    if (!PyArg_ParseTuple(args, "KKKnnnnKK", &ya, &oa, &wa, &pairs, &n, &k, &dim, &sa, &ra)) return NULL;
+    if (pairs < 0 || n < 0 || k < 1 || dim < 1 || pairs > n * k || (n && !ra) || (pairs && (!ya || !oa || !wa)))
+        return misfit("moe_combine", "0 <= pairs <= n k, k, dim >= 1");
+    for (Py_ssize_t p = 0; p < pairs; p++)
+        if (CI64(oa)[p] < 0 || CI64(oa)[p] >= n * k) {
+            PyErr_Format(PyExc_ValueError, "moe_combine: pair %lld at %zd is outside [0, %zd)", (long long)CI64(oa)[p], p, n * k);
+            return NULL;
+        }
+    Py_BEGIN_ALLOW_THREADS
+    moe_combine_rows(CF(ya), CI64(oa), CF(wa), pairs, n, k, dim, CF(sa), F(ra));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_swiglu(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long ga, oa;
+    Py_ssize_t n, inter;
+    double limit;
+    if (!PyArg_ParseTuple(args, "KnndK", &ga, &n, &inter, &limit, &oa)) return NULL;
+    if (n < 0 || inter < 1 || (n && (!ga || !oa))) return misfit("swiglu", "n >= 0, inter >= 1");
+    Py_BEGIN_ALLOW_THREADS
+    swiglu_rows(CF(ga), n, inter, (float)limit, F(oa));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_engram_gate(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long ha, kva, qa, ka, da, oa;
+    Py_ssize_t n, hc, dim;
+    double eps;
+    if (!PyArg_ParseTuple(args, "KnnnKKKKdK", &ha, &n, &hc, &dim, &kva, &qa, &ka, &da, &eps, &oa)) return NULL;
+    if (n < 0 || hc < 1 || dim < 1 || dim > 1024 || (n && (!ha || !kva || !qa || !ka || !oa))) {
+        PyErr_Format(PyExc_ValueError, "engram_gate: n %zd, hc %zd, hidden %zd (<= 1024) do not fit", n, hc, dim);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    engram_gate_rows((float *)(uintptr_t)ha, n, hc, dim, (const float *)(uintptr_t)kva, (const float *)(uintptr_t)qa,
+                     (const float *)(uintptr_t)ka, (const uint8_t *)(uintptr_t)da, (float)eps, (float *)(uintptr_t)oa);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
 }
 
 static PyObject *py_gather_rows(PyObject *Py_UNUSED(self), PyObject *args) {
@@ -240,35 +996,6 @@ static PyObject *py_gather_rows(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_add_branches(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long ha, da, oa;
-    Py_ssize_t n, hc, dim;
-    if (!PyArg_ParseTuple(args, "KnnnKK", &ha, &n, &hc, &dim, &da, &oa)) return NULL;
-    if (n < 0 || hc < 1 || dim < 1 || (n && (!ha || !da || !oa))) {
-        PyErr_Format(PyExc_ValueError, "add_branches: n %zd, hc %zd, hidden %zd do not fit", n, hc, dim);
-        return NULL;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    add_branches_rows((const float *)(uintptr_t)ha, n, hc, dim, (const float *)(uintptr_t)da, (float *)(uintptr_t)oa);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
-}
-
-static PyObject *py_moe_route(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long la, ia, wa, da;
-    Py_ssize_t n, e, k;
-    if (!PyArg_ParseTuple(args, "KnnnKKK", &la, &n, &e, &k, &ia, &wa, &da)) return NULL;
-    if (n < 0 || e < 1 || e > MAX_EXPERTS || k < 1 || k > e || (n && (!la || !ia || !wa))) {
-        PyErr_Format(PyExc_ValueError, "moe_route: n %zd, %zd experts (<= %d), top %zd do not fit", n, e, MAX_EXPERTS, k);
-        return NULL;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    moe_route_rows((const float *)(uintptr_t)la, n, e, k, (int64_t *)(uintptr_t)ia, (float *)(uintptr_t)wa,
-                   (float *)(uintptr_t)da);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
-}
-
 static PyObject *py_argmax_rows(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long xa, oa;
     Py_ssize_t rows, v;
@@ -283,65 +1010,37 @@ static PyObject *py_argmax_rows(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_residual_norm(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long ha, da, wa, oa, xa;
-    Py_ssize_t n, hc, dim;
-    double eps;
-    if (!PyArg_ParseTuple(args, "KnnnKKdKK", &ha, &n, &hc, &dim, &da, &wa, &eps, &oa, &xa)) return NULL;
-    if (n < 0 || hc < 1 || dim < 1 || (n && (!ha || !wa || !xa || (da && !oa)))) {
-        PyErr_Format(PyExc_ValueError, "residual_norm: n %zd, hc %zd, hidden %zd do not fit", n, hc, dim);
-        return NULL;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    residual_norm_rows((float *)(uintptr_t)ha, n, hc, dim, (const float *)(uintptr_t)da, (const float *)(uintptr_t)wa,
-                       (float)eps, (float *)(uintptr_t)oa, (float *)(uintptr_t)xa);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
-}
-
-static PyObject *py_engram_gate(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long ha, kva, qa, ka, da, oa;
-    Py_ssize_t n, hc, dim;
-    double eps;
-    if (!PyArg_ParseTuple(args, "KnnnKKKKdK", &ha, &n, &hc, &dim, &kva, &qa, &ka, &da, &eps, &oa)) return NULL;
-    if (n < 0 || hc < 1 || dim < 1 || dim > 1024 || (n && (!ha || !kva || !qa || !ka || !oa))) {
-        PyErr_Format(PyExc_ValueError, "engram_gate: n %zd, hc %zd, hidden %zd (<= 1024) do not fit", n, hc, dim);
-        return NULL;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    engram_gate_rows((float *)(uintptr_t)ha, n, hc, dim, (const float *)(uintptr_t)kva, (const float *)(uintptr_t)qa,
-                     (const float *)(uintptr_t)ka, (const uint8_t *)(uintptr_t)da, (float)eps, (float *)(uintptr_t)oa);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
-}
-
-static PyObject *py_silu_mul(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long ga, wa, oa;
-    Py_ssize_t rows, inter;
-    if (!PyArg_ParseTuple(args, "KnnKK", &ga, &rows, &inter, &wa, &oa)) return NULL;
-    if (rows < 0 || inter < 1 || (rows && (!ga || !oa))) {
-        PyErr_Format(PyExc_ValueError, "silu_mul: rows %zd, inter %zd do not fit", rows, inter);
-        return NULL;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    silu_mul_rows((const float *)(uintptr_t)ga, rows, inter, (const float *)(uintptr_t)wa, (float *)(uintptr_t)oa);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef methods[] = {
-    {"residual_norm", py_residual_norm, METH_VARARGS,
-     "residual_norm(h, n, hc, hidden, delta, w, eps, h_out, x) -> None: h_out = h + delta per branch, x = rmsnorm(mean) * w."},
+    {"hc_mix", py_hc_mix, METH_VARARGS, "hc_mix(x, mm, n, hc, dim, scale, base, eps, hc_eps, iters, pre, post, comb): mHC mixes."},
+    {"collapse", py_collapse, METH_VARARGS, "collapse(x, mix, n, hc, dim, out): out = sum_i mix_i x_i."},
+    {"expand", py_expand, METH_VARARGS, "expand(o, x, post, comb, n, hc, dim, out): stream b = post_b o + sum_a comb[a][b] x_a."},
+    {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, rows, dim, w, eps, out): out = x * rsqrt(mean(x^2) + eps) [* w]."},
+    {"rope", py_rope, METH_VARARGS, "rope(x, n, m, width, cos, sin, half, inverse, out): interleaved RoPE of the last 2 half dims."},
+    {"concat_cols", py_concat_cols, METH_VARARGS, "concat_cols(out, n, width, a_0, w_0, ...): column blocks side by side."},
+    {"plan_window", py_plan_window, METH_VARARGS,
+     "plan_window(positions, rows, tables, n, tr, tb, bs, zero, window, win, win_ok, prev): window and partner slots."},
+    {"plan_entries", py_plan_entries, METH_VARARGS,
+     "plan_entries(positions, rows, tables, n, tr, tb, bs, zero, ratio, width, count, eslots): entry counts and slots."},
+    {"store_rows", py_store_rows, METH_VARARGS,
+     "store_rows(pool, rows, width, slots, n, values, trash, positions, ratio): pool[slots[t]] = values[t], else the trash row."},
+    {"attn_keys", py_attn_keys, METH_VARARGS,
+     "attn_keys(window, wslots, wok, n, w, entries, eslots, es, topk, k, rows, hd, keys, ok): the keys a token reads."},
+    {"attend", py_attend, METH_VARARGS, "attend(q, keys, ok, sink, n, h, k, hd, scale, out): softmax attention with a sink logit."},
+    {"pool_pair", py_pool_pair, METH_VARARGS, "pool_pair(first, second, n, hd, out): a ratio-2 entry from two [kv, gate] rows."},
+    {"topk_rows", py_topk_rows, METH_VARARGS, "topk_rows(x, rows, v, k, out): the k best per row, ties to the lower index, -1 for -inf."},
+    {"index_scores", py_index_scores, METH_VARARGS,
+     "index_scores(q, w, wscale, pool, slots, count, n, es, e, nh, ihd, cands, nc, block, out): the indexer's entry scores."},
+    {"candidate_blocks", py_candidate_blocks, METH_VARARGS,
+     "candidate_blocks(s, count, n, e, block, k, out): the candidate source's top blocks."},
+    {"moe_route", py_moe_route, METH_VARARGS, "moe_route(z, bias, n, e, k, norm, scale, ids, w): sqrt-softplus router."},
+    {"moe_group", py_moe_group, METH_VARARGS, "moe_group(ids, pairs, e, k, order, counts, tok): pairs sorted by expert (stable), their tokens."},
+    {"moe_combine", py_moe_combine, METH_VARARGS,
+     "moe_combine(ys, order, w, pairs, n, k, dim, shared, out): weighted expert outputs per token, then the shared one."},
+    {"swiglu", py_swiglu, METH_VARARGS, "swiglu(gu, n, inter, limit, out): silu(min(g, L)) * clamp(u, -L, L)."},
     {"engram_gate", py_engram_gate, METH_VARARGS,
      "engram_gate(h, n, hc, hidden, kv, q_w, k_w, dead, eps, h_out) -> None: the Engram gate into h_out."},
-    {"silu_mul", py_silu_mul, METH_VARARGS,
-     "silu_mul(gu, rows, inter, weights, out) -> None: out = silu(gate) * up [* weight of the row]."},
     {"gather_rows", py_gather_rows, METH_VARARGS,
      "gather_rows(src, rows, width, ids, n, copies, out) -> None: out[t, c] = src[ids[t]] (ValueError: id out of range)."},
-    {"add_branches", py_add_branches, METH_VARARGS,
-     "add_branches(h, n, hc, hidden, delta, out) -> None: out = h + delta on every branch."},
-    {"moe_route", py_moe_route, METH_VARARGS,
-     "moe_route(logits, n, e, k, ids, w, dense) -> None: softmax, top-k (ties: lower index), renormalised weights."},
     {"argmax_rows", py_argmax_rows, METH_VARARGS,
      "argmax_rows(x, rows, v, out) -> None: out[r] = the first index of row r's maximum, NaN first (torch.argmax)."},
     {NULL, NULL, 0, NULL},
@@ -349,7 +1048,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_token_kernel",
-    "Token-wise fused steps of the serving forward, one token at a time in a fixed order (model/fused.py).",
+    "Token-wise fused steps of DeepSeek-V4.1's serving forward, one token at a time in a fixed order (model/fused.py).",
     -1, methods,
 };
 

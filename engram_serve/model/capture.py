@@ -1,7 +1,8 @@
 """The forward's C kernel calls, recordable: every call into the linear, token and attention kernels
 (engram_serve/kernels.py) goes through `call`, so that a CPU graph capture (runner/cpu_graphs.py) can
 record it. The kernels take addresses, sizes and flags only, and return nothing the forward reads,
-so a recorded call can be made again by itself."""
+so a recorded call can be made again by itself. Code that reads data on the host to choose its next
+calls says so (`refuse`): such a capture cannot be replayed."""
 from __future__ import annotations
 
 import threading
@@ -17,6 +18,15 @@ def call(fn, *args) -> None:
     tape = getattr(_local, "tape", None)
     if tape is not None:
         tape.append((fn, args))
+
+
+def refuse(reason: str) -> None:
+    """Say that the forward does something a recorded call list cannot make again (e.g. reads data on the host
+    to choose its next calls): a capture in progress on this thread gets `(None, reason)` on its tape, and
+    whoever replays it must not keep it."""
+    tape = getattr(_local, "tape", None)
+    if tape is not None:
+        tape.append((None, reason))
 
 
 @contextmanager

@@ -11,10 +11,16 @@ generator that yields a stage name at each overlap point (the executor interleav
 the yield points are data-independent, so microbatches stay in lock step.
 
 Row invariance (docs/contract.md §9): every matmul goes through `layers.linear` (the same bits for a
-row whatever the call), transcendental elementwise functions through `layers.pointwise`, reductions run
-over a fixed-length last dimension or as explicit loops over streams, and the attention and indexer
-products are batched matmuls whose per-item shapes are fixed by the config (KEY_CHUNK entries per
-indexer item), so a token's bits never depend on its batch mates, the cut or padding.
+row whatever the call). Each token-wise step (the mHC mix after its matmul, collapse, expand, RMSNorm,
+RoPE, the attention with its sink, the pooling, the indexer's scores, the top-k, the router, the SwiGLU,
+the cache writes and key gathers) has two forms that compute the same formula: one call into the C token
+kernel (model/fused.py), which computes each token alone in an order fixed per token, taken wherever it
+runs (float32 CPU tensors outside autograd with the kernel loaded: a choice by devices, dtypes and
+kernels, never by the batch); and the torch operators, where transcendental elementwise functions go
+through `exactness.pointwise`, reductions run over a fixed-length last dimension or as explicit loops
+over streams, and the attention and indexer products are batched matmuls whose per-item shapes are fixed
+by the config (KEY_CHUNK entries per indexer item). Either way a token's bits never depend on its batch
+mates, the cut or padding.
 """
 from __future__ import annotations
 
@@ -29,11 +35,15 @@ from torch import nn
 from ..config import ModelConfig
 from ..engram.layer import EngramGate
 from ..errors import StaticBufferError
+from .. import kernels
+from . import capture, exactness, fused
 from .exactness import pointwise
 from .layers import Linear, RMSNorm, linear
 from .paged_state import SlotPlan, PagedState
 
 KEY_CHUNK = 64  # indexer entries per batched-matmul item: a fixed per-item shape whatever the context
+ATTN_TOKENS = 256  # tokens whose keys are gathered at once (bounds a long prefill's gathered keys; a token's
+# keys and result do not depend on it)
 NEG_INF = float("-inf")
 STAGE_ENGRAM_GATHER, STAGE_ENGRAM, STAGE_ATTN = "engram_gather", "engram", "attn"
 STAGE_MOE_DISPATCH, STAGE_MOE_COMBINE = "moe_dispatch", "moe_combine"
@@ -102,11 +112,13 @@ class RopeTable:
         top = int(positions.max()) + 1 if positions.numel() else 1
         if self.cos is None or self.cos.shape[0] < top or self.cos.device != positions.device:
             self.ensure(top, positions.device)
-        return self.cos[positions], self.sin[positions]
+        return fused.gather_rows(self.cos, positions)[:, 0], fused.gather_rows(self.sin, positions)[:, 0]
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Interleaved RoPE on the last rd = 2 * cos.shape[-1] dims of x [N, ..., width]; cos, sin [N, rd / 2]."""
+    if fused.runs_in_c(x, cos, sin):
+        return fused.rope(x, cos, sin, inverse)
     rd = 2 * cos.shape[-1]
     while cos.dim() < x.dim():
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
@@ -125,9 +137,12 @@ def hyper_mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
     """(pre [N, hc], post [N, hc], comb [N, hc, hc]) of one sublayer from its streams x [N, hc, D]."""
     n, hc, _ = x.shape
     v = x.reshape(n, -1)  # [N, hc*D]
+    mm = linear(v, fn)  # [N, (2+hc)*hc]
+    if fused.runs_in_c(v, mm, scale, base):
+        return fused.hc_mix(x, mm, scale, base, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
     r = torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
     seg = torch.cat([scale[0].expand(hc), scale[1].expand(hc), scale[2].expand(hc * hc)])
-    m = linear(v, fn) * r * seg + base  # [N, (2+hc)*hc]
+    m = mm * r * seg + base
     pre = pointwise(torch.sigmoid, m[:, :hc]) + cfg.hc_eps
     post = 2 * pointwise(torch.sigmoid, m[:, hc:2 * hc])
     c = m[:, 2 * hc:].reshape(n, hc, hc)
@@ -142,6 +157,8 @@ def hyper_mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
 
 def collapse(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
     """sum_i mix[:, i] * x[:, i] for x [N, hc, D], mix [N, hc]: [N, D] (streams added in order)."""
+    if fused.runs_in_c(x, mix):
+        return fused.collapse(x, mix)
     out = mix[:, :1] * x[:, 0]
     for i in range(1, x.shape[1]):
         out = out + mix[:, i:i + 1] * x[:, i]
@@ -150,6 +167,8 @@ def collapse(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
 
 def expand(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """x'[b] = post[b] * o + sum_a comb[a, b] * x[a] for o [N, D], x [N, hc, D]: [N, hc, D]."""
+    if fused.runs_in_c(o, x, post, comb):
+        return fused.expand(o, x, post, comb)
     hc = x.shape[1]
     outs = []
     for b in range(hc):
@@ -164,6 +183,8 @@ def expand(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Ten
 def topk_first(scores: torch.Tensor, k: int) -> torch.Tensor:
     """The k best of scores [N, n] by value, ties to the lower index, -1 where fewer than k are finite (or
     above -inf): [N, k] int64."""
+    if fused.runs_in_c(scores):
+        return fused.topk(scores, k)
     n = scores.shape[1]
     if n < k:
         scores = F.pad(scores, (0, k - n), value=NEG_INF)
@@ -185,12 +206,54 @@ class V41Step:
     candidates: torch.Tensor
     touch: Callable[[str, torch.Tensor], None] = lambda name, t: None
     ctx: object = None  # the runner's ForwardContext (tensor parallelism: its collectives' buffers and tracking)
+    rotary: dict = None  # "plain", "comp": (cos, sin) [T, rd / 2] at the positions; ratio r: at each token's entry
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of this step that depends on its positions and block tables (the plan, the rotary
+        lookups), by name: a CPU graph rebinds the addresses inside them (runner/cpu_graphs.py)."""
+        p = self.plan
+        out = {"positions": p.positions, "slots": p.slots, "window": p.window, "window_ok": p.window_ok,
+               "prev_slots": p.prev_slots}
+        for r in p.entry_count:
+            out[f"entry_count{r}"], out[f"entry_slots{r}"] = p.entry_count[r], p.entry_slots[r]
+        for kind, (cos, sin) in self.rotary.items():
+            out[f"cos_{kind}"], out[f"sin_{kind}"] = cos, sin
+        return out
+
+
+# ---- the paged state: writes and the keys a token reads -------------------------------------------
+def store(cache: PagedState, pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor,
+          positions: torch.Tensor | None = None, ratio: int = 1) -> None:
+    """cache.write(pool, slots, values); with positions, only the rows of the tokens that complete an entry of
+    `ratio` tokens (positions % ratio == ratio - 1): the others go to the trash slot."""
+    if fused.runs_in_c(pool, values):
+        fused.store_rows(pool, slots, values, cache.trash_slot, positions, ratio)
+        return
+    if positions is not None:
+        slots = torch.where(positions % ratio == ratio - 1, slots, -1)
+    cache.write(pool, slots, values)
+
+
+def attention_keys(window: torch.Tensor, wslots: torch.Tensor, wok: torch.Tensor, entries: torch.Tensor | None,
+                   eslots: torch.Tensor | None, topk: torch.Tensor | None, zero_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys [T, W + K, hd], ok [T, W + K] bool): the window's keys window[wslots] (wslots, wok [T, W]), then
+    (with topk [T, K], -1 none) the entries it picked, their slots from eslots [T, E]; a pick of -1 reads the
+    zero slot, masked."""
+    if fused.runs_in_c(window, entries):
+        return fused.attn_keys(window, wslots, wok, entries, eslots, topk)
+    keys, ok = window[wslots], wok  # [T, W, hd]
+    if topk is None:
+        return keys, ok
+    picked = eslots.gather(1, topk.clamp(min=0)).masked_fill(topk < 0, zero_slot)  # [T, K]
+    return torch.cat([keys, entries[picked]], 1), torch.cat([ok, topk >= 0], 1)
 
 
 # ---- attention -------------------------------------------------------------------------------------
 def attend(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax attention with a sink logit, key = value. q [N, H, hd], keys [N, K, hd], ok [N, K] bool,
     sink [H] -> [N, H, hd]. Per-item shapes of the two batched matmuls are fixed by the caller."""
+    if fused.runs_in_c(q, keys, sink):
+        return fused.attend(q, keys, ok, sink, scale)
     z = torch.bmm(q, keys.transpose(1, 2)) * scale  # [N, H, K]
     z = z.masked_fill(~ok[:, None, :], NEG_INF)
     m = torch.maximum(z.amax(-1), sink[None, :])  # [N, H]
@@ -202,6 +265,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: torch.Te
 def pool_pair(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     """A ratio-2 entry from its two tokens' [kv, gate] rows [T, 2hd]: sum of kv weighted by a per-channel
     softmax over the two gates -> [T, hd]."""
+    if fused.runs_in_c(first, second):
+        return fused.pool_pair(first, second)
     hd = first.shape[1] // 2
     s0, s1 = first[:, hd:], second[:, hd:]
     m = torch.maximum(s0, s1)
@@ -226,7 +291,7 @@ class Compressor(nn.Module):
         a = linear(x, self.wkv.weight)  # [T, hd]
         if self.ratio == 1:
             return self.norm(a)
-        row = torch.cat([a, linear(x, self.wgate.weight)], 1).float()  # [T, 2hd]
+        row = fused.cat_cols([a, linear(x, self.wgate.weight)]).float()  # [T, 2hd]
         return self.norm(pool_pair(self.partner(row, step, layer), row).to(x.dtype))
 
 
@@ -235,8 +300,8 @@ class Compressor(nn.Module):
         """Store this microbatch's [kv, gate] rows, then read each token's partner: the row of position
         p - 1 (the open group, when p is odd), from this microbatch or from wherever it ran before."""
         pool = step.cache.open[layer]
-        step.cache.write(pool, step.plan.slots, row)
-        return pool[step.plan.prev_slots]  # [T, 2hd]
+        store(step.cache, pool, step.plan.slots, row)
+        return fused.gather_rows(pool, step.plan.prev_slots)[:, 0]  # [T, 2hd]
 
 
 class Indexer(nn.Module):
@@ -250,23 +315,41 @@ class Indexer(nn.Module):
         self.wk = Linear(cfg.head_dim, self.dim) if owns_keys else None
         self.k_norm = RMSNorm(self.dim, cfg.rms_norm_eps) if owns_keys else None
 
-    def scores(self, x: torch.Tensor, qr: torch.Tensor, cos, sin, keys: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-        """s [T, E]: sum_h w_h relu(q_h . k_g) for every entry slot of each token; -inf where not visible.
-        keys [T, E, ihd] with E a multiple of KEY_CHUNK (each batched-matmul item is one chunk)."""
-        t, e = ok.shape
+    def scores(self, x: torch.Tensor, qr: torch.Tensor, cos, sin, pool: torch.Tensor, slots: torch.Tensor,
+               count: torch.Tensor, width: int, zero_slot: int, cands: torch.Tensor | None, block: int) -> torch.Tensor:
+        """s [T, width]: sum_h w_h relu(q_h . k_g) for entry g of each token (its key at pool[slots[:, g]],
+        slots [T, E], E <= width); -inf where not visible (g >= count) and, with cands [T, nc] (block ids, -1
+        none), outside the candidate blocks of `block` entries. width is a multiple of KEY_CHUNK (each batched-
+        matmul item of the torch form is one chunk)."""
+        t = x.shape[0]
         q = rope(linear(qr, self.wq_b.weight).view(t, self.heads, self.dim), cos, sin)  # [T, nh, ihd]
-        w = linear(x, self.weights_proj.weight) * (self.dim ** -0.5 * self.heads ** -0.5)  # [T, nh]
+        w = linear(x, self.weights_proj.weight)  # [T, nh]
+        wscale = self.dim ** -0.5 * self.heads ** -0.5
+        if fused.runs_in_c(q, w, pool):
+            return fused.index_scores(q, w, wscale, pool, slots, count, width, cands, block)
+        w = w * wscale
+        keys = pool[F.pad(slots, (0, width - slots.shape[1]), value=zero_slot)]  # [T, width, ihd]
+        ok = torch.arange(width, device=x.device)[None, :] < count[:, None]
+        e = width
         c = e // KEY_CHUNK
         qc = q[:, None].expand(t, c, self.heads, self.dim).reshape(t * c, self.heads, self.dim)
         dots = torch.bmm(qc, keys.view(t * c, KEY_CHUNK, self.dim).transpose(1, 2))  # [T*C, nh, CH]
         wc = w[:, None, :, None].expand(t, c, self.heads, 1).reshape(t * c, self.heads, 1)
         s = (torch.relu(dots) * wc).transpose(1, 2).contiguous().sum(-1).view(t, e)  # heads summed per entry
-        return s.masked_fill(~ok, NEG_INF)
+        s = s.masked_fill(~ok, NEG_INF)
+        if cands is not None:
+            nb = width // block
+            chosen = torch.zeros(t, nb + 1, dtype=torch.bool, device=x.device)
+            chosen.scatter_(1, torch.where(cands < 0, nb, cands), True)  # [T, blocks + 1]: the last column is "none"
+            s = s.masked_fill(~chosen[:, :nb].repeat_interleave(block, 1), NEG_INF)
+        return s
 
 
 def candidate_blocks(s: torch.Tensor, count: torch.Tensor, block: int, k: int) -> torch.Tensor:
     """The candidate source's blocks [T, k] (ids, -1 none): block scores are the max of their entries'
     scores s [T, E] (E a multiple of `block`), the newest visible block (count - 1) // block is +inf."""
+    if fused.runs_in_c(s):
+        return fused.candidate_blocks(s, count, block, k)
     t, e = s.shape
     bs = s.view(t, e // block, block).amax(-1)  # [T, B]
     newest = torch.where(count > 0, torch.div(count - 1, block, rounding_mode="floor"), -1)
@@ -303,8 +386,8 @@ class Attention(nn.Module):
         q = rope(linear(qr, self.wq_b.weight).view(t, h, hd), *rope_cs)  # [T, H, hd]
         kv = rope(self.kv_norm(linear(x, self.wkv.weight)), *rope_cs)  # [T, hd]
         window = step.cache.window[role.layer]
-        step.cache.write(window, plan.slots, kv)  # this microbatch's keys first: a token attends to itself
-        keys, ok = window[plan.window], plan.window_ok  # [T, W, hd]
+        store(step.cache, window, plan.slots, kv)  # this microbatch's keys first: a token attends to itself
+        topk = entries = eslots = None
         if role.ratio:
             if self.compressor is not None:
                 self._compress(x, step, entry_cs)
@@ -312,48 +395,43 @@ class Attention(nn.Module):
                 self._select(x, qr, step, rope_cs)
             topk = step.topk[:t]
             step.touch("topk", topk)
-            eslots = plan.entry_slots[role.ratio]
-            picked = eslots.gather(1, topk.clamp(min=0)).masked_fill(topk < 0, step.cache.zero_slot)  # [T, K]
-            keys = torch.cat([keys, step.cache.entries[role.kv_source][picked]], 1)
-            ok = torch.cat([ok, topk >= 0], 1)
-        o = attend(q, keys, ok, self.attn_sink, hd ** -0.5)  # [T, H, hd]
+            entries, eslots = step.cache.entries[role.kv_source], plan.entry_slots[role.ratio]
+        parts = []
+        for a in range(0, t, ATTN_TOKENS):  # [T, K, hd] keys for a bounded number of tokens at once
+            b = min(t, a + ATTN_TOKENS)
+            keys, ok = attention_keys(window, plan.window[a:b], plan.window_ok[a:b], entries,
+                                      None if eslots is None else eslots[a:b], None if topk is None else topk[a:b],
+                                      step.cache.zero_slot)
+            parts.append(attend(q[a:b], keys, ok, self.attn_sink, hd ** -0.5))  # [b - a, H, hd]
+        o = parts[0] if len(parts) == 1 else fused.cat_rows([p.reshape(p.shape[0], -1) for p in parts]).view(t, h, hd)
         o = rope(o, *rope_cs, inverse=True).reshape(t, self.groups, -1)
         ol = cfg.o_lora_rank
-        u = torch.cat([linear(o[:, g], self.wo_a.weight[g * ol:(g + 1) * ol]) for g in range(self.groups)], 1)
+        u = fused.cat_cols([linear(o[:, g], self.wo_a.weight[g * ol:(g + 1) * ol]) for g in range(self.groups)])
         return linear(u, self.wo_b.weight)
 
     def _compress(self, x: torch.Tensor, step: V41Step, entry_cs) -> None:
         """Store the entries (and index keys) completed by this microbatch's tokens."""
         layer, r, plan = self.role.layer, self.role.ratio, step.plan
         latent = self.compressor.latent(x, step, layer)  # [T, hd]
-        complete = (plan.positions % r == r - 1) & (plan.slots >= 0)
-        slots = torch.where(complete, plan.slots, -1)
-        step.cache.write(step.cache.entries[layer], slots, rope(latent, *entry_cs))
+        store(step.cache, step.cache.entries[layer], plan.slots, rope(latent, *entry_cs), plan.positions, r)
         ik = rope(self.indexer.k_norm(linear(latent, self.indexer.wk.weight)), *entry_cs)
-        step.cache.write(step.cache.index_keys[layer], slots, ik)
+        store(step.cache, step.cache.index_keys[layer], plan.slots, ik, plan.positions, r)
 
     def _select(self, x: torch.Tensor, qr: torch.Tensor, step: V41Step, rope_cs) -> None:
         """Score the key source's entries and write this microbatch's top-k (and candidate blocks)."""
         cfg, role, plan, t = self.cfg, self.role, step.plan, x.shape[0]
         eslots, count = plan.entry_slots[role.ratio], plan.entry_count[role.ratio]  # [T, E], [T]
         unit = math.lcm(KEY_CHUNK, cfg.candidate_block_size)  # whole indexer items and whole candidate blocks
-        e = eslots.shape[1]
-        width = max(1, -(-e // unit)) * unit
-        slots = F.pad(eslots, (0, width - e), value=step.cache.zero_slot)  # [T, E'] padded
-        ok = torch.arange(width, device=x.device)[None, :] < count[:, None]
-        keys = step.cache.index_keys[role.kv_source][slots]  # [T, E', ihd]
-        s = self.indexer.scores(x, qr, *rope_cs, keys, ok)
+        width = max(1, -(-eslots.shape[1] // unit)) * unit
         cands = step.candidates[:t]
+        if role.uses_candidates:
+            step.touch("candidates", cands)
+        s = self.indexer.scores(x, qr, *rope_cs, step.cache.index_keys[role.kv_source], eslots, count, width,
+                                step.cache.zero_slot, cands if role.uses_candidates else None,
+                                cfg.candidate_block_size)  # [T, width]
         if role.publishes_candidates:
             cands.copy_(candidate_blocks(s, count, cfg.candidate_block_size, cfg.candidate_topk_blocks))
             step.touch("candidates", cands)
-        elif role.uses_candidates:
-            step.touch("candidates", cands)
-            nb = width // cfg.candidate_block_size
-            chosen = torch.zeros(t, nb + 1, dtype=torch.bool, device=x.device)
-            chosen.scatter_(1, torch.where(cands < 0, nb, cands), True)  # [T, blocks + 1]: the last column is "none"
-            keep = chosen[:, :nb].repeat_interleave(cfg.candidate_block_size, 1)  # [T, E']
-            s = s.masked_fill(~keep, NEG_INF)
         step.topk[:t].copy_(topk_first(s, cfg.index_topk))
         step.touch("topk", step.topk[:t])
 
@@ -361,6 +439,8 @@ class Attention(nn.Module):
 # ---- MoE -------------------------------------------------------------------------------------------
 def swiglu(gu: torch.Tensor, inter: int, limit: float) -> torch.Tensor:
     """silu(min(g, L)) * clamp(u, -L, L) for gu [N, 2 * inter] = (g, u); no clamp when L <= 0."""
+    if fused.runs_in_c(gu):
+        return fused.swiglu(gu, inter, limit)
     g, u = gu[:, :inter], gu[:, inter:]
     if limit > 0:
         g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
@@ -390,7 +470,11 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [N, k] best first, ties to the lower id; their weights [N, k])."""
         cfg = self.cfg
-        score = torch.sqrt(pointwise(F.softplus, linear(x, self.gate.weight)))  # [N, E]
+        z = linear(x, self.gate.weight)  # [N, E]
+        if fused.runs_in_c(z, self.gate.bias):
+            return fused.moe_route(z, self.gate.bias, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                                   cfg.routed_scaling_factor)
+        score = torch.sqrt(pointwise(F.softplus, z))
         ids = topk_first(score + self.gate.bias, cfg.num_experts_per_tok)
         w = score.gather(1, ids)
         if cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:  # (one expert: its raw score, as the peers do)
@@ -400,29 +484,66 @@ class MoE(nn.Module):
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         return linear(swiglu(linear(x, self.w13[e]), self.inter, self.cfg.swiglu_limit), self.w2[e])
 
+    def experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """ys [P, D]: each expert's output for its rows of xs [P, D] (grouped by expert, counts [E] int64 rows
+        each). One linear-kernel call where the C matmul serves every expert's weights (`exactness.moe_experts`:
+        the very products and SwiGLU of `expert`, so the same bits, and no host read); else `expert` per
+        expert with rows, after a host read of the counts."""
+        panels = self._expert_panels(xs, counts)
+        if panels is not None:
+            return exactness.moe_experts(xs, counts, *panels[:4], self.inter, self.cfg.swiglu_limit)
+        capture.refuse("the MoE reads its expert counts on the host")
+        parts, start = [], 0
+        for e, c in enumerate(counts.tolist()):  # one host read
+            if c:
+                parts.append(self.expert(e, xs[start:start + c]))
+            start += c
+        return fused.cat_rows(parts) if parts else xs
+
+    def _expert_panels(self, xs: torch.Tensor, counts: torch.Tensor) -> tuple | None:
+        """(w13 panel addresses [E] int64, kc13, w2 panel addresses, kc2, the plans kept alive) where the C matmul
+        takes every expert's product (model/exactness.py: the rules on, a probed kc, float32 CPU rows, no
+        autograd) and the SwiGLU takes its C form, else None. Cached per weight version."""
+        w13, w2 = self.w13, self.w2
+        if not (exactness.rules_on() and fused.runs_in_c(xs, w13, w2) and xs.is_contiguous() and counts.is_cpu):
+            return None  # (the token kernel's SwiGLU is the one inside: with the token kernel on only)
+        key = (w13.data_ptr(), w13._version, w2.data_ptr(), w2._version, kernels.get("linear"), torch.get_num_threads())
+        cached = getattr(self, "_panels", None)
+        if cached is None or cached[0] != key:
+            plans13 = [exactness.plan(w13[e]) for e in range(w13.shape[0])]
+            plans2 = [exactness.plan(w2[e]) for e in range(w2.shape[0])]
+            ok = all(p[1] is not None for p in plans13 + plans2)
+            panels = None if not ok else (
+                torch.tensor([p[2].data_ptr() for p in plans13], dtype=torch.int64), plans13[0][1],
+                torch.tensor([p[2].data_ptr() for p in plans2], dtype=torch.int64), plans2[0][1], plans13 + plans2)
+            self._panels = cached = (key, panels)
+        return cached[1]
+
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         s = self.shared_experts
-        gu = torch.cat([linear(x, s.w1.weight), linear(x, s.w3.weight)], 1)
+        gu = fused.cat_cols([linear(x, s.w1.weight), linear(x, s.w3.weight)])
         return linear(swiglu(gu, self.inter, self.cfg.swiglu_limit), s.w2.weight)
 
     def stages(self, x: torch.Tensor, ctx=None) -> Generator[str, None, torch.Tensor]:
         """Yields at dispatch and combine (the expert-parallel overlap points; `ctx`, the runner's
         ForwardContext, is for an expert-parallel shard's collective); returns [N, D]."""
-        n, k = x.shape[0], self.cfg.num_experts_per_tok
+        k, experts = self.cfg.num_experts_per_tok, self.cfg.n_routed_experts
         ids, w = self.route(x)
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order kept inside
-        tok = torch.div(order, k, rounding_mode="floor")
-        xs = x[tok]  # [N*k, D]
+        in_c = fused.runs_in_c(x, w)
+        if in_c:
+            order, counts, tok = fused.moe_group(ids, experts)
+            xs = fused.gather_rows(x, tok)[:, 0]  # [N*k, D]
+        else:
+            flat = ids.reshape(-1)
+            order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order kept inside
+            counts = torch.bincount(flat, minlength=experts)
+            tok = torch.div(order, k, rounding_mode="floor")
+            xs = x[tok]  # [N*k, D]
         yield STAGE_MOE_DISPATCH
-        counts = torch.bincount(flat, minlength=self.cfg.n_routed_experts).tolist()  # one host read
-        parts, start = [], 0
-        for e, c in enumerate(counts):
-            if c:
-                parts.append(self.expert(e, xs[start:start + c]))
-            start += c
-        ys = torch.cat(parts) if parts else xs
+        ys = self.experts(xs, counts)  # [N*k, D]
         yield STAGE_MOE_COMBINE
+        if in_c:
+            return fused.moe_combine(ys, order, w, self.shared(x))
         routed = torch.zeros_like(x).index_add_(0, tok, ys * w.reshape(-1)[order][:, None])
         return routed + self.shared(x)
 
@@ -462,6 +583,12 @@ class DeepseekV41(nn.Module):
     def stages(self, ctx) -> Generator[str, None, torch.Tensor]:
         """The serving forward of one microbatch (a ForwardContext: its StepBatch slice, the cache, its own
         buffers, its staged Engram rows) -> hidden [T, D]; yields at overlap points."""
+        step = self.prepare(ctx)
+        return (yield from self.forward_stages(ctx.batch.input_ids, ctx.batch.dead, step, ctx.engram_rows))
+
+    def prepare(self, ctx) -> V41Step:
+        """The V41Step of one microbatch: its slot plan over its rows' block tables (padding tokens form an extra
+        null row), its own buffers, its rotary lookups."""
         b, bufs = ctx.batch, ctx.bufs
         t = b.num_tokens
         if t > bufs.capacity:
@@ -473,21 +600,26 @@ class DeepseekV41(nn.Module):
         step = self.make_step(ctx.kv, b.positions, rows, tables, b.block_size, b.slot_mapping, bufs.topk_idx,
                               bufs.candidates, ctx.touch, None if ctx.max_seq_len is None else ctx.max_seq_len - 1)
         step.ctx = ctx
-        return (yield from self.forward_stages(b.input_ids, b.dead, step, ctx.engram_rows))
+        return step
+
+    def rotary(self, pos: torch.Tensor) -> dict:
+        """The cos, sin [T, rd / 2] a forward reads: "plain" (window-only layers) and "comp" (compressed layers)
+        at the positions pos [T], and per ratio r > 1 at the first position of the entry each token completes."""
+        plain, comp = self.rope_plain(pos), self.rope_comp(pos)
+        out = {"plain": plain, "comp": comp}
+        for r in sorted({r for r in self.config.ratios if r > 1}):
+            out[r] = self.rope_comp((pos - (r - 1)).clamp(min=0))
+        return out
 
     def forward_stages(self, ids: torch.Tensor, dead: torch.Tensor | None, step: V41Step,
                        engram_rows: Callable[[int], torch.Tensor] | None) -> Generator[str, None, torch.Tensor]:
         """The forward of one microbatch: ids [T] -> final hidden [T, D]; yields at overlap points.
         `engram_rows(i)` gives Engram layer i's staged rows [T, C, hd] (None: Engram ablated)."""
-        cfg, plan = self.config, step.plan
-        pos = plan.positions
-        plain, comp = self.rope_plain(pos), self.rope_comp(pos)
-        ratios = {r for r in cfg.ratios if r}
-        entry_cs = {r: self.rope_comp((pos - (r - 1)).clamp(min=0)) if r > 1 else comp for r in ratios}
-        x = self.embed.weight[ids][:, None, :].expand(-1, cfg.hc_mult, -1)  # [T, hc, D]
+        cfg, cs = self.config, step.rotary
+        x = fused.gather_rows(self.embed.weight, ids, cfg.hc_mult)  # [T, hc, D]: the embedding on every stream
         early = engram_sums(self.layers, engram_rows, step.ctx)  # tensor parallel only
         pre = torch.zeros(ids.shape[0], cfg.hc_mult, device=ids.device)
-        pre[:, 0] = 1.0
+        pre[:, 0].fill_(1.0)  # layer 0's attention reads stream 0 alone
         for blk in self.layers:
             role = blk.role
             if blk.engram is not None:
@@ -501,8 +633,8 @@ class DeepseekV41(nn.Module):
                 yield STAGE_ENGRAM
             pre_a, post_a, comb_a = hyper_mix(x, blk.hc_attn_fn, blk.hc_attn_base, blk.hc_attn_scale, cfg)
             h = blk.attn_norm(collapse(x, pre))
-            cs = comp if role.ratio else plain
-            a = blk.attn(h, step, cs, entry_cs.get(role.ratio))
+            rope_cs = cs["comp"] if role.ratio else cs["plain"]
+            a = blk.attn(h, step, rope_cs, cs.get(role.ratio, cs["comp"]) if role.ratio else None)
             a = yield from collective_point(a, blk.attn.wo_b, STAGE_ATTN, step.ctx)
             x = expand(a, x, post_a, comb_a)
             pre_f, post_f, comb_f = hyper_mix(x, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale, cfg)
@@ -577,7 +709,7 @@ class DeepseekV41(nn.Module):
         topk = topk if topk is not None else torch.full((t, cfg.index_topk), -1, dtype=torch.int64, device=dev)
         if candidates is None:
             candidates = torch.full((t, cfg.candidate_topk_blocks), -1, dtype=torch.int64, device=dev)
-        return V41Step(cache, plan, topk, candidates, touch or (lambda name, x: None))
+        return V41Step(cache, plan, topk, candidates, touch or (lambda name, x: None), rotary=self.rotary(positions))
 
 
 def collective_point(x: torch.Tensor, module, stage: str, ctx) -> Generator[str, None, torch.Tensor]:

@@ -192,6 +192,20 @@ def matmul_kernel(x: torch.Tensor, panels: torch.Tensor, n: int, kc: int, simd: 
     return y
 
 
+def moe_experts(xs: torch.Tensor, counts: torch.Tensor, panels13: torch.Tensor, kc13: int, panels2: torch.Tensor,
+                kc2: int, inter: int, limit: float) -> torch.Tensor:
+    """V4.1's routed experts in one linear-kernel call (loaded: the caller checked): xs [P, D] the pairs grouped
+    by expert, counts [E] int64 their rows per expert, panels13 / panels2 [E] int64 the addresses of each
+    expert's packed w13 [2I, D] / w2 [D, I] (kc13, kc2 their probed block sizes) -> ys [P, D], the rows of
+    `linear(swiglu(linear(rows, w13[e]), inter, limit), w2[e])` per expert: the same products and SwiGLU, so
+    the same bits as those calls, without a host read of the counts."""
+    p, d = xs.shape
+    h, g, ys = torch.empty(p, 2 * inter), torch.empty(p, inter), torch.empty(p, d)
+    capture.call(kernels.get("linear").moe_experts, xs.data_ptr(), p, counts.data_ptr(), counts.shape[0], d, inter,
+                 panels13.data_ptr(), kc13, panels2.data_ptr(), kc2, limit, h.data_ptr(), g.data_ptr(), ys.data_ptr(), 2)
+    return ys
+
+
 _plans: dict[tuple, tuple] = {}
 
 

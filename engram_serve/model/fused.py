@@ -1,21 +1,25 @@
-"""Fused token-wise steps of the forward: one C call each (`_token_kernel.c`) where it can run, else torch.
+"""Fused token-wise steps of the forward: one C call each (`_token_kernel.c`) where it can run.
 
-Each function has two forms that compute the same formula: the C kernel, taken for float32 CPU tensors
-outside autograd when the token kernel is loaded (engram_serve/kernels.py), and the torch operators,
-taken everywhere else (CUDA, training, the kernel not built or switched off). Which form runs depends
-only on devices, dtypes and the loaded kernels, never on a batch, so a serving config always takes the
-same one (`runs_in_c`). The C form computes each token alone, in an order fixed per token (see the
+The C form is taken for float32 CPU tensors outside autograd when the token kernel is loaded
+(engram_serve/kernels.py); the torch operators everywhere else (CUDA, training, the kernel not built or
+switched off). Which form runs depends only on devices, dtypes and the loaded kernels, never on a batch, so a
+serving config always takes the same one (`runs_in_c`). The callers choose with `runs_in_c` and keep the
+torch form beside the call (model/deepseek_v41.py `hyper_mix`, `collapse`, `expand`, `attend`, `pool_pair`,
+`swiglu`, `topk_first`, `store`, `attention_keys`, the indexer and the MoE; model/layers.py `rms_norm`);
+`engram_gate`, `gather_rows`, `cat_cols`, `cat_rows` and `argmax_rows` choose here. The C form computes each token alone, in an order fixed per token (see the
 kernel's header): a token's bits do not depend on its batch mates, the cut or padding, by construction.
-The torch form keeps the batch-invariance rules of model/exactness.py (`pointwise`).
+The two forms compute the same formula, not the same bits; the torch form keeps the batch-invariance rules
+of model/exactness.py (`pointwise`).
 
-Inputs are never modified: a new residual stream comes back as a new tensor.
+The C forms here take tensors that `runs_in_c` accepted (their int64 companions on the CPU too), copy a
+non-contiguous input rather than choosing the form by layout, and return new tensors: inputs are never
+modified.
 """
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn.functional as F
 
 from .. import kernels
 from . import capture, layers  # (layers imports this module too: names are looked up at call time)
@@ -78,14 +82,35 @@ def gate_torch(h: torch.Tensor, kv: torch.Tensor, q_w: torch.Tensor, k_w: torch.
     n, hc, dim = h.shape
     keys = kv[:, :hc * dim].view(n, hc, dim)
     value = kv[:, hc * dim:]  # [N, hidden], shared by all branches
-    q = layers.rms_norm(h.float() if h.dtype != torch.float32 else h, eps, q_w)  # [N, hc, hidden] float32
-    k = layers.rms_norm(keys.float() if keys.dtype != torch.float32 else keys, eps, k_w)
+    q = layers.rms_norm_torch(h.float() if h.dtype != torch.float32 else h, eps, q_w)  # [N, hc, hidden] float32
+    k = layers.rms_norm_torch(keys.float() if keys.dtype != torch.float32 else keys, eps, k_w)
     dot = (q * k).sum(-1) / math.sqrt(dim)  # [N, hc]
     mag = torch.sqrt(dot.abs().clamp(min=1e-6))  # (NaN stays NaN)
     g = pointwise(torch.sigmoid, torch.where(dot < 0, -mag, mag))  # the positive root at dot = +-0
     if dead is not None:
         g = g.masked_fill(dead[:, None], 0.0)
     return (g if g.dtype == h.dtype else g.to(h.dtype)), value
+
+
+def cat_cols(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts, 1) of [N, w_i] parts: one C copy where it runs, else torch.cat."""
+    if not runs_in_c(*parts) or len(parts) > 16:
+        return torch.cat(parts, 1)
+    parts = [_c(p) for p in parts]
+    n, width = parts[0].shape[0], sum(p.shape[1] for p in parts)
+    out = torch.empty(n, width)
+    args = [a for p in parts for a in (p.data_ptr(), p.shape[1])]
+    capture.call(_kernel().concat_cols, out.data_ptr(), n, width, *args)
+    return out
+
+
+def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts) of [n_i, w] parts: one C copy where it runs (each part a block of one flat row), else
+    torch.cat."""
+    if not runs_in_c(*parts) or len(parts) > 16:
+        return torch.cat(parts)
+    flat = cat_cols([p.contiguous().view(1, -1) for p in parts])
+    return flat.view(-1, parts[0].shape[1])
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -97,3 +122,210 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         _kernel().argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
         return out
     return x.argmax(dim=1)
+
+
+# ---- the C forms of V4.1's token-wise steps (callers checked `runs_in_c`) --------------------------------
+def _c(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous()
+
+
+def hc_mix(x: torch.Tensor, mm: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float, hc_eps: float,
+           iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pre [N, hc], post [N, hc], comb [N, hc, hc]) of the mHC mix from the streams x [N, hc, D] and their
+    product mm = fn . x [N, (2 + hc) hc] (deepseek_v41.hyper_mix)."""
+    n, hc, d = x.shape
+    x, mm, scale, base = _c(x), _c(mm), _c(scale), _c(base)
+    pre, post, comb = torch.empty(n, hc), torch.empty(n, hc), torch.empty(n, hc, hc)
+    capture.call(_kernel().hc_mix, x.data_ptr(), mm.data_ptr(), n, hc, d, scale.data_ptr(), base.data_ptr(), eps, hc_eps,
+                 iters, pre.data_ptr(), post.data_ptr(), comb.data_ptr())
+    return pre, post, comb
+
+
+def collapse(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+    """[N, D] = sum_i mix[:, i] x[:, i] for x [N, hc, D], mix [N, hc], streams added in order."""
+    n, hc, d = x.shape
+    x, mix = _c(x), _c(mix)
+    out = torch.empty(n, d)
+    capture.call(_kernel().collapse, x.data_ptr(), mix.data_ptr(), n, hc, d, out.data_ptr())
+    return out
+
+
+def expand(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """[N, hc, D]: stream b = post[:, b] o + sum_a comb[:, a, b] x[:, a], added left to right."""
+    n, hc, d = x.shape
+    o, x, post, comb = _c(o), _c(x), _c(post), _c(comb)
+    out = torch.empty(n, hc, d)
+    capture.call(_kernel().expand, o.data_ptr(), x.data_ptr(), post.data_ptr(), comb.data_ptr(), n, hc, d, out.data_ptr())
+    return out
+
+
+def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) [* weight] over the last dim, x [..., dim]."""
+    x = _c(x)
+    w = None if weight is None else _c(weight)
+    out = torch.empty(x.shape)
+    capture.call(_kernel().rms_norm, x.data_ptr(), x.numel() // max(x.shape[-1], 1), x.shape[-1],
+                 0 if w is None else w.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """Interleaved RoPE of the last 2 * cos.shape[-1] dims of x [N, ..., width]; cos, sin [N, rd / 2]."""
+    x, cos, sin = _c(x), _c(cos), _c(sin)
+    n, width = x.shape[0], x.shape[-1]
+    out = torch.empty(x.shape)
+    capture.call(_kernel().rope, x.data_ptr(), n, x.numel() // max(n * width, 1), width, cos.data_ptr(), sin.data_ptr(),
+                 cos.shape[-1], inverse, out.data_ptr())
+    return out
+
+
+def plan_window(positions: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor, block_size: int, zero: int,
+                window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(window slots [T, W], window_ok [T, W] bool, the partner's slot [T]) of tokens at positions [T] in rows [T]
+    of tables [R, B] (model/paged_state.py SlotPlan: slot_of, the zero slot where unreadable)."""
+    positions, rows, tables = _c(positions), _c(rows), _c(tables)
+    n = positions.shape[0]
+    win, ok, prev = (torch.empty(n, window, dtype=torch.int64), torch.empty(n, window, dtype=torch.bool),
+                     torch.empty(n, dtype=torch.int64))
+    capture.call(_kernel().plan_window, positions.data_ptr(), rows.data_ptr(), tables.data_ptr(), n, tables.shape[0],
+                 tables.shape[1], block_size, zero, window, win.data_ptr(), ok.data_ptr(), prev.data_ptr())
+    return win, ok, prev
+
+
+def plan_entries(positions: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor, block_size: int, zero: int,
+                 ratio: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count [T] = (p + 1) // ratio, entry slots [T, width]: entry g's slot (position g ratio + ratio - 1) for
+    g < count, the zero slot beyond) (model/paged_state.py SlotPlan)."""
+    positions, rows, tables = _c(positions), _c(rows), _c(tables)
+    n = positions.shape[0]
+    count, eslots = torch.empty(n, dtype=torch.int64), torch.empty(n, width, dtype=torch.int64)
+    capture.call(_kernel().plan_entries, positions.data_ptr(), rows.data_ptr(), tables.data_ptr(), n, tables.shape[0],
+                 tables.shape[1], block_size, zero, ratio, width, count.data_ptr(), eslots.data_ptr())
+    return count, eslots
+
+
+def store_rows(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, trash: int,
+               positions: torch.Tensor | None = None, ratio: int = 1) -> None:
+    """pool[slots[t]] = values[t] in place, the `trash` row where slots[t] < 0 or, with positions, where the
+    token completes no entry of `ratio` tokens (positions[t] % ratio != ratio - 1). pool [rows, width]
+    contiguous (written in place: a copy would lose the writes), values [T, width]."""
+    if not pool.is_contiguous():
+        raise ValueError(f"store_rows: the pool {tuple(pool.shape)} must be contiguous (it is written in place)")
+    slots, values = _c(slots), _c(values)
+    positions = None if positions is None else _c(positions)
+    capture.call(_kernel().store_rows, pool.data_ptr(), pool.shape[0], pool.shape[1], slots.data_ptr(), slots.shape[0],
+                 values.data_ptr(), trash, 0 if positions is None else positions.data_ptr(), ratio)
+
+
+def attn_keys(window: torch.Tensor, wslots: torch.Tensor, wok: torch.Tensor, entries: torch.Tensor | None,
+              eslots: torch.Tensor | None, topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys [T, W + K, hd], ok [T, W + K] bool) a token attends to: window[wslots] with wok [T, W], then with
+    topk [T, K] the picked entries entries[eslots[t, topk]] (a zero row, not ok, where the pick is -1)."""
+    t, w = wslots.shape
+    hd = window.shape[1]
+    window, wslots, wok = _c(window), _c(wslots), _c(wok)
+    k = 0 if topk is None else topk.shape[1]
+    if k:
+        entries, eslots, topk = _c(entries), _c(eslots), _c(topk)
+    keys, ok = torch.empty(t, w + k, hd), torch.empty(t, w + k, dtype=torch.bool)
+    capture.call(_kernel().attn_keys, window.data_ptr(), wslots.data_ptr(), wok.data_ptr(), t, w,
+                 entries.data_ptr() if k else 0, eslots.data_ptr() if k else 0, eslots.shape[1] if k else 0,
+                 topk.data_ptr() if k else 0, k, window.shape[0], hd, keys.data_ptr(), ok.data_ptr())
+    return keys, ok
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention with a sink logit, key = value: q [N, H, hd], keys [N, K, hd], ok [N, K] bool, sink [H]
+    -> [N, H, hd]; keys without ok are never read."""
+    n, h, hd = q.shape
+    q, keys, ok, sink = _c(q), _c(keys), _c(ok), _c(sink)
+    out = torch.empty(n, h, hd)
+    capture.call(_kernel().attend, q.data_ptr(), keys.data_ptr(), ok.data_ptr(), sink.data_ptr(), n, h, keys.shape[1], hd,
+                 scale, out.data_ptr())
+    return out
+
+
+def pool_pair(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """A ratio-2 entry [T, hd] from its two tokens' [kv, gate] rows [T, 2hd]."""
+    first, second = _c(first), _c(second)
+    n, hd = first.shape[0], first.shape[1] // 2
+    out = torch.empty(n, hd)
+    capture.call(_kernel().pool_pair, first.data_ptr(), second.data_ptr(), n, hd, out.data_ptr())
+    return out
+
+
+def topk(x: torch.Tensor, k: int) -> torch.Tensor:
+    """[N, k] int64: the k best of each row of x [N, v], higher first, a NaN above every number, ties to the
+    lower index, -1 for a pick that is -inf or beyond v."""
+    x = _c(x)
+    out = torch.empty(x.shape[0], k, dtype=torch.int64)
+    capture.call(_kernel().topk_rows, x.data_ptr(), x.shape[0], x.shape[1], k, out.data_ptr())
+    return out
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, wscale: float, pool: torch.Tensor, slots: torch.Tensor,
+                 count: torch.Tensor, width: int, cands: torch.Tensor | None, block: int) -> torch.Tensor:
+    """s [N, width]: the indexer's score of entry g, sum_h (w_h wscale) relu(q_h . pool[slots[:, g]]), for
+    g < count and (with cands [N, nc], block ids) inside a candidate block of `block` entries; -inf
+    elsewhere (no key read). q [N, nh, ihd], w [N, nh], slots [N, E] int64, count [N] int64."""
+    n, nh, ihd = q.shape
+    q, w, pool, slots, count = _c(q), _c(w), _c(pool), _c(slots), _c(count)
+    cands = None if cands is None else _c(cands)
+    out = torch.empty(n, width)
+    capture.call(_kernel().index_scores, q.data_ptr(), w.data_ptr(), wscale, pool.data_ptr(), slots.data_ptr(),
+                 count.data_ptr(), n, slots.shape[1], width, nh, ihd, 0 if cands is None else cands.data_ptr(),
+                 0 if cands is None else cands.shape[1], block, out.data_ptr())
+    return out
+
+
+def candidate_blocks(s: torch.Tensor, count: torch.Tensor, block: int, k: int) -> torch.Tensor:
+    """[N, k] block ids (-1 none): blocks of `block` entries of s [N, E] scored by their max, the newest visible
+    block (count - 1) // block +inf, then `topk`."""
+    s, count = _c(s), _c(count)
+    out = torch.empty(s.shape[0], k, dtype=torch.int64)
+    capture.call(_kernel().candidate_blocks, s.data_ptr(), count.data_ptr(), s.shape[0], s.shape[1], block, k,
+                 out.data_ptr())
+    return out
+
+
+def moe_route(z: torch.Tensor, bias: torch.Tensor, k: int, norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [N, k] best first by sqrt(softplus(z)) + bias, ties to the lower id; weights [N, k]) for the router's
+    logits z [N, E]."""
+    z, bias = _c(z), _c(bias)
+    n, e = z.shape
+    ids, w = torch.empty(n, k, dtype=torch.int64), torch.empty(n, k)
+    capture.call(_kernel().moe_route, z.data_ptr(), bias.data_ptr(), n, e, k, norm, scale, ids.data_ptr(), w.data_ptr())
+    return ids, w
+
+
+def moe_group(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order [N k], counts [experts], tok [N k]) for the expert ids [N, k] of the (token, pick) pairs: the pairs
+    (flat index t k + j) sorted by expert, in pair order inside an expert (torch.argsort(stable=True)), the
+    pairs per expert (torch.bincount) and each sorted pair's token (order // k)."""
+    n, k = ids.shape
+    ids = _c(ids)
+    order, counts, tok = (torch.empty(n * k, dtype=torch.int64), torch.empty(experts, dtype=torch.int64),
+                          torch.empty(n * k, dtype=torch.int64))
+    capture.call(_kernel().moe_group, ids.data_ptr(), n * k, experts, k, order.data_ptr(), counts.data_ptr(),
+                 tok.data_ptr())
+    return order, counts, tok
+
+
+def moe_combine(ys: torch.Tensor, order: torch.Tensor, w: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+    """[N, D]: per token 0 + w ys of its pairs (in `order`: ascending expert), then + shared [N, D]; ys [P, D] the
+    expert outputs of the pairs `order` [P] lists, w [N, k]."""
+    n, k = w.shape
+    ys, order, w = _c(ys), _c(order), _c(w)
+    shared = None if shared is None else _c(shared)
+    out = torch.empty(n, ys.shape[1])
+    capture.call(_kernel().moe_combine, ys.data_ptr(), order.data_ptr(), w.data_ptr(), order.shape[0], n, k, ys.shape[1],
+                 0 if shared is None else shared.data_ptr(), out.data_ptr())
+    return out
+
+
+def swiglu(gu: torch.Tensor, inter: int, limit: float) -> torch.Tensor:
+    """silu(min(g, L)) * clamp(u, -L, L) for gu [N, 2 inter] = (g, u); no clamp when L <= 0."""
+    gu = _c(gu)
+    out = torch.empty(gu.shape[0], inter)
+    capture.call(_kernel().swiglu, gu.data_ptr(), gu.shape[0], inter, limit, out.data_ptr())
+    return out

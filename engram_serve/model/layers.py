@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import exactness
+from . import exactness, fused  # (fused imports this module too: names are looked up at call time)
 from .exactness import in_major
 
 
@@ -76,10 +76,16 @@ class Linear(nn.Linear):
 
 
 def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) [* weight], computed in float32, returned in x's dtype.
+    """x * rsqrt(mean(x^2) + eps) [* weight], computed in float32, returned in x's dtype: one C call per the
+    rule of model/fused.py (`runs_in_c`), else `rms_norm_torch`."""
+    if fused.runs_in_c(x, weight):
+        return fused.rms_norm(x, eps, weight)
+    return rms_norm_torch(x, eps, weight)
 
-    A float32 input is used as is (no `.float()` / `.to()` calls: each is an operator even when it
-    copies nothing)."""
+
+def rms_norm_torch(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch form of `rms_norm`. A float32 input is used as is (no `.float()` / `.to()` calls: each is an
+    operator even when it copies nothing)."""
     xf = x if x.dtype == torch.float32 else x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
+from . import fused
 
 
 class PagedState:
@@ -91,10 +92,18 @@ class SlotPlan:
             ok = ok & (block >= 0) & (pos // block_size < block_tables.shape[1])
             return torch.where(ok, block * block_size + pos % block_size, zero_slot)
 
+        top = int(positions.max()) if max_position is None and positions.numel() else (max_position or 0)
+        if fused.runs_in_c() and all(t.is_cpu and t.dtype == torch.int64 for t in (positions, rows, block_tables)):
+            # the same slots from one C call per part (model/fused.py)
+            win, ok, prev = fused.plan_window(positions, rows, block_tables, block_size, zero_slot, window)
+            count, eslots = {}, {}
+            for r in sorted(set(x for x in ratios if x)):
+                count[r], eslots[r] = fused.plan_entries(positions, rows, block_tables, block_size, zero_slot, r,
+                                                         max(1, (top + 1) // r))
+            return cls(positions, slots, win, ok, count, eslots, prev)
         dev = positions.device
         wpos = positions[:, None] - window + 1 + torch.arange(window, device=dev)  # [T, W]
         win = slot_of(wpos)
-        top = int(positions.max()) if max_position is None and positions.numel() else (max_position or 0)
         count, eslots = {}, {}
         for r in sorted(set(x for x in ratios if x)):
             count[r] = torch.div(positions + 1, r, rounding_mode="floor")  # [T]

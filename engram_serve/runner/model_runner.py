@@ -51,6 +51,7 @@ class RunnerConfig:
     debug_ownership: bool = False
     device: str = "cpu"
     exact: bool = True
+    cpu_graphs: bool = True  # CPU: decode microbatches replayed as their recorded kernel calls (runner/cpu_graphs.py)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size", "num_blocks"):
@@ -114,6 +115,10 @@ class ModelRunner:
         if self.static is not None and self.device.type == "cuda":
             from .cuda_graphs import CudaGraphs
             self.graphs = CudaGraphs(self.model, cfg.max_blocks_per_seq * cfg.block_size)
+        self.cpu_graphs = None
+        if cfg.cpu_graphs and self.device.type == "cpu" and self.tracker is None:
+            from .cpu_graphs import CpuGraphs
+            self.cpu_graphs = CpuGraphs(self.model, cfg.max_model_len) if CpuGraphs.available() else None
         self._gather_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-gather")
         # CUDA: the Engram host-to-device copies run on their own stream, ordered by events
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -224,10 +229,11 @@ class ModelRunner:
 
     def forward(self, batch: StepBatch, ctxs: list[ForwardContext], futures: list[Future]) -> list[torch.Tensor]:
         """Hidden states [T_k, hidden] of every microbatch: graph replays, or the interleaved stages."""
-        if self.graphs is not None and self.decode_only(batch):
+        graphs = self.graphs if self.graphs is not None else (None if self.launches_collectives else self.cpu_graphs)
+        if graphs is not None and self.decode_only(batch):
             for f in futures:
                 self._staged(f)  # staged rows are in place before a replay reads them
-            return [self.graphs.forward(c) for c in ctxs]  # replays in microbatch order
+            return [graphs.forward(c) for c in ctxs]  # replays in microbatch order
         return run_interleaved([self.model.stages(c) for c in ctxs])
 
     def _stage_rows(self, hash_ids: torch.Tensor, staging: torch.Tensor, real: int, ready=None,

@@ -1,0 +1,151 @@
+"""CPU graphs (runner/cpu_graphs.py): a replayed decode step gives the logits of the eager one, bit for bit, on the
+built-in V4.1 model (Engram, every layer role), with requests of different lengths arriving and finishing,
+one or two microbatches, and positions crossing the static bound (a new capture).
+
+Negative controls, each red through the real engine: replays without rebinding the step's addresses (they
+read the capture's inputs); the capture's operator guard off with a torch operator in the layers (the replay
+skips it); the MoE's host read of its expert counts not reported (the replay repeats the captured routing).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engram_serve import kernels
+from engram_serve.engine.llm_engine import LLMEngine
+from engram_serve.microbatch.plan import MicrobatchConfig
+from engram_serve.model import capture, deepseek_v41 as v41, fused
+from engram_serve.model.loader import load_model
+from engram_serve.runner import cpu_graphs
+from engram_serve.runner.model_runner import RunnerConfig
+from engram_serve.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not cpu_graphs.CpuGraphs.available(),
+                                reason="the linear and token kernels are not loaded (`engram-serve env` says why)")
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model()
+
+
+def engine(loaded, graphs: bool, microbatches: int = 1) -> LLMEngine:
+    cfg = RunnerConfig(max_num_seqs=4, max_model_len=160, max_num_batched_tokens=256, num_blocks=64,
+                       microbatch=MicrobatchConfig(microbatches, "tokens", 0, 0, when="always"), cpu_graphs=graphs)
+    return LLMEngine(loaded, cfg, enable_prefix_caching=False)
+
+
+def decode_logits(eng: LLMEngine, steps: int = 40) -> list[torch.Tensor]:
+    """Requests of 20, 55 and 9 prompt tokens (the third arrives later): the logits of every step."""
+    rng = np.random.default_rng(0)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (30, 40, 12)]
+    prompts = [rng.integers(6, 4096, n).tolist() for n in (20, 55, 9)]
+    eng.add_request("a", prompts[0], params[0])
+    eng.add_request("b", prompts[1], params[1])
+    out = []
+    for i in range(steps):
+        if i == 5:
+            eng.add_request("c", prompts[2], params[2])
+        res = eng.step()
+        if res.output is not None:
+            out.append(res.output.logits.clone())
+    return out
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def wrong(eng: LLMEngine, eager: list[torch.Tensor]) -> bool:
+    """The engine's decode differs from the eager logits, or fails (stale ids outside the vocabulary)."""
+    try:
+        return not same(decode_logits(eng), eager)
+    except ValueError:
+        return True
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_replayed_decode_steps_have_the_eager_bits(loaded, microbatches):
+    eager = decode_logits(engine(loaded, False, microbatches))
+    eng = engine(loaded, True, microbatches)
+    got = decode_logits(eng)
+    g = eng.runner.cpu_graphs
+    assert g.replays > 10 and g.captures >= 2  # replays happened, and positions crossed the bound (64 -> 128)
+    assert same(got, eager)
+
+
+def test_the_bound_rounds_up_to_a_power_of_two_within_the_limit():
+    assert [cpu_graphs.bound(p, 160) for p in (0, 62, 63, 64, 127, 128, 159)] == [64, 64, 64, 128, 128, 160, 160]
+
+
+class NoRebind(cpu_graphs.CpuGraphs):
+    rebind = False
+
+
+class NoGuard(cpu_graphs._Watch):
+    guard = False
+
+
+class Unguarded(cpu_graphs.CpuGraphs):
+    watch = NoGuard
+
+
+def with_graphs(loaded, cls) -> LLMEngine:
+    eng = engine(loaded, True)
+    eng.runner.cpu_graphs = cls(eng.runner.model, eng.runner.cfg.max_model_len)
+    return eng
+
+
+def test_negative_control_replays_without_rebinding_read_the_capture_inputs(loaded):
+    eager = decode_logits(engine(loaded, False))
+    assert same(decode_logits(with_graphs(loaded, cpu_graphs.CpuGraphs)), eager)
+    assert wrong(with_graphs(loaded, NoRebind), eager)
+
+
+def test_negative_control_an_unguarded_capture_skips_a_torch_operator(loaded, monkeypatch):
+    """collapse in its torch form (the token kernel off for it): a guarded capture is refused (the key runs
+    eagerly, the eager bits); an unguarded one replays without the operators, so stale streams."""
+    real = v41.collapse
+
+    def torch_collapse(x, mix):
+        with kernels.override("-token"):
+            return real(x, mix)
+    monkeypatch.setattr(v41, "collapse", torch_collapse)
+    eager = decode_logits(engine(loaded, False))
+    guarded = with_graphs(loaded, cpu_graphs.CpuGraphs)
+    assert same(decode_logits(guarded), eager) and guarded.runner.cpu_graphs.replays == 0
+    assert wrong(with_graphs(loaded, Unguarded), eager)
+
+
+def test_negative_control_an_unreported_host_read_replays_a_stale_routing(monkeypatch):
+    """The MoE's per-expert loop (its one-call form off) reads the counts on the host: reported, the capture is
+    refused; not reported, the replay repeats the captured step's experts (a sharper router, so that the
+    experts change from token to token)."""
+    loaded = load_model()
+    with torch.no_grad():
+        for blk in loaded.model.layers:
+            blk.ffn.gate.weight.mul_(40.0)
+    monkeypatch.setattr(v41.MoE, "_expert_panels", lambda self, xs, counts: None)
+    eager = decode_logits(engine(loaded, False))
+    reported = with_graphs(loaded, cpu_graphs.CpuGraphs)
+    assert same(decode_logits(reported), eager) and reported.runner.cpu_graphs.replays == 0
+    monkeypatch.setattr(capture, "refuse", lambda reason: None)
+    assert wrong(with_graphs(loaded, cpu_graphs.CpuGraphs), eager)
+
+
+def test_the_one_call_experts_have_the_bits_of_the_per_expert_calls(loaded):
+    """MoE.experts in one linear-kernel call (the serving layout) against the per-expert loop, on grouped rows."""
+    moe = loaded.model.layers[1].ffn
+    x = torch.randn(13, loaded.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    ids, _ = moe.route(x)
+    order, counts, tok = fused.moe_group(ids, loaded.config.n_routed_experts)
+    xs = fused.gather_rows(x, tok)[:, 0]
+    assert moe._expert_panels(xs, counts) is not None
+    one = moe.experts(xs, counts)
+    parts, start = [], 0
+    for e, c in enumerate(counts.tolist()):
+        if c:
+            parts.append(moe.expert(e, xs[start:start + c]))
+        start += c
+    assert torch.equal(one, torch.cat(parts))

@@ -18,6 +18,7 @@ its pid and exit code. Every wait has a timeout; an idle worker also exits when 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -106,6 +107,22 @@ def worker_entry(model_path, device: str = "cpu", timeout_s: float = 60.0) -> in
     return 0
 
 
+@contextlib.contextmanager
+def _worker_environment():
+    """The environment the spawned workers start with: c10d's C++ log at ERROR unless the user chose a
+    level (TORCH_CPP_LOG_LEVEL, read once, when torch loads). An idle worker waits for rank 0's doorbell
+    in short slices (ParallelGroup.wait_doorbell), and c10d logs a two-line warning for every slice
+    that ends without one; the slice's end is expected, not a problem."""
+    key, before = "TORCH_CPP_LOG_LEVEL", os.environ.get("TORCH_CPP_LOG_LEVEL")
+    if before is None:
+        os.environ[key] = "ERROR"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+
+
 def local_device(device: str) -> str:
     """Under torchrun, each process takes the GPU of its LOCAL_RANK."""
     if device == "cuda" and "LOCAL_RANK" in os.environ:
@@ -154,12 +171,13 @@ class TPCluster:
         if init_method is None:  # start our own workers on loopback
             init_method = f"tcp://127.0.0.1:{free_port()}"
             ctx = torch.multiprocessing.get_context("spawn")
-            for r in range(1, world):
-                p = ctx.Process(target=_worker_main, name=f"engram-tp-rank{r}", daemon=True,
-                                args=(r, world, init_method, self.model_path, device, timeout_s, os.getpid(),
-                                      torch.get_num_threads()))
-                p.start()
-                self.procs.append(p)
+            with _worker_environment():
+                for r in range(1, world):
+                    p = ctx.Process(target=_worker_main, name=f"engram-tp-rank{r}", daemon=True,
+                                    args=(r, world, init_method, self.model_path, device, timeout_s, os.getpid(),
+                                          torch.get_num_threads()))
+                    p.start()
+                    self.procs.append(p)
         try:
             self.group = ParallelGroup.connect(init_method, 0, world, device, timeout_s, check_peers=self.check)
             self.loaded = _load_shard(self.model_path, self.group)

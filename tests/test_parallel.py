@@ -203,6 +203,17 @@ def test_bench_hidden_fraction_is_exposed_comm_removed_over_the_off_steps():
     assert r["ideal_overlap_speedup"] == 100 / 70 and r["ideal_comm_hidden"] == 1 - (70 - 50) / 20
 
 
+def test_bench_replicated_attention_cost_times_each_replicated_piece():
+    """The built-in model has every piece (latent on each layer, compressors, indexers): each is timed, and
+    the share at TP=2 follows from the share of the one-process step."""
+    from engram_serve.bench.step_tp import replicated_attention_cost
+    r = replicated_attention_cost(load_model(), (3, 1, 40), 2, rounds=1)
+    assert all(r[f"{k}_ms"] > 0 for k in ("latent", "compressor", "indexer")), r
+    share = r["share_of_one_process_step"]
+    assert share == r["replicated_ms"] / r["one_process_step_ms"] and 0 < share < 1
+    assert r["share_of_rank_step"] == share / (share + (1 - share) / 2)
+
+
 class _Partial:
     """Stands in for an in-flight sum in single-process tests: `wait` returns this rank's partial."""
 

@@ -23,7 +23,9 @@ and communicates for E2 = exposed(sync), so no schedule of its two microbatches 
 Where the sums are latency-bound (a cut doubles their number without shortening them) and E2 > C2,
 that ceiling is below 1.15x whatever the overlap.
 Also the Engram table bytes each rank holds (against one process), each rank's resident and peak
-resident set, and the cost of the order rule (all-gather + rank-ordered sum against gloo's all-reduce).
+resident set, the cost of the order rule (all-gather + rank-ordered sum against gloo's all-reduce), and
+per workload the attention work every rank repeats whole (the MQA latent, the compressor, the indexer)
+against one process's step on the same cores (`replicated_attention_cost`).
 """
 from __future__ import annotations
 
@@ -79,26 +81,32 @@ def sum_cost(group: ParallelGroup, tokens: int, hidden: int, repeats: int) -> di
     return out
 
 
-def _prepare(cluster, workload: tuple[int, int, int], microbatches: int):
+def _prepare(make_runner, vocab: int, workload: tuple[int, int, int], microbatches: int):
+    """(runner, the workload's step, its bounds) for a runner made by `make_runner(RunnerConfig)`."""
     from ..runner.model_runner import RunnerConfig
     reqs, new, ctx = workload
     block = 16
     max_len = -(-(ctx + new) // block) * block
     cfg = RunnerConfig(max_num_seqs=reqs, max_model_len=max_len, max_num_batched_tokens=reqs * new,
                        block_size=block, num_blocks=reqs * max_len // block,
-                       microbatch=MicrobatchConfig(microbatches, "tokens", 0, 0))
-    runner = cluster.make_runner(cfg)
+                       microbatch=MicrobatchConfig(microbatches, "tokens", 0, 0, when="always"))
+    runner = make_runner(cfg)
     rng = np.random.default_rng(0)
-    vocab = cluster.loaded.config.vocab_size
     slots = np.array([runner.store.add(rng.integers(6, vocab, ctx + new).tolist()) for _ in range(reqs)])
     per = max_len // block
     tables = np.arange(reqs * per).reshape(reqs, per)
-    return runner, runner.build(slots, np.full(reqs, ctx), np.full(reqs, new), tables, np.ones(reqs, bool))
+    batch = runner.build(slots, np.full(reqs, ctx), np.full(reqs, new), tables, np.ones(reqs, bool))
+    bounds = runner.plan(batch)  # fixed for every timed call: the candidate's cut, never the planner's choice
+    if len(bounds) - 1 != microbatches:
+        raise ValueError(f"bench step: the {reqs * new}-token step was cut into {len(bounds) - 1} microbatches; "
+                         f"the candidate needs {microbatches}")
+    return runner, batch, bounds
 
 
 def _measure(cluster, workload: tuple[int, int, int], delay: LinkDelay | None, budget_s: float) -> dict:
     """Step times and exposed communication (ms, rank 0) of each candidate, interleaved call by call."""
-    runners = {name: _prepare(cluster, workload, n) for name, n, _ in CANDIDATES}
+    vocab = cluster.loaded.config.vocab_size
+    runners = {name: _prepare(cluster.make_runner, vocab, workload, n) for name, n, _ in CANDIDATES}
     times = {name: [] for name, _, _ in CANDIDATES}
     exposed = {name: [] for name, _, _ in CANDIDATES}
     spent, rounds = 0.0, 0
@@ -106,12 +114,12 @@ def _measure(cluster, workload: tuple[int, int, int], delay: LinkDelay | None, b
         while rounds < 6 or (rounds < 300 and spent < budget_s * len(CANDIDATES)):
             shift = rounds % len(CANDIDATES)
             for name, _, overlap in CANDIDATES[shift:] + CANDIDATES[:shift]:
-                runner, batch = runners[name]
+                runner, batch, bounds = runners[name]
                 cluster.call_all(configure_link, delay, overlap)
                 st = cluster.group.stats
                 w0 = st.wait_s
                 t0 = time.perf_counter()
-                runner.execute(batch)
+                runner.execute(batch, bounds)
                 dt = time.perf_counter() - t0
                 if rounds > 0:  # round 0 is the warm-up
                     times[name].append(dt * 1e3)
@@ -119,9 +127,79 @@ def _measure(cluster, workload: tuple[int, int, int], delay: LinkDelay | None, b
                     spent += dt
             rounds += 1
     finally:
-        for runner, _ in runners.values():
+        for runner, _, _ in runners.values():
             runner.close()
     return {"tokens": runners["off"][1].num_tokens, "times": times, "exposed": exposed}
+
+
+def _replicated_pieces(model, workload: tuple[int, int, int]):
+    """A function timing, over one step of `workload` in one process, the attention work every rank
+    repeats whole under tensor parallelism: each layer's MQA latent (wq_a, q_norm, wkv, kv_norm, rope),
+    its compressor and its indexer, run piece by piece on the step's shapes over a fresh paged state
+    (sequence b owns slots b*S .. b*S + S - 1, as in `forward_dense`). Their cost depends on the shapes
+    (tokens, visible entries), not on the values. Returns {piece: seconds}."""
+    from ..model.deepseek_v41 import rope
+    from ..model.layers import linear
+    from ..model.paged_state import PagedState
+    cfg, (reqs, new, ctx) = model.config, workload
+    s = ctx + new
+    cache = PagedState(cfg, reqs, s)
+    pos = torch.arange(ctx, s).repeat(reqs)  # [T] absolute positions
+    rows = torch.arange(reqs).repeat_interleave(new)  # [T]
+    step = model.make_step(cache, pos, rows, torch.arange(reqs)[:, None], s, rows * s + pos)
+    plain, comp = model.rope_plain(pos), model.rope_comp(pos)
+    entry_cs = {r: model.rope_comp((pos - (r - 1)).clamp(min=0)) if r > 1 else comp for r in cfg.ratios if r}
+    x = torch.randn(pos.shape[0], cfg.hidden_size, generator=torch.Generator().manual_seed(0))  # [T, D]
+
+    def run() -> dict[str, float]:
+        spent = dict.fromkeys(("latent", "compressor", "indexer"), 0.0)
+        for blk in model.layers:
+            a, r = blk.attn, blk.role.ratio
+            cs = comp if r else plain
+            t0 = time.perf_counter()
+            qr = a.q_norm(linear(x, a.wq_a.weight))  # [T, ql]
+            rope(a.kv_norm(linear(x, a.wkv.weight)), *cs)  # [T, hd]
+            t1 = time.perf_counter()
+            if a.compressor is not None:
+                a._compress(x, step, entry_cs[r])
+            t2 = time.perf_counter()
+            if a.indexer is not None:
+                a._select(x, qr, step, cs)
+            spent["latent"] += t1 - t0
+            spent["compressor"] += t2 - t1
+            spent["indexer"] += time.perf_counter() - t2
+        return spent
+    return run
+
+
+def replicated_attention_cost(loaded, workload: tuple[int, int, int], world: int, rounds: int = 5) -> dict:
+    """The replicated attention work (`_replicated_pieces`) against one process's whole step of the same
+    workload, interleaved call by call, medians of `rounds` (after one warm-up): its share r of the
+    one-process step, and what it makes of a rank's step if everything else splits `world` ways,
+    r / (r + (1 - r) / world), with the compute speedup that leaves, 1 / (r + (1 - r) / world)."""
+    from ..model.exactness import batch_invariant
+    from ..runner.model_runner import ModelRunner
+    runner, batch, bounds = _prepare(lambda c: ModelRunner(loaded, c), loaded.config.vocab_size, workload, 1)
+    pieces = _replicated_pieces(loaded.model, workload)
+    steps, parts = [], []
+    try:
+        for i in range(rounds + 1):
+            t0 = time.perf_counter()
+            runner.execute(batch, bounds)
+            dt = time.perf_counter() - t0
+            with torch.no_grad(), batch_invariant(runner.cfg.exact):
+                p = pieces()
+            if i:
+                steps.append(dt * 1e3)
+                parts.append({k: v * 1e3 for k, v in p.items()})
+    finally:
+        runner.close()
+    step_ms = statistics.median(steps)
+    ms = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+    r = sum(ms.values()) / step_ms
+    return {"one_process_step_ms": step_ms, **{f"{k}_ms": v for k, v in ms.items()},
+            "replicated_ms": sum(ms.values()), "share_of_one_process_step": r,
+            "share_of_rank_step": r / (r + (1 - r) / world), "compute_speedup_cap": 1 / (r + (1 - r) / world)}
 
 
 def _row(m: dict) -> dict:
@@ -177,6 +255,8 @@ def run_tp(args) -> list[dict]:
         cost = {t: cluster.call_all(sum_cost, t, cluster.loaded.config.hidden_size, 50) for t in (64, 1024)}
         full = load_model(args.model)
         pids = [os.getpid()] + cluster.pids
+        for wl in names:  # in this process, on its cores (pinned like a rank)
+            rows.append({"replicated_attention": wl, **replicated_attention_cost(full, TP_WORKLOADS[wl], world)})
         for t, c in cost.items():
             rows.append({"order_rule_cost": f"[{t}, {cluster.loaded.config.hidden_size}] float32",
                          "rank_ordered_sum_ms": c["ordered"], "gloo_allreduce_ms": c["allreduce"],

@@ -253,20 +253,20 @@ def run_tp(args) -> list[dict]:
                              "cpu_bind": args.cpu_bind})
         cluster.call_all(configure_link, None, True)
         cost = {t: cluster.call_all(sum_cost, t, cluster.loaded.config.hidden_size, 50) for t in (64, 1024)}
-        full = load_model(args.model)
-        pids = [os.getpid()] + cluster.pids
-        for wl in names:  # in this process, on its cores (pinned like a rank)
-            rows.append({"replicated_attention": wl, **replicated_attention_cost(full, TP_WORKLOADS[wl], world)})
         for t, c in cost.items():
             rows.append({"order_rule_cost": f"[{t}, {cluster.loaded.config.hidden_size}] float32",
                          "rank_ordered_sum_ms": c["ordered"], "gloo_allreduce_ms": c["allreduce"],
                          "ratio": c["ordered"] / c["allreduce"]})
-        rows.append({"table_memory": f"TP={world}",
-                     "tables_mib_per_rank": cluster.loaded.tables.nbytes / 2**20,
-                     "tables_mib_one_process": full.tables.nbytes / 2**20,
-                     "ratio": cluster.loaded.tables.nbytes / full.tables.nbytes,
-                     "rss_mib_per_rank": [round(_status_mib(p), 1) for p in pids],
-                     "peak_rss_mib_per_rank": [round(_status_mib(p, "VmHWM"), 1) for p in pids]})
+        pids = [os.getpid()] + cluster.pids
+        memory = {"table_memory": f"TP={world}", "tables_mib_per_rank": cluster.loaded.tables.nbytes / 2**20,
+                  "rss_mib_per_rank": [round(_status_mib(p), 1) for p in pids],
+                  "peak_rss_mib_per_rank": [round(_status_mib(p, "VmHWM"), 1) for p in pids]}
     finally:
         cluster.close()
+    full = load_model(args.model)  # one process, after the ranks are gone (on rank 0's cores)
+    memory["tables_mib_one_process"] = full.tables.nbytes / 2**20
+    memory["ratio"] = memory["tables_mib_per_rank"] / memory["tables_mib_one_process"]
+    rows.append(memory)
+    for wl in names:
+        rows.append({"replicated_attention": wl, **replicated_attention_cost(full, TP_WORKLOADS[wl], world)})
     return rows

@@ -29,7 +29,7 @@ from engram_serve.engram.lookup import EngramReader, engram_lookup
 from engram_serve.engram.quantized import Fp8Table
 from engram_serve.errors import CheckpointMismatch
 from engram_serve.engram.tables import EngramTables
-from engram_serve.model.loader import load_model
+from engram_serve.model.loader import TINY_DIR, load_model
 from engram_serve.model.writer import Quant, save_v41_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,8 +38,10 @@ TEXT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)  # the th
 
 
 def write_official(out: Path, *extra: str) -> Path:
+    """The script's checkpoint with the built-in model's shape (or `--from` a checkpoint)."""
+    shape = () if "--from" in extra else ("--config", str(TINY_DIR / "config.json"))
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_official_checkpoint.py"), "--out", str(out),
-                    "--shard-mib", str(SHARD_MIB), *extra], check=True, cwd=ROOT, capture_output=True,
+                    "--shard-mib", str(SHARD_MIB), *shape, *extra], check=True, cwd=ROOT, capture_output=True,
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
     return out
 

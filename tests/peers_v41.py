@@ -111,11 +111,11 @@ def nemo_logits(text_config: dict, weights: dict[str, torch.Tensor], token_ids: 
 
 def _nemo_model(text_config: dict, tokenizer_json: str | Path):
     from nemo_automodel.components.models.common import BackendConfig
-    from nemo_automodel.components.models.deepseek_v41.config import DeepseekModelConfig
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
     from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
     from transformers import PreTrainedTokenizerFast
 
-    config = DeepseekModelConfig(text_config={**text_config, "dtype": "float32"},
+    config = DeepseekV41Config(text_config={**text_config, "dtype": "float32"},
                                vision_config={"num_hidden_layers": 0}, dtype="float32")
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json))
     backend = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", experts="torch",

@@ -50,7 +50,7 @@ def test_gathers_measure_one_step_in_measure_every_and_run_on_the_worker_only_wh
 def test_moving_averages_follow_the_measurements():
     p = planner()
     p.record_gather(10.0, 100)  # 0.1 ms per token
-    p.record_step(40.0, 100, cut=False)
+    p.record_step(40.0, 100, microbatched=False)
     p.record_gather(5.0, 0)  # no tokens: nothing learned
     assert p.gather_ms_per_token == pytest.approx(p.SMOOTHING * 0.1)
     assert p.step_ms_per_token == pytest.approx(p.SMOOTHING * 0.4)
@@ -84,7 +84,7 @@ def test_predictions_are_measured_against_the_steps():
     run(p, np.array([0, 100]), whole_ms=10.0, cut_ms=8.0, steps=40)
     assert p.predicted_gain(100, False) == pytest.approx(2.0)
     assert p.prediction_error() == pytest.approx(0.0)
-    p.record_step(1.0, 100, cut=True)  # a step run with bounds nobody planned teaches nothing
+    p.record_step(1.0, 100, microbatched=True)  # a step run with bounds nobody planned teaches nothing
     assert p.predicted_gain(100, False) == pytest.approx(2.0)
     assert p.predicted_gain(3, True) is None  # another class: no prediction yet
 

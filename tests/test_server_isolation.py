@@ -63,7 +63,7 @@ BAD = [  # (path, raw JSON or object, the param the error must name)
     (C, {"prompt": "hi", "n": 17}, "n"),
     (C, {"prompt": "hi", "n": 3, "best_of": 2}, "best_of"),
     (C, {"prompt": "hi", "logprobs": 21}, "logprobs"),
-    (C, {"prompt": "hi", "echo": True, "logprobs": 2}, "echo"),
+    (C, {"prompt": "hi", "max_tokens": 0}, "max_tokens"),  # 0 only with echo (the prompt scored alone)
     (C, {"prompt": [[1, 2], [3, -1]]}, "prompt"),
     (C, {"prompt": ["ok", 5]}, "prompt.1"),
     (C, {"prompt": []}, "prompt"),

@@ -96,7 +96,8 @@ def check_bounds(bounds, num_tokens: int, num_microbatches: int) -> None:
 
 class StepCosts:
     """The cost model behind "cut only where it pays": the measured wall time of recent steps, per step class
-    (decode-only or not; tokens rounded up to a power of two) and per form (whole, cut), as moving averages.
+    (decode-only or not; tokens rounded up to a power of two) and per form (whole, microbatched), as moving
+    averages.
 
     A cut step's time includes everything a cut costs (every weight read once per microbatch, each
     operator's fixed cost twice) and everything it hides (a microbatch's collectives and gathers behind
@@ -114,16 +115,16 @@ class StepCosts:
     def key(num_tokens: int, is_decode_only: bool) -> tuple[bool, int]:
         return is_decode_only, 1 << max(0, num_tokens - 1).bit_length()
 
-    def predict(self, key: tuple, cut: bool) -> float | None:
-        return self.ms.get(key, {}).get(cut)
+    def predict(self, key: tuple, microbatched: bool) -> float | None:
+        return self.ms.get(key, {}).get(microbatched)
 
-    def count(self, key: tuple, cut: bool) -> int:
-        return self.samples.get(key, {}).get(cut, 0)
+    def count(self, key: tuple, microbatched: bool) -> int:
+        return self.samples.get(key, {}).get(microbatched, 0)
 
-    def record(self, key: tuple, cut: bool, ms: float) -> None:
-        prev = self.predict(key, cut)
-        self.ms.setdefault(key, {})[cut] = ms if prev is None else prev + self.SMOOTHING * (ms - prev)
-        self.samples.setdefault(key, {})[cut] = self.count(key, cut) + 1
+    def record(self, key: tuple, microbatched: bool, ms: float) -> None:
+        prev = self.predict(key, microbatched)
+        self.ms.setdefault(key, {})[microbatched] = ms if prev is None else prev + self.SMOOTHING * (ms - prev)
+        self.samples.setdefault(key, {})[microbatched] = self.count(key, microbatched) + 1
 
 
 class MicrobatchPlanner:
@@ -156,7 +157,7 @@ class MicrobatchPlanner:
         self.steps = 0  # steps started (which of them measure the gather)
         self.costs = StepCosts()
         self.decisions: dict[tuple, int] = {}
-        self.pending: tuple | None = None  # (class, cut, predicted ms) of the step being run
+        self.pending: tuple | None = None  # (class, microbatched, predicted ms) of the step being run
         self.predictions: deque[tuple[float, float]] = deque(maxlen=256)
 
     def hideable_ms(self, num_tokens: int, collectives: bool) -> float:
@@ -180,26 +181,26 @@ class MicrobatchPlanner:
         bounds = plan_microbatches(qsl, cfg, is_decode_only, self.hideable_ms(total, collectives))
         key = StepCosts.key(total, is_decode_only)
         if len(bounds) > 2 and cfg.when == "overlap":
-            cut = self._choose(key)
-            bounds = bounds if cut else [0, total]
-        cut = len(bounds) > 2
-        self.pending = (key, cut, self.costs.predict(key, cut))
+            microbatched = self._choose(key)
+            bounds = bounds if microbatched else [0, total]
+        microbatched = len(bounds) > 2
+        self.pending = (key, microbatched, self.costs.predict(key, microbatched))
         return bounds
 
     def _choose(self, key: tuple) -> bool:
         """Cut a step of class `key`? Warm-up alternates; then the faster form, the other one in EXPLORE_EVERY."""
         n = self.decisions[key] = self.decisions.get(key, 0) + 1
-        whole, cut = self.costs.count(key, False), self.costs.count(key, True)
-        if min(whole, cut) < StepCosts.WARMUP:
-            return cut <= whole
+        whole, microbatched = self.costs.count(key, False), self.costs.count(key, True)
+        if min(whole, microbatched) < StepCosts.WARMUP:
+            return microbatched <= whole
         pays = self.costs.predict(key, True) < self.costs.predict(key, False)
         return pays != (n % self.EXPLORE_EVERY == 0)
 
     def predicted_gain(self, num_tokens: int, is_decode_only: bool) -> float | None:
         """Predicted ms a cut saves on a step of this class (negative: it costs), None before warm-up."""
         key = StepCosts.key(num_tokens, is_decode_only)
-        whole, cut = self.costs.predict(key, False), self.costs.predict(key, True)
-        return None if whole is None or cut is None else whole - cut
+        whole, microbatched = self.costs.predict(key, False), self.costs.predict(key, True)
+        return None if whole is None or microbatched is None else whole - microbatched
 
     def start_step(self) -> bool:
         """Count a step; True if it measures its gathers (runs them inline)."""
@@ -219,15 +220,15 @@ class MicrobatchPlanner:
         if num_tokens:
             self.gather_ms_per_token += self.SMOOTHING * (ms / num_tokens - self.gather_ms_per_token)
 
-    def record_step(self, ms: float, num_tokens: int, cut: bool) -> None:
+    def record_step(self, ms: float, num_tokens: int, microbatched: bool) -> None:
         """A step of `num_tokens` tokens, cut or whole, took `ms` (from planning to its logits)."""
         if num_tokens:
             self.step_ms_per_token += self.SMOOTHING * (ms / num_tokens - self.step_ms_per_token)
-        if self.pending is not None and self.pending[1] == cut:
+        if self.pending is not None and self.pending[1] == microbatched:
             key, _, predicted = self.pending
             if predicted is not None:
                 self.predictions.append((predicted, ms))
-            self.costs.record(key, cut, ms)
+            self.costs.record(key, microbatched, ms)
         self.pending = None
 
     def prediction_error(self) -> float | None:

@@ -21,7 +21,7 @@ def test_device_cuda_places_weights_kv_and_staging_and_keeps_tables_on_the_host(
     llm.close()
 
 
-def test_cuda_greedy_tokens_match_cpu_with_microbatches_and_graphs():
+def test_cuda_greedy_tokens_match_cpu_with_microbatches_and_static_buffers():
     p = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     cpu = LLM(microbatch=MicrobatchConfig(1))
     want = [o.token_ids for o in cpu.generate(PROMPTS, p)]
@@ -30,11 +30,8 @@ def test_cuda_greedy_tokens_match_cpu_with_microbatches_and_graphs():
     for kw in ({"microbatch": always}, {"microbatch": always, "graph_sizes": (4, 8, 16, 32, 64, 1024)}):
         gpu = LLM(device="cuda", **kw)
         got = [o.token_ids for o in gpu.generate(PROMPTS, p)]
-        graphs = gpu.engine.runner.graphs
         gpu.close()
         assert got == want, kw
-        if graphs is not None:  # captures bounded by (microbatch, bucket part)
-            assert 0 < len(graphs._graphs) <= 2 * 2 * 6
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for NCCL tensor parallelism")

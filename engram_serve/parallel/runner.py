@@ -52,7 +52,6 @@ class ParallelModelRunner(ModelRunner):
         self.group, self.on_failure = group, on_failure
         super().__init__(loaded, cfg)
         self.launches_collectives = group.world > 1  # every layer's sum is something a cut can hide (planner)
-        self.graphs = None  # eager under tensor parallelism (module docstring)
         self.broken: str | None = None
         self.cluster = None  # rank 0: the TPCluster this runner owns (closed with it), if any
 

@@ -111,10 +111,6 @@ class ModelRunner:
         self.bufs = self.allocate_buffers(cap)
         self.static = StaticInputPool(list(cfg.graph_sizes)) if cfg.graph_sizes else None
         self.tracker = OwnershipTracker() if cfg.debug_ownership else None
-        self.graphs = None
-        if self.static is not None and self.device.type == "cuda":
-            from .cuda_graphs import CudaGraphs
-            self.graphs = CudaGraphs(self.model, cfg.max_blocks_per_seq * cfg.block_size)
         self.cpu_graphs = None
         if cfg.cpu_graphs and self.device.type == "cpu" and self.tracker is None:
             from .cpu_graphs import CpuGraphs
@@ -229,7 +225,7 @@ class ModelRunner:
 
     def forward(self, batch: StepBatch, ctxs: list[ForwardContext], futures: list[Future]) -> list[torch.Tensor]:
         """Hidden states [T_k, hidden] of every microbatch: graph replays, or the interleaved stages."""
-        graphs = self.graphs if self.graphs is not None else (None if self.launches_collectives else self.cpu_graphs)
+        graphs = None if self.launches_collectives else self.cpu_graphs  # CUDA: eager (no CUDA graphs of V4.1)
         if graphs is not None and self.decode_only(batch):
             for f in futures:
                 self._staged(f)  # staged rows are in place before a replay reads them

@@ -145,7 +145,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
       help="KV-cache size in blocks of --block-size tokens (default 1024)")
     a("--block-size", type=positive_int, default=16, metavar="N", help="tokens per KV block (16)")
     a("--enforce-eager", action="store_true",
-      help="never replay CUDA graphs")
+      help="never replay recorded decode steps (the CPU graphs of runner/cpu_graphs.py)")
     a("--microbatches", "--ubatches", dest="microbatches", type=positive_int, default=2, metavar="N",
       help="microbatches per large step (default 2: dual-batch overlap; 1 = off)")
     a("--no-microbatching", "--no-dual-batch-overlap", dest="no_microbatching", action="store_true",
@@ -177,12 +177,8 @@ def run_serve(args: argparse.Namespace) -> int:
         options["max_model_len"] = args.max_model_len
     from ..parallel.options import engine_options
     options.update(engine_options(args))
-    if not args.enforce_eager and str(options.get("device", "cpu")).startswith("cuda"):
-        sizes, size = [], 8
-        while not sizes or sizes[-1] < args.max_num_batched_tokens:  # decode graphs per padded size
-            sizes.append(size)
-            size *= 2
-        options["graph_sizes"] = tuple(sizes)
+    if args.enforce_eager:
+        options["cpu_graphs"] = False
     serve(args.model, args.host, args.port, model_name=args.model_name, log_level=args.log_level,
           enable_prefix_caching=not args.no_enable_prefix_caching, api_key=args.api_key or os.environ.get(API_KEY_ENV),
           chat_template=args.chat_template, max_body_bytes=args.max_body_bytes, threads=args.threads, seed=args.seed,

@@ -5,6 +5,9 @@ comparison fail through the real forward (wrong logits or tokens), not through a
 """
 from __future__ import annotations
 
+import torch
+
+from engram_serve.model import paged_state
 from engram_serve.runner.model_runner import ModelRunner
 
 
@@ -57,3 +60,18 @@ class NoRowsWait(ModelRunner):
 
     def _rows_fn(self, future, staging):
         return lambda i: staging[i]
+
+
+def read_windows_by_position(monkeypatch) -> None:
+    """Window slots computed without the block table, as if every request owned slots 0..: a request that
+    does not own the first blocks reads another request's keys."""
+    build = paged_state.SlotPlan.build.__func__
+
+    def build_ignoring_tables(cls, positions, rows, block_tables, block_size, slots, zero_slot, window, ratios,
+                              max_position=None):
+        plan = build(cls, positions, rows, block_tables, block_size, slots, zero_slot, window, ratios, max_position)
+        wpos = positions[:, None] - window + 1 + torch.arange(window)
+        plan.window = torch.where(wpos >= 0, wpos, zero_slot)  # slot = position: past the row's own blocks
+        return plan
+
+    monkeypatch.setattr(paged_state.SlotPlan, "build", classmethod(build_ignoring_tables))

@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from engram_serve.config import ModelConfig
 from engram_serve.model import deepseek_v41 as v41
-from engram_serve.model import paged_state
 from engram_serve.model.deepseek_v41 import DeepseekV41, init_weights, run_stages
 from engram_serve.model.paged_state import PagedState
 from engram_serve.model.writer import SMALL_TEXT_CONFIG, with_engram_rows
+from runner_controls import read_windows_by_position
 
 BLOCK = 4  # even block size; a block of 5 in one case puts block boundaries inside pairs
 
@@ -136,15 +136,6 @@ def test_negative_control_window_past_own_blocks(model, monkeypatch):
     request's state: the logits of a request sharing the cache change."""
     seqs = [torch.randint(0, 4096, (12,), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
     want = [alone(model, s) for s in seqs]
-    build = paged_state.SlotPlan.build.__func__
-
-    def build_ignoring_tables(cls, positions, rows, block_tables, block_size, slots, zero_slot, window, ratios,
-                              max_position=None):
-        plan = build(cls, positions, rows, block_tables, block_size, slots, zero_slot, window, ratios, max_position)
-        wpos = positions[:, None] - window + 1 + torch.arange(window)
-        plan.window = torch.where(wpos >= 0, wpos, zero_slot)  # slot = position: past the row's own blocks
-        return plan
-
-    monkeypatch.setattr(paged_state.SlotPlan, "build", classmethod(build_ignoring_tables))
+    read_windows_by_position(monkeypatch)
     got = run_schedule(model, seqs, [[(0, 12), (1, 12)]])
     assert not all(torch.equal(g, w) for g, w in zip(got, want))

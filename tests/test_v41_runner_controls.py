@@ -21,10 +21,9 @@ import torch
 from engram_serve.errors import OwnershipError
 from engram_serve.microbatch.plan import MicrobatchConfig
 from engram_serve.model import deepseek_v41 as v41
-from engram_serve.model import paged_state
 from engram_serve.model.loader import load_model, make_random_checkpoint
 from engram_serve.runner.model_runner import ModelRunner, RunnerConfig
-from runner_controls import SharedTopk
+from runner_controls import SharedTopk, read_windows_by_position
 
 LENS = [60, 10, 12]  # the long row first: microbatch 0 sees more entries than microbatch 1 (its ids stay in range)
 BLOCK = 16
@@ -93,16 +92,7 @@ def test_windows_read_past_the_requests_own_blocks_leak_another_requests_keys(lo
     tables = np.arange(12).reshape(3, 4)
     r, b = runner_and_batch(loaded, tables=tables)
     want = r.execute(b, [0, LENS[0], b.num_tokens]).logits
-    build = paged_state.SlotPlan.build.__func__
-
-    def build_ignoring_tables(cls, positions, rows, block_tables, block_size, slots, zero_slot, window, ratios,
-                              max_position=None):
-        plan = build(cls, positions, rows, block_tables, block_size, slots, zero_slot, window, ratios, max_position)
-        wpos = positions[:, None] - window + 1 + torch.arange(window)
-        plan.window = torch.where(wpos >= 0, wpos, zero_slot)  # slot = position: past the row's own blocks
-        return plan
-
-    monkeypatch.setattr(paged_state.SlotPlan, "build", classmethod(build_ignoring_tables))
+    read_windows_by_position(monkeypatch)
     r2, b2 = runner_and_batch(loaded, tables=tables)
     got = r2.execute(b2, [0, LENS[0], b2.num_tokens]).logits
     assert torch.equal(got[0], want[0])  # its own blocks are slots 0..: reading by position is reading its own

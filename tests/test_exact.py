@@ -111,7 +111,7 @@ def test_negative_control_without_the_batch_invariance_rules_logits_differ(loade
 @pytest.mark.parametrize("spec", ["none", "-linear"])
 def test_the_torch_forms_keep_the_rules_and_their_negative_control_fails(loaded, spec):
     """With the C kernels switched off (engram_serve/kernels.py), the torch forms run (padded matmul calls,
-    `pointwise`, the chunked attention kernels) and keep the bit-exact claim on their own; with every
+    `pointwise`, attention and indexer in fixed chunks) and keep the bit-exact claim on their own; with every
     rule off (exact=False) they do not."""
     work = workload(2, 7, loaded.config.vocab_size)
     with kernels.override(spec):

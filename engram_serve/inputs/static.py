@@ -110,7 +110,7 @@ class StaticInputPool:
         fixed parts: microbatch k is padded to ceil(B / n), or, where its cut left it larger than
         that (request-boundary cuts), to the smallest configured part that holds it. Every padded
         size is one of {ceil(s / n)} | {s} over the configured sizes s, so the (microbatch, padded
-        size) keys - buffer sets here, graph captures on CUDA - are bounded by n * 2 * len(sizes),
+        size) keys - buffer sets here - are bounded by n * 2 * len(sizes),
         whatever the steps' sizes."""
         n = len(bounds) - 1
         base = -(-self.padded_size(bounds[-1]) // n)

@@ -20,9 +20,9 @@ the bits of a PROBE_REF-row call). Padding keeps a row's place in its call, so i
 gives a row other bits at another place (`position_dependent`: seen for input-major weights of 5 to 7 and
 9 to 11 outputs on an AVX2 CPU, whose every fourth row is summed in another order): such a weight is
 multiplied by `rowwise_linear`, which computes every row by the same operations wherever it sits. The
-attention's bmm calls get the padding (`bmm_min_rows`). The runner pads a small microbatch once to the row count the model's matmuls still need (`pad_rows`: 1
-where the kernel serves every weight), so that within a step only the sampled rows' logits call may
-still pad. tests/test_layers.py sweeps the rule.
+attention and indexer's torch forms use fixed per-item shapes (`KEY_CHUNK` keys a bmm item). The runner
+pads a small microbatch once to the row count the model's matmuls still need (`pad_rows`: 1 where the
+kernel serves every weight), so that within a step only the sampled rows' logits call may still pad. tests/test_layers.py sweeps the rule.
 
 Elementwise ops. torch's CPU loops run the vectorised form of an op over whole vectors and a scalar
 form over the tail of the call, and for sigmoid and silu the two differ in the last bit. Rule:
@@ -135,17 +135,6 @@ def rowwise_linear(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     in the call (the reduction of one output depends on `in` alone). [N, out, in] of memory: for the narrow
     weights of `position_dependent`."""
     return (x2[:, None, :] * weight[None, :, :]).sum(-1)
-
-
-def bmm_min_rows(k: int, n: int, transposed: bool, dtype: torch.dtype = torch.float32) -> int:
-    """Rows from which torch.bmm gives an item's row the same bits whatever the item's row count, for items
-    [rows, k] @ [k, n] with the right operand contiguous, or the transpose of a contiguous [n, k] (measured
-    once per shape on this CPU, like `min_rows`)."""
-    key = ("bmm", k, n, transposed, dtype, torch.get_num_threads())
-    if key not in _min_rows:
-        b = _probe(1, n, k, dtype=dtype).transpose(1, 2) if transposed else _probe(1, k, n, dtype=dtype)
-        _min_rows[key] = first_invariant_rows(lambda a: torch.bmm(a[None], b)[0], _probe(PROBE_REF, k, dtype=dtype, seed=1))
-    return _min_rows[key]
 
 
 def small_call_kc(weight: torch.Tensor) -> int | None:

@@ -302,8 +302,8 @@ def test_stage_names_every_layer_yields(tiny):
     names = [o.split(":")[1] for o in order]
     want = []
     for layer in range(tiny.cfg.num_hidden_layers):  # Engram on layers 1 and 4 of the built-in roles
-        want += ["engram_gather", "engram"] * (layer in tiny.cfg.engram.engram_layer_ids)
-        want += ["attn", "moe_dispatch", "moe_combine"]
+        want += ["engram_gather"] * (layer in tiny.cfg.engram.engram_layer_ids)
+        want += ["attn", "moe"]
     assert tiny.cfg.engram.engram_layer_ids == (1, 4) and names == want
 
 

@@ -5,7 +5,13 @@ hits them alike):
   off       1 microbatch: every cross-rank sum is awaited right after its launch;
   sync      2 microbatches, each sum awaited at its launch (the same collectives as overlap, nothing hidden);
   overlap   2 microbatches (dual-batch overlap), each sum launched at a stage boundary and awaited after
-            the other microbatch's next stage (parallel/collectives.py).
+            the other microbatch's next stage (parallel/collectives.py);
+  planner   DBO on as served: the default `MicrobatchConfig` (when="overlap") with the planner choosing
+            each step's form from its cost model (microbatch/plan.py, `StepCosts`), after its warm-up
+            (2 x StepCosts.WARMUP untimed steps under the same link); its timed steps keep the planner's
+            exploration (one decision in EXPLORE_EVERY takes the other form). Reported: its ratio to off,
+            the share of its timed steps it cut, and the median |predicted - actual| / actual of its
+            step times (the cost model's prediction against what the step then took).
 Links: the real gloo link on loopback, and SIMULATED inter-node links: each sum completes
 `latency + bytes / bandwidth` after its launch (or when gloo completes it, if later); the wait sleeps
 only for what is left of that time, so the delay elapses while the other microbatch computes.
@@ -46,7 +52,7 @@ from .step import WORKLOADS
 TP_WORKLOADS = {"decode-32": (32, 1, 512), **WORKLOADS, "decode-128": (128, 1, 512),
                 "prefill-2048": (8, 256, 0)}
 
-CANDIDATES = (("off", 1, True), ("sync", 2, False), ("overlap", 2, True))
+CANDIDATES = (("off", 1, True), ("sync", 2, False), ("overlap", 2, True), ("planner", 2, True))
 
 
 def _status_mib(pid: int, field: str = "VmRSS") -> float:
@@ -81,21 +87,25 @@ def sum_cost(group: ParallelGroup, tokens: int, hidden: int, repeats: int) -> di
     return out
 
 
-def _prepare(make_runner, vocab: int, workload: tuple[int, int, int], microbatches: int):
-    """(runner, the workload's step, its bounds) for a runner made by `make_runner(RunnerConfig)`."""
+def _prepare(make_runner, vocab: int, workload: tuple[int, int, int], microbatches: int, planned: bool = False):
+    """(runner, the workload's step, its bounds) for a runner made by `make_runner(RunnerConfig)`; with
+    `planned`, the served configuration and bounds None (the planner chooses at every call)."""
     from ..runner.model_runner import RunnerConfig
     reqs, new, ctx = workload
     block = 16
     max_len = -(-(ctx + new) // block) * block
     cfg = RunnerConfig(max_num_seqs=reqs, max_model_len=max_len, max_num_batched_tokens=reqs * new,
                        block_size=block, num_blocks=reqs * max_len // block,
-                       microbatch=MicrobatchConfig(microbatches, "tokens", 0, 0, when="always"))
+                       microbatch=MicrobatchConfig(microbatches) if planned else
+                       MicrobatchConfig(microbatches, "tokens", 0, 0, when="always"))
     runner = make_runner(cfg)
     rng = np.random.default_rng(0)
     slots = np.array([runner.store.add(rng.integers(6, vocab, ctx + new).tolist()) for _ in range(reqs)])
     per = max_len // block
     tables = np.arange(reqs * per).reshape(reqs, per)
     batch = runner.build(slots, np.full(reqs, ctx), np.full(reqs, new), tables, np.ones(reqs, bool))
+    if planned:
+        return runner, batch, None
     bounds = runner.plan(batch)  # fixed for every timed call: the candidate's cut, never the planner's choice
     if len(bounds) - 1 != microbatches:
         raise ValueError(f"bench step: the {reqs * new}-token step was cut into {len(bounds) - 1} microbatches; "
@@ -105,12 +115,18 @@ def _prepare(make_runner, vocab: int, workload: tuple[int, int, int], microbatch
 
 def _measure(cluster, workload: tuple[int, int, int], delay: LinkDelay | None, budget_s: float) -> dict:
     """Step times and exposed communication (ms, rank 0) of each candidate, interleaved call by call."""
+    from ..microbatch.plan import StepCosts
     vocab = cluster.loaded.config.vocab_size
-    runners = {name: _prepare(cluster.make_runner, vocab, workload, n) for name, n, _ in CANDIDATES}
+    runners = {name: _prepare(cluster.make_runner, vocab, workload, n, name == "planner") for name, n, _ in CANDIDATES}
     times = {name: [] for name, _, _ in CANDIDATES}
     exposed = {name: [] for name, _, _ in CANDIDATES}
+    cut = []  # the planner's timed steps: cut or not
     spent, rounds = 0.0, 0
     try:
+        runner, batch, _ = runners["planner"]
+        cluster.call_all(configure_link, delay, True)
+        for _ in range(2 * StepCosts.WARMUP):  # the cost model's warm-up: both forms measured
+            runner.execute(batch)
         while rounds < 6 or (rounds < 300 and spent < budget_s * len(CANDIDATES)):
             shift = rounds % len(CANDIDATES)
             for name, _, overlap in CANDIDATES[shift:] + CANDIDATES[:shift]:
@@ -119,17 +135,22 @@ def _measure(cluster, workload: tuple[int, int, int], delay: LinkDelay | None, b
                 st = cluster.group.stats
                 w0 = st.wait_s
                 t0 = time.perf_counter()
-                runner.execute(batch, bounds)
+                step_bounds = runner.plan(batch) if bounds is None else bounds
+                runner.execute(batch, step_bounds)
                 dt = time.perf_counter() - t0
                 if rounds > 0:  # round 0 is the warm-up
                     times[name].append(dt * 1e3)
                     exposed[name].append((st.wait_s - w0) * 1e3)
                     spent += dt
+                    if bounds is None:
+                        cut.append(len(step_bounds) > 2)
             rounds += 1
+        error = runners["planner"][0].planner.prediction_error()
     finally:
         for runner, _, _ in runners.values():
             runner.close()
-    return {"tokens": runners["off"][1].num_tokens, "times": times, "exposed": exposed}
+    return {"tokens": runners["off"][1].num_tokens, "times": times, "exposed": exposed, "planner_cut": cut,
+            "planner_prediction_error": error}
 
 
 def _replicated_pieces(model, workload: tuple[int, int, int]):
@@ -207,6 +228,7 @@ def _row(m: dict) -> dict:
     med = {k: statistics.median(v) for k, v in t.items()}
     exp = {k: statistics.median(v) for k, v in e.items()}
     paired = [a / b for a, b in zip(t["off"], t["overlap"])]  # the same round: the same machine load
+    planned = [a / b for a, b in zip(t["off"], t["planner"])]
     c2, e2 = med["sync"] - exp["sync"], exp["sync"]  # the cut step's compute and communication
     return {
         "tokens": m["tokens"], "rounds": len(t["off"]),
@@ -223,6 +245,11 @@ def _row(m: dict) -> dict:
         "paired_speedup_p10_p90": f"{_pct(paired, 0.1):.2f}-{_pct(paired, 0.9):.2f}",
         "ideal_overlap_speedup": med["off"] / max(c2, e2),
         "ideal_comm_hidden": 1 - max(0.0, e2 - c2) / exp["off"] if exp["off"] > 0 else float("nan"),
+        "planner_ms": med["planner"],
+        "planner_speedup_median": statistics.median(planned),
+        "planner_speedup_p10_p90": f"{_pct(planned, 0.1):.2f}-{_pct(planned, 0.9):.2f}",
+        "planner_cut_share": sum(m["planner_cut"]) / len(m["planner_cut"]),
+        "planner_prediction_error": m["planner_prediction_error"],
     }
 
 

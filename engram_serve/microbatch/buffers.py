@@ -13,8 +13,6 @@ import torch
 from ..config import ModelConfig
 from ..errors import StaticBufferError
 
-MOE_DISPATCH, MOE_COMBINE = "moe_dispatch", "moe_combine"
-
 
 @dataclass
 class MicrobatchBuffers:
@@ -26,8 +24,7 @@ class MicrobatchBuffers:
     its top-k (-1 = none);
     candidates [T_cap, candidate_topk_blocks] int64: the candidate source's blocks, read by later index
     sources (-1 = none);
-    scratch: MoE dispatch/combine buffers [T_cap * experts_per_tok, hidden] under MOE_DISPATCH / MOE_COMBINE
-    (expert parallelism).
+    scratch: named 1-D buffers a runner adds (tensor parallelism: the communication buffers).
     """
 
     microbatch: int
@@ -43,18 +40,13 @@ class MicrobatchBuffers:
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, microbatch: int, max_tokens: int, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, moe_scratch: bool = False) -> "MicrobatchBuffers":
+                 dtype: torch.dtype = torch.float32) -> "MicrobatchBuffers":
         e = cfg.engram
         staging = torch.zeros(e.num_layers, max_tokens, e.num_columns, e.engram_head_dim, dtype=dtype, device=device)
         hash_ids = torch.zeros(max_tokens, e.num_layers, e.num_columns, dtype=torch.int64, device=device)
         topk = torch.full((max_tokens, cfg.index_topk), -1, dtype=torch.int64, device=device)
         cands = torch.full((max_tokens, cfg.candidate_topk_blocks), -1, dtype=torch.int64, device=device)
-        scratch = {}
-        if moe_scratch:
-            n = max_tokens * cfg.num_experts_per_tok
-            scratch[MOE_DISPATCH] = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
-            scratch[MOE_COMBINE] = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
-        return cls(microbatch, staging, hash_ids, topk, cands, scratch)
+        return cls(microbatch, staging, hash_ids, topk, cands)
 
     def scratch_view(self, name: str, rows: int) -> torch.Tensor | None:
         """The first `rows` rows of scratch buffer `name`; None if there is no such buffer. Never reallocates."""

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ..microbatch.buffers import MOE_COMBINE, MOE_DISPATCH, MicrobatchBuffers  # noqa: F401 (the layers' scratch names)
+from ..microbatch.buffers import MicrobatchBuffers
 
 if TYPE_CHECKING:  # annotations only: keeps model/ importable from runner/ without a cycle
     from ..inputs.batch import StepBatch

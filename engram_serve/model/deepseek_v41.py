@@ -45,8 +45,11 @@ KEY_CHUNK = 64  # indexer entries per batched-matmul item: a fixed per-item shap
 ATTN_TOKENS = 256  # tokens whose keys are gathered at once (bounds a long prefill's gathered keys; a token's
 # keys and result do not depend on it)
 NEG_INF = float("-inf")
-STAGE_ENGRAM_GATHER, STAGE_ENGRAM, STAGE_ATTN = "engram_gather", "engram", "attn"
-STAGE_MOE_DISPATCH, STAGE_MOE_COMBINE = "moe_dispatch", "moe_combine"
+# The overlap points. A microbatch yields where something of its own can be in flight while another
+# microbatch computes: its Engram gather (one process), its attention output's and its MoE output's
+# cross-rank sums (tensor parallelism). Nowhere else: a stage boundary with nothing in flight only
+# shortens the compute the other microbatch's in-flight sum hides behind.
+STAGE_ENGRAM_GATHER, STAGE_ATTN, STAGE_MOE = "engram_gather", "attn", "moe"
 
 
 # ---- roles ----------------------------------------------------------------------------------------
@@ -525,7 +528,7 @@ class MoE(nn.Module):
         return linear(swiglu(gu, self.inter, self.cfg.swiglu_limit), s.w2.weight)
 
     def stages(self, x: torch.Tensor, ctx=None) -> Generator[str, None, torch.Tensor]:
-        """Yields at dispatch and combine (the expert-parallel overlap points; `ctx`, the runner's
+        """Yields once, before the combine (the expert-parallel overlap point; `ctx`, the runner's
         ForwardContext, is for an expert-parallel shard's collective); returns [N, D]."""
         k, experts = self.cfg.num_experts_per_tok, self.cfg.n_routed_experts
         ids, w = self.route(x)
@@ -539,9 +542,8 @@ class MoE(nn.Module):
             counts = torch.bincount(flat, minlength=experts)
             tok = torch.div(order, k, rounding_mode="floor")
             xs = x[tok]  # [N*k, D]
-        yield STAGE_MOE_DISPATCH
         ys = self.experts(xs, counts)  # [N*k, D]
-        yield STAGE_MOE_COMBINE
+        yield STAGE_MOE
         if in_c:
             return fused.moe_combine(ys, order, w, self.shared(x))
         routed = torch.zeros_like(x).index_add_(0, tok, ys * w.reshape(-1)[order][:, None])
@@ -622,15 +624,14 @@ class DeepseekV41(nn.Module):
         pre[:, 0].fill_(1.0)  # layer 0's attention reads stream 0 alone
         for blk in self.layers:
             role = blk.role
-            if blk.engram is not None:
-                yield STAGE_ENGRAM_GATHER
-                if early is not None:
-                    x = blk.engram.apply(x.contiguous(), early(blk.engram_index), dead)
-                elif engram_rows is not None:
+            if early is not None and blk.engram is not None:  # its sum was launched at the start
+                x = blk.engram.apply(x.contiguous(), early(blk.engram_index), dead)
+            elif blk.engram is not None:
+                yield STAGE_ENGRAM_GATHER  # the other microbatch computes while this one's gather runs
+                if engram_rows is not None:
                     rows = engram_rows(blk.engram_index)
                     step.touch("staging", rows)
                     x = blk.engram(x.contiguous(), rows, dead)
-                yield STAGE_ENGRAM
             pre_a, post_a, comb_a = hyper_mix(x, blk.hc_attn_fn, blk.hc_attn_base, blk.hc_attn_scale, cfg)
             h = blk.attn_norm(collapse(x, pre))
             rope_cs = cs["comp"] if role.ratio else cs["plain"]

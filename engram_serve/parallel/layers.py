@@ -86,7 +86,7 @@ class ExpertParallelMoE(v41.MoE):
     expert's intermediate dimension. The router is replicated, so every rank routes every token the same
     way; each rank runs the (token, expert) pairs of its own experts and its slice of the shared expert,
     and adds them into a partial [N, D] (its experts in ascending order, then its shared slice); the
-    rank-ordered cross-rank sum of the partials is launched before the "moe_combine" stage and awaited
+    rank-ordered cross-rank sum of the partials is launched before the "moe" stage and awaited
     after it. A token's chain of additions is fixed per token, so a cut does not change its bits."""
 
     def __init__(self, full: v41.MoE, group: ParallelGroup, name: str):
@@ -123,7 +123,6 @@ class ExpertParallelMoE(v41.MoE):
         order = order[:sum(counts[:e_loc])]
         tok = torch.div(order, k, rounding_mode="floor")
         xs = x[tok]
-        yield v41.STAGE_MOE_DISPATCH
         parts, start = [], 0
         for e in range(e_loc):  # a loop over local experts, never over tokens
             if counts[e]:
@@ -132,5 +131,5 @@ class ExpertParallelMoE(v41.MoE):
         ys = torch.cat(parts) if parts else xs
         partial = torch.zeros_like(x).index_add_(0, tok, ys * w.reshape(-1)[order][:, None]) + self.shared(x)
         pending = launch_sum(self.group, partial, ctx, self.reduce_name)
-        yield v41.STAGE_MOE_COMBINE
+        yield v41.STAGE_MOE
         return pending.wait()

@@ -79,6 +79,20 @@ def test_the_planner_cuts_only_where_cut_steps_ran_faster():
     assert 1 <= after_c.count(True) <= explored
 
 
+def test_a_cold_first_step_does_not_decide_the_form():
+    """The first cut step of a class ran 3x slower (first touch of its buffers); cut steps then take 8 ms
+    against 10 whole. After the warm-up the planner cuts (with the cold sample averaged into the estimate
+    it would keep steps whole for the next ~100 steps)."""
+    p, qsl, cut_times = planner(), np.array([0, 30, 100]), iter([30.0] + [8.0] * 100)
+    forms = []
+    for _ in range(40):
+        cut = len(p.plan(qsl, False, collectives=True)) > 2
+        p.record_step(next(cut_times) if cut else 10.0, 100, cut)
+        forms.append(cut)
+    assert forms[:4] == [True, False, True, False]
+    assert forms[4:].count(True) >= len(forms[4:]) - len(forms[4:]) // MicrobatchPlanner.EXPLORE_EVERY - 1
+
+
 def test_predictions_are_measured_against_the_steps():
     p = planner()
     run(p, np.array([0, 100]), whole_ms=10.0, cut_ms=8.0, steps=40)

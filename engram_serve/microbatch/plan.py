@@ -102,7 +102,9 @@ class StepCosts:
     A cut step's time includes everything a cut costs (every weight read once per microbatch, each
     operator's fixed cost twice) and everything it hides (a microbatch's collectives and gathers behind
     the other's compute), so `gain(key) = whole - cut` is the planner's prediction of what cutting this
-    class of step saves. Until both forms of a class have WARMUP samples the planner alternates them."""
+    class of step saves. Until both forms of a class have WARMUP samples the planner alternates them; a
+    warm-up sample replaces the one before it (the first step of a form is cold: first-touch buffers, lazy
+    set-up; averaged in, it would bias the choice for many steps), then the estimates are moving averages."""
 
     WARMUP = 2
     SMOOTHING = 0.25
@@ -123,7 +125,8 @@ class StepCosts:
 
     def record(self, key: tuple, microbatched: bool, ms: float) -> None:
         prev = self.predict(key, microbatched)
-        self.ms.setdefault(key, {})[microbatched] = ms if prev is None else prev + self.SMOOTHING * (ms - prev)
+        warm = self.count(key, microbatched) >= self.WARMUP
+        self.ms.setdefault(key, {})[microbatched] = prev + self.SMOOTHING * (ms - prev) if warm else ms
         self.samples.setdefault(key, {})[microbatched] = self.count(key, microbatched) + 1
 
 

@@ -192,9 +192,9 @@ def test_bench_hidden_fraction_is_exposed_comm_removed_over_the_off_steps():
     m = {"tokens": 8, "times": {"off": [100.0, 110.0, 90.0], "sync": [120.0] * 3, "overlap": [80.0, 85.0, 90.0],
                                 "planner": [100.0, 100.0, 100.0]},
          "exposed": {"off": [20.0] * 3, "sync": [40.0] * 3, "overlap": [5.0] * 3, "planner": [20.0] * 3},
-         "planner_cut": [False, True, False], "planner_prediction_error": 0.1}
+         "planner_microbatched": [False, True, False], "planner_prediction_error": 0.1}
     r = _row(m)
-    assert r["planner_speedup_median"] == 1.0 and r["planner_cut_share"] == 1 / 3
+    assert r["planner_speedup_median"] == 1.0 and r["planner_microbatched_share"] == 1 / 3
     assert r["comm_hidden_by_overlap"] == 0.75  # (20 - 5) / 20
     assert r["overlap_comm_hidden"] == 0.875  # 1 - 5 / 40: of the overlap's own collectives
     assert r["comm_share_of_off_step"] == 0.2 and r["overlap_speedup_over_off"] == 100 / 85

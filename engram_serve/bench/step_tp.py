@@ -120,7 +120,7 @@ def _measure(cluster, workload: tuple[int, int, int], delay: LinkDelay | None, b
     runners = {name: _prepare(cluster.make_runner, vocab, workload, n, name == "planner") for name, n, _ in CANDIDATES}
     times = {name: [] for name, _, _ in CANDIDATES}
     exposed = {name: [] for name, _, _ in CANDIDATES}
-    cut = []  # the planner's timed steps: cut or not
+    microbatched = []  # the planner's timed steps: microbatched or not
     spent, rounds = 0.0, 0
     try:
         runner, batch, _ = runners["planner"]
@@ -143,14 +143,14 @@ def _measure(cluster, workload: tuple[int, int, int], delay: LinkDelay | None, b
                     exposed[name].append((st.wait_s - w0) * 1e3)
                     spent += dt
                     if bounds is None:
-                        cut.append(len(step_bounds) > 2)
+                        microbatched.append(len(step_bounds) > 2)
             rounds += 1
         error = runners["planner"][0].planner.prediction_error()
     finally:
         for runner, _, _ in runners.values():
             runner.close()
-    return {"tokens": runners["off"][1].num_tokens, "times": times, "exposed": exposed, "planner_cut": cut,
-            "planner_prediction_error": error}
+    return {"tokens": runners["off"][1].num_tokens, "times": times, "exposed": exposed,
+            "planner_microbatched": microbatched, "planner_prediction_error": error}
 
 
 def _replicated_pieces(model, workload: tuple[int, int, int]):
@@ -248,7 +248,7 @@ def _row(m: dict) -> dict:
         "planner_ms": med["planner"],
         "planner_speedup_median": statistics.median(planned),
         "planner_speedup_p10_p90": f"{_pct(planned, 0.1):.2f}-{_pct(planned, 0.9):.2f}",
-        "planner_cut_share": sum(m["planner_cut"]) / len(m["planner_cut"]),
+        "planner_microbatched_share": sum(m["planner_microbatched"]) / len(m["planner_microbatched"]),
         "planner_prediction_error": m["planner_prediction_error"],
     }
 

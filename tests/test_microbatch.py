@@ -4,6 +4,8 @@ Planning and slicing rules are swept in test_inputs.py; the planner inside a run
 (measured gathers, collectives) in test_runner.py.
 """
 import math
+from collections.abc import Iterator
+from itertools import repeat
 
 import numpy as np
 import pytest
@@ -56,12 +58,14 @@ def test_moving_averages_follow_the_measurements():
     assert p.step_ms_per_token == pytest.approx(p.SMOOTHING * 0.4)
 
 
-def run(p: MicrobatchPlanner, qsl, whole_ms: float, cut_ms: float, steps: int) -> list[bool]:
-    """Plan and "run" `steps` steps whose whole form takes whole_ms and cut form cut_ms; which were cut."""
+def run(p: MicrobatchPlanner, qsl, whole_ms: float, cut_ms, steps: int) -> list[bool]:
+    """Plan and "run" `steps` steps whose whole form takes whole_ms and cut form cut_ms (a float, or an
+    iterator giving each cut step's time in turn); which were cut."""
+    cut_times = cut_ms if isinstance(cut_ms, Iterator) else repeat(cut_ms)
     out = []
     for _ in range(steps):
         cut = len(p.plan(qsl, False, collectives=True)) > 2
-        p.record_step(cut_ms if cut else whole_ms, int(qsl[-1]), cut)
+        p.record_step(next(cut_times) if cut else whole_ms, int(qsl[-1]), cut)
         out.append(cut)
     return out
 
@@ -83,12 +87,7 @@ def test_a_cold_first_step_does_not_decide_the_form():
     """The first cut step of a class ran 3x slower (first touch of its buffers); cut steps then take 8 ms
     against 10 whole. After the warm-up the planner cuts (with the cold sample averaged into the estimate
     it would keep steps whole for the next ~100 steps)."""
-    p, qsl, cut_times = planner(), np.array([0, 30, 100]), iter([30.0] + [8.0] * 100)
-    forms = []
-    for _ in range(40):
-        cut = len(p.plan(qsl, False, collectives=True)) > 2
-        p.record_step(next(cut_times) if cut else 10.0, 100, cut)
-        forms.append(cut)
+    forms = run(planner(), np.array([0, 30, 100]), whole_ms=10.0, cut_ms=iter([30.0] + [8.0] * 100), steps=40)
     assert forms[:4] == [True, False, True, False]
     assert forms[4:].count(True) >= len(forms[4:]) - len(forms[4:]) // MicrobatchPlanner.EXPLORE_EVERY - 1
 

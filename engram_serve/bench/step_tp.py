@@ -9,7 +9,8 @@ hits them alike):
   planner   DBO on as served: the default `MicrobatchConfig` (when="overlap") with the planner choosing
             each step's form from its cost model (microbatch/plan.py, `StepCosts`), after its warm-up
             (2 x StepCosts.WARMUP untimed steps under the same link); its timed steps keep the planner's
-            exploration (one decision in EXPLORE_EVERY takes the other form). Reported: its ratio to off,
+            exploration (one decision in EXPLORE_EVERY takes the other form), and its planning is timed
+            with its step, as in serving. Reported: its ratio to off,
             the share of its timed steps it cut, and the median |predicted - actual| / actual of its
             step times (the cost model's prediction against what the step then took).
 Links: the real gloo link on loopback, and SIMULATED inter-node links: each sum completes

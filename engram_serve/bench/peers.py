@@ -27,7 +27,7 @@ token over the copy bandwidth measured in this run).
 
 `llama` (unchanged workload): B prompts of 64 random ids, 32 greedy tokens each, end to end, B = 1, 32,
 128. CTranslate2 `generate_batch` and HF `generate` run a Llama with the built-in model's hidden size and
-depth class (vocab 4096, hidden 128, SwiGLU 384, 4 layers, 4 heads, 2 KV heads, head_dim 32, random
+depth (vocab 4096, hidden 128, SwiGLU 384, the built-in's 7 layers, 4 heads, 2 KV heads, head_dim 32, random
 weights, `transformers.LlamaConfig`; converted in-process for CTranslate2); engram-serve runs its built-in
 V4.1 model (Engram on) through `LLMEngine`, microbatching off (`MicrobatchConfig(1)`) and on (2).
 
@@ -41,10 +41,23 @@ import importlib.util
 from . import common
 
 NAME = "peers"
+
+
+def _builtin_depth() -> int:
+    """The built-in model's number of layers: the llama suite's dense Llama has its hidden size and depth."""
+    import json
+
+    from .v41_shapes import TINY_CONFIG
+    with open(TINY_CONFIG) as f:
+        cfg = json.load(f)
+    return cfg.get("text_config", cfg)["num_hidden_layers"]
+
+
 SUITES = ("mlx", "llama")
 PROMPT, NEW = 64, 32
-LLAMA = dict(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=False)
+LLAMA = dict(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=_builtin_depth(),
+             num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+             tie_word_embeddings=False)
 CANDIDATES = ("ct2", "hf", "engram_off", "engram_on")
 V41_WORKLOADS = ("prefill", "decode-1", "decode-32")
 WARMUP_SEED = 1 << 20  # the untimed call's prompts (the timed prefill rounds use seeds 0, 1, ...)

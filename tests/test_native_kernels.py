@@ -79,9 +79,10 @@ def plain_topk(row: list[float], k: int) -> list[int]:
 
 # ---- mHC -------------------------------------------------------------------------------------------------
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 6), hc=st.sampled_from([1, 2, 4, 5]), dim=st.sampled_from([8, 16, 24]),
+@given(n=st.integers(1, 19), hc=st.sampled_from([1, 2, 4, 5]), dim=st.sampled_from([8, 16, 24]),
        iters=st.integers(0, 20), seed=st.integers(0, 2**31))
 def test_mhc_mix_collapse_and_expand_match_their_definition_and_a_token_alone(n, hc, dim, iters, seed):
+    """Tokens are mixed 8 at a time (lanes of one vector) and the rest one by one: a token's bits are its bits alone."""
     g = gen(seed)
     x, mm = torch.randn(n, hc, dim, generator=g), torch.randn(n, (2 + hc) * hc, generator=g) * 3
     scale, base = torch.rand(3, generator=g) + 0.5, torch.randn((2 + hc) * hc, generator=g)
@@ -191,25 +192,60 @@ def test_the_alone_checker_sees_a_batch_dependent_kernel():
 
 # ---- attention ------------------------------------------------------------------------------------------
 @settings(max_examples=20, deadline=None)
-@given(n=st.integers(1, 4), h=st.integers(1, 4), k=st.integers(1, 40), hd=st.sampled_from([8, 16, 24]),
-       seed=st.integers(0, 2**31))
-def test_attend_is_softmax_with_a_sink_and_never_reads_a_masked_key(n, h, k, hd, seed):
+@given(n=st.integers(1, 4), h=st.integers(1, 6), w=st.integers(0, 12), k=st.integers(0, 6),
+       hd=st.sampled_from([8, 16, 24, 32, 64]), seed=st.integers(0, 2**31))
+def test_attend_paged_is_softmax_with_a_sink_over_the_keys_a_token_reads(n, h, w, k, hd, seed):
+    """Each token's keys (its window slots with ok, then the entries its picks name) read in place in the pools,
+    against the float64 textbook over the same keys gathered; a row that is masked or not named is never read
+    (NaN planted there), and a token's bits do not depend on its batch mates. Sizes cover both forms of the
+    score (four heads interleaved, hd a multiple of 16, and the rest) and of the weighted sum (hd a multiple
+    of 32 in registers, and the rest)."""
     g = gen(seed)
-    q, keys = torch.randn(n, h, hd, generator=g), torch.randn(n, k, hd, generator=g)
-    ok = torch.rand(n, k, generator=g) < 0.7
-    sink = torch.randn(h, generator=g)
-    planted = keys.masked_fill(~ok[:, :, None], float("nan"))  # a masked key is never read
-    out = fused.attend(q, planted, ok, sink, hd ** -0.5)
-    z = torch.einsum("nhd,nkd->nhk", q.double(), keys.double()) * hd ** -0.5
-    z = z.masked_fill(~ok[:, None, :], -math.inf)
-    m = torch.maximum(z.amax(-1), sink.double()[None])
-    e = torch.exp(z - m[..., None])
-    want = torch.einsum("nhk,nkd->nhd", e, keys.double()) / (e.sum(-1) + torch.exp(sink.double()[None] - m))[..., None]
-    np.testing.assert_allclose(out.double(), want, rtol=1e-5, atol=1e-6)
-    assert alone_bits(lambda a, b, c: fused.attend(a, b, c, sink, hd ** -0.5), q, planted, ok) == []
+    rows, es = 64, 8
+    window, entries = torch.randn(rows, hd, generator=g), torch.randn(rows, hd, generator=g)
+    perm = torch.randperm(rows, generator=g)
+    wslots = perm[:n * w].view(n, w)  # distinct slots: a masked one is no ok one's
+    wok = torch.rand(n, w, generator=g) < 0.7
+    eslots = perm[n * w:n * w + n * es].view(n, es) if n * (w + es) <= rows else torch.randint(0, rows, (n, es), generator=g)
+    topk = torch.randint(-1, es + 2, (n, k), generator=g)  # -1 and >= es: no pick
+    picked = (topk >= 0) & (topk < es)
+    q, sink = torch.randn(n, h, hd, generator=g), torch.randn(h, generator=g)
+    read = set(wslots[wok].tolist())
+    planted_w = window.clone()
+    planted_w[[r for r in range(rows) if r not in read]] = float("nan")
+    ent_read = {int(eslots[t, topk[t, i]]) for t in range(n) for i in range(k) if picked[t, i]}
+    planted_e = entries.clone()
+    planted_e[[r for r in range(rows) if r not in ent_read]] = float("nan")
+
+    def run(q, wslots, wok, eslots, topk):
+        return fused.attend_paged(q, planted_w, wslots, wok, planted_e, eslots if k else None, topk if k else None,
+                                  sink, hd ** -0.5)
+    out = run(q, wslots, wok, eslots, topk)
+    for t in range(n):
+        keys = [window[s] for s, o in zip(wslots[t].tolist(), wok[t].tolist()) if o]
+        keys += [entries[eslots[t, topk[t, i]]] for i in range(k) if picked[t, i]]
+        keys = torch.stack(keys).double() if keys else torch.zeros(0, hd, dtype=torch.float64)
+        z = q[t].double() @ keys.T * hd ** -0.5  # [h, keys]
+        m = torch.maximum(z.amax(-1) if keys.shape[0] else torch.full((h,), -math.inf, dtype=torch.float64),
+                          sink.double())
+        e = torch.exp(z - m[:, None])
+        want = (e @ keys) / (e.sum(-1) + torch.exp(sink.double() - m))[:, None]
+        np.testing.assert_allclose(out[t].double(), want, rtol=1e-5, atol=1e-6)
+    assert alone_bits(run, q, wslots, wok, eslots, topk) == []
 
 
-def test_store_rows_and_the_keys_a_token_reads():
+def test_attend_paged_refuses_a_slot_outside_the_pool():
+    window, entries = torch.randn(10, 8, generator=gen(1)), torch.randn(10, 8, generator=gen(2))
+    q, sink = torch.randn(1, 2, 8, generator=gen(3)), torch.zeros(2)
+    wok, eslots, topk = torch.tensor([[True, True, True]]), torch.tensor([[4, 6, 9]]), torch.tensor([[1, -1, 0]])
+    fused.attend_paged(q, window, torch.tensor([[9, 2, 3]]), wok, entries, eslots, topk, sink, 0.5)
+    with pytest.raises(ValueError, match="attend_paged"):
+        fused.attend_paged(q, window, torch.tensor([[10, 2, 3]]), wok, entries, eslots, topk, sink, 0.5)
+    with pytest.raises(ValueError, match="attend_paged"):
+        fused.attend_paged(q, window, torch.tensor([[9, 2, 3]]), wok, entries, torch.tensor([[4, 11, 9]]), topk, sink, 0.5)
+
+
+def test_store_rows_writes_complete_entries_and_refuses_a_slot_outside_the_pool():
     pool = torch.zeros(10, 4)
     slots, vals = torch.tensor([3, -1, 5, 7]), torch.arange(16.0).view(4, 4)
     fused.store_rows(pool, slots, vals, 8, torch.tensor([1, 2, 4, 5]), 2)  # ratio 2: positions 1 and 5 complete
@@ -218,15 +254,6 @@ def test_store_rows_and_the_keys_a_token_reads():
     with pytest.raises(ValueError, match="store_rows: slot 12"):
         fused.store_rows(pool, torch.tensor([1, 12]), vals[:2], 8)
     assert pool[1].eq(0).all()  # nothing written
-    window, entries = torch.randn(10, 4, generator=gen(1)), torch.randn(10, 4, generator=gen(2))
-    wslots, wok = torch.tensor([[9, 2, 3]]), torch.tensor([[False, True, True]])
-    eslots, topk = torch.tensor([[4, 6, 9]]), torch.tensor([[1, -1, 0]])
-    keys, ok = fused.attn_keys(window, wslots, wok, entries, eslots, topk)
-    assert ok.tolist() == [[False, True, True, True, False, True]]
-    assert torch.equal(keys[0, :3], window[[9, 2, 3]]) and torch.equal(keys[0, 3], entries[6])
-    assert keys[0, 4].eq(0).all() and torch.equal(keys[0, 5], entries[4])
-    with pytest.raises(ValueError, match="attn_keys"):
-        fused.attn_keys(window, torch.tensor([[10, 2, 3]]), wok, entries, eslots, topk)
 
 
 # ---- the indexer, top-k, candidate blocks ----------------------------------------------------------------

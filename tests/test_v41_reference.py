@@ -91,7 +91,7 @@ def _drop(name, wrap):
 
 CONTROLS = {
     "mhc lag": lambda mp, model: _drop_lag(mp),
-    "attention sink": _drop("attend", lambda f: lambda q, k, ok, sink, scale: f(q, k, ok, sink - float("inf"), scale)),
+    "attention sink": _drop("attend_paged", lambda f: lambda *a, sink, scale: f(*a, sink=sink - float("inf"), scale=scale)),
     "swiglu clamp": _drop("swiglu", lambda f: lambda gu, inter, limit: f(gu, inter, 0.0)),
     "inverse rope": _drop("rope", lambda f: lambda x, c, s, inverse=False: x if inverse else f(x, c, s)),
     "pooling softmax": _drop("pool_pair", lambda f: lambda a, b: (a[:, : a.shape[1] // 2] + b[:, : b.shape[1] // 2]) / 2),

@@ -36,15 +36,15 @@
  *     values[t] for each token t, in token order; the trash row where slots[t] < 0 or, with positions [n]
  *     (else 0), where positions[t] % ratio != ratio - 1 (the token completes no entry). ValueError, and
  *     nothing written, if a slot is outside [0, rows) (PagedState.write; a compressor's entries).
- *   attn_keys(window, wslots, wok, n, w, entries, eslots, es, topk, k, rows, hd, keys, ok): the keys one token
- *     reads, keys [n, w + k, hd] and ok [n, w + k]: the window rows window[wslots[t][j]] with wok; then, with
- *     topk [n, k] (else k = 0), entries[eslots[t][topk[t][i]]] where the pick is >= 0 (below es), a zero
- *     row and ok 0 where it is not. ValueError, and nothing written, if a slot is outside [0, rows).
  * Attention:
- *   attend(q, keys, ok, sink, n, h, k, hd, scale, out): q [n, h, hd], keys [n, k, hd] (key = value), ok [n, k],
- *     sink [h] -> out [n, h, hd]. Per token and head: z_j = dot(q, key_j) * scale over the keys with ok (the
- *     others are never read), m = the max of sink and the z_j, e_j = exp(z_j - m),
- *     out = (sum_j e_j key_j) / (sum_j e_j + exp(sink - m)), sums over j in key order.
+ *   attend_paged(q, window, wslots, wok, n, w, entries, eslots, es, topk, k, rows, hd, sink, h, scale, out):
+ *     q [n, h, hd], sink [h] -> out [n, h, hd]. Token t reads the keys (key = value) of its window,
+ *     window[wslots[t][j]] with ok wok[t][j], then with topk [n, k] (else k = 0) the entries it picked,
+ *     entries[eslots[t][topk[t][i]]], ok where the pick is >= 0 (below es), all in place in their pools
+ *     [rows, hd]. Per token and head: z_j = dot(q, key_j) * scale over the keys with ok (the others are never
+ *     read), m = the max of sink and the z_j, e_j = exp(z_j - m),
+ *     out = (sum_j e_j key_j) / (sum_j e_j + exp(sink - m)), sums over j in key order (window, then picks).
+ *     ValueError, and nothing written, if a slot is outside [0, rows).
  *   pool_pair(first, second, n, hd, out): first, second [n, 2 hd] ([kv, gate] rows) -> out [n, hd]: per
  *     channel e0 = exp(g0 - m), e1 = exp(g1 - m), m = max(g0, g1); out = (e0 kv0 + e1 kv1) / (e0 + e1).
  * Indexer (docs/deepseek_v41.md, "Indexer"):
@@ -168,14 +168,81 @@ hc_mix_rows_of(const float *restrict x, const float *restrict mm, Py_ssize_t n, 
     }
 }
 
+#define HC_LANES 8 /* tokens mixed at once: lane l of every array below is token l */
+
+/* hc_mix_rows_of on HC_LANES tokens at once, each operation a loop over the lanes (which the compiler turns
+ * into vector instructions): on each lane the same operations in the same order as on one token, so the
+ * same bits. */
+static inline __attribute__((always_inline)) void
+hc_mix_lanes(const float *restrict x, const float *restrict mm, const Py_ssize_t hc, Py_ssize_t dim,
+             const float *restrict scale, const float *restrict base, float eps, float hc_eps, Py_ssize_t iters,
+             float *restrict pre, float *restrict post, float *restrict comb) {
+    const Py_ssize_t mix = (2 + hc) * hc;
+    float r[HC_LANES], s[HC_LANES], mx[HC_LANES];
+    float m[(2 + MAX_HC) * MAX_HC][HC_LANES], c[MAX_HC * MAX_HC][HC_LANES];
+    for (int l = 0; l < HC_LANES; l++) r[l] = rms_scale(x + l * hc * dim, hc * dim, eps);
+    for (Py_ssize_t j = 0; j < mix; j++) {
+        const float sc = scale[j < hc ? 0 : (j < 2 * hc ? 1 : 2)], bj = base[j];
+        for (int l = 0; l < HC_LANES; l++) m[j][l] = mm[l * mix + j] * r[l] * sc + bj;
+    }
+    for (Py_ssize_t i = 0; i < hc; i++)
+        for (int l = 0; l < HC_LANES; l++) {
+            pre[l * hc + i] = sigmoid_fixed(m[i][l]) + hc_eps;
+            post[l * hc + i] = 2.0f * sigmoid_fixed(m[hc + i][l]);
+        }
+    for (Py_ssize_t a = 0; a < hc; a++) {
+        float (*row)[HC_LANES] = m + 2 * hc + a * hc;
+        for (int l = 0; l < HC_LANES; l++) mx[l] = row[0][l], s[l] = 0.0f;
+        for (Py_ssize_t b = 1; b < hc; b++)
+            for (int l = 0; l < HC_LANES; l++) mx[l] = row[b][l] > mx[l] ? row[b][l] : mx[l];
+        for (Py_ssize_t b = 0; b < hc; b++)
+            for (int l = 0; l < HC_LANES; l++) {
+                c[a * hc + b][l] = exp_fixed(row[b][l] - mx[l]);
+                s[l] = s[l] + c[a * hc + b][l];
+            }
+        for (Py_ssize_t b = 0; b < hc; b++)
+            for (int l = 0; l < HC_LANES; l++) c[a * hc + b][l] = c[a * hc + b][l] / s[l] + hc_eps;
+    }
+    for (Py_ssize_t it = 0; it < (iters > 1 ? iters : 1); it++) { /* columns, then (rows, columns) iters - 1 times */
+        if (it)
+            for (Py_ssize_t a = 0; a < hc; a++) {
+                for (int l = 0; l < HC_LANES; l++) s[l] = 0.0f;
+                for (Py_ssize_t b = 0; b < hc; b++)
+                    for (int l = 0; l < HC_LANES; l++) s[l] = s[l] + c[a * hc + b][l];
+                for (Py_ssize_t b = 0; b < hc; b++)
+                    for (int l = 0; l < HC_LANES; l++) c[a * hc + b][l] = c[a * hc + b][l] / (s[l] + hc_eps);
+            }
+        for (Py_ssize_t b = 0; b < hc; b++) {
+            for (int l = 0; l < HC_LANES; l++) s[l] = 0.0f;
+            for (Py_ssize_t a = 0; a < hc; a++)
+                for (int l = 0; l < HC_LANES; l++) s[l] = s[l] + c[a * hc + b][l];
+            for (Py_ssize_t a = 0; a < hc; a++)
+                for (int l = 0; l < HC_LANES; l++) c[a * hc + b][l] = c[a * hc + b][l] / (s[l] + hc_eps);
+        }
+    }
+    for (Py_ssize_t e = 0; e < hc * hc; e++)
+        for (int l = 0; l < HC_LANES; l++) comb[l * hc * hc + e] = c[e][l];
+}
+
+/* HC_LANES tokens at a time, the rest one by one */
 CLONES static void hc_mix_rows(const float *restrict x, const float *restrict mm, Py_ssize_t n, Py_ssize_t hc,
                                Py_ssize_t dim, const float *restrict scale, const float *restrict base, float eps,
                                float hc_eps, Py_ssize_t iters, float *restrict pre, float *restrict post,
                                float *restrict comb) {
+    const Py_ssize_t mix = (2 + hc) * hc, full = n - n % HC_LANES;
+    for (Py_ssize_t t = 0; t < full; t += HC_LANES) {
+        if (hc == 4)
+            hc_mix_lanes(x + t * hc * dim, mm + t * mix, 4, dim, scale, base, eps, hc_eps, iters, pre + t * hc,
+                         post + t * hc, comb + t * hc * hc);
+        else
+            hc_mix_lanes(x + t * hc * dim, mm + t * mix, hc, dim, scale, base, eps, hc_eps, iters, pre + t * hc,
+                         post + t * hc, comb + t * hc * hc);
+    }
+    x += full * hc * dim, mm += full * mix, pre += full * hc, post += full * hc, comb += full * hc * hc;
     if (hc == 4)
-        hc_mix_rows_of(x, mm, n, 4, dim, scale, base, eps, hc_eps, iters, pre, post, comb);
+        hc_mix_rows_of(x, mm, n - full, 4, dim, scale, base, eps, hc_eps, iters, pre, post, comb);
     else
-        hc_mix_rows_of(x, mm, n, hc, dim, scale, base, eps, hc_eps, iters, pre, post, comb);
+        hc_mix_rows_of(x, mm, n - full, hc, dim, scale, base, eps, hc_eps, iters, pre, post, comb);
 }
 
 CLONES static void collapse_rows(const float *restrict x, const float *restrict mix, Py_ssize_t n, Py_ssize_t hc,
@@ -308,11 +375,98 @@ static Py_ssize_t store_rows(float *restrict pool, Py_ssize_t rows, Py_ssize_t w
     return -1;
 }
 
-/* returns 1 if a slot read is outside [0, rows) (nothing written), else 0 */
-static int attn_keys(const float *restrict window, const int64_t *restrict wslots, const uint8_t *restrict wok,
-                     Py_ssize_t n, Py_ssize_t w, const float *restrict entries, const int64_t *restrict eslots,
-                     Py_ssize_t es, const int64_t *restrict topk, Py_ssize_t k, Py_ssize_t rows, Py_ssize_t hd,
-                     float *restrict keys, uint8_t *restrict ok) {
+/* ---- attention --------------------------------------------------------------------------------------- */
+
+/* z[i * k] = dot(q_i, key) * scale for the h heads of q [h, hd]: four heads' dot chains interleaved where hd is a
+ * multiple of 16 (each head's lanes and tree exactly dot's, two 8-lane vectors), else dot itself */
+static inline __attribute__((always_inline)) void dot_heads(const float *restrict q, const float *restrict key,
+                                                             Py_ssize_t h, Py_ssize_t hd, float scale,
+                                                             float *restrict z, Py_ssize_t k) {
+    Py_ssize_t i = 0;
+    if (hd % LANES == 0)
+        for (; i + 4 <= h; i += 4) {
+            v8 lo[4] = {{0}}, hi[4] = {{0}}, ka, kb, x;
+            for (Py_ssize_t d = 0; d < hd; d += LANES) {
+                memcpy(&ka, key + d, sizeof ka);
+                memcpy(&kb, key + d + 8, sizeof kb);
+                for (int u = 0; u < 4; u++) {
+                    memcpy(&x, q + (i + u) * hd + d, sizeof x);
+                    lo[u] = lo[u] + x * ka;
+                    memcpy(&x, q + (i + u) * hd + d + 8, sizeof x);
+                    hi[u] = hi[u] + x * kb;
+                }
+            }
+            for (int u = 0; u < 4; u++) {
+                const v8 s8 = lo[u] + hi[u];
+                const v4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+                z[(i + u) * k] = ((s4[0] + s4[2]) + (s4[1] + s4[3])) * scale;
+            }
+        }
+    for (; i < h; i++) z[i * k] = dot(q + i * hd, key, hd) * scale;
+}
+
+/* o [hd] = sum over the keys j with ok, in key order, of e[j] * kp[j]; 32 columns at a time in registers where
+ * hd is a multiple of 32 (each column's additions in the same order) */
+static inline __attribute__((always_inline)) void weigh_keys(const float *const *kp, const uint8_t *restrict okt,
+                                                              const float *restrict e, Py_ssize_t k, Py_ssize_t hd,
+                                                              float *restrict o) {
+    if (hd % 32 == 0) {
+        for (Py_ssize_t c = 0; c < hd; c += 32) {
+            v8 acc[4] = {{0}}, x;
+            for (Py_ssize_t j = 0; j < k; j++) {
+                if (!okt[j]) continue;
+                const v8 ej = {e[j], e[j], e[j], e[j], e[j], e[j], e[j], e[j]};
+                for (int u = 0; u < 4; u++) {
+                    memcpy(&x, kp[j] + c + 8 * u, sizeof x);
+                    acc[u] = acc[u] + ej * x;
+                }
+            }
+            memcpy(o + c, acc, sizeof acc);
+        }
+        return;
+    }
+    for (Py_ssize_t x = 0; x < hd; x++) o[x] = 0.0f;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        if (!okt[j]) continue;
+        for (Py_ssize_t d = 0; d < hd; d++) o[d] = o[d] + e[j] * kp[j][d];
+    }
+}
+
+/* One token's attention over its k keys kp[j] (read in place; a key without ok is never read); z [h, k] scores,
+ * then weights; den [h]: scratch of the call */
+static inline __attribute__((always_inline)) void
+attend_token(const float *restrict qt, const float *const *kp, const uint8_t *restrict okt, const float *restrict sink,
+             Py_ssize_t h, Py_ssize_t k, Py_ssize_t hd, float scale, float *restrict ot, float *restrict z,
+             float *restrict den) {
+    for (Py_ssize_t j = 0; j < k; j++) {
+        if (okt[j])
+            dot_heads(qt, kp[j], h, hd, scale, z + j, k);
+        else /* a masked key's score is -inf: its weight exp(-inf) is 0 */
+            for (Py_ssize_t i = 0; i < h; i++) z[i * k + j] = -INFINITY;
+    }
+    for (Py_ssize_t i = 0; i < h; i++) {
+        float *zi = z + i * k;
+        float mx = sink[i], s = 0.0f;
+        for (Py_ssize_t j = 0; j < k; j++) mx = zi[j] > mx ? zi[j] : mx;
+        for (Py_ssize_t j = 0; j < k; j++) zi[j] = exp_fixed(zi[j] - mx); /* (no branch: vectorised) */
+        for (Py_ssize_t j = 0; j < k; j++) s = s + zi[j]; /* in key order; a masked key adds +0 */
+        den[i] = s + exp_fixed(sink[i] - mx);
+    }
+    for (Py_ssize_t i = 0; i < h; i++) {
+        float *oi = ot + i * hd;
+        weigh_keys(kp, okt, z + i * k, k, hd, oi);
+        for (Py_ssize_t d = 0; d < hd; d++) oi[d] = oi[d] / den[i];
+    }
+}
+
+/* returns 1 if a slot read is outside [0, rows) (nothing written), else 0; kp [w + k], okp [w + k], z, den:
+ * scratch of the call */
+CLONES static int attend_paged(const float *restrict q, const float *restrict window, const int64_t *restrict wslots,
+                               const uint8_t *restrict wok, Py_ssize_t n, Py_ssize_t w, const float *restrict entries,
+                               const int64_t *restrict eslots, Py_ssize_t es, const int64_t *restrict topk,
+                               Py_ssize_t k, Py_ssize_t rows, Py_ssize_t hd, const float *restrict sink, Py_ssize_t h,
+                               float scale, float *restrict out, const float **kp, uint8_t *restrict okp,
+                               float *restrict z, float *restrict den) {
     for (Py_ssize_t t = 0; t < n; t++) {
         for (Py_ssize_t j = 0; j < w; j++)
             if (wslots[t * w + j] < 0 || wslots[t * w + j] >= rows) return 1;
@@ -321,61 +475,19 @@ static int attn_keys(const float *restrict window, const int64_t *restrict wslot
             if (g >= 0 && g < es && (eslots[t * es + g] < 0 || eslots[t * es + g] >= rows)) return 1;
         }
     }
-    const size_t row = (size_t)hd * sizeof(float);
     for (Py_ssize_t t = 0; t < n; t++) {
-        float *kt = keys + t * (w + k) * hd;
-        uint8_t *okt = ok + t * (w + k);
         for (Py_ssize_t j = 0; j < w; j++) {
-            memcpy(kt + j * hd, window + wslots[t * w + j] * hd, row);
-            okt[j] = wok[t * w + j] != 0;
+            kp[j] = window + wslots[t * w + j] * hd;
+            okp[j] = wok[t * w + j] != 0;
         }
         for (Py_ssize_t i = 0; i < k; i++) {
             const int64_t g = topk[t * k + i];
-            const int pick = g >= 0 && g < es;
-            if (pick)
-                memcpy(kt + (w + i) * hd, entries + eslots[t * es + g] * hd, row);
-            else
-                memset(kt + (w + i) * hd, 0, row);
-            okt[w + i] = (uint8_t)pick;
+            okp[w + i] = g >= 0 && g < es;
+            kp[w + i] = okp[w + i] ? entries + eslots[t * es + g] * hd : NULL;
         }
+        attend_token(q + t * h * hd, kp, okp, sink, h, w + k, hd, scale, out + t * h * hd, z, den);
     }
     return 0;
-}
-
-/* ---- attention --------------------------------------------------------------------------------------- */
-
-/* z [h, k] scores, then weights; den [h]; scratch of the call */
-CLONES static void attend_rows(const float *restrict q, const float *restrict keys, const uint8_t *restrict ok,
-                               const float *restrict sink, Py_ssize_t n, Py_ssize_t h, Py_ssize_t k, Py_ssize_t hd,
-                               float scale, float *restrict out, float *restrict z, float *restrict den) {
-    for (Py_ssize_t t = 0; t < n; t++) {
-        const float *qt = q + t * h * hd, *kt = keys + t * k * hd;
-        const uint8_t *okt = ok + t * k;
-        float *ot = out + t * h * hd;
-        for (Py_ssize_t j = 0; j < k; j++)
-            for (Py_ssize_t i = 0; i < h; i++) /* a masked key's score is -inf: its weight exp(-inf) is 0 */
-                z[i * k + j] = okt[j] ? dot(qt + i * hd, kt + j * hd, hd) * scale : -INFINITY;
-        for (Py_ssize_t i = 0; i < h; i++) {
-            float *zi = z + i * k;
-            float mx = sink[i], s = 0.0f;
-            for (Py_ssize_t j = 0; j < k; j++) mx = zi[j] > mx ? zi[j] : mx;
-            for (Py_ssize_t j = 0; j < k; j++) zi[j] = exp_fixed(zi[j] - mx); /* (no branch: vectorised) */
-            for (Py_ssize_t j = 0; j < k; j++) s = s + zi[j]; /* in key order; a masked key adds +0 */
-            den[i] = s + exp_fixed(sink[i] - mx);
-        }
-        for (Py_ssize_t x = 0; x < h * hd; x++) ot[x] = 0.0f;
-        for (Py_ssize_t j = 0; j < k; j++) {
-            if (!okt[j]) continue;
-            const float *kj = kt + j * hd;
-            for (Py_ssize_t i = 0; i < h; i++) {
-                const float e = z[i * k + j];
-                float *oi = ot + i * hd;
-                for (Py_ssize_t d = 0; d < hd; d++) oi[d] = oi[d] + e * kj[d];
-            }
-        }
-        for (Py_ssize_t i = 0; i < h; i++)
-            for (Py_ssize_t d = 0; d < hd; d++) ot[i * hd + d] = ot[i * hd + d] / den[i];
-    }
 }
 
 CLONES static void pool_pair_rows(const float *restrict first, const float *restrict second, Py_ssize_t n,
@@ -797,37 +909,29 @@ static PyObject *py_store_rows(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_attn_keys(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long wa, wsa, woka, ea, esa, ta, ka, oka;
-    Py_ssize_t n, w, es, k, rows, hd;
-    if (!PyArg_ParseTuple(args, "KKKnnKKnKnnnKK", &wa, &wsa, &woka, &n, &w, &ea, &esa, &es, &ta, &k, &rows, &hd, &ka,
-                          &oka))
+static PyObject *py_attend_paged(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long qa, wa, wsa, woka, ea, esa, ta, sa, oa;
+    Py_ssize_t n, w, es, k, rows, hd, h;
+    double scale;
+    if (!PyArg_ParseTuple(args, "KKKKnnKKnKnnnKndK", &qa, &wa, &wsa, &woka, &n, &w, &ea, &esa, &es, &ta, &k, &rows, &hd,
+                          &sa, &h, &scale, &oa))
         return NULL;
-    if (n < 0 || w < 0 || es < 0 || k < 0 || rows < 1 || hd < 1 || (k && !ta) ||
-        (n && (!wa || (w && (!wsa || !woka)) || !ka || !oka || (k && es && (!ea || !esa)))))
-        return misfit("attn_keys", "n, w, es, k >= 0, rows, hd >= 1");
+    if (n < 0 || w < 0 || es < 0 || k < 0 || rows < 1 || hd < 1 || h < 1 || (k && !ta) ||
+        (n && (!qa || !wa || !sa || !oa || (w && (!wsa || !woka)) || (k && es && (!ea || !esa)))))
+        return misfit("attend_paged", "n, w, es, k >= 0, rows, hd, h >= 1");
+    const size_t keys = (size_t)(w + k);
+    char *buf = scratch(keys * (sizeof(float *) + 1) + sizeof(float) * (size_t)(h * (w + k) + h) + 64);
+    if (!buf) return PyErr_NoMemory();
+    const float **kp = (const float **)(void *)buf;
+    float *z = (float *)(void *)(buf + ((keys * sizeof(float *) + 63) & ~(size_t)63));
+    uint8_t *okp = (uint8_t *)(z + h * (w + k) + h);
     int bad;
     Py_BEGIN_ALLOW_THREADS
-    bad = attn_keys(CF(wa), CI64(wsa), U8(woka), n, w, CF(ea), CI64(esa), es, CI64(ta), k, rows, hd, F(ka),
-                    (uint8_t *)(uintptr_t)oka);
+    bad = attend_paged(CF(qa), CF(wa), CI64(wsa), U8(woka), n, w, CF(ea), CI64(esa), es, CI64(ta), k, rows, hd, CF(sa),
+                       h, (float)scale, F(oa), kp, okp, z, z + h * (w + k));
     Py_END_ALLOW_THREADS
-    if (bad) return misfit("attn_keys", "a slot is outside the pool");
-    Py_RETURN_NONE;
-}
-
-static PyObject *py_attend(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long qa, ka, oka, sa, oa;
-    Py_ssize_t n, h, k, hd;
-    double scale;
-    if (!PyArg_ParseTuple(args, "KKKKnnnndK", &qa, &ka, &oka, &sa, &n, &h, &k, &hd, &scale, &oa)) return NULL;
-    if (n < 0 || h < 1 || k < 0 || hd < 1 || (n && (!qa || (k && (!ka || !oka)) || !sa || !oa)))
-        return misfit("attend", "n, k >= 0, h, hd >= 1");
-    float *z = scratch(sizeof(float) * (size_t)(h * k + h));
-    if (!z) return PyErr_NoMemory();
-    Py_BEGIN_ALLOW_THREADS
-    attend_rows(CF(qa), CF(ka), U8(oka), CF(sa), n, h, k, hd, (float)scale, F(oa), z, z + h * k);
-    Py_END_ALLOW_THREADS
-    free(z);
+    free(buf);
+    if (bad) return misfit("attend_paged", "a slot is outside the pool");
     Py_RETURN_NONE;
 }
 
@@ -1023,9 +1127,9 @@ static PyMethodDef methods[] = {
      "plan_entries(positions, rows, tables, n, tr, tb, bs, zero, ratio, width, count, eslots): entry counts and slots."},
     {"store_rows", py_store_rows, METH_VARARGS,
      "store_rows(pool, rows, width, slots, n, values, trash, positions, ratio): pool[slots[t]] = values[t], else the trash row."},
-    {"attn_keys", py_attn_keys, METH_VARARGS,
-     "attn_keys(window, wslots, wok, n, w, entries, eslots, es, topk, k, rows, hd, keys, ok): the keys a token reads."},
-    {"attend", py_attend, METH_VARARGS, "attend(q, keys, ok, sink, n, h, k, hd, scale, out): softmax attention with a sink logit."},
+    {"attend_paged", py_attend_paged, METH_VARARGS,
+     "attend_paged(q, window, wslots, wok, n, w, entries, eslots, es, topk, k, rows, hd, sink, h, scale, out): "
+     "attention over the keys a token reads, in place."},
     {"pool_pair", py_pool_pair, METH_VARARGS, "pool_pair(first, second, n, hd, out): a ratio-2 entry from two [kv, gate] rows."},
     {"topk_rows", py_topk_rows, METH_VARARGS, "topk_rows(x, rows, v, k, out): the k best per row, ties to the lower index, -1 for -inf."},
     {"index_scores", py_index_scores, METH_VARARGS,

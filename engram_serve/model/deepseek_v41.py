@@ -42,7 +42,7 @@ from .layers import Linear, RMSNorm, linear
 from .paged_state import SlotPlan, PagedState
 
 KEY_CHUNK = 64  # indexer entries per batched-matmul item: a fixed per-item shape whatever the context
-ATTN_TOKENS = 256  # tokens whose keys are gathered at once (bounds a long prefill's gathered keys; a token's
+ATTN_TOKENS = 256  # torch form: tokens whose keys are gathered at once (bounds a long prefill's gathered keys; a token's
 # keys and result do not depend on it)
 NEG_INF = float("-inf")
 # The overlap points. A microbatch yields where something of its own can be in flight while another
@@ -242,8 +242,6 @@ def attention_keys(window: torch.Tensor, wslots: torch.Tensor, wok: torch.Tensor
     """(keys [T, W + K, hd], ok [T, W + K] bool): the window's keys window[wslots] (wslots, wok [T, W]), then
     (with topk [T, K], -1 none) the entries it picked, their slots from eslots [T, E]; a pick of -1 reads the
     zero slot, masked."""
-    if fused.runs_in_c(window, entries):
-        return fused.attn_keys(window, wslots, wok, entries, eslots, topk)
     keys, ok = window[wslots], wok  # [T, W, hd]
     if topk is None:
         return keys, ok
@@ -255,14 +253,28 @@ def attention_keys(window: torch.Tensor, wslots: torch.Tensor, wok: torch.Tensor
 def attend(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax attention with a sink logit, key = value. q [N, H, hd], keys [N, K, hd], ok [N, K] bool,
     sink [H] -> [N, H, hd]. Per-item shapes of the two batched matmuls are fixed by the caller."""
-    if fused.runs_in_c(q, keys, sink):
-        return fused.attend(q, keys, ok, sink, scale)
     z = torch.bmm(q, keys.transpose(1, 2)) * scale  # [N, H, K]
     z = z.masked_fill(~ok[:, None, :], NEG_INF)
     m = torch.maximum(z.amax(-1), sink[None, :])  # [N, H]
     e = pointwise(torch.exp, z - m[..., None])
     denom = e.sum(-1) + pointwise(torch.exp, sink[None, :] - m)
     return torch.bmm(e, keys) / denom[..., None]
+
+
+def attend_paged(q: torch.Tensor, window: torch.Tensor, wslots: torch.Tensor, wok: torch.Tensor,
+                 entries: torch.Tensor | None, eslots: torch.Tensor | None, topk: torch.Tensor | None, zero_slot: int,
+                 sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """`attend` of q [T, H, hd] over the keys each token reads (`attention_keys`): in C in place in the pools;
+    in torch gathered ATTN_TOKENS tokens at a time."""
+    if fused.runs_in_c(q, window, entries, sink):
+        return fused.attend_paged(q, window, wslots, wok, entries, eslots, topk, sink, scale)
+    parts = []
+    for a in range(0, q.shape[0], ATTN_TOKENS):
+        b = min(q.shape[0], a + ATTN_TOKENS)
+        keys, ok = attention_keys(window, wslots[a:b], wok[a:b], entries, None if eslots is None else eslots[a:b],
+                                  None if topk is None else topk[a:b], zero_slot)
+        parts.append(attend(q[a:b], keys, ok, sink, scale))  # [b - a, H, hd]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def pool_pair(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
@@ -399,14 +411,8 @@ class Attention(nn.Module):
             topk = step.topk[:t]
             step.touch("topk", topk)
             entries, eslots = step.cache.entries[role.kv_source], plan.entry_slots[role.ratio]
-        parts = []
-        for a in range(0, t, ATTN_TOKENS):  # [T, K, hd] keys for a bounded number of tokens at once
-            b = min(t, a + ATTN_TOKENS)
-            keys, ok = attention_keys(window, plan.window[a:b], plan.window_ok[a:b], entries,
-                                      None if eslots is None else eslots[a:b], None if topk is None else topk[a:b],
-                                      step.cache.zero_slot)
-            parts.append(attend(q[a:b], keys, ok, self.attn_sink, hd ** -0.5))  # [b - a, H, hd]
-        o = parts[0] if len(parts) == 1 else fused.cat_rows([p.reshape(p.shape[0], -1) for p in parts]).view(t, h, hd)
+        o = attend_paged(q, window, plan.window, plan.window_ok, entries, eslots, topk, step.cache.zero_slot,
+                         sink=self.attn_sink, scale=hd ** -0.5)  # [T, H, hd]
         o = rope(o, *rope_cs, inverse=True).reshape(t, self.groups, -1)
         ol = cfg.o_lora_rank
         u = fused.cat_cols([linear(o[:, g], self.wo_a.weight[g * ol:(g + 1) * ol]) for g in range(self.groups)])

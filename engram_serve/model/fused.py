@@ -4,8 +4,8 @@ The C form is taken for float32 CPU tensors outside autograd when the token kern
 (engram_serve/kernels.py); the torch operators everywhere else (CUDA, training, the kernel not built or
 switched off). Which form runs depends only on devices, dtypes and the loaded kernels, never on a batch, so a
 serving config always takes the same one (`runs_in_c`). The callers choose with `runs_in_c` and keep the
-torch form beside the call (model/deepseek_v41.py `hyper_mix`, `collapse`, `expand`, `attend`, `pool_pair`,
-`swiglu`, `topk_first`, `store`, `attention_keys`, the indexer and the MoE; model/layers.py `rms_norm`);
+torch form beside the call (model/deepseek_v41.py `hyper_mix`, `collapse`, `expand`, `attend_paged`, `pool_pair`,
+`swiglu`, `topk_first`, `store`, the indexer and the MoE; model/layers.py `rms_norm`);
 `engram_gate`, `gather_rows`, `cat_cols`, `cat_rows` and `argmax_rows` choose here. The C form computes each token alone, in an order fixed per token (see the
 kernel's header): a token's bits do not depend on its batch mates, the cut or padding, by construction.
 The two forms compute the same formula, not the same bits; the torch form keeps the batch-invariance rules
@@ -217,31 +217,22 @@ def store_rows(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, tr
                  values.data_ptr(), trash, 0 if positions is None else positions.data_ptr(), ratio)
 
 
-def attn_keys(window: torch.Tensor, wslots: torch.Tensor, wok: torch.Tensor, entries: torch.Tensor | None,
-              eslots: torch.Tensor | None, topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(keys [T, W + K, hd], ok [T, W + K] bool) a token attends to: window[wslots] with wok [T, W], then with
-    topk [T, K] the picked entries entries[eslots[t, topk]] (a zero row, not ok, where the pick is -1)."""
-    t, w = wslots.shape
-    hd = window.shape[1]
-    window, wslots, wok = _c(window), _c(wslots), _c(wok)
+def attend_paged(q: torch.Tensor, window: torch.Tensor, wslots: torch.Tensor, wok: torch.Tensor,
+                 entries: torch.Tensor | None, eslots: torch.Tensor | None, topk: torch.Tensor | None,
+                 sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention with a sink logit, key = value, of q [T, H, hd] over the keys each token reads, in place
+    in their pools: window[wslots] with wok [T, W], then with topk [T, K] the picked entries entries[eslots[t, topk]]
+    (a pick of -1 is masked); keys without ok are never read -> [T, H, hd]."""
+    t, h, hd = q.shape
+    w = wslots.shape[1]
+    q, window, wslots, wok, sink = _c(q), _c(window), _c(wslots), _c(wok), _c(sink)
     k = 0 if topk is None else topk.shape[1]
     if k:
         entries, eslots, topk = _c(entries), _c(eslots), _c(topk)
-    keys, ok = torch.empty(t, w + k, hd), torch.empty(t, w + k, dtype=torch.bool)
-    capture.call(_kernel().attn_keys, window.data_ptr(), wslots.data_ptr(), wok.data_ptr(), t, w,
+    out = torch.empty(t, h, hd)
+    capture.call(_kernel().attend_paged, q.data_ptr(), window.data_ptr(), wslots.data_ptr(), wok.data_ptr(), t, w,
                  entries.data_ptr() if k else 0, eslots.data_ptr() if k else 0, eslots.shape[1] if k else 0,
-                 topk.data_ptr() if k else 0, k, window.shape[0], hd, keys.data_ptr(), ok.data_ptr())
-    return keys, ok
-
-
-def attend(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """Softmax attention with a sink logit, key = value: q [N, H, hd], keys [N, K, hd], ok [N, K] bool, sink [H]
-    -> [N, H, hd]; keys without ok are never read."""
-    n, h, hd = q.shape
-    q, keys, ok, sink = _c(q), _c(keys), _c(ok), _c(sink)
-    out = torch.empty(n, h, hd)
-    capture.call(_kernel().attend, q.data_ptr(), keys.data_ptr(), ok.data_ptr(), sink.data_ptr(), n, h, keys.shape[1], hd,
-                 scale, out.data_ptr())
+                 topk.data_ptr() if k else 0, k, window.shape[0], hd, sink.data_ptr(), h, scale, out.data_ptr())
     return out
 
 

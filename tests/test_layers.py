@@ -244,8 +244,9 @@ def test_matmul_kernel_equals_a_plain_exact_loop_whatever_its_row_count(m, k, n,
 @pytest.mark.skipif(not kernels.loaded("linear"), reason="the matmul kernel is not loaded (`engram-serve env`)")
 @pytest.mark.parametrize("m", [1, 2, 3, 7])
 def test_wide_matmul_tiles_give_the_exact_bits(m):
-    """The wide AVX-512 tiles (8 panels a row, 4 for two rows, where the CPU has AVX-512) and the group
-    remainders after them: every level of the kernel against the exact definition, at 9 and 13 panels."""
+    """The wide tiles (AVX-512 where the CPU has it: 8 panels a row, 4 for two rows; AVX2: 4 panels a row, 2 for
+    two rows) and the group remainders after them: every level of the kernel against the exact definition,
+    at 9 and 13 panels."""
     g = torch.Generator().manual_seed(m)
     for n in (130, 200):
         x, wt = torch.randn(m, 37, generator=g), torch.randn(37, n, generator=g)

@@ -23,7 +23,9 @@ Peak memory: `rss_mib` after setup and warm-up (weights, packed panels, caches),
 the peak resident set over it during the timed calls. The mid-size rows add the physical limits:
 prefill as a fraction of the float32 FMA peak of the one core in use (clock from /proc/cpuinfo x FMA lanes
 x 2 FMA units x 2 FLOP), B = 1 decode as a fraction of the memory-bandwidth bound (weight bytes read per
-token over the copy bandwidth measured in this run).
+token over the copy bandwidth measured in this run), and of the read bound (the same bytes over the rate one
+thread streams loads alone at, a float32 sum of 256 MiB: a copy's 2 x size counts its stores, which a
+matrix-vector product does not make).
 
 `llama` (unchanged workload): B prompts of 64 random ids, 32 greedy tokens each, end to end, B = 1, 32,
 128. CTranslate2 `generate_batch` and HF `generate` run a Llama with the built-in model's hidden size and
@@ -443,7 +445,7 @@ def run_mlx(args: argparse.Namespace) -> list[dict]:
 
 def _limits(row: dict, cfg: dict, kind: str, batch: int, facts: dict, bandwidth: list[float], threads: int) -> None:
     """The physical-limit figures of a mid-size row (module docstring)."""
-    from .v41_shapes import copy_bandwidth, weight_bytes_per_token
+    from .v41_shapes import copy_bandwidth, read_bandwidth, weight_bytes_per_token
     if kind == "prefill" and facts["mhz"]:
         peak = facts["mhz"] * 1e6 * facts["fma_lanes"] * facts["fma_units"] * 2 * threads
         row["engram_gflop_s"] = row["engram_tok_s"] * row["mflop_per_token"] / 1e3
@@ -455,6 +457,9 @@ def _limits(row: dict, cfg: dict, kind: str, batch: int, facts: dict, bandwidth:
         row["weight_mib_per_token"] = weight_bytes_per_token(cfg) / 2**20
         row["bandwidth_bound_tok_s"] = bound
         row["engram_fraction_of_bandwidth_bound"] = row["engram_tok_s"] / bound
+        read = read_bandwidth()  # the rate one thread streams loads alone at
+        row["read_gb_s"] = read / 1e9
+        row["engram_fraction_of_read_bound"] = row["engram_tok_s"] * weight_bytes_per_token(cfg) / read
 
 
 def run(args: argparse.Namespace) -> list[dict]:

@@ -142,3 +142,17 @@ def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - t0)
     return 2 * src.nbytes / best
+
+
+def read_bandwidth(mib: int = 256, repeats: int = 5) -> float:
+    """Bytes per second one thread reads a large array (a float32 sum: loads only), best of `repeats`: the
+    rate a matrix-vector product can stream its weights at, which a copy does not show (its loads share the
+    memory system with its stores)."""
+    import torch
+    src = torch.ones(mib << 18)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        src.sum()
+        best = min(best, time.perf_counter() - t0)
+    return src.nbytes / best

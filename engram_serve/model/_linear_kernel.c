@@ -9,9 +9,9 @@
  *
  * Blocked for the cache: the weight comes packed in panels of 16 columns ([panels][k][16], zero
  * beyond n, layers.py `pack_panels`, once per weight); tiles of 6 rows x 16 columns keep their 12
- * accumulators in AVX2 registers, or with AVX-512 tiles of 6 rows x two panels (1 row x 8, 2 x 4) their
- * 16-lane ones (a portable tile with fmaf elsewhere; the same bits); a pass over the rows reuses a group
- * of panels that stays in L2.
+ * accumulators in AVX2 registers (a tile of 1 row takes 4 panels, of 2 rows 2, for 8 independent chains),
+ * or with AVX-512 tiles of 6 rows x two panels (1 row x 8, 2 x 4) their 16-lane ones (a portable tile with
+ * fmaf elsewhere; the same bits); a pass over the rows reuses a group of panels that stays in L2.
  *
  * Plain CPython C API. The arrays come as addresses (torch's `data_ptr()`), not through the buffer
  * protocol: numpy conversions around each call cost more than the arithmetic of a one-row call
@@ -97,6 +97,65 @@ __attribute__((target("avx2,fma"))) static void tile_x86(int mr, const float *x,
     }
 }
 
+/* np adjacent panels at once in AVX2 for a tile of one or two rows: out + q * NR [r][0..16) from panel
+ * bp + q * k * NR (`bp1`, np = 2 only, else NULL: the second panel's place instead, the SwiGLU's up panel,
+ * and out1 its output), two 8-lane accumulators per row and panel, so that such a tile has 8 independent
+ * chains (tile_avx2 of one row: 2, each latency-bound, which left a matrix-vector product at about half the
+ * memory bandwidth). Each output's chain is tile_avx2's operations in the same order: the same bits. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+wide_avx2(const int mr, const int np, const float *restrict x, Py_ssize_t ldx, const float *restrict bp,
+          const float *restrict bp1, Py_ssize_t k, Py_ssize_t kc, float *restrict out, float *restrict out1,
+          Py_ssize_t ldo) {
+    const float *b[4];
+    float *o[4];
+    for (int q = 0; q < np; q++) {
+        b[q] = q == 1 && bp1 ? bp1 : bp + q * k * NR;
+        o[q] = q == 1 && out1 ? out1 : out + q * NR;
+    }
+    for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
+        const Py_ssize_t ke = k - k0 < kc ? k : k0 + kc;
+        __m256 c[4][2]; /* mr * np <= 4 */
+        for (int i = 0; i < mr * np; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
+#pragma GCC unroll 2
+        for (Py_ssize_t t = k0; t < ke; t++) {
+            __m256 w[4][2];
+            for (int q = 0; q < np; q++) {
+                w[q][0] = _mm256_loadu_ps(b[q] + t * NR);
+                w[q][1] = _mm256_loadu_ps(b[q] + t * NR + 8);
+            }
+            for (int r = 0; r < mr; r++) {
+                const __m256 a = _mm256_broadcast_ss(x + r * ldx + t);
+                for (int q = 0; q < np; q++) {
+                    c[r * np + q][0] = _mm256_fmadd_ps(a, w[q][0], c[r * np + q][0]);
+                    c[r * np + q][1] = _mm256_fmadd_ps(a, w[q][1], c[r * np + q][1]);
+                }
+            }
+        }
+        for (int r = 0; r < mr; r++)
+            for (int q = 0; q < np; q++) {
+                float *d = o[q] + r * ldo;
+                if (k0) {
+                    c[r * np + q][0] = _mm256_add_ps(_mm256_loadu_ps(d), c[r * np + q][0]);
+                    c[r * np + q][1] = _mm256_add_ps(_mm256_loadu_ps(d + 8), c[r * np + q][1]);
+                }
+                _mm256_storeu_ps(d, c[r * np + q][0]);
+                _mm256_storeu_ps(d + 8, c[r * np + q][1]);
+            }
+    }
+}
+
+/* AVX2's wide tiles: one or two rows only (three or more rows already have 6 or more chains in tile_avx2). */
+__attribute__((target("avx2,fma"))) static void wide2_x86(int mr, const float *x, Py_ssize_t ldx, const float *bp,
+                                                         const float *bp1, Py_ssize_t k, Py_ssize_t kc, float *out,
+                                                         float *out1, Py_ssize_t ldo) {
+    if (mr == 2)
+        wide_avx2(2, 2, x, ldx, bp, bp1, k, kc, out, out1, ldo);
+    else if (bp1)
+        wide_avx2(1, 2, x, ldx, bp, bp1, k, kc, out, out1, ldo);
+    else
+        wide_avx2(1, 4, x, ldx, bp, NULL, k, kc, out, NULL, ldo);
+}
+
 /* np adjacent panels at once in AVX-512 (where the CPU has it): out + q * NR [r][0..16) from panel
  * bp + q * k * NR, q < np, with one 16-lane accumulator per row and panel, so each broadcast of x feeds
  * np 16-lane fused multiply-adds (AVX2's tile: two 8-lane ones), and a tile of few rows still has 8 or
@@ -135,8 +194,12 @@ wide_avx512(const int mr, const int np, const float *restrict x, Py_ssize_t ldx,
     }
 }
 
-/* The panels a wide tile of mr rows takes at once: enough for 8 chains (two FMA units, 4 cycles each). */
-static inline int wide_panels(int mr) { return mr == 1 ? 8 : mr == 2 ? 4 : 2; }
+/* The panels a wide tile of mr rows takes at once: enough for 8 chains (two FMA units, 4 cycles each); with
+ * AVX2 (level 1) tiles of one or two rows only. */
+static inline int wide_panels(int level, int mr) {
+    if (level == 1) return mr == 1 ? 4 : 2;
+    return mr == 1 ? 8 : mr == 2 ? 4 : 2;
+}
 
 __attribute__((target("avx512f"))) static void wide_x86(int mr, const float *x, Py_ssize_t ldx, const float *bp,
                                                         const float *bp1, Py_ssize_t k, Py_ssize_t kc, float *out,
@@ -212,13 +275,15 @@ __attribute__((target("avx2"))) static void silu_store_avx2(int mr, const float 
 static void linear_packed(const float *xp, Py_ssize_t ldx, const float *bp, float *yp, Py_ssize_t m, Py_ssize_t k,
                           Py_ssize_t n, Py_ssize_t kc, Py_ssize_t inter, const float *wp, int simd) {
     tile_fn tile = tile_plain;
-    wide_fn wide = NULL; /* several full panels at once, where the CPU has AVX-512 */
+    wide_fn wide = NULL; /* several full panels at once: AVX-512 (level 2), or AVX2 for one or two rows (1) */
+    int level = 0, wide_rows = 0;
     silu_fn silu = silu_store;
 #if HAVE_X86_AVX2
     if (simd >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
         tile = tile_x86;
         silu = silu_store_avx2;
-        if (simd >= 2 && __builtin_cpu_supports("avx512f")) wide = wide_x86;
+        wide = wide2_x86, level = 1, wide_rows = 2;
+        if (simd >= 2 && __builtin_cpu_supports("avx512f")) wide = wide_x86, level = 2, wide_rows = MR;
     }
 #endif
     /* output panels: of y itself, or (inter) of silu(gate) * up, whose gate and up panels lie inter columns
@@ -237,7 +302,7 @@ static void linear_packed(const float *xp, Py_ssize_t ldx, const float *bp, floa
                 if (inter) {
                     const Py_ssize_t e = p / ip, gp = e * 2 * ip + p % ip;
                     const float *gate = bp + gp * k * NR, *upp = bp + (gp + ip) * k * NR;
-                    if (wide) {
+                    if (wide && mr <= wide_rows) {
                         wide(mr, xp + i * ldx, ldx, gate, upp, k, kc, part, up, NR);
                     } else {
                         tile(mr, xp + i * ldx, ldx, gate, k, kc, part, NR);
@@ -246,9 +311,10 @@ static void linear_packed(const float *xp, Py_ssize_t ldx, const float *bp, floa
                     silu(mr, part, up, wp ? wp + i * groups + e : NULL, groups, out, ny);
                     continue;
                 }
-                if (wide && p + wide_panels(mr) <= p1 && ny - j >= wide_panels(mr) * NR) { /* full panels */
+                const int np = wide ? wide_panels(level, mr) : 0;
+                if (wide && mr <= wide_rows && p + np <= p1 && ny - j >= np * NR) { /* full panels */
                     wide(mr, xp + i * ldx, ldx, bp + p * k * NR, NULL, k, kc, out, NULL, ny);
-                    p += wide_panels(mr) - 1;
+                    p += np - 1;
                     continue;
                 }
                 tile(mr, xp + i * ldx, ldx, bp + p * k * NR, k, kc, nv == NR ? out : part, nv == NR ? ny : NR);

@@ -45,7 +45,7 @@ aten = torch.ops.aten
 
 _ALLOC = {aten.empty.memory_format, aten.empty_strided.default}
 _ZEROS = {aten.zeros.default}  # replayed as a zero_ of the captured result
-_PURE = {aten.mm.default, aten.addmm.default}  # replayed into the captured result
+_PURE = {aten.mm.default: torch.mm, aten.addmm.default: torch.addmm}  # replayed into the captured result (out=)
 _INPLACE = {aten.copy_.default, aten.zero_.default, aten.fill_.Scalar}  # replayed as they are
 MIN_BOUND = 64
 
@@ -129,7 +129,7 @@ class _Watch(TorchDispatchMode):
         if name is not None:
             self.refused = f"operator {func} on the per-step tensor {name!r}"
         elif func in _PURE:
-            self.tape.append((lambda f=func, a=args, k=kwargs, o=out: o.copy_(f(*a, **k)), ()))
+            self.tape.append((lambda f=_PURE[func], a=args, k=kwargs, o=out: f(*a, **k, out=o), ()))
         else:
             self.tape.append((lambda f=func, a=args, k=kwargs: f(*a, **k), ()))
         return out

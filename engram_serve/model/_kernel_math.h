@@ -65,6 +65,12 @@ static inline __attribute__((always_inline)) void dot_lanes8(const float *restri
     *s8 = lo + hi;
 }
 
+/* dot's tree after its first level: s8 = lanes l + (l + 8), then l + 4, l + 2 and l + 1 */
+static inline __attribute__((always_inline)) float dot_tree8(v8 s8) {
+    const v4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
 static inline __attribute__((always_inline)) float dot(const float *restrict a, const float *restrict b, Py_ssize_t d) {
     if (d % LANES == 0 && !__builtin_constant_p(d)) {
         /* a length known only at run time: two 8-lane vectors (a 16-lane accumulator in a loop of unknown
@@ -72,8 +78,7 @@ static inline __attribute__((always_inline)) float dot(const float *restrict a, 
          * engram_gate 2x slower) */
         v8 s8;
         dot_lanes8(a, b, d, &s8);
-        const v4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
-        return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+        return dot_tree8(s8);
     }
     if (d % LANES == 0) {
         v16 acc = {0}, x, y;
@@ -82,10 +87,8 @@ static inline __attribute__((always_inline)) float dot(const float *restrict a, 
             memcpy(&y, b + i, sizeof y);
             acc = acc + x * y;
         }
-        const v8 s8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
-                      __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
-        const v4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
-        return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+        return dot_tree8(__builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
+                         __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15));
     }
     float acc[LANES] = {0};
     Py_ssize_t i = 0;

@@ -396,11 +396,7 @@ static inline __attribute__((always_inline)) void dot_heads(const float *restric
                     hi[u] = hi[u] + x * kb;
                 }
             }
-            for (int u = 0; u < 4; u++) {
-                const v8 s8 = lo[u] + hi[u];
-                const v4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
-                z[(i + u) * k] = ((s4[0] + s4[2]) + (s4[1] + s4[3])) * scale;
-            }
+            for (int u = 0; u < 4; u++) z[(i + u) * k] = dot_tree8(lo[u] + hi[u]) * scale;
         }
     for (; i < h; i++) z[i * k] = dot(q + i * hd, key, hd) * scale;
 }

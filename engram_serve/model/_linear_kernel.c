@@ -97,6 +97,16 @@ __attribute__((target("avx2,fma"))) static void tile_x86(int mr, const float *x,
     }
 }
 
+/* The np panels of a wide tile and their outputs: adjacent from bp and out, except that `bp1` (np = 2, else
+ * NULL) names the second panel's place (the SwiGLU's up panel) and out1 its output. */
+static inline __attribute__((always_inline)) void wide_places(int np, const float *bp, const float *bp1, Py_ssize_t k,
+                                                               float *out, float *out1, const float **b, float **o) {
+    for (int q = 0; q < np; q++) {
+        b[q] = q == 1 && bp1 ? bp1 : bp + q * k * NR;
+        o[q] = q == 1 && out1 ? out1 : out + q * NR;
+    }
+}
+
 /* np adjacent panels at once in AVX2 for a tile of one or two rows: out + q * NR [r][0..16) from panel
  * bp + q * k * NR (`bp1`, np = 2 only, else NULL: the second panel's place instead, the SwiGLU's up panel,
  * and out1 its output), two 8-lane accumulators per row and panel, so that such a tile has 8 independent
@@ -108,10 +118,7 @@ wide_avx2(const int mr, const int np, const float *restrict x, Py_ssize_t ldx, c
           Py_ssize_t ldo) {
     const float *b[4];
     float *o[4];
-    for (int q = 0; q < np; q++) {
-        b[q] = q == 1 && bp1 ? bp1 : bp + q * k * NR;
-        o[q] = q == 1 && out1 ? out1 : out + q * NR;
-    }
+    wide_places(np, bp, bp1, k, out, out1, b, o);
     for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
         const Py_ssize_t ke = k - k0 < kc ? k : k0 + kc;
         __m256 c[4][2]; /* mr * np <= 4 */
@@ -168,10 +175,7 @@ wide_avx512(const int mr, const int np, const float *restrict x, Py_ssize_t ldx,
             Py_ssize_t ldo) {
     const float *b[8];
     float *o[8];
-    for (int q = 0; q < np; q++) {
-        b[q] = q == 1 && bp1 ? bp1 : bp + q * k * NR;
-        o[q] = q == 1 && out1 ? out1 : out + q * NR;
-    }
+    wide_places(np, bp, bp1, k, out, out1, b, o);
     for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
         const Py_ssize_t ke = k - k0 < kc ? k : k0 + kc;
         __m512 c[2 * MR]; /* mr * np <= 12 */

@@ -170,6 +170,19 @@ hc_mix_rows_of(const float *restrict x, const float *restrict mm, Py_ssize_t n, 
 
 #define HC_LANES 8 /* tokens mixed at once: lane l of every array below is token l */
 
+/* sinkhorn_rows (group stride hc, element stride 1) or sinkhorn_columns (1, hc) on every lane of c */
+static inline __attribute__((always_inline)) void sinkhorn_lanes(float (*c)[HC_LANES], const Py_ssize_t hc,
+                                                                 Py_ssize_t gs, Py_ssize_t es, float eps) {
+    float s[HC_LANES];
+    for (Py_ssize_t g = 0; g < hc; g++) {
+        for (int l = 0; l < HC_LANES; l++) s[l] = 0.0f;
+        for (Py_ssize_t e = 0; e < hc; e++)
+            for (int l = 0; l < HC_LANES; l++) s[l] = s[l] + c[g * gs + e * es][l];
+        for (Py_ssize_t e = 0; e < hc; e++)
+            for (int l = 0; l < HC_LANES; l++) c[g * gs + e * es][l] = c[g * gs + e * es][l] / (s[l] + eps);
+    }
+}
+
 /* hc_mix_rows_of on HC_LANES tokens at once, each operation a loop over the lanes (which the compiler turns
  * into vector instructions): on each lane the same operations in the same order as on one token, so the
  * same bits. */
@@ -205,20 +218,8 @@ hc_mix_lanes(const float *restrict x, const float *restrict mm, const Py_ssize_t
     }
     for (Py_ssize_t it = 0; it < (iters > 1 ? iters : 1); it++) { /* columns, then (rows, columns) iters - 1 times */
         if (it)
-            for (Py_ssize_t a = 0; a < hc; a++) {
-                for (int l = 0; l < HC_LANES; l++) s[l] = 0.0f;
-                for (Py_ssize_t b = 0; b < hc; b++)
-                    for (int l = 0; l < HC_LANES; l++) s[l] = s[l] + c[a * hc + b][l];
-                for (Py_ssize_t b = 0; b < hc; b++)
-                    for (int l = 0; l < HC_LANES; l++) c[a * hc + b][l] = c[a * hc + b][l] / (s[l] + hc_eps);
-            }
-        for (Py_ssize_t b = 0; b < hc; b++) {
-            for (int l = 0; l < HC_LANES; l++) s[l] = 0.0f;
-            for (Py_ssize_t a = 0; a < hc; a++)
-                for (int l = 0; l < HC_LANES; l++) s[l] = s[l] + c[a * hc + b][l];
-            for (Py_ssize_t a = 0; a < hc; a++)
-                for (int l = 0; l < HC_LANES; l++) c[a * hc + b][l] = c[a * hc + b][l] / (s[l] + hc_eps);
-        }
+            sinkhorn_lanes(c, hc, hc, 1, hc_eps); /* rows */
+        sinkhorn_lanes(c, hc, 1, hc, hc_eps);     /* columns */
     }
     for (Py_ssize_t e = 0; e < hc * hc; e++)
         for (int l = 0; l < HC_LANES; l++) comb[l * hc * hc + e] = c[e][l];

@@ -199,7 +199,7 @@ def test_attend_paged_is_softmax_with_a_sink_over_the_keys_a_token_reads(n, h, w
     against the float64 textbook over the same keys gathered; a row that is masked or not named is never read
     (NaN planted there), and a token's bits do not depend on its batch mates. Sizes cover both forms of the
     score (four heads interleaved, hd a multiple of 16, and the rest) and of the weighted sum (hd a multiple
-    of 32 in registers, and the rest)."""
+    of 64 or of 32 in registers, and the rest)."""
     g = gen(seed)
     rows, es = 64, 8
     window, entries = torch.randn(rows, hd, generator=g), torch.randn(rows, hd, generator=g)

@@ -402,24 +402,35 @@ static inline __attribute__((always_inline)) void dot_heads(const float *restric
     for (; i < h; i++) z[i * k] = dot(q + i * hd, key, hd) * scale;
 }
 
-/* o [hd] = sum over the keys j with ok, in key order, of e[j] * kp[j]; 32 columns at a time in registers where
- * hd is a multiple of 32 (each column's additions in the same order) */
+/* o [8 nv] = columns c .. c + 8 nv of the sum over the keys j with ok, in key order, of e[j] * kp[j]: nv (<= 8)
+ * independent addition chains in registers */
+static inline __attribute__((always_inline)) void weigh_columns(const float *const *kp, const uint8_t *restrict okt,
+                                                                 const float *restrict e, Py_ssize_t k, Py_ssize_t c,
+                                                                 const int nv, float *restrict o) {
+    v8 acc[8] = {{0}}, x;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        if (!okt[j]) continue;
+        const v8 ej = {e[j], e[j], e[j], e[j], e[j], e[j], e[j], e[j]};
+        for (int u = 0; u < nv; u++) {
+            memcpy(&x, kp[j] + c + 8 * u, sizeof x);
+            acc[u] = acc[u] + ej * x;
+        }
+    }
+    memcpy(o, acc, (size_t)nv * sizeof(v8));
+}
+
+/* o [hd] = sum over the keys j with ok, in key order, of e[j] * kp[j]; 64 or 32 columns at a time in registers
+ * where hd is a multiple of 64 or 32 (each column's additions in the same order) */
 static inline __attribute__((always_inline)) void weigh_keys(const float *const *kp, const uint8_t *restrict okt,
                                                               const float *restrict e, Py_ssize_t k, Py_ssize_t hd,
                                                               float *restrict o) {
     if (hd % 32 == 0) {
-        for (Py_ssize_t c = 0; c < hd; c += 32) {
-            v8 acc[4] = {{0}}, x;
-            for (Py_ssize_t j = 0; j < k; j++) {
-                if (!okt[j]) continue;
-                const v8 ej = {e[j], e[j], e[j], e[j], e[j], e[j], e[j], e[j]};
-                for (int u = 0; u < 4; u++) {
-                    memcpy(&x, kp[j] + c + 8 * u, sizeof x);
-                    acc[u] = acc[u] + ej * x;
-                }
-            }
-            memcpy(o + c, acc, sizeof acc);
-        }
+        const int nv = hd % 64 == 0 ? 8 : 4;
+        for (Py_ssize_t c = 0; c < hd; c += 8 * nv)
+            if (nv == 8)
+                weigh_columns(kp, okt, e, k, c, 8, o + c);
+            else
+                weigh_columns(kp, okt, e, k, c, 4, o + c);
         return;
     }
     for (Py_ssize_t x = 0; x < hd; x++) o[x] = 0.0f;
@@ -484,6 +495,15 @@ CLONES static int attend_paged(const float *restrict q, const float *restrict wi
         }
     }
     for (Py_ssize_t t = 0; t < n; t++) {
+        if (t + 1 < n) { /* the next token's keys on their way to the cache while this token computes */
+            for (Py_ssize_t j = 0; j < w; j++)
+                for (Py_ssize_t d = 0; d < hd; d += 16) __builtin_prefetch(window + wslots[(t + 1) * w + j] * hd + d);
+            for (Py_ssize_t i = 0; i < k; i++) {
+                const int64_t g = topk[(t + 1) * k + i];
+                if (g >= 0 && g < es)
+                    for (Py_ssize_t d = 0; d < hd; d += 16) __builtin_prefetch(entries + eslots[(t + 1) * es + g] * hd + d);
+            }
+        }
         for (Py_ssize_t j = 0; j < w; j++) {
             kp[j] = window + wslots[t * w + j] * hd;
             okp[j] = wok[t * w + j] != 0;

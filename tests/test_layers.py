@@ -274,6 +274,44 @@ def test_calls_through_the_matmul_kernel_get_torchs_bits(out_f, in_f):
     assert not torch.equal(exactness.matmul_kernel(x, exactness.pack_panels(w.t()), out_f, wrong), whole)
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 12), st.integers(1, 300), st.integers(1, 130), st.integers(0, 2**31))
+def test_the_direct_sgemm_call_gets_torchs_bits(out_f, in_f, rows, seed):
+    """`blas_linear` calls torch's sgemm with the arguments torch's matmul gives it, so any call of it equals
+    torch's matmul of the same rows bit for bit (values other than the probe's); `linear` takes it for a weight
+    the probe accepts and no fixed-order kernel serves (few outputs, e.g. a 4-expert router). Swapping the
+    operands, a call torch does not make, gives other bits (the arguments are what make them equal)."""
+    if exactness.sgemm_address() is None or not kernels.loaded("linear"):
+        pytest.skip("torch's sgemm or the linear kernel is not available in this build")
+    g = torch.Generator().manual_seed(seed)
+    w = exactness.in_major(torch.randn(out_f, in_f, generator=g))
+    x = torch.randn(rows, in_f, generator=g) * 3
+    assert torch.equal(exactness.blas_linear(x, w), F.linear(x, w))
+    m, kc, *_, positional, blas = exactness.plan(w)
+    assert not blas or (kc is None and not positional)
+    if blas and rows >= m:  # (a smaller call pads: the row rule)
+        assert torch.equal(layers.linear(x, w), F.linear(x, w))
+    part = exactness.in_major(torch.randn(out_f + 3, in_f, generator=g))[:out_f]  # its transpose is not contiguous
+    assert not exactness.blas_matches(part)  # (the call would read the wrong columns: wrong logits, not last bits)
+    assert torch.allclose(layers.linear(x, part), F.linear(x, part), atol=1e-4)  # (the row rule may pad: last bits)
+
+
+def test_a_weight_view_taken_by_the_direct_sgemm_call_gives_wrong_values(monkeypatch):
+    """The negative control of the stride condition of `blas_matches`: with every weight accepted, a weight view
+    whose transpose is not one contiguous matrix (a row slice of an input-major weight, as the attention's
+    wo_a[:o_lora_rank]) is read with the wrong columns and `linear` is wrong, not in the last bits."""
+    if exactness.sgemm_address() is None or not kernels.loaded("linear"):
+        pytest.skip("torch's sgemm or the linear kernel is not available in this build")
+    g = torch.Generator().manual_seed(0)
+    part = exactness.in_major(torch.randn(7, 128, generator=g))[:4]
+    if exactness.small_call_kc(part) is not None:
+        pytest.skip("the fixed-order kernel serves [4, 128] on this CPU: no call to sgemm")
+    x = torch.randn(64, 128, generator=g)
+    monkeypatch.setattr(exactness, "_plans", {})
+    monkeypatch.setattr(exactness, "blas_matches", lambda weight: True)
+    assert (layers.linear(x, part) - F.linear(x, part)).abs().max() > 1.0
+
+
 def test_stacked_experts_keep_the_checkpoint_names():
     """The model stacks each layer's experts (`ffn.w13` [E, 2I, D]: w1 then w3; `ffn.w2` [E, D, I]); the
     checkpoint keeps one tensor per expert and projection. Written and read back, the state is the same,

@@ -28,6 +28,11 @@
  *       simd: 0 the portable tile and SwiGLU epilogue, 1 AVX2 at most, 2 AVX-512 where the CPU has it
  *       (tests: all give the same bits).
  *   The GIL is released during the arithmetic.
+ *   blas_mm(sgemm, x, wt, y, m, k, n) -> None
+ *       y [m, n] = x [m, k] @ wt [k, n], all contiguous float32, by the BLAS sgemm at address `sgemm` (Fortran
+ *       interface, 32-bit integers) called with the arguments torch's CPU matmul gives it for these layouts
+ *       (column-major: y^T = wt^T x^T, no transposes, alpha 1, beta 0): torch's bits without torch's dispatch,
+ *       for the weights no fixed-order kernel reproduces (exactness.py `blas_linear` probes that it does).
  *   simd_level() -> 0, 1 or 2: the level that simd 2 (what layers.py passes) runs at on this CPU.
  *   moe_experts(xs, rows, counts, e, d, inter, panels13, kc13, panels2, kc2, limit, h, g, ys, simd) -> None
  *       DeepSeek-V4.1's routed experts in one call (model/deepseek_v41.py MoE): xs [rows, d] the (token, expert)
@@ -348,6 +353,27 @@ static PyObject *py_linear_packed(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, const int *, const float *,
+                         const float *, const int *, const float *, const int *, const float *, float *, const int *);
+
+static PyObject *py_blas_mm(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long fa, xa, wa, ya;
+    Py_ssize_t m, k, n;
+    if (!PyArg_ParseTuple(args, "KKKKnnn", &fa, &xa, &wa, &ya, &m, &k, &n)) return NULL;
+    if (!fa || !xa || !wa || !ya || m < 1 || k < 1 || n < 1 || m > INT32_MAX || k > INT32_MAX || n > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "blas_mm: m %zd, k %zd, n %zd must be in [1, 2^31) with non-null addresses", m,
+                     k, n);
+        return NULL;
+    }
+    const int rows = (int)m, depth = (int)k, cols = (int)n;
+    const float one = 1.0f, zero = 0.0f;
+    Py_BEGIN_ALLOW_THREADS
+    ((sgemm_fn)(uintptr_t)fa)("N", "N", &cols, &rows, &depth, &one, (const float *)(uintptr_t)wa, &cols,
+                              (const float *)(uintptr_t)xa, &depth, &zero, (float *)(uintptr_t)ya, &cols);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* V4.1's routed experts over their grouped rows (see the header): per expert with rows, its w1/w3 product,
  * the clamped SwiGLU, its w2 product; returns 1 if the counts exceed the rows (nothing computed). */
 CLONES static void swiglu_rows(const float *restrict h, Py_ssize_t rows, Py_ssize_t inter, float limit,
@@ -425,6 +451,9 @@ static PyMethodDef methods[] = {
      "beyond n), y [m, n] contiguous; inter > 0: y [m, n / 2] = silu(gate) * up [* weights [m, n / (2 inter)]] per "
      "group of 2 inter columns (gate, up); simd 0 takes the portable tile and epilogue, 1 AVX2 at most, 2 AVX-512 "
      "where the CPU has it."},
+    {"blas_mm", py_blas_mm, METH_VARARGS,
+     "blas_mm(sgemm, x, wt, y, m, k, n) -> None: y [m, n] = x [m, k] @ wt [k, n] (contiguous float32) by the BLAS "
+     "sgemm at address sgemm, called as torch's CPU matmul calls it."},
     {"moe_experts", py_moe_experts, METH_VARARGS,
      "moe_experts(xs, rows, counts, e, d, inter, panels13, kc13, panels2, kc2, limit, h, g, ys, simd) -> None: "
      "V4.1's routed experts over rows grouped by expert (counts [e] int64): per expert its packed w1/w3 product "

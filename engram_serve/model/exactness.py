@@ -35,6 +35,8 @@ non-exact configuration for benchmarks, and the negative control of the bit-exac
 """
 from __future__ import annotations
 
+import ctypes
+import os
 from collections.abc import Iterable
 from contextlib import contextmanager
 
@@ -160,6 +162,57 @@ def small_call_kc(weight: torch.Tensor) -> int | None:
     return _min_rows[key]
 
 
+def sgemm_address() -> int | None:
+    """The address of the BLAS `sgemm_` that torch's CPU matmul calls (MKL, linked into libtorch_cpu), or None
+    where that library or symbol is not found (another build): `blas_linear` then never runs."""
+    if not _sgemm:
+        try:
+            lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+            _sgemm.append(ctypes.cast(lib.sgemm_, ctypes.c_void_p).value)
+        except (OSError, AttributeError):
+            _sgemm.append(None)
+    return _sgemm[0]
+
+
+_sgemm: list[int | None] = []
+
+
+def blas_matches(weight: torch.Tensor) -> bool:
+    """Whether `blas_linear` gives `F.linear`'s bits for this weight's shape (float32, its transpose contiguous): the
+    linear kernel loaded, torch's sgemm found, and equal bits on probes of 1 to PROBE_REF rows. Where no fixed-order
+    kernel reproduces MKL (`small_call_kc` None: a weight of few outputs), calling the same sgemm with the same
+    arguments as torch gives torch's bits without its dispatch (~8 us a call at one row, against ~1 us).
+    Measured once per shape, like `min_rows`."""
+    if not kernels.loaded("linear") or sgemm_address() is None or weight.device.type != "cpu" \
+            or weight.dtype != torch.float32 or weight.shape[0] < 2 or weight.stride() != (1, weight.shape[0]):
+        return False  # (the call reads weight.T as one contiguous [in, out] matrix)
+    out_f, in_f = weight.shape
+    key = ("blas", in_f, out_f, torch.get_num_threads())
+    if key not in _min_rows:
+        w, x = in_major(_probe(out_f, in_f)), _probe(PROBE_REF, in_f, seed=1)
+        with torch.no_grad():
+            _min_rows[key] = all(torch.equal(blas_linear(x[:n], w), F.linear(x[:n], w))
+                                 for n in (1, 2, 3, 4, 5, 8, 13, 64, 129, PROBE_REF))
+    return _min_rows[key]
+
+
+def blas_takes(x2: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `blas_linear` computes x2 [N, in] @ weight.T: contiguous float32 CPU rows, at least one, outside
+    autograd (`blas_matches` checked the weight)."""
+    return (x2.is_cpu and x2.dtype == torch.float32 and x2.shape[0] > 0 and x2.is_contiguous()
+            and not (torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad)))
+
+
+def blas_linear(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x2 [m, in] @ weight.T by torch's sgemm, called directly (the linear kernel's `blas_mm`): a recordable kernel
+    call. The caller checked `blas_matches` and `blas_takes`."""
+    m, k = x2.shape
+    y = torch.empty(m, weight.shape[0])
+    capture.call(kernels.get("linear").blas_mm, sgemm_address(), x2.data_ptr(), weight.data_ptr(), y.data_ptr(), m, k,
+                 weight.shape[0])
+    return y
+
+
 def pack_panels(wt: torch.Tensor) -> torch.Tensor:
     """wt [in, out] as the linear kernel's panels: [ceil(out / 16), in, 16] float32, zero beyond out."""
     k, n = wt.shape
@@ -200,7 +253,7 @@ _plans: dict[tuple, tuple] = {}
 
 def plan(weight: torch.Tensor) -> tuple:
     """(min_rows, kc or None, the weight's packed panels where kc, the weight, its version, whether MKL is
-    position dependent for it) for this weight view, memoised by address and layout: ~1 us a call instead
+    position dependent for it, whether `blas_linear` gives F.linear's bits for it) for this weight view, memoised by address and layout: ~1 us a call instead
     of ~12 us for measuring keys each time. The panels are a copy (the weight's memory once more), made
     again when the weight was modified in place (its version counter). A cached plan keeps its weight
     alive, so its address cannot be reused by another tensor while cached."""
@@ -211,8 +264,9 @@ def plan(weight: torch.Tensor) -> tuple:
         if len(_plans) >= 4096:  # weights replaced many times over (tests): start again
             _plans.clear()
         kc = small_call_kc(weight)
+        positional = kc is None and position_dependent(weight)
         p = _plans[key] = (min_rows(weight), kc, pack_panels(weight.detach().t()) if kc else None, weight,
-                           weight._version, kc is None and position_dependent(weight))
+                           weight._version, positional, kc is None and not positional and blas_matches(weight))
     return p
 
 

@@ -21,16 +21,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     Where `exactness.small_call_kc` allows (not under autograd), every call goes to the C matmul; where
     MKL gives a row other bits at another place of its call, to `exactness.rowwise_linear`; else a
     call of fewer than min_rows(weight) rows is zero-padded with one `F.pad` (host-side shape checks, no
-    device sync); a 2-D input needs no reshape."""
+    device sync), and a call of enough rows goes to torch's sgemm directly where `exactness.blas_matches`
+    (torch's bits, a recordable kernel call); a 2-D input needs no reshape."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     n = x2.shape[0]
-    m, kc, panels, _, _, positional = exactness.plan(weight) if exactness.rules_on() else (0, None, None, 0, 0, False)
+    m, kc, panels, _, _, positional, blas = exactness.plan(weight) if exactness.rules_on() else \
+        (0, None, None, 0, 0, False, False)
     if exactness.kernel_takes(x2, weight, kc):
         y = exactness.matmul_kernel(x2, panels, weight.shape[0], kc)
     elif positional:
         y = exactness.rowwise_linear(x2, weight)
     elif n >= m:
-        y = F.linear(x2, weight)
+        y = exactness.blas_linear(x2, weight) if blas and exactness.blas_takes(x2, weight) else F.linear(x2, weight)
     else:
         y = F.linear(F.pad(x2, (0, 0, 0, m - n)), weight)[:n]
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])

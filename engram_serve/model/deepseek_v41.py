@@ -183,16 +183,18 @@ def expand(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Ten
 
 
 # ---- top-k with the written tie rule ----------------------------------------------------------------
-def topk_first(scores: torch.Tensor, k: int) -> torch.Tensor:
+def topk_first(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The k best of scores [N, n] by value, ties to the lower index, -1 where fewer than k are finite (or
-    above -inf): [N, k] int64."""
+    above -inf): [N, k] int64, in `out` where given."""
     if fused.runs_in_c(scores):
-        return fused.topk(scores, k)
-    n = scores.shape[1]
-    if n < k:
-        scores = F.pad(scores, (0, k - n), value=NEG_INF)
-    vals, ids = torch.sort(scores, dim=1, descending=True, stable=True)
-    return torch.where(vals[:, :k] != NEG_INF, ids[:, :k], -1)  # (a NaN is kept: its request errs, alone)
+        ids = fused.topk(scores, k, out)
+    else:
+        n = scores.shape[1]
+        if n < k:
+            scores = F.pad(scores, (0, k - n), value=NEG_INF)
+        vals, ids = torch.sort(scores, dim=1, descending=True, stable=True)
+        ids = torch.where(vals[:, :k] != NEG_INF, ids[:, :k], -1)  # (a NaN is kept: its request errs, alone)
+    return ids if out is None or ids is out else out.copy_(ids)
 
 
 # ---- the per-forward context --------------------------------------------------------------------------
@@ -360,16 +362,19 @@ class Indexer(nn.Module):
         return s
 
 
-def candidate_blocks(s: torch.Tensor, count: torch.Tensor, block: int, k: int) -> torch.Tensor:
-    """The candidate source's blocks [T, k] (ids, -1 none): block scores are the max of their entries'
-    scores s [T, E] (E a multiple of `block`), the newest visible block (count - 1) // block is +inf."""
+def candidate_blocks(s: torch.Tensor, count: torch.Tensor, block: int, k: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """The candidate source's blocks [T, k] (ids, -1 none), in `out` where given: block scores are the max of
+    their entries' scores s [T, E] (E a multiple of `block`), the newest visible block (count - 1) // block is
+    +inf."""
     if fused.runs_in_c(s):
-        return fused.candidate_blocks(s, count, block, k)
+        ids = fused.candidate_blocks(s, count, block, k, out)
+        return ids if out is None or ids is out else out.copy_(ids)
     t, e = s.shape
     bs = s.view(t, e // block, block).amax(-1)  # [T, B]
     newest = torch.where(count > 0, torch.div(count - 1, block, rounding_mode="floor"), -1)
     bs = bs.masked_fill(torch.arange(bs.shape[1], device=s.device)[None, :] == newest[:, None], float("inf"))
-    return topk_first(bs, k)
+    return topk_first(bs, k, out)
 
 
 class Attention(nn.Module):
@@ -439,9 +444,9 @@ class Attention(nn.Module):
                                 step.cache.zero_slot, cands if role.uses_candidates else None,
                                 cfg.candidate_block_size)  # [T, width]
         if role.publishes_candidates:
-            cands.copy_(candidate_blocks(s, count, cfg.candidate_block_size, cfg.candidate_topk_blocks))
+            candidate_blocks(s, count, cfg.candidate_block_size, cfg.candidate_topk_blocks, out=cands)
             step.touch("candidates", cands)
-        step.topk[:t].copy_(topk_first(s, cfg.index_topk))
+        topk_first(s, cfg.index_topk, out=step.topk[:t])
         step.touch("topk", step.topk[:t])
 
 

@@ -245,13 +245,13 @@ def pool_pair(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def topk(x: torch.Tensor, k: int) -> torch.Tensor:
+def topk(x: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """[N, k] int64: the k best of each row of x [N, v], higher first, a NaN above every number, ties to the
-    lower index, -1 for a pick that is -inf or beyond v."""
+    lower index, -1 for a pick that is -inf or beyond v; written into `out` where it is a contiguous [N, k] int64."""
     x = _c(x)
-    out = torch.empty(x.shape[0], k, dtype=torch.int64)
-    capture.call(_kernel().topk_rows, x.data_ptr(), x.shape[0], x.shape[1], k, out.data_ptr())
-    return out
+    ids = _ids_out(out, x.shape[0], k)
+    capture.call(_kernel().topk_rows, x.data_ptr(), x.shape[0], x.shape[1], k, ids.data_ptr())
+    return ids
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, wscale: float, pool: torch.Tensor, slots: torch.Tensor,
@@ -269,14 +269,21 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, wscale: float, pool: torch.Te
     return out
 
 
-def candidate_blocks(s: torch.Tensor, count: torch.Tensor, block: int, k: int) -> torch.Tensor:
+def _ids_out(out: torch.Tensor | None, n: int, k: int) -> torch.Tensor:
+    """Where a kernel writes [n, k] int64 ids: `out` (a caller's buffer) if it is one contiguous block, else new."""
+    ok = out is not None and out.is_contiguous() and out.dtype == torch.int64 and tuple(out.shape) == (n, k)
+    return out if ok else torch.empty(n, k, dtype=torch.int64)
+
+
+def candidate_blocks(s: torch.Tensor, count: torch.Tensor, block: int, k: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """[N, k] block ids (-1 none): blocks of `block` entries of s [N, E] scored by their max, the newest visible
-    block (count - 1) // block +inf, then `topk`."""
+    block (count - 1) // block +inf, then `topk`; written into `out` where it is a contiguous [N, k] int64."""
     s, count = _c(s), _c(count)
-    out = torch.empty(s.shape[0], k, dtype=torch.int64)
+    ids = _ids_out(out, s.shape[0], k)
     capture.call(_kernel().candidate_blocks, s.data_ptr(), count.data_ptr(), s.shape[0], s.shape[1], block, k,
-                 out.data_ptr())
-    return out
+                 ids.data_ptr())
+    return ids
 
 
 def moe_route(z: torch.Tensor, bias: torch.Tensor, k: int, norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

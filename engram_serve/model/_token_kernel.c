@@ -424,13 +424,12 @@ static inline __attribute__((always_inline)) void weigh_columns(const float *con
 static inline __attribute__((always_inline)) void weigh_keys(const float *const *kp, const uint8_t *restrict okt,
                                                               const float *restrict e, Py_ssize_t k, Py_ssize_t hd,
                                                               float *restrict o) {
+    if (hd % 64 == 0) {
+        for (Py_ssize_t c = 0; c < hd; c += 64) weigh_columns(kp, okt, e, k, c, 8, o + c);
+        return;
+    }
     if (hd % 32 == 0) {
-        const int nv = hd % 64 == 0 ? 8 : 4;
-        for (Py_ssize_t c = 0; c < hd; c += 8 * nv)
-            if (nv == 8)
-                weigh_columns(kp, okt, e, k, c, 8, o + c);
-            else
-                weigh_columns(kp, okt, e, k, c, 4, o + c);
+        for (Py_ssize_t c = 0; c < hd; c += 32) weigh_columns(kp, okt, e, k, c, 4, o + c);
         return;
     }
     for (Py_ssize_t x = 0; x < hd; x++) o[x] = 0.0f;

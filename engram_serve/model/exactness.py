@@ -19,7 +19,10 @@ process (`first_invariant_rows`: the smallest row count from which every probed 
 the bits of a PROBE_REF-row call). Padding keeps a row's place in its call, so it cannot help where MKL
 gives a row other bits at another place (`position_dependent`: seen for input-major weights of 5 to 7 and
 9 to 11 outputs on an AVX2 CPU, whose every fourth row is summed in another order): such a weight is
-multiplied by `rowwise_linear`, which computes every row by the same operations wherever it sits. The
+multiplied by `rowwise_linear`, which computes every row by the same operations wherever it sits. Any
+other weight the kernel does not serve (few outputs: a 4-expert router) goes, in calls of at least
+min_rows rows, to torch's own sgemm called directly (`blas_linear`, where `blas_matches` probes that it
+gives torch's bits): the same numbers as F.linear, as a kernel call a CPU graph can replay. The
 attention and indexer's torch forms use fixed per-item shapes (`KEY_CHUNK` keys a bmm item). The runner
 pads a small microbatch once to the row count the model's matmuls still need (`pad_rows`: 1 where the
 kernel serves every weight), so that within a step only the sampled rows' logits call may still pad. tests/test_layers.py sweeps the rule.

@@ -187,14 +187,13 @@ def topk_first(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) ->
     """The k best of scores [N, n] by value, ties to the lower index, -1 where fewer than k are finite (or
     above -inf): [N, k] int64, in `out` where given."""
     if fused.runs_in_c(scores):
-        ids = fused.topk(scores, k, out)
-    else:
-        n = scores.shape[1]
-        if n < k:
-            scores = F.pad(scores, (0, k - n), value=NEG_INF)
-        vals, ids = torch.sort(scores, dim=1, descending=True, stable=True)
-        ids = torch.where(vals[:, :k] != NEG_INF, ids[:, :k], -1)  # (a NaN is kept: its request errs, alone)
-    return ids if out is None or ids is out else out.copy_(ids)
+        return fused.topk(scores, k, out)
+    n = scores.shape[1]
+    if n < k:
+        scores = F.pad(scores, (0, k - n), value=NEG_INF)
+    vals, ids = torch.sort(scores, dim=1, descending=True, stable=True)
+    ids = torch.where(vals[:, :k] != NEG_INF, ids[:, :k], -1)  # (a NaN is kept: its request errs, alone)
+    return ids if out is None else out.copy_(ids)
 
 
 # ---- the per-forward context --------------------------------------------------------------------------
@@ -368,8 +367,7 @@ def candidate_blocks(s: torch.Tensor, count: torch.Tensor, block: int, k: int,
     their entries' scores s [T, E] (E a multiple of `block`), the newest visible block (count - 1) // block is
     +inf."""
     if fused.runs_in_c(s):
-        ids = fused.candidate_blocks(s, count, block, k, out)
-        return ids if out is None or ids is out else out.copy_(ids)
+        return fused.candidate_blocks(s, count, block, k, out)
     t, e = s.shape
     bs = s.view(t, e // block, block).amax(-1)  # [T, B]
     newest = torch.where(count > 0, torch.div(count - 1, block, rounding_mode="floor"), -1)

@@ -165,6 +165,9 @@ def small_call_kc(weight: torch.Tensor) -> int | None:
     return _min_rows[key]
 
 
+_sgemm: list[int | None] = []  # sgemm_address's answer, once per process
+
+
 def sgemm_address() -> int | None:
     """The address of the BLAS `sgemm_` that torch's CPU matmul calls (MKL, linked into libtorch_cpu), or None
     where that library or symbol is not found (another build): `blas_linear` then never runs."""
@@ -175,9 +178,6 @@ def sgemm_address() -> int | None:
         except (OSError, AttributeError):
             _sgemm.append(None)
     return _sgemm[0]
-
-
-_sgemm: list[int | None] = []
 
 
 def blas_matches(weight: torch.Tensor) -> bool:

@@ -247,7 +247,7 @@ def pool_pair(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
 
 def topk(x: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """[N, k] int64: the k best of each row of x [N, v], higher first, a NaN above every number, ties to the
-    lower index, -1 for a pick that is -inf or beyond v; written into `out` where it is a contiguous [N, k] int64."""
+    lower index, -1 for a pick that is -inf or beyond v; written into `out` (a contiguous [N, k] int64) where given."""
     x = _c(x)
     ids = _ids_out(out, x.shape[0], k)
     capture.call(_kernel().topk_rows, x.data_ptr(), x.shape[0], x.shape[1], k, ids.data_ptr())
@@ -270,15 +270,18 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, wscale: float, pool: torch.Te
 
 
 def _ids_out(out: torch.Tensor | None, n: int, k: int) -> torch.Tensor:
-    """Where a kernel writes [n, k] int64 ids: `out` (a caller's buffer) if it is one contiguous block, else new."""
-    ok = out is not None and out.is_contiguous() and out.dtype == torch.int64 and tuple(out.shape) == (n, k)
-    return out if ok else torch.empty(n, k, dtype=torch.int64)
+    """Where a kernel writes [n, k] int64 ids: a new tensor, or the caller's buffer `out`, which must be that."""
+    if out is None:
+        return torch.empty(n, k, dtype=torch.int64)
+    if not out.is_contiguous() or out.dtype != torch.int64 or tuple(out.shape) != (n, k):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype}: must be a contiguous [{n}, {k}] int64 buffer")
+    return out
 
 
 def candidate_blocks(s: torch.Tensor, count: torch.Tensor, block: int, k: int,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """[N, k] block ids (-1 none): blocks of `block` entries of s [N, E] scored by their max, the newest visible
-    block (count - 1) // block +inf, then `topk`; written into `out` where it is a contiguous [N, k] int64."""
+    block (count - 1) // block +inf, then `topk`; written into `out` (a contiguous [N, k] int64) where given."""
     s, count = _c(s), _c(count)
     ids = _ids_out(out, s.shape[0], k)
     capture.call(_kernel().candidate_blocks, s.data_ptr(), count.data_ptr(), s.shape[0], s.shape[1], block, k,

@@ -152,6 +152,18 @@ def test_rope_is_the_textbook_rotation_of_the_last_pairs_and_its_inverse_undoes_
     assert torch.allclose(v41.rope(got, cos, sin, inverse=True), x, atol=1e-5)
 
 
+@settings(max_examples=25, deadline=None)
+@given(shift=st.integers(1, 7), top=st.integers(1, 5000), seed=st.integers(0, 2 ** 16))
+def test_a_shifted_rope_lookup_is_the_row_at_the_position_minus_the_shift_clamped_at_zero(shift, top, seed):
+    """The compressed layers' entry rotary: one gather at p from a table moved down by `shift` rows equals the
+    table's row max(p - shift, 0), bit for bit, also past the table's first size (it grows)."""
+    table = RopeTable(8, 160000.0, {"factor": 4, "original_max_position_embeddings": 64}, rows=64, shifts=(shift,))
+    pos = torch.randint(0, top, (33,), generator=torch.Generator().manual_seed(seed))
+    got = table(pos, shift=shift)
+    want = table((pos - shift).clamp(min=0))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 @pytest.mark.parametrize("input_major", [False, True])
 def test_input_major_layout_changes_strides_not_values(input_major):
     moe = _moe(4, 2)

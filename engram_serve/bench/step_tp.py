@@ -169,8 +169,9 @@ def _replicated_pieces(model, workload: tuple[int, int, int]):
     pos = torch.arange(ctx, s).repeat(reqs)  # [T] absolute positions
     rows = torch.arange(reqs).repeat_interleave(new)  # [T]
     step = model.make_step(cache, pos, rows, torch.arange(reqs)[:, None], s, rows * s + pos)
-    plain, comp = model.rope_plain(pos), model.rope_comp(pos)
-    entry_cs = {r: model.rope_comp((pos - (r - 1)).clamp(min=0)) if r > 1 else comp for r in cfg.ratios if r}
+    lookups = model.rotary(pos)
+    plain, comp = lookups["plain"], lookups["comp"]
+    entry_cs = {r: lookups.get(r, comp) for r in cfg.ratios if r}
     x = torch.randn(pos.shape[0], cfg.hidden_size, generator=torch.Generator().manual_seed(0))  # [T, D]
 
     def run() -> dict[str, float]:

@@ -25,7 +25,7 @@ mates, the cut or padding.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -98,11 +98,14 @@ def rope_frequencies(rd: int, theta: float, yarn: dict | None) -> torch.Tensor:
 
 class RopeTable:
     """cos, sin [positions, rd / 2] float32 of angles computed in float64, grown on demand (doubling); a
-    token's values depend on its position alone."""
+    token's values depend on its position alone. For each of `shifts`, a copy of the table moved down by
+    that many rows (the values at max(p - shift, 0)), so that a lookup at a shifted position is one gather
+    at p."""
 
-    def __init__(self, rd: int, theta: float, yarn: dict | None, rows: int = 4096):
-        self.freqs, self.initial = rope_frequencies(rd, theta, yarn), rows
+    def __init__(self, rd: int, theta: float, yarn: dict | None, rows: int = 4096, shifts: Iterable[int] = ()):
+        self.freqs, self.initial, self.shifts = rope_frequencies(rd, theta, yarn), rows, tuple(shifts)
         self.cos = self.sin = None
+        self.tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def ensure(self, rows: int, device: torch.device | str = "cpu") -> None:
         have = 0 if self.cos is None else self.cos.shape[0]
@@ -110,12 +113,20 @@ class RopeTable:
             return
         ang = torch.arange(max(rows, 2 * have, self.initial), dtype=torch.float64, device="cpu")[:, None] * self.freqs[None, :]
         self.cos, self.sin = ang.cos().float().to(device), ang.sin().float().to(device)
+        self.tables = {0: (self.cos, self.sin)}
+        for s in self.shifts:
+            self.tables[s] = tuple(torch.cat([t[:1].expand(s, -1), t[:-s]]) for t in (self.cos, self.sin))
 
-    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        top = int(positions.max()) + 1 if positions.numel() else 1
+    def __call__(self, positions: torch.Tensor, top: int | None = None,
+                 shift: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, rd / 2] at max(p - shift, 0) for the positions p; `top` bounds p + 1 (default: read
+        from the positions on the host)."""
+        if top is None:
+            top = int(positions.max()) + 1 if positions.numel() else 1
         if self.cos is None or self.cos.shape[0] < top or self.cos.device != positions.device:
             self.ensure(top, positions.device)
-        return fused.gather_rows(self.cos, positions)[:, 0], fused.gather_rows(self.sin, positions)[:, 0]
+        cos, sin = self.tables[shift]
+        return fused.gather_rows(cos, positions)[:, 0], fused.gather_rows(sin, positions)[:, 0]
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -211,18 +222,6 @@ class V41Step:
     touch: Callable[[str, torch.Tensor], None] = lambda name, t: None
     ctx: object = None  # the runner's ForwardContext (tensor parallelism: its collectives' buffers and tracking)
     rotary: dict = None  # "plain", "comp": (cos, sin) [T, rd / 2] at the positions; ratio r: at each token's entry
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor of this step that depends on its positions and block tables (the plan, the rotary
-        lookups), by name: a CPU graph rebinds the addresses inside them (runner/cpu_graphs.py)."""
-        p = self.plan
-        out = {"positions": p.positions, "slots": p.slots, "window": p.window, "window_ok": p.window_ok,
-               "prev_slots": p.prev_slots}
-        for r in p.entry_count:
-            out[f"entry_count{r}"], out[f"entry_slots{r}"] = p.entry_count[r], p.entry_slots[r]
-        for kind, (cos, sin) in self.rotary.items():
-            out[f"cos_{kind}"], out[f"sin_{kind}"] = cos, sin
-        return out
 
 
 # ---- the paged state: writes and the keys a token reads -------------------------------------------
@@ -589,7 +588,8 @@ class DeepseekV41(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.rope_plain = RopeTable(cfg.qk_rope_head_dim, cfg.rope_theta, None)
-        self.rope_comp = RopeTable(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling)
+        self.rope_comp = RopeTable(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling,
+                                   shifts=sorted({r - 1 for r in cfg.ratios if r > 1}))
 
     def stages(self, ctx) -> Generator[str, None, torch.Tensor]:
         """The serving forward of one microbatch (a ForwardContext: its StepBatch slice, the cache, its own
@@ -597,29 +597,26 @@ class DeepseekV41(nn.Module):
         step = self.prepare(ctx)
         return (yield from self.forward_stages(ctx.batch.input_ids, ctx.batch.dead, step, ctx.engram_rows))
 
-    def prepare(self, ctx) -> V41Step:
-        """The V41Step of one microbatch: its slot plan over its rows' block tables (padding tokens form an extra
-        null row), its own buffers, its rotary lookups."""
+    def prepare(self, ctx, rows_tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> V41Step:
+        """The V41Step of one microbatch: its slot plan over its rows' block tables, its own buffers, its rotary
+        lookups. `rows_tables`: `plan_rows(ctx)`, where the caller has it already."""
         b, bufs = ctx.batch, ctx.bufs
-        t = b.num_tokens
-        if t > bufs.capacity:
+        if b.num_tokens > bufs.capacity:
             raise StaticBufferError(f"buffers of microbatch {bufs.microbatch} hold {bufs.capacity} tokens; "
-                                    f"the microbatch has {t}")
-        # padding tokens (past qsl[-1]) belong to an extra null row: every read of theirs is the zero slot
-        rows = torch.searchsorted(b.qsl[1:b.num_rows + 1], torch.arange(t, device=b.qsl.device), right=True)
-        tables = F.pad(b.block_tables, (0, 0, 0, 1), value=-1)
+                                    f"the microbatch has {b.num_tokens}")
+        rows, tables = rows_tables or plan_rows(ctx)
         step = self.make_step(ctx.kv, b.positions, rows, tables, b.block_size, b.slot_mapping, bufs.topk_idx,
                               bufs.candidates, ctx.touch, None if ctx.max_seq_len is None else ctx.max_seq_len - 1)
         step.ctx = ctx
         return step
 
-    def rotary(self, pos: torch.Tensor) -> dict:
+    def rotary(self, pos: torch.Tensor, top: int | None = None) -> dict:
         """The cos, sin [T, rd / 2] a forward reads: "plain" (window-only layers) and "comp" (compressed layers)
-        at the positions pos [T], and per ratio r > 1 at the first position of the entry each token completes."""
-        plain, comp = self.rope_plain(pos), self.rope_comp(pos)
-        out = {"plain": plain, "comp": comp}
+        at the positions pos [T], and per ratio r > 1 at the first position of the entry each token completes;
+        `top` bounds the positions + 1 (default: read on the host)."""
+        out = {"plain": self.rope_plain(pos, top), "comp": self.rope_comp(pos, top)}
         for r in sorted({r for r in self.config.ratios if r > 1}):
-            out[r] = self.rope_comp((pos - (r - 1)).clamp(min=0))
+            out[r] = self.rope_comp(pos, top, shift=r - 1)
         return out
 
     def forward_stages(self, ids: torch.Tensor, dead: torch.Tensor | None, step: V41Step,
@@ -719,7 +716,25 @@ class DeepseekV41(nn.Module):
         topk = topk if topk is not None else torch.full((t, cfg.index_topk), -1, dtype=torch.int64, device=dev)
         if candidates is None:
             candidates = torch.full((t, cfg.candidate_topk_blocks), -1, dtype=torch.int64, device=dev)
-        return V41Step(cache, plan, topk, candidates, touch or (lambda name, x: None), rotary=self.rotary(positions))
+        top = None if max_position is None else max_position + 1
+        return V41Step(cache, plan, topk, candidates, touch or (lambda name, x: None),
+                       rotary=self.rotary(positions, top))
+
+
+def plan_rows(ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [T], tables [R + 1, W]) of one microbatch: the row of each token in its block tables, which gain an
+    extra null row for the padding tokens (past qsl[-1]: every read of theirs is the zero slot). With a bound
+    on the positions (`ctx.max_seq_len`), W is the bound's blocks at least, so that W stays the same from one
+    step to the next while the bound does (a CPU graph's key)."""
+    b = ctx.batch
+    t, r = b.num_tokens, b.num_rows
+    rows = torch.searchsorted(b.qsl[1:r + 1], torch.arange(t, device=b.qsl.device), right=True)
+    width = b.block_tables.shape[1]
+    if ctx.max_seq_len is not None:
+        width = max(width, -(-ctx.max_seq_len // b.block_size))
+    tables = b.block_tables.new_full((r + 1, width), -1)
+    tables[:r, :b.block_tables.shape[1]] = b.block_tables
+    return rows, tables
 
 
 def collective_point(x: torch.Tensor, module, stage: str, ctx) -> Generator[str, None, torch.Tensor]:

@@ -5,10 +5,11 @@ around ~1.5 ms of kernels for the built-in model. Like a CUDA graph, a capture r
 and records what they run: every C kernel call (model/capture.py) and the few torch operators that compute
 or write (a TorchDispatchMode sees every operator). A replay makes the same calls in the same order on the
 same memory, except for the step's inputs: a kernel argument that is an address inside one of the
-capture's per-step tensors (the `StepBatch` fields, and the step's slot plan and rotary lookups, which
-`DeepseekV41.prepare` computes eagerly every step) is rebound to the same offset in this step's tensor. So
-a replay computes what an eager forward on this step's inputs computes, bit for bit, provided the layers'
-path depends only on the key (below) and their data reaches the kernels as arguments only.
+capture's per-step tensors (the `StepBatch` fields, and the microbatch's rows and block tables, which
+`plan_rows` makes eagerly every step) is rebound to the same offset in this step's tensor. The slot plan
+and the rotary lookups are made from them inside the graph, by the recorded calls of `DeepseekV41.prepare`.
+So a replay computes what an eager forward on this step's inputs computes, bit for bit, provided the
+forward's path depends only on the key (below) and its data reaches the kernels as arguments only.
 
 The capture watches for what would break that and then keeps nothing (the key runs eagerly from then on,
 named once in the log): an operator outside the few it can replay, one that reads or writes a per-step
@@ -16,11 +17,12 @@ tensor (its result would be the capture's), a host read of a tensor (`.item()`; 
 host in a way torch does not see says so through `capture.refuse`, as the MoE's per-expert loop does
 where its one-call form cannot run), a kernel address inside two per-step tensors.
 
-Key: the microbatch, the shape, strides and dtype of every per-step tensor, the block size, the addresses
-of the microbatch's persistent buffers and of the cache's pools, the loaded kernels and the exactness
-rules. The width of a step's entry plan grows with its longest request, so the runner gives the forward a
-static bound (`bound`: the longest position rounded up to a power of two): the same key for every step of
-a decode until a request crosses the bound. The first use of a key runs eagerly (plans and packed weights
+Key: the microbatch, the shape, strides and dtype of every per-step tensor the forward reads, the block
+size, the bound (below), the addresses of the microbatch's persistent buffers, of the cache's pools and
+of the rope tables, the loaded kernels and the exactness rules. The width of a step's entry plan grows
+with its longest request, so the runner gives the forward a static bound (`bound`: the longest position
+rounded up to a power of two; the block tables are as wide as the bound's blocks): the same key for every
+step of a decode until a request crosses the bound. The first use of a key runs eagerly (plans and packed weights
 are made then, outside a capture); the second captures; later ones replay. A captured graph keeps its
 activations (its own memory, reused by each replay) and the model's packed weights alive; at most
 CAPACITY graphs are kept (least recently used go). The weights must not change while graphs exist, as for
@@ -38,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .. import kernels
 from ..model import capture, exactness
 from ..model.context import ForwardContext
-from ..model.deepseek_v41 import run_stages
+from ..model.deepseek_v41 import plan_rows, run_stages
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -63,20 +65,20 @@ def bound(max_position: int, limit: int) -> int:
     return max(min(b, limit), max_position + 1)
 
 
-LAYER_FIELDS = ("input_ids", "dead")  # the batch fields the layers read (the others reach them through the plan)
+FORWARD_FIELDS = ("input_ids", "dead", "positions", "slot_mapping")  # the batch fields the forward reads
 
 
-def step_tensors(ctx: ForwardContext, step) -> dict[str, torch.Tensor]:
-    """Every per-step tensor of a microbatch forward, by name: its batch fields, its plan and rotary lookups.
-    The layers read the LAYER_FIELDS and the step's tensors (`read_by_layers`); a capture whose calls point
-    into another one is refused."""
-    out = {f"step.{k}": t for k, t in step.tensors().items()}  # first: a batch field that is also the plan's
-    out.update({f"batch.{k}": t for k, t in ctx.batch.fields().items() if isinstance(t, torch.Tensor)})  # (slots) is
-    return out  # named as the plan's
+def step_inputs(ctx: ForwardContext, rows: torch.Tensor, tables: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every per-step tensor of a microbatch forward, by name: its batch fields and its rows and tables
+    (`plan_rows`). The forward reads the FORWARD_FIELDS, the rows and the tables (`read_by_forward`); a capture
+    whose calls point into another one is refused."""
+    out = {"rows": rows, "tables": tables}
+    out.update({f"batch.{k}": t for k, t in ctx.batch.fields().items() if isinstance(t, torch.Tensor)})
+    return out
 
 
-def read_by_layers(name: str) -> bool:
-    return name.startswith("step.") or name.removeprefix("batch.") in LAYER_FIELDS
+def read_by_forward(name: str) -> bool:
+    return not name.startswith("batch.") or name.removeprefix("batch.") in FORWARD_FIELDS
 
 
 def _spans(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
@@ -150,7 +152,7 @@ class _Graph:
                     inside = [(name, a - lo) for name, (lo, hi) in spans.items() if lo <= a < hi]
                     if len(inside) > 1:
                         raise Refused(f"a kernel address lies inside per-step tensors {[n for n, _ in inside]}")
-                    if inside and not read_by_layers(inside[0][0]):
+                    if inside and not read_by_forward(inside[0][0]):
                         raise Refused(f"a kernel reads {inside[0][0]}, which the key does not cover")
                     patches += [(i, *inside[0])] if inside else []
             self.calls.append((fn, args, patches))
@@ -186,31 +188,36 @@ class CpuGraphs:
         self.replays = self.captures = 0
 
     def key(self, ctx: ForwardContext, tensors: dict[str, torch.Tensor]) -> tuple:
-        b, bufs, kv = ctx.batch, ctx.bufs, ctx.kv
-        layout = tuple((name, tuple(t.shape), t.stride(), t.dtype) for name, t in tensors.items() if read_by_layers(name))
+        b, bufs, kv, m = ctx.batch, ctx.bufs, ctx.kv, self.model
+        layout = tuple((name, tuple(t.shape), t.stride(), t.dtype) for name, t in tensors.items() if read_by_forward(name))
         pools = [*kv.window, *kv.entries.values(), *kv.index_keys.values(), *kv.open.values()]
-        static = [bufs.staging, bufs.topk_idx, bufs.candidates, *pools]
-        return (bufs.microbatch, b.block_size, layout, tuple(t.data_ptr() for t in static), id(self.model),
-                kernels.get("linear"), kernels.get("token"), exactness.rules_on(), torch.get_num_threads())
+        static = [bufs.staging, bufs.topk_idx, bufs.candidates, *pools, m.rope_plain.cos, m.rope_comp.cos]
+        return (bufs.microbatch, b.block_size, ctx.max_seq_len, layout, tuple(t.data_ptr() for t in static),
+                id(m), kernels.get("linear"), kernels.get("token"), exactness.rules_on(), torch.get_num_threads())
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states [T, hidden] of one decode microbatch (its staged rows in place): replayed, captured
-        (the second time a key is seen) or run eagerly."""
+        (the second time a key is seen) or run eagerly. The step's slot plan and rotary lookups are made by
+        kernel calls inside the graph, from its rows and tables."""
         b = ctx.batch
         ctx = dataclasses.replace(ctx, max_seq_len=bound(int(b.positions.max()) if b.num_tokens else 0, self.limit))
-        step = self.model.prepare(ctx)
-        tensors = step_tensors(ctx, step)
+        rows, tables = plan_rows(ctx)
+        tensors = step_inputs(ctx, rows, tables)
         key = self.key(ctx, tensors)
         graph = self._graphs.get(key)
         if graph is not None:
             self._graphs.move_to_end(key)
             self.replays += 1
             return graph.replay(tensors, self.rebind)
-        layers = self.model.forward_stages(b.input_ids, b.dead, step, ctx.engram_rows)
+        layers = self._layers(ctx, rows, tables)
         if key in self._refused or key not in self._seen:
             self._seen.add(key)
             return run_stages(layers)
         return self._capture(key, layers, tensors)
+
+    def _layers(self, ctx: ForwardContext, rows: torch.Tensor, tables: torch.Tensor):
+        step = self.model.prepare(ctx, (rows, tables))
+        return (yield from self.model.forward_stages(ctx.batch.input_ids, ctx.batch.dead, step, ctx.engram_rows))
 
     def _capture(self, key: tuple, layers, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         tape: list = []

@@ -22,8 +22,8 @@ size, the bound (below), the addresses of the microbatch's persistent buffers, o
 of the rope tables, the loaded kernels and the exactness rules. The width of a step's entry plan grows
 with its longest request, so the runner gives the forward a static bound (`bound`: the longest position
 rounded up to a power of two; the block tables are as wide as the bound's blocks): the same key for every
-step of a decode until a request crosses the bound. The first use of a key runs eagerly (plans and packed weights
-are made then, outside a capture); the second captures; later ones replay. A captured graph keeps its
+step of a decode until a request crosses the bound. The first use of a key runs eagerly (plans and packed
+weights are made then, outside a capture); the second captures; later ones replay. A captured graph keeps its
 activations (its own memory, reused by each replay) and the model's packed weights alive; at most
 CAPACITY graphs are kept (least recently used go). The weights must not change while graphs exist, as for
 CUDA graphs.
@@ -189,7 +189,8 @@ class CpuGraphs:
 
     def key(self, ctx: ForwardContext, tensors: dict[str, torch.Tensor]) -> tuple:
         b, bufs, kv, m = ctx.batch, ctx.bufs, ctx.kv, self.model
-        layout = tuple((name, tuple(t.shape), t.stride(), t.dtype) for name, t in tensors.items() if read_by_forward(name))
+        layout = tuple((name, tuple(t.shape), t.stride(), t.dtype) for name, t in tensors.items()
+                       if read_by_forward(name))
         pools = [*kv.window, *kv.entries.values(), *kv.index_keys.values(), *kv.open.values()]
         static = [bufs.staging, bufs.topk_idx, bufs.candidates, *pools, m.rope_plain.cos, m.rope_comp.cos]
         return (bufs.microbatch, b.block_size, ctx.max_seq_len, layout, tuple(t.data_ptr() for t in static),

@@ -217,6 +217,7 @@ class CpuGraphs:
         return self._capture(key, layers, tensors)
 
     def _layers(self, ctx: ForwardContext, rows: torch.Tensor, tables: torch.Tensor):
+        """The forward as stages; `prepare` runs when they start, so that a capture records its kernel calls."""
         step = self.model.prepare(ctx, (rows, tables))
         return (yield from self.model.forward_stages(ctx.batch.input_ids, ctx.batch.dead, step, ctx.engram_rows))
 

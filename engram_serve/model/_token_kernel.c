@@ -500,7 +500,8 @@ CLONES static int attend_paged(const float *restrict q, const float *restrict wi
             for (Py_ssize_t i = 0; i < k; i++) {
                 const int64_t g = topk[(t + 1) * k + i];
                 if (g >= 0 && g < es)
-                    for (Py_ssize_t d = 0; d < hd; d += 16) __builtin_prefetch(entries + eslots[(t + 1) * es + g] * hd + d);
+                    for (Py_ssize_t d = 0; d < hd; d += 16)
+                        __builtin_prefetch(entries + eslots[(t + 1) * es + g] * hd + d);
             }
         }
         for (Py_ssize_t j = 0; j < w; j++) {

@@ -25,7 +25,8 @@ min_rows rows, to torch's own sgemm called directly (`blas_linear`, where `blas_
 gives torch's bits): the same numbers as F.linear, as a kernel call a CPU graph can replay. The
 attention and indexer's torch forms use fixed per-item shapes (`KEY_CHUNK` keys a bmm item). The runner
 pads a small microbatch once to the row count the model's matmuls still need (`pad_rows`: 1 where the
-kernel serves every weight), so that within a step only the sampled rows' logits call may still pad. tests/test_layers.py sweeps the rule.
+kernel serves every weight), so that within a step only the sampled rows' logits call may still pad.
+tests/test_layers.py sweeps the rule.
 
 Elementwise ops. torch's CPU loops run the vectorised form of an op over whole vectors and a scalar
 form over the tail of the call, and for sigmoid and silu the two differ in the last bit. Rule:
@@ -39,6 +40,7 @@ non-exact configuration for benchmarks, and the negative control of the bit-exac
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from collections.abc import Iterable
 from contextlib import contextmanager
@@ -165,19 +167,15 @@ def small_call_kc(weight: torch.Tensor) -> int | None:
     return _min_rows[key]
 
 
-_sgemm: list[int | None] = []  # sgemm_address's answer, once per process
-
-
+@functools.cache
 def sgemm_address() -> int | None:
     """The address of the BLAS `sgemm_` that torch's CPU matmul calls (MKL, linked into libtorch_cpu), or None
-    where that library or symbol is not found (another build): `blas_linear` then never runs."""
-    if not _sgemm:
-        try:
-            lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-            _sgemm.append(ctypes.cast(lib.sgemm_, ctypes.c_void_p).value)
-        except (OSError, AttributeError):
-            _sgemm.append(None)
-    return _sgemm[0]
+    where that library or symbol is not found (another build): `blas_linear` then never runs. Once a process."""
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        return ctypes.cast(lib.sgemm_, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
 
 
 def blas_matches(weight: torch.Tensor) -> bool:
@@ -256,10 +254,11 @@ _plans: dict[tuple, tuple] = {}
 
 def plan(weight: torch.Tensor) -> tuple:
     """(min_rows, kc or None, the weight's packed panels where kc, the weight, its version, whether MKL is
-    position dependent for it, whether `blas_linear` gives F.linear's bits for it) for this weight view, memoised by address and layout: ~1 us a call instead
-    of ~12 us for measuring keys each time. The panels are a copy (the weight's memory once more), made
-    again when the weight was modified in place (its version counter). A cached plan keeps its weight
-    alive, so its address cannot be reused by another tensor while cached."""
+    position dependent for it, whether `blas_linear` gives F.linear's bits for it) for this weight view,
+    memoised by address and layout: ~1 us a call instead of ~12 us for measuring keys each time. The panels
+    are a copy (the weight's memory once more), made again when the weight was modified in place (its
+    version counter). A cached plan keeps its weight alive, so its address cannot be reused by another tensor
+    while cached."""
     key = (weight.data_ptr(), weight.shape, weight.stride(), weight.dtype, weight.is_cuda, torch.get_num_threads(),
            kernels.get("linear"))
     p = _plans.get(key)

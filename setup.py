@@ -1,8 +1,9 @@
 """Build the optional C kernels; all other metadata lives in pyproject.toml.
 
 `engram_serve.engram._hash_kernel` (the n-gram hash), `engram_serve.engram._gather_kernel` (the
-staging gather of table rows), `engram_serve.model._linear_kernel` (the matmul) and
-`engram_serve.model._token_kernel` (the token-wise steps of the forward) need only a C compiler and
+staging gather of table rows), `engram_serve.model._linear_kernel` (the matmul),
+`engram_serve.model._token_kernel` (the token-wise steps of the forward) and
+`engram_serve.inputs._decode_kernel` (a decode step's inputs) need only a C compiler and
 the CPython headers (no torch or numpy headers). They are optional: where one cannot be compiled, the
 install still succeeds with a warning and the torch paths run (`engram_serve.model.exactness` pads small
 matmul calls instead). `engram_serve.kernels` loads them (ENGRAM_SERVE_KERNELS switches them) and
@@ -29,9 +30,11 @@ class BuildExt(build_ext):
 
 setup(
     ext_modules=[Extension(f"engram_serve.{pkg}._{name}_kernel", [f"engram_serve/{pkg}/_{name}_kernel.c"],
-                           depends=[f"engram_serve/{pkg}/_kernel_buffers.h" if pkg == "engram" else "engram_serve/model/_kernel_math.h"],
+                           depends={"engram": ["engram_serve/engram/_kernel_buffers.h"],
+                                    "model": ["engram_serve/model/_kernel_math.h"]}.get(pkg, []),
                            libraries=["m"] if name == "token" and sys.platform != "win32" else [],  # log1pf
                            optional=True)
-                 for pkg, name in (("engram", "hash"), ("engram", "gather"), ("model", "linear"), ("model", "token"))],
+                 for pkg, name in (("engram", "hash"), ("engram", "gather"), ("model", "linear"), ("model", "token"),
+                                   ("inputs", "decode"))],
     cmdclass={"build_ext": BuildExt},
 )

@@ -1,11 +1,12 @@
 """The optional C kernels, loaded in one place, and the one switch that chooses them.
 
-setup.py builds four C extensions where a C compiler exists (docs/kernels.md says what each does):
+setup.py builds five C extensions where a C compiler exists (docs/kernels.md says what each does):
 
     hash       engram/_hash_kernel       the Engram n-gram hash (engram/hashing.py)
     gather     engram/_gather_kernel     the staging gather of table rows (engram/staging.py)
     linear     model/_linear_kernel      the float32 matmul in a fixed order (model/exactness.py, layers.py)
     token      model/_token_kernel       the token-wise steps of the forward (model/fused.py)
+    decode     inputs/_decode_kernel     a decode step's inputs in place (inputs/decode.py)
 
 Every other module asks this one (`get`, `loaded`) and never imports a kernel itself; where a kernel is
 not loaded, its torch path runs. Which kernels load is the environment variable ENGRAM_SERVE_KERNELS,
@@ -43,6 +44,7 @@ MODULES = {
     "gather": "engram_serve.engram._gather_kernel",
     "linear": "engram_serve.model._linear_kernel",
     "token": "engram_serve.model._token_kernel",
+    "decode": "engram_serve.inputs._decode_kernel",
 }
 SIMD_LEVELS = {0: "portable", 1: "AVX2", 2: "AVX-512"}
 CPU_GRAPHS_NEED = ("linear", "token")  # runner/cpu_graphs.py replays only C kernel calls

@@ -75,6 +75,33 @@ def test_replayed_decode_steps_have_the_eager_bits(loaded, microbatches):
     assert same(got, eager)
 
 
+def lone_prompt_logits(eng: LLMEngine) -> list[torch.Tensor]:
+    """One request at a time (prompts of 30 tokens, then one of 70, chunked 64 + 6 by the step budget of
+    `lone_engine`): the logits of every step."""
+    rng, out = np.random.default_rng(1), []
+    for i, n in enumerate((30, 30, 30, 70, 30)):
+        eng.add_request(f"r{i}", rng.integers(6, 4096, n).tolist(), SamplingParams(max_tokens=3, temperature=0.0))
+        while eng.has_unfinished():
+            res = eng.step()
+            if res.output is not None:
+                out.append(res.output.logits.clone())
+    return out
+
+
+def lone_engine(loaded, graphs: bool) -> LLMEngine:
+    return LLMEngine(loaded, RunnerConfig(max_num_seqs=4, max_model_len=160, max_num_batched_tokens=64,
+                                          num_blocks=64, cpu_graphs=graphs), enable_prefix_caching=False)
+
+
+def test_lone_prompts_replay_with_the_eager_bits(loaded):
+    """Every step's logits equal the eager engine's, and a one-row prompt step was replayed."""
+    eng = lone_engine(loaded, True)
+    assert same(lone_prompt_logits(eng), lone_prompt_logits(lone_engine(loaded, False)))
+    g = eng.runner.cpu_graphs
+    assert g.replays and any(graph.out.shape[0] == 30 for graph in g._graphs.values())
+    assert 0 < g.nbytes <= g.MAX_BYTES
+
+
 def test_the_bound_rounds_up_to_a_power_of_two_within_the_limit():
     assert [cpu_graphs.bound(p, 160) for p in (0, 62, 63, 64, 127, 128, 159)] == [64, 64, 64, 128, 128, 160, 160]
 
@@ -98,9 +125,11 @@ def with_graphs(loaded, cls) -> LLMEngine:
 
 
 def test_negative_control_replays_without_rebinding_read_the_capture_inputs(loaded):
-    eager = decode_logits(engine(loaded, False))
-    assert same(decode_logits(with_graphs(loaded, cpu_graphs.CpuGraphs)), eager)
-    assert wrong(with_graphs(loaded, NoRebind), eager)
+    """Prompt steps build fresh inputs (a decode step's stay in place: inputs/decode.py)."""
+    eager = lone_prompt_logits(lone_engine(loaded, False))
+    eng = lone_engine(loaded, True)
+    eng.runner.cpu_graphs = NoRebind(eng.runner.model, eng.runner.cfg.max_model_len)
+    assert not same(lone_prompt_logits(eng), eager)
 
 
 def test_negative_control_an_unguarded_capture_skips_a_torch_operator(loaded, monkeypatch):

@@ -106,14 +106,19 @@ def test_the_numpy_build_on_a_cpu_store_equals_the_torch_build(seed, long_contex
         tables = state
     flags = rng.random(rows) < 0.5 if sample else None
     host, dev = (build_step(store, *args, tables, BLOCK, CFG.history_len, flags, on_host=h) for h in (True, False))
-    for name, want in dev.fields().items():
-        got = host.fields()[name]
-        if isinstance(want, torch.Tensor):
-            assert got.dtype == want.dtype and torch.equal(got, want), name
-        elif isinstance(want, np.ndarray):
-            assert np.array_equal(got, want), name
+    assert_same_batch(host, dev)
+
+
+def assert_same_batch(got: StepBatch, want: StepBatch) -> None:
+    """Every field of `got` equals `want`'s, in dtype, shape and value."""
+    for name, value in want.fields().items():
+        mine = getattr(got, name)
+        if isinstance(value, torch.Tensor):
+            assert mine.dtype == value.dtype and torch.equal(mine, value), name
+        elif isinstance(value, np.ndarray):
+            assert np.array_equal(mine, value), name
         else:
-            assert got == want, name
+            assert mine == value, name
 
 
 def step_hash(b: StepBatch) -> torch.Tensor:

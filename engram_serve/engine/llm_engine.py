@@ -218,14 +218,17 @@ class LLMEngine:
 
         def run(rows, sample, bounds=None, record=False) -> StepOutput:
             n = len(rows)
-            batch = self.runner.build(np.fromiter((r.seq.slot for r in rows), np.int64, n),
-                                      np.fromiter((r.num_computed for r in rows), np.int64, n),
-                                      np.fromiter((r.num_new for r in rows), np.int64, n), None,
-                                      np.fromiter(sample, bool, n))
-            if bounds is not None:
-                check_bounds(bounds, batch.num_tokens, self.cfg.microbatch.num_microbatches)
+            slots = np.fromiter((r.seq.slot for r in rows), np.int64, n)
+            computed = np.fromiter((r.num_computed for r in rows), np.int64, n)
+            new, sampled = np.fromiter((r.num_new for r in rows), np.int64, n), np.fromiter(sample, bool, n)
             score = [i for i, r in enumerate(rows) if r.seq.prompt_logprobs is not None
                      and r.num_computed < r.seq.num_prompt_tokens]
+            if bounds is None and not score and (new == 1).all() and sampled.all():
+                batch = self.runner.build_decode(slots, computed)  # a decode step: its inputs in place
+            else:
+                batch = self.runner.build(slots, computed, new, None, sampled)
+            if bounds is not None:
+                check_bounds(bounds, batch.num_tokens, self.cfg.microbatch.num_microbatches)
             return self.runner.execute(batch, bounds, record, score or None)
 
         try:
@@ -333,7 +336,8 @@ class LLMEngine:
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
         """Sample one token per sequence; one device-to-host transfer for the whole step."""
         dev = logits.device
-        logits = logits[:, : self.num_token_ids]  # ids outside the tokenizer are never sampled
+        if logits.shape[1] > self.num_token_ids:
+            logits = logits[:, : self.num_token_ids]  # ids outside the tokenizer are never sampled
         vocab = logits.shape[1]
         p = [s.params for s in seqs]
         if all(x.temperature < GREEDY_BELOW and x.logprobs is None and not x.logit_bias and not x.penalised
@@ -381,15 +385,18 @@ class LLMEngine:
         dev = out.tokens.device
         slots = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
         self.runner.store.append(slots, out.tokens)  # on the device; rows that fail are freed below
-        packed = torch.stack([out.tokens.double(), out.finite.double()], dim=1)  # [R, 2]
         n = 0 if batch is None else batch.num_logprobs
-        if batch is not None and batch.logprob_rows is not None:
-            lp = torch.cat([out.logprob.double()[:, None], out.top_ids.double(), out.top_logprobs.double()], 1) \
-                if n else out.logprob.double()[:, None]  # [Q, 1 + 2n]
-            full = torch.full((len(seqs), lp.shape[1]), float("nan"), dtype=torch.float64, device=dev)
-            packed = torch.cat([packed, full.index_copy_(0, batch.logprob_rows, lp)], dim=1)
-        host = packed.cpu().numpy()  # the one transfer of the step
-        toks, finite = host[:, 0].astype(np.int64).tolist(), (host[:, 1] != 0).tolist()  # two calls, not 2 a row
+        if dev.type == "cpu" and batch is None:  # no transfer: the tensors' own memory
+            host, toks, finite = None, out.tokens.numpy().tolist(), out.finite.numpy().tolist()
+        else:
+            packed = torch.stack([out.tokens.double(), out.finite.double()], dim=1)  # [R, 2]
+            if batch is not None and batch.logprob_rows is not None:
+                lp = torch.cat([out.logprob.double()[:, None], out.top_ids.double(), out.top_logprobs.double()], 1) \
+                    if n else out.logprob.double()[:, None]  # [Q, 1 + 2n]
+                full = torch.full((len(seqs), lp.shape[1]), float("nan"), dtype=torch.float64, device=dev)
+                packed = torch.cat([packed, full.index_copy_(0, batch.logprob_rows, lp)], dim=1)
+            host = packed.cpu().numpy()  # the one transfer of the step
+            toks, finite = host[:, 0].astype(np.int64).tolist(), (host[:, 1] != 0).tolist()  # two calls, not 2 a row
         events = []
         for k, (seq, tok) in enumerate(zip(seqs, toks)):
             if not finite[k]:

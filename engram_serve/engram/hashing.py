@@ -146,11 +146,18 @@ def hash_step(input_ids: torch.Tensor, qsl: torch.Tensor, history: torch.Tensor,
         return res if out is None else out.copy_(res)
     host = _new_output(input_ids.shape[0], layout) if out is None else out.numpy()  # [T, L, C]
     dead_np = None if dead is None else dead.bool().contiguous().numpy()
-    # the C loop is step_windows + compress + hash_windows fused: no [T, N] or [T, L, C] temporaries
-    token_map_np = _once((token_map,), lambda t: (_host(t),))[0]
-    kernels.get("hash").hash_step(_host(input_ids), _host(qsl), _host(history), dead_np, token_map_np,
-                                  *_kernel_constants(layout), int(pad_id), host)
+    hash_step_host(_host(input_ids), _host(qsl), _host(history), dead_np, layout, token_map, pad_id, host)
     return torch.from_numpy(host) if out is None else out
+
+
+def hash_step_host(input_ids: np.ndarray, qsl: np.ndarray, history: np.ndarray, dead: np.ndarray | None,
+                   layout: EngramLayout, token_map: torch.Tensor, pad_id: int, out: np.ndarray) -> None:
+    """`hash_step` by the kernel on host arrays (int64, dead bool; C-contiguous) into out [T, L, C] int64: the
+    C loop is step_windows + compress + hash_windows fused, no [T, N] or [T, L, C] temporaries. The caller
+    checked `hash_backend`."""
+    token_map_np = _once((token_map,), lambda t: (_host(t),))[0]
+    kernels.get("hash").hash_step(input_ids, qsl, history, dead, token_map_np, *_kernel_constants(layout),
+                                  int(pad_id), out)
 
 
 def hash_step_torch(input_ids: torch.Tensor, qsl: torch.Tensor, history: torch.Tensor, layout: EngramLayout,

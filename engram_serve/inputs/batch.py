@@ -48,9 +48,18 @@ class StepBatch:
         return self.qsl.shape[0] - 1
 
     @property
+    def decode_only(self) -> bool:
+        """Whether every row holds one token (a decode step), from the host boundaries."""
+        q = self.qsl_host
+        return bool((q[1:] - q[:-1] == 1).all())
+
+    @property
     def logits_indices(self) -> torch.Tensor:
         """Token indices whose logits are sampled: the last token of each sampled row."""
         return (self.qsl[1:] - 1)[self.sample]
 
     def fields(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {name: getattr(self, name) for name in _FIELDS}
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(StepBatch))

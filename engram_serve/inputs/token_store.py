@@ -20,6 +20,8 @@ class TokenStore:
         self.dead = torch.zeros(max_slots, max_len, dtype=torch.bool, device=self.device)
         self.lengths = torch.zeros(max_slots, dtype=torch.int64, device=self.device)
         self._free = list(range(max_slots - 1, -1, -1))
+        # numpy views of the same memory (a CPU store): a commit indexes them without a conversion each step
+        self._host = (self.ids.numpy(), self.dead.numpy(), self.lengths.numpy()) if self.device.type == "cpu" else None
 
     @property
     def bytes_per_token(self) -> int:
@@ -48,8 +50,8 @@ class TokenStore:
         the tokens through Python; a CPU store through numpy views (a few us instead of ~20 of torch's
         indexing operators)."""
         slots = np.asarray(slots, dtype=np.int64)
-        if self.device.type == "cpu":
-            ids, dead, lengths = self.ids.numpy(), self.dead.numpy(), self.lengths.numpy()
+        if self._host is not None:
+            ids, dead, lengths = self._host
             pos = lengths[slots]
             ids[slots, pos] = tokens.numpy()
             dead[slots, pos] = False
@@ -84,5 +86,6 @@ class TokenStore:
         """`history` for a CPU store, in numpy over views of its tensors (int64 host arrays in, the same values)."""
         pos = first_pos[:, None] - 1 - np.arange(d)[None, :]  # [R, D]
         at = (slots[:, None], np.maximum(pos, 0))
-        out = np.where(self.dead.numpy()[at], DEAD, self.ids.numpy()[at])
+        ids, dead, _ = self._host if self._host is not None else (self.ids.numpy(), self.dead.numpy(), None)
+        out = np.where(dead[at], DEAD, ids[at])
         return np.where(pos < 0, BEFORE_START, out).astype(np.int64)

@@ -1142,7 +1142,29 @@ static PyObject *py_argmax_rows(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* A CPU graph's replay (runner/cpu_graphs.py): fn(*args) for each (fn, args) of the list, in order; the first
+ * error stops it. One C loop instead of the interpreter's, around the kernels' own calls. */
+static PyObject *py_call_all(PyObject *Py_UNUSED(self), PyObject *calls) {
+    if (!PyList_Check(calls)) {
+        PyErr_SetString(PyExc_TypeError, "call_all: expected a list of (callable, args tuple)");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(calls); i++) {
+        PyObject *call = PyList_GET_ITEM(calls, i);
+        if (!PyTuple_Check(call) || PyTuple_GET_SIZE(call) != 2 || !PyTuple_Check(PyTuple_GET_ITEM(call, 1))) {
+            PyErr_Format(PyExc_TypeError, "call_all: item %zd is not a (callable, args tuple) pair", i);
+            return NULL;
+        }
+        PyObject *out = PyObject_Call(PyTuple_GET_ITEM(call, 0), PyTuple_GET_ITEM(call, 1), NULL);
+        if (out == NULL) return NULL;
+        Py_DECREF(out);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"call_all", py_call_all, METH_O,
+     "call_all(calls) -> None: fn(*args) for each (fn, args) of the list calls, in order (a CPU graph's replay)."},
     {"hc_mix", py_hc_mix, METH_VARARGS, "hc_mix(x, mm, n, hc, dim, scale, base, eps, hc_eps, iters, pre, post, comb): mHC mixes."},
     {"collapse", py_collapse, METH_VARARGS, "collapse(x, mix, n, hc, dim, out): out = sum_i mix_i x_i."},
     {"expand", py_expand, METH_VARARGS, "expand(o, x, post, comb, n, hc, dim, out): stream b = post_b o + sum_a comb[a][b] x_a."},

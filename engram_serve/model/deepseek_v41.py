@@ -28,6 +28,7 @@ import math
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -590,6 +591,7 @@ class DeepseekV41(nn.Module):
         self.rope_plain = RopeTable(cfg.qk_rope_head_dim, cfg.rope_theta, None)
         self.rope_comp = RopeTable(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling,
                                    shifts=sorted({r - 1 for r in cfg.ratios if r > 1}))
+        self._stream0 = torch.zeros(0, cfg.hc_mult)  # rows (1, 0, .., 0): layer 0's attention reads stream 0 alone
 
     def stages(self, ctx) -> Generator[str, None, torch.Tensor]:
         """The serving forward of one microbatch (a ForwardContext: its StepBatch slice, the cache, its own
@@ -626,8 +628,7 @@ class DeepseekV41(nn.Module):
         cfg, cs = self.config, step.rotary
         x = fused.gather_rows(self.embed.weight, ids, cfg.hc_mult)  # [T, hc, D]: the embedding on every stream
         early = engram_sums(self.layers, engram_rows, step.ctx)  # tensor parallel only
-        pre = torch.zeros(ids.shape[0], cfg.hc_mult, device=ids.device)
-        pre[:, 0].fill_(1.0)  # layer 0's attention reads stream 0 alone
+        pre = self._first_mix(ids.shape[0], ids.device)
         for blk in self.layers:
             role = blk.role
             if early is not None and blk.engram is not None:  # its sum was launched at the start
@@ -649,6 +650,14 @@ class DeepseekV41(nn.Module):
             x = expand(f, x, post_f, comb_f)
             pre = pre_f
         return self.norm(collapse(x, pre))
+
+    def _first_mix(self, t: int, device: torch.device) -> torch.Tensor:
+        """[t, hc] rows (1, 0, .., 0), a view of one constant grown on demand: no operator per forward (a CPU
+        graph replays none)."""
+        if self._stream0.shape[0] < t or self._stream0.device != device:
+            self._stream0 = torch.zeros(max(t, 2 * self._stream0.shape[0]), self.config.hc_mult, device=device)
+            self._stream0[:, 0] = 1.0
+        return self._stream0[:t]
 
     def ensure_positions(self, n: int, device: torch.device | str = "cpu") -> None:
         """Rope tables for positions 0 .. n - 1 on `device` (grown once, before serving)."""
@@ -728,10 +737,15 @@ def plan_rows(ctx) -> tuple[torch.Tensor, torch.Tensor]:
     step to the next while the bound does (a CPU graph's key)."""
     b = ctx.batch
     t, r = b.num_tokens, b.num_rows
-    rows = torch.searchsorted(b.qsl[1:r + 1], torch.arange(t, device=b.qsl.device), right=True)
     width = b.block_tables.shape[1]
     if ctx.max_seq_len is not None:
         width = max(width, -(-ctx.max_seq_len // b.block_size))
+    if b.qsl.device.type == "cpu":  # numpy: a few us instead of ~40 of torch operators
+        tables = np.full((r + 1, width), -1, dtype=np.int64)
+        tables[:r, :b.block_tables.shape[1]] = b.block_tables.numpy()
+        rows = np.searchsorted(b.qsl_host[1:r + 1], np.arange(t), side="right")
+        return torch.from_numpy(rows), torch.from_numpy(tables)
+    rows = torch.searchsorted(b.qsl[1:r + 1], torch.arange(t, device=b.qsl.device), right=True)
     tables = b.block_tables.new_full((r + 1, width), -1)
     tables[:r, :b.block_tables.shape[1]] = b.block_tables
     return rows, tables

@@ -52,6 +52,7 @@ class ParallelModelRunner(ModelRunner):
         self.group, self.on_failure = group, on_failure
         super().__init__(loaded, cfg)
         self.launches_collectives = group.world > 1  # every layer's sum is something a cut can hide (planner)
+        self.decode_inputs = None  # every step goes through `execute`, which rank 0 broadcasts
         self.broken: str | None = None
         self.cluster = None  # rank 0: the TPCluster this runner owns (closed with it), if any
 

@@ -1,4 +1,8 @@
-"""CPU graphs: a decode microbatch's DeepSeek-V4.1 layers recorded once as their kernel calls, then replayed.
+"""CPU graphs: a microbatch's DeepSeek-V4.1 layers recorded once as their kernel calls, then replayed.
+
+What replays (`takes`): decode steps (one token a row), and a step of one row of at most MAX_PROMPT_TOKENS
+tokens run whole (a lone prompt, or a chunk of one). Other steps vary too much from one to the next to
+replay often.
 
 On the CPU a decode forward is mostly Python (modules, checks, plans, tensor wrappers): ~8 ms at batch 1
 around ~1.5 ms of kernels for the built-in model. Like a CUDA graph, a capture runs the layers once for real
@@ -6,8 +10,10 @@ and records what they run: every C kernel call (model/capture.py) and the few to
 or write (a TorchDispatchMode sees every operator). A replay makes the same calls in the same order on the
 same memory, except for the step's inputs: a kernel argument that is an address inside one of the
 capture's per-step tensors (the `StepBatch` fields, and the microbatch's rows and block tables, which
-`plan_rows` makes eagerly every step) is rebound to the same offset in this step's tensor. The slot plan
-and the rotary lookups are made from them inside the graph, by the recorded calls of `DeepseekV41.prepare`.
+`plan_rows` makes eagerly every step, or inputs/decode.py writes in place) is rebound to the same offset in
+this step's tensor (a decode step's inputs keep their addresses, so its calls are bound once and kept); the
+calls run in one C loop (the token kernel's `call_all`). The slot plan and the rotary lookups are made from
+them inside the graph, by the recorded calls of `DeepseekV41.prepare`.
 So a replay computes what an eager forward on this step's inputs computes, bit for bit, provided the
 forward's path depends only on the key (below) and its data reaches the kernels as arguments only.
 
@@ -25,8 +31,8 @@ rounded up to a power of two; the block tables are as wide as the bound's blocks
 step of a decode until a request crosses the bound. The first use of a key runs eagerly (plans and packed
 weights are made then, outside a capture); the second captures; later ones replay. A captured graph keeps its
 activations (its own memory, reused by each replay) and the model's packed weights alive; at most
-CAPACITY graphs are kept (least recently used go). The weights must not change while graphs exist, as for
-CUDA graphs.
+CAPACITY graphs and MAX_BYTES of activations are kept (least recently used go). The weights must not change
+while graphs exist, as for CUDA graphs.
 """
 from __future__ import annotations
 
@@ -78,7 +84,10 @@ def step_inputs(ctx: ForwardContext, rows: torch.Tensor, tables: torch.Tensor) -
 
 
 def read_by_forward(name: str) -> bool:
-    return not name.startswith("batch.") or name.removeprefix("batch.") in FORWARD_FIELDS
+    return name in _READ
+
+
+_READ = {"rows", "tables", *(f"batch.{k}" for k in FORWARD_FIELDS)}
 
 
 def _spans(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
@@ -104,6 +113,7 @@ class _Watch(TorchDispatchMode):
     def __init__(self, tape: list, spans: dict[str, tuple[int, int]]):
         super().__init__()
         self.tape, self.spans, self.keep, self.refused = tape, spans, [], None
+        self.allocated: dict[int, int] = {}  # storage address -> bytes, of every tensor an operator made
 
     def _touches_step(self, tensors) -> str | None:
         for t in tensors:
@@ -118,6 +128,8 @@ class _Watch(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.keep.append(out)
+        if isinstance(out, torch.Tensor) and not func.is_view and func not in _INPLACE:
+            self.allocated[out.untyped_storage().data_ptr()] = out.untyped_storage().nbytes()
         if self.refused is not None or not self.guard or func in _ALLOC or func.is_view:
             return out
         if func in _ZEROS:
@@ -140,8 +152,9 @@ class _Watch(TorchDispatchMode):
 class _Graph:
     """One captured forward: its calls, where to rebind per-step addresses, its output, what it keeps alive."""
 
-    def __init__(self, tape: list, spans: dict[str, tuple[int, int]], out: torch.Tensor, keep: list):
+    def __init__(self, tape: list, spans: dict[str, tuple[int, int]], out: torch.Tensor, keep: list, nbytes: int):
         self.out, self.keep = out, keep
+        self.nbytes = nbytes  # the memory its capture allocated, which it keeps alive
         self.calls = []  # (fn, args, [(arg index, tensor name, offset)])
         for fn, args in tape:
             if fn is None:
@@ -157,20 +170,29 @@ class _Graph:
                     patches += [(i, *inside[0])] if inside else []
             self.calls.append((fn, args, patches))
         self.names = sorted({p[1] for _, _, ps in self.calls for p in ps})
+        self._bound: tuple[tuple | None, list] = (None, [])  # (the addresses, the calls with them) of the last replay
 
     def replay(self, tensors: dict[str, torch.Tensor], rebind: bool = True) -> torch.Tensor:
-        ptrs = {name: tensors[name].data_ptr() for name in self.names}
-        for fn, args, patches in self.calls:
-            if patches and rebind:
-                args = list(args)
-                for i, name, off in patches:
-                    args[i] = ptrs[name] + off
-            fn(*args)
+        ptrs = tuple(tensors[name].data_ptr() for name in self.names) if rebind else None
+        if ptrs != self._bound[0] or not self._bound[1]:  # (a decode step's inputs keep their addresses)
+            at = dict(zip(self.names, ptrs or ()))
+            calls = []
+            for fn, args, patches in self.calls:
+                if patches and rebind:
+                    args = list(args)
+                    for i, name, off in patches:
+                        args[i] = at[name] + off
+                    args = tuple(args)
+                calls.append((fn, args))
+            self._bound = (ptrs, calls)
+        kernels.get("token").call_all(self._bound[1])  # fn(*args) for each, in order
         return self.out
 
 
 class CpuGraphs:
-    CAPACITY = 64
+    CAPACITY = 64  # graphs kept, at most
+    MAX_BYTES = 256 << 20  # activations kept by all graphs, at most (a 256-token prompt's graph keeps ~45 MiB)
+    MAX_PROMPT_TOKENS = 256  # a step of one row replays up to this many tokens; a decode step, any number
     rebind = True  # a protection a test subclass turns off (negative control): replays read the capture's inputs
     watch = _Watch
 
@@ -185,24 +207,45 @@ class CpuGraphs:
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._seen: set[tuple] = set()
         self._refused: set[tuple] = set()
-        self.replays = self.captures = 0
+        self.replays = self.captures = self.nbytes = 0
+        self._owners, self._static = None, ()  # what `_addresses` last worked out, and from which objects
+
+    def takes(self, batch, microbatches: int) -> bool:
+        """Whether a step cut into `microbatches` runs through graphs: a decode step (one token a row), or one
+        row (a prompt or a chunk of one) of at most MAX_PROMPT_TOKENS tokens run whole (a cut one interleaves its
+        microbatches, which replays would not). Other steps vary too much to replay often."""
+        lone = microbatches == 1 and batch.num_rows == 1 and batch.qsl_host[1] <= self.MAX_PROMPT_TOKENS
+        return lone or batch.decode_only
 
     def key(self, ctx: ForwardContext, tensors: dict[str, torch.Tensor]) -> tuple:
-        b, bufs, kv, m = ctx.batch, ctx.bufs, ctx.kv, self.model
+        b, bufs, m = ctx.batch, ctx.bufs, self.model
         layout = tuple((name, tuple(t.shape), t.stride(), t.dtype) for name, t in tensors.items()
                        if read_by_forward(name))
-        pools = [*kv.window, *kv.entries.values(), *kv.index_keys.values(), *kv.open.values()]
-        static = [bufs.staging, bufs.topk_idx, bufs.candidates, *pools, m.rope_plain.cos, m.rope_comp.cos]
-        return (bufs.microbatch, b.block_size, ctx.max_seq_len, layout, tuple(t.data_ptr() for t in static),
+        return (bufs.microbatch, b.block_size, ctx.max_seq_len, layout, self._addresses(bufs, ctx.kv),
                 id(m), kernels.get("linear"), kernels.get("token"), exactness.rules_on(), torch.get_num_threads())
 
-    def forward(self, ctx: ForwardContext) -> torch.Tensor:
-        """Hidden states [T, hidden] of one decode microbatch (its staged rows in place): replayed, captured
+    def _addresses(self, bufs, kv) -> tuple[int, ...]:
+        """The addresses of the microbatch's persistent buffers, the cache's pools and the rope tables; worked
+        out again only when one of these objects is another one (a tensor keeps its address while it lives)."""
+        m = self.model
+        owners = (bufs, kv, m.rope_plain.cos, m.rope_comp.cos)
+        if self._owners is None or any(a is not b for a, b in zip(owners, self._owners)):
+            pools = [*kv.window, *kv.entries.values(), *kv.index_keys.values(), *kv.open.values()]
+            static = [bufs.staging, bufs.topk_idx, bufs.candidates, *pools, *owners[2:]]
+            self._owners, self._static = owners, tuple(t.data_ptr() for t in static)
+        return self._static
+
+    def forward(self, ctx: ForwardContext, planned: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] of one microbatch `takes` (its staged rows in place): replayed, captured
         (the second time a key is seen) or run eagerly. The step's slot plan and rotary lookups are made by
-        kernel calls inside the graph, from its rows and tables."""
-        b = ctx.batch
-        ctx = dataclasses.replace(ctx, max_seq_len=bound(int(b.positions.max()) if b.num_tokens else 0, self.limit))
-        rows, tables = plan_rows(ctx)
+        kernel calls inside the graph, from its rows and tables. `planned`: `plan_rows(ctx)` where the caller made
+        it, with ctx.max_seq_len the `bound` of its positions."""
+        if planned is None:
+            b = ctx.batch
+            ctx = dataclasses.replace(ctx, max_seq_len=bound(int(b.positions.max()) if b.num_tokens else 0,
+                                                             self.limit))
+            planned = plan_rows(ctx)
+        rows, tables = planned
         tensors = step_inputs(ctx, rows, tables)
         key = self.key(ctx, tensors)
         graph = self._graphs.get(key)
@@ -230,13 +273,14 @@ class CpuGraphs:
         try:
             if watch.refused is not None:
                 raise Refused(watch.refused)
-            graph = _Graph(tape, spans, out, watch.keep)
+            graph = _Graph(tape, spans, out, watch.keep, sum(watch.allocated.values()))
         except Refused as why:
             self._refused.add(key)
-            log.info("CPU graph: a decode microbatch of %d tokens runs eagerly (%s)", out.shape[0], why)
+            log.info("CPU graph: a microbatch of %d tokens runs eagerly (%s)", out.shape[0], why)
             return out
         self._graphs[key] = graph
         self.captures += 1
-        while len(self._graphs) > self.CAPACITY:
-            self._graphs.popitem(last=False)
+        self.nbytes += graph.nbytes
+        while len(self._graphs) > self.CAPACITY or (self.nbytes > self.MAX_BYTES and len(self._graphs) > 1):
+            self.nbytes -= self._graphs.popitem(last=False)[1].nbytes
         return out

@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..engram.hashing import hash_step
+from .. import kernels
+from ..engram.hashing import hash_step, hash_step_host
 from ..inputs.batch import StepBatch
+from ..inputs.decode import DecodeInputs
 from ..inputs.static import StaticInputPool, pad_tokens
 from ..inputs.step import build_step
 from ..inputs.step_state import StepState
@@ -30,6 +32,7 @@ from ..model.paged_state import PagedState
 from ..model.exactness import MIN_ROWS, batch_invariant, pad_rows
 from ..model.layers import matmul_weights
 from ..model.loader import LoadedModel
+from .cpu_graphs import CpuGraphs, bound
 from .ownership import OwnershipTracker
 from .process import freeze_startup_objects, keep_freed_memory
 
@@ -113,8 +116,12 @@ class ModelRunner:
         self.tracker = OwnershipTracker() if cfg.debug_ownership else None
         self.cpu_graphs = None
         if cfg.cpu_graphs and self.device.type == "cpu" and self.tracker is None:
-            from .cpu_graphs import CpuGraphs
             self.cpu_graphs = CpuGraphs(self.model, cfg.max_model_len) if CpuGraphs.available() else None
+        # a decode step's inputs, in place (inputs/decode.py): for CPU graph replays, whose host work they cut
+        self.decode_inputs = None
+        if self.cpu_graphs is not None and self.static is None and kernels.loaded("hash"):
+            self.decode_inputs = DecodeInputs(cfg.max_num_seqs, self.pad_rows if cfg.exact else 1, cfg.block_size,
+                                              self.history_len, cfg.max_blocks_per_seq)
         self._gather_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-gather")
         # CUDA: the Engram host-to-device copies run on their own stream, ordered by events
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -147,14 +154,19 @@ class ModelRunner:
         return build_step(self.store, slots, num_computed, num_new, tables, self.cfg.block_size,
                           self.history_len, sample)
 
-    @staticmethod
-    def decode_only(batch: StepBatch) -> bool:
-        q = batch.qsl_host
-        return bool((q[1:] - q[:-1] == 1).all())
+    def build_decode(self, slots: np.ndarray, positions: np.ndarray) -> StepBatch:
+        """`build`'s batch for a step in which the rows of token-store `slots` each compute the token at
+        `positions` and sample it; with decode inputs (CPU graphs), written in place into them (the same values,
+        padded as `execute` pads): valid until the next call, and `execute` then runs it with less host work."""
+        if self.decode_inputs is None:
+            ones = np.ones(len(slots), dtype=np.int64)
+            return self.build(slots, positions, ones, None, ones.astype(bool))
+        top = bound(int(positions.max()), self.cfg.max_model_len)
+        return self.decode_inputs.fill(self.store, self.state, slots, positions, top)
 
     def plan(self, batch: StepBatch, microbatch: MicrobatchConfig | None = None) -> list[int]:
         """The step's cut (microbatch/plan.py). Under `when="overlap"` only a step with something to hide is cut."""
-        return self.planner.plan(batch.qsl_host, self.decode_only(batch), self.launches_collectives, microbatch)
+        return self.planner.plan(batch.qsl_host, batch.decode_only, self.launches_collectives, microbatch)
 
     # ---- execution --------------------------------------------------------------------------
     def execute(self, batch: StepBatch, bounds: list[int] | None = None, record: bool = False,
@@ -167,6 +179,9 @@ class ModelRunner:
             bounds = self.plan(batch)
         else:
             check_bounds(bounds, batch.num_tokens, len(self.bufs))
+        if self.decode_inputs is not None and batch is self.decode_inputs.last and len(bounds) == 2 \
+                and not score_rows:
+            return self._decode(batch, bounds, record, t_start)
         mbs = slice_microbatches(batch, bounds, self.rebuild_history)
         real = [u.num_tokens for u in mbs]
         if self.static is not None:
@@ -223,10 +238,32 @@ class ModelRunner:
         self.planner.record_step((time.perf_counter() - t_start) * 1e3, batch.num_tokens, len(bounds) > 2)
         return out
 
+    def _decode(self, batch: StepBatch, bounds: list[int], record: bool, t_start: float) -> StepOutput:
+        """`execute` of the decode inputs' batch, whole: the same hash ids, staged rows and graph replay, with the
+        hash computed on the buffers' host arrays and nothing sliced or padded again."""
+        d, r, bufs = self.decode_inputs, batch.num_rows, self.bufs[0]
+        padded = d.padded  # as `pad_tokens(batch, self.pad_rows)`
+        n = padded.num_tokens
+        measure = self.planner.start_step()
+        padded.hash_ids = bufs.hash_ids[:n]
+        hash_step_host(d.input_ids[:n], d.qsl[:r + 1], d.history[:r], d.dead[:n], self.layout, self.token_map,
+                       self.pad_id, padded.hash_ids.numpy())
+        staging = self._stage_rows(padded.hash_ids, bufs.staging[:, :n], r, None, measure)
+        self.gather_wait_ms = 0.0
+        ctx = ForwardContext(padded, self.kv, bufs, staging.__getitem__, max_seq_len=d.bound)
+        with batch_invariant(self.cfg.exact):
+            hidden = self.cpu_graphs.forward(ctx, d.planned)
+            logits = self.model.compute_logits(hidden[:r])
+        out = StepOutput(logits, bounds, 0)
+        if record:
+            out.staged, out.hash_ids = staging[:, :r].clone(), padded.hash_ids[:r].clone()
+        self.planner.record_step((time.perf_counter() - t_start) * 1e3, r, False)
+        return out
+
     def forward(self, batch: StepBatch, ctxs: list[ForwardContext], futures: list[Future]) -> list[torch.Tensor]:
         """Hidden states [T_k, hidden] of every microbatch: graph replays, or the interleaved stages."""
         graphs = None if self.launches_collectives else self.cpu_graphs  # CUDA: eager (no CUDA graphs of V4.1)
-        if graphs is not None and self.decode_only(batch):
+        if graphs is not None and graphs.takes(batch, len(ctxs)):
             for f in futures:
                 self._staged(f)  # staged rows are in place before a replay reads them
             return [graphs.forward(c) for c in ctxs]  # replays in microbatch order
@@ -241,7 +278,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.copy_stream is None:
             self.loaded.tables.gather(hash_ids[:real], staging[:, :real])
-            staging[:, real:].zero_()
+            if real < staging.shape[1]:
+                staging[:, real:].zero_()
             out = staging
         else:
             with torch.cuda.stream(self.copy_stream):

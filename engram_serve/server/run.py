@@ -145,7 +145,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
       help="KV-cache size in blocks of --block-size tokens (default 1024)")
     a("--block-size", type=positive_int, default=16, metavar="N", help="tokens per KV block (16)")
     a("--enforce-eager", action="store_true",
-      help="never replay recorded decode steps (the CPU graphs of runner/cpu_graphs.py)")
+      help="never replay recorded steps (decode and short prompts: the CPU graphs of runner/cpu_graphs.py)")
     a("--microbatches", "--ubatches", dest="microbatches", type=positive_int, default=2, metavar="N",
       help="microbatches per large step (default 2: dual-batch overlap; 1 = off)")
     a("--no-microbatching", "--no-dual-batch-overlap", dest="no_microbatching", action="store_true",

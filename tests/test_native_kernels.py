@@ -385,14 +385,15 @@ def plain_argmax(row: list[float]) -> int:
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 6), v=st.integers(1, 70), data=st.data())
 def test_argmax_rows_is_the_first_maximum_with_nan_first(rows, v, data):
-    """`fused.argmax_rows` (the sampler's argmax) against a plain loop and torch.argmax, on rows with ties,
-    +-0, +-inf and NaN, in the vector body and the tail."""
+    """`fused.argmax_finite` (the sampler's argmax and finite flags) against a plain loop and torch.argmax, on
+    rows with ties, +-0, +-inf and NaN, in the vector body and the tail."""
     special = st.sampled_from([0.0, -0.0, 1.0, -1.0, math.inf, -math.inf, math.nan, 3.5])
     x = torch.tensor([[data.draw(special | st.floats(-4, 4, width=32)) for _ in range(v)] for _ in range(rows)],
                      dtype=torch.float32)
-    got = fused.argmax_rows(x)
+    got, finite = fused.argmax_finite(x)
     assert got.tolist() == [plain_argmax(r) for r in x.tolist()]
-    assert torch.equal(got, x.argmax(dim=1))
+    assert torch.equal(got, x.argmax(dim=1)) and torch.equal(fused.argmax_rows(x), got)
+    assert finite.tolist() == [all(math.isfinite(a) for a in r) for r in x.tolist()]
 
 
 def test_gather_rows_refuses_an_id_outside_the_table():

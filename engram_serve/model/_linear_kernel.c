@@ -18,15 +18,12 @@
  * (~5 us against ~1 us at [128, 128]). The one caller, layers.py `_kernel`, checks dtype, device,
  * shapes and strides and keeps the tensors alive; the kernel checks sizes only.
  *
- *   linear_packed(x, ldx, panels, y, m, k, n, kc, inter, weights, simd) -> None
+ *   linear_packed(x, ldx, panels, y, m, k, n, kc, simd) -> None
  *       x  [m, k] float32, rows ldx floats apart;
  *       panels [ceil(n / 16), k, 16] float32: the weight w [k, n] (an input-major weight's transpose);
- *       y  [m, n] float32, contiguous, written; or, with inter > 0 (a multiple of 16), the SwiGLU of the
- *          product, never stored: w's columns are groups of 2 * inter (gate, then up), and y [m, n / 2]
- *          holds silu(gate) * up per group [* weights[i][group], weights [m, groups] or 0], computed
- *          as _token_kernel.c `silu_mul` computes it (the same bits as the product, then silu_mul);
- *       simd: 0 the portable tile and SwiGLU epilogue, 1 AVX2 at most, 2 AVX-512 where the CPU has it
- *       (tests: all give the same bits).
+ *       y  [m, n] float32, contiguous, written;
+ *       simd: 0 the portable tile, 1 AVX2 at most, 2 AVX-512 where the CPU has it (tests: all give the same
+ *       bits).
  *   The GIL is released during the arithmetic.
  *   blas_mm(sgemm, x, wt, y, m, k, n) -> None
  *       y [m, n] = x [m, k] @ wt [k, n], all contiguous float32, by the BLAS sgemm at address `sgemm` (Fortran
@@ -102,28 +99,14 @@ __attribute__((target("avx2,fma"))) static void tile_x86(int mr, const float *x,
     }
 }
 
-/* The np panels of a wide tile and their outputs: adjacent from bp and out, except that `bp1` (np = 2, else
- * NULL) names the second panel's place (the SwiGLU's up panel) and out1 its output. */
-static inline __attribute__((always_inline)) void wide_places(int np, const float *bp, const float *bp1, Py_ssize_t k,
-                                                               float *out, float *out1, const float **b, float **o) {
-    for (int q = 0; q < np; q++) {
-        b[q] = q == 1 && bp1 ? bp1 : bp + q * k * NR;
-        o[q] = q == 1 && out1 ? out1 : out + q * NR;
-    }
-}
-
-/* np adjacent panels at once in AVX2 for a tile of one or two rows: out + q * NR [r][0..16) from panel
- * bp + q * k * NR (`bp1`, np = 2 only, else NULL: the second panel's place instead, the SwiGLU's up panel,
- * and out1 its output), two 8-lane accumulators per row and panel, so that such a tile has 8 independent
- * chains (tile_avx2 of one row: 2, each latency-bound, which left a matrix-vector product at about half the
- * memory bandwidth). Each output's chain is tile_avx2's operations in the same order: the same bits. */
+/* np panels at once in AVX2 for a tile of one or two rows: o[q] [r][0..16) (rows ldo apart) from the panel at
+ * b[q] ([k][16]), two 8-lane accumulators per row and panel, so that such a tile has 4 or 8 independent chains
+ * (tile_avx2 of one row: 2, each latency-bound, which left a matrix-vector product at about half the memory
+ * bandwidth). The panels need not be adjacent (the SwiGLU's gate and up panels). Each output's chain is
+ * tile_avx2's operations in the same order: the same bits. */
 __attribute__((target("avx2,fma"), always_inline)) static inline void
-wide_avx2(const int mr, const int np, const float *restrict x, Py_ssize_t ldx, const float *restrict bp,
-          const float *restrict bp1, Py_ssize_t k, Py_ssize_t kc, float *restrict out, float *restrict out1,
-          Py_ssize_t ldo) {
-    const float *b[4];
-    float *o[4];
-    wide_places(np, bp, bp1, k, out, out1, b, o);
+wide_avx2(const int mr, const int np, const float *restrict x, Py_ssize_t ldx, const float *const *b, Py_ssize_t k,
+          Py_ssize_t kc, float *const *o, Py_ssize_t ldo) {
     for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
         const Py_ssize_t ke = k - k0 < kc ? k : k0 + kc;
         __m256 c[4][2]; /* mr * np <= 4 */
@@ -156,31 +139,26 @@ wide_avx2(const int mr, const int np, const float *restrict x, Py_ssize_t ldx, c
     }
 }
 
-/* AVX2's wide tiles: one or two rows only (three or more rows already have 6 or more chains in tile_avx2). */
-__attribute__((target("avx2,fma"))) static void wide2_x86(int mr, const float *x, Py_ssize_t ldx, const float *bp,
-                                                         const float *bp1, Py_ssize_t k, Py_ssize_t kc, float *out,
-                                                         float *out1, Py_ssize_t ldo) {
+/* AVX2's wide tiles: one row of 2 or 4 panels, two rows of 2 (three or more rows already have 6 or more chains
+ * in tile_avx2). */
+__attribute__((target("avx2,fma"))) static void wide2_x86(int mr, int np, const float *x, Py_ssize_t ldx,
+                                                         const float *const *b, Py_ssize_t k, Py_ssize_t kc,
+                                                         float *const *o, Py_ssize_t ldo) {
     if (mr == 2)
-        wide_avx2(2, 2, x, ldx, bp, bp1, k, kc, out, out1, ldo);
-    else if (bp1)
-        wide_avx2(1, 2, x, ldx, bp, bp1, k, kc, out, out1, ldo);
+        wide_avx2(2, 2, x, ldx, b, k, kc, o, ldo);
+    else if (np == 2)
+        wide_avx2(1, 2, x, ldx, b, k, kc, o, ldo);
     else
-        wide_avx2(1, 4, x, ldx, bp, NULL, k, kc, out, NULL, ldo);
+        wide_avx2(1, 4, x, ldx, b, k, kc, o, ldo);
 }
 
-/* np adjacent panels at once in AVX-512 (where the CPU has it): out + q * NR [r][0..16) from panel
- * bp + q * k * NR, q < np, with one 16-lane accumulator per row and panel, so each broadcast of x feeds
- * np 16-lane fused multiply-adds (AVX2's tile: two 8-lane ones), and a tile of few rows still has 8 or
- * more independent chains (a chain is latency-bound). `bp1` (np = 2 only, else NULL) names the second
- * panel's place instead (the SwiGLU's up panel, and out1 its output). Each output's chain is the same
- * operations in the same order as tile_avx2's: the same bits. */
+/* np panels at once in AVX-512 (where the CPU has it): o[q] [r][0..16) from the panel at b[q], with one
+ * 16-lane accumulator per row and panel, so each broadcast of x feeds np 16-lane fused multiply-adds (AVX2's
+ * tile: two 8-lane ones), and a tile of few rows still has 8 or more independent chains (a chain is
+ * latency-bound). Each output's chain is the same operations in the same order as tile_avx2's: the same bits. */
 __attribute__((target("avx512f"), always_inline)) static inline void
-wide_avx512(const int mr, const int np, const float *restrict x, Py_ssize_t ldx, const float *restrict bp,
-            const float *restrict bp1, Py_ssize_t k, Py_ssize_t kc, float *restrict out, float *restrict out1,
-            Py_ssize_t ldo) {
-    const float *b[8];
-    float *o[8];
-    wide_places(np, bp, bp1, k, out, out1, b, o);
+wide_avx512(const int mr, const int np, const float *restrict x, Py_ssize_t ldx, const float *const *b, Py_ssize_t k,
+            Py_ssize_t kc, float *const *o, Py_ssize_t ldo) {
     for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
         const Py_ssize_t ke = k - k0 < kc ? k : k0 + kc;
         __m512 c[2 * MR]; /* mr * np <= 12 */
@@ -203,29 +181,26 @@ wide_avx512(const int mr, const int np, const float *restrict x, Py_ssize_t ldx,
     }
 }
 
-/* The panels a wide tile of mr rows takes at once: enough for 8 chains (two FMA units, 4 cycles each); with
- * AVX2 (level 1) tiles of one or two rows only. */
+/* The panels a wide tile of mr rows takes at once, at most: enough for 8 chains (two FMA units, 4 cycles each);
+ * with AVX2 (level 1) tiles of one or two rows only. */
 static inline int wide_panels(int level, int mr) {
     if (level == 1) return mr == 1 ? 4 : 2;
     return mr == 1 ? 8 : mr == 2 ? 4 : 2;
 }
 
-__attribute__((target("avx512f"))) static void wide_x86(int mr, const float *x, Py_ssize_t ldx, const float *bp,
-                                                        const float *bp1, Py_ssize_t k, Py_ssize_t kc, float *out,
-                                                        float *out1, Py_ssize_t ldo) {
-    switch (mr) { /* constant rows and panels: the accumulators stay in registers */
-    case 6: wide_avx512(6, 2, x, ldx, bp, bp1, k, kc, out, out1, ldo); break;
-    case 5: wide_avx512(5, 2, x, ldx, bp, bp1, k, kc, out, out1, ldo); break;
-    case 4: wide_avx512(4, 2, x, ldx, bp, bp1, k, kc, out, out1, ldo); break;
-    case 3: wide_avx512(3, 2, x, ldx, bp, bp1, k, kc, out, out1, ldo); break;
-    case 2:
-        if (bp1) wide_avx512(2, 2, x, ldx, bp, bp1, k, kc, out, out1, ldo);
-        else wide_avx512(2, 4, x, ldx, bp, NULL, k, kc, out, NULL, ldo);
-        break;
-    default:
-        if (bp1) wide_avx512(1, 2, x, ldx, bp, bp1, k, kc, out, out1, ldo);
-        else wide_avx512(1, 8, x, ldx, bp, NULL, k, kc, out, NULL, ldo);
-        break;
+__attribute__((target("avx512f"))) static void wide_x86(int mr, int np, const float *x, Py_ssize_t ldx,
+                                                        const float *const *b, Py_ssize_t k, Py_ssize_t kc,
+                                                        float *const *o, Py_ssize_t ldo) {
+    switch (mr * 16 + np) { /* constant rows and panels: the accumulators stay in registers */
+    case 6 * 16 + 2: wide_avx512(6, 2, x, ldx, b, k, kc, o, ldo); break;
+    case 5 * 16 + 2: wide_avx512(5, 2, x, ldx, b, k, kc, o, ldo); break;
+    case 4 * 16 + 2: wide_avx512(4, 2, x, ldx, b, k, kc, o, ldo); break;
+    case 3 * 16 + 2: wide_avx512(3, 2, x, ldx, b, k, kc, o, ldo); break;
+    case 2 * 16 + 4: wide_avx512(2, 4, x, ldx, b, k, kc, o, ldo); break;
+    case 2 * 16 + 2: wide_avx512(2, 2, x, ldx, b, k, kc, o, ldo); break;
+    case 1 * 16 + 8: wide_avx512(1, 8, x, ldx, b, k, kc, o, ldo); break;
+    case 1 * 16 + 4: wide_avx512(1, 4, x, ldx, b, k, kc, o, ldo); break;
+    default: wide_avx512(1, 2, x, ldx, b, k, kc, o, ldo); break;
     }
 }
 #endif
@@ -244,111 +219,67 @@ static void tile_plain(int mr, const float *restrict x, Py_ssize_t ldx, const fl
 }
 
 typedef void (*tile_fn)(int, const float *, Py_ssize_t, const float *, Py_ssize_t, Py_ssize_t, float *, Py_ssize_t);
-typedef void (*wide_fn)(int, const float *, Py_ssize_t, const float *, const float *, Py_ssize_t, Py_ssize_t, float *,
-                        float *, Py_ssize_t);
-
-/* out[r][j] = silu(g[r][j]) * u[r][j] [* w[r * ws]] for r < mr, j < 16 (tiles 16 floats a row): the
- * formula of _token_kernel.c `silu_mul`, operation for operation, so the same bits. */
-CLONES static void silu_store(int mr, const float *restrict g, const float *restrict u, const float *restrict w,
-                              Py_ssize_t ws, float *restrict out, Py_ssize_t ldo) {
-    for (int r = 0; r < mr; r++) {
-        float *o = out + r * ldo;
-        for (int j = 0; j < NR; j++) o[j] = g[r * NR + j] / (1.0f + exp_fixed(-g[r * NR + j])) * u[r * NR + j];
-        if (w)
-            for (int j = 0; j < NR; j++) o[j] = o[j] * w[r * ws];
-    }
-}
-
-typedef void (*silu_fn)(int, const float *, const float *, const float *, Py_ssize_t, float *, Py_ssize_t);
-
-#if HAVE_X86_AVX2
-/* silu_store in AVX2 intrinsics, 8 columns a vector: the same operations on each value (exp8_fixed is
- * exp_fixed lane by lane; the negation, add, divide and multiplies are the IEEE ones), so the same bits.
- * (The compiler's vectorisation of silu_store, a 16-column loop inside a tile, took ~4 cycles a value.) */
-__attribute__((target("avx2"))) static void silu_store_avx2(int mr, const float *restrict g, const float *restrict u,
-                                                           const float *restrict w, Py_ssize_t ws, float *restrict out,
-                                                           Py_ssize_t ldo) {
-    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-    for (int r = 0; r < mr; r++)
-        for (int j = 0; j < NR; j += 8) {
-            const __m256 gv = _mm256_loadu_ps(g + r * NR + j);
-            const __m256 e = exp8_fixed(_mm256_xor_ps(gv, sign)); /* e^-g */
-            __m256 o = _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + r * NR + j));
-            if (w) o = _mm256_mul_ps(o, _mm256_set1_ps(w[r * ws]));
-            _mm256_storeu_ps(out + r * ldo + j, o);
-        }
-}
-#endif
+typedef void (*wide_fn)(int, int, const float *, Py_ssize_t, const float *const *, Py_ssize_t, Py_ssize_t,
+                        float *const *, Py_ssize_t);
 
 /* The product (see the header) of checked arguments; runs without the GIL. */
 static void linear_packed(const float *xp, Py_ssize_t ldx, const float *bp, float *yp, Py_ssize_t m, Py_ssize_t k,
-                          Py_ssize_t n, Py_ssize_t kc, Py_ssize_t inter, const float *wp, int simd) {
+                          Py_ssize_t n, Py_ssize_t kc, int simd) {
     tile_fn tile = tile_plain;
-    wide_fn wide = NULL; /* several full panels at once: AVX-512 (level 2), or AVX2 for one or two rows (1) */
+    wide_fn wide = NULL; /* several panels at once: AVX-512 (level 2), or AVX2 for one or two rows (1) */
     int level = 0, wide_rows = 0;
-    silu_fn silu = silu_store;
 #if HAVE_X86_AVX2
     if (simd >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
         tile = tile_x86;
-        silu = silu_store_avx2;
         wide = wide2_x86, level = 1, wide_rows = 2;
         if (simd >= 2 && __builtin_cpu_supports("avx512f")) wide = wide_x86, level = 2, wide_rows = MR;
     }
 #endif
-    /* output panels: of y itself, or (inter) of silu(gate) * up, whose gate and up panels lie inter columns
-     * apart in each group of 2 * inter columns of w */
-    const Py_ssize_t reads = inter ? 2 : 1, ny = inter ? n / 2 : n, panels = (ny + NR - 1) / NR,
-                     ip = inter / NR, groups = inter ? n / (2 * inter) : 1;
-    const Py_ssize_t group = PANEL_BYTES / (reads * k * NR * 4) > 1 ? PANEL_BYTES / (reads * k * NR * 4) : 1;
-    float part[MR * NR], up[MR * NR]; /* a partial panel's tile; the up tile */
+    const Py_ssize_t panels = (n + NR - 1) / NR;
+    const Py_ssize_t group = PANEL_BYTES / (k * NR * 4) > 1 ? PANEL_BYTES / (k * NR * 4) : 1;
+    float part[MR * NR]; /* a partial panel's tile */
     for (Py_ssize_t p0 = 0; p0 < panels; p0 += group) {
         const Py_ssize_t p1 = p0 + group < panels ? p0 + group : panels;
         for (Py_ssize_t i = 0; i < m; i += MR) {
             const int mr = m - i < MR ? (int)(m - i) : MR;
             for (Py_ssize_t p = p0; p < p1; p++) {
-                const Py_ssize_t j = p * NR, nv = ny - j < NR ? ny - j : NR;
-                float *out = yp + i * ny + j;
-                if (inter) {
-                    const Py_ssize_t e = p / ip, gp = e * 2 * ip + p % ip;
-                    const float *gate = bp + gp * k * NR, *upp = bp + (gp + ip) * k * NR;
-                    if (wide && mr <= wide_rows) {
-                        wide(mr, xp + i * ldx, ldx, gate, upp, k, kc, part, up, NR);
-                    } else {
-                        tile(mr, xp + i * ldx, ldx, gate, k, kc, part, NR);
-                        tile(mr, xp + i * ldx, ldx, upp, k, kc, up, NR);
+                const Py_ssize_t j = p * NR, nv = n - j < NR ? n - j : NR;
+                float *out = yp + i * n + j;
+                if (wide && mr <= wide_rows) { /* full panels; for one row also the last, partial one (into part) */
+                    const Py_ssize_t full = (n - j) / NR, usable = mr == 1 || full > p1 - p ? p1 - p : full;
+                    int np = wide_panels(level, mr);
+                    while (np > 2 && np > usable) np /= 2;
+                    if (np <= usable) {
+                        const float *b[8];
+                        float *o[8];
+                        for (int q = 0; q < np; q++) b[q] = bp + (p + q) * k * NR, o[q] = q < full ? out + q * NR : part;
+                        wide(mr, np, xp + i * ldx, ldx, b, k, kc, o, n);
+                        if (np > full) memcpy(out + full * NR, part, (n - j - full * NR) * sizeof(float));
+                        p += np - 1;
+                        continue;
                     }
-                    silu(mr, part, up, wp ? wp + i * groups + e : NULL, groups, out, ny);
-                    continue;
                 }
-                const int np = wide ? wide_panels(level, mr) : 0;
-                if (wide && mr <= wide_rows && p + np <= p1 && ny - j >= np * NR) { /* full panels */
-                    wide(mr, xp + i * ldx, ldx, bp + p * k * NR, NULL, k, kc, out, NULL, ny);
-                    p += np - 1;
-                    continue;
-                }
-                tile(mr, xp + i * ldx, ldx, bp + p * k * NR, k, kc, nv == NR ? out : part, nv == NR ? ny : NR);
+                tile(mr, xp + i * ldx, ldx, bp + p * k * NR, k, kc, nv == NR ? out : part, nv == NR ? n : NR);
                 if (nv < NR)
-                    for (int r = 0; r < mr; r++) memcpy(out + r * ny, part + r * NR, nv * sizeof(float));
+                    for (int r = 0; r < mr; r++) memcpy(out + r * n, part + r * NR, nv * sizeof(float));
             }
         }
     }
 }
 
 static PyObject *py_linear_packed(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long xa, pa, ya, wa;
-    Py_ssize_t ldx, m, k, n, kc, inter;
+    unsigned long long xa, pa, ya;
+    Py_ssize_t ldx, m, k, n, kc;
     int simd;
-    if (!PyArg_ParseTuple(args, "KnKKnnnnnKi", &xa, &ldx, &pa, &ya, &m, &k, &n, &kc, &inter, &wa, &simd)) return NULL;
-    if (m < 0 || k < 1 || n < 0 || kc < 1 || ldx < k || inter < 0 || (m && n && (!xa || !pa || !ya))
-            || (inter && (inter % NR || n % (2 * inter))) || (wa && !inter)) {
-        PyErr_Format(PyExc_ValueError, "linear_packed: m %zd, k %zd, n %zd, kc %zd, ldx %zd, inter %zd do not fit (k and "
-                     "kc at least 1, ldx >= k, inter a multiple of %d dividing n / 2, weights only with inter, "
-                     "non-null addresses)", m, k, n, kc, ldx, inter, NR);
+    if (!PyArg_ParseTuple(args, "KnKKnnnni", &xa, &ldx, &pa, &ya, &m, &k, &n, &kc, &simd)) return NULL;
+    if (m < 0 || k < 1 || n < 0 || kc < 1 || ldx < k || (m && n && (!xa || !pa || !ya))) {
+        PyErr_Format(PyExc_ValueError, "linear_packed: m %zd, k %zd, n %zd, kc %zd, ldx %zd do not fit (k and kc at "
+                     "least 1, ldx >= k, non-null addresses)", m, k, n, kc, ldx);
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
     linear_packed((const float *)(uintptr_t)xa, ldx, (const float *)(uintptr_t)pa, (float *)(uintptr_t)ya, m, k, n, kc,
-                  inter, (const float *)(uintptr_t)wa, simd);
+                  simd);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -397,10 +328,9 @@ static int moe_experts(const float *xs, Py_ssize_t rows, const int64_t *counts, 
         const Py_ssize_t c = (Py_ssize_t)counts[x];
         if (!c) continue;
         linear_packed(xs + start * d, d, (const float *)(uintptr_t)p13[x], h + start * 2 * inter, c, d, 2 * inter, kc13,
-                      0, NULL, simd);
+                      simd);
         swiglu_rows(h + start * 2 * inter, c, inter, limit, g + start * inter);
-        linear_packed(g + start * inter, inter, (const float *)(uintptr_t)p2[x], ys + start * d, c, inter, d, kc2, 0,
-                      NULL, simd);
+        linear_packed(g + start * inter, inter, (const float *)(uintptr_t)p2[x], ys + start * d, c, inter, d, kc2, simd);
         start += c;
     }
     return 0;
@@ -446,11 +376,9 @@ static PyMethodDef methods[] = {
     {"simd_level", py_simd_level, METH_NOARGS,
      "simd_level() -> the SIMD level of this CPU's tiles: 0 portable, 1 AVX2, 2 AVX-512 (what simd 2 runs at)."},
     {"linear_packed", py_linear_packed, METH_VARARGS,
-     "linear_packed(x, ldx, panels, y, m, k, n, kc, inter, weights, simd) -> None: y = x @ w in fma chains of kc "
-     "inputs, the chains then added in order (addresses of float32 data); w packed as [ceil(n / 16), k, 16] (zero "
-     "beyond n), y [m, n] contiguous; inter > 0: y [m, n / 2] = silu(gate) * up [* weights [m, n / (2 inter)]] per "
-     "group of 2 inter columns (gate, up); simd 0 takes the portable tile and epilogue, 1 AVX2 at most, 2 AVX-512 "
-     "where the CPU has it."},
+     "linear_packed(x, ldx, panels, y, m, k, n, kc, simd) -> None: y = x @ w in fma chains of kc inputs, the "
+     "chains then added in order (addresses of float32 data); w packed as [ceil(n / 16), k, 16] (zero beyond n), "
+     "y [m, n] contiguous; simd 0 takes the portable tile, 1 AVX2 at most, 2 AVX-512 where the CPU has it."},
     {"blas_mm", py_blas_mm, METH_VARARGS,
      "blas_mm(sgemm, x, wt, y, m, k, n) -> None: y [m, n] = x [m, k] @ wt [k, n] (contiguous float32) by the BLAS "
      "sgemm at address sgemm, called as torch's CPU matmul calls it."},

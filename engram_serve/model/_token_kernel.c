@@ -83,8 +83,9 @@
  *   gather_rows(src, rows, width, ids, n, copies, out): out [n, copies, width] = src[ids[t]] on each copy
  *     (the embedding into every stream, the rotary tables); ValueError, and nothing written, if an id is
  *     outside [0, rows).
- *   argmax_rows(x, rows, v, out): out [rows] int64, per row the first index of its maximum, a NaN above
- *     every number (torch.argmax's order: the first NaN if there is one).
+ *   argmax_rows(x, rows, v, out[, finite]): out [rows] int64, per row the first index of its maximum, a NaN
+ *     above every number (torch.argmax's order: the first NaN if there is one); finite [rows] bool (an address,
+ *     0 for none): whether every value of the row is finite.
  *
  * Sums of products run over 16 lanes (index mod 16, in order) added in a fixed tree (`dot`); exp is
  * `exp_fixed` (_kernel_math.h, the same operations for every element), sqrtf the IEEE one, log1pf libm's
@@ -718,45 +719,56 @@ CLONES static void engram_gate_rows(const float *restrict h, Py_ssize_t n, Py_ss
     }
 }
 
-/* The row's maximum over its numbers (a NaN compares false: skipped), and whether it holds a NaN. */
-static float row_max_plain(const float *restrict xr, Py_ssize_t v, Py_ssize_t j, float mx, int *restrict has_nan) {
+/* The row's maximum over its numbers (a NaN compares false: skipped), whether it holds a NaN, and whether it
+ * holds a value that is not finite (x - x is 0 for a finite x, NaN for +-inf and NaN). */
+static float row_max_plain(const float *restrict xr, Py_ssize_t v, Py_ssize_t j, float mx, int *restrict has_nan,
+                           int *restrict bad) {
     for (; j < v; j++) {
         mx = xr[j] > mx ? xr[j] : mx;
         *has_nan |= xr[j] != xr[j];
+        *bad |= !(xr[j] - xr[j] == 0.0f);
     }
     return mx;
 }
 
 #if HAVE_X86_AVX2
 /* The same in AVX2 where the CPU has it (GCC does not vectorise the select): vmaxps(x, m) is x > m ? x : m. */
-__attribute__((target("avx2"))) static float row_max_avx2(const float *restrict xr, Py_ssize_t v, int *restrict has_nan) {
-    __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, n0 = _mm256_setzero_ps(), n1 = n0;
+__attribute__((target("avx2"))) static float row_max_avx2(const float *restrict xr, Py_ssize_t v, int *restrict has_nan,
+                                                           int *restrict bad) {
+    __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, n0 = _mm256_setzero_ps(), n1 = n0, f0 = n0, f1 = n0;
+    const __m256 zero = _mm256_setzero_ps();
     Py_ssize_t j = 0;
     for (; j + 16 <= v; j += 16) {
         const __m256 a = _mm256_loadu_ps(xr + j), b = _mm256_loadu_ps(xr + j + 8);
         m0 = _mm256_max_ps(a, m0), m1 = _mm256_max_ps(b, m1);
         n0 = _mm256_or_ps(n0, _mm256_cmp_ps(a, a, _CMP_UNORD_Q)), n1 = _mm256_or_ps(n1, _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
+        f0 = _mm256_or_ps(f0, _mm256_cmp_ps(_mm256_sub_ps(a, a), zero, _CMP_NEQ_UQ));
+        f1 = _mm256_or_ps(f1, _mm256_cmp_ps(_mm256_sub_ps(b, b), zero, _CMP_NEQ_UQ));
     }
     float lanes[16];
     _mm256_storeu_ps(lanes, m0), _mm256_storeu_ps(lanes + 8, m1);
     *has_nan = _mm256_movemask_ps(_mm256_or_ps(n0, n1)) != 0;
-    return row_max_plain(lanes, 16, 0, row_max_plain(xr, v, j, -INFINITY, has_nan), has_nan);
+    *bad = _mm256_movemask_ps(_mm256_or_ps(f0, f1)) != 0;
+    int lanes_bad = 0; /* (the lanes start at -inf) */
+    return row_max_plain(lanes, 16, 0, row_max_plain(xr, v, j, -INFINITY, has_nan, bad), has_nan, &lanes_bad);
 }
 #endif
 
-static float row_max(const float *restrict xr, Py_ssize_t v, int *restrict has_nan) {
+static float row_max(const float *restrict xr, Py_ssize_t v, int *restrict has_nan, int *restrict bad) {
 #if HAVE_X86_AVX2
-    if (__builtin_cpu_supports("avx2")) return row_max_avx2(xr, v, has_nan);
+    if (__builtin_cpu_supports("avx2")) return row_max_avx2(xr, v, has_nan, bad);
 #endif
-    *has_nan = 0;
-    return row_max_plain(xr, v, 0, -INFINITY, has_nan);
+    *has_nan = *bad = 0;
+    return row_max_plain(xr, v, 0, -INFINITY, has_nan, bad);
 }
 
-static void argmax_rows(const float *restrict x, Py_ssize_t rows, Py_ssize_t v, int64_t *restrict out) {
+static void argmax_rows(const float *restrict x, Py_ssize_t rows, Py_ssize_t v, int64_t *restrict out,
+                        uint8_t *restrict finite) {
     for (Py_ssize_t r = 0; r < rows; r++) {
         const float *xr = x + r * v;
-        int has_nan;
-        const float mx = row_max(xr, v, &has_nan);
+        int has_nan, bad;
+        const float mx = row_max(xr, v, &has_nan, &bad);
+        if (finite) finite[r] = !bad;
         Py_ssize_t at = 0;
         if (has_nan)
             while (xr[at] == xr[at]) at++;
@@ -1129,15 +1141,15 @@ static PyObject *py_gather_rows(PyObject *Py_UNUSED(self), PyObject *args) {
 }
 
 static PyObject *py_argmax_rows(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long xa, oa;
+    unsigned long long xa, oa, fa = 0;
     Py_ssize_t rows, v;
-    if (!PyArg_ParseTuple(args, "KnnK", &xa, &rows, &v, &oa)) return NULL;
+    if (!PyArg_ParseTuple(args, "KnnK|K", &xa, &rows, &v, &oa, &fa)) return NULL;
     if (rows < 0 || v < 1 || (rows && (!xa || !oa))) {
         PyErr_Format(PyExc_ValueError, "argmax_rows: rows %zd, v %zd do not fit (v at least 1)", rows, v);
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    argmax_rows((const float *)(uintptr_t)xa, rows, v, (int64_t *)(uintptr_t)oa);
+    argmax_rows((const float *)(uintptr_t)xa, rows, v, (int64_t *)(uintptr_t)oa, (uint8_t *)(uintptr_t)fa);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1196,7 +1208,8 @@ static PyMethodDef methods[] = {
     {"gather_rows", py_gather_rows, METH_VARARGS,
      "gather_rows(src, rows, width, ids, n, copies, out) -> None: out[t, c] = src[ids[t]] (ValueError: id out of range)."},
     {"argmax_rows", py_argmax_rows, METH_VARARGS,
-     "argmax_rows(x, rows, v, out) -> None: out[r] = the first index of row r's maximum, NaN first (torch.argmax)."},
+     "argmax_rows(x, rows, v, out[, finite]) -> None: out[r] = the first index of row r's maximum, NaN first "
+     "(torch.argmax); finite[r] = every value of row r finite."},
     {NULL, NULL, 0, NULL},
 };
 

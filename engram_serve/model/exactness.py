@@ -221,17 +221,15 @@ def pack_panels(wt: torch.Tensor) -> torch.Tensor:
     return F.pad(wt.float(), (0, p * PANEL - n)).view(k, p, PANEL).permute(1, 0, 2).contiguous()
 
 
-def matmul_kernel(x: torch.Tensor, panels: torch.Tensor, n: int, kc: int, simd: int = 2, inter: int = 0,
-                  weights: torch.Tensor | None = None) -> torch.Tensor:
+def matmul_kernel(x: torch.Tensor, panels: torch.Tensor, n: int, kc: int, simd: int = 2) -> torch.Tensor:
     """x [m, in] @ the packed weight -> [m, n] through the linear kernel (loaded: the caller checked),
     which takes addresses: the caller guarantees float32 CPU tensors, x's rows contiguous (stride 1 in
-    the last dim), panels from `pack_panels` of an [x.shape[1], n] weight. inter > 0: the SwiGLU of the
-    product instead, [m, n / 2] (see the kernel; weights [m, n / (2 inter)] contiguous or None). simd: 0
-    the portable tile, 1 AVX2 at most, 2 AVX-512 where the CPU has it (the same bits)."""
+    the last dim), panels from `pack_panels` of an [x.shape[1], n] weight. simd: 0 the portable tile, 1 AVX2 at
+    most, 2 AVX-512 where the CPU has it (the same bits)."""
     m, k = x.shape
-    y = torch.empty(m, n // 2 if inter else n)
+    y = torch.empty(m, n)
     capture.call(kernels.get("linear").linear_packed, x.data_ptr(), x.stride(0) if m > 1 else k, panels.data_ptr(),
-                 y.data_ptr(), m, k, n, kc, inter, 0 if weights is None else weights.data_ptr(), simd)
+                 y.data_ptr(), m, k, n, kc, simd)
     return y
 
 

@@ -6,9 +6,9 @@ switched off). Which form runs depends only on devices, dtypes and the loaded ke
 serving config always takes the same one (`runs_in_c`). The callers choose with `runs_in_c` and keep the
 torch form beside the call (model/deepseek_v41.py `hyper_mix`, `collapse`, `expand`, `attend_paged`, `pool_pair`,
 `swiglu`, `topk_first`, `store`, the indexer and the MoE; model/layers.py `rms_norm`);
-`engram_gate`, `gather_rows`, `cat_cols`, `cat_rows` and `argmax_rows` choose here. The C form computes each token alone, in an order fixed per token (see the
-kernel's header): a token's bits do not depend on its batch mates, the cut or padding, by construction.
-The two forms compute the same formula, not the same bits; the torch form keeps the batch-invariance rules
+`engram_gate`, `gather_rows`, `cat_cols`, `cat_rows`, `argmax_rows` and `argmax_finite` choose here. The C form
+computes each token alone, in an order fixed per token (see the kernel's header): a token's bits do not depend
+on its batch mates, the cut or padding, by construction. The two forms compute the same formula, not the same bits; the torch form keeps the batch-invariance rules
 of model/exactness.py (`pointwise`).
 
 The C forms here take tensors that `runs_in_c` accepted (their int64 companions on the CPU too), copy a
@@ -116,12 +116,18 @@ def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=1) for x [rows, v] (v >= 1): the first index of each row's maximum, a NaN above every
     number. One C pass per row where it runs (torch's CPU argmax is a scalar loop, ~2.5 ns a logit)."""
+    return argmax_finite(x)[0]
+
+
+def argmax_finite(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`argmax_rows(x)`, torch.isfinite(x).all(dim=1)) for x [rows, v] (v >= 1): in the same C pass where it
+    runs."""
     if runs_in_c(x) and x.dim() == 2 and x.shape[1] > 0:
         x = x.contiguous()
-        out = torch.empty(x.shape[0], dtype=torch.int64)
-        _kernel().argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
-        return out
-    return x.argmax(dim=1)
+        out, finite = torch.empty(x.shape[0], dtype=torch.int64), torch.empty(x.shape[0], dtype=torch.bool)
+        _kernel().argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), finite.data_ptr())
+        return out, finite
+    return x.argmax(dim=1), torch.isfinite(x).all(dim=1)
 
 
 # ---- the C forms of V4.1's token-wise steps (callers checked `runs_in_c`) --------------------------------

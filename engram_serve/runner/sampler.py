@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..model.fused import argmax_rows
+from ..model.fused import argmax_finite, argmax_rows
 
 _M32 = 0xFFFFFFFF
 # Temperatures below this are greedy: dividing the logits by them could overflow float32.
@@ -254,16 +254,14 @@ class Sampler:
     def greedy(self, logits: torch.Tensor) -> SamplerOutput:
         """`sample` for rows that are all greedy with nothing to process and no logprobs: one argmax per row
         (the same tokens and finite flags as `sample` gives them), without a SamplingBatch."""
-        return SamplerOutput(argmax_rows(logits), torch.isfinite(logits.sum(dim=1)))
+        return SamplerOutput(*argmax_finite(logits))
 
     def sample(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         """logits [R, V] float32 -> SamplerOutput. Row r uses only row r of every input."""
         rows, vocab = logits.shape
         if b.num_rows != rows:
             raise ValueError(f"Sampler.sample: {b.num_rows} rows of parameters for {rows} rows of logits")
-        # one vectorised pass: NaN / +-inf anywhere in the row makes its sum non-finite. (A row whose
-        # finite logits sum past float32's range, |logit| ~ 1e33 at V = 129,280, counts as non-finite too.)
-        finite = torch.isfinite(logits.sum(dim=1))  # [R] bool
+        finite = argmax_finite(logits)[1]  # [R] bool: every logit of the row finite (one C pass on the CPU)
         out = SamplerOutput(torch.empty(rows, dtype=torch.int64, device=logits.device), finite)
         work = logits
         if b.processed is not None:

@@ -385,3 +385,46 @@ def test_a_weight_changed_in_place_is_packed_again():
     for seed in range(20):  # fresh weights, likely at recycled addresses
         w = exactness.in_major(torch.randn(48, 32, generator=torch.Generator().manual_seed(seed)))
         assert torch.equal(layers.linear(x, w), F.linear(x, w))
+
+
+def _fp8_weight(out_f: int, in_f: int, block: int, seed: int) -> torch.Tensor:
+    """An FP8 block-scaled weight as a checkpoint's loader gives it: E4M3 values times one power of two per tile."""
+    from engram_serve.engram.quantized import dequantize_blocks, quantize_blocks
+    x = torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed)) * 0.05
+    x.view(-1)[:3] = torch.tensor([0.0, -0.0, 3e-6])[:x.numel()]  # zeros and (scaled) an E4M3 subnormal
+    return dequantize_blocks(*quantize_blocks(x, block), block)
+
+
+@pytest.mark.skipif(not (kernels.loaded("linear") and exactness.fp8_supported(kernels.get("linear"))),
+                    reason="the linear kernel's FP8 panels need AVX-512")
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 200), st.integers(1, 150), st.sampled_from([32, 64, 128]), st.data())
+def test_fp8_panels_give_the_float_kernels_bits(m, k, n, block, data):
+    """An FP8 block-scaled weight's FP8 panels (`pack_fp8`: a quarter of the bytes) rebuild its float32 weights
+    exactly: `matmul_fp8` equals the float kernel and the exact definition bit for bit, with partial panels and
+    scale blocks, zeros and subnormals; a float weight that is not FP8 gets no FP8 panels."""
+    kc = data.draw(st.integers(1, k))
+    w = _fp8_weight(n, k, block, m * 1000 + k * 7 + n)
+    fp8 = exactness.pack_fp8(w.t())
+    assert fp8 is not None
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
+    want = exactness.matmul_kernel(x, exactness.pack_panels(w.t()), n, kc)
+    assert torch.equal(exactness.matmul_fp8(x, fp8, n, kc).view(torch.int32), want.view(torch.int32))
+    assert np.array_equal(want.numpy().view(np.uint32), plain_rows(x.numpy(), w.t().numpy(), kc).view(np.uint32))
+    assert exactness.pack_fp8(torch.randn(k, n) + 1) is None
+
+
+@pytest.mark.skipif(not (kernels.loaded("linear") and exactness.fp8_supported(kernels.get("linear"))),
+                    reason="the linear kernel's FP8 panels need AVX-512")
+def test_a_one_row_call_of_an_fp8_weight_equals_its_row_in_a_big_call(monkeypatch):
+    """`linear` reads an FP8 weight's FP8 panels for one row and its float panels for more: a row's bits are the
+    same either way. Negative control: FP8 panels for a weight they only approximate (the exact check off) give
+    the one-row call other bits."""
+    x = torch.randn(9, 128, generator=torch.Generator().manual_seed(3))
+    w = exactness.in_major(_fp8_weight(96, 128, 128, 1))
+    assert exactness.plan(w)[3] is not None
+    assert all(torch.equal(layers.linear(x[i:i + 1], w), layers.linear(x, w)[i:i + 1]) for i in range(9))
+    monkeypatch.setattr(exactness, "fp8_check", False)
+    v = exactness.in_major(torch.randn(96, 128, generator=torch.Generator().manual_seed(4)))
+    assert exactness.plan(v)[3] is not None
+    assert not torch.equal(layers.linear(x[:1], v), layers.linear(x, v)[:1])

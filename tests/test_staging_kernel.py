@@ -397,3 +397,26 @@ def test_tables_replaced_after_a_gather_are_the_ones_staged():
     tabs.tables[0] = b
     tabs.gather(ids, out)
     assert same_bits(out[0].reshape(4, 32).numpy(), b.dequantize()[ids.reshape(-1)].numpy())
+
+
+@pytest.mark.parametrize("cache_rows", [0, 64])
+def test_a_prepared_stager_stages_what_gather_stages_from_the_current_ids(cache_rows):
+    """`EngramTables.stager` (a decode step's gather, its views made once) stages into a token prefix of a
+    persistent buffer what `gather` stages, from the ids in the buffer at each call (the ids change between
+    calls), and stages from a table replaced after it was made. Its own copy of the ids is refreshed every
+    call: a stager reading the ids it was made with would stage the first step's rows again."""
+    tabs = EngramTables((1, 3), [Fp8Table.from_float(torch.randn(500, 64)) for _ in range(2)], pin=False,
+                        cache_bytes=cache_rows * (64 * 4 + 10))
+    plain = EngramTables((1, 3), list(tabs.tables), pin=False)
+    ids_buf, buf, want = torch.zeros(6, 2, 4, dtype=torch.int64), torch.full((2, 9, 4, 64), 7.0), torch.empty(2, 5, 4, 64)
+    stage = tabs.stager(ids_buf[:5], buf[:, :5])
+    assert stage is not None
+    rng = np.random.default_rng(1)
+    for step in range(4):
+        if step == 3 and not cache_rows:  # (a hot-row cache holds the rows of the tables it was made for)
+            tabs.tables[1] = plain.tables[1] = Fp8Table.from_float(torch.randn(500, 64) + 2)
+        ids_buf[:5] = torch.from_numpy(rng.integers(0, 500, (5, 2, 4)))
+        assert stage()
+        plain.gather(ids_buf[:5], want)
+        assert same_bits(buf[:, :5].numpy(), want.numpy()) and bool((buf[:, 5:] == 7.0).all())
+    assert tabs.stager(ids_buf[:5].transpose(0, 1).contiguous().transpose(0, 1), buf[:, :5]) is None  # not one block

@@ -61,13 +61,13 @@ def table_views(tab: torch.Tensor | Fp8Table) -> tuple:
     return tab.numpy(), None
 
 
-def _staging_view(out: torch.Tensor):
+def staging_view(out: torch.Tensor):
     return out.numpy() if out.dtype == torch.float32 else out.view(torch.int16).numpy()  # bf16 bits
 
 
 def _kernel_args(tab: torch.Tensor | Fp8Table, out: torch.Tensor) -> tuple:
     """(table, scale or None, staging) as the kernel takes them: zero-copy numpy views."""
-    return (*table_views(tab), _staging_view(out))
+    return (*table_views(tab), staging_view(out))
 
 
 def stage_step(tables: list, hash_ids: torch.Tensor, out: torch.Tensor, dedup: bool,
@@ -79,16 +79,21 @@ def stage_step(tables: list, hash_ids: torch.Tensor, out: torch.Tensor, dedup: b
     views[l], if given, is `table_views(tables[l])` (EngramTables keeps them: ~10 us a step at 64 requests)."""
     ids = np.ascontiguousarray(hash_ids.to("cpu", torch.int64).numpy().transpose(1, 0, 2).reshape(len(tables), -1))
     # [L, T*C] above, in numpy: ~8 us a step less than the same in torch at 64 requests
-    staged_all = _staging_view(out)  # numpy views: indexing them costs ~0.2 us against ~2 us for a tensor's
+    stage_layers(tables, ids, staging_view(out), dedup, caches, views)
+
+
+def stage_layers(tables: list, ids: np.ndarray, staged: np.ndarray, dedup: bool,
+                 caches: list[HotRowCache | None] | None = None, views: list[tuple] | None = None) -> None:
+    """`stage_step` of ids [L, T*C] int64 into the staging views staged [L, T*C, hd] (numpy: indexing them costs
+    ~0.2 us against ~2 us for a tensor's)."""
     kernel = kernels.get("gather")
     for layer, tab in enumerate(tables):
         table, scale = views[layer] if views is not None else table_views(tab)
-        staged = staged_all[layer]
         cache = caches[layer] if caches else None
         if cache is None:
-            kernel.gather_rows(table, scale, ids[layer], staged, dedup)
+            kernel.gather_rows(table, scale, ids[layer], staged[layer], dedup)
             continue
-        misses, hits = kernel.gather_rows_cached(table, scale, ids[layer], staged, *cache.arrays())
+        misses, hits = kernel.gather_rows_cached(table, scale, ids[layer], staged[layer], *cache.arrays())
         cache.hits += hits
         cache.lookups += hits + misses  # the step's distinct ids
 

@@ -24,7 +24,8 @@ from ..config import EngramConfig
 from .quantized import Fp8Table, dequantize_rows
 from .row_cache import HotRowCache, RowCache
 from .. import kernels
-from .staging import gather_backend, stage_rows, stage_step, staging_fits, table_fits, table_parts, table_views
+from .staging import (gather_backend, stage_layers, stage_rows, stage_step, staging_fits, staging_view, table_fits,
+                      table_parts, table_views)
 
 
 def table_key(layer_id: int) -> str:
@@ -145,6 +146,34 @@ class EngramTables:
         tabs = [(torch.randn(rows, cfg.engram_head_dim, generator=g) * std).to(dtype)
                 for rows in cfg.engram_num_embeddings]
         return cls(cfg.engram_layer_ids, tabs, pin=pin)
+
+    def stager(self, hash_ids: torch.Tensor, out: torch.Tensor):
+        """`gather(hash_ids, out)` prepared for these buffers (CPU int64 hash_ids [T, L_e, C] and out, which keep
+        their memory): a function of no arguments that stages their current ids into out and returns True, with
+        the views the fused kernel takes made once (a decode step's gather: a few us of glue instead of ~40), or
+        returns False, staging nothing, where the tables changed to ones the kernel does not read (`gather`
+        then). None where the kernel does not serve these buffers."""
+        t, n_layers, c = hash_ids.shape
+        if not n_layers or n_layers != self.num_layers or out.shape != (n_layers, t, c, self.head_dim) \
+                or hash_ids.dtype != torch.int64 or not hash_ids.is_cpu or not hash_ids.is_contiguous():
+            return None
+        with self._lock:
+            if not (out[0].is_contiguous() and self._kernel_serves(out[0, 0])):
+                return None
+        src, ids = hash_ids.numpy().transpose(1, 0, 2), torch.empty(n_layers, t, c, dtype=torch.int64).numpy()
+        staged, flat = staging_view(out.view(n_layers, t * c, self.head_dim)), ids.reshape(n_layers, t * c)
+
+        def stage() -> bool:
+            with self._lock:
+                fit, views = self._table_facts()
+                if not fit:
+                    return False
+                if self.cache_bytes and not isinstance(self.caches[0], HotRowCache):
+                    self.set_cache(self.cache_bytes, True)  # (as `gather` does when the kernel serves)
+                ids[...] = src
+                stage_layers(self.tables, flat, staged, self.dedup, self.caches if self.cache_bytes else None, views)
+                return True
+        return stage
 
     def gather(self, hash_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Rows of hash_ids [T, L_e, C] into out [L_e, T, C, head_dim] (float32 or bfloat16), in place; returns out.

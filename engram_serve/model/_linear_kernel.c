@@ -363,6 +363,115 @@ static PyObject *py_moe_experts(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---- FP8 panels: one row of a product whose weight is E4M3 times a power of two per block ----------------- */
+
+#define SB 64 /* input rows of a scale block of an FP8 panel */
+
+#if HAVE_X86_AVX2
+/* One row of 16 weights of an FP8 panel as float32: E4M3 bytes q[0..16) moved into float16 bit patterns (sign to
+ * bit 15, exponent and mantissa to bits 7..13: the value times 2^-8, normal or subnormal alike), converted
+ * exactly, times the block's scale 2^(s + 8): a power of two, so exact. The float32 weight itself. */
+__attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 fp8_row(const uint8_t *q, __m512 scale) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
+    const __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(0x3F80)),
+                                      _mm256_and_si256(_mm256_slli_epi16(b, 8), _mm256_set1_epi16((short)0x8000)));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), scale);
+}
+
+/* o[q][0..16) for q < np: one row x times the FP8 panels b[q] ([k][16] bytes; scales sc[q] per SB rows): the
+ * operations of tile_avx2 on the same float32 weights, in the same order (blocks of kc inputs, each a chain
+ * from 0, then added in order), so the same bits, reading a quarter of the bytes. */
+__attribute__((target("avx512f,avx2"), always_inline)) static inline void
+wide_fp8(const int np, const float *restrict x, const uint8_t *const *b, const float *const *sc, Py_ssize_t k,
+         Py_ssize_t kc, float *const *o) {
+    for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
+        const Py_ssize_t ke = k - k0 < kc ? k : k0 + kc;
+        __m512 c[8], scale[8];
+        for (int q = 0; q < np; q++) c[q] = _mm512_setzero_ps();
+        for (Py_ssize_t t = k0; t < ke;) {
+            const Py_ssize_t te = (t / SB + 1) * SB < ke ? (t / SB + 1) * SB : ke; /* the rest of t's scale block */
+            for (int q = 0; q < np; q++) scale[q] = _mm512_set1_ps(sc[q][t / SB]);
+#pragma GCC unroll 2
+            for (; t < te; t++) {
+                const __m512 a = _mm512_set1_ps(x[t]);
+                for (int q = 0; q < np; q++) c[q] = _mm512_fmadd_ps(a, fp8_row(b[q] + t * NR, scale[q]), c[q]);
+            }
+        }
+        for (int q = 0; q < np; q++) {
+            if (k0) c[q] = _mm512_add_ps(_mm512_loadu_ps(o[q]), c[q]);
+            _mm512_storeu_ps(o[q], c[q]);
+        }
+    }
+}
+
+__attribute__((target("avx512f,avx2"))) static void wide_fp8_x86(int np, const float *x, const uint8_t *const *b,
+                                                                 const float *const *sc, Py_ssize_t k, Py_ssize_t kc,
+                                                                 float *const *o) {
+    switch (np) { /* constant panels: the accumulators stay in registers */
+    case 8: wide_fp8(8, x, b, sc, k, kc, o); break;
+    case 4: wide_fp8(4, x, b, sc, k, kc, o); break;
+    case 2: wide_fp8(2, x, b, sc, k, kc, o); break;
+    default: wide_fp8(1, x, b, sc, k, kc, o); break;
+    }
+}
+
+/* y [m, n] = x @ w row by row, w as FP8 panels qp [panels][k][16] bytes with scales sp [panels][ceil(k / SB)]
+ * (checked arguments, an AVX-512 CPU); runs without the GIL. */
+static void linear_fp8(const float *xp, Py_ssize_t ldx, const uint8_t *qp, const float *sp, float *yp, Py_ssize_t m,
+                       Py_ssize_t k, Py_ssize_t n, Py_ssize_t kc) {
+    const Py_ssize_t panels = (n + NR - 1) / NR, blocks = (k + SB - 1) / SB;
+    float part[NR]; /* the last, partial panel's outputs */
+    for (Py_ssize_t i = 0; i < m; i++)
+        for (Py_ssize_t p = 0; p < panels;) {
+            const Py_ssize_t j = p * NR, full = (n - j) / NR;
+            int np = 8;
+            while (np > 1 && np > panels - p) np /= 2;
+            const uint8_t *b[8];
+            const float *sc[8];
+            float *o[8];
+            for (int q = 0; q < np; q++)
+                b[q] = qp + (p + q) * k * NR, sc[q] = sp + (p + q) * blocks, o[q] = q < full ? yp + i * n + j + q * NR : part;
+            wide_fp8_x86(np, xp + i * ldx, b, sc, k, kc, o);
+            if (np > full) memcpy(yp + i * n + j + full * NR, part, (n - j - full * NR) * sizeof(float));
+            p += np;
+        }
+}
+#endif
+
+static int fp8_supported(void) {
+#if HAVE_X86_AVX2
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2");
+#else
+    return 0;
+#endif
+}
+
+static PyObject *py_linear_fp8(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long xa, qa, sa, ya;
+    Py_ssize_t ldx, m, k, n, kc;
+    if (!PyArg_ParseTuple(args, "KnKKKnnnn", &xa, &ldx, &qa, &sa, &ya, &m, &k, &n, &kc)) return NULL;
+    if (!fp8_supported()) {
+        PyErr_SetString(PyExc_RuntimeError, "linear_fp8: this CPU has no AVX-512 (fp8_supported() is False)");
+        return NULL;
+    }
+    if (m < 0 || k < 1 || n < 0 || kc < 1 || ldx < k || (m && n && (!xa || !qa || !sa || !ya))) {
+        PyErr_Format(PyExc_ValueError, "linear_fp8: m %zd, k %zd, n %zd, kc %zd, ldx %zd do not fit (k and kc at "
+                     "least 1, ldx >= k, non-null addresses)", m, k, n, kc, ldx);
+        return NULL;
+    }
+#if HAVE_X86_AVX2
+    Py_BEGIN_ALLOW_THREADS
+    linear_fp8((const float *)(uintptr_t)xa, ldx, (const uint8_t *)(uintptr_t)qa, (const float *)(uintptr_t)sa,
+               (float *)(uintptr_t)ya, m, k, n, kc);
+    Py_END_ALLOW_THREADS
+#endif
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_fp8_supported(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
+    return PyBool_FromLong(fp8_supported());
+}
+
 static PyObject *py_simd_level(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
     int level = 0;
 #if HAVE_X86_AVX2
@@ -379,6 +488,11 @@ static PyMethodDef methods[] = {
      "linear_packed(x, ldx, panels, y, m, k, n, kc, simd) -> None: y = x @ w in fma chains of kc inputs, the "
      "chains then added in order (addresses of float32 data); w packed as [ceil(n / 16), k, 16] (zero beyond n), "
      "y [m, n] contiguous; simd 0 takes the portable tile, 1 AVX2 at most, 2 AVX-512 where the CPU has it."},
+    {"linear_fp8", py_linear_fp8, METH_VARARGS,
+     "linear_fp8(x, ldx, fp8, scales, y, m, k, n, kc) -> None: linear_packed's product, row by row, of a weight "
+     "packed as E4M3 bytes [ceil(n / 16), k, 16] with scales [ceil(n / 16), ceil(k / 64)] float32 (2^(s + 8)): the "
+     "same bits (AVX-512 CPUs only)."},
+    {"fp8_supported", py_fp8_supported, METH_NOARGS, "fp8_supported() -> whether linear_fp8 runs on this CPU."},
     {"blas_mm", py_blas_mm, METH_VARARGS,
      "blas_mm(sgemm, x, wt, y, m, k, n) -> None: y [m, n] = x [m, k] @ wt [k, n] (contiguous float32) by the BLAS "
      "sgemm at address sgemm, called as torch's CPU matmul calls it."},

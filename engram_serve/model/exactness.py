@@ -54,6 +54,9 @@ from . import capture
 MIN_ROWS = 4  # the rule off the CPU (not measured there)
 PROBE_REF, PROBE_MAX = 512, 96
 PANEL = 16  # columns per packed panel of the linear kernel
+FP8_BLOCK = 64  # input rows per scale of an FP8 panel (the kernel's SB)
+FP8_ROWS = 1  # calls of at most this many rows read a weight's FP8 panels where it has them
+fp8_check = True  # a protection a test turns off (negative control): FP8 panels only for weights they give exactly
 VEC_PAD = 64
 _exact = True  # the rules of this module are on; `batch_invariant(False)` turns them off
 _min_rows: dict[tuple, int] = {}
@@ -221,6 +224,46 @@ def pack_panels(wt: torch.Tensor) -> torch.Tensor:
     return F.pad(wt.float(), (0, p * PANEL - n)).view(k, p, PANEL).permute(1, 0, 2).contiguous()
 
 
+def pack_fp8(wt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """wt [in, out] as FP8 panels, where every weight is an E4M3 value times one power of two per panel and block
+    of FP8_BLOCK inputs (what an FP8 block-scaled checkpoint's weights are): (E4M3 bytes [ceil(out / 16), in,
+    16] uint8, scales [ceil(out / 16), ceil(in / FP8_BLOCK)] float32, each 2^(s + 8) for the kernel), from
+    which the linear kernel's `linear_fp8` rebuilds the float32 weights exactly. None for any other weight (the
+    check is bit for bit)."""
+    panels = pack_panels(wt)  # [P, k, 16]
+    p, k, _ = panels.shape
+    blocks = -(-k // FP8_BLOCK)
+    tiles = F.pad(panels, (0, 0, 0, blocks * FP8_BLOCK - k)).view(p, blocks, FP8_BLOCK, PANEL)
+    amax = tiles.abs().amax(dim=(2, 3)).double()
+    if not torch.isfinite(amax).all():
+        return None
+    e = torch.where(amax > 0, torch.ceil(torch.log2(amax / 448)), torch.zeros_like(amax))
+    e = e + (amax / torch.exp2(e) > 448)  # the smallest power of two that brings the block within E4M3's range
+    if e.min() < -134 or e.max() > 119:  # 2^(s + 8) must be a normal float32
+        return None
+    scale = torch.exp2(e).float()[:, :, None, None]
+    q = (tiles / scale).to(torch.float8_e4m3fn)
+    if fp8_check and not torch.equal((q.float() * scale).view(torch.int32), tiles.view(torch.int32)):
+        return None
+    q = q.view(torch.uint8).reshape(p, blocks * FP8_BLOCK, PANEL)[:, :k].contiguous()
+    return q, torch.exp2(e + 8).float().contiguous()
+
+
+def matmul_fp8(x: torch.Tensor, fp8: tuple[torch.Tensor, torch.Tensor], n: int, kc: int) -> torch.Tensor:
+    """`matmul_kernel(x, panels, n, kc)` from the weight's FP8 panels (`pack_fp8`): the same bits, a quarter of the
+    weight's bytes read (the same caller guarantees; `fp8_supported()` checked)."""
+    m, k = x.shape
+    y = torch.empty(m, n)
+    capture.call(kernels.get("linear").linear_fp8, x.data_ptr(), x.stride(0) if m > 1 else k, fp8[0].data_ptr(),
+                 fp8[1].data_ptr(), y.data_ptr(), m, k, n, kc)
+    return y
+
+
+@functools.cache
+def fp8_supported(linear_kernel) -> bool:
+    return linear_kernel is not None and linear_kernel.fp8_supported()
+
+
 def matmul_kernel(x: torch.Tensor, panels: torch.Tensor, n: int, kc: int, simd: int = 2) -> torch.Tensor:
     """x [m, in] @ the packed weight -> [m, n] through the linear kernel (loaded: the caller checked),
     which takes addresses: the caller guarantees float32 CPU tensors, x's rows contiguous (stride 1 in
@@ -251,8 +294,9 @@ _plans: dict[tuple, tuple] = {}
 
 
 def plan(weight: torch.Tensor) -> tuple:
-    """(min_rows, kc or None, the weight's packed panels where kc, the weight, its version, whether MKL is
-    position dependent for it, whether `blas_linear` gives F.linear's bits for it) for this weight view,
+    """(min_rows, kc or None, the weight's packed panels where kc, its FP8 panels where kc and the weight is FP8
+    (`pack_fp8`, on a CPU that runs them), the weight, its version, whether MKL is position dependent for it,
+    whether `blas_linear` gives F.linear's bits for it) for this weight view,
     memoised by address and layout: ~1 us a call instead of ~12 us for measuring keys each time. The panels
     are a copy (the weight's memory once more), made again when the weight was modified in place (its
     version counter). A cached plan keeps its weight alive, so its address cannot be reused by another tensor
@@ -260,12 +304,13 @@ def plan(weight: torch.Tensor) -> tuple:
     key = (weight.data_ptr(), weight.shape, weight.stride(), weight.dtype, weight.is_cuda, torch.get_num_threads(),
            kernels.get("linear"))
     p = _plans.get(key)
-    if p is None or p[4] != weight._version:
+    if p is None or p[5] != weight._version:
         if len(_plans) >= 4096:  # weights replaced many times over (tests): start again
             _plans.clear()
         kc = small_call_kc(weight)
         positional = kc is None and position_dependent(weight)
-        p = _plans[key] = (min_rows(weight), kc, pack_panels(weight.detach().t()) if kc else None, weight,
+        fp8 = pack_fp8(weight.detach().t()) if kc and fp8_supported(kernels.get("linear")) else None
+        p = _plans[key] = (min_rows(weight), kc, pack_panels(weight.detach().t()) if kc else None, fp8, weight,
                            weight._version, positional, kc is None and not positional and blas_matches(weight))
     return p
 

@@ -88,6 +88,18 @@ def read_by_forward(name: str) -> bool:
 
 
 _READ = {"rows", "tables", *(f"batch.{k}" for k in FORWARD_FIELDS)}
+_FORWARD_NAMES = tuple((f"batch.{k}", k) for k in FORWARD_FIELDS)
+
+
+def forward_inputs(ctx: ForwardContext, rows: torch.Tensor, tables: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The per-step tensors of `step_inputs` that the forward reads (`read_by_forward`): what a key and a replay
+    look at."""
+    out = {"rows": rows, "tables": tables}
+    for name, k in _FORWARD_NAMES:
+        t = getattr(ctx.batch, k)
+        if isinstance(t, torch.Tensor):
+            out[name] = t
+    return out
 
 
 def _spans(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
@@ -209,6 +221,7 @@ class CpuGraphs:
         self._refused: set[tuple] = set()
         self.replays = self.captures = self.nbytes = 0
         self._owners, self._static = None, ()  # what `_addresses` last worked out, and from which objects
+        self._last_inputs: tuple = ((), ())  # what `_layout` last worked out, and from which tensors
 
     def takes(self, batch, microbatches: int) -> bool:
         """Whether a step cut into `microbatches` runs through graphs: a decode step (one token a row), or one
@@ -219,10 +232,18 @@ class CpuGraphs:
 
     def key(self, ctx: ForwardContext, tensors: dict[str, torch.Tensor]) -> tuple:
         b, bufs, m = ctx.batch, ctx.bufs, self.model
-        layout = tuple((name, tuple(t.shape), t.stride(), t.dtype) for name, t in tensors.items()
-                       if read_by_forward(name))
-        return (bufs.microbatch, b.block_size, ctx.max_seq_len, layout, self._addresses(bufs, ctx.kv),
+        return (bufs.microbatch, b.block_size, ctx.max_seq_len, self._layout(tensors), self._addresses(bufs, ctx.kv),
                 id(m), kernels.get("linear"), kernels.get("token"), exactness.rules_on(), torch.get_num_threads())
+
+    def _layout(self, tensors: dict[str, torch.Tensor]) -> tuple:
+        """(name, shape, strides, dtype) of every per-step tensor the forward reads; worked out again only when
+        one of them is another tensor object (kept alive here, so that its id is not reused) than last time."""
+        ts = tuple(tensors.items())
+        if len(ts) != len(self._last_inputs[0]) or any(
+                a is not b or n != m for (n, a), (m, b) in zip(ts, self._last_inputs[0])):
+            layout = tuple((name, tuple(t.shape), t.stride(), t.dtype) for name, t in ts if read_by_forward(name))
+            self._last_inputs = (ts, layout)
+        return self._last_inputs[1]
 
     def _addresses(self, bufs, kv) -> tuple[int, ...]:
         """The addresses of the microbatch's persistent buffers, the cache's pools and the rope tables; worked
@@ -246,7 +267,7 @@ class CpuGraphs:
                                                              self.limit))
             planned = plan_rows(ctx)
         rows, tables = planned
-        tensors = step_inputs(ctx, rows, tables)
+        tensors = forward_inputs(ctx, rows, tables)
         key = self.key(ctx, tensors)
         graph = self._graphs.get(key)
         if graph is not None:
@@ -257,7 +278,7 @@ class CpuGraphs:
         if key in self._refused or key not in self._seen:
             self._seen.add(key)
             return run_stages(layers)
-        return self._capture(key, layers, tensors)
+        return self._capture(key, layers, step_inputs(ctx, rows, tables))
 
     def _layers(self, ctx: ForwardContext, rows: torch.Tensor, tables: torch.Tensor):
         """The forward as stages; `prepare` runs when they start, so that a capture records its kernel calls."""

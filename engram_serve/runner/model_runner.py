@@ -118,7 +118,7 @@ class ModelRunner:
         if cfg.cpu_graphs and self.device.type == "cpu" and self.tracker is None:
             self.cpu_graphs = CpuGraphs(self.model, cfg.max_model_len) if CpuGraphs.available() else None
         # a decode step's inputs, in place (inputs/decode.py): for CPU graph replays, whose host work they cut
-        self.decode_inputs = None
+        self.decode_inputs, self._decode_prep = None, {}
         if self.cpu_graphs is not None and self.static is None and kernels.loaded("hash"):
             self.decode_inputs = DecodeInputs(cfg.max_num_seqs, self.pad_rows if cfg.exact else 1, cfg.block_size,
                                               self.history_len, cfg.max_blocks_per_seq)
@@ -245,10 +245,23 @@ class ModelRunner:
         padded = d.padded  # as `pad_tokens(batch, self.pad_rows)`
         n = padded.num_tokens
         measure = self.planner.start_step()
-        padded.hash_ids = bufs.hash_ids[:n]
-        hash_step_host(d.input_ids[:n], d.qsl[:r + 1], d.history[:r], d.dead[:n], self.layout, self.token_map,
-                       self.pad_id, padded.hash_ids.numpy())
-        staging = self._stage_rows(padded.hash_ids, bufs.staging[:, :n], r, None, measure)
+        prep = self._decode_prep.get(r)
+        if prep is None or prep[0] is not self.loaded.tables:  # the views of these buffers, made once per row count
+            hash_ids, staging = bufs.hash_ids[:n], bufs.staging[:, :n]
+            stager = self.loaded.tables.stager(hash_ids[:r], staging[:, :r]) if self.copy_stream is None else None
+            prep = self._decode_prep[r] = (self.loaded.tables, hash_ids, staging, stager, (
+                d.input_ids[:n], d.qsl[:r + 1], d.history[:r], d.dead[:n], self.layout, self.token_map, self.pad_id,
+                hash_ids.numpy()))
+        _, padded.hash_ids, staging, stager, hash_args = prep
+        hash_step_host(*hash_args)
+        t0 = time.perf_counter()
+        if stager is not None and stager():  # `_stage_rows`, without its per-step views
+            if r < n:
+                staging[:, r:].zero_()
+            if measure:
+                self.planner.record_gather((time.perf_counter() - t0) * 1e3, r)
+        else:
+            self._stage_rows(padded.hash_ids, staging, r, None, measure)
         self.gather_wait_ms = 0.0
         ctx = ForwardContext(padded, self.kv, bufs, staging.__getitem__, max_seq_len=d.bound)
         with batch_invariant(self.cfg.exact):

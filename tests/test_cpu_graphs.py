@@ -178,3 +178,30 @@ def test_the_one_call_experts_have_the_bits_of_the_per_expert_calls(loaded):
             parts.append(moe.expert(e, xs[start:start + c]))
         start += c
     assert torch.equal(one, torch.cat(parts))
+
+
+@pytest.mark.skipif(not cpu_graphs.CpuGraphs.available(), reason="CPU graphs need the C kernels")
+def test_raw_replays_read_the_per_step_tensor_at_its_new_address():
+    """A call of a kernel with a raw entry replays from 64-bit slots, its per-step addresses rewritten in place:
+    an RMSNorm (its eps a double slot) and a matmul of the microbatch's `rows` (float here, for the test) compute
+    on this step's tensor, equal to calling the kernels again; negative control: without rebinding they read the
+    capture's tensor."""
+    tok, lin = kernels.get("token"), kernels.get("linear")
+    g = torch.Generator().manual_seed(0)
+    first, w, panels = torch.randn(3, 32, generator=g), torch.randn(32, generator=g), torch.randn(2, 32, 16, generator=g)
+    normed, y = torch.empty(3, 32), torch.empty(3, 32)
+    tape = []
+    with capture.recording(tape):
+        capture.call(tok.rms_norm, first.data_ptr(), 3, 32, w.data_ptr(), 1e-6, normed.data_ptr())
+        capture.call(lin.linear_packed, normed.data_ptr(), 32, panels.data_ptr(), y.data_ptr(), 3, 32, 32, 32, 2)
+    span = (first.data_ptr(), first.data_ptr() + first.numel() * 4)
+    graph = cpu_graphs._Graph(tape, {"rows": span}, y, [first, normed], 0)
+    assert sum(len(c) == 3 for c in graph._raw if c is not None) == 2  # both replay raw
+    for rebind in (True, False):
+        step = torch.randn(3, 32, generator=g)
+        want_x = step if rebind else first
+        want = torch.empty(3, 32)
+        tok.rms_norm(want_x.data_ptr(), 3, 32, w.data_ptr(), 1e-6, normed.data_ptr())
+        lin.linear_packed(normed.data_ptr(), 32, panels.data_ptr(), want.data_ptr(), 3, 32, 32, 32, 2)
+        y.zero_()
+        assert torch.equal(graph.replay({"rows": step}, rebind).clone(), want)

@@ -472,6 +472,34 @@ static PyObject *py_fp8_supported(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED
     return PyBool_FromLong(fp8_supported());
 }
 
+/* ---- raw entries (see _token_kernel.c `raw_kernels`): a replay's call from its arguments as 64-bit slots ---- */
+#define SN(i) ((Py_ssize_t)(int64_t)a[i])
+
+static void raw_linear_packed(const uint64_t *a) {
+    linear_packed((const float *)(uintptr_t)a[0], SN(1), (const float *)(uintptr_t)a[2], (float *)(uintptr_t)a[3], SN(4),
+                  SN(5), SN(6), SN(7), (int)a[8]);
+}
+
+#if HAVE_X86_AVX2
+static void raw_linear_fp8(const uint64_t *a) {
+    linear_fp8((const float *)(uintptr_t)a[0], SN(1), (const uint8_t *)(uintptr_t)a[2], (const float *)(uintptr_t)a[3],
+               (float *)(uintptr_t)a[4], SN(5), SN(6), SN(7), SN(8));
+}
+#endif
+
+static PyObject *py_raw_kernels(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
+    PyObject *out = Py_BuildValue("{s(sN)}", "linear_packed", "KnKKnnnni",
+                                  PyLong_FromVoidPtr((void *)(uintptr_t)raw_linear_packed));
+#if HAVE_X86_AVX2
+    if (out && fp8_supported()) {
+        PyObject *v = Py_BuildValue("(sN)", "KnKKKnnnn", PyLong_FromVoidPtr((void *)(uintptr_t)raw_linear_fp8));
+        if (!v || PyDict_SetItemString(out, "linear_fp8", v) < 0) Py_CLEAR(out);
+        Py_XDECREF(v);
+    }
+#endif
+    return out;
+}
+
 static PyObject *py_simd_level(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
     int level = 0;
 #if HAVE_X86_AVX2
@@ -493,6 +521,8 @@ static PyMethodDef methods[] = {
      "packed as E4M3 bytes [ceil(n / 16), k, 16] with scales [ceil(n / 16), ceil(k / 64)] float32 (2^(s + 8)): the "
      "same bits (AVX-512 CPUs only)."},
     {"fp8_supported", py_fp8_supported, METH_NOARGS, "fp8_supported() -> whether linear_fp8 runs on this CPU."},
+    {"raw_kernels", py_raw_kernels, METH_NOARGS,
+     "raw_kernels() -> {name: (format, raw entry address)}: the kernels a CPU graph's replay runs from 64-bit slots."},
     {"blas_mm", py_blas_mm, METH_VARARGS,
      "blas_mm(sgemm, x, wt, y, m, k, n) -> None: y [m, n] = x [m, k] @ wt [k, n] (contiguous float32) by the BLAS "
      "sgemm at address sgemm, called as torch's CPU matmul calls it."},

@@ -1154,17 +1154,91 @@ static PyObject *py_argmax_rows(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* A CPU graph's replay (runner/cpu_graphs.py): fn(*args) for each (fn, args) of the list, in order; the first
- * error stops it. One C loop instead of the interpreter's, around the kernels' own calls. */
+/* ---- raw entries: a CPU graph's replay of a kernel without its Python call ---------------------------------
+ * raw_X(a) runs kernel X on the arguments its Python form took, as 64-bit slots a[i] in the same order (an
+ * integer, or a float's double bits), without the checks: a replay makes a call whose sizes its capture already
+ * made through the Python form, at addresses of tensors of the same shapes. Only kernels without data-dependent
+ * checks (an index outside a table or pool) have one. */
+typedef void (*raw_fn)(const uint64_t *a);
+
+static inline double slot_double(uint64_t u) {
+    double d;
+    memcpy(&d, &u, sizeof d);
+    return d;
+}
+#define SN(i) ((Py_ssize_t)(int64_t)a[i])
+#define SD(i) slot_double(a[i])
+
+static void raw_hc_mix(const uint64_t *a) {
+    hc_mix_rows(CF(a[0]), CF(a[1]), SN(2), SN(3), SN(4), CF(a[5]), CF(a[6]), (float)SD(7), (float)SD(8), SN(9), F(a[10]),
+                F(a[11]), F(a[12]));
+}
+static void raw_collapse(const uint64_t *a) { collapse_rows(CF(a[0]), CF(a[1]), SN(2), SN(3), SN(4), F(a[5])); }
+static void raw_expand(const uint64_t *a) {
+    expand_rows(CF(a[0]), CF(a[1]), CF(a[2]), CF(a[3]), SN(4), SN(5), SN(6), F(a[7]));
+}
+static void raw_rms_norm(const uint64_t *a) { rms_norm_rows(CF(a[0]), SN(1), SN(2), CF(a[3]), (float)SD(4), F(a[5])); }
+static void raw_rope(const uint64_t *a) {
+    rope_rows(CF(a[0]), SN(1), SN(2), SN(3), CF(a[4]), CF(a[5]), SN(6), (int)a[7], F(a[8]));
+}
+static void raw_pool_pair(const uint64_t *a) { pool_pair_rows(CF(a[0]), CF(a[1]), SN(2), SN(3), F(a[4])); }
+static void raw_swiglu(const uint64_t *a) { swiglu_rows(CF(a[0]), SN(1), SN(2), (float)SD(3), F(a[4])); }
+static void raw_engram_gate(const uint64_t *a) {
+    engram_gate_rows(F(a[0]), SN(1), SN(2), SN(3), CF(a[4]), CF(a[5]), CF(a[6]), U8(a[7]), (float)SD(8), F(a[9]));
+}
+
+/* name, the Python form's PyArg format (one slot per argument), raw entry */
+static const struct { const char *name, *format; raw_fn fn; } RAW[] = {
+    {"hc_mix", "KKnnnKKddnKKK", raw_hc_mix}, {"collapse", "KKnnnK", raw_collapse}, {"expand", "KKKKnnnK", raw_expand},
+    {"rms_norm", "KnnKdK", raw_rms_norm}, {"rope", "KnnnKKnpK", raw_rope}, {"pool_pair", "KKnnK", raw_pool_pair},
+    {"swiglu", "KnndK", raw_swiglu}, {"engram_gate", "KnnnKKKKdK", raw_engram_gate},
+};
+
+static PyObject *py_raw_kernels(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
+    PyObject *out = PyDict_New();
+    for (size_t i = 0; out && i < sizeof RAW / sizeof RAW[0]; i++) {
+        PyObject *v = Py_BuildValue("(sN)", RAW[i].format, PyLong_FromVoidPtr((void *)(uintptr_t)RAW[i].fn));
+        if (!v || PyDict_SetItemString(out, RAW[i].name, v) < 0) Py_CLEAR(out);
+        Py_XDECREF(v);
+    }
+    return out;
+}
+
+#define RAW_RUN 64 /* raw calls run in one release of the GIL, at most */
+
+/* A CPU graph's replay (runner/cpu_graphs.py): for each item of the list, in order, fn(*args) for an (fn, args)
+ * pair, or raw(slots) for an (fn, raw entry address, slots address) triple (consecutive ones in one release of
+ * the GIL); the first error stops it. One C loop instead of the interpreter's. */
 static PyObject *py_call_all(PyObject *Py_UNUSED(self), PyObject *calls) {
     if (!PyList_Check(calls)) {
-        PyErr_SetString(PyExc_TypeError, "call_all: expected a list of (callable, args tuple)");
+        PyErr_SetString(PyExc_TypeError, "call_all: expected a list of (callable, args tuple) or (callable, raw, slots)");
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(calls); i++) {
-        PyObject *call = PyList_GET_ITEM(calls, i);
+    const Py_ssize_t len = PyList_GET_SIZE(calls);
+    raw_fn fns[RAW_RUN];
+    const uint64_t *slots[RAW_RUN];
+    for (Py_ssize_t i = 0; i < len;) {
+        int run = 0;
+        for (; i < len && run < RAW_RUN; i++, run++) {
+            PyObject *call = PyList_GET_ITEM(calls, i);
+            if (!PyTuple_Check(call) || PyTuple_GET_SIZE(call) != 3) break;
+            fns[run] = (raw_fn)(uintptr_t)PyLong_AsVoidPtr(PyTuple_GET_ITEM(call, 1));
+            slots[run] = (const uint64_t *)PyLong_AsVoidPtr(PyTuple_GET_ITEM(call, 2));
+            if (PyErr_Occurred()) return NULL;
+            if (!fns[run] || !slots[run]) {
+                PyErr_Format(PyExc_ValueError, "call_all: item %zd has a null raw entry or slots", i);
+                return NULL;
+            }
+        }
+        if (run) {
+            Py_BEGIN_ALLOW_THREADS
+            for (int r = 0; r < run; r++) fns[r](slots[r]);
+            Py_END_ALLOW_THREADS
+            continue;
+        }
+        PyObject *call = PyList_GET_ITEM(calls, i++);
         if (!PyTuple_Check(call) || PyTuple_GET_SIZE(call) != 2 || !PyTuple_Check(PyTuple_GET_ITEM(call, 1))) {
-            PyErr_Format(PyExc_TypeError, "call_all: item %zd is not a (callable, args tuple) pair", i);
+            PyErr_Format(PyExc_TypeError, "call_all: item %zd is not a (callable, args tuple) pair", i - 1);
             return NULL;
         }
         PyObject *out = PyObject_Call(PyTuple_GET_ITEM(call, 0), PyTuple_GET_ITEM(call, 1), NULL);
@@ -1176,7 +1250,10 @@ static PyObject *py_call_all(PyObject *Py_UNUSED(self), PyObject *calls) {
 
 static PyMethodDef methods[] = {
     {"call_all", py_call_all, METH_O,
-     "call_all(calls) -> None: fn(*args) for each (fn, args) of the list calls, in order (a CPU graph's replay)."},
+     "call_all(calls) -> None: fn(*args) for each (fn, args) of the list calls, raw(slots) for each (fn, raw, slots), "
+     "in order (a CPU graph's replay)."},
+    {"raw_kernels", py_raw_kernels, METH_NOARGS,
+     "raw_kernels() -> {name: (format, raw entry address)}: the kernels a replay can run from 64-bit argument slots."},
     {"hc_mix", py_hc_mix, METH_VARARGS, "hc_mix(x, mm, n, hc, dim, scale, base, eps, hc_eps, iters, pre, post, comb): mHC mixes."},
     {"collapse", py_collapse, METH_VARARGS, "collapse(x, mix, n, hc, dim, out): out = sum_i mix_i x_i."},
     {"expand", py_expand, METH_VARARGS, "expand(o, x, post, comb, n, hc, dim, out): stream b = post_b o + sum_a comb[a][b] x_a."},

@@ -12,7 +12,8 @@ same memory, except for the step's inputs: a kernel argument that is an address 
 capture's per-step tensors (the `StepBatch` fields, and the microbatch's rows and block tables, which
 `plan_rows` makes eagerly every step, or inputs/decode.py writes in place) is rebound to the same offset in
 this step's tensor (a decode step's inputs keep their addresses, so its calls are bound once and kept); the
-calls run in one C loop (the token kernel's `call_all`). The slot plan and the rotary lookups are made from
+calls run in one C loop (the token kernel's `call_all`), those of kernels with a raw entry from
+their arguments packed once as 64-bit slots (`_Graph`). The slot plan and the rotary lookups are made from
 them inside the graph, by the recorded calls of `DeepseekV41.prepare`.
 So a replay computes what an eager forward on this step's inputs computes, bit for bit, provided the
 forward's path depends only on the key (below) and its data reaches the kernels as arguments only.
@@ -38,8 +39,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import struct
 from collections import OrderedDict
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -161,8 +164,29 @@ class _Watch(TorchDispatchMode):
         return out
 
 
+def _raw_entries() -> dict:
+    """{kernel function: (its Python form's format, raw entry address)} of the loaded kernels' raw entries (the
+    token kernel's `raw_kernels`): the calls a replay makes from 64-bit argument slots, without the interpreter."""
+    out = {}
+    for name in ("token", "linear"):
+        mod = kernels.get(name)
+        if mod is not None:
+            out.update({getattr(mod, fn): entry for fn, entry in mod.raw_kernels().items()})
+    return out
+
+
+def _slots(fmt: str, args: tuple) -> list[int]:
+    """args as 64-bit slots: integers (two's complement), a float's double bits."""
+    return [struct.unpack("<Q", struct.pack("<d", a))[0] if c == "d" else int(a) & _U64 for c, a in zip(fmt, args)]
+
+
+_U64 = (1 << 64) - 1
+
+
 class _Graph:
-    """One captured forward: its calls, where to rebind per-step addresses, its output, what it keeps alive."""
+    """One captured forward: its calls, where to rebind per-step addresses, its output, what it keeps alive.
+    A call of a kernel with a raw entry replays from 64-bit argument slots (one array for the graph, its
+    per-step addresses rewritten in place); the others through their Python form."""
 
     def __init__(self, tape: list, spans: dict[str, tuple[int, int]], out: torch.Tensor, keep: list, nbytes: int):
         self.out, self.keep = out, keep
@@ -182,14 +206,34 @@ class _Graph:
                     patches += [(i, *inside[0])] if inside else []
             self.calls.append((fn, args, patches))
         self.names = sorted({p[1] for _, _, ps in self.calls for p in ps})
+        raw, slots, at, fixed = _raw_entries(), [], [], []  # at: per call, its first slot (or None)
+        for fn, args, _ in self.calls:
+            entry = raw.get(fn)
+            at.append(len(slots) if entry is not None and len(entry[0]) == len(args) else None)
+            if at[-1] is not None:
+                slots += _slots(entry[0], args)
+        self.slots = np.array(slots, dtype=np.uint64)
+        base = self.slots.ctypes.data
+        self._raw = [None if k is None else (fn, raw[fn][1], base + 8 * k) for (fn, _, _), k in zip(self.calls, at)]
+        idx = [(at[c] + i, self.names.index(name), off) for c, (_, _, ps) in enumerate(self.calls) if at[c] is not None
+               for i, name, off in ps]
+        self._slot_at, self._slot_name, self._slot_off = (np.array(v, dtype=np.int64) for v in zip(*idx)) if idx \
+            else (np.zeros(0, np.int64),) * 3
+        self._captured = self.slots[self._slot_at]  # (a copy)
         self._bound: tuple[tuple | None, list] = (None, [])  # (the addresses, the calls with them) of the last replay
 
     def replay(self, tensors: dict[str, torch.Tensor], rebind: bool = True) -> torch.Tensor:
         ptrs = tuple(tensors[name].data_ptr() for name in self.names) if rebind else None
         if ptrs != self._bound[0] or not self._bound[1]:  # (a decode step's inputs keep their addresses)
             at = dict(zip(self.names, ptrs or ()))
+            if len(self._slot_at):  # (without rebinding: the capture's addresses)
+                self.slots[self._slot_at] = self._captured if not rebind else \
+                    (np.array(ptrs, dtype=np.int64)[self._slot_name] + self._slot_off).astype(np.uint64)
             calls = []
-            for fn, args, patches in self.calls:
+            for (fn, args, patches), raw in zip(self.calls, self._raw):
+                if raw is not None:
+                    calls.append(raw)
+                    continue
                 if patches and rebind:
                     args = list(args)
                     for i, name, off in patches:
@@ -197,7 +241,7 @@ class _Graph:
                     args = tuple(args)
                 calls.append((fn, args))
             self._bound = (ptrs, calls)
-        kernels.get("token").call_all(self._bound[1])  # fn(*args) for each, in order
+        kernels.get("token").call_all(self._bound[1])  # fn(*args) or raw(slots) for each, in order
         return self.out
 
 

@@ -188,7 +188,8 @@ def test_raw_replays_read_the_per_step_tensor_at_its_new_address():
     capture's tensor."""
     tok, lin = kernels.get("token"), kernels.get("linear")
     g = torch.Generator().manual_seed(0)
-    first, w, panels = torch.randn(3, 32, generator=g), torch.randn(32, generator=g), torch.randn(2, 32, 16, generator=g)
+    first, w = torch.randn(3, 32, generator=g), torch.randn(32, generator=g)
+    panels = torch.randn(2, 32, 16, generator=g)
     normed, y = torch.empty(3, 32), torch.empty(3, 32)
     tape = []
     with capture.recording(tape):

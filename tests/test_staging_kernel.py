@@ -408,7 +408,8 @@ def test_a_prepared_stager_stages_what_gather_stages_from_the_current_ids(cache_
     tabs = EngramTables((1, 3), [Fp8Table.from_float(torch.randn(500, 64)) for _ in range(2)], pin=False,
                         cache_bytes=cache_rows * (64 * 4 + 10))
     plain = EngramTables((1, 3), list(tabs.tables), pin=False)
-    ids_buf, buf, want = torch.zeros(6, 2, 4, dtype=torch.int64), torch.full((2, 9, 4, 64), 7.0), torch.empty(2, 5, 4, 64)
+    ids_buf, buf = torch.zeros(6, 2, 4, dtype=torch.int64), torch.full((2, 9, 4, 64), 7.0)
+    want = torch.empty(2, 5, 4, 64)
     stage = tabs.stager(ids_buf[:5], buf[:, :5])
     assert stage is not None
     rng = np.random.default_rng(1)

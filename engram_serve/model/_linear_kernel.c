@@ -252,7 +252,8 @@ static void linear_packed(const float *xp, Py_ssize_t ldx, const float *bp, floa
                     if (np <= usable) {
                         const float *b[8];
                         float *o[8];
-                        for (int q = 0; q < np; q++) b[q] = bp + (p + q) * k * NR, o[q] = q < full ? out + q * NR : part;
+                        for (int q = 0; q < np; q++)
+                            b[q] = bp + (p + q) * k * NR, o[q] = q < full ? out + q * NR : part;
                         wide(mr, np, xp + i * ldx, ldx, b, k, kc, o, n);
                         if (np > full) memcpy(out + full * NR, part, (n - j - full * NR) * sizeof(float));
                         p += np - 1;
@@ -330,7 +331,8 @@ static int moe_experts(const float *xs, Py_ssize_t rows, const int64_t *counts, 
         linear_packed(xs + start * d, d, (const float *)(uintptr_t)p13[x], h + start * 2 * inter, c, d, 2 * inter, kc13,
                       simd);
         swiglu_rows(h + start * 2 * inter, c, inter, limit, g + start * inter);
-        linear_packed(g + start * inter, inter, (const float *)(uintptr_t)p2[x], ys + start * d, c, inter, d, kc2, simd);
+        linear_packed(g + start * inter, inter, (const float *)(uintptr_t)p2[x], ys + start * d, c, inter, d, kc2,
+                      simd);
         start += c;
     }
     return 0;
@@ -430,7 +432,8 @@ static void linear_fp8(const float *xp, Py_ssize_t ldx, const uint8_t *qp, const
             const float *sc[8];
             float *o[8];
             for (int q = 0; q < np; q++)
-                b[q] = qp + (p + q) * k * NR, sc[q] = sp + (p + q) * blocks, o[q] = q < full ? yp + i * n + j + q * NR : part;
+                b[q] = qp + (p + q) * k * NR, sc[q] = sp + (p + q) * blocks,
+                o[q] = q < full ? yp + i * n + j + q * NR : part;
             wide_fp8_x86(np, xp + i * ldx, b, sc, k, kc, o);
             if (np > full) memcpy(yp + i * n + j + full * NR, part, (n - j - full * NR) * sizeof(float));
             p += np;

@@ -8,8 +8,8 @@ torch form beside the call (model/deepseek_v41.py `hyper_mix`, `collapse`, `expa
 `swiglu`, `topk_first`, `store`, the indexer and the MoE; model/layers.py `rms_norm`);
 `engram_gate`, `gather_rows`, `cat_cols`, `cat_rows`, `argmax_rows` and `argmax_finite` choose here. The C form
 computes each token alone, in an order fixed per token (see the kernel's header): a token's bits do not depend
-on its batch mates, the cut or padding, by construction. The two forms compute the same formula, not the same bits; the torch form keeps the batch-invariance rules
-of model/exactness.py (`pointwise`).
+on its batch mates, the cut or padding, by construction. The two forms compute the same formula, not the same
+bits; the torch form keeps the batch-invariance rules of model/exactness.py (`pointwise`).
 
 The C forms here take tensors that `runs_in_c` accepted (their int64 companions on the CPU too), copy a
 non-contiguous input rather than choosing the form by layout, and return new tensors: inputs are never

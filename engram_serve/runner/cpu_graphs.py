@@ -206,7 +206,7 @@ class _Graph:
                     patches += [(i, *inside[0])] if inside else []
             self.calls.append((fn, args, patches))
         self.names = sorted({p[1] for _, _, ps in self.calls for p in ps})
-        raw, slots, at, fixed = _raw_entries(), [], [], []  # at: per call, its first slot (or None)
+        raw, slots, at = _raw_entries(), [], []  # at: per call, its first slot (or None)
         for fn, args, _ in self.calls:
             entry = raw.get(fn)
             at.append(len(slots) if entry is not None and len(entry[0]) == len(args) else None)

@@ -234,6 +234,28 @@ def test_attend_paged_is_softmax_with_a_sink_over_the_keys_a_token_reads(n, h, w
     assert alone_bits(run, q, wslots, wok, eslots, topk) == []
 
 
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 3), groups=st.integers(1, 2), w=st.integers(0, 20), k=st.integers(0, 6),
+       hd=st.sampled_from([16, 48, 64, 128]), seed=st.integers(0, 2**31))
+def test_attend_paged_gives_four_heads_at_once_the_bits_of_each_head_alone(n, groups, w, k, hd, seed):
+    """Where heads come in fours and hd is a multiple of 16 (AVX-512), the scores of four heads against four keys
+    run at once and their 16 lane sums reduce together: each head must get exactly the bits of the one-head
+    form (dot's lanes and tree, the weighted sums in key order), masked keys and picks dropped or not."""
+    g = gen(seed)
+    rows, es, h = 96, 8, 4 * groups
+    window, entries = torch.randn(rows, hd, generator=g), torch.randn(rows, hd, generator=g)
+    wslots, eslots = torch.randint(0, rows, (n, w), generator=g), torch.randint(0, rows, (n, es), generator=g)
+    wok, topk = torch.rand(n, w, generator=g) < 0.7, torch.randint(-1, es + 2, (n, k), generator=g)
+    q, sink = torch.randn(n, h, hd, generator=g) * 2, torch.randn(h, generator=g)
+
+    def run(q, sink):
+        return fused.attend_paged(q, window, wslots, wok, entries, eslots if k else None, topk if k else None,
+                                  sink, hd ** -0.5)
+    together = run(q, sink)
+    alone = torch.stack([run(q[:, i:i + 1].contiguous(), sink[i:i + 1]) for i in range(h)], 1)[:, :, 0]
+    assert torch.equal(together, alone)
+
 def test_attend_paged_refuses_a_slot_outside_the_pool():
     window, entries = torch.randn(10, 8, generator=gen(1)), torch.randn(10, 8, generator=gen(2))
     q, sink = torch.randn(1, 2, 8, generator=gen(3)), torch.zeros(2)

@@ -44,6 +44,9 @@
  *     [rows, hd]. Per token and head: z_j = dot(q, key_j) * scale over the keys with ok (the others are never
  *     read), m = the max of sink and the z_j, e_j = exp(z_j - m),
  *     out = (sum_j e_j key_j) / (sum_j e_j + exp(sink - m)), sums over j in key order (window, then picks).
+ *     On AVX-512, for h a multiple of 4 and hd of 16, four heads' scores against four keys run at once and
+ *     their 16 lane sums reduce together through the same tree, and the weighted sums of four heads share each
+ *     key's load: the same bits.
  *     ValueError, and nothing written, if a slot is outside [0, rows).
  *   pool_pair(first, second, n, hd, out): first, second [n, 2 hd] ([kv, gate] rows) -> out [n, hd]: per
  *     channel e0 = exp(g0 - m), e1 = exp(g1 - m), m = max(g0, g1); out = (e0 kv0 + e1 kv1) / (e0 + e1).
@@ -403,14 +406,13 @@ static inline __attribute__((always_inline)) void dot_heads(const float *restric
     for (; i < h; i++) z[i * k] = dot(q + i * hd, key, hd) * scale;
 }
 
-/* o [8 nv] = columns c .. c + 8 nv of the sum over the keys j with ok, in key order, of e[j] * kp[j]: nv (<= 8)
+/* o [8 nv] = columns c .. c + 8 nv of the sum over the keys j, in key order, of e[j] * kp[j]: nv (<= 8)
  * independent addition chains in registers */
-static inline __attribute__((always_inline)) void weigh_columns(const float *const *kp, const uint8_t *restrict okt,
-                                                                 const float *restrict e, Py_ssize_t k, Py_ssize_t c,
-                                                                 const int nv, float *restrict o) {
+static inline __attribute__((always_inline)) void weigh_columns(const float *const *kp, const float *restrict e,
+                                                                 Py_ssize_t k, Py_ssize_t c, const int nv,
+                                                                 float *restrict o) {
     v8 acc[8] = {{0}}, x;
     for (Py_ssize_t j = 0; j < k; j++) {
-        if (!okt[j]) continue;
         const v8 ej = {e[j], e[j], e[j], e[j], e[j], e[j], e[j], e[j]};
         for (int u = 0; u < nv; u++) {
             memcpy(&x, kp[j] + c + 8 * u, sizeof x);
@@ -420,28 +422,26 @@ static inline __attribute__((always_inline)) void weigh_columns(const float *con
     memcpy(o, acc, (size_t)nv * sizeof(v8));
 }
 
-/* o [hd] = sum over the keys j with ok, in key order, of e[j] * kp[j]; 64 or 32 columns at a time in registers
- * where hd is a multiple of 64 or 32 (each column's additions in the same order) */
-static inline __attribute__((always_inline)) void weigh_keys(const float *const *kp, const uint8_t *restrict okt,
-                                                              const float *restrict e, Py_ssize_t k, Py_ssize_t hd,
-                                                              float *restrict o) {
+/* o [hd] = sum over the keys j, in key order, of e[j] * kp[j]; 64 or 32 columns at a time in registers where hd
+ * is a multiple of 64 or 32 (each column's additions in the same order) */
+static inline __attribute__((always_inline)) void weigh_keys(const float *const *kp, const float *restrict e,
+                                                              Py_ssize_t k, Py_ssize_t hd, float *restrict o) {
     if (hd % 64 == 0) {
-        for (Py_ssize_t c = 0; c < hd; c += 64) weigh_columns(kp, okt, e, k, c, 8, o + c);
+        for (Py_ssize_t c = 0; c < hd; c += 64) weigh_columns(kp, e, k, c, 8, o + c);
         return;
     }
     if (hd % 32 == 0) {
-        for (Py_ssize_t c = 0; c < hd; c += 32) weigh_columns(kp, okt, e, k, c, 4, o + c);
+        for (Py_ssize_t c = 0; c < hd; c += 32) weigh_columns(kp, e, k, c, 4, o + c);
         return;
     }
     for (Py_ssize_t x = 0; x < hd; x++) o[x] = 0.0f;
     for (Py_ssize_t j = 0; j < k; j++) {
-        if (!okt[j]) continue;
         for (Py_ssize_t d = 0; d < hd; d++) o[d] = o[d] + e[j] * kp[j][d];
     }
 }
 
 /* For each of the u heads (u <= 4) of z [u, k]: mx = the max of sink and its scores (taken in key order),
- * its scores replaced by exp(z - mx), den = their sum in key order (a masked key adds +0) + exp(sink - mx) */
+ * its scores replaced by exp(z - mx), den = their sum in key order + exp(sink - mx) */
 static inline __attribute__((always_inline)) void softmax_heads(float *restrict z, const float *restrict sink,
                                                                 Py_ssize_t u, Py_ssize_t k, float *restrict den) {
     float mx[4], s[4];
@@ -455,37 +455,143 @@ static inline __attribute__((always_inline)) void softmax_heads(float *restrict 
     for (Py_ssize_t i = 0; i < u; i++) den[i] = s[i] + exp_fixed(sink[i] - mx[i]);
 }
 
-/* One token's attention over its k keys kp[j] (read in place; a key without ok is never read); z [h, k] scores,
- * then weights; den [h]: scratch of the call */
+/* One token's attention over its k keys kp[j] (read in place); z [h, k] scores, then weights; den [h]: scratch
+ * of the call */
 static inline __attribute__((always_inline)) void
-attend_token(const float *restrict qt, const float *const *kp, const uint8_t *restrict okt, const float *restrict sink,
-             Py_ssize_t h, Py_ssize_t k, Py_ssize_t hd, float scale, float *restrict ot, float *restrict z,
-             float *restrict den) {
-    for (Py_ssize_t j = 0; j < k; j++) {
-        if (okt[j])
-            dot_heads(qt, kp[j], h, hd, scale, z + j, k);
-        else /* a masked key's score is -inf: its weight exp(-inf) is 0 */
-            for (Py_ssize_t i = 0; i < h; i++) z[i * k + j] = -INFINITY;
-    }
+attend_token(const float *restrict qt, const float *const *kp, const float *restrict sink, Py_ssize_t h, Py_ssize_t k,
+             Py_ssize_t hd, float scale, float *restrict ot, float *restrict z, float *restrict den) {
+    for (Py_ssize_t j = 0; j < k; j++) dot_heads(qt, kp[j], h, hd, scale, z + j, k);
     Py_ssize_t i = 0;
     for (; i + 4 <= h; i += 4) /* four heads' max and sum chains interleaved, each in key order */
         softmax_heads(z + i * k, sink + i, 4, k, den + i);
     softmax_heads(z + i * k, sink + i, h - i, k, den + i);
     for (i = 0; i < h; i++) {
         float *oi = ot + i * hd;
-        weigh_keys(kp, okt, z + i * k, k, hd, oi);
+        weigh_keys(kp, z + i * k, k, hd, oi);
         for (Py_ssize_t d = 0; d < hd; d++) oi[d] = oi[d] / den[i];
     }
 }
 
-/* returns 1 if a slot read is outside [0, rows) (nothing written), else 0; kp [w + k], okp [w + k], z, den:
- * scratch of the call */
+#if HAVE_X86_AVX2
+/* r[m] = the scores of 16 lane vectors a[m] reduced by dot's tree (lane l + 8 onto lane l, then l + 4 onto l,
+ * then (0 + 2) + (1 + 3)), all 16 at once: each add of the network adds two lanes of the same a[m], so r[m] has
+ * exactly dot's bits for a[m] */
+__attribute__((target("avx512f"), always_inline)) static inline v16 tree16(const v16 *a) {
+    v16 b[8], c[4], d[2];
+    for (int p = 0; p < 8; p++)
+        b[p] = __builtin_shufflevector(a[2 * p], a[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(a[2 * p], a[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                       30, 31);
+    for (int p = 0; p < 4; p++)
+        c[p] = __builtin_shufflevector(b[2 * p], b[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(b[2 * p], b[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                       31);
+    for (int p = 0; p < 2; p++)
+        d[p] = __builtin_shufflevector(c[2 * p], c[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(c[2 * p], c[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                       31);
+    return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* columns c .. c + 16 nv of o [4 heads, hd] = the sums over the keys j, in key order, of e[head * k + j] * kp[j],
+ * then / den[head]: 4 nv addition chains in registers. With sum, first den[head] = (the sum of its weights, in key
+ * order: softmax_heads' chain) + sink[head] (its exp(sink - max)) */
+__attribute__((target("avx512f"), always_inline)) static inline void
+weigh_heads16(const float *const *kp, const float *restrict e, Py_ssize_t k, Py_ssize_t c,
+              const int nv, const float *restrict sink, float *restrict den, const int sum, float *restrict o,
+              Py_ssize_t hd) {
+    v16 acc[4][4] = {{{0}}}, x[4];
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (Py_ssize_t j = 0; j < k; j++) {
+        for (int v = 0; v < nv; v++) memcpy(&x[v], kp[j] + c + v * LANES, sizeof x[v]);
+        for (int h = 0; h < 4; h++) {
+            const float w = e[h * k + j];
+            const v16 wv = {w, w, w, w, w, w, w, w, w, w, w, w, w, w, w, w};
+            for (int v = 0; v < nv; v++) acc[h][v] = acc[h][v] + wv * x[v];
+            if (sum) s[h] = s[h] + w;
+        }
+    }
+    for (int h = 0; h < 4; h++) {
+        if (sum) den[h] = s[h] + sink[h];
+        const v16 dv = {den[h], den[h], den[h], den[h], den[h], den[h], den[h], den[h],
+                        den[h], den[h], den[h], den[h], den[h], den[h], den[h], den[h]};
+        for (int v = 0; v < nv; v++) {
+            const v16 r = acc[h][v] / dv;
+            memcpy(o + h * hd + c + v * LANES, &r, sizeof r);
+        }
+    }
+}
+
+/* softmax_heads' max and exp for four heads of z [4, k] (the max over 16 lanes then across them: a max is exact
+ * and an equal +0 / -0 gives the same exps), without the sum: esink [4] = exp(sink - max) */
+__attribute__((target("avx512f"), always_inline)) static inline void exp_heads16(float *restrict z,
+                                                                                const float *restrict sink,
+                                                                                Py_ssize_t k, float *restrict esink) {
+    for (int h = 0; h < 4; h++) {
+        float *zh = z + h * k;
+        float mx = sink[h];
+        Py_ssize_t j = 0;
+        if (k >= LANES) {
+            v16 m, x;
+            memcpy(&m, zh, sizeof m);
+            for (j = LANES; j + LANES <= k; j += LANES) {
+                memcpy(&x, zh + j, sizeof x);
+                m = (v16)_mm512_max_ps((__m512)x, (__m512)m); /* x > m ? x : m */
+            }
+            for (int l = 0; l < LANES; l++) mx = m[l] > mx ? m[l] : mx;
+        }
+        for (; j < k; j++) mx = zh[j] > mx ? zh[j] : mx;
+        for (j = 0; j < k; j++) zh[j] = exp_fixed(zh[j] - mx);
+        esink[h] = exp_fixed(sink[h] - mx);
+    }
+}
+
+/* attend_token for h a multiple of 4 and hd of 16 in 16-lane vectors, the same bits: the scores of four heads
+ * against four keys at a time, each score dot's lanes and tree; the weighted sums of four heads at once, each
+ * column added in key order */
+__attribute__((target("avx512f"))) static void attend_token16(const float *restrict qt, const float *const *kp,
+                                                              const float *restrict sink, Py_ssize_t h, Py_ssize_t k,
+                                                              Py_ssize_t hd, float scale, float *restrict ot,
+                                                              float *restrict z, float *restrict den) {
+    const v16 sc = {scale, scale, scale, scale, scale, scale, scale, scale,
+                    scale, scale, scale, scale, scale, scale, scale, scale};
+    for (Py_ssize_t i = 0; i < h; i += 4) {
+        const float *q = qt + i * hd;
+        Py_ssize_t j = 0;
+        for (; j + 4 <= k; j += 4) {
+            v16 acc[16] = {{0}}, x, y; /* acc[head * 4 + key] */
+            for (Py_ssize_t d = 0; d < hd; d += LANES)
+                for (int u = 0; u < 4; u++) {
+                    memcpy(&y, kp[j + u] + d, sizeof y);
+                    for (int e = 0; e < 4; e++) {
+                        memcpy(&x, q + e * hd + d, sizeof x);
+                        acc[e * 4 + u] = acc[e * 4 + u] + x * y;
+                    }
+                }
+            const v16 r = tree16(acc) * sc;
+            for (int e = 0; e < 4; e++) memcpy(z + (i + e) * k + j, (const float *)&r + e * 4, 4 * sizeof(float));
+        }
+        for (; j < k; j++) dot_heads(q, kp[j], 4, hd, scale, z + i * k + j, k);
+        float esink[4];
+        exp_heads16(z + i * k, sink + i, k, esink);
+        Py_ssize_t c = 0;
+        for (; c + 4 * LANES <= hd; c += 4 * LANES)
+            weigh_heads16(kp, z + i * k, k, c, 4, esink, den + i, c == 0, ot + i * hd, hd);
+        for (; c < hd; c += LANES) weigh_heads16(kp, z + i * k, k, c, 1, esink, den + i, c == 0, ot + i * hd, hd);
+    }
+}
+#endif
+
+/* returns 1 if a slot read is outside [0, rows) (nothing written), else 0; kp [w + k], z, den: scratch of the
+ * call; wide: attend_token16 where h and hd allow it */
 CLONES static int attend_paged(const float *restrict q, const float *restrict window, const int64_t *restrict wslots,
                                const uint8_t *restrict wok, Py_ssize_t n, Py_ssize_t w, const float *restrict entries,
                                const int64_t *restrict eslots, Py_ssize_t es, const int64_t *restrict topk,
                                Py_ssize_t k, Py_ssize_t rows, Py_ssize_t hd, const float *restrict sink, Py_ssize_t h,
-                               float scale, float *restrict out, const float **kp, uint8_t *restrict okp,
-                               float *restrict z, float *restrict den) {
+                               float scale, float *restrict out, const float **kp, float *restrict z,
+                               float *restrict den, int wide) {
+    wide = wide && h % 4 == 0 && hd % LANES == 0;
     for (Py_ssize_t t = 0; t < n; t++) {
         for (Py_ssize_t j = 0; j < w; j++)
             if (wslots[t * w + j] < 0 || wslots[t * w + j] >= rows) return 1;
@@ -505,16 +611,19 @@ CLONES static int attend_paged(const float *restrict q, const float *restrict wi
                         __builtin_prefetch(entries + eslots[(t + 1) * es + g] * hd + d);
             }
         }
-        for (Py_ssize_t j = 0; j < w; j++) {
-            kp[j] = window + wslots[t * w + j] * hd;
-            okp[j] = wok[t * w + j] != 0;
-        }
+        Py_ssize_t m = 0; /* the keys with ok, in key order: a masked key only adds exp(-inf) = +0 to the sums */
+        for (Py_ssize_t j = 0; j < w; j++)
+            if (wok[t * w + j]) kp[m++] = window + wslots[t * w + j] * hd;
         for (Py_ssize_t i = 0; i < k; i++) {
             const int64_t g = topk[t * k + i];
-            okp[w + i] = g >= 0 && g < es;
-            kp[w + i] = okp[w + i] ? entries + eslots[t * es + g] * hd : NULL;
+            if (g >= 0 && g < es) kp[m++] = entries + eslots[t * es + g] * hd;
         }
-        attend_token(q + t * h * hd, kp, okp, sink, h, w + k, hd, scale, out + t * h * hd, z, den);
+#if HAVE_X86_AVX2
+        if (wide)
+            attend_token16(q + t * h * hd, kp, sink, h, m, hd, scale, out + t * h * hd, z, den);
+        else
+#endif
+            attend_token(q + t * h * hd, kp, sink, h, m, hd, scale, out + t * h * hd, z, den);
     }
     return 0;
 }
@@ -960,15 +1069,19 @@ static PyObject *py_attend_paged(PyObject *Py_UNUSED(self), PyObject *args) {
         (n && (!qa || !wa || !sa || !oa || (w && (!wsa || !woka)) || (k && es && (!ea || !esa)))))
         return misfit("attend_paged", "n, w, es, k >= 0, rows, hd, h >= 1");
     const size_t keys = (size_t)(w + k);
-    char *buf = scratch(keys * (sizeof(float *) + 1) + sizeof(float) * (size_t)(h * (w + k) + h) + 64);
+    char *buf = scratch(keys * sizeof(float *) + sizeof(float) * (size_t)(h * (w + k) + h) + 64);
     if (!buf) return PyErr_NoMemory();
     const float **kp = (const float **)(void *)buf;
     float *z = (float *)(void *)(buf + ((keys * sizeof(float *) + 63) & ~(size_t)63));
-    uint8_t *okp = (uint8_t *)(z + h * (w + k) + h);
+#if HAVE_X86_AVX2
+    const int wide = __builtin_cpu_supports("avx512f");
+#else
+    const int wide = 0;
+#endif
     int bad;
     Py_BEGIN_ALLOW_THREADS
     bad = attend_paged(CF(qa), CF(wa), CI64(wsa), U8(woka), n, w, CF(ea), CI64(esa), es, CI64(ta), k, rows, hd, CF(sa),
-                       h, (float)scale, F(oa), kp, okp, z, z + h * (w + k));
+                       h, (float)scale, F(oa), kp, z, z + h * (w + k), wide);
     Py_END_ALLOW_THREADS
     free(buf);
     if (bad) return misfit("attend_paged", "a slot is outside the pool");

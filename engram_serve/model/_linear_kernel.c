@@ -106,7 +106,7 @@ __attribute__((target("avx2,fma"))) static void tile_x86(int mr, const float *x,
  * tile_avx2's operations in the same order: the same bits. */
 __attribute__((target("avx2,fma"), always_inline)) static inline void
 wide_avx2(const int mr, const int np, const float *restrict x, Py_ssize_t ldx, const float *const *b, Py_ssize_t k,
-          Py_ssize_t kc, float *const *o, Py_ssize_t ldo) {
+          Py_ssize_t kc, float *const *o, Py_ssize_t ldo, Py_ssize_t ldl) {
     for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
         const Py_ssize_t ke = k - k0 < kc ? k : k0 + kc;
         __m256 c[4][2]; /* mr * np <= 4 */
@@ -128,7 +128,7 @@ wide_avx2(const int mr, const int np, const float *restrict x, Py_ssize_t ldx, c
         }
         for (int r = 0; r < mr; r++)
             for (int q = 0; q < np; q++) {
-                float *d = o[q] + r * ldo;
+                float *d = o[q] + r * (q == np - 1 ? ldl : ldo);
                 if (k0) {
                     c[r * np + q][0] = _mm256_add_ps(_mm256_loadu_ps(d), c[r * np + q][0]);
                     c[r * np + q][1] = _mm256_add_ps(_mm256_loadu_ps(d + 8), c[r * np + q][1]);
@@ -143,13 +143,13 @@ wide_avx2(const int mr, const int np, const float *restrict x, Py_ssize_t ldx, c
  * in tile_avx2). */
 __attribute__((target("avx2,fma"))) static void wide2_x86(int mr, int np, const float *x, Py_ssize_t ldx,
                                                          const float *const *b, Py_ssize_t k, Py_ssize_t kc,
-                                                         float *const *o, Py_ssize_t ldo) {
+                                                         float *const *o, Py_ssize_t ldo, Py_ssize_t ldl) {
     if (mr == 2)
-        wide_avx2(2, 2, x, ldx, b, k, kc, o, ldo);
+        wide_avx2(2, 2, x, ldx, b, k, kc, o, ldo, ldl);
     else if (np == 2)
-        wide_avx2(1, 2, x, ldx, b, k, kc, o, ldo);
+        wide_avx2(1, 2, x, ldx, b, k, kc, o, ldo, ldl);
     else
-        wide_avx2(1, 4, x, ldx, b, k, kc, o, ldo);
+        wide_avx2(1, 4, x, ldx, b, k, kc, o, ldo, ldl);
 }
 
 /* np panels at once in AVX-512 (where the CPU has it): o[q] [r][0..16) from the panel at b[q], with one
@@ -158,7 +158,7 @@ __attribute__((target("avx2,fma"))) static void wide2_x86(int mr, int np, const 
  * latency-bound). Each output's chain is the same operations in the same order as tile_avx2's: the same bits. */
 __attribute__((target("avx512f"), always_inline)) static inline void
 wide_avx512(const int mr, const int np, const float *restrict x, Py_ssize_t ldx, const float *const *b, Py_ssize_t k,
-            Py_ssize_t kc, float *const *o, Py_ssize_t ldo) {
+            Py_ssize_t kc, float *const *o, Py_ssize_t ldo, Py_ssize_t ldl) {
     for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
         const Py_ssize_t ke = k - k0 < kc ? k : k0 + kc;
         __m512 c[2 * MR]; /* mr * np <= 12 */
@@ -174,7 +174,7 @@ wide_avx512(const int mr, const int np, const float *restrict x, Py_ssize_t ldx,
         }
         for (int r = 0; r < mr; r++)
             for (int q = 0; q < np; q++) {
-                float *d = o[q] + r * ldo;
+                float *d = o[q] + r * (q == np - 1 ? ldl : ldo);
                 if (k0) c[r * np + q] = _mm512_add_ps(_mm512_loadu_ps(d), c[r * np + q]);
                 _mm512_storeu_ps(d, c[r * np + q]);
             }
@@ -190,17 +190,17 @@ static inline int wide_panels(int level, int mr) {
 
 __attribute__((target("avx512f"))) static void wide_x86(int mr, int np, const float *x, Py_ssize_t ldx,
                                                         const float *const *b, Py_ssize_t k, Py_ssize_t kc,
-                                                        float *const *o, Py_ssize_t ldo) {
+                                                        float *const *o, Py_ssize_t ldo, Py_ssize_t ldl) {
     switch (mr * 16 + np) { /* constant rows and panels: the accumulators stay in registers */
-    case 6 * 16 + 2: wide_avx512(6, 2, x, ldx, b, k, kc, o, ldo); break;
-    case 5 * 16 + 2: wide_avx512(5, 2, x, ldx, b, k, kc, o, ldo); break;
-    case 4 * 16 + 2: wide_avx512(4, 2, x, ldx, b, k, kc, o, ldo); break;
-    case 3 * 16 + 2: wide_avx512(3, 2, x, ldx, b, k, kc, o, ldo); break;
-    case 2 * 16 + 4: wide_avx512(2, 4, x, ldx, b, k, kc, o, ldo); break;
-    case 2 * 16 + 2: wide_avx512(2, 2, x, ldx, b, k, kc, o, ldo); break;
-    case 1 * 16 + 8: wide_avx512(1, 8, x, ldx, b, k, kc, o, ldo); break;
-    case 1 * 16 + 4: wide_avx512(1, 4, x, ldx, b, k, kc, o, ldo); break;
-    default: wide_avx512(1, 2, x, ldx, b, k, kc, o, ldo); break;
+    case 6 * 16 + 2: wide_avx512(6, 2, x, ldx, b, k, kc, o, ldo, ldl); break;
+    case 5 * 16 + 2: wide_avx512(5, 2, x, ldx, b, k, kc, o, ldo, ldl); break;
+    case 4 * 16 + 2: wide_avx512(4, 2, x, ldx, b, k, kc, o, ldo, ldl); break;
+    case 3 * 16 + 2: wide_avx512(3, 2, x, ldx, b, k, kc, o, ldo, ldl); break;
+    case 2 * 16 + 4: wide_avx512(2, 4, x, ldx, b, k, kc, o, ldo, ldl); break;
+    case 2 * 16 + 2: wide_avx512(2, 2, x, ldx, b, k, kc, o, ldo, ldl); break;
+    case 1 * 16 + 8: wide_avx512(1, 8, x, ldx, b, k, kc, o, ldo, ldl); break;
+    case 1 * 16 + 4: wide_avx512(1, 4, x, ldx, b, k, kc, o, ldo, ldl); break;
+    default: wide_avx512(1, 2, x, ldx, b, k, kc, o, ldo, ldl); break;
     }
 }
 #endif
@@ -220,7 +220,7 @@ static void tile_plain(int mr, const float *restrict x, Py_ssize_t ldx, const fl
 
 typedef void (*tile_fn)(int, const float *, Py_ssize_t, const float *, Py_ssize_t, Py_ssize_t, float *, Py_ssize_t);
 typedef void (*wide_fn)(int, int, const float *, Py_ssize_t, const float *const *, Py_ssize_t, Py_ssize_t,
-                        float *const *, Py_ssize_t);
+                        float *const *, Py_ssize_t, Py_ssize_t);
 
 /* The product (see the header) of checked arguments; runs without the GIL. */
 static void linear_packed(const float *xp, Py_ssize_t ldx, const float *bp, float *yp, Py_ssize_t m, Py_ssize_t k,
@@ -245,17 +245,19 @@ static void linear_packed(const float *xp, Py_ssize_t ldx, const float *bp, floa
             for (Py_ssize_t p = p0; p < p1; p++) {
                 const Py_ssize_t j = p * NR, nv = n - j < NR ? n - j : NR;
                 float *out = yp + i * n + j;
-                if (wide && mr <= wide_rows) { /* full panels; for one row also the last, partial one (into part) */
-                    const Py_ssize_t full = (n - j) / NR, usable = mr == 1 || full > p1 - p ? p1 - p : full;
+                if (wide && mr <= wide_rows) { /* full panels, and the last, partial one (into part, rows NR apart) */
+                    const Py_ssize_t full = (n - j) / NR;
                     int np = wide_panels(level, mr);
-                    while (np > 2 && np > usable) np /= 2;
-                    if (np <= usable) {
+                    while (np > 2 && np > p1 - p) np /= 2;
+                    if (np <= p1 - p) {
                         const float *b[8];
                         float *o[8];
                         for (int q = 0; q < np; q++)
                             b[q] = bp + (p + q) * k * NR, o[q] = q < full ? out + q * NR : part;
-                        wide(mr, np, xp + i * ldx, ldx, b, k, kc, o, n);
-                        if (np > full) memcpy(out + full * NR, part, (n - j - full * NR) * sizeof(float));
+                        wide(mr, np, xp + i * ldx, ldx, b, k, kc, o, n, np > full ? NR : n);
+                        if (np > full)
+                            for (int r = 0; r < mr; r++)
+                                memcpy(out + r * n + full * NR, part + r * NR, (n - j - full * NR) * sizeof(float));
                         p += np - 1;
                         continue;
                     }

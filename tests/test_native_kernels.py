@@ -327,6 +327,38 @@ def test_index_scores_and_candidate_blocks_match_the_torch_form(n, nh, ihd, bloc
         assert torch.equal(v41.candidate_blocks(got, count, block, 3), blocks)
 
 
+def dot_bits(a: np.ndarray, b: np.ndarray) -> np.float32:
+    """The kernels' dot in plain float32 steps: 16 lanes (index mod 16, each a product then a sum, in order),
+    then the tree: lane l + 8 onto l, then l + 4, l + 2, l + 1."""
+    lanes = [np.float32(0)] * 16
+    for i in range(len(a)):
+        lanes[i % 16] = np.float32(lanes[i % 16] + np.float32(a[i] * b[i]))
+    for w in (8, 4, 2, 1):
+        lanes = [np.float32(lanes[l] + lanes[l + w]) for l in range(w)]
+    return lanes[0]
+
+
+@settings(max_examples=15, deadline=None)
+@given(nh=st.sampled_from([1, 4, 8]), ihd=st.sampled_from([16, 32, 48]), e=st.integers(1, 14),
+       seed=st.integers(0, 2**31))
+def test_index_scores_have_the_bits_of_the_plain_float32_loop(nh, ihd, e, seed):
+    """Each visible entry's score, bit for bit, against float32 steps written out: the kernel's dot per head, the
+    heads summed in order (0 + w_h * 0.3 * relu(dot)). Where heads come in fours (AVX-512) four entries' dots run
+    at once and reduce together; they must still get each dot's own bits."""
+    g = gen(seed)
+    pool = torch.randn(30, ihd, generator=g) * 2
+    slots, count = torch.randint(0, 30, (2, e), generator=g), torch.randint(0, e + 1, (2,), generator=g)
+    q, w = torch.randn(2, nh, ihd, generator=g), torch.randn(2, nh, generator=g)
+    got = fused.index_scores(q, w, 0.3, pool, slots, count, e, None, 1).numpy()
+    for t in range(2):
+        for x in range(int(count[t])):
+            acc = np.float32(0)
+            for h in range(nh):
+                d = dot_bits(q[t, h].numpy(), pool[slots[t, x]].numpy())
+                acc = np.float32(acc + np.float32(np.float32(w[t, h] * np.float32(0.3)) * max(d, np.float32(0))))
+            assert got[t, x].tobytes() == acc.tobytes(), (t, x)
+
+
 # ---- MoE ---------------------------------------------------------------------------------------------------
 @settings(max_examples=20, deadline=None)
 @given(n=st.integers(1, 7), e=st.integers(1, 9), data=st.data(), norm=st.booleans(), seed=st.integers(0, 2**31))

@@ -603,8 +603,10 @@ CLONES static int attend_paged(const float *restrict q, const float *restrict wi
         }
     }
     for (Py_ssize_t t = 0; t < n; t++) {
-        if (t + 1 < n) { /* the next token's keys on their way to the cache while this token computes */
-            for (Py_ssize_t j = 0; j < w; j++)
+        if (t + 1 < n) { /* the next token's keys on their way to the cache while this token computes; a window
+                          * that slides by one from this token's (a prompt's next token) brings only its newest key */
+            const Py_ssize_t j0 = w > 1 && wslots[(t + 1) * w] == wslots[t * w + 1] ? w - 1 : 0;
+            for (Py_ssize_t j = j0; j < w; j++)
                 for (Py_ssize_t d = 0; d < hd; d += 16) __builtin_prefetch(window + wslots[(t + 1) * w + j] * hd + d);
             for (Py_ssize_t i = 0; i < k; i++) {
                 const int64_t g = topk[(t + 1) * k + i];

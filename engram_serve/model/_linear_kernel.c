@@ -270,11 +270,15 @@ static void linear_packed(const float *xp, Py_ssize_t ldx, const float *bp, floa
     }
 }
 
+/* The PyArg formats of the kernels a CPU graph replays raw (raw_kernels): one slot per argument, in order */
+#define ARGS_LINEAR_PACKED "KnKKnnnni"
+#define ARGS_LINEAR_FP8 "KnKKKnnnn"
+
 static PyObject *py_linear_packed(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long xa, pa, ya;
     Py_ssize_t ldx, m, k, n, kc;
     int simd;
-    if (!PyArg_ParseTuple(args, "KnKKnnnni", &xa, &ldx, &pa, &ya, &m, &k, &n, &kc, &simd)) return NULL;
+    if (!PyArg_ParseTuple(args, ARGS_LINEAR_PACKED, &xa, &ldx, &pa, &ya, &m, &k, &n, &kc, &simd)) return NULL;
     if (m < 0 || k < 1 || n < 0 || kc < 1 || ldx < k || (m && n && (!xa || !pa || !ya))) {
         PyErr_Format(PyExc_ValueError, "linear_packed: m %zd, k %zd, n %zd, kc %zd, ldx %zd do not fit (k and kc at "
                      "least 1, ldx >= k, non-null addresses)", m, k, n, kc, ldx);
@@ -454,7 +458,7 @@ static int fp8_supported(void) {
 static PyObject *py_linear_fp8(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long xa, qa, sa, ya;
     Py_ssize_t ldx, m, k, n, kc;
-    if (!PyArg_ParseTuple(args, "KnKKKnnnn", &xa, &ldx, &qa, &sa, &ya, &m, &k, &n, &kc)) return NULL;
+    if (!PyArg_ParseTuple(args, ARGS_LINEAR_FP8, &xa, &ldx, &qa, &sa, &ya, &m, &k, &n, &kc)) return NULL;
     if (!fp8_supported()) {
         PyErr_SetString(PyExc_RuntimeError, "linear_fp8: this CPU has no AVX-512 (fp8_supported() is False)");
         return NULL;
@@ -493,11 +497,11 @@ static void raw_linear_fp8(const uint64_t *a) {
 #endif
 
 static PyObject *py_raw_kernels(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
-    PyObject *out = Py_BuildValue("{s(sN)}", "linear_packed", "KnKKnnnni",
+    PyObject *out = Py_BuildValue("{s(sN)}", "linear_packed", ARGS_LINEAR_PACKED,
                                   PyLong_FromVoidPtr((void *)(uintptr_t)raw_linear_packed));
 #if HAVE_X86_AVX2
     if (out && fp8_supported()) {
-        PyObject *v = Py_BuildValue("(sN)", "KnKKKnnnn", PyLong_FromVoidPtr((void *)(uintptr_t)raw_linear_fp8));
+        PyObject *v = Py_BuildValue("(sN)", ARGS_LINEAR_FP8, PyLong_FromVoidPtr((void *)(uintptr_t)raw_linear_fp8));
         if (!v || PyDict_SetItemString(out, "linear_fp8", v) < 0) Py_CLEAR(out);
         Py_XDECREF(v);
     }

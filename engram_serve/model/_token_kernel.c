@@ -957,6 +957,16 @@ static Py_ssize_t gather_rows(const float *restrict src, Py_ssize_t rows, Py_ssi
 
 /* ---- the Python functions ------------------------------------------------------------------------------- */
 
+/* The PyArg formats of the kernels a CPU graph replays raw (RAW below): one slot per argument, in order */
+#define ARGS_HC_MIX "KKnnnKKddnKKK"
+#define ARGS_COLLAPSE "KKnnnK"
+#define ARGS_EXPAND "KKKKnnnK"
+#define ARGS_RMS_NORM "KnnKdK"
+#define ARGS_ROPE "KnnnKKnpK"
+#define ARGS_POOL_PAIR "KKnnK"
+#define ARGS_SWIGLU "KnndK"
+#define ARGS_ENGRAM_GATE "KnnnKKKKdK"
+
 static PyObject *misfit(const char *fn, const char *what) {
     PyErr_Format(PyExc_ValueError, "%s: %s", fn, what);
     return NULL;
@@ -968,7 +978,7 @@ static PyObject *py_hc_mix(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long xa, ma, sa, ba, pa, qa, ca;
     Py_ssize_t n, hc, dim, iters;
     double eps, hc_eps;
-    if (!PyArg_ParseTuple(args, "KKnnnKKddnKKK", &xa, &ma, &n, &hc, &dim, &sa, &ba, &eps, &hc_eps, &iters, &pa, &qa, &ca))
+    if (!PyArg_ParseTuple(args, ARGS_HC_MIX, &xa, &ma, &n, &hc, &dim, &sa, &ba, &eps, &hc_eps, &iters, &pa, &qa, &ca))
         return NULL;
     if (n < 0 || hc < 1 || hc > MAX_HC || dim < 1 || (n && (!xa || !ma || !sa || !ba || !pa || !qa || !ca)))
         return misfit("hc_mix", "n >= 0, 1 <= hc <= 16, dim >= 1 and every array");
@@ -981,7 +991,7 @@ static PyObject *py_hc_mix(PyObject *Py_UNUSED(self), PyObject *args) {
 static PyObject *py_collapse(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long xa, ma, oa;
     Py_ssize_t n, hc, dim;
-    if (!PyArg_ParseTuple(args, "KKnnnK", &xa, &ma, &n, &hc, &dim, &oa)) return NULL;
+    if (!PyArg_ParseTuple(args, ARGS_COLLAPSE, &xa, &ma, &n, &hc, &dim, &oa)) return NULL;
     if (n < 0 || hc < 1 || dim < 1 || (n && (!xa || !ma || !oa))) return misfit("collapse", "n >= 0, hc, dim >= 1");
     Py_BEGIN_ALLOW_THREADS
     collapse_rows(CF(xa), CF(ma), n, hc, dim, F(oa));
@@ -992,7 +1002,7 @@ static PyObject *py_collapse(PyObject *Py_UNUSED(self), PyObject *args) {
 static PyObject *py_expand(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long oa, xa, pa, ca, ra;
     Py_ssize_t n, hc, dim;
-    if (!PyArg_ParseTuple(args, "KKKKnnnK", &oa, &xa, &pa, &ca, &n, &hc, &dim, &ra)) return NULL;
+    if (!PyArg_ParseTuple(args, ARGS_EXPAND, &oa, &xa, &pa, &ca, &n, &hc, &dim, &ra)) return NULL;
     if (n < 0 || hc < 1 || dim < 1 || (n && (!oa || !xa || !pa || !ca || !ra))) return misfit("expand", "n >= 0, hc, dim >= 1");
     Py_BEGIN_ALLOW_THREADS
     expand_rows(CF(oa), CF(xa), CF(pa), CF(ca), n, hc, dim, F(ra));
@@ -1004,7 +1014,7 @@ static PyObject *py_rms_norm(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long xa, wa, oa;
     Py_ssize_t rows, dim;
     double eps;
-    if (!PyArg_ParseTuple(args, "KnnKdK", &xa, &rows, &dim, &wa, &eps, &oa)) return NULL;
+    if (!PyArg_ParseTuple(args, ARGS_RMS_NORM, &xa, &rows, &dim, &wa, &eps, &oa)) return NULL;
     if (rows < 0 || dim < 1 || (rows && (!xa || !oa))) return misfit("rms_norm", "rows >= 0, dim >= 1");
     Py_BEGIN_ALLOW_THREADS
     rms_norm_rows(CF(xa), rows, dim, CF(wa), (float)eps, F(oa));
@@ -1016,7 +1026,7 @@ static PyObject *py_rope(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long xa, ca, sa, oa;
     Py_ssize_t n, m, width, half;
     int inverse;
-    if (!PyArg_ParseTuple(args, "KnnnKKnpK", &xa, &n, &m, &width, &ca, &sa, &half, &inverse, &oa)) return NULL;
+    if (!PyArg_ParseTuple(args, ARGS_ROPE, &xa, &n, &m, &width, &ca, &sa, &half, &inverse, &oa)) return NULL;
     if (n < 0 || m < 0 || half < 0 || 2 * half > width || (n && m && (!xa || !ca || !sa || !oa)))
         return misfit("rope", "n, m >= 0, 0 <= 2 half <= width");
     Py_BEGIN_ALLOW_THREADS
@@ -1148,7 +1158,7 @@ static PyObject *py_attend_paged(PyObject *Py_UNUSED(self), PyObject *args) {
 static PyObject *py_pool_pair(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long fa, sa, oa;
     Py_ssize_t n, hd;
-    if (!PyArg_ParseTuple(args, "KKnnK", &fa, &sa, &n, &hd, &oa)) return NULL;
+    if (!PyArg_ParseTuple(args, ARGS_POOL_PAIR, &fa, &sa, &n, &hd, &oa)) return NULL;
     if (n < 0 || hd < 1 || (n && (!fa || !sa || !oa))) return misfit("pool_pair", "n >= 0, hd >= 1");
     Py_BEGIN_ALLOW_THREADS
     pool_pair_rows(CF(fa), CF(sa), n, hd, F(oa));
@@ -1272,7 +1282,7 @@ static PyObject *py_swiglu(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long ga, oa;
     Py_ssize_t n, inter;
     double limit;
-    if (!PyArg_ParseTuple(args, "KnndK", &ga, &n, &inter, &limit, &oa)) return NULL;
+    if (!PyArg_ParseTuple(args, ARGS_SWIGLU, &ga, &n, &inter, &limit, &oa)) return NULL;
     if (n < 0 || inter < 1 || (n && (!ga || !oa))) return misfit("swiglu", "n >= 0, inter >= 1");
     Py_BEGIN_ALLOW_THREADS
     swiglu_rows(CF(ga), n, inter, (float)limit, F(oa));
@@ -1284,7 +1294,7 @@ static PyObject *py_engram_gate(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long ha, kva, qa, ka, da, oa;
     Py_ssize_t n, hc, dim;
     double eps;
-    if (!PyArg_ParseTuple(args, "KnnnKKKKdK", &ha, &n, &hc, &dim, &kva, &qa, &ka, &da, &eps, &oa)) return NULL;
+    if (!PyArg_ParseTuple(args, ARGS_ENGRAM_GATE, &ha, &n, &hc, &dim, &kva, &qa, &ka, &da, &eps, &oa)) return NULL;
     if (n < 0 || hc < 1 || dim < 1 || dim > 1024 || (n && (!ha || !kva || !qa || !ka || !oa))) {
         PyErr_Format(PyExc_ValueError, "engram_gate: n %zd, hc %zd, hidden %zd (<= 1024) do not fit", n, hc, dim);
         return NULL;
@@ -1365,11 +1375,11 @@ static void raw_engram_gate(const uint64_t *a) {
     engram_gate_rows(F(a[0]), SN(1), SN(2), SN(3), CF(a[4]), CF(a[5]), CF(a[6]), U8(a[7]), (float)SD(8), F(a[9]));
 }
 
-/* name, the Python form's PyArg format (one slot per argument), raw entry */
+/* name, the Python form's PyArg format, raw entry */
 static const struct { const char *name, *format; raw_fn fn; } RAW[] = {
-    {"hc_mix", "KKnnnKKddnKKK", raw_hc_mix}, {"collapse", "KKnnnK", raw_collapse}, {"expand", "KKKKnnnK", raw_expand},
-    {"rms_norm", "KnnKdK", raw_rms_norm}, {"rope", "KnnnKKnpK", raw_rope}, {"pool_pair", "KKnnK", raw_pool_pair},
-    {"swiglu", "KnndK", raw_swiglu}, {"engram_gate", "KnnnKKKKdK", raw_engram_gate},
+    {"hc_mix", ARGS_HC_MIX, raw_hc_mix}, {"collapse", ARGS_COLLAPSE, raw_collapse}, {"expand", ARGS_EXPAND, raw_expand},
+    {"rms_norm", ARGS_RMS_NORM, raw_rms_norm}, {"rope", ARGS_ROPE, raw_rope}, {"pool_pair", ARGS_POOL_PAIR, raw_pool_pair},
+    {"swiglu", ARGS_SWIGLU, raw_swiglu}, {"engram_gate", ARGS_ENGRAM_GATE, raw_engram_gate},
 };
 
 static PyObject *py_raw_kernels(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {

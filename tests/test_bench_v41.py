@@ -57,3 +57,14 @@ def test_a_model_without_engram_layers_serves(tmp_path):
     while eng.has_unfinished():
         tokens += [e.token for e in eng.step().events if e.token is not None]
     assert len(tokens) == 5
+
+
+def test_the_clock_is_timed_from_a_chain_of_adds():
+    """The FMA peak's clock: `spin_adds` runs the 8 n adds it returns, and their timing gives a clock a core can
+    have (a chain that the core folded, or a loop the compiler dropped, would read as tens of GHz)."""
+    from engram_serve import kernels
+    lin = kernels.get("linear")
+    if lin is None or lin.spin_adds(1) is None:
+        pytest.skip("no linear kernel on x86-64 here")
+    assert lin.spin_adds(1000) == 8000
+    assert 300 < vs.measured_mhz(rounds=1 << 18, repeats=3) < 6500

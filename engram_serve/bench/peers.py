@@ -21,7 +21,7 @@ same float32 model (the greedy tokens of every call are compared: `same_tokens`)
   model's own batch dimension (all prompts have the same length: no padding).
 Peak memory: `rss_mib` after setup and warm-up (weights, packed panels, caches), `peak_mib` the growth of
 the peak resident set over it during the timed calls. The mid-size rows add the physical limits:
-prefill as a fraction of the float32 FMA peak of the one core in use (clock from /proc/cpuinfo x FMA lanes
+prefill as a fraction of the float32 FMA peak of the one core in use (clock measured in the run x FMA lanes
 x 2 FMA units x 2 FLOP), B = 1 decode as a fraction of the memory-bandwidth bound (weight bytes read per
 token over the copy bandwidth measured in this run), and of the read bound (the same bytes over the rate one
 thread streams loads alone at, a float32 sum of 256 MiB: a copy's 2 x size counts its stores, which a
@@ -438,6 +438,7 @@ def run_mlx(args: argparse.Namespace) -> list[dict]:
                 rows.append(row)
     bandwidth.append(vs.copy_bandwidth())
     rows.append({"suite": "mlx", "shape": "machine", "cpu": facts["cpu"], "mhz": facts["mhz"],
+                 "mhz_reported": facts["mhz_reported"],
                  "fma_lanes": facts["fma_lanes"], "fma_units": facts["fma_units"],
                  "copy_gb_s": max(bandwidth) / 1e9, "copy_gb_s_min": min(bandwidth) / 1e9})
     return rows

@@ -31,6 +31,8 @@
  *       (column-major: y^T = wt^T x^T, no transposes, alpha 1, beta 0): torch's bits without torch's dispatch,
  *       for the weights no fixed-order kernel reproduces (exactness.py `blas_linear` probes that it does).
  *   simd_level() -> 0, 1 or 2: the level that simd 2 (what layers.py passes) runs at on this CPU.
+ *   spin_adds(n) -> int or None: n rounds of 8 dependent integer adds (a cycle each on x86-64 cores: ~8 n
+ *       cycles; the benchmarks time it for the core's clock), None on other CPUs.
  *   moe_experts(xs, rows, counts, e, d, inter, panels13, kc13, panels2, kc2, limit, h, g, ys, simd) -> None
  *       DeepSeek-V4.1's routed experts in one call (model/deepseek_v41.py MoE): xs [rows, d] the (token, expert)
  *       pairs grouped by expert, counts [e] int64 the rows of each expert in order; for each expert x with
@@ -509,6 +511,22 @@ static PyObject *py_raw_kernels(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(a
     return out;
 }
 
+static PyObject *py_spin_adds(PyObject *Py_UNUSED(self), PyObject *arg) {
+    const long long n = PyLong_AsLongLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    unsigned long long x = 0, one = 1; /* register adds: a core may fold adds of an immediate at rename */
+    Py_BEGIN_ALLOW_THREADS
+    for (long long i = 0; i < n; i++)
+        __asm__ volatile("add %1, %0\n\tadd %1, %0\n\tadd %1, %0\n\tadd %1, %0\n\t"
+                         "add %1, %0\n\tadd %1, %0\n\tadd %1, %0\n\tadd %1, %0" : "+r"(x) : "r"(one));
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLongLong(x);
+#else
+    Py_RETURN_NONE;
+#endif
+}
+
 static PyObject *py_simd_level(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
     int level = 0;
 #if HAVE_X86_AVX2
@@ -519,6 +537,7 @@ static PyObject *py_simd_level(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(ar
 }
 
 static PyMethodDef methods[] = {
+    {"spin_adds", py_spin_adds, METH_O, "spin_adds(n) -> 8 n, after 8 n dependent integer adds (None off x86-64)."},
     {"simd_level", py_simd_level, METH_NOARGS,
      "simd_level() -> the SIMD level of this CPU's tiles: 0 portable, 1 AVX2, 2 AVX-512 (what simd 2 runs at)."},
     {"linear_packed", py_linear_packed, METH_VARARGS,

@@ -498,10 +498,10 @@ __attribute__((target("avx512f"), always_inline)) static inline v16 tree16(const
 
 /* columns c .. c + 16 nv of o [4 heads, hd] = the sums over the keys j, in key order, of e[head * k + j] * kp[j],
  * then / den[head]: 4 nv addition chains in registers. With sum, first den[head] = (the sum of its weights, in key
- * order: softmax_heads' chain) + sink[head] (its exp(sink - max)) */
+ * order: softmax_heads' chain) + esink[head] (its exp(sink - max)) */
 __attribute__((target("avx512f"), always_inline)) static inline void
 weigh_heads16(const float *const *kp, const float *restrict e, Py_ssize_t k, Py_ssize_t c,
-              const int nv, const float *restrict sink, float *restrict den, const int sum, float *restrict o,
+              const int nv, const float *restrict esink, float *restrict den, const int sum, float *restrict o,
               Py_ssize_t hd) {
     v16 acc[4][4] = {{{0}}}, x[4];
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -515,7 +515,7 @@ weigh_heads16(const float *const *kp, const float *restrict e, Py_ssize_t k, Py_
         }
     }
     for (int h = 0; h < 4; h++) {
-        if (sum) den[h] = s[h] + sink[h];
+        if (sum) den[h] = s[h] + esink[h];
         const v16 dv = {den[h], den[h], den[h], den[h], den[h], den[h], den[h], den[h],
                         den[h], den[h], den[h], den[h], den[h], den[h], den[h], den[h]};
         for (int v = 0; v < nv; v++) {
@@ -688,13 +688,14 @@ static void topk_rows(const float *restrict x, Py_ssize_t rows, Py_ssize_t v, Py
 /* ---- indexer --------------------------------------------------------------------------------------------- */
 
 #if HAVE_X86_AVX2
-/* index_scores_rows' scores of one token's m live entries (keys kp[j], written to ot[gi[j]]) for nh a multiple of 4
- * and ihd of 16, the same bits: four heads' dots against four entries at a time, their 16 lane sums reduced
- * together by dot's tree (tree16), then each entry's sum over the heads in order */
-__attribute__((target("avx512f"))) static void index_token16(const float *restrict qt, const float *restrict wt,
-                                                             const float *const *kp, const Py_ssize_t *restrict gi,
-                                                             Py_ssize_t m, Py_ssize_t nh, Py_ssize_t ihd,
-                                                             float *restrict ot) {
+/* index_scores_rows' scores of one token's live entries (keys kp[j], written to ot[gi[j]]) four at a time, for nh a
+ * multiple of 4 and ihd of 16, the same bits: four heads' dots against four entries at once, their 16 lane sums
+ * reduced together by dot's tree (tree16), then each entry's sum over the heads in order. Returns the entries
+ * scored: m rounded down to a multiple of 4 */
+__attribute__((target("avx512f"))) static Py_ssize_t index_token16(const float *restrict qt, const float *restrict wt,
+                                                                   const float *const *kp,
+                                                                   const Py_ssize_t *restrict gi, Py_ssize_t m,
+                                                                   Py_ssize_t nh, Py_ssize_t ihd, float *restrict ot) {
     Py_ssize_t j = 0;
     for (; j + 4 <= m; j += 4) {
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -717,14 +718,7 @@ __attribute__((target("avx512f"))) static void index_token16(const float *restri
         }
         for (int u = 0; u < 4; u++) ot[gi[j + u]] = acc[u];
     }
-    for (; j < m; j++) {
-        float acc = 0.0f;
-        for (Py_ssize_t i = 0; i < nh; i++) {
-            const float d = dot(qt + i * ihd, kp[j], ihd);
-            acc = acc + wt[i] * (d < 0.0f ? 0.0f : d);
-        }
-        ot[gi[j]] = acc;
-    }
+    return j;
 }
 #endif
 
@@ -758,13 +752,11 @@ CLONES static void index_scores_rows(const float *restrict q, const float *restr
             }
             kp[m] = pool + st[g] * ihd, gi[m++] = g;
         }
+        Py_ssize_t j = 0;
 #if HAVE_X86_AVX2
-        if (wide) {
-            index_token16(qt, wt, kp, gi, m, nh, ihd, ot);
-            continue;
-        }
+        if (wide) j = index_token16(qt, wt, kp, gi, m, nh, ihd, ot);
 #endif
-        for (Py_ssize_t j = 0; j < m; j++) {
+        for (; j < m; j++) {
             float acc = 0.0f;
             for (Py_ssize_t i = 0; i < nh; i++) {
                 const float d = dot(qt + i * ihd, kp[j], ihd);

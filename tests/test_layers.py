@@ -236,7 +236,7 @@ def plain_rows(x: np.ndarray, wt: np.ndarray, kc: int) -> np.ndarray:
 
 @pytest.mark.skipif(not kernels.loaded("linear"), reason="the matmul kernel is not loaded (`engram-serve env`)")
 @settings(max_examples=25, deadline=None)
-@given(st.integers(1, 14), st.integers(1, 70), st.integers(1, 80), st.sampled_from([0, 1, 2]), st.data())
+@given(st.integers(1, 18), st.integers(1, 70), st.integers(1, 80), st.sampled_from([0, 1, 2]), st.data())
 def test_matmul_kernel_equals_a_plain_exact_loop_whatever_its_row_count(m, k, n, simd, data):
     """The linear kernel's `linear_packed` (portable tile, AVX2, or AVX-512 panel pairs where the CPU has them)
     against its definition computed in exact arithmetic, with strided rows, partial tiles, odd and partial
@@ -254,11 +254,11 @@ def test_matmul_kernel_equals_a_plain_exact_loop_whatever_its_row_count(m, k, n,
 
 
 @pytest.mark.skipif(not kernels.loaded("linear"), reason="the matmul kernel is not loaded (`engram-serve env`)")
-@pytest.mark.parametrize("m", [1, 2, 3, 7])
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 16])
 def test_wide_matmul_tiles_give_the_exact_bits(m):
-    """The wide tiles (AVX-512 where the CPU has it: 8 panels a row, 4 for two rows; AVX2: 4 panels a row, 2 for
-    two rows) and the group remainders after them: every level of the kernel against the exact definition,
-    at 9 and 13 panels."""
+    """The wide tiles (AVX-512 where the CPU has it: 8 panels a row, 4 for two rows, one panel for all of a call of
+    7 to 16 rows; AVX2: 4 panels a row, 2 for two rows) and the group remainders after them: every level of the
+    kernel against the exact definition, at 9 and 13 panels."""
     g = torch.Generator().manual_seed(m)
     for n in (130, 200):
         x, wt = torch.randn(m, 37, generator=g), torch.randn(37, n, generator=g)
@@ -267,6 +267,20 @@ def test_wide_matmul_tiles_give_the_exact_bits(m):
             got = exactness.matmul_kernel(x, exactness.pack_panels(wt), n, 16, simd)
             assert np.array_equal(got.numpy().view(np.uint32), want), (n, simd)
 
+
+@pytest.mark.skipif(not kernels.loaded("linear"), reason="the matmul kernel is not loaded (`engram-serve env`)")
+@pytest.mark.parametrize("m", [1, 6, 11, 16, 23])
+def test_a_weight_streamed_from_memory_gets_the_same_bits(m):
+    """A weight of 1 MiB or more (a routed expert's at the mid size), which AVX-512 tiles prefetch ahead and a call of
+    7 to 16 rows reads in one pass: every level of the kernel gives the bits of AVX2's tiles (which
+    `test_wide_matmul_tiles_give_the_exact_bits` holds to the exact definition), row by row as in the call."""
+    g = torch.Generator().manual_seed(m)
+    x, wt = torch.randn(m, 1100, generator=g), torch.randn(1100, 250, generator=g)  # 1.05 MiB of weights
+    panels = exactness.pack_panels(wt)
+    want = exactness.matmul_kernel(x, panels, 250, 384, 1)
+    for simd in (0, 2):
+        assert torch.equal(exactness.matmul_kernel(x, panels, 250, 384, simd), want), simd
+    assert torch.equal(exactness.matmul_kernel(x[m // 2:m // 2 + 1], panels, 250, 384, 2), want[m // 2:m // 2 + 1])
 
 @pytest.mark.parametrize("out_f,in_f", [(384, 128), (128, 512), (4096, 128), (7, 100)])
 def test_calls_through_the_matmul_kernel_get_torchs_bits(out_f, in_f):

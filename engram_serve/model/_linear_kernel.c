@@ -10,8 +10,10 @@
  * Blocked for the cache: the weight comes packed in panels of 16 columns ([panels][k][16], zero
  * beyond n, layers.py `pack_panels`, once per weight); tiles of 6 rows x 16 columns keep their 12
  * accumulators in AVX2 registers (a tile of 1 row takes 4 panels, of 2 rows 2, for 8 independent chains),
- * or with AVX-512 tiles of 6 rows x two panels (1 row x 8, 2 x 4) their 16-lane ones (a portable tile with
- * fmaf elsewhere; the same bits); a pass over the rows reuses a group of panels that stays in L2.
+ * or with AVX-512 tiles of 6 rows x two panels (1 row x 8, 2 x 4; a call of 7 to 16 rows, a routed expert's,
+ * one tile of all of them x one panel, so each weight is read once) their 16-lane ones (a portable tile with
+ * fmaf elsewhere; the same bits); a pass over the rows reuses a group of panels that stays in L2. A weight of
+ * 1 MiB or more streams from memory: AVX-512 tiles prefetch its panels 64 inputs (4 KiB) ahead.
  *
  * Plain CPython C API. The arrays come as addresses (torch's `data_ptr()`), not through the buffer
  * protocol: numpy conversions around each call cost more than the arithmetic of a one-row call
@@ -55,7 +57,10 @@
 /* ---- the blocked form: panels of 16 columns, tiles of up to 6 rows ---------------------------------- */
 
 #define NR 16 /* columns of a panel: the packed weight is [panels][k][NR], zero beyond n */
+#define PF_AHEAD 64 /* inputs ahead that AVX-512 tiles prefetch a weight too big for L2 (4 KiB of a panel) */
+#define PF_BYTES (1 << 20) /* weights of at least this many bytes stream from memory: prefetched */
 #define MR 6  /* rows of a tile: 6 x 16 accumulators fill 12 of AVX2's 16 vector registers */
+#define FEW_ROWS 16 /* the most rows of AVX-512's one-panel tile (16 accumulators of its 32 registers) */
 #define PANEL_BYTES (192 * 1024) /* the panels one pass over the rows reuses: they stay in L2 */
 
 #if HAVE_X86_AVX2
@@ -105,10 +110,10 @@ __attribute__((target("avx2,fma"))) static void tile_x86(int mr, const float *x,
  * b[q] ([k][16]), two 8-lane accumulators per row and panel, so that such a tile has 4 or 8 independent chains
  * (tile_avx2 of one row: 2, each latency-bound, which left a matrix-vector product at about half the memory
  * bandwidth). The panels need not be adjacent (the SwiGLU's gate and up panels). Each output's chain is
- * tile_avx2's operations in the same order: the same bits. */
+ * tile_avx2's operations in the same order: the same bits. (pf, the AVX-512 tiles' prefetch, is not used here.) */
 __attribute__((target("avx2,fma"), always_inline)) static inline void
 wide_avx2(const int mr, const int np, const float *restrict x, Py_ssize_t ldx, const float *const *b, Py_ssize_t k,
-          Py_ssize_t kc, float *const *o, Py_ssize_t ldo, Py_ssize_t ldl) {
+          Py_ssize_t kc, float *const *o, Py_ssize_t ldo, Py_ssize_t ldl, int pf) {
     for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
         const Py_ssize_t ke = k - k0 < kc ? k : k0 + kc;
         __m256 c[4][2]; /* mr * np <= 4 */
@@ -145,13 +150,13 @@ wide_avx2(const int mr, const int np, const float *restrict x, Py_ssize_t ldx, c
  * in tile_avx2). */
 __attribute__((target("avx2,fma"))) static void wide2_x86(int mr, int np, const float *x, Py_ssize_t ldx,
                                                          const float *const *b, Py_ssize_t k, Py_ssize_t kc,
-                                                         float *const *o, Py_ssize_t ldo, Py_ssize_t ldl) {
+                                                         float *const *o, Py_ssize_t ldo, Py_ssize_t ldl, int pf) {
     if (mr == 2)
-        wide_avx2(2, 2, x, ldx, b, k, kc, o, ldo, ldl);
+        wide_avx2(2, 2, x, ldx, b, k, kc, o, ldo, ldl, pf);
     else if (np == 2)
-        wide_avx2(1, 2, x, ldx, b, k, kc, o, ldo, ldl);
+        wide_avx2(1, 2, x, ldx, b, k, kc, o, ldo, ldl, pf);
     else
-        wide_avx2(1, 4, x, ldx, b, k, kc, o, ldo, ldl);
+        wide_avx2(1, 4, x, ldx, b, k, kc, o, ldo, ldl, pf);
 }
 
 /* np panels at once in AVX-512 (where the CPU has it): o[q] [r][0..16) from the panel at b[q], with one
@@ -160,15 +165,17 @@ __attribute__((target("avx2,fma"))) static void wide2_x86(int mr, int np, const 
  * latency-bound). Each output's chain is the same operations in the same order as tile_avx2's: the same bits. */
 __attribute__((target("avx512f"), always_inline)) static inline void
 wide_avx512(const int mr, const int np, const float *restrict x, Py_ssize_t ldx, const float *const *b, Py_ssize_t k,
-            Py_ssize_t kc, float *const *o, Py_ssize_t ldo, Py_ssize_t ldl) {
+            Py_ssize_t kc, float *const *o, Py_ssize_t ldo, Py_ssize_t ldl, const int pf) {
     for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
         const Py_ssize_t ke = k - k0 < kc ? k : k0 + kc;
-        __m512 c[2 * MR]; /* mr * np <= 12 */
+        __m512 c[FEW_ROWS]; /* mr * np <= 16 */
         for (int i = 0; i < mr * np; i++) c[i] = _mm512_setzero_ps();
 #pragma GCC unroll 2
         for (Py_ssize_t t = k0; t < ke; t++) {
             __m512 w[8];
             for (int q = 0; q < np; q++) w[q] = _mm512_loadu_ps(b[q] + t * NR);
+            if (pf) /* (a loop-invariant test) */
+                for (int q = 0; q < np; q++) _mm_prefetch((const char *)(b[q] + (t + PF_AHEAD) * NR), _MM_HINT_T0);
             for (int r = 0; r < mr; r++) {
                 const __m512 a = _mm512_set1_ps(x[r * ldx + t]);
                 for (int q = 0; q < np; q++) c[r * np + q] = _mm512_fmadd_ps(a, w[q], c[r * np + q]);
@@ -192,17 +199,20 @@ static inline int wide_panels(int level, int mr) {
 
 __attribute__((target("avx512f"))) static void wide_x86(int mr, int np, const float *x, Py_ssize_t ldx,
                                                         const float *const *b, Py_ssize_t k, Py_ssize_t kc,
-                                                        float *const *o, Py_ssize_t ldo, Py_ssize_t ldl) {
+                                                        float *const *o, Py_ssize_t ldo, Py_ssize_t ldl, int pf) {
+#define FEW(r) case r * 16 + 1: wide_avx512(r, 1, x, ldx, b, k, kc, o, ldo, ldl, pf); break;
     switch (mr * 16 + np) { /* constant rows and panels: the accumulators stay in registers */
-    case 6 * 16 + 2: wide_avx512(6, 2, x, ldx, b, k, kc, o, ldo, ldl); break;
-    case 5 * 16 + 2: wide_avx512(5, 2, x, ldx, b, k, kc, o, ldo, ldl); break;
-    case 4 * 16 + 2: wide_avx512(4, 2, x, ldx, b, k, kc, o, ldo, ldl); break;
-    case 3 * 16 + 2: wide_avx512(3, 2, x, ldx, b, k, kc, o, ldo, ldl); break;
-    case 2 * 16 + 4: wide_avx512(2, 4, x, ldx, b, k, kc, o, ldo, ldl); break;
-    case 2 * 16 + 2: wide_avx512(2, 2, x, ldx, b, k, kc, o, ldo, ldl); break;
-    case 1 * 16 + 8: wide_avx512(1, 8, x, ldx, b, k, kc, o, ldo, ldl); break;
-    case 1 * 16 + 4: wide_avx512(1, 4, x, ldx, b, k, kc, o, ldo, ldl); break;
-    default: wide_avx512(1, 2, x, ldx, b, k, kc, o, ldo, ldl); break;
+    FEW(16) FEW(15) FEW(14) FEW(13) FEW(12) FEW(11) FEW(10) FEW(9) FEW(8) FEW(7)
+#undef FEW
+    case 6 * 16 + 2: wide_avx512(6, 2, x, ldx, b, k, kc, o, ldo, ldl, pf); break;
+    case 5 * 16 + 2: wide_avx512(5, 2, x, ldx, b, k, kc, o, ldo, ldl, pf); break;
+    case 4 * 16 + 2: wide_avx512(4, 2, x, ldx, b, k, kc, o, ldo, ldl, pf); break;
+    case 3 * 16 + 2: wide_avx512(3, 2, x, ldx, b, k, kc, o, ldo, ldl, pf); break;
+    case 2 * 16 + 4: wide_avx512(2, 4, x, ldx, b, k, kc, o, ldo, ldl, pf); break;
+    case 2 * 16 + 2: wide_avx512(2, 2, x, ldx, b, k, kc, o, ldo, ldl, pf); break;
+    case 1 * 16 + 8: wide_avx512(1, 8, x, ldx, b, k, kc, o, ldo, ldl, pf); break;
+    case 1 * 16 + 4: wide_avx512(1, 4, x, ldx, b, k, kc, o, ldo, ldl, pf); break;
+    default: wide_avx512(1, 2, x, ldx, b, k, kc, o, ldo, ldl, pf); break;
     }
 }
 #endif
@@ -222,7 +232,7 @@ static void tile_plain(int mr, const float *restrict x, Py_ssize_t ldx, const fl
 
 typedef void (*tile_fn)(int, const float *, Py_ssize_t, const float *, Py_ssize_t, Py_ssize_t, float *, Py_ssize_t);
 typedef void (*wide_fn)(int, int, const float *, Py_ssize_t, const float *const *, Py_ssize_t, Py_ssize_t,
-                        float *const *, Py_ssize_t, Py_ssize_t);
+                        float *const *, Py_ssize_t, Py_ssize_t, int);
 
 /* The product (see the header) of checked arguments; runs without the GIL. */
 static void linear_packed(const float *xp, Py_ssize_t ldx, const float *bp, float *yp, Py_ssize_t m, Py_ssize_t k,
@@ -239,14 +249,25 @@ static void linear_packed(const float *xp, Py_ssize_t ldx, const float *bp, floa
 #endif
     const Py_ssize_t panels = (n + NR - 1) / NR;
     const Py_ssize_t group = PANEL_BYTES / (k * NR * 4) > 1 ? PANEL_BYTES / (k * NR * 4) : 1;
-    float part[MR * NR]; /* a partial panel's tile */
+    /* A call of 7 to 16 rows (a routed expert's) with AVX-512: one tile of all its rows and one panel, so each
+     * weight is read once (from memory, for an expert's cold weights) for every row, not once per 6-row tile */
+    const int few = level == 2 && m > MR && m <= FEW_ROWS, pf = level == 2 && (size_t)k * (size_t)n * 4 >= PF_BYTES;
+    float part[FEW_ROWS * NR]; /* a partial panel's tile */
     for (Py_ssize_t p0 = 0; p0 < panels; p0 += group) {
         const Py_ssize_t p1 = p0 + group < panels ? p0 + group : panels;
-        for (Py_ssize_t i = 0; i < m; i += MR) {
-            const int mr = m - i < MR ? (int)(m - i) : MR;
+        for (Py_ssize_t i = 0; i < m; i += few ? m : MR) {
+            const int mr = few ? (int)m : m - i < MR ? (int)(m - i) : MR;
             for (Py_ssize_t p = p0; p < p1; p++) {
                 const Py_ssize_t j = p * NR, nv = n - j < NR ? n - j : NR;
                 float *out = yp + i * n + j;
+                if (few) {
+                    const float *b[1] = {bp + p * k * NR};
+                    float *o[1] = {nv == NR ? out : part};
+                    wide(mr, 1, xp + i * ldx, ldx, b, k, kc, o, n, nv == NR ? n : NR, pf);
+                    if (nv < NR)
+                        for (int r = 0; r < mr; r++) memcpy(out + r * n, part + r * NR, nv * sizeof(float));
+                    continue;
+                }
                 if (wide && mr <= wide_rows) { /* full panels, and the last, partial one (into part, rows NR apart) */
                     const Py_ssize_t full = (n - j) / NR;
                     int np = wide_panels(level, mr);
@@ -256,7 +277,7 @@ static void linear_packed(const float *xp, Py_ssize_t ldx, const float *bp, floa
                         float *o[8];
                         for (int q = 0; q < np; q++)
                             b[q] = bp + (p + q) * k * NR, o[q] = q < full ? out + q * NR : part;
-                        wide(mr, np, xp + i * ldx, ldx, b, k, kc, o, n, np > full ? NR : n);
+                        wide(mr, np, xp + i * ldx, ldx, b, k, kc, o, n, np > full ? NR : n, pf);
                         if (np > full)
                             for (int r = 0; r < mr; r++)
                                 memcpy(out + r * n + full * NR, part + r * NR, (n - j - full * NR) * sizeof(float));

@@ -54,7 +54,7 @@
 
 #include "_kernel_math.h"
 
-/* ---- the blocked form: panels of 16 columns, tiles of up to 6 rows ---------------------------------- */
+/* ---- the blocked form: panels of 16 columns, tiles of up to 6 rows (16 for a few rows) ---------------- */
 
 #define NR 16 /* columns of a panel: the packed weight is [panels][k][NR], zero beyond n */
 #define PF_AHEAD 64 /* inputs ahead that AVX-512 tiles prefetch a weight too big for L2 (4 KiB of a panel) */
@@ -174,7 +174,7 @@ wide_avx512(const int mr, const int np, const float *restrict x, Py_ssize_t ldx,
         for (Py_ssize_t t = k0; t < ke; t++) {
             __m512 w[8];
             for (int q = 0; q < np; q++) w[q] = _mm512_loadu_ps(b[q] + t * NR);
-            if (pf) /* (a loop-invariant test) */
+            if (pf) /* (a loop-invariant test; a prefetch past the panel's end does not fault) */
                 for (int q = 0; q < np; q++) _mm_prefetch((const char *)(b[q] + (t + PF_AHEAD) * NR), _MM_HINT_T0);
             for (int r = 0; r < mr; r++) {
                 const __m512 a = _mm512_set1_ps(x[r * ldx + t]);

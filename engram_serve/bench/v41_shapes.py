@@ -123,7 +123,7 @@ def measured_mhz(rounds: int = 1 << 21, repeats: int = 5) -> float | None:
     """The core's clock now, in MHz: the fastest of `repeats` timings of `rounds` x 8 dependent integer adds
     (one cycle each; the linear kernel's `spin_adds`), None without that kernel or off x86-64. A virtual
     machine's /proc/cpuinfo may give the nominal clock while the core runs faster (the Xeon here: 2,100 MHz
-    reported, ~2,700 measured)."""
+    reported, 2,700-3,600 measured, lower with both cores busy)."""
     from .. import kernels
     lin = kernels.get("linear")
     if lin is None or lin.spin_adds(1) is None:

@@ -496,6 +496,22 @@ __attribute__((target("avx512f"), always_inline)) static inline v16 tree16(const
            __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+/* r[e * 4 + u] = dot(q_e, key_u) for four heads q_e = q + e * d and four keys kp[0..3] of d floats (a multiple
+ * of 16), each dot's lanes and tree (tree16): attention's scores and the indexer's dots */
+__attribute__((target("avx512f"), always_inline)) static inline v16 dots4x4(const float *restrict q,
+                                                                            const float *const *kp, Py_ssize_t d) {
+    v16 acc[16] = {{0}}, x, y; /* acc[head * 4 + key] */
+    for (Py_ssize_t c = 0; c < d; c += LANES)
+        for (int u = 0; u < 4; u++) {
+            memcpy(&y, kp[u] + c, sizeof y);
+            for (int e = 0; e < 4; e++) {
+                memcpy(&x, q + e * d + c, sizeof x);
+                acc[e * 4 + u] = acc[e * 4 + u] + x * y;
+            }
+        }
+    return tree16(acc);
+}
+
 /* columns c .. c + 16 nv of o [4 heads, hd] = the sums over the keys j, in key order, of e[head * k + j] * kp[j],
  * then / den[head]: 4 nv addition chains in registers. With sum, first den[head] = (the sum of its weights, in key
  * order: softmax_heads' chain) + esink[head] (its exp(sink - max)) */
@@ -562,16 +578,7 @@ __attribute__((target("avx512f"))) static void attend_token16(const float *restr
         const float *q = qt + i * hd;
         Py_ssize_t j = 0;
         for (; j + 4 <= k; j += 4) {
-            v16 acc[16] = {{0}}, x, y; /* acc[head * 4 + key] */
-            for (Py_ssize_t d = 0; d < hd; d += LANES)
-                for (int u = 0; u < 4; u++) {
-                    memcpy(&y, kp[j + u] + d, sizeof y);
-                    for (int e = 0; e < 4; e++) {
-                        memcpy(&x, q + e * hd + d, sizeof x);
-                        acc[e * 4 + u] = acc[e * 4 + u] + x * y;
-                    }
-                }
-            const v16 r = tree16(acc) * sc;
+            const v16 r = dots4x4(q, kp + j, hd) * sc;
             for (int e = 0; e < 4; e++) memcpy(z + (i + e) * k + j, (const float *)&r + e * 4, 4 * sizeof(float));
         }
         for (; j < k; j++) dot_heads(q, kp[j], 4, hd, scale, z + i * k + j, k);
@@ -700,16 +707,7 @@ __attribute__((target("avx512f"))) static Py_ssize_t index_token16(const float *
     for (; j + 4 <= m; j += 4) {
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (Py_ssize_t i = 0; i < nh; i += 4) {
-            v16 a[16] = {{0}}, x, y; /* a[head * 4 + entry] */
-            for (Py_ssize_t d = 0; d < ihd; d += LANES)
-                for (int u = 0; u < 4; u++) {
-                    memcpy(&y, kp[j + u] + d, sizeof y);
-                    for (int e = 0; e < 4; e++) {
-                        memcpy(&x, qt + (i + e) * ihd + d, sizeof x);
-                        a[e * 4 + u] = a[e * 4 + u] + x * y;
-                    }
-                }
-            const v16 r = tree16(a);
+            const v16 r = dots4x4(qt + i * ihd, kp + j, ihd);
             for (int u = 0; u < 4; u++)
                 for (int e = 0; e < 4; e++) {
                     const float dd = r[e * 4 + u];
@@ -959,6 +957,15 @@ static Py_ssize_t gather_rows(const float *restrict src, Py_ssize_t rows, Py_ssi
 #define ARGS_SWIGLU "KnndK"
 #define ARGS_ENGRAM_GATE "KnnnKKKKdK"
 
+/* whether the 16-lane tiles (attend_token16, index_token16) run on this CPU */
+static int has_avx512(void) {
+#if HAVE_X86_AVX2
+    return __builtin_cpu_supports("avx512f");
+#else
+    return 0;
+#endif
+}
+
 static PyObject *misfit(const char *fn, const char *what) {
     PyErr_Format(PyExc_ValueError, "%s: %s", fn, what);
     return NULL;
@@ -1132,11 +1139,7 @@ static PyObject *py_attend_paged(PyObject *Py_UNUSED(self), PyObject *args) {
     if (!buf) return PyErr_NoMemory();
     const float **kp = (const float **)(void *)buf;
     float *z = (float *)(void *)(buf + ((keys * sizeof(float *) + 63) & ~(size_t)63));
-#if HAVE_X86_AVX2
-    const int wide = __builtin_cpu_supports("avx512f");
-#else
-    const int wide = 0;
-#endif
+    const int wide = has_avx512();
     int bad;
     Py_BEGIN_ALLOW_THREADS
     bad = attend_paged(CF(qa), CF(wa), CI64(wsa), U8(woka), n, w, CF(ea), CI64(esa), es, CI64(ta), k, rows, hd, CF(sa),
@@ -1189,11 +1192,7 @@ static PyObject *py_index_scores(PyObject *Py_UNUSED(self), PyObject *args) {
     float *wt = (float *)(void *)(keep + keep_bytes);
     const float **kp = (const float **)(void *)(keep + keep_bytes + wt_bytes);
     Py_ssize_t *gi = (Py_ssize_t *)(void *)(kp + e);
-#if HAVE_X86_AVX2
-    const int wide = __builtin_cpu_supports("avx512f");
-#else
-    const int wide = 0;
-#endif
+    const int wide = has_avx512();
     Py_BEGIN_ALLOW_THREADS
     index_scores_rows(CF(qa), CF(wa), (float)wscale, CF(pa), CI64(sa), CI64(ca), n, es, e, nh, ihd, CI64(cda), nc, block,
                       F(oa), keep, wt, kp, gi, wide);

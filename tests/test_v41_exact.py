@@ -8,6 +8,7 @@ Negative controls, each red through the real forward: a compressor that drops th
 request's own blocks (ignoring the block table)."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -37,6 +38,17 @@ def run_schedule(m: DeepseekV41, seqs: list[torch.Tensor], steps: list[list[tupl
                  seed: int = 0) -> list[torch.Tensor]:
     """Run `steps` (each a list of (request, tokens) in batch order) over one paged cache whose blocks are
     handed out in a shuffled order; returns each request's logits, concatenated."""
+    logits, outs = run_steps(m, seqs, steps, block, seed)[0], [[] for _ in seqs]
+    for step, got in zip(steps, logits):
+        for (r, k), part in zip(step, got.split([k for _, k in step])):
+            outs[r].append(part)
+    return [torch.cat(o) for o in outs]
+
+
+def run_steps(m: DeepseekV41, seqs: list[torch.Tensor], steps: list[list[tuple[int, int]]], block: int = BLOCK,
+              seed: int = 0, keeps: list[list[int] | None] | None = None) -> tuple[list[torch.Tensor], PagedState]:
+    """`run_schedule`'s steps, each step's forward asked for the logits of its tokens `keeps[i]` alone (None:
+    all); returns every step's logits and the cache."""
     cache = PagedState(m.config, 256, block)
     free = list(range(256))
     random.Random(seed).shuffle(free)
@@ -45,19 +57,18 @@ def run_schedule(m: DeepseekV41, seqs: list[torch.Tensor], steps: list[list[tupl
     for r, s in enumerate(seqs):
         nb = -(-len(s) // block)
         tables[r, :nb] = torch.tensor([free.pop() for _ in range(nb)])
-    done, outs = [0] * len(seqs), [[] for _ in seqs]
-    for step in steps:
+    done, out = [0] * len(seqs), []
+    for i, step in enumerate(steps):
         tb = torch.stack([tables[r] for r, _ in step])
         pos = torch.cat([torch.arange(done[r], done[r] + k) for r, k in step])
         rows = torch.cat([torch.full((k,), j) for j, (_, k) in enumerate(step)])
         ids = torch.cat([seqs[r][done[r]:done[r] + k] for r, k in step])
         st_ = m.make_step(cache, pos, rows, tb, block, tb[rows, pos // block] * block + pos % block)
-        logits = m.compute_logits(run_stages(m.forward_stages(ids, None, st_, None)))
-        off = 0
+        keep = None if keeps is None or keeps[i] is None else torch.tensor(keeps[i], dtype=torch.long)
+        out.append(m.compute_logits(run_stages(m.forward_stages(ids, None, st_, None, keep))))
         for r, k in step:
-            outs[r].append(logits[off:off + k])
-            off, done[r] = off + k, done[r] + k
-    return [torch.cat(o) for o in outs]
+            done[r] += k
+    return out, cache
 
 
 def random_schedule(lens: list[int], rng: random.Random) -> list[list[tuple[int, int]]]:
@@ -139,3 +150,62 @@ def test_negative_control_window_past_own_blocks(model, monkeypatch):
     read_windows_by_position(monkeypatch)
     got = run_schedule(model, seqs, [[(0, 12), (1, 12)]])
     assert not all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+# The last layer's outputs of tokens no one reads are not computed (`keep`): their keys still are.
+LAST_LAYER = {  # the last layer (7) of each model: window only, top-k reused, its own indexer, a compressor
+    "window": dict(compress_ratios=[0, 2, 2, 2, 1, 1, 1, 0, 0]),
+    "reused top-k": {},
+    "indexer": dict(index_source_layer_ids=[1, 3, 4, 6, 7]),
+    "compressor": dict(kv_source_layer_ids=[1, 3, 4, 7], index_source_layer_ids=[1, 3, 4, 6, 7]),
+    "pair compressor": dict(compress_ratios=[0, 2, 2, 2, 1, 1, 1, 2, 0], kv_source_layer_ids=[1, 3, 4, 7],
+                            index_source_layer_ids=[1, 3, 4, 6, 7], candidate_source_layer_id=-1),
+}
+
+
+@pytest.fixture(scope="module")
+def last_layer_models() -> dict[str, DeepseekV41]:
+    return {name: make_model(**over) for name, over in LAST_LAYER.items()}
+
+
+def pools(cache: PagedState) -> list[torch.Tensor]:
+    return [*cache.window, *cache.entries.values(), *cache.index_keys.values(), *cache.open.values()]
+
+
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(role=st.sampled_from(sorted(LAST_LAYER)), lens=st.lists(st.integers(1, 24), min_size=1, max_size=3),
+       seed=st.integers(0, 2**16))
+def test_a_forward_of_some_tokens_gives_their_bits_and_stores_every_key(last_layer_models, role, lens, seed):
+    """Each step asks for a random subset of its tokens (none, some, all): their logits are those of the whole
+    forward bit for bit, and the cache after every step is the same bit for bit (later steps read it)."""
+    m, rng = last_layer_models[role], random.Random(seed)
+    seqs = [torch.randint(0, 4096, (n,), generator=torch.Generator().manual_seed(seed + i)) for i, n in enumerate(lens)]
+    steps = random_schedule(lens, rng)
+    sizes = [sum(k for _, k in step) for step in steps]
+    keeps = [sorted(rng.sample(range(n), rng.randint(0, n))) for n in sizes]
+    whole, cache = run_steps(m, seqs, steps, seed=seed)
+    some, cache_some = run_steps(m, seqs, steps, seed=seed, keeps=keeps)
+    for i, keep in enumerate(keeps):
+        assert torch.equal(some[i], whole[i][keep]), (role, i, keep)
+    assert all(torch.equal(a, b) for a, b in zip(pools(cache), pools(cache_some))), role
+
+
+def test_negative_control_last_layer_pruned_before_its_keys(last_layer_models, monkeypatch):
+    """The hidden states pruned to the read tokens before the last layer: the other tokens' last-layer keys are
+    never stored, so the read token's own attention (its window) and the next step, which reads them, change."""
+    m = last_layer_models["reused top-k"]
+    seq = torch.randint(0, 4096, (12,), generator=torch.Generator().manual_seed(3))
+    steps, keeps = [[(0, 8)], [(0, 4)]], [[7], None]
+    want = run_steps(m, [seq], steps)[0]
+    assert all(torch.equal(a, b) for a, b in zip(run_steps(m, [seq], steps, keeps=keeps)[0], [want[0][[7]], want[1]]))
+    real = v41.Attention.forward
+
+    def pruned_first(self, x, step, rope_cs, entry_cs, keep=None):
+        if keep is None:
+            return real(self, x, step, rope_cs, entry_cs)
+        pick = (lambda cs: None if cs is None else tuple(c[keep] for c in cs))
+        return real(self, x[keep], dataclasses.replace(step, plan=step.plan.rows(keep)), pick(rope_cs), pick(entry_cs))
+
+    monkeypatch.setattr(v41.Attention, "forward", pruned_first)
+    got = run_steps(m, [seq], steps, keeps=keeps)[0]
+    assert not torch.equal(got[0], want[0][[7]]) and not torch.equal(got[1], want[1])

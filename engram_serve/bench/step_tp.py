@@ -187,7 +187,8 @@ def _replicated_pieces(model, workload: tuple[int, int, int]):
                 a._compress(x, step, entry_cs[r])
             t2 = time.perf_counter()
             if a.indexer is not None:
-                a._select(x, qr, step, cs)
+                t = x.shape[0]
+                a._select(x, qr, step, step.plan, cs, step.topk[:t], step.candidates[:t])
             spent["latent"] += t1 - t0
             spent["compressor"] += t2 - t1
             spent["indexer"] += time.perf_counter() - t2

@@ -395,28 +395,38 @@ class Attention(nn.Module):
         self.indexer = Indexer(cfg, role.owns_compressor) if role.runs_indexer else None
 
     def forward(self, x: torch.Tensor, step: V41Step, rope_cs: tuple[torch.Tensor, torch.Tensor],
-                entry_cs: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                entry_cs: tuple[torch.Tensor, torch.Tensor] | None, keep: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, D] -> [T, D]. rope_cs: this layer kind's cos, sin at the tokens' positions; entry_cs: at the
-        first position of the entry each token completes (compressed layers)."""
-        cfg, role, plan, t = self.cfg, self.role, step.plan, x.shape[0]
+        first position of the entry each token completes (compressed layers). With `keep` [K] (token
+        indices) every token's keys and entries are stored, but only the tokens `keep` attend: -> [K, D]."""
+        cfg, role, plan = self.cfg, self.role, step.plan
         h, hd = self.heads, cfg.head_dim
-        qr = self.q_norm(linear(x, self.wq_a.weight))  # [T, ql]
-        q = rope(linear(qr, self.wq_b.weight).view(t, h, hd), *rope_cs)  # [T, H, hd]
         kv = rope(self.kv_norm(linear(x, self.wkv.weight)), *rope_cs)  # [T, hd]
         window = step.cache.window[role.layer]
         store(step.cache, window, plan.slots, kv)  # this microbatch's keys first: a token attends to itself
-        topk = entries = eslots = None
+        if role.ratio and self.compressor is not None:
+            self._compress(x, step, entry_cs)
+        topk, cands = step.topk[:x.shape[0]], step.candidates[:x.shape[0]]
         if role.ratio:
-            if self.compressor is not None:
-                self._compress(x, step, entry_cs)
-            if self.indexer is not None:
-                self._select(x, qr, step, rope_cs)
-            topk = step.topk[:t]
             step.touch("topk", topk)
+            if self.indexer is not None and (role.uses_candidates or role.publishes_candidates):
+                step.touch("candidates", cands)
+        if keep is not None:  # the other tokens' top-k and candidates are read by no later layer
+            x, rope_cs, plan = x[keep], tuple(c[keep] for c in rope_cs), plan.rows(keep)
+            topk, cands = topk[keep], cands[keep]
+        t = x.shape[0]
+        qr = self.q_norm(linear(x, self.wq_a.weight))  # [T, ql]
+        q = rope(linear(qr, self.wq_b.weight).view(t, h, hd), *rope_cs)  # [T, H, hd]
+        entries = eslots = None
+        if role.ratio:
+            if self.indexer is not None:
+                self._select(x, qr, step, plan, rope_cs, topk, cands)
             entries, eslots = step.cache.entries[role.kv_source], plan.entry_slots[role.ratio]
+        else:
+            topk = None
         o = attend_paged(q, window, plan.window, plan.window_ok, entries, eslots, topk, step.cache.zero_slot,
                          sink=self.attn_sink, scale=hd ** -0.5)  # [T, H, hd]
-        o = rope(o, *rope_cs, inverse=True).reshape(t, self.groups, -1)
+        o = rope(o, *rope_cs, inverse=True).reshape(t, self.groups, h * hd // self.groups)
         ol = cfg.o_lora_rank
         u = fused.cat_cols([linear(o[:, g], self.wo_a.weight[g * ol:(g + 1) * ol]) for g in range(self.groups)])
         return linear(u, self.wo_b.weight)
@@ -429,23 +439,20 @@ class Attention(nn.Module):
         ik = rope(self.indexer.k_norm(linear(latent, self.indexer.wk.weight)), *entry_cs)
         store(step.cache, step.cache.index_keys[layer], plan.slots, ik, plan.positions, r)
 
-    def _select(self, x: torch.Tensor, qr: torch.Tensor, step: V41Step, rope_cs) -> None:
-        """Score the key source's entries and write this microbatch's top-k (and candidate blocks)."""
-        cfg, role, plan, t = self.cfg, self.role, step.plan, x.shape[0]
+    def _select(self, x: torch.Tensor, qr: torch.Tensor, step: V41Step, plan: SlotPlan, rope_cs, topk: torch.Tensor,
+                cands: torch.Tensor) -> None:
+        """Score the key source's entries for the tokens of `plan` and write their top-k into `topk` [T, index_topk]
+        (and their candidate blocks into `cands`, or read them there)."""
+        cfg, role = self.cfg, self.role
         eslots, count = plan.entry_slots[role.ratio], plan.entry_count[role.ratio]  # [T, E], [T]
         unit = math.lcm(KEY_CHUNK, cfg.candidate_block_size)  # whole indexer items and whole candidate blocks
         width = max(1, -(-eslots.shape[1] // unit)) * unit
-        cands = step.candidates[:t]
-        if role.uses_candidates:
-            step.touch("candidates", cands)
         s = self.indexer.scores(x, qr, *rope_cs, step.cache.index_keys[role.kv_source], eslots, count, width,
                                 step.cache.zero_slot, cands if role.uses_candidates else None,
                                 cfg.candidate_block_size)  # [T, width]
         if role.publishes_candidates:
             candidate_blocks(s, count, cfg.candidate_block_size, cfg.candidate_topk_blocks, out=cands)
-            step.touch("candidates", cands)
-        topk_first(s, cfg.index_topk, out=step.topk[:t])
-        step.touch("topk", step.topk[:t])
+        topk_first(s, cfg.index_topk, out=topk)
 
 
 # ---- MoE -------------------------------------------------------------------------------------------
@@ -595,9 +602,10 @@ class DeepseekV41(nn.Module):
 
     def stages(self, ctx) -> Generator[str, None, torch.Tensor]:
         """The serving forward of one microbatch (a ForwardContext: its StepBatch slice, the cache, its own
-        buffers, its staged Engram rows) -> hidden [T, D]; yields at overlap points."""
+        buffers, its staged Engram rows) -> hidden [T, D], or of the tokens `ctx.keep` alone; yields at overlap
+        points."""
         step = self.prepare(ctx)
-        return (yield from self.forward_stages(ctx.batch.input_ids, ctx.batch.dead, step, ctx.engram_rows))
+        return (yield from self.forward_stages(ctx.batch.input_ids, ctx.batch.dead, step, ctx.engram_rows, ctx.keep))
 
     def prepare(self, ctx, rows_tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> V41Step:
         """The V41Step of one microbatch: its slot plan over its rows' block tables, its own buffers, its rotary
@@ -622,15 +630,20 @@ class DeepseekV41(nn.Module):
         return out
 
     def forward_stages(self, ids: torch.Tensor, dead: torch.Tensor | None, step: V41Step,
-                       engram_rows: Callable[[int], torch.Tensor] | None) -> Generator[str, None, torch.Tensor]:
+                       engram_rows: Callable[[int], torch.Tensor] | None, keep: torch.Tensor | None = None
+                       ) -> Generator[str, None, torch.Tensor]:
         """The forward of one microbatch: ids [T] -> final hidden [T, D]; yields at overlap points.
-        `engram_rows(i)` gives Engram layer i's staged rows [T, C, hd] (None: Engram ablated)."""
+        `engram_rows(i)` gives Engram layer i's staged rows [T, C, hd] (None: Engram ablated). With `keep` [K]
+        (increasing token indices) -> the final hidden of those tokens alone [K, D]: the last layer stores every
+        token's keys and entries, and computes the rest for those tokens only, which no other token reads."""
+        if keep is not None and not len(keep):  # one token still runs every stage (microbatches keep in step)
+            return (yield from self.forward_stages(ids, dead, step, engram_rows, keep.new_zeros(1)))[:0]
         cfg, cs = self.config, step.rotary
         x = fused.gather_rows(self.embed.weight, ids, cfg.hc_mult)  # [T, hc, D]: the embedding on every stream
         early = engram_sums(self.layers, engram_rows, step.ctx)  # tensor parallel only
         pre = self._first_mix(ids.shape[0], ids.device)
         for blk in self.layers:
-            role = blk.role
+            role, last = blk.role, keep if blk is self.layers[-1] else None
             if early is not None and blk.engram is not None:  # its sum was launched at the start
                 x = blk.engram.apply(x.contiguous(), early(blk.engram_index), dead)
             elif blk.engram is not None:
@@ -639,10 +652,12 @@ class DeepseekV41(nn.Module):
                     rows = engram_rows(blk.engram_index)
                     step.touch("staging", rows)
                     x = blk.engram(x.contiguous(), rows, dead)
-            pre_a, post_a, comb_a = hyper_mix(x, blk.hc_attn_fn, blk.hc_attn_base, blk.hc_attn_scale, cfg)
             h = blk.attn_norm(collapse(x, pre))
+            if last is not None:
+                x = x[last]
+            pre_a, post_a, comb_a = hyper_mix(x, blk.hc_attn_fn, blk.hc_attn_base, blk.hc_attn_scale, cfg)
             rope_cs = cs["comp"] if role.ratio else cs["plain"]
-            a = blk.attn(h, step, rope_cs, cs.get(role.ratio, cs["comp"]) if role.ratio else None)
+            a = blk.attn(h, step, rope_cs, cs.get(role.ratio, cs["comp"]) if role.ratio else None, last)
             a = yield from collective_point(a, blk.attn.wo_b, STAGE_ATTN, step.ctx)
             x = expand(a, x, post_a, comb_a)
             pre_f, post_f, comb_f = hyper_mix(x, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale, cfg)

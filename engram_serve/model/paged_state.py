@@ -113,3 +113,11 @@ class SlotPlan:
             eslots[r] = torch.where(g[None, :] < count[r][:, None], slot_of(epos), zero_slot)  # [T, E_r]
         prev = slot_of((positions - 1)[:, None])[:, 0]
         return cls(positions, slots, win, wpos >= 0, count, eslots, prev)
+
+    def rows(self, keep: torch.Tensor) -> "SlotPlan":
+        """The plan of the tokens `keep` [K] alone (index into this plan's tokens)."""
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t.index_select(0, keep)
+        return SlotPlan(pick(self.positions), pick(self.slots), pick(self.window), pick(self.window_ok),
+                        {r: pick(c) for r, c in self.entry_count.items()},
+                        {r: pick(s) for r, s in self.entry_slots.items()}, pick(self.prev_slots))

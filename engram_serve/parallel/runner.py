@@ -86,7 +86,7 @@ class ParallelModelRunner(ModelRunner):
                     dead = self.on_failure(check_only=True)
                     if dead:
                         raise ParallelError(dead)
-                self.group.broadcast_object(("step", pack_batch(batch), list(bounds), record))
+                self.group.broadcast_object(("step", pack_batch(batch), list(bounds), record, score_rows))
             return super().execute(batch, bounds, record, score_rows)
         except ParallelError as e:
             why = self.on_failure(wait_s=3.0) if self.on_failure is not None else None

@@ -214,15 +214,18 @@ class ModelRunner:
             else:  # a short gather (a thread handoff would cost more than it hides), or a measuring step
                 futures.append(Future())
                 futures[-1].set_result(self._stage_rows(u.hash_ids, staging, real[k], ready, measure))
-            ctxs.append(ForwardContext(u, self.kv, bufs, self._rows_fn(futures[-1], staging), self.tracker))
+            keep = None if score_rows else u.logits_indices  # the tokens whose hidden the step reads
+            ctxs.append(ForwardContext(u, self.kv, bufs, self._rows_fn(futures[-1], staging), self.tracker,
+                                       keep=None if keep is None or len(keep) == u.num_tokens else keep))
         try:
             with batch_invariant(self.cfg.exact):
-                hidden = self.forward(batch, ctxs, futures)
-                merged = hidden[0][:real[0]] if len(hidden) == 1 else torch.cat([h[:n] for h, n in zip(hidden, real)])
-                idx = batch.logits_indices  # increasing token indices: all T of them is every token, in order
-                logits = self.model.compute_logits(merged if len(idx) == len(merged) else merged[idx])  # once a step
+                hidden = self.forward(batch, ctxs, futures)  # the sampled tokens' alone, unless score_rows
                 scored = None
-                if score_rows:
+                if not score_rows:
+                    logits = self.model.compute_logits(hidden[0] if len(hidden) == 1 else torch.cat(hidden))
+                else:
+                    merged = torch.cat([h[:n] for h, n in zip(hidden, real)])
+                    logits = self.model.compute_logits(merged[batch.logits_indices])
                     q = batch.qsl_host
                     tok = np.concatenate([np.arange(q[r], q[r + 1]) for r in score_rows])
                     scored = self.model.compute_logits(merged[torch.from_numpy(tok).to(merged.device)])
@@ -274,12 +277,14 @@ class ModelRunner:
         return out
 
     def forward(self, batch: StepBatch, ctxs: list[ForwardContext], futures: list[Future]) -> list[torch.Tensor]:
-        """Hidden states [T_k, hidden] of every microbatch: graph replays, or the interleaved stages."""
+        """Hidden states of every microbatch, [T_k, hidden] or of its tokens `keep`: graph replays (of every
+        token, then picked), or the interleaved stages."""
         graphs = None if self.launches_collectives else self.cpu_graphs  # CUDA: eager (no CUDA graphs of V4.1)
         if graphs is not None and graphs.takes(batch, len(ctxs)):
             for f in futures:
                 self._staged(f)  # staged rows are in place before a replay reads them
-            return [graphs.forward(c) for c in ctxs]  # replays in microbatch order
+            hidden = [graphs.forward(c) for c in ctxs]  # replays in microbatch order
+            return [h if c.keep is None else h[c.keep] for h, c in zip(hidden, ctxs)]
         return run_interleaved([self.model.stages(c) for c in ctxs])
 
     def _stage_rows(self, hash_ids: torch.Tensor, staging: torch.Tensor, real: int, ready=None,

@@ -145,6 +145,8 @@ def test_rms_norm_and_rope_match_their_definition_and_a_token_alone(n, m, width,
         want[..., d0 + 2 * j], want[..., d0 + 2 * j + 1] = a * c_ - b * s_, a * s_ + b * c_
     np.testing.assert_allclose(r.double(), want, rtol=1e-5, atol=1e-6)
     assert torch.equal(fused.rope(r, cos, sin, not inverse)[..., :d0], x[..., :d0])
+    mine = x.clone()
+    assert fused.rope(mine, cos, sin, inverse, in_place=True).data_ptr() == mine.data_ptr() and torch.equal(mine, r)
     assert alone_bits(lambda a: fused.rms_norm(a, 1e-6, w), x) == []
     assert alone_bits(lambda a, c, si: fused.rope(a, c, si, inverse), x, cos, sin) == []
 

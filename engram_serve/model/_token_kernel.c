@@ -296,16 +296,17 @@ CLONES static void rms_norm_rows(const float *restrict x, Py_ssize_t rows, Py_ss
     }
 }
 
-CLONES static void rope_rows(const float *restrict x, Py_ssize_t n, Py_ssize_t m, Py_ssize_t width,
-                             const float *restrict cs, const float *restrict sn, Py_ssize_t half, int inverse,
-                             float *restrict out) {
+/* out may be x itself (each pair is read before it is written) */
+CLONES static void rope_rows(const float *x, Py_ssize_t n, Py_ssize_t m, Py_ssize_t width, const float *restrict cs,
+                             const float *restrict sn, Py_ssize_t half, int inverse, float *out) {
     const Py_ssize_t d0 = width - 2 * half;
     for (Py_ssize_t t = 0; t < n; t++) {
         const float *c = cs + t * half, *s = sn + t * half;
         for (Py_ssize_t v = 0; v < m; v++) {
             const float *xv = x + (t * m + v) * width;
             float *ov = out + (t * m + v) * width;
-            memcpy(ov, xv, (size_t)d0 * sizeof(float));
+            if (ov != xv)
+                memcpy(ov, xv, (size_t)d0 * sizeof(float));
             const float *xr = xv + d0;
             float *orr = ov + d0;
             if (inverse)
@@ -1437,7 +1438,7 @@ static PyMethodDef methods[] = {
     {"collapse", py_collapse, METH_VARARGS, "collapse(x, mix, n, hc, dim, out): out = sum_i mix_i x_i."},
     {"expand", py_expand, METH_VARARGS, "expand(o, x, post, comb, n, hc, dim, out): stream b = post_b o + sum_a comb[a][b] x_a."},
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, rows, dim, w, eps, out): out = x * rsqrt(mean(x^2) + eps) [* w]."},
-    {"rope", py_rope, METH_VARARGS, "rope(x, n, m, width, cos, sin, half, inverse, out): interleaved RoPE of the last 2 half dims."},
+    {"rope", py_rope, METH_VARARGS, "rope(x, n, m, width, cos, sin, half, inverse, out): interleaved RoPE of the last 2 half dims (out may be x)."},
     {"concat_cols", py_concat_cols, METH_VARARGS, "concat_cols(out, n, width, a_0, w_0, ...): column blocks side by side."},
     {"plan_window", py_plan_window, METH_VARARGS,
      "plan_window(positions, rows, tables, n, tr, tb, bs, zero, window, win, win_ok, prev): window and partner slots."},

@@ -130,10 +130,12 @@ class RopeTable:
         return fused.gather_rows(cos, positions)[:, 0], fused.gather_rows(sin, positions)[:, 0]
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Interleaved RoPE on the last rd = 2 * cos.shape[-1] dims of x [N, ..., width]; cos, sin [N, rd / 2]."""
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False, in_place: bool = False
+         ) -> torch.Tensor:
+    """Interleaved RoPE on the last rd = 2 * cos.shape[-1] dims of x [N, ..., width]; cos, sin [N, rd / 2].
+    `in_place`: x is the caller's to overwrite (the C form writes into it)."""
     if fused.runs_in_c(x, cos, sin):
-        return fused.rope(x, cos, sin, inverse)
+        return fused.rope(x, cos, sin, inverse, in_place)
     rd = 2 * cos.shape[-1]
     while cos.dim() < x.dim():
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
@@ -338,7 +340,7 @@ class Indexer(nn.Module):
         none), outside the candidate blocks of `block` entries. width is a multiple of KEY_CHUNK (each batched-
         matmul item of the torch form is one chunk)."""
         t = x.shape[0]
-        q = rope(linear(qr, self.wq_b.weight).view(t, self.heads, self.dim), cos, sin)  # [T, nh, ihd]
+        q = rope(linear(qr, self.wq_b.weight).view(t, self.heads, self.dim), cos, sin, in_place=True)  # [T, nh, ihd]
         w = linear(x, self.weights_proj.weight)  # [T, nh]
         wscale = self.dim ** -0.5 * self.heads ** -0.5
         if fused.runs_in_c(q, w, pool):
@@ -401,7 +403,7 @@ class Attention(nn.Module):
         indices) every token's keys and entries are stored, but only the tokens `keep` attend: -> [K, D]."""
         cfg, role, plan = self.cfg, self.role, step.plan
         h, hd = self.heads, cfg.head_dim
-        kv = rope(self.kv_norm(linear(x, self.wkv.weight)), *rope_cs)  # [T, hd]
+        kv = rope(self.kv_norm(linear(x, self.wkv.weight)), *rope_cs, in_place=True)  # [T, hd]
         window = step.cache.window[role.layer]
         store(step.cache, window, plan.slots, kv)  # this microbatch's keys first: a token attends to itself
         if role.ratio and self.compressor is not None:
@@ -416,7 +418,7 @@ class Attention(nn.Module):
             topk, cands = topk[keep], cands[keep]
         t = x.shape[0]
         qr = self.q_norm(linear(x, self.wq_a.weight))  # [T, ql]
-        q = rope(linear(qr, self.wq_b.weight).view(t, h, hd), *rope_cs)  # [T, H, hd]
+        q = rope(linear(qr, self.wq_b.weight).view(t, h, hd), *rope_cs, in_place=True)  # [T, H, hd]
         entries = eslots = None
         if role.ratio:
             if self.indexer is not None:
@@ -426,7 +428,7 @@ class Attention(nn.Module):
             topk = None
         o = attend_paged(q, window, plan.window, plan.window_ok, entries, eslots, topk, step.cache.zero_slot,
                          sink=self.attn_sink, scale=hd ** -0.5)  # [T, H, hd]
-        o = rope(o, *rope_cs, inverse=True).reshape(t, self.groups, h * hd // self.groups)
+        o = rope(o, *rope_cs, inverse=True, in_place=True).reshape(t, self.groups, h * hd // self.groups)
         ol = cfg.o_lora_rank
         u = fused.cat_cols([linear(o[:, g], self.wo_a.weight[g * ol:(g + 1) * ol]) for g in range(self.groups)])
         return linear(u, self.wo_b.weight)
@@ -436,7 +438,7 @@ class Attention(nn.Module):
         layer, r, plan = self.role.layer, self.role.ratio, step.plan
         latent = self.compressor.latent(x, step, layer)  # [T, hd]
         store(step.cache, step.cache.entries[layer], plan.slots, rope(latent, *entry_cs), plan.positions, r)
-        ik = rope(self.indexer.k_norm(linear(latent, self.indexer.wk.weight)), *entry_cs)
+        ik = rope(self.indexer.k_norm(linear(latent, self.indexer.wk.weight)), *entry_cs, in_place=True)
         store(step.cache, step.cache.index_keys[layer], plan.slots, ik, plan.positions, r)
 
     def _select(self, x: torch.Tensor, qr: torch.Tensor, step: V41Step, plan: SlotPlan, rope_cs, topk: torch.Tensor,

@@ -175,11 +175,12 @@ def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None) -> torch.
     return out
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """Interleaved RoPE of the last 2 * cos.shape[-1] dims of x [N, ..., width]; cos, sin [N, rd / 2]."""
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool, in_place: bool = False) -> torch.Tensor:
+    """Interleaved RoPE of the last 2 * cos.shape[-1] dims of x [N, ..., width]; cos, sin [N, rd / 2]. `in_place`:
+    into x (a contiguous x; else into its copy)."""
     x, cos, sin = _c(x), _c(cos), _c(sin)
     n, width = x.shape[0], x.shape[-1]
-    out = torch.empty(x.shape)
+    out = x if in_place else torch.empty(x.shape)
     capture.call(_kernel().rope, x.data_ptr(), n, x.numel() // max(n * width, 1), width, cos.data_ptr(), sin.data_ptr(),
                  cos.shape[-1], inverse, out.data_ptr())
     return out

@@ -81,6 +81,11 @@ def _drop_lag(monkeypatch):
     monkeypatch.setattr(v41, "hyper_mix", recording_mix)
     monkeypatch.setattr(v41, "collapse", lambda x, m: collapse(x, latest.get("pre", m)))  # this sublayer's own mix
 
+    def hc_next_in_calls(o, x, post, comb, m, fn, base, scale, norm, cfg):  # through the two above
+        xs = v41.expand(o, x, post, comb)
+        return xs, v41.hyper_mix(xs, fn, base, scale, cfg), norm(v41.collapse(xs, m))
+    monkeypatch.setattr(v41, "hc_next", hc_next_in_calls)
+
 
 def _drop(name, wrap):
     def control(monkeypatch, model):
@@ -93,7 +98,7 @@ CONTROLS = {
     "mhc lag": lambda mp, model: _drop_lag(mp),
     "attention sink": _drop("attend_paged", lambda f: lambda *a, sink, scale: f(*a, sink=sink - float("inf"), scale=scale)),
     "swiglu clamp": _drop("swiglu", lambda f: lambda gu, inter, limit: f(gu, inter, 0.0)),
-    "inverse rope": _drop("rope", lambda f: lambda x, c, s, inverse=False: x if inverse else f(x, c, s)),
+    "inverse rope": _drop("rope", lambda f: lambda x, c, s, inverse=False, in_place=False: x if inverse else f(x, c, s)),
     "pooling softmax": _drop("pool_pair", lambda f: lambda a, b: (a[:, : a.shape[1] // 2] + b[:, : b.shape[1] // 2]) / 2),
     "candidate restriction": lambda mp, model: [mp.setattr(b.attn, "role", dataclasses.replace(b.attn.role, uses_candidates=False))
                                                 for b in model.layers],

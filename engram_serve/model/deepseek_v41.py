@@ -172,6 +172,20 @@ def hyper_mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
     return pre, post, c
 
 
+def hc_next(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, mix: torch.Tensor,
+            fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm: RMSNorm, cfg: ModelConfig):
+    """Between two sublayers: the streams x' = expand(o, x, post, comb), the next sublayer's mix of them
+    (`hyper_mix` with fn, base, scale) and its input norm(collapse(x', mix)): (x', (pre, post, comb), input).
+    One C call over tiles of tokens where the linear kernel takes fn (the same bits as the calls below)."""
+    if fused.runs_in_c(o, x, post, comb, mix, fn, norm.weight) and exactness.rules_on():
+        _, kc, panels, *_ = exactness.plan(fn)
+        if kc is not None and kernels.get("linear") is not None:
+            return fused.hc_next(o, x, post, comb, mix, panels, kc, scale, base, cfg.rms_norm_eps, cfg.hc_eps,
+                                 cfg.hc_sinkhorn_iters, norm.weight, norm.eps)
+    x = expand(o, x, post, comb)
+    return x, hyper_mix(x, fn, base, scale, cfg), norm(collapse(x, mix))
+
+
 def collapse(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
     """sum_i mix[:, i] * x[:, i] for x [N, hc, D], mix [N, hc]: [N, D] (streams added in order)."""
     if fused.runs_in_c(x, mix):
@@ -644,7 +658,8 @@ class DeepseekV41(nn.Module):
         x = fused.gather_rows(self.embed.weight, ids, cfg.hc_mult)  # [T, hc, D]: the embedding on every stream
         early = engram_sums(self.layers, engram_rows, step.ctx)  # tensor parallel only
         pre = self._first_mix(ids.shape[0], ids.device)
-        for blk in self.layers:
+        ahead = None  # this layer's attention mix and input, made with the last layer's expand (`hc_next`)
+        for i, blk in enumerate(self.layers):
             role, last = blk.role, keep if blk is self.layers[-1] else None
             if early is not None and blk.engram is not None:  # its sum was launched at the start
                 x = blk.engram.apply(x.contiguous(), early(blk.engram_index), dead)
@@ -654,17 +669,25 @@ class DeepseekV41(nn.Module):
                     rows = engram_rows(blk.engram_index)
                     step.touch("staging", rows)
                     x = blk.engram(x.contiguous(), rows, dead)
-            h = blk.attn_norm(collapse(x, pre))
-            if last is not None:
-                x = x[last]
-            pre_a, post_a, comb_a = hyper_mix(x, blk.hc_attn_fn, blk.hc_attn_base, blk.hc_attn_scale, cfg)
+            if ahead is not None:
+                (pre_a, post_a, comb_a), h = ahead
+            else:
+                h = blk.attn_norm(collapse(x, pre))
+                if last is not None:
+                    x = x[last]
+                pre_a, post_a, comb_a = hyper_mix(x, blk.hc_attn_fn, blk.hc_attn_base, blk.hc_attn_scale, cfg)
             rope_cs = cs["comp"] if role.ratio else cs["plain"]
             a = blk.attn(h, step, rope_cs, cs.get(role.ratio, cs["comp"]) if role.ratio else None, last)
             a = yield from collective_point(a, blk.attn.wo_b, STAGE_ATTN, step.ctx)
-            x = expand(a, x, post_a, comb_a)
-            pre_f, post_f, comb_f = hyper_mix(x, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale, cfg)
-            f = yield from blk.ffn.stages(blk.ffn_norm(collapse(x, pre_a)), step.ctx)
-            x = expand(f, x, post_f, comb_f)
+            x, (pre_f, post_f, comb_f), h = hc_next(a, x, post_a, comb_a, pre_a, blk.hc_ffn_fn, blk.hc_ffn_base,
+                                                    blk.hc_ffn_scale, blk.ffn_norm, cfg)
+            f = yield from blk.ffn.stages(h, step.ctx)
+            nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
+            if nxt is None or nxt.engram is not None or (keep is not None and nxt is self.layers[-1]):
+                x, ahead = expand(f, x, post_f, comb_f), None  # (an Engram gate or `keep` comes in between)
+            else:
+                x, *ahead = hc_next(f, x, post_f, comb_f, pre_f, nxt.hc_attn_fn, nxt.hc_attn_base, nxt.hc_attn_scale,
+                                    nxt.attn_norm, cfg)
             pre = pre_f
         return self.norm(collapse(x, pre))
 

@@ -13,10 +13,11 @@ bits; the torch form keeps the batch-invariance rules of model/exactness.py (`po
 
 The C forms here take tensors that `runs_in_c` accepted (their int64 companions on the CPU too), copy a
 non-contiguous input rather than choosing the form by layout, and return new tensors: inputs are never
-modified.
+modified (but by `rope(in_place=True)`).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -145,6 +146,29 @@ def hc_mix(x: torch.Tensor, mm: torch.Tensor, scale: torch.Tensor, base: torch.T
     capture.call(_kernel().hc_mix, x.data_ptr(), mm.data_ptr(), n, hc, d, scale.data_ptr(), base.data_ptr(), eps, hc_eps,
                  iters, pre.data_ptr(), post.data_ptr(), comb.data_ptr())
     return pre, post, comb
+
+
+def hc_next(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, mix: torch.Tensor,
+            panels: torch.Tensor, kc: int, scale: torch.Tensor, base: torch.Tensor, eps: float, hc_eps: float,
+            iters: int, norm_w: torch.Tensor, norm_eps: float):
+    """(x' = expand(o, x, post, comb), hc_mix(x', x' . fn) as (pre, post, comb), rms_norm(collapse(x', mix))) in one
+    call, tile by tile (the kernel's header); fn's product through the linear kernel (loaded: the caller checked)
+    over its packed panels at block size kc."""
+    n, hc, d = x.shape
+    o, x, post, comb, mix, scale, base, norm_w = (_c(t) for t in (o, x, post, comb, mix, scale, base, norm_w))
+    out, pre, post2, comb2, h = torch.empty(n, hc, d), torch.empty(n, hc), torch.empty(n, hc), torch.empty(n, hc, hc), \
+        torch.empty(n, d)
+    capture.call(_kernel().hc_next, o.data_ptr(), x.data_ptr(), post.data_ptr(), comb.data_ptr(), mix.data_ptr(), n, hc,
+                 d, _matmul_entry(kernels.get("linear")), panels.data_ptr(), kc, scale.data_ptr(), base.data_ptr(), eps,
+                 hc_eps, iters, norm_w.data_ptr(), norm_eps, out.data_ptr(), pre.data_ptr(), post2.data_ptr(),
+                 comb2.data_ptr(), h.data_ptr())
+    return out, (pre, post2, comb2), h
+
+
+@functools.cache
+def _matmul_entry(linear_kernel) -> int:
+    """The address of the linear kernel's raw `linear_packed` entry (what hc_next calls per tile)."""
+    return linear_kernel.raw_kernels()["linear_packed"][1]
 
 
 def collapse(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:

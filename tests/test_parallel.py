@@ -20,7 +20,7 @@ from engram_serve.parallel.collectives import COMM, rank_ordered_sum
 from engram_serve.parallel.launch import TPCluster, bind_cpus
 from engram_serve.parallel.runner import ParallelModelRunner
 from engram_serve.parallel.tables import ShardedEngramTables
-from engram_serve.runner.model_runner import RunnerConfig
+from engram_serve.runner.model_runner import ModelRunner, RunnerConfig
 from engram_serve.verify import Workload, run_case, verify
 
 
@@ -58,6 +58,23 @@ def test_verify_tp2_across_cuts_and_against_one_process(cluster, reference):
     assert one["greedy_mismatches"] == 0 and one["hash_mismatches"] == 0
     assert one["max_abs_logit_diff"] < 1e-4
     print("TP=2 vs one process: max |logit diff|", one["max_abs_logit_diff"])
+
+
+def test_a_step_scoring_every_token_runs_whole_on_every_rank(cluster, reference):
+    """Prompt logprobs: the step's last layer runs on every token, on the workers too (they get the scored rows
+    with the step, else their collectives would not match rank 0's); then a step reading the last tokens alone."""
+    cfg = RunnerConfig(max_num_seqs=2, max_model_len=128, max_num_batched_tokens=64, num_blocks=16)
+    got = []
+    for r in (cluster.make_runner(cfg), ModelRunner(reference, cfg)):
+        rng = np.random.default_rng(3)
+        slots = np.array([r.store.add(rng.integers(6, 4096, n).tolist()) for n in (20, 9)])
+        b = r.build(slots, np.zeros(2, int), np.array([20, 9]), np.arange(16).reshape(2, 8), np.ones(2, bool))
+        scored = r.execute(b, score_rows=[0])
+        got.append((scored.scored, scored.logits, r.execute(b).logits))
+    for tp, one in zip(*got):
+        assert tp.shape == one.shape and torch.equal(tp.argmax(-1), one.argmax(-1))
+        assert (tp - one).abs().max() < 1e-4
+    assert got[0][0].shape[0] == 20 and torch.equal(got[0][1], got[0][2])
 
 
 def _cfg(work, **kw):

@@ -19,11 +19,12 @@
  *   expand(o, x, post, comb, n, hc, dim, out): out [n, hc, dim], stream b = post_b o + comb[0][b] x_0
  *     + comb[1][b] x_1 + ... (added left to right).
  *   hc_next(o, x, post, comb, mix, n, hc, dim, matmul, panels, kc, scale, base, eps, hc_eps, iters, norm_w, norm_eps,
- *           out, pre, post2, comb2, h): between two sublayers, out = expand(o, x, post, comb); the next sublayer's
- *     mix (pre, post2, comb2) = hc_mix(out, mm, ...) with mm = out . fn, the product of the linear kernel's raw
- *     entry `matmul` (its `raw_kernels()["linear_packed"]`) over fn's packed panels at block size kc; its input
- *     h [n, dim] = rms_norm(collapse(out, mix), norm_w, norm_eps). The same calls as those five, made on
- *     HC_TILE tokens at a time, whose streams are read back from L2: the same bits.
+ *           out, pre, post2, comb2, h, mm, y): between two sublayers, out = expand(o, x, post, comb); the next
+ *     sublayer's mix (pre, post2, comb2) = hc_mix(out, mm, ...) with mm = out . fn, the product of the linear
+ *     kernel's raw entry `matmul` (its `raw_kernels()["linear_packed"]`) over fn's packed panels at block size
+ *     kc; its input h [n, dim] = rms_norm(collapse(out, mix), norm_w, norm_eps). The same calls as those five,
+ *     made on HC_TILE tokens at a time, whose streams are read back from L2: the same bits. mm
+ *     [min(n, HC_TILE), (2 + hc) hc] and y [min(n, HC_TILE), dim] are scratch.
  * Norm and rotary:
  *   rms_norm(x, rows, dim, w, eps, out): out = x * (1 / sqrt(dot(x, x) / dim + eps)) [* w] (w [dim] or 0).
  *   rope(x, n, m, width, cos, sin, half, inverse, out): x [n, m, width], cos, sin [n, half]; out = x with
@@ -337,7 +338,7 @@ CLONES static void rope_rows(const float *x, Py_ssize_t n, Py_ssize_t m, Py_ssiz
 typedef void (*raw_fn)(const uint64_t *a);
 
 /* hc_next (the header): expand, the product mm = fn . x' through the linear kernel's raw entry `matmul` over
- * fn's packed panels (mm and y [HC_TILE, *] scratch), hc_mix, collapse and rms_norm, HC_TILE tokens at a time */
+ * fn's packed panels, hc_mix, collapse (into y) and rms_norm, HC_TILE tokens at a time */
 static void hc_next_rows(const float *o, const float *x, const float *post, const float *comb, const float *mix,
                          Py_ssize_t n, Py_ssize_t hc, Py_ssize_t dim, raw_fn matmul, const float *panels, Py_ssize_t kc,
                          const float *scale, const float *base, float eps, float hc_eps, Py_ssize_t iters,
@@ -985,7 +986,7 @@ static Py_ssize_t gather_rows(const float *restrict src, Py_ssize_t rows, Py_ssi
 #define ARGS_HC_MIX "KKnnnKKddnKKK"
 #define ARGS_COLLAPSE "KKnnnK"
 #define ARGS_EXPAND "KKKKnnnK"
-#define ARGS_HC_NEXT "KKKKKnnnKKnKKddnKdKKKKK"
+#define ARGS_HC_NEXT "KKKKKnnnKKnKKddnKdKKKKKKK"
 #define ARGS_RMS_NORM "KnnKdK"
 #define ARGS_ROPE "KnnnKKnpK"
 #define ARGS_POOL_PAIR "KKnnK"
@@ -1034,26 +1035,21 @@ static PyObject *py_collapse(PyObject *Py_UNUSED(self), PyObject *args) {
 }
 
 static PyObject *py_hc_next(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long oa, xa, pa, ca, ma, fa, wa, sa, ba, na, ra, qa, va, ua, ha;
+    unsigned long long oa, xa, pa, ca, ma, fa, wa, sa, ba, na, ra, qa, va, ua, ha, mma, ya;
     Py_ssize_t n, hc, dim, kc, iters;
     double eps, hc_eps, norm_eps;
     if (!PyArg_ParseTuple(args, ARGS_HC_NEXT, &oa, &xa, &pa, &ca, &ma, &n, &hc, &dim, &fa, &wa, &kc, &sa, &ba, &eps,
-                          &hc_eps, &iters, &na, &norm_eps, &ra, &qa, &va, &ua, &ha))
+                          &hc_eps, &iters, &na, &norm_eps, &ra, &qa, &va, &ua, &ha, &mma, &ya))
         return NULL;
-    if (n < 0 || hc < 1 || hc > MAX_HC || dim < 1 || kc < 1 ||
-        (n && (!oa || !xa || !pa || !ca || !ma || !fa || !wa || !sa || !ba || !na || !ra || !qa || !va || !ua || !ha)))
+    if (n < 0 || hc < 1 || hc > MAX_HC || dim < 1 || kc < 1 || (n && (!oa || !xa || !pa || !ca || !ma || !fa || !wa ||
+                                                                        !sa || !ba || !na || !ra || !qa || !va || !ua ||
+                                                                        !ha || !mma || !ya)))
         return misfit("hc_next", "n >= 0, 1 <= hc <= 16, dim, kc >= 1 and every array");
-    float *mm = scratch((size_t)HC_TILE * (size_t)((2 + hc) * hc) * sizeof(float)),
-          *y = scratch((size_t)HC_TILE * (size_t)dim * sizeof(float));
-    if (!mm || !y) {
-        free(mm), free(y);
-        return PyErr_NoMemory();
-    }
     Py_BEGIN_ALLOW_THREADS
     hc_next_rows(CF(oa), CF(xa), CF(pa), CF(ca), CF(ma), n, hc, dim, (raw_fn)(uintptr_t)fa, CF(wa), kc, CF(sa), CF(ba),
-                 (float)eps, (float)hc_eps, iters, CF(na), (float)norm_eps, F(ra), F(qa), F(va), F(ua), F(ha), mm, y);
+                 (float)eps, (float)hc_eps, iters, CF(na), (float)norm_eps, F(ra), F(qa), F(va), F(ua), F(ha), F(mma),
+                 F(ya));
     Py_END_ALLOW_THREADS
-    free(mm), free(y);
     Py_RETURN_NONE;
 }
 
@@ -1414,14 +1410,9 @@ static void raw_expand(const uint64_t *a) {
     expand_rows(CF(a[0]), CF(a[1]), CF(a[2]), CF(a[3]), SN(4), SN(5), SN(6), F(a[7]));
 }
 static void raw_hc_next(const uint64_t *a) {
-    const Py_ssize_t hc = SN(6), dim = SN(7);
-    float *mm = malloc((size_t)HC_TILE * (size_t)((2 + hc) * hc) * sizeof(float)),
-          *y = malloc((size_t)HC_TILE * (size_t)dim * sizeof(float));
-    if (mm && y)
-        hc_next_rows(CF(a[0]), CF(a[1]), CF(a[2]), CF(a[3]), CF(a[4]), SN(5), hc, dim, (raw_fn)(uintptr_t)a[8],
-                     CF(a[9]), SN(10), CF(a[11]), CF(a[12]), (float)SD(13), (float)SD(14), SN(15), CF(a[16]),
-                     (float)SD(17), F(a[18]), F(a[19]), F(a[20]), F(a[21]), F(a[22]), mm, y);
-    free(mm), free(y);
+    hc_next_rows(CF(a[0]), CF(a[1]), CF(a[2]), CF(a[3]), CF(a[4]), SN(5), SN(6), SN(7), (raw_fn)(uintptr_t)a[8], CF(a[9]),
+                 SN(10), CF(a[11]), CF(a[12]), (float)SD(13), (float)SD(14), SN(15), CF(a[16]), (float)SD(17), F(a[18]),
+                 F(a[19]), F(a[20]), F(a[21]), F(a[22]), F(a[23]), F(a[24]));
 }
 static void raw_rms_norm(const uint64_t *a) { rms_norm_rows(CF(a[0]), SN(1), SN(2), CF(a[3]), (float)SD(4), F(a[5])); }
 static void raw_rope(const uint64_t *a) {
@@ -1505,7 +1496,7 @@ static PyMethodDef methods[] = {
     {"collapse", py_collapse, METH_VARARGS, "collapse(x, mix, n, hc, dim, out): out = sum_i mix_i x_i."},
     {"hc_next", py_hc_next, METH_VARARGS,
      "hc_next(o, x, post, comb, mix, n, hc, dim, matmul, panels, kc, scale, base, eps, hc_eps, iters, norm_w, norm_eps, "
-     "out, pre, post2, comb2, h): expand, then the next sublayer's mix and normed input, tile by tile."},
+     "out, pre, post2, comb2, h, mm, y): expand, then the next sublayer's mix and normed input, tile by tile."},
     {"expand", py_expand, METH_VARARGS, "expand(o, x, post, comb, n, hc, dim, out): stream b = post_b o + sum_a comb[a][b] x_a."},
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, rows, dim, w, eps, out): out = x * rsqrt(mean(x^2) + eps) [* w]."},
     {"rope", py_rope, METH_VARARGS, "rope(x, n, m, width, cos, sin, half, inverse, out): interleaved RoPE of the last 2 half dims (out may be x)."},
@@ -1546,4 +1537,8 @@ static struct PyModuleDef module = {
     -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__token_kernel(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__token_kernel(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "HC_TILE", HC_TILE) < 0) Py_CLEAR(m);
+    return m;
+}

@@ -30,7 +30,7 @@ def test_the_mid_shape_has_every_layer_role():
 
 def test_flops_and_weight_bytes_count_what_a_token_multiplies():
     """A one-layer window-only config by hand: 2 x (mix + attention projections + attention + router + k + 1
-    experts) + the head."""
+    experts) + the head; a prefill's tokens before the last make that (last) layer's keys alone."""
     cfg = dict(vs.text_config("mid"), num_hidden_layers=1, compress_ratios=[0], kv_source_layer_ids=[],
                index_source_layer_ids=[], candidate_source_layer_id=-1)
     d, hc, h, hd, ql, ol, og, inter = 1024, 4, 16, 128, 512, 256, 4, 256
@@ -39,6 +39,9 @@ def test_flops_and_weight_bytes_count_what_a_token_multiplies():
     moe = d * 16 + 5 * 3 * d * inter
     head = d * 4096
     assert vs.flops_per_token(cfg, 10) == 2 * (mix + attn + 2 * h * 10 * hd + moe + head)
+    # a 3-token prefill: the first two tokens make the one layer's window key alone, the third runs it whole
+    keys = d * hd
+    assert vs.prefill_flops(cfg, 3) == 2 * (2 * keys + mix + attn + 2 * h * 3 * hd + moe + head)
     assert vs.weight_bytes_per_token(cfg) == 4 * (mix + attn + moe + head)
 
 

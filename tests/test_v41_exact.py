@@ -1,11 +1,12 @@
 """DeepSeek-V4.1's state under every cut, at the model level: a request's logits are bit-identical whether
 its tokens run in one forward or in chunks of any size (cuts inside a ratio-2 pair included), beside any
 other requests in any order, on any blocks of the paged cache, with windows and selections that really
-bite (prompts longer than the window and than index_topk * ratio, a candidate source in use).
+bite (prompts longer than the window and than index_topk * ratio, a candidate source in use). A forward asked
+for some tokens' outputs alone (`keep`) gives those tokens the same bits and leaves the same cache.
 
 Negative controls, each red through the real forward: a compressor that drops the open group at a cut
-(pools a token with itself when its partner ran earlier), and windows read from slots past the
-request's own blocks (ignoring the block table)."""
+(pools a token with itself when its partner ran earlier), windows read from slots past the request's own
+blocks (ignoring the block table), and hidden states pruned to the read tokens before the last layer."""
 from __future__ import annotations
 
 import dataclasses

@@ -21,8 +21,8 @@ same float32 model (the greedy tokens of every call are compared: `same_tokens`)
   model's own batch dimension (all prompts have the same length: no padding).
 Peak memory: `rss_mib` after setup and warm-up (weights, packed panels, caches), `peak_mib` the growth of
 the peak resident set over it during the timed calls. The mid-size rows add the physical limits:
-prefill as a fraction of the float32 FMA peak of the one core in use (clock measured in the run x FMA lanes
-x 2 FMA units x 2 FLOP), B = 1 decode as a fraction of the memory-bandwidth bound (weight bytes read per
+prefill as a fraction of the float32 FMA peak of the one core in use (the FLOPs it runs, `prefill_flops`, over
+the clock measured in the run x FMA lanes x 2 FMA units x 2 FLOP), B = 1 decode as a fraction of the memory-bandwidth bound (weight bytes read per
 token over the copy bandwidth measured in this run), and of the read bound (the same bytes over the rate one
 thread streams loads alone at, a float32 sum of 256 MiB: a copy's 2 x size counts its stores, which a
 matrix-vector product does not make).
@@ -427,8 +427,7 @@ def run_mlx(args: argparse.Namespace) -> list[dict]:
                 for e in ("engram", "mlx"):
                     row[f"{e}_rss_mib"], row[f"{e}_peak_mib"] = res[e]["rss_mib"], res[e]["peak_mib"]
                 if kind == "prefill":
-                    flop = sum(vs.flops_per_token(cfg, c) for c in range(1, args.prompt + 1))
-                    row["mflop_per_token"] = flop / args.prompt / 1e6
+                    row["mflop_per_token"] = vs.prefill_flops(cfg, args.prompt) / args.prompt / 1e6
                 else:
                     ctxs = range(args.prompt + 1, args.prompt + new)
                     row["mflop_per_token"] = sum(vs.flops_per_token(cfg, c) for c in ctxs) / len(ctxs) / 1e6

@@ -10,7 +10,8 @@ written by `model.writer.random_v41_checkpoint` (so both engines load the very s
 
 `flops_per_token` counts 2 x the multiply-adds of one token's forward at a given context (every matmul
 the token runs: its k experts and the shared one, not all experts; attention over the keys it reads; the
-indexer's scores over the entries it sees; the vocabulary projection). `weight_bytes_per_token` is what a
+indexer's scores over the entries it sees; the vocabulary projection); `prefill_flops` those a prompt's
+prefill runs (the last layer of the tokens before the last makes their keys alone, one token's logits). `weight_bytes_per_token` is what a
 B = 1 decode step must read from memory at least: every weight it multiplies by once (float32), the k
 chosen experts only. `machine()` reports the clock, the float32 FMA width and the copy bandwidth measured
 now, for the physical-limit figures.
@@ -72,25 +73,45 @@ def _visible(cfg: dict, layer: int, ctx: int) -> tuple[int, int, int]:
     return window, min(cfg["index_topk"], entries), scored
 
 
-def flops_per_token(cfg: dict, ctx: int) -> int:
-    """2 x the multiply-adds of one token's forward with `ctx` tokens of context (itself included)."""
+def _keys_macs(cfg: dict, layer: int) -> int:
+    """Multiply-adds of a token's keys at `layer`: its window key, and at a kv source its compressor and index key."""
+    d, hd = cfg["hidden_size"], cfg["head_dim"]
+    macs = d * hd  # wkv
+    if layer in cfg["kv_source_layer_ids"]:
+        macs += d * hd * (2 if cfg["compress_ratios"][layer] == 2 else 1) + hd * cfg["index_head_dim"]
+    return macs
+
+
+def _layer_macs(cfg: dict, layer: int, ctx: int) -> int:
+    """Multiply-adds of one token at `layer` with `ctx` tokens of context (itself included)."""
     d, hc, h, hd = cfg["hidden_size"], cfg["hc_mult"], cfg["num_attention_heads"], cfg["head_dim"]
     ql, ol, og, inter = cfg["q_lora_rank"], cfg["o_lora_rank"], cfg["o_groups"], cfg["moe_intermediate_size"]
     nh, ihd = cfg["index_n_heads"], cfg["index_head_dim"]
-    mix = (2 + hc) * hc
-    macs = 0
-    for layer in range(cfg["num_hidden_layers"]):
-        macs += 2 * mix * hc * d  # the two mHC products
-        macs += d * ql + ql * h * hd + d * hd + og * (h * hd // og) * ol + og * ol * d  # wq_a, wq_b, wkv, wo_a, wo_b
-        window, picked, scored = _visible(cfg, layer, ctx)
-        macs += 2 * h * (window + picked) * hd  # scores and values
-        if layer in cfg["kv_source_layer_ids"]:
-            macs += d * hd * (2 if cfg["compress_ratios"][layer] == 2 else 1) + hd * ihd  # compressor, index key
-        if layer in cfg["index_source_layer_ids"]:
-            macs += ql * nh * ihd + d * nh + scored * nh * ihd  # indexer query, weights, scores
-        macs += d * cfg["n_routed_experts"] + (cfg["num_experts_per_tok"] + 1) * 3 * d * inter  # router, experts
-    macs += d * cfg["vocab_size"]
-    return 2 * macs
+    macs = 2 * (2 + hc) * hc * hc * d  # the two mHC products
+    macs += d * ql + ql * h * hd + og * (h * hd // og) * ol + og * ol * d  # wq_a, wq_b, wo_a, wo_b
+    window, picked, scored = _visible(cfg, layer, ctx)
+    macs += 2 * h * (window + picked) * hd  # scores and values
+    macs += _keys_macs(cfg, layer)
+    if layer in cfg["index_source_layer_ids"]:
+        macs += ql * nh * ihd + d * nh + scored * nh * ihd  # indexer query, weights, scores
+    return macs + d * cfg["n_routed_experts"] + (cfg["num_experts_per_tok"] + 1) * 3 * d * inter  # router, experts
+
+
+def flops_per_token(cfg: dict, ctx: int) -> int:
+    """2 x the multiply-adds of one token's forward with `ctx` tokens of context (itself included), its logits
+    included."""
+    return 2 * (sum(_layer_macs(cfg, layer, ctx) for layer in range(cfg["num_hidden_layers"]))
+                + cfg["hidden_size"] * cfg["vocab_size"])
+
+
+def prefill_flops(cfg: dict, prompt: int) -> int:
+    """2 x the multiply-adds of a `prompt`-token prefill to its first token, as the serving forward runs it: every
+    layer for every token, except that in the last layer the tokens before the last only make their keys (no
+    later layer reads the rest: ForwardContext.keep), and the logits of the last token alone."""
+    last = cfg["num_hidden_layers"] - 1
+    body = sum(_layer_macs(cfg, layer, c) for layer in range(last) for c in range(1, prompt + 1))
+    ends = (prompt - 1) * _keys_macs(cfg, last) + _layer_macs(cfg, last, prompt)
+    return 2 * (body + ends + cfg["hidden_size"] * cfg["vocab_size"])
 
 
 def weight_bytes_per_token(cfg: dict) -> int:

@@ -177,9 +177,10 @@ def hc_next(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Te
     """Between two sublayers: the streams x' = expand(o, x, post, comb), the next sublayer's mix of them
     (`hyper_mix` with fn, base, scale) and its input norm(collapse(x', mix)): (x', (pre, post, comb), input).
     One C call over tiles of tokens where the linear kernel takes fn (the same bits as the calls below)."""
-    if fused.runs_in_c(o, x, post, comb, mix, fn, norm.weight) and exactness.rules_on():
+    if kernels.get("linear") is not None and fused.runs_in_c(o, x, post, comb, mix, fn, norm.weight) \
+            and exactness.rules_on():
         _, kc, panels, *_ = exactness.plan(fn)
-        if kc is not None and kernels.get("linear") is not None:
+        if kc is not None:
             return fused.hc_next(o, x, post, comb, mix, panels, kc, scale, base, cfg.rms_norm_eps, cfg.hc_eps,
                                  cfg.hc_sinkhorn_iters, norm.weight, norm.eps)
     x = expand(o, x, post, comb)

@@ -4,8 +4,8 @@ The C form is taken for float32 CPU tensors outside autograd when the token kern
 (engram_serve/kernels.py); the torch operators everywhere else (CUDA, training, the kernel not built or
 switched off). Which form runs depends only on devices, dtypes and the loaded kernels, never on a batch, so a
 serving config always takes the same one (`runs_in_c`). The callers choose with `runs_in_c` and keep the
-torch form beside the call (model/deepseek_v41.py `hyper_mix`, `collapse`, `expand`, `attend_paged`, `pool_pair`,
-`swiglu`, `topk_first`, `store`, the indexer and the MoE; model/layers.py `rms_norm`);
+torch form beside the call (model/deepseek_v41.py `hyper_mix`, `collapse`, `expand`, `hc_next`, `attend_paged`,
+`pool_pair`, `swiglu`, `topk_first`, `store`, the indexer and the MoE; model/layers.py `rms_norm`);
 `engram_gate`, `gather_rows`, `cat_cols`, `cat_rows`, `argmax_rows` and `argmax_finite` choose here. The C form
 computes each token alone, in an order fixed per token (see the kernel's header): a token's bits do not depend
 on its batch mates, the cut or padding, by construction. The two forms compute the same formula, not the same

@@ -194,7 +194,7 @@ wide_avx512(const int mr, const int np, const float *restrict x, Py_ssize_t ldx,
  * with AVX2 (level 1) tiles of one or two rows only. */
 static inline int wide_panels(int level, int mr) {
     if (level == 1) return mr == 1 ? 4 : 2;
-    return mr == 1 ? 8 : mr == 2 ? 4 : 2;
+    return mr == 1 ? 8 : mr == 2 ? 4 : mr <= MR ? 2 : 1;
 }
 
 __attribute__((target("avx512f"))) static void wide_x86(int mr, int np, const float *x, Py_ssize_t ldx,
@@ -249,25 +249,20 @@ static void linear_packed(const float *xp, Py_ssize_t ldx, const float *bp, floa
 #endif
     const Py_ssize_t panels = (n + NR - 1) / NR;
     const Py_ssize_t group = PANEL_BYTES / (k * NR * 4) > 1 ? PANEL_BYTES / (k * NR * 4) : 1;
-    /* A call of 7 to 16 rows (a routed expert's) with AVX-512: one tile of all its rows and one panel, so each
-     * weight is read once (from memory, for an expert's cold weights) for every row, not once per 6-row tile */
-    const int few = level == 2 && m > MR && m <= FEW_ROWS, pf = level == 2 && (size_t)k * (size_t)n * 4 >= PF_BYTES;
+    /* A call of 7 to 16 rows (a routed expert's) with AVX-512: one wide tile of all its rows and one panel
+     * (wide_panels), so each weight is read once (from memory, for an expert's cold weights) for every row, not
+     * once per 6-row tile */
+    const int rows = level == 2 && m > MR && m <= FEW_ROWS ? (int)m : MR; /* a tile's rows */
+    const int pf = level == 2 && (size_t)k * (size_t)n * 4 >= PF_BYTES;
+    if (rows > MR) wide_rows = rows;
     float part[FEW_ROWS * NR]; /* a partial panel's tile */
     for (Py_ssize_t p0 = 0; p0 < panels; p0 += group) {
         const Py_ssize_t p1 = p0 + group < panels ? p0 + group : panels;
-        for (Py_ssize_t i = 0; i < m; i += few ? m : MR) {
-            const int mr = few ? (int)m : m - i < MR ? (int)(m - i) : MR;
+        for (Py_ssize_t i = 0; i < m; i += rows) {
+            const int mr = m - i < rows ? (int)(m - i) : rows;
             for (Py_ssize_t p = p0; p < p1; p++) {
                 const Py_ssize_t j = p * NR, nv = n - j < NR ? n - j : NR;
                 float *out = yp + i * n + j;
-                if (few) {
-                    const float *b[1] = {bp + p * k * NR};
-                    float *o[1] = {nv == NR ? out : part};
-                    wide(mr, 1, xp + i * ldx, ldx, b, k, kc, o, n, nv == NR ? n : NR, pf);
-                    if (nv < NR)
-                        for (int r = 0; r < mr; r++) memcpy(out + r * n, part + r * NR, nv * sizeof(float));
-                    continue;
-                }
                 if (wide && mr <= wide_rows) { /* full panels, and the last, partial one (into part, rows NR apart) */
                     const Py_ssize_t full = (n - j) / NR;
                     int np = wide_panels(level, mr);

@@ -79,10 +79,11 @@ def plain_topk(row: list[float], k: int) -> list[int]:
 
 # ---- mHC -------------------------------------------------------------------------------------------------
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 19), hc=st.sampled_from([1, 2, 4, 5]), dim=st.sampled_from([8, 16, 24]),
+@given(n=st.integers(1, 41), hc=st.sampled_from([1, 2, 4, 5]), dim=st.sampled_from([8, 16, 24]),
        iters=st.integers(0, 20), seed=st.integers(0, 2**31))
 def test_mhc_mix_collapse_and_expand_match_their_definition_and_a_token_alone(n, hc, dim, iters, seed):
-    """Tokens are mixed 8 at a time (lanes of one vector) and the rest one by one: a token's bits are its bits alone."""
+    """Tokens are mixed 16 at a time (lanes of one vector), then 8, and the rest one by one: a token's bits are its
+    bits alone."""
     g = gen(seed)
     x, mm = torch.randn(n, hc, dim, generator=g), torch.randn(n, (2 + hc) * hc, generator=g) * 3
     scale, base = torch.rand(3, generator=g) + 0.5, torch.randn((2 + hc) * hc, generator=g)

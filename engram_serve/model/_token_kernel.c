@@ -181,82 +181,88 @@ hc_mix_rows_of(const float *restrict x, const float *restrict mm, Py_ssize_t n, 
     }
 }
 
-#define HC_LANES 8 /* tokens mixed at once: lane l of every array below is token l */
+#define HC_LANES 16 /* tokens mixed at once at most: lane l of every array below is token l */
 
-/* sinkhorn_rows (group stride hc, element stride 1) or sinkhorn_columns (1, hc) on every lane of c */
-static inline __attribute__((always_inline)) void sinkhorn_lanes(float (*c)[HC_LANES], const Py_ssize_t hc,
-                                                                 Py_ssize_t gs, Py_ssize_t es, float eps) {
+/* sinkhorn_rows (group stride hc, element stride 1) or sinkhorn_columns (1, hc) on the first `lanes` lanes of c */
+static inline __attribute__((always_inline)) void sinkhorn_lanes(float (*c)[HC_LANES], const int lanes,
+                                                                 const Py_ssize_t hc, Py_ssize_t gs, Py_ssize_t es,
+                                                                 float eps) {
     float s[HC_LANES];
     for (Py_ssize_t g = 0; g < hc; g++) {
-        for (int l = 0; l < HC_LANES; l++) s[l] = 0.0f;
+        for (int l = 0; l < lanes; l++) s[l] = 0.0f;
         for (Py_ssize_t e = 0; e < hc; e++)
-            for (int l = 0; l < HC_LANES; l++) s[l] = s[l] + c[g * gs + e * es][l];
+            for (int l = 0; l < lanes; l++) s[l] = s[l] + c[g * gs + e * es][l];
         for (Py_ssize_t e = 0; e < hc; e++)
-            for (int l = 0; l < HC_LANES; l++) c[g * gs + e * es][l] = c[g * gs + e * es][l] / (s[l] + eps);
+            for (int l = 0; l < lanes; l++) c[g * gs + e * es][l] = c[g * gs + e * es][l] / (s[l] + eps);
     }
 }
 
-/* hc_mix_rows_of on HC_LANES tokens at once, each operation a loop over the lanes (which the compiler turns
- * into vector instructions): on each lane the same operations in the same order as on one token, so the
- * same bits. */
+/* hc_mix_rows_of on `lanes` tokens at once (16, or 8 for a shorter rest), each operation a loop over the lanes
+ * (which the compiler turns into vector instructions): on each lane the same operations in the same order as
+ * on one token, so the same bits. */
 static inline __attribute__((always_inline)) void
-hc_mix_lanes(const float *restrict x, const float *restrict mm, const Py_ssize_t hc, Py_ssize_t dim,
+hc_mix_lanes(const int lanes, const float *restrict x, const float *restrict mm, const Py_ssize_t hc, Py_ssize_t dim,
              const float *restrict scale, const float *restrict base, float eps, float hc_eps, Py_ssize_t iters,
              float *restrict pre, float *restrict post, float *restrict comb) {
     const Py_ssize_t mix = (2 + hc) * hc;
     float r[HC_LANES], s[HC_LANES], mx[HC_LANES];
     float m[(2 + MAX_HC) * MAX_HC][HC_LANES], c[MAX_HC * MAX_HC][HC_LANES];
-    for (int l = 0; l < HC_LANES; l++) r[l] = rms_scale(x + l * hc * dim, hc * dim, eps);
+    for (int l = 0; l < lanes; l++) r[l] = rms_scale(x + l * hc * dim, hc * dim, eps);
     for (Py_ssize_t j = 0; j < mix; j++) {
         const float sc = scale[j < hc ? 0 : (j < 2 * hc ? 1 : 2)], bj = base[j];
-        for (int l = 0; l < HC_LANES; l++) m[j][l] = mm[l * mix + j] * r[l] * sc + bj;
+        for (int l = 0; l < lanes; l++) m[j][l] = mm[l * mix + j] * r[l] * sc + bj;
     }
     for (Py_ssize_t i = 0; i < hc; i++)
-        for (int l = 0; l < HC_LANES; l++) {
+        for (int l = 0; l < lanes; l++) {
             pre[l * hc + i] = sigmoid_fixed(m[i][l]) + hc_eps;
             post[l * hc + i] = 2.0f * sigmoid_fixed(m[hc + i][l]);
         }
     for (Py_ssize_t a = 0; a < hc; a++) {
         float (*row)[HC_LANES] = m + 2 * hc + a * hc;
-        for (int l = 0; l < HC_LANES; l++) mx[l] = row[0][l], s[l] = 0.0f;
+        for (int l = 0; l < lanes; l++) mx[l] = row[0][l], s[l] = 0.0f;
         for (Py_ssize_t b = 1; b < hc; b++)
-            for (int l = 0; l < HC_LANES; l++) mx[l] = row[b][l] > mx[l] ? row[b][l] : mx[l];
+            for (int l = 0; l < lanes; l++) mx[l] = row[b][l] > mx[l] ? row[b][l] : mx[l];
         for (Py_ssize_t b = 0; b < hc; b++)
-            for (int l = 0; l < HC_LANES; l++) {
+            for (int l = 0; l < lanes; l++) {
                 c[a * hc + b][l] = exp_fixed(row[b][l] - mx[l]);
                 s[l] = s[l] + c[a * hc + b][l];
             }
         for (Py_ssize_t b = 0; b < hc; b++)
-            for (int l = 0; l < HC_LANES; l++) c[a * hc + b][l] = c[a * hc + b][l] / s[l] + hc_eps;
+            for (int l = 0; l < lanes; l++) c[a * hc + b][l] = c[a * hc + b][l] / s[l] + hc_eps;
     }
     for (Py_ssize_t it = 0; it < (iters > 1 ? iters : 1); it++) { /* columns, then (rows, columns) iters - 1 times */
         if (it)
-            sinkhorn_lanes(c, hc, hc, 1, hc_eps); /* rows */
-        sinkhorn_lanes(c, hc, 1, hc, hc_eps);     /* columns */
+            sinkhorn_lanes(c, lanes, hc, hc, 1, hc_eps); /* rows */
+        sinkhorn_lanes(c, lanes, hc, 1, hc, hc_eps);     /* columns */
     }
     for (Py_ssize_t e = 0; e < hc * hc; e++)
-        for (int l = 0; l < HC_LANES; l++) comb[l * hc * hc + e] = c[e][l];
+        for (int l = 0; l < lanes; l++) comb[l * hc * hc + e] = c[e][l];
 }
 
-/* HC_LANES tokens at a time, the rest one by one */
+/* HC_LANES tokens at a time, then 8, the rest one by one */
 CLONES static void hc_mix_rows(const float *restrict x, const float *restrict mm, Py_ssize_t n, Py_ssize_t hc,
                                Py_ssize_t dim, const float *restrict scale, const float *restrict base, float eps,
                                float hc_eps, Py_ssize_t iters, float *restrict pre, float *restrict post,
                                float *restrict comb) {
-    const Py_ssize_t mix = (2 + hc) * hc, full = n - n % HC_LANES;
-    for (Py_ssize_t t = 0; t < full; t += HC_LANES) {
-        if (hc == 4)
-            hc_mix_lanes(x + t * hc * dim, mm + t * mix, 4, dim, scale, base, eps, hc_eps, iters, pre + t * hc,
-                         post + t * hc, comb + t * hc * hc);
-        else
-            hc_mix_lanes(x + t * hc * dim, mm + t * mix, hc, dim, scale, base, eps, hc_eps, iters, pre + t * hc,
-                         post + t * hc, comb + t * hc * hc);
+    const Py_ssize_t mix = (2 + hc) * hc;
+    Py_ssize_t t = 0;
+#define HC_MIX_LANES(lanes)                                                                                        \
+    for (; n - t >= lanes; t += lanes) {                                                                           \
+        if (hc == 4)                                                                                               \
+            hc_mix_lanes(lanes, x + t * hc * dim, mm + t * mix, 4, dim, scale, base, eps, hc_eps, iters,           \
+                         pre + t * hc, post + t * hc, comb + t * hc * hc);                                         \
+        else                                                                                                       \
+            hc_mix_lanes(lanes, x + t * hc * dim, mm + t * mix, hc, dim, scale, base, eps, hc_eps, iters,          \
+                         pre + t * hc, post + t * hc, comb + t * hc * hc);                                         \
     }
-    x += full * hc * dim, mm += full * mix, pre += full * hc, post += full * hc, comb += full * hc * hc;
+    HC_MIX_LANES(HC_LANES)
+    HC_MIX_LANES(8)
+#undef HC_MIX_LANES
+    x += t * hc * dim, mm += t * mix, pre += t * hc, post += t * hc, comb += t * hc * hc;
     if (hc == 4)
-        hc_mix_rows_of(x, mm, n - full, 4, dim, scale, base, eps, hc_eps, iters, pre, post, comb);
+        hc_mix_rows_of(x, mm, n - t, 4, dim, scale, base, eps, hc_eps, iters, pre, post, comb);
     else
-        hc_mix_rows_of(x, mm, n - full, hc, dim, scale, base, eps, hc_eps, iters, pre, post, comb);
+        hc_mix_rows_of(x, mm, n - t, hc, dim, scale, base, eps, hc_eps, iters, pre, post, comb);
 }
 
 CLONES static void collapse_rows(const float *restrict x, const float *restrict mix, Py_ssize_t n, Py_ssize_t hc,

@@ -723,11 +723,56 @@ static Py_ssize_t topk_row(const float *restrict x, Py_ssize_t v, Py_ssize_t k, 
     return cnt;
 }
 
+#define TOPK_RANK_MAX 96 /* a row of at most this many values is ranked whole (topk_rank16) */
+
+#if HAVE_X86_AVX2
+/* topk_row for v <= TOPK_RANK_MAX with AVX-512, the same picks: a value's place is the number of values that rank
+ * before it, counted 16 at a time on keys that order as ranks_before does (an int32 a value: -0 as +0, every NaN
+ * above +inf; an equal key ranks before when its index is lower) */
+__attribute__((target("avx512f,popcnt"))) static Py_ssize_t topk_rank16(const float *restrict x, Py_ssize_t v,
+                                                                        Py_ssize_t k, int64_t *restrict out,
+                                                                        float *restrict vals) {
+    int32_t key[TOPK_RANK_MAX];
+    for (Py_ssize_t j = 0; j < v; j++) {
+        const float y = x[j] + 0.0f; /* -0 -> +0 */
+        int32_t b;
+        memcpy(&b, &y, sizeof b);
+        key[j] = y != y ? INT32_MAX : (b < 0 ? b ^ INT32_MAX : b); /* a negative value: its magnitude bits flipped */
+    }
+    const Py_ssize_t chunks = (v + 15) / 16;
+    __m512i kv[TOPK_RANK_MAX / 16];
+    __mmask16 valid[TOPK_RANK_MAX / 16];
+    for (Py_ssize_t c = 0; c < chunks; c++) {
+        valid[c] = v - c * 16 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (v - c * 16)) - 1);
+        kv[c] = _mm512_maskz_loadu_epi32(valid[c], key + c * 16);
+    }
+    for (Py_ssize_t j = 0; j < v; j++) {
+        const __m512i kj = _mm512_set1_epi32(key[j]);
+        unsigned before = 0;
+        for (Py_ssize_t c = 0; c < chunks; c++) {
+            const Py_ssize_t lower = j - c * 16; /* the lanes of lower index than j */
+            const __mmask16 low = lower >= 16 ? (__mmask16)0xffff : lower <= 0 ? 0 : (__mmask16)((1u << lower) - 1);
+            before += (unsigned)__builtin_popcount((unsigned)(_mm512_mask_cmpgt_epi32_mask(valid[c], kv[c], kj) |
+                                                              _mm512_mask_cmpeq_epi32_mask(low, kv[c], kj)));
+        }
+        if (before < (unsigned)k) out[before] = j, vals[before] = x[j];
+    }
+    return v < k ? v : k;
+}
+#endif
+
 static void topk_rows(const float *restrict x, Py_ssize_t rows, Py_ssize_t v, Py_ssize_t k, int64_t *restrict out,
                       float *restrict vals) {
+#if HAVE_X86_AVX2
+    const int rank = v <= TOPK_RANK_MAX && __builtin_cpu_supports("avx512f");
+#endif
     for (Py_ssize_t r = 0; r < rows; r++) {
         int64_t *o = out + r * k;
+#if HAVE_X86_AVX2
+        const Py_ssize_t cnt = rank ? topk_rank16(x + r * v, v, k, o, vals) : topk_row(x + r * v, v, k, o, vals);
+#else
         const Py_ssize_t cnt = topk_row(x + r * v, v, k, o, vals);
+#endif
         for (Py_ssize_t i = 0; i < k; i++)
             if (i >= cnt || vals[i] == -INFINITY) o[i] = -1;
     }

@@ -768,11 +768,13 @@ static void topk_rows(const float *restrict x, Py_ssize_t rows, Py_ssize_t v, Py
 #endif
     for (Py_ssize_t r = 0; r < rows; r++) {
         int64_t *o = out + r * k;
+        Py_ssize_t cnt;
 #if HAVE_X86_AVX2
-        const Py_ssize_t cnt = rank ? topk_rank16(x + r * v, v, k, o, vals) : topk_row(x + r * v, v, k, o, vals);
-#else
-        const Py_ssize_t cnt = topk_row(x + r * v, v, k, o, vals);
+        if (rank)
+            cnt = topk_rank16(x + r * v, v, k, o, vals);
+        else
 #endif
+            cnt = topk_row(x + r * v, v, k, o, vals);
         for (Py_ssize_t i = 0; i < k; i++)
             if (i >= cnt || vals[i] == -INFINITY) o[i] = -1;
     }

@@ -21,11 +21,11 @@ same float32 model (the greedy tokens of every call are compared: `same_tokens`)
   model's own batch dimension (all prompts have the same length: no padding).
 Peak memory: `rss_mib` after setup and warm-up (weights, packed panels, caches), `peak_mib` the growth of
 the peak resident set over it during the timed calls. The mid-size rows add the physical limits:
-prefill as a fraction of the float32 FMA peak of the one core in use (the FLOPs it runs, `prefill_flops`, over
-the clock measured in the run x FMA lanes x 2 FMA units x 2 FLOP), B = 1 decode as a fraction of the memory-bandwidth bound (weight bytes read per
-token over the copy bandwidth measured in this run), and of the read bound (the same bytes over the rate one
-thread streams loads alone at, a float32 sum of 256 MiB: a copy's 2 x size counts its stores, which a
-matrix-vector product does not make).
+prefill as a fraction of the float32 FMA peak of the one core in use (the FLOPs it runs, `prefill_flops`, over the
+clock measured in the run x FMA lanes x 2 FMA units x 2 FLOP), B = 1 decode as a fraction of the memory-bandwidth
+bound (weight bytes read per token over the copy bandwidth measured in this run), and of the read bound (the same
+bytes over the rate one thread streams loads alone at, a float32 sum of 256 MiB: a copy's 2 x size counts its
+stores, which a matrix-vector product does not make).
 
 `llama` (unchanged workload): B prompts of 64 random ids, 32 greedy tokens each, end to end, B = 1, 32,
 128. CTranslate2 `generate_batch` and HF `generate` run a Llama with the built-in model's hidden size and

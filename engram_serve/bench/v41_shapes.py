@@ -8,13 +8,13 @@ written by `model.writer.random_v41_checkpoint` (so both engines load the very s
   index source 6 restricted to 4's candidates, whose top-k layer 7 reuses), 16 heads of 128, 16 routed
   experts (4 a token) of 256 plus a shared one, hc_mult 4, the built-in tokenizer's vocabulary.
 
-`flops_per_token` counts 2 x the multiply-adds of one token's forward at a given context (every matmul
-the token runs: its k experts and the shared one, not all experts; attention over the keys it reads; the
-indexer's scores over the entries it sees; the vocabulary projection); `prefill_flops` those a prompt's
-prefill runs (the last layer of the tokens before the last makes their keys alone, one token's logits). `weight_bytes_per_token` is what a
-B = 1 decode step must read from memory at least: every weight it multiplies by once (float32), the k
-chosen experts only. `machine()` reports the clock, the float32 FMA width and the copy bandwidth measured
-now, for the physical-limit figures.
+`flops_per_token` counts 2 x the multiply-adds of one token's forward at a given context (every matmul the
+token runs: its k experts and the shared one, not all experts; attention over the keys it reads; the indexer's
+scores over the entries it sees; the vocabulary projection); `prefill_flops` those a prompt's prefill runs
+(the last layer of the tokens before the last makes their keys alone, one token's logits).
+`weight_bytes_per_token` is what a B = 1 decode step must read from memory at least: every weight it
+multiplies by once (float32), the k chosen experts only. `machine()` reports the clock, the float32 FMA width
+and the copy bandwidth measured now, for the physical-limit figures.
 """
 from __future__ import annotations
 

@@ -214,9 +214,9 @@ class ModelRunner:
             else:  # a short gather (a thread handoff would cost more than it hides), or a measuring step
                 futures.append(Future())
                 futures[-1].set_result(self._stage_rows(u.hash_ids, staging, real[k], ready, measure))
-            keep = None if score_rows else u.logits_indices  # the tokens whose hidden the step reads
+            keep = u.logits_indices  # the tokens whose hidden the step reads (every one with score_rows)
             ctxs.append(ForwardContext(u, self.kv, bufs, self._rows_fn(futures[-1], staging), self.tracker,
-                                       keep=None if keep is None or len(keep) == u.num_tokens else keep))
+                                       keep=None if score_rows or len(keep) == u.num_tokens else keep))
         try:
             with batch_invariant(self.cfg.exact):
                 hidden = self.forward(batch, ctxs, futures)  # the sampled tokens' alone, unless score_rows

@@ -82,17 +82,30 @@ def test_a_request_is_bit_identical_alone_and_in_any_batch(loaded, seed, mates, 
 
 
 @pytest.mark.parametrize("off", ["fixed matmul tile only", "matmul kernel in another order for few rows",
-                                 "every rule (exact=False)"])
+                                 "float kernel for few rows of bfloat16 weights", "every rule (exact=False)"])
 def test_negative_control_without_the_batch_invariance_rules_logits_differ(loaded, monkeypatch, off):
     """Alone, the target's decode steps hold one row; in a batch they hold many. Without the C matmul
     kernel and the fixed-tile rule (MKL's 1-row kernel), or with a kernel that sums a call of few rows
-    in other blocks than a bigger call (as BLAS small-call kernels do), the bits differ."""
+    in other blocks than a bigger call (as BLAS small-call kernels do), or with the bfloat16 weights' tiles
+    left to a float matmul for few rows, the bits differ. (The first two turn the tiles off: they hold the
+    float kernel's rules.)"""
     work = workload(1, 7, loaded.config.vocab_size)
     alone, _ = run(loaded, Workload(work.prompts[:1], GEN))  # with the rules on, the case passes
     assert torch.equal(alone, run(loaded, work, microbatches=2)[0])
     exact = True
     monkeypatch.setattr(exactness, "_plans", {})  # the rules below are consulted afresh
-    if off.startswith("fixed"):
+    if not off.startswith("float kernel"):
+        monkeypatch.setattr(exactness, "amx_supported", lambda kernel: False)
+    if off.startswith("float kernel"):
+        if exactness.plan(loaded.model.head.weight)[8] is None:
+            pytest.skip("no bfloat16 tiles: a float32 model, or no AMX here (exactness.amx_supported)")
+        tiles = exactness.matmul_bf16
+
+        def few_rows_in_float(x, t, n):
+            w = t.permute(1, 3, 0, 2).reshape(-1, t.shape[0] * t.shape[2]).view(torch.bfloat16).float()
+            return tiles(x, t, n) if x.shape[0] > 3 else x @ w[:x.shape[1], :n]
+        monkeypatch.setattr(exactness, "matmul_bf16", few_rows_in_float)
+    elif off.startswith("fixed"):
         monkeypatch.setattr(exactness, "min_rows", lambda weight: 1)
         monkeypatch.setattr(exactness, "small_call_kc", lambda weight: None)
     elif off.startswith("matmul kernel"):

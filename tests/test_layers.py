@@ -401,6 +401,55 @@ def test_a_weight_changed_in_place_is_packed_again():
         assert torch.equal(layers.linear(x, w), F.linear(x, w))
 
 
+TILES = kernels.loaded("linear") and exactness.amx_supported(kernels.get("linear"))
+
+
+@pytest.mark.skipif(not TILES, reason="the linear kernel's bfloat16 tiles need AMX-BF16")
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 70), st.integers(1, 200), st.integers(1, 100), st.data())
+def test_bf16_tiles_sum_exact_products_within_float32s_bound_and_a_row_alone(m, k, n, data):
+    """`linear_bf16` on a weight whose values are bfloat16: against float64, within the bound of any float32 sum
+    of the 3 k exact products of x's three pieces (3 k 2^-24 sum |x w|, a float32 loop's bound for 3 k terms), with
+    strided rows, partial tiles (1 to 70 rows: one or two row tiles and the rest), inputs and columns beyond a tile;
+    each row alone, and a window of rows, gets the bits it has in the call. A float weight gets no tiles."""
+    g = torch.Generator().manual_seed(m * 10007 + k * 101 + n)
+    x = torch.randn(m, k + 3, generator=g)[:, 1:k + 1]
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16).float()
+    tiles = exactness.pack_bf16(w.t())
+    y = exactness.matmul_bf16(x, tiles, n)
+    exact = x.double() @ w.double().t()
+    bound = 3 * k * 2.0**-24 * (x.double().abs() @ w.double().abs().t())
+    assert ((y.double() - exact).abs() <= bound).all()
+    for i in sorted({0, m // 2, m - 1}):
+        assert torch.equal(exactness.matmul_bf16(x[i:i + 1], tiles, n), y[i:i + 1])
+    a = data.draw(st.integers(0, m - 1))
+    b = data.draw(st.integers(a + 1, m))
+    assert torch.equal(exactness.matmul_bf16(x[a:b], tiles, n), y[a:b])
+    assert exactness.pack_bf16(torch.randn(k, n, generator=g) + 1) is None
+
+
+@pytest.mark.skipif(not TILES, reason="the linear kernel's bfloat16 tiles need AMX-BF16")
+def test_linear_takes_the_tiles_only_for_bfloat16_weights(monkeypatch):
+    """`linear` multiplies a bfloat16 weight on the tiles, every row count alike, and a float weight by the float
+    kernel: both within float32's bound of the exact product. Negative control: tiles for a float weight (the exact
+    check off) round it to bfloat16, and the product leaves the bound."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 128, generator=g)
+    for w, tiled in ((torch.randn(96, 128, generator=g).to(torch.bfloat16).float(), True),
+                     (torch.randn(96, 128, generator=g), False)):
+        w = exactness.in_major(w)
+        assert (exactness.plan(w)[8] is not None) == tiled
+        y = layers.linear(x, w)
+        assert ((y.double() - x.double() @ w.double().t()).abs()
+                <= 3 * 128 * 2.0**-24 * (x.double().abs() @ w.double().abs().t())).all()
+        assert all(torch.equal(layers.linear(x[i:i + 1], w), y[i:i + 1]) for i in range(40))
+    monkeypatch.setattr(exactness, "bf16_check", False)
+    monkeypatch.setattr(exactness, "_plans", {})
+    assert exactness.plan(w)[8] is not None
+    err = (layers.linear(x, w).double() - x.double() @ w.double().t()).abs()
+    assert not (err <= 3 * 128 * 2.0**-24 * (x.double().abs() @ w.double().abs().t())).all()
+
+
 def _fp8_weight(out_f: int, in_f: int, block: int, seed: int) -> torch.Tensor:
     """An FP8 block-scaled weight as a checkpoint's loader gives it: E4M3 values times one power of two per tile."""
     from engram_serve.engram.quantized import dequantize_blocks, quantize_blocks

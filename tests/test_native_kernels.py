@@ -106,19 +106,23 @@ def test_mhc_mix_collapse_and_expand_match_their_definition_and_a_token_alone(n,
 
 @settings(max_examples=12, deadline=None)
 @given(n=st.sampled_from([1, 7, 127, 128, 129, 300]), hc=st.sampled_from([1, 4]), dim=st.sampled_from([16, 64]),
-       seed=st.integers(0, 2**31))
-def test_hc_next_is_its_five_calls_bit_for_bit(n, hc, dim, seed):
+       seed=st.integers(0, 2**31), bf16=st.booleans())
+def test_hc_next_is_its_five_calls_bit_for_bit(n, hc, dim, seed, bf16):
     """The mHC between two sublayers in one call, tile by tile (tiles of 128 tokens, a partial last one): the bits of
-    expand, the mix weight's product (`linear`), hc_mix, collapse and rms_norm called one after the other."""
+    expand, the mix weight's product (`linear`: the float kernel, or the bfloat16 tiles for a bfloat16 weight where
+    the CPU has them), hc_mix, collapse and rms_norm called one after the other."""
     g = gen(seed)
     cfg = v41.ModelConfig.from_dict(dict(v41_small(), hc_mult=hc, hidden_size=dim))
     x, o = torch.randn(n, hc, dim, generator=g), torch.randn(n, dim, generator=g)
     post, comb, mix = torch.rand(n, hc, generator=g) * 2, torch.rand(n, hc, hc, generator=g), torch.rand(n, hc, generator=g)
     fn = (torch.randn(hc * dim, (2 + hc) * hc, generator=g) * 0.2).t()  # input-major, as loaded
+    if bf16:
+        fn = fn.to(torch.bfloat16).float()
     base, scale = torch.randn((2 + hc) * hc, generator=g), torch.rand(3, generator=g) + 0.5
     norm = v41.RMSNorm(dim, 1e-6)
     norm.weight.data = torch.randn(dim, generator=g)
     assert v41.exactness.plan(fn)[1] is not None  # the linear kernel takes the weight: the one call runs
+    assert (v41.exactness.plan(fn)[8] is not None) == (bf16 and v41.exactness.amx_supported(kernels.get("linear")))
     with torch.no_grad():
         got = v41.hc_next(o, x, post, comb, mix, fn, base, scale, norm, cfg)
         xs = fused.expand(o, x, post, comb)

@@ -50,9 +50,16 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "_kernel_math.h"
+
+#if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || defined(__GNUC__))
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 /* ---- the blocked form: panels of 16 columns, tiles of up to 6 rows (16 for a few rows) ---------------- */
 
@@ -330,65 +337,6 @@ static PyObject *py_blas_mm(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* V4.1's routed experts over their grouped rows (see the header): per expert with rows, its w1/w3 product,
- * the clamped SwiGLU, its w2 product; returns 1 if the counts exceed the rows (nothing computed). */
-CLONES static void swiglu_rows(const float *restrict h, Py_ssize_t rows, Py_ssize_t inter, float limit,
-                               float *restrict g) {
-    for (Py_ssize_t r = 0; r < rows; r++)
-        for (Py_ssize_t j = 0; j < inter; j++)
-            g[r * inter + j] = swiglu_value(h[r * 2 * inter + j], h[r * 2 * inter + inter + j], limit);
-}
-
-static int moe_experts(const float *xs, Py_ssize_t rows, const int64_t *counts, Py_ssize_t e, Py_ssize_t d,
-                       Py_ssize_t inter, const int64_t *p13, Py_ssize_t kc13, const int64_t *p2, Py_ssize_t kc2,
-                       float limit, float *h, float *g, float *ys, int simd) {
-    int64_t total = 0;
-    for (Py_ssize_t x = 0; x < e; x++) {
-        if (counts[x] < 0) return 1;
-        total += counts[x];
-    }
-    if (total > rows) return 1;
-    Py_ssize_t start = 0;
-    for (Py_ssize_t x = 0; x < e; x++) {
-        const Py_ssize_t c = (Py_ssize_t)counts[x];
-        if (!c) continue;
-        linear_packed(xs + start * d, d, (const float *)(uintptr_t)p13[x], h + start * 2 * inter, c, d, 2 * inter, kc13,
-                      simd);
-        swiglu_rows(h + start * 2 * inter, c, inter, limit, g + start * inter);
-        linear_packed(g + start * inter, inter, (const float *)(uintptr_t)p2[x], ys + start * d, c, inter, d, kc2,
-                      simd);
-        start += c;
-    }
-    return 0;
-}
-
-static PyObject *py_moe_experts(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long xa, ca, p13a, p2a, ha, ga, ya;
-    Py_ssize_t rows, e, d, inter, kc13, kc2;
-    double limit;
-    int simd;
-    if (!PyArg_ParseTuple(args, "KnKnnnKnKndKKKi", &xa, &rows, &ca, &e, &d, &inter, &p13a, &kc13, &p2a, &kc2, &limit,
-                          &ha, &ga, &ya, &simd))
-        return NULL;
-    if (rows < 0 || e < 1 || d < 1 || inter < 1 || kc13 < 1 || kc2 < 1 || !ca || !p13a || !p2a ||
-        (rows && (!xa || !ha || !ga || !ya))) {
-        PyErr_Format(PyExc_ValueError, "moe_experts: rows %zd, %zd experts, d %zd, inter %zd, kc %zd / %zd do not fit",
-                     rows, e, d, inter, kc13, kc2);
-        return NULL;
-    }
-    int bad;
-    Py_BEGIN_ALLOW_THREADS
-    bad = moe_experts((const float *)(uintptr_t)xa, rows, (const int64_t *)(uintptr_t)ca, e, d, inter,
-                      (const int64_t *)(uintptr_t)p13a, kc13, (const int64_t *)(uintptr_t)p2a, kc2, (float)limit,
-                      (float *)(uintptr_t)ha, (float *)(uintptr_t)ga, (float *)(uintptr_t)ya, simd);
-    Py_END_ALLOW_THREADS
-    if (bad) {
-        PyErr_Format(PyExc_ValueError, "moe_experts: the experts' row counts exceed the %zd rows (or one is negative)", rows);
-        return NULL;
-    }
-    Py_RETURN_NONE;
-}
-
 /* ---- FP8 panels: one row of a product whose weight is E4M3 times a power of two per block ----------------- */
 
 #define SB 64 /* input rows of a scale block of an FP8 panel */
@@ -499,6 +447,263 @@ static PyObject *py_fp8_supported(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED
     return PyBool_FromLong(fp8_supported());
 }
 
+/* ---- bf16 tiles (AMX): weights that are exactly bfloat16, inputs split in three bfloat16 pieces -------------- */
+
+/* A weight whose every value is a bfloat16 (an FP8 block-scaled one rebuilt, a BF16 checkpoint's) comes packed
+ * as [ceil(n / 32) * 2][kp / 2][16][2] bfloat16 (kp = k rounded up to 32, zero beyond k and n: the AMX layout of
+ * a tile's pairs of inputs, exactness.py `pack_bf16`). Each input x is split exactly into three bfloat16 pieces
+ * by truncation (hi = x's top 8 significant bits, mid = the next 8 of x - hi, lo = the rest: x = hi + mid + lo,
+ * a float32 having 24), so every product piece * weight is exact in float32 and y[i][j] is the sum of the 3 k
+ * exact products, accumulated by the tile unit in float32: for each block of 32 inputs in order, the hi, mid
+ * and lo pieces' dot products in that order (TDPBF16PS, whose rounding inside a block is the unit's own: the
+ * measured error is below a float32 loop's, tests/test_layers.py). A row's operations do not depend on the
+ * call's other rows or on its place in a tile (the unit computes each row of a tile alone), so a row gets the
+ * same bits in any call. Tiles: up to 32 rows (two row tiles) x 32 columns (two panels). */
+
+#define AMX_K 32       /* inputs of a tile's row: 16 pairs */
+#define AMX_ROWS 16    /* rows of a tile */
+#define AMX_BLOCK 32   /* rows split and computed together (two row tiles) */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static int amx_ok = -1; /* -1 not asked yet */
+
+/* Whether this CPU has AMX-BF16 (and the AVX-512BW of the split) and the kernel lets the process use the tile
+ * data (Linux asks for it once: arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA). */
+static int amx_supported(void) {
+#if HAVE_X86_AVX2 && defined(__linux__)
+    if (amx_ok < 0) {
+        unsigned a, b, c, d;
+        amx_ok = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) && (d & (1u << 24)) &&
+                 __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    }
+    return amx_ok;
+#else
+    return 0;
+#endif
+}
+
+#if HAVE_X86_AVX2 && defined(__linux__)
+/* rows x [r][0..k) (ldx apart) as the three pieces buf [r][3][kp] bfloat16 bits, zero from k to kp */
+__attribute__((target("avx512f,avx512bw"))) static void split3(const float *x, Py_ssize_t ldx, int r, Py_ssize_t k,
+                                                             Py_ssize_t kp, uint16_t *buf) {
+    const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27,
+                                         25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1); /* the high halves */
+    const __m512i top = _mm512_set1_epi32((int)0xffff0000);
+    for (int i = 0; i < r; i++) {
+        const float *row = x + i * ldx;
+        uint16_t *o = buf + (Py_ssize_t)i * 3 * kp;
+        for (Py_ssize_t t = 0; t < kp; t += 32) {
+            const __mmask16 m0 = t >= k ? 0 : k - t >= 16 ? 0xffff : (__mmask16)((1u << (k - t)) - 1);
+            const __mmask16 m1 = t + 16 >= k ? 0 : k - t - 16 >= 16 ? 0xffff : (__mmask16)((1u << (k - t - 16)) - 1);
+            __m512 v0 = _mm512_maskz_loadu_ps(m0, row + t), v1 = _mm512_maskz_loadu_ps(m1, row + t + 16);
+            for (int p = 0; p < 3; p++) {
+                const __m512i u0 = _mm512_castps_si512(v0), u1 = _mm512_castps_si512(v1);
+                _mm512_storeu_si512(o + p * kp + t, _mm512_permutex2var_epi16(u0, odd, u1));
+                v0 = _mm512_sub_ps(v0, _mm512_castsi512_ps(_mm512_and_si512(u0, top))); /* exact */
+                v1 = _mm512_sub_ps(v1, _mm512_castsi512_ps(_mm512_and_si512(u1, top)));
+            }
+        }
+    }
+}
+
+/* One block of r <= 32 split rows (buf [r][3][kp]) times the packed weight: y rows ldy apart, n columns. two:
+ * whether r > 16 (a second row tile: constant tile numbers need two loops). Tile config set by the caller. */
+__attribute__((target("amx-tile,amx-bf16"), always_inline)) static inline void
+amx_block(const int two, int r, const uint16_t *buf, Py_ssize_t kp, const uint16_t *wp, float *y, Py_ssize_t ldy,
+          Py_ssize_t n) {
+    const Py_ssize_t lda = 3 * kp * 2, piece = kp, second = (Py_ssize_t)AMX_ROWS * 3 * kp;
+    float part[AMX_BLOCK * 32];
+    for (Py_ssize_t n0 = 0; n0 < n; n0 += 32) {
+        const uint16_t *b0 = wp + (n0 / 16) * kp * 16, *b1 = b0 + kp * 16;
+        _tile_zero(0);
+        _tile_zero(1);
+        if (two) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+        for (Py_ssize_t k0 = 0; k0 < kp; k0 += AMX_K) {
+            _tile_loadd(6, b0 + k0 * 16, 64);
+            _tile_loadd(7, b1 + k0 * 16, 64);
+            for (int p = 0; p < 3; p++) {
+                _tile_loadd(4, buf + p * piece + k0, lda);
+                if (two) _tile_loadd(5, buf + second + p * piece + k0, lda);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                if (two) {
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+        }
+        const int full = n0 + 32 <= n;
+        float *o = full ? y + n0 : part;
+        const Py_ssize_t ldo = full ? ldy : 32;
+        _tile_stored(0, o, ldo * 4);
+        _tile_stored(1, o + 16, ldo * 4);
+        if (two) {
+            _tile_stored(2, o + AMX_ROWS * ldo, ldo * 4);
+            _tile_stored(3, o + AMX_ROWS * ldo + 16, ldo * 4);
+        }
+        if (!full)
+            for (int i = 0; i < r; i++) memcpy(y + i * ldy + n0, part + i * 32, (n - n0) * sizeof(float));
+    }
+}
+
+static __thread uint16_t *split_buf;
+static __thread size_t split_cap;
+
+/* y [m, n] = x @ w, w packed as above (checked arguments, amx_supported()); runs without the GIL. Returns 1 if
+ * the split rows' buffer cannot be had (nothing computed). */
+__attribute__((target("amx-tile,amx-bf16"))) static int linear_bf16(const float *xp, Py_ssize_t ldx,
+                                                                   const uint16_t *wp, float *yp, Py_ssize_t m,
+                                                                   Py_ssize_t k, Py_ssize_t n) {
+    const Py_ssize_t kp = (k + AMX_K - 1) / AMX_K * AMX_K;
+    const size_t need = (size_t)AMX_BLOCK * 3 * kp * sizeof(uint16_t);
+    if (need > split_cap) {
+        free(split_buf);
+        split_buf = malloc(need);
+        split_cap = split_buf ? need : 0;
+        if (!split_buf) return 1;
+    }
+    int shape = -1; /* the rows of the configured block */
+    for (Py_ssize_t i = 0; i < m; i += AMX_BLOCK) {
+        const int r = m - i < AMX_BLOCK ? (int)(m - i) : AMX_BLOCK;
+        if (r != shape) {
+            tile_config c;
+            memset(&c, 0, sizeof c);
+            c.palette = 1;
+            const int r0 = r < AMX_ROWS ? r : AMX_ROWS, r1 = r - r0;
+            c.rows[0] = c.rows[1] = c.rows[4] = (uint8_t)r0; /* C of the first row tile, its A */
+            c.rows[2] = c.rows[3] = c.rows[5] = (uint8_t)(r1 ? r1 : 1);
+            c.rows[6] = c.rows[7] = AMX_K / 2; /* B: pairs of inputs */
+            for (int t = 0; t < 8; t++) c.colsb[t] = 64;
+            _tile_loadconfig(&c);
+            shape = r;
+        }
+        split3(xp + i * ldx, ldx, r, k, kp, split_buf);
+        if (r > AMX_ROWS)
+            amx_block(1, r, split_buf, kp, wp, yp + i * n, n, n);
+        else
+            amx_block(0, r, split_buf, kp, wp, yp + i * n, n, n);
+    }
+    _tile_release();
+    return 0;
+}
+#endif
+
+#define ARGS_LINEAR_BF16 "KnKKnnn"
+
+static PyObject *py_linear_bf16(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long xa, wa, ya;
+    Py_ssize_t ldx, m, k, n;
+    if (!PyArg_ParseTuple(args, ARGS_LINEAR_BF16, &xa, &ldx, &wa, &ya, &m, &k, &n)) return NULL;
+    if (!amx_supported()) {
+        PyErr_SetString(PyExc_RuntimeError, "linear_bf16: this CPU or kernel gives no AMX-BF16 (amx_supported() is "
+                        "False)");
+        return NULL;
+    }
+    if (m < 0 || k < 1 || n < 0 || ldx < k || (m && n && (!xa || !wa || !ya))) {
+        PyErr_Format(PyExc_ValueError, "linear_bf16: m %zd, k %zd, n %zd, ldx %zd do not fit (k at least 1, ldx >= k, "
+                     "non-null addresses)", m, k, n, ldx);
+        return NULL;
+    }
+    int bad = 0;
+#if HAVE_X86_AVX2 && defined(__linux__)
+    Py_BEGIN_ALLOW_THREADS
+    if (m && n)
+        bad = linear_bf16((const float *)(uintptr_t)xa, ldx, (const uint16_t *)(uintptr_t)wa, (float *)(uintptr_t)ya, m,
+                          k, n);
+    Py_END_ALLOW_THREADS
+#endif
+    if (bad) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_amx_supported(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
+    return PyBool_FromLong(amx_supported());
+}
+
+/* V4.1's routed experts over their grouped rows (see the header): per expert with rows, its w1/w3 product,
+ * the clamped SwiGLU, its w2 product; returns 1 if the counts exceed the rows (nothing computed). */
+CLONES static void swiglu_rows(const float *restrict h, Py_ssize_t rows, Py_ssize_t inter, float limit,
+                               float *restrict g) {
+    for (Py_ssize_t r = 0; r < rows; r++)
+        for (Py_ssize_t j = 0; j < inter; j++)
+            g[r * inter + j] = swiglu_value(h[r * 2 * inter + j], h[r * 2 * inter + inter + j], limit);
+}
+
+static int moe_experts(const float *xs, Py_ssize_t rows, const int64_t *counts, Py_ssize_t e, Py_ssize_t d,
+                       Py_ssize_t inter, const int64_t *p13, Py_ssize_t kc13, const int64_t *p2, Py_ssize_t kc2,
+                       float limit, float *h, float *g, float *ys, int simd) {
+    int64_t total = 0;
+    for (Py_ssize_t x = 0; x < e; x++) {
+        if (counts[x] < 0) return 1;
+        total += counts[x];
+    }
+    if (total > rows) return 1;
+    Py_ssize_t start = 0;
+    for (Py_ssize_t x = 0; x < e; x++) {
+        const Py_ssize_t c = (Py_ssize_t)counts[x];
+        if (!c) continue;
+        if (simd == 3) {
+#if HAVE_X86_AVX2 && defined(__linux__)
+            if (linear_bf16(xs + start * d, d, (const uint16_t *)(uintptr_t)p13[x], h + start * 2 * inter, c, d,
+                            2 * inter))
+                return 2;
+            swiglu_rows(h + start * 2 * inter, c, inter, limit, g + start * inter);
+            if (linear_bf16(g + start * inter, inter, (const uint16_t *)(uintptr_t)p2[x], ys + start * d, c, inter, d))
+                return 2;
+#endif
+        } else {
+            linear_packed(xs + start * d, d, (const float *)(uintptr_t)p13[x], h + start * 2 * inter, c, d, 2 * inter,
+                          kc13, simd);
+            swiglu_rows(h + start * 2 * inter, c, inter, limit, g + start * inter);
+            linear_packed(g + start * inter, inter, (const float *)(uintptr_t)p2[x], ys + start * d, c, inter, d, kc2,
+                          simd);
+        }
+        start += c;
+    }
+    return 0;
+}
+
+static PyObject *py_moe_experts(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long xa, ca, p13a, p2a, ha, ga, ya;
+    Py_ssize_t rows, e, d, inter, kc13, kc2;
+    double limit;
+    int simd;
+    if (!PyArg_ParseTuple(args, "KnKnnnKnKndKKKi", &xa, &rows, &ca, &e, &d, &inter, &p13a, &kc13, &p2a, &kc2, &limit,
+                          &ha, &ga, &ya, &simd))
+        return NULL;
+    if (rows < 0 || e < 1 || d < 1 || inter < 1 || kc13 < 1 || kc2 < 1 || !ca || !p13a || !p2a ||
+        (rows && (!xa || !ha || !ga || !ya))) {
+        PyErr_Format(PyExc_ValueError, "moe_experts: rows %zd, %zd experts, d %zd, inter %zd, kc %zd / %zd do not fit",
+                     rows, e, d, inter, kc13, kc2);
+        return NULL;
+    }
+    if (simd == 3 && !amx_supported()) {
+        PyErr_SetString(PyExc_RuntimeError, "moe_experts: simd 3 (bfloat16 tiles) needs amx_supported()");
+        return NULL;
+    }
+    int bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = moe_experts((const float *)(uintptr_t)xa, rows, (const int64_t *)(uintptr_t)ca, e, d, inter,
+                      (const int64_t *)(uintptr_t)p13a, kc13, (const int64_t *)(uintptr_t)p2a, kc2, (float)limit,
+                      (float *)(uintptr_t)ha, (float *)(uintptr_t)ga, (float *)(uintptr_t)ya, simd);
+    Py_END_ALLOW_THREADS
+    if (bad == 2) return PyErr_NoMemory();
+    if (bad) {
+        PyErr_Format(PyExc_ValueError, "moe_experts: the experts' row counts exceed the %zd rows (or one is negative)", rows);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 /* ---- raw entries (see _token_kernel.c `raw_kernels`): a replay's call from its arguments as 64-bit slots ---- */
 #define SN(i) ((Py_ssize_t)(int64_t)a[i])
 
@@ -506,6 +711,13 @@ static void raw_linear_packed(const uint64_t *a) {
     linear_packed((const float *)(uintptr_t)a[0], SN(1), (const float *)(uintptr_t)a[2], (float *)(uintptr_t)a[3], SN(4),
                   SN(5), SN(6), SN(7), (int)a[8]);
 }
+
+#if HAVE_X86_AVX2 && defined(__linux__)
+static void raw_linear_bf16(const uint64_t *a) {
+    linear_bf16((const float *)(uintptr_t)a[0], SN(1), (const uint16_t *)(uintptr_t)a[2], (float *)(uintptr_t)a[3],
+                SN(4), SN(5), SN(6));
+}
+#endif
 
 #if HAVE_X86_AVX2
 static void raw_linear_fp8(const uint64_t *a) {
@@ -521,6 +733,13 @@ static PyObject *py_raw_kernels(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(a
     if (out && fp8_supported()) {
         PyObject *v = Py_BuildValue("(sN)", ARGS_LINEAR_FP8, PyLong_FromVoidPtr((void *)(uintptr_t)raw_linear_fp8));
         if (!v || PyDict_SetItemString(out, "linear_fp8", v) < 0) Py_CLEAR(out);
+        Py_XDECREF(v);
+    }
+#endif
+#if HAVE_X86_AVX2 && defined(__linux__)
+    if (out && amx_supported()) {
+        PyObject *v = Py_BuildValue("(sN)", ARGS_LINEAR_BF16, PyLong_FromVoidPtr((void *)(uintptr_t)raw_linear_bf16));
+        if (!v || PyDict_SetItemString(out, "linear_bf16", v) < 0) Py_CLEAR(out);
         Py_XDECREF(v);
     }
 #endif
@@ -564,6 +783,11 @@ static PyMethodDef methods[] = {
      "linear_fp8(x, ldx, fp8, scales, y, m, k, n, kc) -> None: linear_packed's product, row by row, of a weight "
      "packed as E4M3 bytes [ceil(n / 16), k, 16] with scales [ceil(n / 16), ceil(k / 64)] float32 (2^(s + 8)): the "
      "same bits (AVX-512 CPUs only)."},
+    {"linear_bf16", py_linear_bf16, METH_VARARGS,
+     "linear_bf16(x, ldx, w, y, m, k, n) -> None: y [m, n] = x @ w on AMX tiles, w every value a bfloat16 packed as "
+     "[ceil(n / 32) * 2, ceil(k / 32) * 16, 16, 2] bfloat16, x split exactly in three bfloat16 pieces (AMX CPUs only)."},
+    {"amx_supported", py_amx_supported, METH_NOARGS,
+     "amx_supported() -> whether linear_bf16 runs here (AMX-BF16, AVX-512BW, the tile data granted by the kernel)."},
     {"fp8_supported", py_fp8_supported, METH_NOARGS, "fp8_supported() -> whether linear_fp8 runs on this CPU."},
     {"raw_kernels", py_raw_kernels, METH_NOARGS,
      "raw_kernels() -> {name: (format, raw entry address)}: the kernels a CPU graph's replay runs from 64-bit slots."},

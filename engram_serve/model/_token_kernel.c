@@ -22,7 +22,7 @@
  *           out, pre, post2, comb2, h, mm, y): between two sublayers, out = expand(o, x, post, comb); the next
  *     sublayer's mix (pre, post2, comb2) = hc_mix(out, mm, ...) with mm = out . fn, the product of the linear
  *     kernel's raw entry `matmul` (its `raw_kernels()["linear_packed"]`) over fn's packed panels at block size
- *     kc; its input h [n, dim] = rms_norm(collapse(out, mix), norm_w, norm_eps). The same calls as those five,
+ *     kc, or `linear_bf16`'s over fn's bfloat16 tiles (its slots are the first seven); its input h [n, dim] = rms_norm(collapse(out, mix), norm_w, norm_eps). The same calls as those five,
  *     made on HC_TILE tokens at a time, whose streams are read back from L2: the same bits. mm
  *     [min(n, HC_TILE), (2 + hc) hc] and y [min(n, HC_TILE), dim] are scratch.
  * Norm and rotary:

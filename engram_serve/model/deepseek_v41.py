@@ -179,10 +179,11 @@ def hc_next(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Te
     One C call over tiles of tokens where the linear kernel takes fn (the same bits as the calls below)."""
     if kernels.get("linear") is not None and fused.runs_in_c(o, x, post, comb, mix, fn, norm.weight) \
             and exactness.rules_on():
-        _, kc, panels, *_ = exactness.plan(fn)
-        if kc is not None:
-            return fused.hc_next(o, x, post, comb, mix, panels, kc, scale, base, cfg.rms_norm_eps, cfg.hc_eps,
-                                 cfg.hc_sinkhorn_iters, norm.weight, norm.eps)
+        _, kc, panels, *_, tiles = exactness.plan(fn)
+        if tiles is not None or kc is not None:  # (fn's product as `linear` computes it)
+            return fused.hc_next(o, x, post, comb, mix, panels if tiles is None else tiles, kc or 1, scale, base,
+                                 cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, norm.weight, norm.eps,
+                                 tiles is not None)
     x = expand(o, x, post, comb)
     return x, hyper_mix(x, fn, base, scale, cfg), norm(collapse(x, mix))
 
@@ -527,7 +528,7 @@ class MoE(nn.Module):
         expert with rows, after a host read of the counts."""
         panels = self._expert_panels(xs, counts)
         if panels is not None:
-            return exactness.moe_experts(xs, counts, *panels[:4], self.inter, self.cfg.swiglu_limit)
+            return exactness.moe_experts(xs, counts, *panels[:4], self.inter, self.cfg.swiglu_limit, panels[5])
         capture.refuse("the MoE reads its expert counts on the host")
         parts, start = [], 0
         for e, c in enumerate(counts.tolist()):  # one host read
@@ -537,8 +538,8 @@ class MoE(nn.Module):
         return fused.cat_rows(parts) if parts else xs
 
     def _expert_panels(self, xs: torch.Tensor, counts: torch.Tensor) -> tuple | None:
-        """(w13 panel addresses [E] int64, kc13, w2 panel addresses, kc2, the plans kept alive) where the C matmul
-        takes every expert's product (model/exactness.py: the rules on, a probed kc, float32 CPU rows, no
+        """(w13 panel addresses [E] int64, kc13, w2 panel addresses, kc2, the plans kept alive, whether the panels
+        are bfloat16 tiles) where the C matmul takes every expert's product (model/exactness.py: the rules on, a probed kc, float32 CPU rows, no
         autograd) and the SwiGLU takes its C form, else None. Cached per weight version."""
         w13, w2 = self.w13, self.w2
         if not (exactness.rules_on() and fused.runs_in_c(xs, w13, w2) and xs.is_contiguous() and counts.is_cpu):
@@ -548,10 +549,13 @@ class MoE(nn.Module):
         if cached is None or cached[0] != key:
             plans13 = [exactness.plan(w13[e]) for e in range(w13.shape[0])]
             plans2 = [exactness.plan(w2[e]) for e in range(w2.shape[0])]
-            ok = all(p[1] is not None for p in plans13 + plans2)
+            tiles = all(p[8] is not None for p in plans13 + plans2)  # every expert on the bfloat16 tiles
+            at = 8 if tiles else 2
+            ok = tiles or all(p[1] is not None for p in plans13 + plans2)
             panels = None if not ok else (
-                torch.tensor([p[2].data_ptr() for p in plans13], dtype=torch.int64), plans13[0][1],
-                torch.tensor([p[2].data_ptr() for p in plans2], dtype=torch.int64), plans2[0][1], plans13 + plans2)
+                torch.tensor([p[at].data_ptr() for p in plans13], dtype=torch.int64), plans13[0][1] or 1,
+                torch.tensor([p[at].data_ptr() for p in plans2], dtype=torch.int64), plans2[0][1] or 1,
+                plans13 + plans2, tiles)
             self._panels = cached = (key, panels)
         return cached[1]
 

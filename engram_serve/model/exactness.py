@@ -55,8 +55,10 @@ MIN_ROWS = 4  # the rule off the CPU (not measured there)
 PROBE_REF, PROBE_MAX = 512, 96
 PANEL = 16  # columns per packed panel of the linear kernel
 FP8_BLOCK = 64  # input rows per scale of an FP8 panel (the kernel's SB)
+AMX_K = 32  # inputs per bfloat16 tile row of the linear kernel (`pack_bf16`)
 FP8_ROWS = 1  # calls of at most this many rows read a weight's FP8 panels where it has them
 fp8_check = True  # a protection a test turns off (negative control): FP8 panels only for weights they give exactly
+bf16_check = True  # the same for bfloat16 tiles (`pack_bf16`)
 VEC_PAD = 64
 _exact = True  # the rules of this module are on; `batch_invariant(False)` turns them off
 _min_rows: dict[tuple, int] = {}
@@ -249,6 +251,35 @@ def pack_fp8(wt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return q, torch.exp2(e + 8).float().contiguous()
 
 
+def pack_bf16(wt: torch.Tensor) -> torch.Tensor | None:
+    """wt [in, out] as the linear kernel's bfloat16 tiles where every weight is a bfloat16 value (an FP8 block-scaled
+    weight rebuilt, a BF16 checkpoint's): [ceil(out / 32) * 2, ceil(in / 32) * 16, 16, 2] bfloat16 bits as int16
+    (pairs of inputs, 16 columns a panel, zero beyond in and out), from which `linear_bf16` reads them exactly. None
+    for any other weight (the check is bit for bit)."""
+    k, n = wt.shape
+    b = wt.to(torch.bfloat16)
+    if bf16_check and not torch.equal(b.float().view(torch.int32), wt.float().view(torch.int32)):
+        return None
+    kp, np_ = -(-k // AMX_K) * AMX_K, -(-n // (2 * PANEL)) * 2 * PANEL
+    b = F.pad(b.view(torch.int16), (0, np_ - n, 0, kp - k))  # [kp, np]
+    return b.view(kp // 2, 2, np_ // PANEL, PANEL).permute(2, 0, 3, 1).contiguous()
+
+
+def matmul_bf16(x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor:
+    """x [m, in] @ the weight of `pack_bf16` tiles -> [m, n] on the CPU's tile unit (`amx_supported`; the caller
+    checked as for `matmul_kernel`)."""
+    m, k = x.shape
+    y = torch.empty(m, n)
+    capture.call(kernels.get("linear").linear_bf16, x.data_ptr(), x.stride(0) if m > 1 else k, tiles.data_ptr(),
+                 y.data_ptr(), m, k, n)
+    return y
+
+
+@functools.cache
+def amx_supported(linear_kernel) -> bool:
+    return linear_kernel is not None and linear_kernel.amx_supported()
+
+
 def matmul_fp8(x: torch.Tensor, fp8: tuple[torch.Tensor, torch.Tensor], n: int, kc: int) -> torch.Tensor:
     """`matmul_kernel(x, panels, n, kc)` from the weight's FP8 panels (`pack_fp8`): the same bits, a quarter of the
     weight's bytes read (the same caller guarantees; `fp8_supported()` checked)."""
@@ -277,16 +308,18 @@ def matmul_kernel(x: torch.Tensor, panels: torch.Tensor, n: int, kc: int, simd: 
 
 
 def moe_experts(xs: torch.Tensor, counts: torch.Tensor, panels13: torch.Tensor, kc13: int, panels2: torch.Tensor,
-                kc2: int, inter: int, limit: float) -> torch.Tensor:
+                kc2: int, inter: int, limit: float, tiles: bool = False) -> torch.Tensor:
     """V4.1's routed experts in one linear-kernel call (loaded: the caller checked): xs [P, D] the pairs grouped
     by expert, counts [E] int64 their rows per expert, panels13 / panels2 [E] int64 the addresses of each
     expert's packed w13 [2I, D] / w2 [D, I] (kc13, kc2 their probed block sizes) -> ys [P, D], the rows of
     `linear(swiglu(linear(rows, w13[e]), inter, limit), w2[e])` per expert: the same products and SwiGLU, so
-    the same bits as those calls, without a host read of the counts."""
+    the same bits as those calls, without a host read of the counts. tiles: the addresses are of `pack_bf16` tiles,
+    multiplied by `linear_bf16` (kc13 and kc2 unused)."""
     p, d = xs.shape
     h, g, ys = torch.empty(p, 2 * inter), torch.empty(p, inter), torch.empty(p, d)
     capture.call(kernels.get("linear").moe_experts, xs.data_ptr(), p, counts.data_ptr(), counts.shape[0], d, inter,
-                 panels13.data_ptr(), kc13, panels2.data_ptr(), kc2, limit, h.data_ptr(), g.data_ptr(), ys.data_ptr(), 2)
+                 panels13.data_ptr(), kc13, panels2.data_ptr(), kc2, limit, h.data_ptr(), g.data_ptr(), ys.data_ptr(),
+                 3 if tiles else 2)
     return ys
 
 
@@ -310,8 +343,10 @@ def plan(weight: torch.Tensor) -> tuple:
         kc = small_call_kc(weight)
         positional = kc is None and position_dependent(weight)
         fp8 = pack_fp8(weight.detach().t()) if kc and fp8_supported(kernels.get("linear")) else None
+        bf16 = pack_bf16(weight.detach().t()) if weight.dtype == torch.float32 and weight.dim() == 2 and \
+            weight.device.type == "cpu" and amx_supported(kernels.get("linear")) else None
         p = _plans[key] = (min_rows(weight), kc, pack_panels(weight.detach().t()) if kc else None, fp8, weight,
-                           weight._version, positional, kc is None and not positional and blas_matches(weight))
+                           weight._version, positional, kc is None and not positional and blas_matches(weight), bf16)
     return p
 
 
@@ -331,7 +366,8 @@ def kernel_takes(x2: torch.Tensor, weight: torch.Tensor, kc: int | None) -> bool
 def pad_rows(weights: Iterable[torch.Tensor]) -> int:
     """The token count a microbatch is padded to so that no matmul by these weights (layers.py
     `matmul_weights` of a model) pads its call."""
-    return max((1 if small_call_kc(w) else min_rows(w) for w in weights), default=MIN_ROWS)
+    return max((1 if small_call_kc(w) or (rules_on() and plan(w)[8] is not None) else min_rows(w) for w in weights),
+               default=MIN_ROWS)
 
 
 def pointwise(fn, x: torch.Tensor) -> torch.Tensor:

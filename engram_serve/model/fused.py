@@ -150,10 +150,11 @@ def hc_mix(x: torch.Tensor, mm: torch.Tensor, scale: torch.Tensor, base: torch.T
 
 def hc_next(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, mix: torch.Tensor,
             panels: torch.Tensor, kc: int, scale: torch.Tensor, base: torch.Tensor, eps: float, hc_eps: float,
-            iters: int, norm_w: torch.Tensor, norm_eps: float):
+            iters: int, norm_w: torch.Tensor, norm_eps: float, tiles: bool = False):
     """(x' = expand(o, x, post, comb), hc_mix(x', x' . fn) as (pre, post, comb), rms_norm(collapse(x', mix))) in one
     call, tile by tile (the kernel's header); fn's product through the linear kernel (loaded: the caller checked)
-    over its packed panels at block size kc."""
+    over its packed panels at block size kc, or over its bfloat16 tiles (`tiles`: exactness.pack_bf16) by
+    `linear_bf16`."""
     n, hc, d = x.shape
     o, x, post, comb, mix, scale, base, norm_w = (_c(t) for t in (o, x, post, comb, mix, scale, base, norm_w))
     out, pre, post2, comb2, h = torch.empty(n, hc, d), torch.empty(n, hc), torch.empty(n, hc), torch.empty(n, hc, hc), \
@@ -161,16 +162,17 @@ def hc_next(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Te
     tile = min(n, _kernel().HC_TILE)
     mm, y = torch.empty(tile, (2 + hc) * hc), torch.empty(tile, d)  # scratch
     capture.call(_kernel().hc_next, o.data_ptr(), x.data_ptr(), post.data_ptr(), comb.data_ptr(), mix.data_ptr(), n, hc,
-                 d, _matmul_entry(kernels.get("linear")), panels.data_ptr(), kc, scale.data_ptr(), base.data_ptr(), eps,
+                 d, _matmul_entry(kernels.get("linear"), tiles), panels.data_ptr(), kc, scale.data_ptr(), base.data_ptr(), eps,
                  hc_eps, iters, norm_w.data_ptr(), norm_eps, out.data_ptr(), pre.data_ptr(), post2.data_ptr(),
                  comb2.data_ptr(), h.data_ptr(), mm.data_ptr(), y.data_ptr())
     return out, (pre, post2, comb2), h
 
 
 @functools.cache
-def _matmul_entry(linear_kernel) -> int:
-    """The address of the linear kernel's raw `linear_packed` entry (what hc_next calls per tile)."""
-    return linear_kernel.raw_kernels()["linear_packed"][1]
+def _matmul_entry(linear_kernel, tiles: bool) -> int:
+    """The address of the linear kernel's raw `linear_packed` entry, or `linear_bf16`'s (whose seven slots are the
+    first seven of linear_packed's): what hc_next calls per tile."""
+    return linear_kernel.raw_kernels()["linear_bf16" if tiles else "linear_packed"][1]
 
 
 def collapse(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:

@@ -25,9 +25,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     (torch's bits, a recordable kernel call); a 2-D input needs no reshape."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     n = x2.shape[0]
-    m, kc, panels, fp8, _, _, positional, blas = exactness.plan(weight) if exactness.rules_on() else \
-        (0, None, None, None, 0, 0, False, False)
-    if exactness.kernel_takes(x2, weight, kc):
+    m, kc, panels, fp8, _, _, positional, blas, bf16 = exactness.plan(weight) if exactness.rules_on() else \
+        (0, None, None, None, 0, 0, False, False, None)
+    if bf16 is not None and exactness.kernel_takes(x2, weight, 1):
+        y = exactness.matmul_bf16(x2, bf16, weight.shape[0])
+    elif exactness.kernel_takes(x2, weight, kc):
         y = exactness.matmul_fp8(x2, fp8, weight.shape[0], kc) if fp8 is not None and n <= exactness.FP8_ROWS \
             else exactness.matmul_kernel(x2, panels, weight.shape[0], kc)
     elif positional:

@@ -19,7 +19,8 @@ What gets no gradient: the indexers' weights (the top-k is a hard choice; as NeM
 indexer frozen, they stay at their random init, and the selection they make is part of the model) and the
 router biases `ffn.gate.bias` (they only choose experts; DeepSeek balances them with an update rule this
 run does not use: they stay 0). The checkpoint is written in the official layout (model/writer.py):
-FP8 block-scaled linears, FP8 Engram tables, routed experts as `expert_format` says; its held-out loss
+FP8 block-scaled linears, FP8 Engram tables, routed experts as `expert_format` says, the other matrices
+in BF16 (as published; bfloat16 weights are what the linear kernel's tiles take); its held-out loss
 is measured again after re-loading, so the report states what the rounding costs.
 
 Ablation (on by default): (a) the Engram model; (b) the same budget (steps, batch, length, seed,
@@ -84,7 +85,7 @@ class TrainSettings:
     heldout_pct: float = DEFAULT_HELDOUT_PCT
     max_files: int | None = None  # first N files of the sorted list (smoke tests only)
     init_std: float = 0.05  # matrices' init (model/deepseek_v41.py init_weights)
-    expert_format: str | None = None  # the shipped routed experts: None (float32), "fp4" (MXFP4) or "fp8"
+    expert_format: str | None = None  # the shipped routed experts: None (BF16), "fp4" (MXFP4) or "fp8"
 
 
 # ---- data --------------------------------------------------------------------------------------
@@ -455,7 +456,7 @@ def train(out_dir: str | Path, settings: TrainSettings | None = None, *, ablatio
     text = flatten_config(read_json(config_path))
     text = {k: v for k, v in text.items() if k not in ("architectures", "quantization_config", "vision_config")}
     out = save_v41_checkpoint(out_dir, text, model, tables.export(), tokenizer_path,
-                              Quant(experts=s.expert_format), shard_bytes=1 << 30)
+                              Quant(experts=s.expert_format, bf16=True), shard_bytes=1 << 30)
     lm = load_model(out)  # the same checks as any user checkpoint
     loaded = evaluate_loaded(lm, corpus.heldout, s.batch_size)  # the rounding of the stored form included
     sample = greedy_sample(lm, sample_prompt) if sample_prompt else ""
@@ -563,8 +564,9 @@ def report_markdown(report: TrainReport) -> str:
                      f"({100 * (b.params['total'] / e.params['total'] - 1):+.2f}%) | {b.final_heldout:.4f} |")
     if report.zeroed_heldout is not None:
         lines.append(f"| (c) model (a), Engram output zeroed | (same as a) | {report.zeroed_heldout:.4f} |")
-    q = report.settings.expert_format or "float32"
-    lines += ["", f"The shipped checkpoint (FP8 block-scaled linears and Engram tables, routed experts in {q}), "
+    q = report.settings.expert_format or "BF16"
+    lines += ["", f"The shipped checkpoint (FP8 block-scaled linears and Engram tables, routed experts in {q}, the "
+              "other matrices in BF16), "
               f"re-loaded with `load_model`, scores {report.loaded_heldout:.4f} on the same set: the rounding costs "
               f"{report.loaded_heldout - e.final_heldout:+.4f} nats.", ""]
     if b is not None:

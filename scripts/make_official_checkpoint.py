@@ -8,13 +8,16 @@
 
 Official names and dtypes (docs/deepseek_v41.md): FP8 E4M3 linears with one E8M0 scale per 32x32 block,
 routed experts in MXFP4 (`--experts fp8|float` for the other forms), FP8 Engram tables (E8M0 scale per
-32 columns), the rest float32. The default model is the published V4.1-Flash structure scaled down
+32 columns), the other matrices in BF16 with `--bf16` (as published) or float32, vectors float32. The default model is the published V4.1-Flash structure scaled down
 (engram_serve.model.writer.SMALL_TEXT_CONFIG: window-only, ratio-2 and ratio-1 layers, kv, index and
 candidate sources, Engram on two layers, mHC with 4 streams, 4 experts + a shared expert) with random
 weights and the built-in tokenizer; `--config` takes another text config (a config.json, nested or flat).
 
     python scripts/make_official_checkpoint.py --out DIR [--seed 0] [--shard-mib 0.25] [--experts fp4]
     python scripts/make_official_checkpoint.py --out DIR --from CHECKPOINT_DIR   # re-write a checkpoint
+
+The built-in model (engram_serve/data/tiny) is its trained checkpoint re-written with
+`--from <it> --experts float --bf16 --shard-mib 1024`.
 
 Deterministic: same arguments, same bytes.
 """
@@ -41,10 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard-mib", type=float, default=0.25, help="shard size limit in MiB (default 0.25)")
     p.add_argument("--experts", choices=("fp4", "fp8", "float"), default="fp4", help="routed experts (default fp4)")
+    p.add_argument("--bf16", action="store_true", help="store the other matrices in BF16 (default float32)")
     p.add_argument("--config", type=Path, default=None, help="a text config (config.json) instead of the small one")
     p.add_argument("--from", dest="src", type=Path, default=None, help="re-write this checkpoint directory instead")
     args = p.parse_args(argv)
-    quant = Quant(experts=None if args.experts == "float" else args.experts)
+    quant = Quant(experts=None if args.experts == "float" else args.experts, bf16=args.bf16)
     shard = int(args.shard_mib * 2**20)
     if args.src is not None:
         loaded = load_model(args.src, pin_tables=False)

@@ -9,8 +9,9 @@
 Official names throughout (docs/deepseek_v41.md). Quantized as published where asked (`Quant`):
 FP8 E4M3 with one E8M0 scale per 32x32 block for the attention, indexer-query, shared-expert and
 Engram `wkv` linears; the routed experts in MXFP4 (or FP8 blocks, or float); the Engram tables as FP8
-rows with one E8M0 scale per 32 columns. Everything else (norms, mHC, sinks, router, compressor,
-indexer keys and weights, embeddings, head) stays float32. Deterministic: same inputs, same bytes.
+rows with one E8M0 scale per 32 columns. The other matrices (router, compressor, indexer keys and weights,
+mHC, embeddings, head, float experts) in BF16 where asked, as the published checkpoints store them, else
+float32; vectors (norms, sinks, biases, mHC bases and scales) float32. Deterministic: same inputs, same bytes.
 """
 from __future__ import annotations
 
@@ -36,11 +37,12 @@ EXPERTS = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
 @dataclass(frozen=True)
 class Quant:
     """What is stored quantized: `linears` FP8 blocks; `experts` "fp4" (MXFP4), "fp8" or None (float);
-    `tables` FP8 rows."""
+    `tables` FP8 rows; `bf16` the other matrices in BF16 (else float32)."""
 
     linears: bool = True
     experts: str | None = "fp4"
     tables: bool = True
+    bf16: bool = False
 
     def config(self) -> dict:
         """The published `quantization_config` for this choice ({} when nothing is quantized)."""
@@ -83,7 +85,7 @@ def official_tensors(model, tables: EngramTables | None, quant: Quant) -> dict[s
         elif (EXPERTS.fullmatch(name) and quant.experts == "fp8") or (FP8_LINEARS.fullmatch(name) and quant.linears):
             stored[name], stored[base + ".scale"] = quantize_blocks(t, FP8_BLOCK)
         else:
-            stored[name] = t
+            stored[name] = t.to(torch.bfloat16) if quant.bf16 and t.dim() >= 2 else t
     return stored
 
 

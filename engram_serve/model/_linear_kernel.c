@@ -472,14 +472,14 @@ typedef struct {
 
 static int amx_ok = -1; /* -1 not asked yet */
 
-/* Whether this CPU has AMX-BF16 (and the AVX-512BW of the split) and the kernel lets the process use the tile
+/* Whether this CPU has AMX-BF16 (and the AVX-512 of the split) and the kernel lets the process use the tile
  * data (Linux asks for it once: arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA). */
 static int amx_supported(void) {
 #if HAVE_X86_AVX2 && defined(__linux__)
     if (amx_ok < 0) {
         unsigned a, b, c, d;
         amx_ok = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) && (d & (1u << 24)) &&
-                 __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512f") &&
                  syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
     }
     return amx_ok;
@@ -489,24 +489,30 @@ static int amx_supported(void) {
 }
 
 #if HAVE_X86_AVX2 && defined(__linux__)
-/* rows x [r][0..k) (ldx apart) as the three pieces buf [r][3][kp] bfloat16 bits, zero from k to kp */
-__attribute__((target("avx512f,avx512bw"))) static void split3(const float *x, Py_ssize_t ldx, int r, Py_ssize_t k,
-                                                             Py_ssize_t kp, uint16_t *buf) {
-    const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27,
-                                         25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1); /* the high halves */
+/* rows x [r][0..k) (ldx apart) as the three pieces buf [r][3][kp] bfloat16 bits, zero from k to kp; within each
+ * block of 32 inputs, pair j (a 32-bit lane of the tile's row) holds inputs j and j + 16 (the weight's tiles pair
+ * them alike), so a piece is the top halves of two vectors' lanes put side by side: no shuffle */
+__attribute__((target("avx512f"))) static void split3(const float *x, Py_ssize_t ldx, int r, Py_ssize_t k,
+                                                   Py_ssize_t kp, uint16_t *buf) {
     const __m512i top = _mm512_set1_epi32((int)0xffff0000);
     for (int i = 0; i < r; i++) {
         const float *row = x + i * ldx;
         uint16_t *o = buf + (Py_ssize_t)i * 3 * kp;
         for (Py_ssize_t t = 0; t < kp; t += 32) {
-            const __mmask16 m0 = t >= k ? 0 : k - t >= 16 ? 0xffff : (__mmask16)((1u << (k - t)) - 1);
-            const __mmask16 m1 = t + 16 >= k ? 0 : k - t - 16 >= 16 ? 0xffff : (__mmask16)((1u << (k - t - 16)) - 1);
-            __m512 v0 = _mm512_maskz_loadu_ps(m0, row + t), v1 = _mm512_maskz_loadu_ps(m1, row + t + 16);
+            __m512 v0, v1;
+            if (t + 32 <= k) {
+                v0 = _mm512_loadu_ps(row + t), v1 = _mm512_loadu_ps(row + t + 16);
+            } else {
+                const __mmask16 m0 = t >= k ? 0 : k - t >= 16 ? 0xffff : (__mmask16)((1u << (k - t)) - 1);
+                const __mmask16 m1 = t + 16 >= k ? 0 : (__mmask16)((1u << (k - t - 16)) - 1);
+                v0 = _mm512_maskz_loadu_ps(m0, row + t), v1 = _mm512_maskz_loadu_ps(m1, row + t + 16);
+            }
             for (int p = 0; p < 3; p++) {
-                const __m512i u0 = _mm512_castps_si512(v0), u1 = _mm512_castps_si512(v1);
-                _mm512_storeu_si512(o + p * kp + t, _mm512_permutex2var_epi16(u0, odd, u1));
-                v0 = _mm512_sub_ps(v0, _mm512_castsi512_ps(_mm512_and_si512(u0, top))); /* exact */
-                v1 = _mm512_sub_ps(v1, _mm512_castsi512_ps(_mm512_and_si512(u1, top)));
+                const __m512i h0 = _mm512_and_si512(_mm512_castps_si512(v0), top);
+                const __m512i h1 = _mm512_and_si512(_mm512_castps_si512(v1), top);
+                _mm512_storeu_si512(o + p * kp + t, _mm512_or_si512(_mm512_srli_epi32(h0, 16), h1));
+                v0 = _mm512_sub_ps(v0, _mm512_castsi512_ps(h0)); /* exact */
+                v1 = _mm512_sub_ps(v1, _mm512_castsi512_ps(h1));
             }
         }
     }
@@ -787,7 +793,7 @@ static PyMethodDef methods[] = {
      "linear_bf16(x, ldx, w, y, m, k, n) -> None: y [m, n] = x @ w on AMX tiles, w every value a bfloat16 packed as "
      "[ceil(n / 32) * 2, ceil(k / 32) * 16, 16, 2] bfloat16, x split exactly in three bfloat16 pieces (AMX CPUs only)."},
     {"amx_supported", py_amx_supported, METH_NOARGS,
-     "amx_supported() -> whether linear_bf16 runs here (AMX-BF16, AVX-512BW, the tile data granted by the kernel)."},
+     "amx_supported() -> whether linear_bf16 runs here (AMX-BF16, AVX-512, the tile data granted by the kernel)."},
     {"fp8_supported", py_fp8_supported, METH_NOARGS, "fp8_supported() -> whether linear_fp8 runs on this CPU."},
     {"raw_kernels", py_raw_kernels, METH_NOARGS,
      "raw_kernels() -> {name: (format, raw entry address)}: the kernels a CPU graph's replay runs from 64-bit slots."},

@@ -254,7 +254,8 @@ def pack_fp8(wt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 def pack_bf16(wt: torch.Tensor) -> torch.Tensor | None:
     """wt [in, out] as the linear kernel's bfloat16 tiles where every weight is a bfloat16 value (an FP8 block-scaled
     weight rebuilt, a BF16 checkpoint's): [ceil(out / 32) * 2, ceil(in / 32) * 16, 16, 2] bfloat16 bits as int16
-    (pairs of inputs, 16 columns a panel, zero beyond in and out), from which `linear_bf16` reads them exactly. None
+    (pairs of inputs j and j + 16 of each block of 32, 16 columns a panel, zero beyond in and out), from which
+    `linear_bf16` reads them exactly. None
     for any other weight (the check is bit for bit)."""
     k, n = wt.shape
     b = wt.to(torch.bfloat16)
@@ -262,7 +263,9 @@ def pack_bf16(wt: torch.Tensor) -> torch.Tensor | None:
         return None
     kp, np_ = -(-k // AMX_K) * AMX_K, -(-n // (2 * PANEL)) * 2 * PANEL
     b = F.pad(b.view(torch.int16), (0, np_ - n, 0, kp - k))  # [kp, np]
-    return b.view(kp // 2, 2, np_ // PANEL, PANEL).permute(2, 0, 3, 1).contiguous()
+    half = AMX_K // 2  # pair j of a block of AMX_K inputs: inputs j and j + half (the kernel's split)
+    return b.view(kp // AMX_K, 2, half, np_ // PANEL, PANEL).permute(3, 0, 2, 4, 1).reshape(
+        np_ // PANEL, kp // 2, PANEL, 2).contiguous()
 
 
 def matmul_bf16(x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor:

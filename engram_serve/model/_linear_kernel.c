@@ -518,13 +518,19 @@ __attribute__((target("avx512f"))) static void split3(const float *x, Py_ssize_t
     }
 }
 
-/* One block of r <= 32 split rows (buf [r][3][kp]) times the packed weight: y rows ldy apart, n columns. two:
- * whether r > 16 (a second row tile: constant tile numbers need two loops). Tile config set by the caller. */
+/* One block of r <= 32 rows x (ldx apart) times the packed weight: y rows ldy apart, n columns. two: whether r > 16 (a
+ * second row tile: constant tile numbers need two loops). The rows are split into buf: all their inputs first where
+ * the block has several column pairs (each pair reuses the split), or, for one pair (n <= 32), each block of 32
+ * inputs into one half of buf while the products of the block before run on the other (buf stays in L1). Either way every output gets the same tile operations in the
+ * same order. Tile config set by the caller. */
 __attribute__((target("amx-tile,amx-bf16"), always_inline)) static inline void
-amx_block(const int two, int r, const uint16_t *buf, Py_ssize_t kp, const uint16_t *wp, float *y, Py_ssize_t ldy,
-          Py_ssize_t n) {
-    const Py_ssize_t lda = 3 * kp * 2, piece = kp, second = (Py_ssize_t)AMX_ROWS * 3 * kp;
+amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py_ssize_t kp, uint16_t *buf,
+          const uint16_t *wp, float *y, Py_ssize_t ldy, Py_ssize_t n) {
+    const int narrow = n <= 32;
+    const Py_ssize_t bk = narrow ? AMX_K : kp; /* inputs of a piece of a row in buf */
+    const Py_ssize_t lda = 3 * bk * 2, second = (Py_ssize_t)AMX_ROWS * 3 * bk;
     float part[AMX_BLOCK * 32];
+    if (!narrow) split3(x, ldx, r, k, kp, buf);
     for (Py_ssize_t n0 = 0; n0 < n; n0 += 32) {
         const uint16_t *b0 = wp + (n0 / 16) * kp * 16, *b1 = b0 + kp * 16;
         _tile_zero(0);
@@ -533,12 +539,14 @@ amx_block(const int two, int r, const uint16_t *buf, Py_ssize_t kp, const uint16
             _tile_zero(2);
             _tile_zero(3);
         }
+        if (narrow) split3(x, ldx, r, k < AMX_K ? k : AMX_K, AMX_K, buf);
         for (Py_ssize_t k0 = 0; k0 < kp; k0 += AMX_K) {
+            const uint16_t *a = narrow ? buf + (k0 / AMX_K % 2) * AMX_BLOCK * 3 * AMX_K : buf + k0;
             _tile_loadd(6, b0 + k0 * 16, 64);
             _tile_loadd(7, b1 + k0 * 16, 64);
             for (int p = 0; p < 3; p++) {
-                _tile_loadd(4, buf + p * piece + k0, lda);
-                if (two) _tile_loadd(5, buf + second + p * piece + k0, lda);
+                _tile_loadd(4, a + p * bk, lda);
+                if (two) _tile_loadd(5, a + second + p * bk, lda);
                 _tile_dpbf16ps(0, 4, 6);
                 _tile_dpbf16ps(1, 4, 7);
                 if (two) {
@@ -546,6 +554,9 @@ amx_block(const int two, int r, const uint16_t *buf, Py_ssize_t kp, const uint16
                     _tile_dpbf16ps(3, 5, 7);
                 }
             }
+            if (narrow && k0 + AMX_K < kp) /* the next block of inputs into the other half, while these products run */
+                split3(x + k0 + AMX_K, ldx, r, k - k0 - AMX_K < AMX_K ? k - k0 - AMX_K : AMX_K, AMX_K,
+                       buf + ((k0 / AMX_K + 1) % 2) * AMX_BLOCK * 3 * AMX_K);
         }
         const int full = n0 + 32 <= n;
         float *o = full ? y + n0 : part;
@@ -570,7 +581,7 @@ __attribute__((target("amx-tile,amx-bf16"))) static int linear_bf16(const float 
                                                                    const uint16_t *wp, float *yp, Py_ssize_t m,
                                                                    Py_ssize_t k, Py_ssize_t n) {
     const Py_ssize_t kp = (k + AMX_K - 1) / AMX_K * AMX_K;
-    const size_t need = (size_t)AMX_BLOCK * 3 * kp * sizeof(uint16_t);
+    const size_t need = (size_t)AMX_BLOCK * 3 * (kp > 2 * AMX_K ? kp : 2 * AMX_K) * sizeof(uint16_t);
     if (need > split_cap) {
         free(split_buf);
         split_buf = malloc(need);
@@ -592,11 +603,10 @@ __attribute__((target("amx-tile,amx-bf16"))) static int linear_bf16(const float 
             _tile_loadconfig(&c);
             shape = r;
         }
-        split3(xp + i * ldx, ldx, r, k, kp, split_buf);
         if (r > AMX_ROWS)
-            amx_block(1, r, split_buf, kp, wp, yp + i * n, n, n);
+            amx_block(1, r, xp + i * ldx, ldx, k, kp, split_buf, wp, yp + i * n, n, n);
         else
-            amx_block(0, r, split_buf, kp, wp, yp + i * n, n, n);
+            amx_block(0, r, xp + i * ldx, ldx, k, kp, split_buf, wp, yp + i * n, n, n);
     }
     _tile_release();
     return 0;

@@ -401,6 +401,18 @@ def test_a_weight_changed_in_place_is_packed_again():
         assert torch.equal(layers.linear(x, w), F.linear(x, w))
 
 
+def test_stacked_weights_are_the_weights_of_this_call():
+    """`layers.stacked` (one call for weights sharing an input) returns the rows of the weights it is given, for
+    fresh weights of one shape made one after the other (whose addresses the allocator would reuse, were the cache
+    not keeping its weights alive) and after an in-place change (a new version)."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        a, b = torch.randn(48, 32, generator=g), torch.randn(48, 32, generator=g)
+        assert torch.equal(layers.stacked(a, b), torch.cat([a, b]))
+    a.mul_(2)
+    assert torch.equal(layers.stacked(a, b), torch.cat([a, b]))
+
+
 TILES = kernels.loaded("linear") and exactness.amx_supported(kernels.get("linear"))
 
 

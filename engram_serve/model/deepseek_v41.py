@@ -39,7 +39,7 @@ from ..errors import StaticBufferError
 from .. import kernels
 from . import capture, exactness, fused
 from .exactness import pointwise
-from .layers import Linear, RMSNorm, linear
+from .layers import Linear, RMSNorm, linear, stacked
 from .paged_state import SlotPlan, PagedState
 
 KEY_CHUNK = 64  # indexer entries per batched-matmul item: a fixed per-item shape whatever the context
@@ -322,10 +322,9 @@ class Compressor(nn.Module):
         """The normed latent [T, hd] of the entry each token completes (garbage where it completes none;
         its writes go to the trash slot). Ratio 2 stores every token's [kv, gate] row first, then pools
         each token with the row of position p - 1, wherever that was computed."""
-        a = linear(x, self.wkv.weight)  # [T, hd]
         if self.ratio == 1:
-            return self.norm(a)
-        row = fused.cat_cols([a, linear(x, self.wgate.weight)]).float()  # [T, 2hd]
+            return self.norm(linear(x, self.wkv.weight))  # [T, hd]
+        row = linear(x, stacked(self.wkv.weight, self.wgate.weight)).float()  # [T, 2hd]: kv, then gate
         return self.norm(pool_pair(self.partner(row, step, layer), row).to(x.dtype))
 
 
@@ -561,7 +560,7 @@ class MoE(nn.Module):
 
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         s = self.shared_experts
-        gu = fused.cat_cols([linear(x, s.w1.weight), linear(x, s.w3.weight)])
+        gu = linear(x, stacked(s.w1.weight, s.w3.weight))  # [N, 2I]: w1's outputs, then w3's
         return linear(swiglu(gu, self.inter, self.cfg.swiglu_limit), s.w2.weight)
 
     def stages(self, x: torch.Tensor, ctx=None) -> Generator[str, None, torch.Tensor]:

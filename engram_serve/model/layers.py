@@ -41,6 +41,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 
 
+_stacks: dict[tuple, tuple] = {}
+
+
+def stacked(*weights: torch.Tensor) -> torch.Tensor:
+    """The weights' rows one after the other, as one weight laid out as `linear` takes it (input-major): one call
+    for weights that share their input, with no concatenation of outputs. Outside autograd, cached by the weights'
+    addresses and versions (a copy of their memory; the entry keeps the weights alive, so their addresses cannot be
+    reused by other tensors while cached); under autograd, a plain concatenation."""
+    if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+        return torch.cat(weights)
+    key = tuple((w.data_ptr(), w.shape, w.stride(), w._version) for w in weights)
+    if key not in _stacks:
+        if len(_stacks) >= 4096:  # weights replaced many times over (tests): start again
+            _stacks.clear()
+        _stacks[key] = (exactness.in_major(torch.cat([w.detach() for w in weights])), weights)
+    return _stacks[key][0]
+
+
 def matmul_params(module: nn.Module):
     """(module, parameter name, input dims) of every weight `linear` multiplies by in `module`: its own
     `matmul_params()` where it has one (the model lists its stacked and raw weights), else its Linears."""

@@ -537,9 +537,10 @@ class MoE(nn.Module):
         return fused.cat_rows(parts) if parts else xs
 
     def _expert_panels(self, xs: torch.Tensor, counts: torch.Tensor) -> tuple | None:
-        """(w13 panel addresses [E] int64, kc13, w2 panel addresses, kc2, the plans kept alive, whether the panels
-        are bfloat16 tiles) where the C matmul takes every expert's product (model/exactness.py: the rules on, a probed kc, float32 CPU rows, no
-        autograd) and the SwiGLU takes its C form, else None. Cached per weight version."""
+        """(w13 panel addresses [E] int64, kc13, w2 panel addresses, kc2, the plans kept alive, whether they are
+        bfloat16 tiles) where the C matmul takes every expert's product (model/exactness.py: the rules on, every
+        expert's bfloat16 tiles or a probed kc, float32 CPU rows, no autograd) and the SwiGLU takes its C form,
+        else None. Cached per weight version."""
         w13, w2 = self.w13, self.w2
         if not (exactness.rules_on() and fused.runs_in_c(xs, w13, w2) and xs.is_contiguous() and counts.is_cpu):
             return None  # (the token kernel's SwiGLU is the one inside: with the token kernel on only)
@@ -550,7 +551,7 @@ class MoE(nn.Module):
             plans2 = [exactness.plan(w2[e]) for e in range(w2.shape[0])]
             tiles = all(p[8] is not None for p in plans13 + plans2)  # every expert on the bfloat16 tiles
             at = 8 if tiles else 2
-            ok = tiles or all(p[1] is not None for p in plans13 + plans2)
+            ok = tiles or all(p[2] is not None for p in plans13 + plans2)  # (else some on tiles, some not: per expert)
             panels = None if not ok else (
                 torch.tensor([p[at].data_ptr() for p in plans13], dtype=torch.int64), plans13[0][1] or 1,
                 torch.tensor([p[at].data_ptr() for p in plans2], dtype=torch.int64), plans2[0][1] or 1,

@@ -34,6 +34,11 @@ form over the tail of the call, and for sigmoid and silu the two differ in the l
 vectorised path whatever the call's size (with one intra-op thread; see the runner). The C forms
 (model/fused.py) have no tail: they compute each token alone.
 
+bfloat16 weights. On a CPU with AMX-BF16, a weight whose every value is a bfloat16 (`pack_bf16`: FP8 block-scaled
+weights rebuilt, a BF16 checkpoint's matrices) is multiplied by the linear kernel's `linear_bf16` in every call,
+whatever its rows: each input split exactly in three bfloat16 pieces, the tile unit's products exact, the sums in
+float32, each row of a tile computed alone. Not MKL's bits, but the same for a row in any call.
+
 `batch_invariant(False)` turns these rules off (min_rows, the C matmul, VEC_PAD): the fastest
 non-exact configuration for benchmarks, and the negative control of the bit-exactness tests.
 """
@@ -255,8 +260,7 @@ def pack_bf16(wt: torch.Tensor) -> torch.Tensor | None:
     """wt [in, out] as the linear kernel's bfloat16 tiles where every weight is a bfloat16 value (an FP8 block-scaled
     weight rebuilt, a BF16 checkpoint's): [ceil(out / 32) * 2, ceil(in / 32) * 16, 16, 2] bfloat16 bits as int16
     (pairs of inputs j and j + 16 of each block of 32, 16 columns a panel, zero beyond in and out), from which
-    `linear_bf16` reads them exactly. None
-    for any other weight (the check is bit for bit)."""
+    `linear_bf16` reads them exactly. None for any other weight (the check is bit for bit)."""
     k, n = wt.shape
     b = wt.to(torch.bfloat16)
     if bf16_check and not torch.equal(b.float().view(torch.int32), wt.float().view(torch.int32)):
@@ -332,7 +336,8 @@ _plans: dict[tuple, tuple] = {}
 def plan(weight: torch.Tensor) -> tuple:
     """(min_rows, kc or None, the weight's packed panels where kc, its FP8 panels where kc and the weight is FP8
     (`pack_fp8`, on a CPU that runs them), the weight, its version, whether MKL is position dependent for it,
-    whether `blas_linear` gives F.linear's bits for it) for this weight view,
+    whether `blas_linear` gives F.linear's bits for it, its bfloat16 tiles where every value is a bfloat16 on
+    an AMX CPU (`pack_bf16`; then no float panels: every call takes the tiles)) for this weight view,
     memoised by address and layout: ~1 us a call instead of ~12 us for measuring keys each time. The panels
     are a copy (the weight's memory once more), made again when the weight was modified in place (its
     version counter). A cached plan keeps its weight alive, so its address cannot be reused by another tensor
@@ -345,10 +350,11 @@ def plan(weight: torch.Tensor) -> tuple:
             _plans.clear()
         kc = small_call_kc(weight)
         positional = kc is None and position_dependent(weight)
-        fp8 = pack_fp8(weight.detach().t()) if kc and fp8_supported(kernels.get("linear")) else None
         bf16 = pack_bf16(weight.detach().t()) if weight.dtype == torch.float32 and weight.dim() == 2 and \
             weight.device.type == "cpu" and amx_supported(kernels.get("linear")) else None
-        p = _plans[key] = (min_rows(weight), kc, pack_panels(weight.detach().t()) if kc else None, fp8, weight,
+        panels = kc and bf16 is None
+        fp8 = pack_fp8(weight.detach().t()) if panels and fp8_supported(kernels.get("linear")) else None
+        p = _plans[key] = (min_rows(weight), kc, pack_panels(weight.detach().t()) if panels else None, fp8, weight,
                            weight._version, positional, kc is None and not positional and blas_matches(weight), bf16)
     return p
 

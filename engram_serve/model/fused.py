@@ -162,9 +162,9 @@ def hc_next(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Te
     tile = min(n, _kernel().HC_TILE)
     mm, y = torch.empty(tile, (2 + hc) * hc), torch.empty(tile, d)  # scratch
     capture.call(_kernel().hc_next, o.data_ptr(), x.data_ptr(), post.data_ptr(), comb.data_ptr(), mix.data_ptr(), n, hc,
-                 d, _matmul_entry(kernels.get("linear"), tiles), panels.data_ptr(), kc, scale.data_ptr(), base.data_ptr(), eps,
-                 hc_eps, iters, norm_w.data_ptr(), norm_eps, out.data_ptr(), pre.data_ptr(), post2.data_ptr(),
-                 comb2.data_ptr(), h.data_ptr(), mm.data_ptr(), y.data_ptr())
+                 d, _matmul_entry(kernels.get("linear"), tiles), panels.data_ptr(), kc, scale.data_ptr(),
+                 base.data_ptr(), eps, hc_eps, iters, norm_w.data_ptr(), norm_eps, out.data_ptr(), pre.data_ptr(),
+                 post2.data_ptr(), comb2.data_ptr(), h.data_ptr(), mm.data_ptr(), y.data_ptr())
     return out, (pre, post2, comb2), h
 
 

@@ -18,7 +18,8 @@ from .exactness import in_major
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T -> [..., out], batch-invariant (the row rule of model/exactness.py).
 
-    Where `exactness.small_call_kc` allows (not under autograd), every call goes to the C matmul; where
+    A weight with bfloat16 tiles (`exactness.plan`, on an AMX CPU) goes to `linear_bf16` in every call (not under
+    autograd). Where `exactness.small_call_kc` allows, every call goes to the C matmul; where
     MKL gives a row other bits at another place of its call, to `exactness.rowwise_linear`; else a
     call of fewer than min_rows(weight) rows is zero-padded with one `F.pad` (host-side shape checks, no
     device sync), and a call of enough rows goes to torch's sgemm directly where `exactness.blas_matches`

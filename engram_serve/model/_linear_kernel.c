@@ -41,7 +41,12 @@
  *       rows, h = its rows @ w13[x] (panels13[x], kc13: [2 inter] outputs, w1 then w3), g = the clamped SwiGLU
  *       of h (_kernel_math.h `swiglu_value`), its rows of ys = g @ w2[x] (panels2[x], kc2). The very products
  *       and SwiGLU the MoE computes call by call (`linear`, `swiglu`), so the same bits, without a host read
- *       of the counts (a decode step's CPU graph replays it).
+ *       of the counts (a decode step's CPU graph replays it). simd 3: the addresses are of bfloat16 tiles,
+ *       multiplied by linear_bf16 (kc13, kc2 unused).
+ *   linear_bf16(x, ldx, w, y, m, k, n) -> None, amx_supported() -> bool
+ *       y [m, n] = x @ w on the AMX tile unit, w every value a bfloat16, packed as tiles (the section below):
+ *       the inputs split exactly in three bfloat16 pieces, the products exact, the sums in float32; where
+ *       amx_supported() (AMX-BF16, AVX-512, the tile data granted by Linux).
  *
  * Built without -ffast-math and with -ffp-contract=off: every operation is the IEEE one written
  * (fmaf and the vector fused multiply-add round once).
@@ -518,11 +523,11 @@ __attribute__((target("avx512f"))) static void split3(const float *x, Py_ssize_t
     }
 }
 
-/* One block of r <= 32 rows x (ldx apart) times the packed weight: y rows ldy apart, n columns. two: whether r > 16 (a
- * second row tile: constant tile numbers need two loops). The rows are split into buf: all their inputs first where
- * the block has several column pairs (each pair reuses the split), or, for one pair (n <= 32), each block of 32
- * inputs into one half of buf while the products of the block before run on the other (buf stays in L1). Either way every output gets the same tile operations in the
- * same order. Tile config set by the caller. */
+/* One block of r <= 32 rows x (ldx apart) times the packed weight: y rows ldy apart, n columns. two: whether r > 16
+ * (a second row tile: constant tile numbers need two loops). The rows are split into buf: all their inputs first
+ * where the block has several column pairs (each pair reuses the split), or, for one pair (n <= 32), each block of
+ * 32 inputs into one half of buf while the products of the block before run on the other (buf stays in L1).
+ * Either way every output gets the same tile operations in the same order. Tile config set by the caller. */
 __attribute__((target("amx-tile,amx-bf16"), always_inline)) static inline void
 amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py_ssize_t kp, uint16_t *buf,
           const uint16_t *wp, float *y, Py_ssize_t ldy, Py_ssize_t n) {
@@ -729,9 +734,10 @@ static void raw_linear_packed(const uint64_t *a) {
 }
 
 #if HAVE_X86_AVX2 && defined(__linux__)
-static void raw_linear_bf16(const uint64_t *a) {
-    linear_bf16((const float *)(uintptr_t)a[0], SN(1), (const uint16_t *)(uintptr_t)a[2], (float *)(uintptr_t)a[3],
-                SN(4), SN(5), SN(6));
+static void raw_linear_bf16(const uint64_t *a) { /* no buffer (out of memory): y all NaN, ending its rows */
+    float *y = (float *)(uintptr_t)a[3];
+    if (linear_bf16((const float *)(uintptr_t)a[0], SN(1), (const uint16_t *)(uintptr_t)a[2], y, SN(4), SN(5), SN(6)))
+        for (Py_ssize_t i = 0; i < SN(4) * SN(6); i++) y[i] = NAN;
 }
 #endif
 
@@ -801,7 +807,8 @@ static PyMethodDef methods[] = {
      "same bits (AVX-512 CPUs only)."},
     {"linear_bf16", py_linear_bf16, METH_VARARGS,
      "linear_bf16(x, ldx, w, y, m, k, n) -> None: y [m, n] = x @ w on AMX tiles, w every value a bfloat16 packed as "
-     "[ceil(n / 32) * 2, ceil(k / 32) * 16, 16, 2] bfloat16, x split exactly in three bfloat16 pieces (AMX CPUs only)."},
+     "[ceil(n / 32) * 2, ceil(k / 32) * 16, 16, 2] bfloat16, x split exactly in three bfloat16 pieces (AMX CPUs "
+     "only)."},
     {"amx_supported", py_amx_supported, METH_NOARGS,
      "amx_supported() -> whether linear_bf16 runs here (AMX-BF16, AVX-512, the tile data granted by the kernel)."},
     {"fp8_supported", py_fp8_supported, METH_NOARGS, "fp8_supported() -> whether linear_fp8 runs on this CPU."},

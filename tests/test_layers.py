@@ -473,11 +473,13 @@ def _fp8_weight(out_f: int, in_f: int, block: int, seed: int) -> torch.Tensor:
 @pytest.mark.skipif(not (kernels.loaded("linear") and exactness.fp8_supported(kernels.get("linear"))),
                     reason="the linear kernel's FP8 panels need AVX-512")
 @settings(max_examples=20, deadline=None)
-@given(st.integers(1, 4), st.integers(1, 200), st.integers(1, 150), st.sampled_from([32, 64, 128]), st.data())
+@given(st.integers(1, 4), st.integers(1, 200), st.integers(1, 150), st.sampled_from([64, 128]), st.data())
 def test_fp8_panels_give_the_float_kernels_bits(m, k, n, block, data):
     """An FP8 block-scaled weight's FP8 panels (`pack_fp8`: a quarter of the bytes) rebuild its float32 weights
     exactly: `matmul_fp8` equals the float kernel and the exact definition bit for bit, with partial panels and
-    scale blocks, zeros and subnormals; a float weight that is not FP8 gets no FP8 panels."""
+    scale blocks, zeros and subnormals; a float weight that is not FP8 gets no FP8 panels. (Checkpoint blocks of 64
+    and 128 inputs hold each panel's block of 64 inputs whole; with blocks of 32 its two halves may have scales no
+    one power of two serves, and `pack_fp8` then gives none: the float panels run.)"""
     kc = data.draw(st.integers(1, k))
     w = _fp8_weight(n, k, block, m * 1000 + k * 7 + n)
     fp8 = exactness.pack_fp8(w.t())

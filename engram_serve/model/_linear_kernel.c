@@ -534,6 +534,7 @@ amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py
     const int narrow = n <= 32;
     const Py_ssize_t bk = narrow ? AMX_K : kp; /* inputs of a piece of a row in buf */
     const Py_ssize_t lda = 3 * bk * 2, second = (Py_ssize_t)AMX_ROWS * 3 * bk;
+    const Py_ssize_t half = AMX_BLOCK * 3 * AMX_K; /* one block of inputs of the rows, split (one column pair) */
     float part[AMX_BLOCK * 32];
     if (!narrow) split3(x, ldx, r, k, kp, buf);
     for (Py_ssize_t n0 = 0; n0 < n; n0 += 32) {
@@ -546,7 +547,7 @@ amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py
         }
         if (narrow) split3(x, ldx, r, k < AMX_K ? k : AMX_K, AMX_K, buf);
         for (Py_ssize_t k0 = 0; k0 < kp; k0 += AMX_K) {
-            const uint16_t *a = narrow ? buf + (k0 / AMX_K % 2) * AMX_BLOCK * 3 * AMX_K : buf + k0;
+            const uint16_t *a = narrow ? buf + k0 / AMX_K % 2 * half : buf + k0;
             _tile_loadd(6, b0 + k0 * 16, 64);
             _tile_loadd(7, b1 + k0 * 16, 64);
             for (int p = 0; p < 3; p++) {
@@ -561,7 +562,7 @@ amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py
             }
             if (narrow && k0 + AMX_K < kp) /* the next block of inputs into the other half, while these products run */
                 split3(x + k0 + AMX_K, ldx, r, k - k0 - AMX_K < AMX_K ? k - k0 - AMX_K : AMX_K, AMX_K,
-                       buf + ((k0 / AMX_K + 1) % 2) * AMX_BLOCK * 3 * AMX_K);
+                       buf + (k0 / AMX_K + 1) % 2 * half);
         }
         const int full = n0 + 32 <= n;
         float *o = full ? y + n0 : part;
@@ -586,6 +587,7 @@ __attribute__((target("amx-tile,amx-bf16"))) static int linear_bf16(const float 
                                                                    const uint16_t *wp, float *yp, Py_ssize_t m,
                                                                    Py_ssize_t k, Py_ssize_t n) {
     const Py_ssize_t kp = (k + AMX_K - 1) / AMX_K * AMX_K;
+    /* all the rows' inputs (several column pairs), or two blocks of them (one pair) */
     const size_t need = (size_t)AMX_BLOCK * 3 * (kp > 2 * AMX_K ? kp : 2 * AMX_K) * sizeof(uint16_t);
     if (need > split_cap) {
         free(split_buf);
@@ -659,6 +661,17 @@ CLONES static void swiglu_rows(const float *restrict h, Py_ssize_t rows, Py_ssiz
             g[r * inter + j] = swiglu_value(h[r * 2 * inter + j], h[r * 2 * inter + inter + j], limit);
 }
 
+/* y [m, n] = x [m, k] (contiguous) @ the weight at address w: its bfloat16 tiles by linear_bf16 (simd 3; 1 if it
+ * cannot have its buffer), else its panels by linear_packed at block size kc */
+static int product(const float *x, int64_t w, float *y, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t kc,
+                   int simd) {
+#if HAVE_X86_AVX2 && defined(__linux__)
+    if (simd == 3) return linear_bf16(x, k, (const uint16_t *)(uintptr_t)w, y, m, k, n);
+#endif
+    linear_packed(x, k, (const float *)(uintptr_t)w, y, m, k, n, kc, simd);
+    return 0;
+}
+
 static int moe_experts(const float *xs, Py_ssize_t rows, const int64_t *counts, Py_ssize_t e, Py_ssize_t d,
                        Py_ssize_t inter, const int64_t *p13, Py_ssize_t kc13, const int64_t *p2, Py_ssize_t kc2,
                        float limit, float *h, float *g, float *ys, int simd) {
@@ -672,22 +685,9 @@ static int moe_experts(const float *xs, Py_ssize_t rows, const int64_t *counts, 
     for (Py_ssize_t x = 0; x < e; x++) {
         const Py_ssize_t c = (Py_ssize_t)counts[x];
         if (!c) continue;
-        if (simd == 3) {
-#if HAVE_X86_AVX2 && defined(__linux__)
-            if (linear_bf16(xs + start * d, d, (const uint16_t *)(uintptr_t)p13[x], h + start * 2 * inter, c, d,
-                            2 * inter))
-                return 2;
-            swiglu_rows(h + start * 2 * inter, c, inter, limit, g + start * inter);
-            if (linear_bf16(g + start * inter, inter, (const uint16_t *)(uintptr_t)p2[x], ys + start * d, c, inter, d))
-                return 2;
-#endif
-        } else {
-            linear_packed(xs + start * d, d, (const float *)(uintptr_t)p13[x], h + start * 2 * inter, c, d, 2 * inter,
-                          kc13, simd);
-            swiglu_rows(h + start * 2 * inter, c, inter, limit, g + start * inter);
-            linear_packed(g + start * inter, inter, (const float *)(uintptr_t)p2[x], ys + start * d, c, inter, d, kc2,
-                          simd);
-        }
+        if (product(xs + start * d, p13[x], h + start * 2 * inter, c, d, 2 * inter, kc13, simd)) return 2;
+        swiglu_rows(h + start * 2 * inter, c, inter, limit, g + start * inter);
+        if (product(g + start * inter, p2[x], ys + start * d, c, inter, d, kc2, simd)) return 2;
         start += c;
     }
     return 0;

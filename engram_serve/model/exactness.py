@@ -364,10 +364,10 @@ def live_plans() -> list[tuple]:
     return list(_plans.values())
 
 
-def kernel_takes(x2: torch.Tensor, weight: torch.Tensor, kc: int | None) -> bool:
-    """Whether the linear kernel computes x2 [N, in] @ weight.T under plan kc: a probed kc, float32 CPU
-    rows with unit stride, outside autograd."""
-    return (kc is not None and x2.is_cpu and x2.dtype == torch.float32 and x2.stride(-1) == 1
+def kernel_takes(x2: torch.Tensor, weight: torch.Tensor, packed) -> bool:
+    """Whether the linear kernel computes x2 [N, in] @ weight.T with the plan's `packed` form of the weight (a
+    probed kc, or its bfloat16 tiles; None: none): float32 CPU rows with unit stride, outside autograd."""
+    return (packed is not None and x2.is_cpu and x2.dtype == torch.float32 and x2.stride(-1) == 1
             and x2.shape[1] == weight.shape[1] and (x2.shape[0] == 1 or x2.stride(0) >= x2.shape[1])
             and not (torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad)))
 

@@ -28,7 +28,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n = x2.shape[0]
     m, kc, panels, fp8, _, _, positional, blas, bf16 = exactness.plan(weight) if exactness.rules_on() else \
         (0, None, None, None, 0, 0, False, False, None)
-    if bf16 is not None and exactness.kernel_takes(x2, weight, 1):
+    if exactness.kernel_takes(x2, weight, bf16):
         y = exactness.matmul_bf16(x2, bf16, weight.shape[0])
     elif exactness.kernel_takes(x2, weight, kc):
         y = exactness.matmul_fp8(x2, fp8, weight.shape[0], kc) if fp8 is not None and n <= exactness.FP8_ROWS \

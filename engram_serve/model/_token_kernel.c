@@ -265,33 +265,71 @@ CLONES static void hc_mix_rows(const float *restrict x, const float *restrict mm
         hc_mix_rows_of(x, mm, n - t, hc, dim, scale, base, eps, hc_eps, iters, pre, post, comb);
 }
 
+#define HC_D 16 /* dims of a stream computed at once (one v16): the outputs stay in registers, each read once */
+
+static inline __attribute__((always_inline)) v16 v16_load(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* one token's collapse and expand (the header's formulas), HC_D dims at a time, then the rest one by one: each
+ * output gets the same operations in the same order either way; inlined with hc a constant where it is 4 */
+static inline __attribute__((always_inline)) void collapse_token(const float *restrict xt, const float *restrict mt,
+                                                                 const Py_ssize_t hc, Py_ssize_t dim,
+                                                                 float *restrict ot) {
+    Py_ssize_t d = 0;
+    for (; d + HC_D <= dim; d += HC_D) {
+        v16 acc = mt[0] * v16_load(xt + d);
+        for (Py_ssize_t i = 1; i < hc; i++) acc = acc + mt[i] * v16_load(xt + i * dim + d);
+        memcpy(ot + d, &acc, sizeof acc);
+    }
+    for (; d < dim; d++) {
+        float acc = mt[0] * xt[d];
+        for (Py_ssize_t i = 1; i < hc; i++) acc = acc + mt[i] * xt[i * dim + d];
+        ot[d] = acc;
+    }
+}
+
+static inline __attribute__((always_inline)) void expand_token(const float *restrict ot, const float *restrict xt,
+                                                               const float *restrict pt, const float *restrict ct,
+                                                               const Py_ssize_t hc, Py_ssize_t dim,
+                                                               float *restrict out) {
+    Py_ssize_t d = 0;
+    for (; d + HC_D <= dim; d += HC_D) {
+        const v16 o = v16_load(ot + d);
+        for (Py_ssize_t b = 0; b < hc; b++) {
+            v16 acc = pt[b] * o;
+            for (Py_ssize_t a = 0; a < hc; a++) acc = acc + ct[a * hc + b] * v16_load(xt + a * dim + d);
+            memcpy(out + b * dim + d, &acc, sizeof acc);
+        }
+    }
+    for (; d < dim; d++)
+        for (Py_ssize_t b = 0; b < hc; b++) {
+            float acc = pt[b] * ot[d];
+            for (Py_ssize_t a = 0; a < hc; a++) acc = acc + ct[a * hc + b] * xt[a * dim + d];
+            out[b * dim + d] = acc;
+        }
+}
+
 CLONES static void collapse_rows(const float *restrict x, const float *restrict mix, Py_ssize_t n, Py_ssize_t hc,
                                  Py_ssize_t dim, float *restrict out) {
-    for (Py_ssize_t t = 0; t < n; t++) {
-        const float *xt = x + t * hc * dim, *mt = mix + t * hc;
-        float *ot = out + t * dim;
-        for (Py_ssize_t d = 0; d < dim; d++) ot[d] = mt[0] * xt[d];
-        for (Py_ssize_t i = 1; i < hc; i++)
-            for (Py_ssize_t d = 0; d < dim; d++) ot[d] = ot[d] + mt[i] * xt[i * dim + d];
-    }
+    for (Py_ssize_t t = 0; t < n; t++)
+        if (hc == 4)
+            collapse_token(x + t * 4 * dim, mix + t * 4, 4, dim, out + t * dim);
+        else
+            collapse_token(x + t * hc * dim, mix + t * hc, hc, dim, out + t * dim);
 }
 
 CLONES static void expand_rows(const float *restrict o, const float *restrict x, const float *restrict post,
                                const float *restrict comb, Py_ssize_t n, Py_ssize_t hc, Py_ssize_t dim,
                                float *restrict out) {
-    for (Py_ssize_t t = 0; t < n; t++) {
-        const float *xt = x + t * hc * dim, *ct = comb + t * hc * hc, *ot = o + t * dim;
-        for (Py_ssize_t b = 0; b < hc; b++) {
-            float *ob = out + (t * hc + b) * dim;
-            const float p = post[t * hc + b];
-            for (Py_ssize_t d = 0; d < dim; d++) ob[d] = p * ot[d];
-            for (Py_ssize_t a = 0; a < hc; a++) {
-                const float w = ct[a * hc + b];
-                const float *xa = xt + a * dim;
-                for (Py_ssize_t d = 0; d < dim; d++) ob[d] = ob[d] + w * xa[d];
-            }
-        }
-    }
+    for (Py_ssize_t t = 0; t < n; t++)
+        if (hc == 4)
+            expand_token(o + t * dim, x + t * 4 * dim, post + t * 4, comb + t * 16, 4, dim, out + t * 4 * dim);
+        else
+            expand_token(o + t * dim, x + t * hc * dim, post + t * hc, comb + t * hc * hc, hc, dim,
+                         out + t * hc * dim);
 }
 
 /* ---- norm and rotary ------------------------------------------------------------------------------- */

@@ -14,7 +14,8 @@
  *     r = 1 / sqrt(dot(x, x) / (hc * dim) + eps); m_j = mm_j * r * scale[seg j] + base_j;
  *     pre [n, hc] = sigmoid(m_i) + hc_eps; post [n, hc] = 2 * sigmoid(m_{hc + i});
  *     comb [n, hc, hc]: per row a softmax over b of m_{2hc + a hc + b} (max first, sums in b order),
- *     + hc_eps, then columns c / (sum_a c + hc_eps); iters - 1 times rows c / (sum_b c + hc_eps) then columns.
+ *     + hc_eps, then columns c * (1 / (sum_a c + hc_eps)); iters - 1 times rows c * (1 / (sum_b c + hc_eps)) then
+ *     columns (one division per row or column).
  *   collapse(x, mix, n, hc, dim, out): out [n, dim] = mix_0 x_0 + mix_1 x_1 + ... (streams in order).
  *   expand(o, x, post, comb, n, hc, dim, out): out [n, hc, dim], stream b = post_b o + comb[0][b] x_0
  *     + comb[1][b] x_1 + ... (added left to right).
@@ -134,7 +135,8 @@ static inline __attribute__((always_inline)) void sinkhorn_columns(float *restri
     for (Py_ssize_t b = 0; b < hc; b++) {
         float s = 0.0f;
         for (Py_ssize_t a = 0; a < hc; a++) s = s + c[a * hc + b];
-        for (Py_ssize_t a = 0; a < hc; a++) c[a * hc + b] = c[a * hc + b] / (s + eps);
+        const float inv = 1.0f / (s + eps);
+        for (Py_ssize_t a = 0; a < hc; a++) c[a * hc + b] = c[a * hc + b] * inv;
     }
 }
 
@@ -142,7 +144,8 @@ static inline __attribute__((always_inline)) void sinkhorn_rows(float *restrict 
     for (Py_ssize_t a = 0; a < hc; a++) {
         float s = 0.0f;
         for (Py_ssize_t b = 0; b < hc; b++) s = s + c[a * hc + b];
-        for (Py_ssize_t b = 0; b < hc; b++) c[a * hc + b] = c[a * hc + b] / (s + eps);
+        const float inv = 1.0f / (s + eps);
+        for (Py_ssize_t b = 0; b < hc; b++) c[a * hc + b] = c[a * hc + b] * inv;
     }
 }
 
@@ -192,8 +195,9 @@ static inline __attribute__((always_inline)) void sinkhorn_lanes(float (*c)[HC_L
         for (int l = 0; l < lanes; l++) s[l] = 0.0f;
         for (Py_ssize_t e = 0; e < hc; e++)
             for (int l = 0; l < lanes; l++) s[l] = s[l] + c[g * gs + e * es][l];
+        for (int l = 0; l < lanes; l++) s[l] = 1.0f / (s[l] + eps);
         for (Py_ssize_t e = 0; e < hc; e++)
-            for (int l = 0; l < lanes; l++) c[g * gs + e * es][l] = c[g * gs + e * es][l] / (s[l] + eps);
+            for (int l = 0; l < lanes; l++) c[g * gs + e * es][l] = c[g * gs + e * es][l] * s[l];
     }
 }
 

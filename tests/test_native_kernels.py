@@ -129,6 +129,14 @@ def test_hc_next_is_its_five_calls_bit_for_bit(n, hc, dim, seed, bf16):
         want = xs, v41.hyper_mix(xs, fn, base, scale, cfg), norm(fused.collapse(xs, mix))
     assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
     assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    # written over the old streams (the forward's way): the same bits, the streams' memory reused
+    x2 = x.clone()
+    with torch.no_grad():
+        over = v41.hc_next(o, x2, post, comb, mix, fn, base, scale, norm, cfg, in_place=True)
+    assert over[0].data_ptr() == x2.data_ptr() and torch.equal(over[0], want[0]) and torch.equal(over[2], want[2])
+    assert all(torch.equal(a, b) for a, b in zip(over[1], want[1]))
+    x3 = x.clone()
+    assert torch.equal(fused.expand(o, x3, post, comb, in_place=True), xs) and torch.equal(x3, xs)
 
 
 def test_the_mhc_forms_agree():

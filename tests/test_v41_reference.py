@@ -81,8 +81,8 @@ def _drop_lag(monkeypatch):
     monkeypatch.setattr(v41, "hyper_mix", recording_mix)
     monkeypatch.setattr(v41, "collapse", lambda x, m: collapse(x, latest.get("pre", m)))  # this sublayer's own mix
 
-    def hc_next_in_calls(o, x, post, comb, m, fn, base, scale, norm, cfg):  # through the two above
-        xs = v41.expand(o, x, post, comb)
+    def hc_next_in_calls(o, x, post, comb, m, fn, base, scale, norm, cfg, in_place=False):  # through the two above
+        xs = v41.expand(o, x, post, comb, in_place)
         return xs, v41.hyper_mix(xs, fn, base, scale, cfg), norm(v41.collapse(xs, m))
     monkeypatch.setattr(v41, "hc_next", hc_next_in_calls)
 

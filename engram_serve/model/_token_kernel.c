@@ -293,25 +293,29 @@ static inline __attribute__((always_inline)) void collapse_token(const float *re
     }
 }
 
-static inline __attribute__((always_inline)) void expand_token(const float *restrict ot, const float *restrict xt,
-                                                               const float *restrict pt, const float *restrict ct,
-                                                               const Py_ssize_t hc, Py_ssize_t dim,
-                                                               float *restrict out) {
+static inline __attribute__((always_inline)) void expand_token(const float *ot, const float *xt, const float *pt,
+                                                               const float *ct, const Py_ssize_t hc, Py_ssize_t dim,
+                                                               float *out) {
     Py_ssize_t d = 0;
-    for (; d + HC_D <= dim; d += HC_D) {
+    for (; d + HC_D <= dim; d += HC_D) { /* every stream's values read before any is written: out may be xt */
+        v16 xs[MAX_HC];
+        for (Py_ssize_t a = 0; a < hc; a++) xs[a] = V16_AT(xt + a * dim + d);
         const v16 o = V16_AT(ot + d);
         for (Py_ssize_t b = 0; b < hc; b++) {
             v16 acc = pt[b] * o;
-            for (Py_ssize_t a = 0; a < hc; a++) acc = acc + ct[a * hc + b] * V16_AT(xt + a * dim + d);
+            for (Py_ssize_t a = 0; a < hc; a++) acc = acc + ct[a * hc + b] * xs[a];
             memcpy(out + b * dim + d, &acc, sizeof acc);
         }
     }
-    for (; d < dim; d++)
+    for (; d < dim; d++) {
+        float xs[MAX_HC];
+        for (Py_ssize_t a = 0; a < hc; a++) xs[a] = xt[a * dim + d];
         for (Py_ssize_t b = 0; b < hc; b++) {
             float acc = pt[b] * ot[d];
-            for (Py_ssize_t a = 0; a < hc; a++) acc = acc + ct[a * hc + b] * xt[a * dim + d];
+            for (Py_ssize_t a = 0; a < hc; a++) acc = acc + ct[a * hc + b] * xs[a];
             out[b * dim + d] = acc;
         }
+    }
 }
 
 CLONES static void collapse_rows(const float *restrict x, const float *restrict mix, Py_ssize_t n, Py_ssize_t hc,
@@ -323,9 +327,8 @@ CLONES static void collapse_rows(const float *restrict x, const float *restrict 
             collapse_token(x + t * hc * dim, mix + t * hc, hc, dim, out + t * dim);
 }
 
-CLONES static void expand_rows(const float *restrict o, const float *restrict x, const float *restrict post,
-                               const float *restrict comb, Py_ssize_t n, Py_ssize_t hc, Py_ssize_t dim,
-                               float *restrict out) {
+CLONES static void expand_rows(const float *o, const float *x, const float *restrict post, const float *restrict comb,
+                               Py_ssize_t n, Py_ssize_t hc, Py_ssize_t dim, float *out) { /* out may be x */
     for (Py_ssize_t t = 0; t < n; t++)
         if (hc == 4)
             expand_token(o + t * dim, x + t * 4 * dim, post + t * 4, comb + t * 16, 4, dim, out + t * 4 * dim);

@@ -173,18 +173,20 @@ def hyper_mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
 
 
 def hc_next(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, mix: torch.Tensor,
-            fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm: RMSNorm, cfg: ModelConfig):
+            fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm: RMSNorm, cfg: ModelConfig,
+            in_place: bool = False):
     """Between two sublayers: the streams x' = expand(o, x, post, comb), the next sublayer's mix of them
     (`hyper_mix` with fn, base, scale) and its input norm(collapse(x', mix)): (x', (pre, post, comb), input).
-    One C call over tiles of tokens where the linear kernel takes fn (the same bits as the calls below)."""
+    One C call over tiles of tokens where the linear kernel takes fn (the same bits as the calls below); there,
+    with `in_place`, x' is written over x (the caller reads x no more: the streams' memory read once)."""
     if kernels.get("linear") is not None and fused.runs_in_c(o, x, post, comb, mix, fn, norm.weight) \
             and exactness.rules_on():
         _, kc, panels, *_, tiles = exactness.plan(fn)
         if tiles is not None or kc is not None:  # (fn's product as `linear` computes it)
             return fused.hc_next(o, x, post, comb, mix, panels if tiles is None else tiles, kc or 1, scale, base,
                                  cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, norm.weight, norm.eps,
-                                 tiles is not None)
-    x = expand(o, x, post, comb)
+                                 tiles is not None, in_place)
+    x = expand(o, x, post, comb, in_place)
     return x, hyper_mix(x, fn, base, scale, cfg), norm(collapse(x, mix))
 
 
@@ -198,10 +200,12 @@ def collapse(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def expand(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """x'[b] = post[b] * o + sum_a comb[a, b] * x[a] for o [N, D], x [N, hc, D]: [N, hc, D]."""
+def expand(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, in_place: bool = False
+           ) -> torch.Tensor:
+    """x'[b] = post[b] * o + sum_a comb[a, b] * x[a] for o [N, D], x [N, hc, D]: [N, hc, D] (in C with `in_place`:
+    written over x)."""
     if fused.runs_in_c(o, x, post, comb):
-        return fused.expand(o, x, post, comb)
+        return fused.expand(o, x, post, comb, in_place)
     hc = x.shape[1]
     outs = []
     for b in range(hc):
@@ -685,14 +689,14 @@ class DeepseekV41(nn.Module):
             a = blk.attn(h, step, rope_cs, cs.get(role.ratio, cs["comp"]) if role.ratio else None, last)
             a = yield from collective_point(a, blk.attn.wo_b, STAGE_ATTN, step.ctx)
             x, (pre_f, post_f, comb_f), h = hc_next(a, x, post_a, comb_a, pre_a, blk.hc_ffn_fn, blk.hc_ffn_base,
-                                                    blk.hc_ffn_scale, blk.ffn_norm, cfg)
+                                                    blk.hc_ffn_scale, blk.ffn_norm, cfg, in_place=True)
             f = yield from blk.ffn.stages(h, step.ctx)
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
             if nxt is None or nxt.engram is not None or (keep is not None and nxt is self.layers[-1]):
-                x, ahead = expand(f, x, post_f, comb_f), None  # (an Engram gate or `keep` comes in between)
+                x, ahead = expand(f, x, post_f, comb_f, in_place=True), None  # (an Engram gate or `keep` between)
             else:
                 x, *ahead = hc_next(f, x, post_f, comb_f, pre_f, nxt.hc_attn_fn, nxt.hc_attn_base, nxt.hc_attn_scale,
-                                    nxt.attn_norm, cfg)
+                                    nxt.attn_norm, cfg, in_place=True)
             pre = pre_f
         return self.norm(collapse(x, pre))
 

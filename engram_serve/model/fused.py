@@ -150,15 +150,15 @@ def hc_mix(x: torch.Tensor, mm: torch.Tensor, scale: torch.Tensor, base: torch.T
 
 def hc_next(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, mix: torch.Tensor,
             panels: torch.Tensor, kc: int, scale: torch.Tensor, base: torch.Tensor, eps: float, hc_eps: float,
-            iters: int, norm_w: torch.Tensor, norm_eps: float, tiles: bool = False):
+            iters: int, norm_w: torch.Tensor, norm_eps: float, tiles: bool = False, in_place: bool = False):
     """(x' = expand(o, x, post, comb), hc_mix(x', x' . fn) as (pre, post, comb), rms_norm(collapse(x', mix))) in one
     call, tile by tile (the kernel's header); fn's product through the linear kernel (loaded: the caller checked)
     over its packed panels at block size kc, or over its bfloat16 tiles (`tiles`: exactness.pack_bf16) by
-    `linear_bf16`."""
+    `linear_bf16`. `in_place`: x' is written over x (the caller reads x no more)."""
     n, hc, d = x.shape
     o, x, post, comb, mix, scale, base, norm_w = (_c(t) for t in (o, x, post, comb, mix, scale, base, norm_w))
-    out, pre, post2, comb2, h = torch.empty(n, hc, d), torch.empty(n, hc), torch.empty(n, hc), torch.empty(n, hc, hc), \
-        torch.empty(n, d)
+    out = x if in_place else torch.empty(n, hc, d)
+    pre, post2, comb2, h = torch.empty(n, hc), torch.empty(n, hc), torch.empty(n, hc, hc), torch.empty(n, d)
     tile = min(n, _kernel().HC_TILE)
     mm, y = torch.empty(tile, (2 + hc) * hc), torch.empty(tile, d)  # scratch
     capture.call(_kernel().hc_next, o.data_ptr(), x.data_ptr(), post.data_ptr(), comb.data_ptr(), mix.data_ptr(), n, hc,
@@ -184,11 +184,13 @@ def collapse(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def expand(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """[N, hc, D]: stream b = post[:, b] o + sum_a comb[:, a, b] x[:, a], added left to right."""
+def expand(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, in_place: bool = False
+           ) -> torch.Tensor:
+    """[N, hc, D]: stream b = post[:, b] o + sum_a comb[:, a, b] x[:, a], added left to right; `in_place`: written
+    over x (the caller reads x no more)."""
     n, hc, d = x.shape
     o, x, post, comb = _c(o), _c(x), _c(post), _c(comb)
-    out = torch.empty(n, hc, d)
+    out = x if in_place else torch.empty(n, hc, d)
     capture.call(_kernel().expand, o.data_ptr(), x.data_ptr(), post.data_ptr(), comb.data_ptr(), n, hc, d, out.data_ptr())
     return out
 

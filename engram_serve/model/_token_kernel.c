@@ -18,7 +18,8 @@
  *     columns (one division per row or column).
  *   collapse(x, mix, n, hc, dim, out): out [n, dim] = mix_0 x_0 + mix_1 x_1 + ... (streams in order).
  *   expand(o, x, post, comb, n, hc, dim, out): out [n, hc, dim], stream b = post_b o + comb[0][b] x_0
- *     + comb[1][b] x_1 + ... (added left to right).
+ *     + comb[1][b] x_1 + ... (added left to right). out may be x (every stream's values at a dim are read before
+ *     any is written), as in hc_next.
  *   hc_next(o, x, post, comb, mix, n, hc, dim, matmul, panels, kc, scale, base, eps, hc_eps, iters, norm_w, norm_eps,
  *           out, pre, post2, comb2, h, mm, y): between two sublayers, out = expand(o, x, post, comb); the next
  *     sublayer's mix (pre, post2, comb2) = hc_mix(out, mm, ...) with mm = out . fn, the product of the linear
@@ -1103,7 +1104,8 @@ static PyObject *misfit(const char *fn, const char *what) {
     return NULL;
 }
 
-static void *scratch(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64 + (bytes ? 0 : 64)); } /* whole lines */
+/* whole cache lines (aligned_alloc takes a multiple of its alignment) */
+static void *scratch(size_t bytes) { return aligned_alloc(64, bytes ? (bytes + 63) / 64 * 64 : 64); }
 
 static PyObject *py_hc_mix(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long xa, ma, sa, ba, pa, qa, ca;

@@ -177,8 +177,8 @@ def hc_next(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Te
             in_place: bool = False):
     """Between two sublayers: the streams x' = expand(o, x, post, comb), the next sublayer's mix of them
     (`hyper_mix` with fn, base, scale) and its input norm(collapse(x', mix)): (x', (pre, post, comb), input).
-    One C call over tiles of tokens where the linear kernel takes fn (the same bits as the calls below); there,
-    with `in_place`, x' is written over x (the caller reads x no more: the streams' memory read once)."""
+    One C call over tiles of tokens where the linear kernel takes fn (the same bits as the calls below).
+    `in_place`: x' may be written over x (the caller reads x no more; the C forms do: one buffer of streams)."""
     if kernels.get("linear") is not None and fused.runs_in_c(o, x, post, comb, mix, fn, norm.weight) \
             and exactness.rules_on():
         _, kc, panels, *_, tiles = exactness.plan(fn)
@@ -202,8 +202,8 @@ def collapse(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
 
 def expand(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, in_place: bool = False
            ) -> torch.Tensor:
-    """x'[b] = post[b] * o + sum_a comb[a, b] * x[a] for o [N, D], x [N, hc, D]: [N, hc, D] (in C with `in_place`:
-    written over x)."""
+    """x'[b] = post[b] * o + sum_a comb[a, b] * x[a] for o [N, D], x [N, hc, D]: [N, hc, D]; `in_place`: it may be
+    written over x (the C form does)."""
     if fused.runs_in_c(o, x, post, comb):
         return fused.expand(o, x, post, comb, in_place)
     hc = x.shape[1]

@@ -8,10 +8,11 @@
 
 Official names and dtypes (docs/deepseek_v41.md): FP8 E4M3 linears with one E8M0 scale per 32x32 block,
 routed experts in MXFP4 (`--experts fp8|float` for the other forms), FP8 Engram tables (E8M0 scale per
-32 columns), the other matrices in BF16 with `--bf16` (as published) or float32, vectors float32. The default model is the published V4.1-Flash structure scaled down
-(engram_serve.model.writer.SMALL_TEXT_CONFIG: window-only, ratio-2 and ratio-1 layers, kv, index and
-candidate sources, Engram on two layers, mHC with 4 streams, 4 experts + a shared expert) with random
-weights and the built-in tokenizer; `--config` takes another text config (a config.json, nested or flat).
+32 columns), the other matrices in BF16 with `--bf16` (as published) or float32, vectors float32. The
+default model is the published V4.1-Flash structure scaled down (engram_serve.model.writer.SMALL_TEXT_CONFIG:
+window-only, ratio-2 and ratio-1 layers, kv, index and candidate sources, Engram on two layers, mHC with 4
+streams, 4 experts + a shared expert) with random weights and the built-in tokenizer; `--config` takes
+another text config (a config.json, nested or flat).
 
     python scripts/make_official_checkpoint.py --out DIR [--seed 0] [--shard-mib 0.25] [--experts fp4]
     python scripts/make_official_checkpoint.py --out DIR --from CHECKPOINT_DIR   # re-write a checkpoint

@@ -181,11 +181,11 @@ def hc_next(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Te
     `in_place`: x' may be written over x (the caller reads x no more; the C forms do: one buffer of streams)."""
     if kernels.get("linear") is not None and fused.runs_in_c(o, x, post, comb, mix, fn, norm.weight) \
             and exactness.rules_on():
-        _, kc, panels, *_, tiles = exactness.plan(fn)
-        if tiles is not None or kc is not None:  # (fn's product as `linear` computes it)
-            return fused.hc_next(o, x, post, comb, mix, panels if tiles is None else tiles, kc or 1, scale, base,
-                                 cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, norm.weight, norm.eps,
-                                 tiles is not None, in_place)
+        p = exactness.plan(fn)
+        if p.tiles is not None or p.kc is not None:  # (fn's product as `linear` computes it)
+            return fused.hc_next(o, x, post, comb, mix, p.panels if p.tiles is None else p.tiles, p.kc or 1, scale,
+                                 base, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, norm.weight, norm.eps,
+                                 p.tiles is not None, in_place)
     x = expand(o, x, post, comb, in_place)
     return x, hyper_mix(x, fn, base, scale, cfg), norm(collapse(x, mix))
 
@@ -553,12 +553,12 @@ class MoE(nn.Module):
         if cached is None or cached[0] != key:
             plans13 = [exactness.plan(w13[e]) for e in range(w13.shape[0])]
             plans2 = [exactness.plan(w2[e]) for e in range(w2.shape[0])]
-            tiles = all(p[8] is not None for p in plans13 + plans2)  # every expert on the bfloat16 tiles
-            at = 8 if tiles else 2
-            ok = tiles or all(p[2] is not None for p in plans13 + plans2)  # (else some on tiles, some not: per expert)
+            tiles = all(p.tiles is not None for p in plans13 + plans2)  # every expert on the bfloat16 tiles
+            form = "tiles" if tiles else "panels"
+            ok = tiles or all(p.panels is not None for p in plans13 + plans2)  # (else mixed: per expert)
             panels = None if not ok else (
-                torch.tensor([p[at].data_ptr() for p in plans13], dtype=torch.int64), plans13[0][1] or 1,
-                torch.tensor([p[at].data_ptr() for p in plans2], dtype=torch.int64), plans2[0][1] or 1,
+                torch.tensor([getattr(p, form).data_ptr() for p in plans13], dtype=torch.int64), plans13[0].kc or 1,
+                torch.tensor([getattr(p, form).data_ptr() for p in plans2], dtype=torch.int64), plans2[0].kc or 1,
                 plans13 + plans2, tiles)
             self._panels = cached = (key, panels)
         return cached[1]

@@ -49,6 +49,7 @@ import functools
 import os
 from collections.abc import Iterable
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -330,22 +331,32 @@ def moe_experts(xs: torch.Tensor, counts: torch.Tensor, panels13: torch.Tensor, 
     return ys
 
 
-_plans: dict[tuple, tuple] = {}
+class Plan(NamedTuple):
+    """How `linear` multiplies by one weight view (`plan`)."""
+
+    min_rows: int
+    kc: int | None  # the C matmul's block size where it takes the weight
+    panels: torch.Tensor | None  # its packed panels where kc (and no tiles)
+    fp8: tuple | None  # its FP8 panels where kc and the weight is FP8 (`pack_fp8`, on a CPU that runs them)
+    weight: torch.Tensor  # kept alive: its address cannot be reused while cached
+    version: int
+    positional: bool  # MKL gives a row other bits at another place of its call
+    blas: bool  # `blas_linear` gives F.linear's bits
+    tiles: torch.Tensor | None  # its bfloat16 tiles on an AMX CPU (`pack_bf16`): then every call takes them
 
 
-def plan(weight: torch.Tensor) -> tuple:
-    """(min_rows, kc or None, the weight's packed panels where kc, its FP8 panels where kc and the weight is FP8
-    (`pack_fp8`, on a CPU that runs them), the weight, its version, whether MKL is position dependent for it,
-    whether `blas_linear` gives F.linear's bits for it, its bfloat16 tiles where every value is a bfloat16 on
-    an AMX CPU (`pack_bf16`; then no float panels: every call takes the tiles)) for this weight view,
-    memoised by address and layout: ~1 us a call instead of ~12 us for measuring keys each time. The panels
+_plans: dict[tuple, Plan] = {}
+
+
+def plan(weight: torch.Tensor) -> Plan:
+    """The `Plan` of this weight view, memoised by address and layout: ~1 us a call instead of ~12 us for measuring keys each time. The panels
     are a copy (the weight's memory once more), made again when the weight was modified in place (its
     version counter). A cached plan keeps its weight alive, so its address cannot be reused by another tensor
     while cached."""
     key = (weight.data_ptr(), weight.shape, weight.stride(), weight.dtype, weight.is_cuda, torch.get_num_threads(),
            kernels.get("linear"))
     p = _plans.get(key)
-    if p is None or p[5] != weight._version:
+    if p is None or p.version != weight._version:
         if len(_plans) >= 4096:  # weights replaced many times over (tests): start again
             _plans.clear()
         kc = small_call_kc(weight)
@@ -354,12 +365,13 @@ def plan(weight: torch.Tensor) -> tuple:
             weight.device.type == "cpu" and amx_supported(kernels.get("linear")) else None
         panels = kc and bf16 is None
         fp8 = pack_fp8(weight.detach().t()) if panels and fp8_supported(kernels.get("linear")) else None
-        p = _plans[key] = (min_rows(weight), kc, pack_panels(weight.detach().t()) if panels else None, fp8, weight,
-                           weight._version, positional, kc is None and not positional and blas_matches(weight), bf16)
+        p = _plans[key] = Plan(min_rows(weight), kc, pack_panels(weight.detach().t()) if panels else None, fp8,
+                               weight, weight._version, positional,
+                               kc is None and not positional and blas_matches(weight), bf16)
     return p
 
 
-def live_plans() -> list[tuple]:
+def live_plans() -> list[Plan]:
     """Every cached plan (its panels and weight): what a CPU graph capture must keep alive."""
     return list(_plans.values())
 
@@ -375,7 +387,7 @@ def kernel_takes(x2: torch.Tensor, weight: torch.Tensor, packed) -> bool:
 def pad_rows(weights: Iterable[torch.Tensor]) -> int:
     """The token count a microbatch is padded to so that no matmul by these weights (layers.py
     `matmul_weights` of a model) pads its call."""
-    return max((1 if small_call_kc(w) or (rules_on() and plan(w)[8] is not None) else min_rows(w) for w in weights),
+    return max((1 if small_call_kc(w) or (rules_on() and plan(w).tiles is not None) else min_rows(w) for w in weights),
                default=MIN_ROWS)
 
 

@@ -27,7 +27,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     n = x2.shape[0]
     m, kc, panels, fp8, _, _, positional, blas, bf16 = exactness.plan(weight) if exactness.rules_on() else \
-        (0, None, None, None, 0, 0, False, False, None)
+        exactness.Plan(0, None, None, None, None, 0, False, False, None)
     if exactness.kernel_takes(x2, weight, bf16):
         y = exactness.matmul_bf16(x2, bf16, weight.shape[0])
     elif exactness.kernel_takes(x2, weight, kc):

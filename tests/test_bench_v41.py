@@ -3,6 +3,8 @@ size, their arithmetic per token counted as the model computes it, and a model w
 mlx-lm runs) loading and serving."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from engram_serve.bench import v41_shapes as vs
@@ -71,3 +73,26 @@ def test_the_clock_is_timed_from_a_chain_of_adds():
         pytest.skip("no linear kernel on x86-64 here")
     assert lin.spin_adds(1000) == 8000
     assert 300 < vs.measured_mhz(rounds=1 << 18, repeats=3) < 6500
+
+
+def test_bench_step_at_two_ranks_on_a_model_without_engram_tables_prints_its_rows(tmp_path, monkeypatch, capsys):
+    """`bench step --tensor-parallel-size 2` on a checkpoint without Engram layers measured every row, then
+    divided its table bytes per rank by zero table bytes and printed nothing. Its table-memory row now says
+    there are no Engram tables and gives no ratio. (One tiny workload, the fewest rounds, the builtin shape.)"""
+    from engram_serve import cli
+    from engram_serve.bench import step_tp
+    monkeypatch.setattr(step_tp, "TP_WORKLOADS", {"tiny": (2, 1, 15)})
+    ckpt = vs.write_checkpoint("builtin", tmp_path / "ckpt")
+    assert cli.main(["bench", "step", "--tensor-parallel-size", "2", "--model", str(ckpt), "--workloads", "tiny",
+                     "--cpu-bind", "none", "--budget-s", "0.001", "--sim-latency-us", "1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    memory = [r for r in rows if "table_memory" in r]
+    assert memory == [{**memory[0], "table_memory": "TP=2, no Engram tables", "tables_mib_per_rank": 0.0,
+                       "tables_mib_one_process": 0.0, "ratio": None}]
+    assert [r["workload"] for r in rows if "workload" in r] == ["tiny", "tiny"]  # the real link, one simulated
+
+
+def test_the_table_memory_row_of_a_model_with_tables_gives_the_ratio():
+    from engram_serve.bench.step_tp import table_memory
+    row = table_memory(2, 3 << 20, 6 << 20, [1.0, 2.0], [3.0, 4.0])
+    assert row["table_memory"] == "TP=2" and row["ratio"] == 0.5 and row["tables_mib_one_process"] == 6.0

@@ -11,12 +11,9 @@ from __future__ import annotations
 import argparse
 
 from . import common
+from .step_workloads import WORKLOADS, prepare
 
 NAME = "step"
-WORKLOADS = {  # name -> (requests, new tokens per request, context already computed)
-    "decode-heavy": (64, 1, 512),
-    "prefill-heavy": (4, 256, 0),
-}
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -39,29 +36,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _runner(model: str | None, workload: str, microbatches: int, device: str = "cpu"):
-    import numpy as np
     import torch
 
-    from ..microbatch.plan import MicrobatchConfig
     from ..model.loader import load_model
-    from ..runner.model_runner import ModelRunner, RunnerConfig
+    from ..runner.model_runner import ModelRunner
 
     torch.manual_seed(0)
-    reqs, new, ctx = WORKLOADS[workload]
     loaded = load_model(model, device=device)
-    block = 16
-    max_len = -(-(ctx + new) // block) * block
-    cfg = RunnerConfig(max_num_seqs=reqs, max_model_len=max_len, max_num_batched_tokens=reqs * new,
-                       block_size=block, num_blocks=reqs * max_len // block,
-                       microbatch=MicrobatchConfig(microbatches, "tokens", 0, 0, when="always"), device=device)
-    runner = ModelRunner(loaded, cfg)
-    rng = np.random.default_rng(0)
-    slots = np.array([runner.store.add(rng.integers(6, loaded.config.vocab_size, ctx + new).tolist())
-                      for _ in range(reqs)])
-    per = max_len // block
-    tables = np.arange(reqs * per).reshape(reqs, per)
-    batch = runner.build(slots, np.full(reqs, ctx), np.full(reqs, new), tables, np.ones(reqs, bool))
-    return runner, batch
+    return prepare(lambda cfg: ModelRunner(loaded, cfg), loaded.config.vocab_size, WORKLOADS[workload],
+                   microbatches, device=device)
 
 
 def buffer_bytes(runner) -> int:

@@ -40,18 +40,11 @@ import os
 import statistics
 import time
 
-import numpy as np
 import torch
 
-from ..microbatch.plan import MicrobatchConfig
 from ..parallel.group import ParallelGroup
 from .link import LinkDelay, configure_link
-from .step import WORKLOADS
-
-# name -> (requests, new tokens per request, context already computed): the single-process workloads and
-# larger ones, where cutting a step costs relatively less
-TP_WORKLOADS = {"decode-32": (32, 1, 512), **WORKLOADS, "decode-128": (128, 1, 512),
-                "prefill-2048": (8, 256, 0)}
+from .step_workloads import TP_WORKLOADS, prepare
 
 CANDIDATES = (("off", 1, True), ("sync", 2, False), ("overlap", 2, True), ("planner", 2, True))
 
@@ -91,24 +84,12 @@ def sum_cost(group: ParallelGroup, tokens: int, hidden: int, repeats: int) -> di
 def _prepare(make_runner, vocab: int, workload: tuple[int, int, int], microbatches: int, planned: bool = False):
     """(runner, the workload's step, its bounds) for a runner made by `make_runner(RunnerConfig)`; with
     `planned`, the served configuration and bounds None (the planner chooses at every call)."""
-    from ..runner.model_runner import RunnerConfig
-    reqs, new, ctx = workload
-    block = 16
-    max_len = -(-(ctx + new) // block) * block
-    cfg = RunnerConfig(max_num_seqs=reqs, max_model_len=max_len, max_num_batched_tokens=reqs * new,
-                       block_size=block, num_blocks=reqs * max_len // block,
-                       microbatch=MicrobatchConfig(microbatches) if planned else
-                       MicrobatchConfig(microbatches, "tokens", 0, 0, when="always"))
-    runner = make_runner(cfg)
-    rng = np.random.default_rng(0)
-    slots = np.array([runner.store.add(rng.integers(6, vocab, ctx + new).tolist()) for _ in range(reqs)])
-    per = max_len // block
-    tables = np.arange(reqs * per).reshape(reqs, per)
-    batch = runner.build(slots, np.full(reqs, ctx), np.full(reqs, new), tables, np.ones(reqs, bool))
+    runner, batch = prepare(make_runner, vocab, workload, microbatches, planned=planned)
     if planned:
         return runner, batch, None
     bounds = runner.plan(batch)  # fixed for every timed call: the candidate's cut, never the planner's choice
     if len(bounds) - 1 != microbatches:
+        reqs, new, _ = workload
         raise ValueError(f"bench step: the {reqs * new}-token step was cut into {len(bounds) - 1} microbatches; "
                          f"the candidate needs {microbatches}")
     return runner, batch, bounds
@@ -256,6 +237,18 @@ def _row(m: dict) -> dict:
     }
 
 
+def table_memory(world: int, per_rank_bytes: int, one_process_bytes: int, rss_mib: list[float],
+                 peak_rss_mib: list[float]) -> dict:
+    """The table-memory row: the Engram table bytes rank 0 holds against one process's, with every rank's
+    resident and peak resident set. A model without Engram tables has no ratio to report: its row says
+    so ("no Engram tables") and its ratio is None."""
+    ratio = per_rank_bytes / one_process_bytes if one_process_bytes else None
+    return {"table_memory": f"TP={world}" if one_process_bytes else f"TP={world}, no Engram tables",
+            "tables_mib_per_rank": per_rank_bytes / 2**20, "rss_mib_per_rank": rss_mib,
+            "peak_rss_mib_per_rank": peak_rss_mib, "tables_mib_one_process": one_process_bytes / 2**20,
+            "ratio": ratio}
+
+
 def run_tp(args) -> list[dict]:
     from ..model.loader import load_model
     from ..parallel.launch import TPCluster, bind_cpus
@@ -288,15 +281,13 @@ def run_tp(args) -> list[dict]:
                          "rank_ordered_sum_ms": c["ordered"], "gloo_allreduce_ms": c["allreduce"],
                          "ratio": c["ordered"] / c["allreduce"]})
         pids = [os.getpid()] + cluster.pids
-        memory = {"table_memory": f"TP={world}", "tables_mib_per_rank": cluster.loaded.tables.nbytes / 2**20,
-                  "rss_mib_per_rank": [round(_status_mib(p), 1) for p in pids],
-                  "peak_rss_mib_per_rank": [round(_status_mib(p, "VmHWM"), 1) for p in pids]}
+        per_rank = cluster.loaded.tables.nbytes
+        rss = [round(_status_mib(p), 1) for p in pids]
+        peak = [round(_status_mib(p, "VmHWM"), 1) for p in pids]
     finally:
         cluster.close()
     full = load_model(args.model)  # one process, after the ranks are gone (on rank 0's cores)
-    memory["tables_mib_one_process"] = full.tables.nbytes / 2**20
-    memory["ratio"] = memory["tables_mib_per_rank"] / memory["tables_mib_one_process"]
-    rows.append(memory)
+    rows.append(table_memory(world, per_rank, full.tables.nbytes, rss, peak))
     for wl in names:
         rows.append({"replicated_attention": wl, **replicated_attention_cost(full, TP_WORKLOADS[wl], world)})
     return rows

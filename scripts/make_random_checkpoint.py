@@ -1,5 +1,5 @@
 """Write a deterministic random DeepSeek-V4.1 checkpoint in the official layout (config.json, a shard index
-and its shards, tokenizer.json): engram_serve.model.loader.make_random_checkpoint.
+and its shards, tokenizer.json): engram_serve.model.writer.make_random_checkpoint.
 
     python scripts/make_random_checkpoint.py --out DIR [--seed 0] [--config PATH] [--tokenizer PATH]
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engram_serve.model.loader import make_random_checkpoint
+from engram_serve.model.writer import make_random_checkpoint
 
 
 def main() -> None:

@@ -26,8 +26,8 @@ from engram_serve.engram.tables import EngramTables
 from engram_serve.microbatch.plan import MicrobatchConfig
 from engram_serve.model import exactness, layers
 from engram_serve.model.deepseek_v41 import DeepseekV41
-from engram_serve.model.loader import load_model, make_random_checkpoint, model_state_from_official
-from engram_serve.model.writer import Quant, save_v41_checkpoint
+from engram_serve.model.loader import load_model, model_state_from_official
+from engram_serve.model.writer import Quant, make_random_checkpoint, save_v41_checkpoint
 from engram_serve.runner.model_runner import ModelRunner, RunnerConfig
 from engram_serve.verify import Workload, run_case
 from v41_fixtures import TINY_TOKENIZER, engram_hash_ids, random_v41_weights, v41_configs

@@ -17,7 +17,8 @@ from engram_serve.engine.threads import available_cores
 from engram_serve.errors import InvalidRequest
 from engram_serve.llm import LLM
 from engram_serve.microbatch.plan import MicrobatchConfig
-from engram_serve.model.loader import TINY_DIR, load_model, make_random_checkpoint
+from engram_serve.model.loader import TINY_DIR, load_model
+from engram_serve.model.writer import make_random_checkpoint
 from engram_serve.runner.model_runner import RunnerConfig
 from engram_serve.sampling_params import SamplingParams
 

@@ -22,9 +22,8 @@ from engram_serve.errors import CheckpointMismatch, ConfigError
 from engram_serve.model import exactness, layers
 from engram_serve.model.checkpoint import INDEX_FILE, CheckpointFiles
 from engram_serve.model.deepseek_v41 import DeepseekV41, init_weights
-from engram_serve.model.loader import (CONFIG_FILE, TINY_DIR, WEIGHTS_FILE, check_tokenizer, load_model,
-                                       make_random_checkpoint)
-from engram_serve.model.writer import Quant
+from engram_serve.model.loader import CONFIG_FILE, TINY_DIR, WEIGHTS_FILE, check_tokenizer, load_model
+from engram_serve.model.writer import Quant, make_random_checkpoint
 
 FLOAT = Quant(linears=False, experts=None, tables=False)
 

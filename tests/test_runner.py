@@ -9,7 +9,8 @@ import torch
 
 from engram_serve.errors import OwnershipError
 from engram_serve.microbatch.plan import MicrobatchConfig
-from engram_serve.model.loader import load_model, make_random_checkpoint
+from engram_serve.model.loader import load_model
+from engram_serve.model.writer import make_random_checkpoint
 from engram_serve.runner.model_runner import ModelRunner, RunnerConfig
 from runner_controls import NoRowsWait, SharedStaging, SharedTopk
 

@@ -16,7 +16,8 @@ from openai import OpenAI
 from engram_serve.engine.async_engine import AsyncLLMEngine
 from engram_serve.errors import InvalidRequest
 from engram_serve.llm import build_engine
-from engram_serve.model.loader import TINY_DIR, load_model, make_random_checkpoint
+from engram_serve.model.loader import TINY_DIR, load_model
+from engram_serve.model.writer import make_random_checkpoint
 from engram_serve.sampling_params import SamplingParams
 from engram_serve.server.api import build_app
 from engram_serve.server.chat_template import ChatTemplate

@@ -25,7 +25,8 @@ import pytest
 
 from engram_serve.config import read_json
 from engram_serve.engine.llm_engine import LLMEngine
-from engram_serve.model.loader import TINY_DIR, load_model, make_random_checkpoint
+from engram_serve.model.loader import TINY_DIR, load_model
+from engram_serve.model.writer import make_random_checkpoint
 from engram_serve.runner.model_runner import RunnerConfig
 from engram_serve.sampling_params import SamplingParams
 from engram_serve.server.limits import BodyLimit

@@ -18,7 +18,8 @@ import pytest
 from engram_serve.engine.async_engine import AsyncLLMEngine
 from engram_serve.engine.llm_engine import LLMEngine
 from engram_serve.microbatch.plan import MicrobatchConfig
-from engram_serve.model.loader import TINY_DIR, load_model, make_random_checkpoint
+from engram_serve.model.loader import TINY_DIR, load_model
+from engram_serve.model.writer import make_random_checkpoint
 from engram_serve.runner.model_runner import RunnerConfig
 from engram_serve.sampling_params import SamplingParams
 from engram_serve.server.api import build_app

@@ -14,7 +14,8 @@ from schemathesis.checks import (content_type_conformance, not_a_server_error, r
 
 from engram_serve.engine.async_engine import AsyncLLMEngine
 from engram_serve.llm import build_engine
-from engram_serve.model.loader import TINY_DIR, load_model, make_random_checkpoint
+from engram_serve.model.loader import TINY_DIR, load_model
+from engram_serve.model.writer import make_random_checkpoint
 from engram_serve.server.api import build_app
 from engram_serve.server.run import BackgroundServer
 

@@ -21,7 +21,8 @@ import torch
 from engram_serve.errors import OwnershipError
 from engram_serve.microbatch.plan import MicrobatchConfig
 from engram_serve.model import deepseek_v41 as v41
-from engram_serve.model.loader import load_model, make_random_checkpoint
+from engram_serve.model.loader import load_model
+from engram_serve.model.writer import make_random_checkpoint
 from engram_serve.runner.model_runner import ModelRunner, RunnerConfig
 from runner_controls import SharedTopk, read_windows_by_position
 

@@ -6,8 +6,8 @@ protection switched off) makes it fail."""
 import pytest
 
 from engram_serve.errors import OwnershipError
-from engram_serve.model.loader import load_model, make_random_checkpoint
-from engram_serve.model.writer import SMALL_TEXT_CONFIG, random_v41_checkpoint
+from engram_serve.model.loader import load_model
+from engram_serve.model.writer import SMALL_TEXT_CONFIG, make_random_checkpoint, random_v41_checkpoint
 from engram_serve.verify import PAIR_BLOCK, verify
 
 from runner_controls import NoHistoryRebuild, SharedStaging, SharedTopk, StalePadding

@@ -27,6 +27,8 @@ from safetensors import SafetensorError, safe_open
 from ..errors import CheckpointMismatch
 
 WEIGHTS_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+CONFIG_FILE, TOKENIZER_FILE = "config.json", "tokenizer.json"
+TINY_DIR = Path(__file__).resolve().parent.parent / "data" / "tiny"  # the built-in model's checkpoint
 # safetensors dtype code -> torch dtype (the element size follows)
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

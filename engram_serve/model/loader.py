@@ -40,13 +40,11 @@ from ..engram.quantized import SCALE_COLS, Fp8Table, advise_random, block_size_o
 from ..engram.tables import EngramTables, scale_key, table_key
 from ..engram.token_map import build_token_map, load_tokenizer
 from ..errors import CheckpointMismatch, ConfigError, EngramServeError
-from .checkpoint import INDEX_FILE, WEIGHTS_FILE, CheckpointFiles
+from .checkpoint import CONFIG_FILE, INDEX_FILE, TINY_DIR, TOKENIZER_FILE, WEIGHTS_FILE, CheckpointFiles
 from .deepseek_v41 import DeepseekV41
 from .layers import layout_weights_
 
 log = logging.getLogger(__name__)
-TINY_DIR = Path(__file__).resolve().parent.parent / "data" / "tiny"
-CONFIG_FILE, TOKENIZER_FILE = "config.json", "tokenizer.json"
 FLOAT_CODES = ("F32", "BF16", "F16")
 FP8_CODE, SCALE_CODE = "F8_E4M3", "F8_E8M0"
 FP4_CODES = ("I8", "U8")  # packed E2M1 (MXFP4)
@@ -298,13 +296,3 @@ def _load(root: Path, device, pin_tables, progress: Progress | None, dedup: bool
         model = model.to(device)
     return LoadedModel(cfg, model, tables, layout, tok, token_map, root)
 
-
-def make_random_checkpoint(out_dir: str | Path, seed: int = 0, config: dict | str | Path | None = None,
-                           **kw) -> Path:
-    """A deterministic random checkpoint in the official layout (writer.random_v41_checkpoint): `config` a
-    text config dict, a config.json path, or None for the built-in model's shape."""
-    from .writer import random_v41_checkpoint
-    if config is None or not isinstance(config, dict):
-        d = read_json(Path(config) if config is not None else TINY_DIR / CONFIG_FILE)
-        config = d.get("text_config", d)
-    return random_v41_checkpoint(out_dir, dict(config), seed, **kw)

@@ -24,9 +24,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..config import EngramConfig, ModelConfig, read_json
+from ..engram.layout import build_layout
 from ..engram.quantized import Fp8Table, quantize_blocks, quantize_fp4, quantize_rows
 from ..engram.tables import EngramTables, scale_key, table_key
-from .checkpoint import INDEX_FILE
+from .checkpoint import CONFIG_FILE, INDEX_FILE, TINY_DIR
 
 FP8_BLOCK = 32
 FP8_LINEARS = re.compile(r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]"
@@ -148,8 +150,6 @@ SMALL_TEXT_CONFIG = dict(
 
 def with_engram_rows(text: dict) -> dict:
     """`text` with `engram_num_embeddings` set to what its hash layout needs."""
-    from ..config import EngramConfig
-    from ..engram.layout import build_layout
 
     if not text["engram_layer_ids"]:
         return {**text, "engram_num_embeddings": []}
@@ -162,9 +162,7 @@ def random_v41_checkpoint(out_dir: str | Path, text_config: dict | None = None, 
                           extra_tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """A deterministic random V4.1 checkpoint in the official layout (SMALL_TEXT_CONFIG by default; the
     built-in tokenizer). `extra_tensors` are written beside the model's (e.g. `mtp.*` DSpark weights)."""
-    from ..config import ModelConfig
     from .deepseek_v41 import DeepseekV41, init_weights
-    from .loader import TINY_DIR
 
     text = with_engram_rows(dict(text_config or SMALL_TEXT_CONFIG))
     cfg = ModelConfig.from_dict(text)
@@ -178,3 +176,13 @@ def random_v41_checkpoint(out_dir: str | Path, text_config: dict | None = None, 
         index["weight_map"].update({k: "model-extra.safetensors" for k in extra_tensors})
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
     return out
+
+
+def make_random_checkpoint(out_dir: str | Path, seed: int = 0, config: dict | str | Path | None = None,
+                           **kw) -> Path:
+    """A deterministic random checkpoint in the official layout (`random_v41_checkpoint`): `config` a
+    text config dict, a config.json path, or None for the built-in model's shape."""
+    if config is None or not isinstance(config, dict):
+        d = read_json(Path(config) if config is not None else TINY_DIR / CONFIG_FILE)
+        config = d.get("text_config", d)
+    return random_v41_checkpoint(out_dir, dict(config), seed, **kw)

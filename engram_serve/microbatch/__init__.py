@@ -15,7 +15,7 @@ whole step's (docs/contract.md §3, §9): that is what the modules below guarant
     buffers.py   MicrobatchBuffers: the buffers a forward writes and reads back, one set per microbatch
     executor.py  run_interleaved: the microbatches' stage generators, round-robin in a fixed order
 
-The model only marks where a forward may pause: `EngramModel.stages` (model/model.py) and the MoE's
-`stages` (model/layers.py) yield a stage name at each overlap point. `ModelRunner` (runner/model_runner.py)
+The model only marks where a forward may pause: `DeepseekV41.stages` and `MoE.stages`
+(model/deepseek_v41.py) yield a stage name at each overlap point. `ModelRunner` (runner/model_runner.py)
 plans, slices, hands each microbatch its own buffers and runs the executor.
 """

@@ -18,7 +18,7 @@ run() {  # name, command...
 }
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA'; print(torch.__version__, torch.cuda.get_device_name(0), torch.cuda.device_count(), 'GPU(s)')" \
     | tee "$OUT/device.txt" || { echo "no CUDA device: nothing to check"; exit 2; }
-run cuda_tests "$PY" -m pytest -q -rs tests/test_cuda.py tests/test_hash_kernel.py -k "cuda"
+run cuda_tests "$PY" -m pytest -q -rs tests/test_cuda.py tests/kernels/test_hash_kernel.py -k "cuda"
 run verify_cuda "$PY" -m engram_serve.cli verify --device cuda --json
 run verify_cuda_text "$PY" -m engram_serve.cli verify --device cuda
 run bench_step_cuda "$PY" -m engram_serve.cli bench step --device cuda --budget-s 1 --json

@@ -23,46 +23,9 @@ from engram_serve.engram.quantized import (Fp8Table, block_size_of, dequantize_b
                                            quantize_rows)
 from engram_serve.engram.row_cache import RowCache
 from engram_serve.engram.tables import EngramTables
+from fp8_tables import e4m3, e8m0, reference_rows, same_bits, table_from_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-# ---- plain reference: bits decoded by hand, one value at a time ----
-
-def e4m3(b: int) -> float:
-    sign, exp, man = b >> 7, (b >> 3) & 0xF, b & 0x7
-    if exp == 0xF and man == 0x7:
-        return math.nan
-    v = (man / 8) * 2.0 ** -6 if exp == 0 else (1 + man / 8) * 2.0 ** (exp - 7)
-    return -v if sign else v
-
-
-def e8m0(code: int) -> float:
-    return math.nan if code == 255 else 2.0 ** (code - 127)
-
-
-def reference_rows(w: np.ndarray, s: np.ndarray, ids: list[int]) -> np.ndarray:
-    """w [rows, hd] uint8, s [rows, hd/32] uint8 -> [len(ids), hd] float32, a plain loop."""
-    hd = w.shape[1]
-    out = np.zeros((len(ids), hd), dtype=np.float32)
-    for i, r in enumerate(ids):
-        for c in range(hd):
-            out[i, c] = np.float32(e4m3(int(w[r, c])) * e8m0(int(s[r, c // 32])))
-    return out
-
-
-def same_bits(a, b) -> bool:
-    """Bit for bit, except that any NaN equals any NaN (E4M3 0x7f/0xff and E8M0 0xff decode to NaN; its
-    sign and payload are not part of the format)."""
-    a, b = np.array(a, np.float32), np.array(b, np.float32)
-    if a.shape != b.shape or not np.array_equal(np.isnan(a), np.isnan(b)):
-        return False
-    a[np.isnan(a)] = b[np.isnan(b)] = 0
-    return np.array_equal(a.view(np.uint32), b.view(np.uint32))
-
-
-def table_from_bytes(w: np.ndarray, s: np.ndarray) -> Fp8Table:
-    return Fp8Table(torch.from_numpy(w).view(torch.float8_e4m3fn), torch.from_numpy(s).view(torch.float8_e8m0fnu))
 
 
 @pytest.mark.parametrize("scales", [[0, 1, 2, 100, 120, 126, 127, 128, 134, 200, 253, 254, 255],
@@ -165,7 +128,7 @@ def gather_equals_plain_row_reads(seed, rows, t, c, cache_rows, dedup, fp8, step
             assert same_bits(out[layer].float().numpy(), ref)
 
 
-@kernels.override("-gather")  # the torch path's RowCache (the kernel's: test_staging_kernel)
+@kernels.override("-gather")  # the torch path's RowCache (the kernel's: kernels/test_gather_kernel.py)
 def test_keyless_cache_serves_wrong_rows():
     """Negative control for the cache's key check: without it, a slot filled by another row id is
     served, and the staged rows differ from the table's."""
@@ -183,7 +146,7 @@ def test_keyless_cache_serves_wrong_rows():
     assert torch.equal(out[0, 1, 0], tab[11])
 
 
-@kernels.override("-gather")  # the torch RowCache (the kernel's: test_staging_kernel)
+@kernels.override("-gather")  # the torch RowCache (the kernel's: kernels/test_gather_kernel.py)
 def test_cache_hits_and_byte_bound():
     tab = Fp8Table.from_float(torch.randn(1000, 64))
     tables = EngramTables((1,), [tab], pin=False, cache_bytes=100 * 64 * 4)

@@ -25,7 +25,7 @@ from engram_serve.model.deepseek_v41 import plan_rows
 from engram_serve.model.loader import load_model
 from engram_serve.runner import cpu_graphs
 from engram_serve.runner.model_runner import ModelRunner, RunnerConfig
-from test_inputs import assert_same_batch
+from batches import assert_same_batch
 
 BLOCK, HISTORY, SLOTS, MAX_LEN = 16, 3, 8, 200
 

@@ -208,7 +208,7 @@ def test_the_checker_reads_the_pointers_the_codebase_writes():
     src = ROOT / PACKAGE / "model" / "loader.py"
     assert index.resolve("model/paged_state.py", src) and index.resolve("docs/contract.md", src)
     assert index.resolve("checkpoint.py", src)  # the referencing file's folder
-    assert index.resolve("engram/_kernel_buffers.h", src) and index.resolve("tests/reference_v41.py", src)
+    assert index.resolve("engram/_kernel_buffers.h", src) and index.resolve("tests/reference/reference_v41.py", src)
     assert index.defines(index.resolve("model/deepseek_v41.py", src), "MoE.stages")
     assert not index.defines(index.resolve("model/deepseek_v41.py", src), "MoE.stage")
     assert not index.dotted_dangles("exactness.pointwise") and index.dotted_dangles("exactness.pointwiser")

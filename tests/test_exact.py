@@ -5,12 +5,12 @@ on a reused prefix. The negative control turns the batch-invariance rules off (m
 a fixed tile, vectorised elementwise tails) and the same comparison goes red. The same holds for the
 torch forms alone (the C kernels switched off), with the same negative control.
 
-The same sweep on random DeepSeek-V4.1 configs (tests/v41_fixtures.py: layer roles, ratios 0/1/2, windows,
+The same sweep on random DeepSeek-V4.1 configs (tests/support/v41_fixtures.py: layer roles, ratios 0/1/2, windows,
 top-k, candidate blocks, experts, hc_mult, one or more Engram layers; random weights written in the official
 layout):
 cut offsets anywhere (inside ratio-2 pairs too), chunk sizes, batch mates (one sharing the target's prefix),
 block sizes odd and even, preemption and prefix reuse. There the target's logits also equal, bit for bit,
-`forward_dense` over its whole sequence: the function tests/test_v41_reference.py holds against the
+`forward_dense` over its whole sequence: the function tests/reference/test_model_vs_reference.py holds against the
 float64 reference."""
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def test_the_torch_forms_keep_the_rules_and_their_negative_control_fails(loaded,
 # ---- random DeepSeek-V4.1 configs ----------------------------------------------------------------------
 
 def write_v41_checkpoint(path, config: dict, seed: int):
-    """`config`'s model with tests/v41_fixtures.py's random weights (activations O(1)), in the official
+    """`config`'s model with tests/support/v41_fixtures.py's random weights (activations O(1)), in the official
     layout, float32; returns (directory, weights by official name)."""
     weights = random_v41_weights(config, seed)
     cfg = ModelConfig.from_dict(config)

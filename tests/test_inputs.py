@@ -15,6 +15,7 @@ from engram_serve.inputs.step import build_step
 from engram_serve.inputs.step_state import StepState
 from engram_serve.inputs.token_store import TokenStore
 from engram_serve.microbatch.plan import MicrobatchConfig, plan_microbatches
+from batches import assert_same_batch
 from engram_serve.microbatch.slicing import SLICE_RULES, check_slice_invariants, slice_microbatch
 
 CFG = EngramConfig([1, 3], [0, 0], 4, 3, 4, 50, 40, 0)
@@ -107,18 +108,6 @@ def test_the_numpy_build_on_a_cpu_store_equals_the_torch_build(seed, long_contex
     flags = rng.random(rows) < 0.5 if sample else None
     host, dev = (build_step(store, *args, tables, BLOCK, CFG.history_len, flags, on_host=h) for h in (True, False))
     assert_same_batch(host, dev)
-
-
-def assert_same_batch(got: StepBatch, want: StepBatch) -> None:
-    """Every field of `got` equals `want`'s, in dtype, shape and value."""
-    for name, value in want.fields().items():
-        mine = getattr(got, name)
-        if isinstance(value, torch.Tensor):
-            assert mine.dtype == value.dtype and torch.equal(mine, value), name
-        elif isinstance(value, np.ndarray):
-            assert np.array_equal(mine, value), name
-        else:
-            assert mine == value, name
 
 
 def step_hash(b: StepBatch) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The paged serving path of DeepSeek-V4.1 against its dense path (`forward_dense`, the same code over a
-fresh cache, which tests/test_v41_reference.py holds against the float64 reference), bit for bit: prefill
+fresh cache, which tests/reference/test_model_vs_reference.py holds against the float64 reference), bit for bit: prefill
 chunks, decode, padding tokens and rows, interleaved microbatches with straddling requests. Engram gating,
 the stages every layer yields, buffer ownership (the debug check names the shared buffer), the paged
 state's trash and zero slots, the attention with a sink, causality and gradients of the dense path."""
@@ -48,7 +48,7 @@ def text_config(**over) -> dict:
 
 
 class World:
-    """A model with random weights (tests/v41_fixtures.py, under the official names), its Engram tables and
+    """A model with random weights (tests/support/v41_fixtures.py, under the official names), its Engram tables and
     the hashing inputs, plus a hand-built step batch factory."""
 
     def __init__(self, text: dict, seed: int = 0):

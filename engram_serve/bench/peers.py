@@ -10,7 +10,7 @@ weights and prompts, without Engram (mlx-lm has none), float32 (bench/v41_shapes
 shape and a mid-size one). The checkpoint is written once (official layout); engram-serve loads it with
 `load_model` and runs `LLMEngine` (prefix caching and microbatching off, greedy, exact); mlx-lm loads the
 same tensors through `Model.sanitize` and `load_weights` and runs on MLX's CPU device with its
-cache-quantization emulation replaced by the identity (as tests/peers_v41.py does), so both compute the
+cache-quantization emulation replaced by the identity (as tests/reference/peers_v41.py does), so both compute the
 same float32 model (the greedy tokens of every call are compared: `same_tokens`). Workloads:
 - `prefill`: one prompt of --prompt tokens to its first token (tokens/s = prompt tokens / call);
 - `decode-B`: B prompts of --prompt tokens prefilled (untimed), then --new - 1 greedy steps timed

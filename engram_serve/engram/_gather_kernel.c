@@ -16,7 +16,7 @@
  *   The GIL is released while rows are read (a row of a memory-mapped table may fault in from disk).
  *
  * Test hooks, not part of the module: the same shared object holds a second module, `_gather_hooks`
- * (PyInit__gather_hooks), which only tests load (tests/kernel_hooks.py, from this file's path, so it
+ * (PyInit__gather_hooks), which only tests load (tests/support/kernel_hooks.py, from this file's path, so it
  * shares this file's statics): set_prefetch_distance(rows), set_stream_bytes(bytes) and
  * set_decode_path(level) (see below; staged values never depend on them), and set_trust(slots, keys),
  * the negative controls of the key checks: with slots, a filled slot of the dedup set is taken for the

@@ -19,7 +19,7 @@
  *     q' = floor(n * magic / 2^64)  is  q or q - 1,  where q = floor(n / d),
  * because 2^64 = magic*d + e with 0 <= e < d gives n*magic/2^64 = n/d - n*e/(d*2^64) and
  * 0 <= n*e/(d*2^64) < 1. So r' = n - q'*d lies in [0, 2d) and one conditional subtraction makes
- * it exact. A wrong magic is not detected here (tests/test_hash_kernel.py shows it gives wrong ids).
+ * it exact. A wrong magic is not detected here (tests/kernels/test_hash_kernel.py shows it gives wrong ids).
  *
  * Arithmetic follows torch int64 semantics exactly: products and XOR wrap (done in uint64, so no
  * undefined behaviour), the remainder is a floor modulo (a negative rolling value, impossible for

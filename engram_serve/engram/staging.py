@@ -7,7 +7,7 @@ the same id copy that staged row. The torch path (`EngramTables.gather` without 
 index_select of the stored bytes, the bit-trick decode, an index_select into staging) is the fallback
 for a process without the kernel (not built, or switched off: `ENGRAM_SERVE_KERNELS=-gather`,
 engram_serve/kernels.py), for tables or staging off the CPU, and for other dtypes.
-Both decode bit for bit the plain definition (tests/test_staging_kernel.py, against each other and a
+Both decode bit for bit the plain definition (tests/kernels/test_gather_kernel.py, against each other and a
 plain loop).
 """
 from __future__ import annotations

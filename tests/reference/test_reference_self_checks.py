@@ -1,4 +1,4 @@
-"""Tests of the float64 DeepSeek-V4.1 reference itself (tests/reference_v41.py).
+"""Tests of the float64 DeepSeek-V4.1 reference itself (tests/reference/reference_v41.py).
 
 Hand-computed cases recompute one layer with vectorised torch (masks, einsum, complex rotation), a
 different route from the reference's loops; the building blocks are checked against facts that hold by

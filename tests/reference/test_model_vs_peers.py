@@ -1,4 +1,4 @@
-"""engram-serve's DeepSeek-V4.1 model against the public implementations (tests/peers_v41.py), on random
+"""engram-serve's DeepSeek-V4.1 model against the public implementations (tests/reference/peers_v41.py), on random
 scaled-down checkpoints with every layer role: mlx-lm 0.32.2 on the backbone (it has no Engram) and NeMo
 Automodel 0.7.0 with Engram on two layers, both in float32 with their cache-quantization emulation
 switched off. Acceptance: max |d logprob| <= 1e-4 at every position (the configs keep top-k boundaries
@@ -16,7 +16,7 @@ from engram_serve.engram.token_map import build_token_map, load_tokenizer
 from engram_serve.model.deepseek_v41 import DeepseekV41
 from engram_serve.model.loader import model_state_from_official
 from peers_v41 import mlx_logits, nemo_logits
-from test_peers_v41 import TOKENIZER, _prompt, random_weights, small_config
+from peer_model import TOKENIZER, prompt_ids, random_weights, small_config
 
 TOL = 1e-4
 
@@ -49,7 +49,7 @@ def compare(a: torch.Tensor, b) -> tuple[float, bool]:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_backbone_agrees_with_mlx_lm(seed):
     config = small_config()
-    weights, ids = random_weights(config, seed), _prompt(config, seed)
+    weights, ids = random_weights(config, seed), prompt_ids(config, seed)
     peer = mlx_logits(config, weights, ids)
     diff, greedy = compare(ours(config, weights, ids), peer)
     assert diff <= TOL and greedy, (diff, greedy)
@@ -58,7 +58,7 @@ def test_backbone_agrees_with_mlx_lm(seed):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_with_engram_agrees_with_nemo(seed):
     config = small_config(engram_layer_ids=[2, 4])
-    weights, ids = random_weights(config, seed), _prompt(config, seed)
+    weights, ids = random_weights(config, seed), prompt_ids(config, seed)
     peer = nemo_logits(config, weights, ids, TOKENIZER)
     diff, greedy = compare(ours(config, weights, ids), peer)
     assert diff <= TOL and greedy, (diff, greedy)

@@ -1,4 +1,4 @@
-"""engram-serve's DeepSeek-V4.1 model against the independent float64 reference (tests/reference_v41.py):
+"""engram-serve's DeepSeek-V4.1 model against the independent float64 reference (tests/reference/reference_v41.py):
 greedy tokens identical and max |d logprob| <= 1e-5 at every position, except positions downstream of a
 top-k or router choice that float32 rounding could flip (a near tie at the boundary: the reference
 reports them, and the test counts them). Random configs (v41_configs: layer roles, ratios, windows,

@@ -314,8 +314,9 @@ def test_the_direct_sgemm_call_gets_torchs_bits(out_f, in_f, rows, seed):
     x = torch.randn(rows, in_f, generator=g) * 3
     assert torch.equal(exactness.blas_linear(x, w), F.linear(x, w))
     p = exactness.plan(w)
-    assert not p.blas or (p.kc is None and not p.positional)
-    if p.blas and rows >= p.min_rows:  # (a smaller call pads: the row rule)
+    blas = isinstance(p, exactness.Blas)
+    assert not blas or (exactness.small_call_kc(w) is None and not exactness.position_dependent(w))
+    if blas and rows >= p.min_rows:  # (a smaller call pads: the row rule)
         assert torch.equal(layers.linear(x, w), F.linear(x, w))
     part = exactness.in_major(torch.randn(out_f + 3, in_f, generator=g))[:out_f]  # its transpose is not contiguous
     assert not exactness.blas_matches(part)  # (the call would read the wrong columns: wrong logits, not last bits)
@@ -450,14 +451,14 @@ def test_linear_takes_the_tiles_only_for_bfloat16_weights(monkeypatch):
     for w, tiled in ((torch.randn(96, 128, generator=g).to(torch.bfloat16).float(), True),
                      (torch.randn(96, 128, generator=g), False)):
         w = exactness.in_major(w)
-        assert (exactness.plan(w).tiles is not None) == tiled
+        assert exactness.plan(w).is_tiles == tiled
         y = layers.linear(x, w)
         assert ((y.double() - x.double() @ w.double().t()).abs()
                 <= 3 * 128 * 2.0**-24 * (x.double().abs() @ w.double().abs().t())).all()
         assert all(torch.equal(layers.linear(x[i:i + 1], w), y[i:i + 1]) for i in range(40))
     monkeypatch.setattr(exactness, "bf16_check", False)
     monkeypatch.setattr(exactness, "_plans", {})
-    assert exactness.plan(w).tiles is not None
+    assert exactness.plan(w).is_tiles
     err = (layers.linear(x, w).double() - x.double() @ w.double().t()).abs()
     assert not (err <= 3 * 128 * 2.0**-24 * (x.double().abs() @ w.double().abs().t())).all()
 
@@ -501,9 +502,9 @@ def test_a_one_row_call_of_an_fp8_weight_equals_its_row_in_a_big_call(monkeypatc
     monkeypatch.setattr(exactness, "_plans", {})
     x = torch.randn(9, 128, generator=torch.Generator().manual_seed(3))
     w = exactness.in_major(_fp8_weight(96, 128, 128, 1))
-    assert exactness.plan(w).fp8 is not None
+    assert isinstance(exactness.plan(w), exactness.Fp8Panels)
     assert all(torch.equal(layers.linear(x[i:i + 1], w), layers.linear(x, w)[i:i + 1]) for i in range(9))
     monkeypatch.setattr(exactness, "fp8_check", False)
     v = exactness.in_major(torch.randn(96, 128, generator=torch.Generator().manual_seed(4)))
-    assert exactness.plan(v).fp8 is not None
+    assert isinstance(exactness.plan(v), exactness.Fp8Panels)
     assert not torch.equal(layers.linear(x[:1], v), layers.linear(x, v)[:1])

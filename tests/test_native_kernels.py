@@ -122,7 +122,7 @@ def test_hc_next_is_its_five_calls_bit_for_bit(n, hc, dim, seed, bf16):
     norm = v41.RMSNorm(dim, 1e-6)
     norm.weight.data = torch.randn(dim, generator=g)
     assert v41.exactness.plan(fn).kc is not None  # the linear kernel takes the weight: the one call runs
-    assert (v41.exactness.plan(fn).tiles is not None) == (bf16 and v41.exactness.amx_supported(kernels.get("linear")))
+    assert (v41.exactness.plan(fn).is_tiles) == (bf16 and v41.exactness.amx_supported(kernels.get("linear")))
     with torch.no_grad():
         got = v41.hc_next(o, x, post, comb, mix, fn, base, scale, norm, cfg)
         xs = fused.expand(o, x, post, comb)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -182,10 +183,10 @@ def hc_next(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Te
     if kernels.get("linear") is not None and fused.runs_in_c(o, x, post, comb, mix, fn, norm.weight) \
             and exactness.rules_on():
         p = exactness.plan(fn)
-        if p.tiles is not None or p.kc is not None:  # (fn's product as `linear` computes it)
-            return fused.hc_next(o, x, post, comb, mix, p.panels if p.tiles is None else p.tiles, p.kc or 1, scale,
+        if p.kernel_weight is not None:  # (fn's product as `linear` computes it)
+            return fused.hc_next(o, x, post, comb, mix, p.kernel_weight, p.kc or 1, scale,
                                  base, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, norm.weight, norm.eps,
-                                 p.tiles is not None, in_place)
+                                 p.is_tiles, in_place)
     x = expand(o, x, post, comb, in_place)
     return x, hyper_mix(x, fn, base, scale, cfg), norm(collapse(x, mix))
 
@@ -487,6 +488,19 @@ def swiglu(gu: torch.Tensor, inter: int, limit: float) -> torch.Tensor:
     return pointwise(F.silu, g.contiguous()) * u
 
 
+class ExpertPanels(NamedTuple):
+    """What the experts' one linear-kernel call reads (`exactness.moe_experts`): the addresses [E] int64 of each
+    expert's packed w13 and w2 (their strategies' `kernel_weight`), their block sizes, the strategies kept alive,
+    and whether the addresses are of bfloat16 tiles."""
+
+    w13: torch.Tensor
+    kc13: int
+    w2: torch.Tensor
+    kc2: int
+    plans: list
+    tiles: bool
+
+
 class MoE(nn.Module):
     """Routed experts with sqrt(softplus) scores and a bias that only chooses, plus one shared expert.
 
@@ -531,7 +545,8 @@ class MoE(nn.Module):
         expert with rows, after a host read of the counts."""
         panels = self._expert_panels(xs, counts)
         if panels is not None:
-            return exactness.moe_experts(xs, counts, *panels[:4], self.inter, self.cfg.swiglu_limit, panels[5])
+            return exactness.moe_experts(xs, counts, panels.w13, panels.kc13, panels.w2, panels.kc2, self.inter,
+                                         self.cfg.swiglu_limit, panels.tiles)
         capture.refuse("the MoE reads its expert counts on the host")
         parts, start = [], 0
         for e, c in enumerate(counts.tolist()):  # one host read
@@ -540,11 +555,10 @@ class MoE(nn.Module):
             start += c
         return fused.cat_rows(parts) if parts else xs
 
-    def _expert_panels(self, xs: torch.Tensor, counts: torch.Tensor) -> tuple | None:
-        """(w13 panel addresses [E] int64, kc13, w2 panel addresses, kc2, the plans kept alive, whether they are
-        bfloat16 tiles) where the C matmul takes every expert's product (model/exactness.py: the rules on, every
-        expert's bfloat16 tiles or a probed kc, float32 CPU rows, no autograd) and the SwiGLU takes its C form,
-        else None. Cached per weight version."""
+    def _expert_panels(self, xs: torch.Tensor, counts: torch.Tensor) -> ExpertPanels | None:
+        """The `ExpertPanels` of the experts where the C matmul takes every expert's product (model/exactness.py: the
+        rules on, every expert's bfloat16 tiles or a probed kc, float32 CPU rows, no autograd) and the SwiGLU takes
+        its C form, else None. Cached per weight version."""
         w13, w2 = self.w13, self.w2
         if not (exactness.rules_on() and fused.runs_in_c(xs, w13, w2) and xs.is_contiguous() and counts.is_cpu):
             return None  # (the token kernel's SwiGLU is the one inside: with the token kernel on only)
@@ -553,12 +567,11 @@ class MoE(nn.Module):
         if cached is None or cached[0] != key:
             plans13 = [exactness.plan(w13[e]) for e in range(w13.shape[0])]
             plans2 = [exactness.plan(w2[e]) for e in range(w2.shape[0])]
-            tiles = all(p.tiles is not None for p in plans13 + plans2)  # every expert on the bfloat16 tiles
-            form = "tiles" if tiles else "panels"
-            ok = tiles or all(p.panels is not None for p in plans13 + plans2)  # (else mixed: per expert)
-            panels = None if not ok else (
-                torch.tensor([getattr(p, form).data_ptr() for p in plans13], dtype=torch.int64), plans13[0].kc or 1,
-                torch.tensor([getattr(p, form).data_ptr() for p in plans2], dtype=torch.int64), plans2[0].kc or 1,
+            tiles = all(p.is_tiles for p in plans13 + plans2)  # every expert on the bfloat16 tiles
+            ok = tiles or all(p.kernel_weight is not None and not p.is_tiles for p in plans13 + plans2)  # (else mixed)
+            panels = None if not ok else ExpertPanels(
+                torch.tensor([p.kernel_weight.data_ptr() for p in plans13], dtype=torch.int64), plans13[0].kc or 1,
+                torch.tensor([p.kernel_weight.data_ptr() for p in plans2], dtype=torch.int64), plans2[0].kc or 1,
                 plans13 + plans2, tiles)
             self._panels = cached = (key, panels)
         return cached[1]

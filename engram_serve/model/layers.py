@@ -8,7 +8,6 @@ model/exactness.py, and elementwise torch ops go through `exactness.pointwise`.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import exactness, fused  # (fused imports this module too: names are looked up at call time)
@@ -16,29 +15,11 @@ from .exactness import in_major
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ weight[out, in].T -> [..., out], batch-invariant (the row rule of model/exactness.py).
-
-    A weight with bfloat16 tiles (`exactness.plan`, on an AMX CPU) goes to `linear_bf16` in every call (not under
-    autograd). Where `exactness.small_call_kc` allows, every call goes to the C matmul; where
-    MKL gives a row other bits at another place of its call, to `exactness.rowwise_linear`; else a
-    call of fewer than min_rows(weight) rows is zero-padded with one `F.pad` (host-side shape checks, no
-    device sync), and a call of enough rows goes to torch's sgemm directly where `exactness.blas_matches`
-    (torch's bits, a recordable kernel call); a 2-D input needs no reshape."""
+    """x [..., in] @ weight[out, in].T -> [..., out], batch-invariant (the row rule of model/exactness.py): the
+    weight's product strategy (`exactness.plan`: bfloat16 tiles, float or FP8 panels, row-wise, torch's sgemm, or
+    F.linear padded to min_rows rows) runs it; a 2-D input needs no reshape."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    n = x2.shape[0]
-    m, kc, panels, fp8, _, _, positional, blas, bf16 = exactness.plan(weight) if exactness.rules_on() else \
-        exactness.Plan(0, None, None, None, None, 0, False, False, None)
-    if exactness.kernel_takes(x2, weight, bf16):
-        y = exactness.matmul_bf16(x2, bf16, weight.shape[0])
-    elif exactness.kernel_takes(x2, weight, kc):
-        y = exactness.matmul_fp8(x2, fp8, weight.shape[0], kc) if fp8 is not None and n <= exactness.FP8_ROWS \
-            else exactness.matmul_kernel(x2, panels, weight.shape[0], kc)
-    elif positional:
-        y = exactness.rowwise_linear(x2, weight)
-    elif n >= m:
-        y = exactness.blas_linear(x2, weight) if blas and exactness.blas_takes(x2, weight) else F.linear(x2, weight)
-    else:
-        y = F.linear(F.pad(x2, (0, 0, 0, m - n)), weight)[:n]
+    y = exactness.plan(weight).run(x2, weight)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 
 

@@ -32,7 +32,7 @@ Elementwise ops. torch's CPU loops run the vectorised form of an op over whole v
 form over the tail of the call, and for sigmoid and silu the two differ in the last bit. Rule:
 `pointwise` pads the flat input to a multiple of VEC_PAD elements, so every element takes the
 vectorised path whatever the call's size (with one intra-op thread; see the runner). The C forms
-(model/fused.py) have no tail: they compute each token alone.
+(model/ops_c.py) have no tail: they compute each token alone.
 
 bfloat16 weights. On a CPU with AMX-BF16, a weight whose every value is a bfloat16 (`pack_bf16`: FP8 block-scaled
 weights rebuilt, a BF16 checkpoint's matrices) is multiplied by the linear kernel's `linear_bf16` in every call,

@@ -7,10 +7,12 @@ model/exactness.py, and elementwise torch ops go through `exactness.pointwise`.
 """
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from torch import nn
 
-from . import exactness, fused  # (fused imports this module too: names are looked up at call time)
+from . import exactness
 from .exactness import in_major
 
 
@@ -80,29 +82,14 @@ class Linear(nn.Linear):
         return linear(x, self.weight)
 
 
-def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) [* weight], computed in float32, returned in x's dtype: one C call per the
-    rule of model/fused.py (`runs_in_c`), else `rms_norm_torch`."""
-    if fused.runs_in_c(x, weight):
-        return fused.rms_norm(x, eps, weight)
-    return rms_norm_torch(x, eps, weight)
-
-
-def rms_norm_torch(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """The torch form of `rms_norm`. A float32 input is used as is (no `.float()` / `.to()` calls: each is an
-    operator even when it copies nothing)."""
-    xf = x if x.dtype == torch.float32 else x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * (weight if weight.dtype == torch.float32 else weight.float())
-    return y if x.dtype == torch.float32 else y.to(x.dtype)
-
-
 class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, by the forward's form of the token-wise steps
+    (`ops`: model/ops_torch.py or model/ops_c.py `rms_norm`)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.eps, self.weight)
+    def forward(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
+        return ops.rms_norm(x, self.eps, self.weight)

@@ -318,7 +318,8 @@ class Sampler:
             scaled = zp / temp.index_select(0, pl)[:, None]  # [Sp, V]
             noise = self.noise_at(seeds.index_select(0, pl), counters.index_select(0, pl),
                                   torch.arange(vocab, device=work.device))
-            tokens.index_copy_(0, pl, argmax_rows(scaled + noise))
+            perturbed = scaled + noise  # [Sp, V]
+            tokens.index_copy_(0, pl, choose(perturbed).argmax_rows(perturbed))
         if b.filtered.shape[0]:
             f = b.filtered
             fr = s_rows.index_select(0, f)  # batch rows
@@ -387,7 +388,8 @@ class Sampler:
         scaled = z / temp[:, None]  # [F, V]
         keep = full_sort_keep(scaled, k, p, min_p)
         noise = self.noise_at(seeds, counters, torch.arange(vocab, device=z.device))
-        return argmax_rows(scaled.masked_fill(~keep, float("-inf")) + noise)
+        perturbed = scaled.masked_fill(~keep, float("-inf")) + noise  # [F, V]
+        return choose(perturbed).argmax_rows(perturbed)
 
     # ---- logprobs -----------------------------------------------------------------------------
     @staticmethod

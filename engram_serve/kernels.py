@@ -5,7 +5,7 @@ setup.py builds five C extensions where a C compiler exists (docs/kernels.md say
     hash       engram/_hash_kernel       the Engram n-gram hash (engram/hashing.py)
     gather     engram/_gather_kernel     the staging gather of table rows (engram/staging.py)
     linear     model/_linear_kernel      the float32 matmul in a fixed order (model/exactness.py, layers.py)
-    token      model/_token_kernel       the token-wise steps of the forward (model/fused.py)
+    token      model/_token_kernel       the token-wise steps of the forward (model/ops_c.py)
     decode     inputs/_decode_kernel     a decode step's inputs in place (inputs/decode.py)
 
 Every other module asks this one (`get`, `loaded`) and never imports a kernel itself; where a kernel is

@@ -15,7 +15,7 @@ import torch
 from engram_serve import kernels
 from engram_serve.engine.llm_engine import LLMEngine
 from engram_serve.microbatch.plan import MicrobatchConfig
-from engram_serve.model import capture, deepseek_v41 as v41, fused
+from engram_serve.model import capture, deepseek_v41 as v41, ops_c, ops_torch
 from engram_serve.model.loader import load_model
 from engram_serve.runner import cpu_graphs
 from engram_serve.runner.model_runner import RunnerConfig
@@ -135,12 +135,7 @@ def test_negative_control_replays_without_rebinding_read_the_capture_inputs(load
 def test_negative_control_an_unguarded_capture_skips_a_torch_operator(loaded, monkeypatch):
     """collapse in its torch form (the token kernel off for it): a guarded capture is refused (the key runs
     eagerly, the eager bits); an unguarded one replays without the operators, so stale streams."""
-    real = v41.collapse
-
-    def torch_collapse(x, mix):
-        with kernels.override("-token"):
-            return real(x, mix)
-    monkeypatch.setattr(v41, "collapse", torch_collapse)
+    monkeypatch.setattr(ops_c, "collapse", ops_torch.collapse)
     eager = decode_logits(engine(loaded, False))
     guarded = with_graphs(loaded, cpu_graphs.CpuGraphs)
     assert same(decode_logits(guarded), eager) and guarded.runner.cpu_graphs.replays == 0
@@ -155,7 +150,7 @@ def test_negative_control_an_unreported_host_read_replays_a_stale_routing(monkey
     with torch.no_grad():
         for blk in loaded.model.layers:
             blk.ffn.gate.weight.mul_(40.0)
-    monkeypatch.setattr(v41.MoE, "_expert_panels", lambda self, xs, counts: None)
+    monkeypatch.setattr(v41.MoE, "_expert_panels", lambda self, xs, counts, ops: None)
     eager = decode_logits(engine(loaded, False))
     reported = with_graphs(loaded, cpu_graphs.CpuGraphs)
     assert same(decode_logits(reported), eager) and reported.runner.cpu_graphs.replays == 0
@@ -167,15 +162,15 @@ def test_the_one_call_experts_have_the_bits_of_the_per_expert_calls(loaded):
     """MoE.experts in one linear-kernel call (the serving layout) against the per-expert loop, on grouped rows."""
     moe = loaded.model.layers[1].ffn
     x = torch.randn(13, loaded.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    ids, _ = moe.route(x)
-    order, counts, tok = fused.moe_group(ids, loaded.config.n_routed_experts)
-    xs = fused.gather_rows(x, tok)[:, 0]
-    assert moe._expert_panels(xs, counts) is not None
-    one = moe.experts(xs, counts)
+    ids, _ = moe.route(x, ops_c)
+    order, counts, tok = ops_c.moe_group(ids, loaded.config.n_routed_experts)
+    xs = ops_c.gather_rows(x, tok)[:, 0]
+    assert moe._expert_panels(xs, counts, ops_c) is not None
+    one = moe.experts(xs, counts, ops_c)
     parts, start = [], 0
     for e, c in enumerate(counts.tolist()):
         if c:
-            parts.append(moe.expert(e, xs[start:start + c]))
+            parts.append(moe.expert(e, xs[start:start + c], ops_c))
         start += c
     assert torch.equal(one, torch.cat(parts))
 

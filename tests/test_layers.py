@@ -16,7 +16,7 @@ from engram_serve import kernels
 from engram_serve.config import ModelConfig
 from engram_serve.engram.layer import EngramGate
 from engram_serve.model import deepseek_v41 as v41
-from engram_serve.model import exactness, layers
+from engram_serve.model import exactness, layers, ops
 from engram_serve.model.deepseek_v41 import DeepseekV41, MoE, RopeTable, run_stages
 from engram_serve.model.loader import model_state_from_official
 from engram_serve.model.writer import Quant, official_tensors
@@ -40,7 +40,7 @@ def _moe(num_experts=4, top_k=2, limit=10.0):
 
 
 def _run_moe(moe, x):
-    return run_stages(moe.stages(x))
+    return run_stages(moe.stages(x, ops.choose(x, *moe.parameters())))
 
 
 def _layout_moe(moe):
@@ -117,16 +117,17 @@ def test_every_row_is_independent_of_its_batch_mates(n, data, input_major):
     q = torch.randn(n, 4, 16, generator=g)
     gu, pair = torch.randn(n, 96, generator=g) * 3, torch.randn(2, n, 32, generator=g)
     scores = torch.randn(n, 40, generator=g).masked_fill(torch.rand(n, 40, generator=g) < 0.3, float("-inf"))
-    mix = lambda i: torch.cat([t.flatten(1) for t in v41.hyper_mix(h[i], fn, base, scale, cfg)], 1)  # noqa: E731
-    pre, post, comb = v41.hyper_mix(h, fn, base, scale, cfg)
+    form = ops.choose(h)  # (the C forms where the token kernel is loaded)
+    mix = lambda i: torch.cat([t.flatten(1) for t in form.hyper_mix(h[i], fn, base, scale, cfg)], 1)  # noqa: E731
+    pre, post, comb = form.hyper_mix(h, fn, base, scale, cfg)
     fns = {
         "moe": lambda i: _run_moe(moe, x[i]), "moe_wide": lambda i: _run_moe(moe_wide, x[i]),
-        "gate": lambda i: gate(h[i], rows[i], dead[i]), "rms_norm": lambda i: layers.rms_norm(h[i], 1e-6),
-        "rope": lambda i: v41.rope(q[i], cos[i], sin[i]), "rope_inverse": lambda i: v41.rope(q[i], cos[i], sin[i], True),
-        "hyper_mix": mix, "collapse": lambda i: v41.collapse(h[i], pre[i]),
-        "expand": lambda i: v41.expand(x[i], h[i], post[i], comb[i]),
-        "swiglu": lambda i: v41.swiglu(gu[i], 48, 1.0), "pool_pair": lambda i: v41.pool_pair(pair[0, i], pair[1, i]),
-        "topk_first": lambda i: v41.topk_first(scores[i], 5),
+        "gate": lambda i: gate(h[i], rows[i], dead[i], form), "rms_norm": lambda i: form.rms_norm(h[i], 1e-6),
+        "rope": lambda i: form.rope(q[i], cos[i], sin[i], False), "rope_inverse": lambda i: form.rope(q[i], cos[i], sin[i], True),
+        "hyper_mix": mix, "collapse": lambda i: form.collapse(h[i], pre[i]),
+        "expand": lambda i: form.expand(x[i], h[i], post[i], comb[i]),
+        "swiglu": lambda i: form.swiglu(gu[i], 48, 1.0), "pool_pair": lambda i: form.pool_pair(pair[0, i], pair[1, i]),
+        "topk_first": lambda i: form.topk(scores[i], 5),
     }
     sub = torch.tensor(sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1))))
     with torch.no_grad():
@@ -142,14 +143,14 @@ def test_rope_is_the_textbook_rotation_of_the_last_pairs_and_its_inverse_undoes_
     x = torch.randn(40, 3, 16)
     table = RopeTable(8, 10000.0, None)
     cos, sin = table(pos)
-    got = v41.rope(x, cos, sin)
+    got = ops.choose(x).rope(x, cos, sin, False)
     f = 10000.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
     turn = torch.polar(torch.ones(40, 4, dtype=torch.float64), pos.double()[:, None] * f[None])[:, None, :]
     tail = torch.view_as_complex(x[..., 8:].double().reshape(40, 3, 4, 2).contiguous())
     want = torch.view_as_real(tail * turn).reshape(40, 3, 8)
     assert torch.equal(got[..., :8], x[..., :8])
     assert torch.allclose(got[..., 8:].double(), want, atol=1e-5)
-    assert torch.allclose(v41.rope(got, cos, sin, inverse=True), x, atol=1e-5)
+    assert torch.allclose(ops.choose(x).rope(got, cos, sin, inverse=True), x, atol=1e-5)
 
 
 @settings(max_examples=25, deadline=None)
@@ -314,8 +315,9 @@ def test_the_direct_sgemm_call_gets_torchs_bits(out_f, in_f, rows, seed):
     x = torch.randn(rows, in_f, generator=g) * 3
     assert torch.equal(exactness.blas_linear(x, w), F.linear(x, w))
     p = exactness.plan(w)
-    assert not p.blas or (p.kc is None and not p.positional)
-    if p.blas and rows >= p.min_rows:  # (a smaller call pads: the row rule)
+    blas = isinstance(p, exactness.Blas)
+    assert not blas or (exactness.small_call_kc(w) is None and not exactness.position_dependent(w))
+    if blas and rows >= p.min_rows:  # (a smaller call pads: the row rule)
         assert torch.equal(layers.linear(x, w), F.linear(x, w))
     part = exactness.in_major(torch.randn(out_f + 3, in_f, generator=g))[:out_f]  # its transpose is not contiguous
     assert not exactness.blas_matches(part)  # (the call would read the wrong columns: wrong logits, not last bits)
@@ -360,7 +362,8 @@ def test_stacked_experts_keep_the_checkpoint_names():
     moe, x = model.layers[0].ffn, torch.randn(5, cfg.hidden_size)
     w1, w3, w2 = (out[f"layers.0.ffn.experts.2.w{i}.weight"] for i in (1, 3, 2))
     with torch.no_grad():
-        assert torch.allclose(moe.expert(2, x), v41.swiglu(torch.cat([x @ w1.T, x @ w3.T], 1), moe.inter,
+        f = ops.choose(x, *moe.parameters())
+        assert torch.allclose(moe.expert(2, x, f), f.swiglu(torch.cat([x @ w1.T, x @ w3.T], 1), moe.inter,
                                                             cfg.swiglu_limit) @ w2.T, atol=1e-6)
 
 
@@ -374,8 +377,9 @@ def test_gate_rows_differ_without_the_pointwise_rule(monkeypatch):
 
     def mismatches():
         with torch.no_grad():
-            whole = gate(h, rows)
-            return sum(not torch.equal(gate(h[:k], rows[:k]), whole[:k]) for k in range(1, 65))
+            f = ops.choose(h, *gate.parameters())
+            whole = gate(h, rows, None, f)
+            return sum(not torch.equal(gate(h[:k], rows[:k], None, f), whole[:k]) for k in range(1, 65))
     assert mismatches() == 0
     with exactness.batch_invariant(False):
         assert mismatches() > 0
@@ -450,14 +454,14 @@ def test_linear_takes_the_tiles_only_for_bfloat16_weights(monkeypatch):
     for w, tiled in ((torch.randn(96, 128, generator=g).to(torch.bfloat16).float(), True),
                      (torch.randn(96, 128, generator=g), False)):
         w = exactness.in_major(w)
-        assert (exactness.plan(w).tiles is not None) == tiled
+        assert exactness.plan(w).is_tiles == tiled
         y = layers.linear(x, w)
         assert ((y.double() - x.double() @ w.double().t()).abs()
                 <= 3 * 128 * 2.0**-24 * (x.double().abs() @ w.double().abs().t())).all()
         assert all(torch.equal(layers.linear(x[i:i + 1], w), y[i:i + 1]) for i in range(40))
     monkeypatch.setattr(exactness, "bf16_check", False)
     monkeypatch.setattr(exactness, "_plans", {})
-    assert exactness.plan(w).tiles is not None
+    assert exactness.plan(w).is_tiles
     err = (layers.linear(x, w).double() - x.double() @ w.double().t()).abs()
     assert not (err <= 3 * 128 * 2.0**-24 * (x.double().abs() @ w.double().abs().t())).all()
 
@@ -501,9 +505,9 @@ def test_a_one_row_call_of_an_fp8_weight_equals_its_row_in_a_big_call(monkeypatc
     monkeypatch.setattr(exactness, "_plans", {})
     x = torch.randn(9, 128, generator=torch.Generator().manual_seed(3))
     w = exactness.in_major(_fp8_weight(96, 128, 128, 1))
-    assert exactness.plan(w).fp8 is not None
+    assert isinstance(exactness.plan(w), exactness.Fp8Panels)
     assert all(torch.equal(layers.linear(x[i:i + 1], w), layers.linear(x, w)[i:i + 1]) for i in range(9))
     monkeypatch.setattr(exactness, "fp8_check", False)
     v = exactness.in_major(torch.randn(96, 128, generator=torch.Generator().manual_seed(4)))
-    assert exactness.plan(v).fp8 is not None
+    assert isinstance(exactness.plan(v), exactness.Fp8Panels)
     assert not torch.equal(layers.linear(x[:1], v), layers.linear(x, v)[:1])

@@ -14,6 +14,7 @@ import torch
 from engram_serve.config import ModelConfig, read_json
 from engram_serve.engram.hashing import hash_step
 from engram_serve.engram.layer import EngramGate
+from engram_serve.model import ops, ops_torch
 from engram_serve.engram.layout import build_layout
 from engram_serve.engram.tables import EngramTables
 from engram_serve.engram.token_map import build_token_map, load_tokenizer
@@ -317,7 +318,7 @@ def test_dead_tokens_get_gate_zero(tiny):
     g, _ = gate.gate(h, rows, dead)
     assert (g[dead] == 0).all() and (g[~dead] > 0).all()
     with torch.no_grad():
-        out = gate(h, rows, dead)
+        out = gate(h, rows, dead, ops.choose(h))
     assert torch.equal(out[dead], h[dead]) and not torch.allclose(out[~dead], h[~dead])
 
 
@@ -428,10 +429,10 @@ def test_attention_with_a_sink_is_softmax_attention_with_one_more_logit():
     z = torch.einsum("nhd,nkd->nhk", q.double(), keys.double()) / hd ** 0.5
     z = z.masked_fill(~ok[:, None, :], float("-inf"))
     plain = torch.einsum("nhk,nkd->nhd", torch.softmax(z, -1), keys.double())
-    got = v41.attend(q, keys, ok, torch.full((heads,), float("-inf")), hd ** -0.5)
+    got = ops_torch.attend(q, keys, ok, torch.full((heads,), float("-inf")), hd ** -0.5)
     assert torch.allclose(got.double(), plain, atol=1e-6)
     share = torch.exp(z).sum(-1) / (torch.exp(z).sum(-1) + torch.exp(sink.double())[None, :])  # [n, heads]
-    got = v41.attend(q, keys, ok, sink, hd ** -0.5)
+    got = ops_torch.attend(q, keys, ok, sink, hd ** -0.5)
     assert torch.allclose(got.double(), plain * share[..., None], atol=1e-6)
 
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from engram_serve.engram.tables import EngramTables
 from engram_serve.errors import OwnershipError
 from engram_serve.microbatch.plan import MicrobatchConfig
+from engram_serve.model import ops
 from engram_serve.model.loader import load_model
 from engram_serve.model.deepseek_v41 import run_stages
 from engram_serve.parallel.collectives import COMM, rank_ordered_sum
@@ -261,14 +262,15 @@ def test_expert_parallel_moe_partials_sum_to_the_unsharded_moe(n, seed):
         for p in full.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     x = torch.randn(n, cfg.hidden_size, generator=g)
-    want = run_stages(full.stages(x))
+    want = run_stages(full.stages(x, ops.choose(x, *full.parameters())))
     parts = []
     orig = pl.launch_sum
     pl.launch_sum = lambda group, y, ctx, what: _Partial(y)
     try:
         for rank in range(2):
             group = type("G", (), {"rank": rank, "world": 2, "stats": CommStats()})()
-            parts.append(run_stages(pl.ExpertParallelMoE(full, group, "moe").stages(x)))
+            shard = pl.ExpertParallelMoE(full, group, "moe")
+            parts.append(run_stages(shard.stages(x, ops.choose(x, *shard.parameters()))))
     finally:
         pl.launch_sum = orig
     assert torch.allclose(rank_ordered_sum(torch.stack(parts)), want, rtol=1e-5, atol=1e-5)

@@ -77,11 +77,11 @@ def test_a_microbatch_that_raises_ends_the_step_fast_and_the_runner_recovers(loa
     real = moe.shared
     calls = {"n": 0}
 
-    def flaky(x):
+    def flaky(x, ops):
         calls["n"] += 1
         if calls["n"] == 2:  # the second microbatch's layer-2 shared expert
             raise RuntimeError("injected failure in microbatch 1")
-        return real(x)
+        return real(x, ops)
 
     monkeypatch.setattr(moe, "shared", flaky)
     t = time.monotonic()

@@ -141,7 +141,6 @@ def _replicated_pieces(model, workload: tuple[int, int, int]):
     its compressor and its indexer, run piece by piece on the step's shapes over a fresh paged state
     (sequence b owns slots b*S .. b*S + S - 1, as in `forward_dense`). Their cost depends on the shapes
     (tokens, visible entries), not on the values. Returns {piece: seconds}."""
-    from ..model.deepseek_v41 import rope
     from ..model.layers import linear
     from ..model.paged_state import PagedState
     cfg, (reqs, new, ctx) = model.config, workload
@@ -161,8 +160,8 @@ def _replicated_pieces(model, workload: tuple[int, int, int]):
             a, r = blk.attn, blk.role.ratio
             cs = comp if r else plain
             t0 = time.perf_counter()
-            qr = a.q_norm(linear(x, a.wq_a.weight))  # [T, ql]
-            rope(a.kv_norm(linear(x, a.wkv.weight)), *cs)  # [T, hd]
+            qr = a.q_norm(linear(x, a.wq_a.weight), step.ops)  # [T, ql]
+            step.ops.rope(a.kv_norm(linear(x, a.wkv.weight), step.ops), *cs, inverse=False)  # [T, hd]
             t1 = time.perf_counter()
             if a.compressor is not None:
                 a._compress(x, step, entry_cs[r])

@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..model import fused
+from types import ModuleType
+
+from ..model import ops_torch
 from ..model.layers import Linear
 
 
@@ -37,12 +39,13 @@ class EngramGate(nn.Module):
 
     def gate(self, h: torch.Tensor, rows: torch.Tensor, dead: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """gate [T, hc_mult] and value [T, hidden] for h [T, hc, hidden], rows [T, C, hd], dead [T] bool (the
-        torch form of model/fused.py; the forward adds them in `apply`)."""
-        return fused.gate_torch(h, self.project(rows), self.q_weight, self.k_weight, dead, self.eps)
+        torch form of model/ops_torch.py; the forward adds them in `apply`)."""
+        return ops_torch.engram_gate_value(h, self.project(rows), self.q_weight, self.k_weight, dead, self.eps)
 
-    def apply(self, h: torch.Tensor, kv: torch.Tensor, dead: torch.Tensor | None = None) -> torch.Tensor:
-        """h with the gated value added, from an already computed (e.g. cross-rank summed) projection kv."""
-        return fused.engram_gate(h, kv, self.q_weight, self.k_weight, dead, self.eps)
+    def apply(self, h: torch.Tensor, kv: torch.Tensor, dead: torch.Tensor | None, ops: ModuleType) -> torch.Tensor:
+        """h with the gated value added, from an already computed (e.g. cross-rank summed) projection kv, by the
+        forward's form `ops` (model/ops.py)."""
+        return ops.engram_gate(h, kv, self.q_weight, self.k_weight, dead, self.eps)
 
-    def forward(self, h: torch.Tensor, rows: torch.Tensor, dead: torch.Tensor | None = None) -> torch.Tensor:
-        return self.apply(h, self.project(rows), dead)
+    def forward(self, h: torch.Tensor, rows: torch.Tensor, dead: torch.Tensor | None, ops: ModuleType) -> torch.Tensor:
+        return self.apply(h, self.project(rows), dead, ops)

@@ -13,39 +13,36 @@ the yield points are data-independent, so microbatches stay in lock step.
 Row invariance (docs/contract.md §9): every matmul goes through `layers.linear` (the same bits for a
 row whatever the call). Each token-wise step (the mHC mix after its matmul, collapse, expand, RMSNorm,
 RoPE, the attention with its sink, the pooling, the indexer's scores, the top-k, the router, the SwiGLU,
-the cache writes and key gathers) has two forms that compute the same formula: one call into the C token
-kernel (model/fused.py), which computes each token alone in an order fixed per token, taken wherever it
-runs (float32 CPU tensors outside autograd with the kernel loaded: a choice by devices, dtypes and
-kernels, never by the batch); and the torch operators, where transcendental elementwise functions go
-through `exactness.pointwise`, reductions run over a fixed-length last dimension or as explicit loops
-over streams, and the attention and indexer products are batched matmuls whose per-item shapes are fixed
-by the config (KEY_CHUNK entries per indexer item). Either way a token's bits never depend on its batch
-mates, the cut or padding.
+the cache writes and key gathers) has two forms that compute the same formula, two modules with the same
+functions: model/ops_torch.py, the torch operators (the readable formulas), and model/ops_c.py, one call
+into the C token kernel each, which computes each token alone in an order fixed per token. `forward_stages`
+chooses one per forward (model/ops.py: float32 CPU tensors outside autograd with the kernel loaded, by
+devices, dtypes and kernels, never by the batch) and passes it down in `V41Step.ops`. Either way a token's
+bits never depend on its batch mates, the cut or padding.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
+from itertools import pairwise
+from types import ModuleType
+from typing import NamedTuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
 from ..engram.layer import EngramGate
 from ..errors import StaticBufferError
 from .. import kernels
-from . import capture, exactness, fused
-from .exactness import pointwise
+from . import capture, exactness, ops_c
 from .layers import Linear, RMSNorm, linear, stacked
+from .ops import choose
+from .ops_torch import KEY_CHUNK
 from .paged_state import SlotPlan, PagedState
 
-KEY_CHUNK = 64  # indexer entries per batched-matmul item: a fixed per-item shape whatever the context
-ATTN_TOKENS = 256  # torch form: tokens whose keys are gathered at once (bounds a long prefill's gathered keys; a token's
-# keys and result do not depend on it)
-NEG_INF = float("-inf")
 # The overlap points. A microbatch yields where something of its own can be in flight while another
 # microbatch computes: its Engram gather (one process), its attention output's and its MoE output's
 # cross-rank sums (tensor parallelism). Nowhere else: a stage boundary with nothing in flight only
@@ -127,107 +124,8 @@ class RopeTable:
         if self.cos is None or self.cos.shape[0] < top or self.cos.device != positions.device:
             self.ensure(top, positions.device)
         cos, sin = self.tables[shift]
-        return fused.gather_rows(cos, positions)[:, 0], fused.gather_rows(sin, positions)[:, 0]
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False, in_place: bool = False
-         ) -> torch.Tensor:
-    """Interleaved RoPE on the last rd = 2 * cos.shape[-1] dims of x [N, ..., width]; cos, sin [N, rd / 2].
-    `in_place`: x is the caller's to overwrite (the C form writes into it)."""
-    if fused.runs_in_c(x, cos, sin):
-        return fused.rope(x, cos, sin, inverse, in_place)
-    rd = 2 * cos.shape[-1]
-    while cos.dim() < x.dim():
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    tail = x[..., x.shape[-1] - rd:]
-    x0, x1 = tail[..., 0::2], tail[..., 1::2]
-    if inverse:
-        y0, y1 = x0 * cos + x1 * sin, x1 * cos - x0 * sin
-    else:
-        y0, y1 = x0 * cos - x1 * sin, x0 * sin + x1 * cos
-    return torch.cat([x[..., : x.shape[-1] - rd], torch.stack([y0, y1], -1).flatten(-2)], -1)
-
-
-# ---- mHC ---------------------------------------------------------------------------------------------
-def hyper_mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, cfg: ModelConfig
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(pre [N, hc], post [N, hc], comb [N, hc, hc]) of one sublayer from its streams x [N, hc, D]."""
-    n, hc, _ = x.shape
-    v = x.reshape(n, -1)  # [N, hc*D]
-    mm = linear(v, fn)  # [N, (2+hc)*hc]
-    if fused.runs_in_c(v, mm, scale, base):
-        return fused.hc_mix(x, mm, scale, base, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
-    r = torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
-    seg = torch.cat([scale[0].expand(hc), scale[1].expand(hc), scale[2].expand(hc * hc)])
-    m = mm * r * seg + base
-    pre = pointwise(torch.sigmoid, m[:, :hc]) + cfg.hc_eps
-    post = 2 * pointwise(torch.sigmoid, m[:, hc:2 * hc])
-    c = m[:, 2 * hc:].reshape(n, hc, hc)
-    c = pointwise(torch.exp, c - c.amax(-1, keepdim=True))
-    c = c / c.sum(-1, keepdim=True) + cfg.hc_eps
-    c = c / (c.sum(-2, keepdim=True) + cfg.hc_eps)
-    for _ in range(cfg.hc_sinkhorn_iters - 1):
-        c = c / (c.sum(-1, keepdim=True) + cfg.hc_eps)
-        c = c / (c.sum(-2, keepdim=True) + cfg.hc_eps)
-    return pre, post, c
-
-
-def hc_next(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, mix: torch.Tensor,
-            fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm: RMSNorm, cfg: ModelConfig,
-            in_place: bool = False):
-    """Between two sublayers: the streams x' = expand(o, x, post, comb), the next sublayer's mix of them
-    (`hyper_mix` with fn, base, scale) and its input norm(collapse(x', mix)): (x', (pre, post, comb), input).
-    One C call over tiles of tokens where the linear kernel takes fn (the same bits as the calls below).
-    `in_place`: x' may be written over x (the caller reads x no more; the C forms do: one buffer of streams)."""
-    if kernels.get("linear") is not None and fused.runs_in_c(o, x, post, comb, mix, fn, norm.weight) \
-            and exactness.rules_on():
-        p = exactness.plan(fn)
-        if p.tiles is not None or p.kc is not None:  # (fn's product as `linear` computes it)
-            return fused.hc_next(o, x, post, comb, mix, p.panels if p.tiles is None else p.tiles, p.kc or 1, scale,
-                                 base, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, norm.weight, norm.eps,
-                                 p.tiles is not None, in_place)
-    x = expand(o, x, post, comb, in_place)
-    return x, hyper_mix(x, fn, base, scale, cfg), norm(collapse(x, mix))
-
-
-def collapse(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
-    """sum_i mix[:, i] * x[:, i] for x [N, hc, D], mix [N, hc]: [N, D] (streams added in order)."""
-    if fused.runs_in_c(x, mix):
-        return fused.collapse(x, mix)
-    out = mix[:, :1] * x[:, 0]
-    for i in range(1, x.shape[1]):
-        out = out + mix[:, i:i + 1] * x[:, i]
-    return out
-
-
-def expand(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, in_place: bool = False
-           ) -> torch.Tensor:
-    """x'[b] = post[b] * o + sum_a comb[a, b] * x[a] for o [N, D], x [N, hc, D]: [N, hc, D]; `in_place`: it may be
-    written over x (the C form does)."""
-    if fused.runs_in_c(o, x, post, comb):
-        return fused.expand(o, x, post, comb, in_place)
-    hc = x.shape[1]
-    outs = []
-    for b in range(hc):
-        acc = post[:, b:b + 1] * o
-        for a in range(hc):
-            acc = acc + comb[:, a, b:b + 1] * x[:, a]
-        outs.append(acc)
-    return torch.stack(outs, 1)
-
-
-# ---- top-k with the written tie rule ----------------------------------------------------------------
-def topk_first(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The k best of scores [N, n] by value, ties to the lower index, -1 where fewer than k are finite (or
-    above -inf): [N, k] int64, in `out` where given."""
-    if fused.runs_in_c(scores):
-        return fused.topk(scores, k, out)
-    n = scores.shape[1]
-    if n < k:
-        scores = F.pad(scores, (0, k - n), value=NEG_INF)
-    vals, ids = torch.sort(scores, dim=1, descending=True, stable=True)
-    ids = torch.where(vals[:, :k] != NEG_INF, ids[:, :k], -1)  # (a NaN is kept: its request errs, alone)
-    return ids if out is None else out.copy_(ids)
+        ops = choose(cos)  # (the tables are float32 whatever the model's dtype)
+        return ops.gather_rows(cos, positions)[:, 0], ops.gather_rows(sin, positions)[:, 0]
 
 
 # ---- the per-forward context --------------------------------------------------------------------------
@@ -236,7 +134,8 @@ class V41Step:
     """What one microbatch's forward reads and writes besides activations: the cache, its slot plan, the
     rope tables, and the microbatch's own cross-layer buffers `topk` [T, index_topk] int64 and
     `candidates` [T, candidate_topk_blocks] int64 (block ids, -1 none), owned by this microbatch alone
-    (docs/contract.md §5). `touch(name, t)` reports a buffer use to the debug ownership check."""
+    (docs/contract.md §5). `touch(name, t)` reports a buffer use to the debug ownership check. `ops`: the form
+    every layer of this forward runs its token-wise steps in (`DeepseekV41.forward_stages` chooses it)."""
 
     cache: PagedState
     plan: SlotPlan
@@ -245,71 +144,7 @@ class V41Step:
     touch: Callable[[str, torch.Tensor], None] = lambda name, t: None
     ctx: object = None  # the runner's ForwardContext (tensor parallelism: its collectives' buffers and tracking)
     rotary: dict = None  # "plain", "comp": (cos, sin) [T, rd / 2] at the positions; ratio r: at each token's entry
-
-
-# ---- the paged state: writes and the keys a token reads -------------------------------------------
-def store(cache: PagedState, pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor,
-          positions: torch.Tensor | None = None, ratio: int = 1) -> None:
-    """cache.write(pool, slots, values); with positions, only the rows of the tokens that complete an entry of
-    `ratio` tokens (positions % ratio == ratio - 1): the others go to the trash slot."""
-    if fused.runs_in_c(pool, values):
-        fused.store_rows(pool, slots, values, cache.trash_slot, positions, ratio)
-        return
-    if positions is not None:
-        slots = torch.where(positions % ratio == ratio - 1, slots, -1)
-    cache.write(pool, slots, values)
-
-
-def attention_keys(window: torch.Tensor, wslots: torch.Tensor, wok: torch.Tensor, entries: torch.Tensor | None,
-                   eslots: torch.Tensor | None, topk: torch.Tensor | None, zero_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(keys [T, W + K, hd], ok [T, W + K] bool): the window's keys window[wslots] (wslots, wok [T, W]), then
-    (with topk [T, K], -1 none) the entries it picked, their slots from eslots [T, E]; a pick of -1 reads the
-    zero slot, masked."""
-    keys, ok = window[wslots], wok  # [T, W, hd]
-    if topk is None:
-        return keys, ok
-    picked = eslots.gather(1, topk.clamp(min=0)).masked_fill(topk < 0, zero_slot)  # [T, K]
-    return torch.cat([keys, entries[picked]], 1), torch.cat([ok, topk >= 0], 1)
-
-
-# ---- attention -------------------------------------------------------------------------------------
-def attend(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """Softmax attention with a sink logit, key = value. q [N, H, hd], keys [N, K, hd], ok [N, K] bool,
-    sink [H] -> [N, H, hd]. Per-item shapes of the two batched matmuls are fixed by the caller."""
-    z = torch.bmm(q, keys.transpose(1, 2)) * scale  # [N, H, K]
-    z = z.masked_fill(~ok[:, None, :], NEG_INF)
-    m = torch.maximum(z.amax(-1), sink[None, :])  # [N, H]
-    e = pointwise(torch.exp, z - m[..., None])
-    denom = e.sum(-1) + pointwise(torch.exp, sink[None, :] - m)
-    return torch.bmm(e, keys) / denom[..., None]
-
-
-def attend_paged(q: torch.Tensor, window: torch.Tensor, wslots: torch.Tensor, wok: torch.Tensor,
-                 entries: torch.Tensor | None, eslots: torch.Tensor | None, topk: torch.Tensor | None, zero_slot: int,
-                 sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """`attend` of q [T, H, hd] over the keys each token reads (`attention_keys`): in C in place in the pools;
-    in torch gathered ATTN_TOKENS tokens at a time."""
-    if fused.runs_in_c(q, window, entries, sink):
-        return fused.attend_paged(q, window, wslots, wok, entries, eslots, topk, sink, scale)
-    parts = []
-    for a in range(0, q.shape[0], ATTN_TOKENS):
-        b = min(q.shape[0], a + ATTN_TOKENS)
-        keys, ok = attention_keys(window, wslots[a:b], wok[a:b], entries, None if eslots is None else eslots[a:b],
-                                  None if topk is None else topk[a:b], zero_slot)
-        parts.append(attend(q[a:b], keys, ok, sink, scale))  # [b - a, H, hd]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def pool_pair(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
-    """A ratio-2 entry from its two tokens' [kv, gate] rows [T, 2hd]: sum of kv weighted by a per-channel
-    softmax over the two gates -> [T, hd]."""
-    if fused.runs_in_c(first, second):
-        return fused.pool_pair(first, second)
-    hd = first.shape[1] // 2
-    s0, s1 = first[:, hd:], second[:, hd:]
-    m = torch.maximum(s0, s1)
-    e0, e1 = pointwise(torch.exp, s0 - m), pointwise(torch.exp, s1 - m)
-    return (e0 * first[:, :hd] + e1 * second[:, :hd]) / (e0 + e1)
+    ops: ModuleType = None  # the form of the token-wise steps, ops_c or ops_torch (model/ops.py), chosen per forward
 
 
 class Compressor(nn.Module):
@@ -326,19 +161,19 @@ class Compressor(nn.Module):
         """The normed latent [T, hd] of the entry each token completes (garbage where it completes none;
         its writes go to the trash slot). Ratio 2 stores every token's [kv, gate] row first, then pools
         each token with the row of position p - 1, wherever that was computed."""
+        ops = step.ops
         if self.ratio == 1:
-            return self.norm(linear(x, self.wkv.weight))  # [T, hd]
+            return self.norm(linear(x, self.wkv.weight), ops)  # [T, hd]
         row = linear(x, stacked(self.wkv.weight, self.wgate.weight)).float()  # [T, 2hd]: kv, then gate
-        return self.norm(pool_pair(self.partner(row, step, layer), row).to(x.dtype))
-
+        return self.norm(ops.pool_pair(self.partner(row, step, layer), row).to(x.dtype), ops)
 
     @staticmethod
     def partner(row: torch.Tensor, step: V41Step, layer: int) -> torch.Tensor:
         """Store this microbatch's [kv, gate] rows, then read each token's partner: the row of position
         p - 1 (the open group, when p is odd), from this microbatch or from wherever it ran before."""
         pool = step.cache.open[layer]
-        store(step.cache, pool, step.plan.slots, row)
-        return fused.gather_rows(pool, step.plan.prev_slots)[:, 0]  # [T, 2hd]
+        step.ops.store_rows(pool, step.plan.slots, row, step.cache.trash_slot)
+        return step.ops.gather_rows(pool, step.plan.prev_slots)[:, 0]  # [T, 2hd]
 
 
 class Indexer(nn.Module):
@@ -352,48 +187,19 @@ class Indexer(nn.Module):
         self.wk = Linear(cfg.head_dim, self.dim) if owns_keys else None
         self.k_norm = RMSNorm(self.dim, cfg.rms_norm_eps) if owns_keys else None
 
-    def scores(self, x: torch.Tensor, qr: torch.Tensor, cos, sin, pool: torch.Tensor, slots: torch.Tensor,
-               count: torch.Tensor, width: int, zero_slot: int, cands: torch.Tensor | None, block: int) -> torch.Tensor:
+    def scores(self, ops: ModuleType, x: torch.Tensor, qr: torch.Tensor, cos, sin, pool: torch.Tensor,
+               slots: torch.Tensor, count: torch.Tensor, width: int, zero_slot: int, cands: torch.Tensor | None,
+               block: int) -> torch.Tensor:
         """s [T, width]: sum_h w_h relu(q_h . k_g) for entry g of each token (its key at pool[slots[:, g]],
         slots [T, E], E <= width); -inf where not visible (g >= count) and, with cands [T, nc] (block ids, -1
-        none), outside the candidate blocks of `block` entries. width is a multiple of KEY_CHUNK (each batched-
-        matmul item of the torch form is one chunk)."""
+        none), outside the candidate blocks of `block` entries (`index_scores`). width is a multiple of KEY_CHUNK
+        (each batched-matmul item of the torch form is one chunk)."""
         t = x.shape[0]
-        q = rope(linear(qr, self.wq_b.weight).view(t, self.heads, self.dim), cos, sin, in_place=True)  # [T, nh, ihd]
+        q = ops.rope(linear(qr, self.wq_b.weight).view(t, self.heads, self.dim), cos, sin, inverse=False,
+                     in_place=True)  # [T, nh, ihd]
         w = linear(x, self.weights_proj.weight)  # [T, nh]
         wscale = self.dim ** -0.5 * self.heads ** -0.5
-        if fused.runs_in_c(q, w, pool):
-            return fused.index_scores(q, w, wscale, pool, slots, count, width, cands, block)
-        w = w * wscale
-        keys = pool[F.pad(slots, (0, width - slots.shape[1]), value=zero_slot)]  # [T, width, ihd]
-        ok = torch.arange(width, device=x.device)[None, :] < count[:, None]
-        e = width
-        c = e // KEY_CHUNK
-        qc = q[:, None].expand(t, c, self.heads, self.dim).reshape(t * c, self.heads, self.dim)
-        dots = torch.bmm(qc, keys.view(t * c, KEY_CHUNK, self.dim).transpose(1, 2))  # [T*C, nh, CH]
-        wc = w[:, None, :, None].expand(t, c, self.heads, 1).reshape(t * c, self.heads, 1)
-        s = (torch.relu(dots) * wc).transpose(1, 2).contiguous().sum(-1).view(t, e)  # heads summed per entry
-        s = s.masked_fill(~ok, NEG_INF)
-        if cands is not None:
-            nb = width // block
-            chosen = torch.zeros(t, nb + 1, dtype=torch.bool, device=x.device)
-            chosen.scatter_(1, torch.where(cands < 0, nb, cands), True)  # [T, blocks + 1]: the last column is "none"
-            s = s.masked_fill(~chosen[:, :nb].repeat_interleave(block, 1), NEG_INF)
-        return s
-
-
-def candidate_blocks(s: torch.Tensor, count: torch.Tensor, block: int, k: int,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """The candidate source's blocks [T, k] (ids, -1 none), in `out` where given: block scores are the max of
-    their entries' scores s [T, E] (E a multiple of `block`), the newest visible block (count - 1) // block is
-    +inf."""
-    if fused.runs_in_c(s):
-        return fused.candidate_blocks(s, count, block, k, out)
-    t, e = s.shape
-    bs = s.view(t, e // block, block).amax(-1)  # [T, B]
-    newest = torch.where(count > 0, torch.div(count - 1, block, rounding_mode="floor"), -1)
-    bs = bs.masked_fill(torch.arange(bs.shape[1], device=s.device)[None, :] == newest[:, None], float("inf"))
-    return topk_first(bs, k, out)
+        return ops.index_scores(q, w, wscale, pool, slots, count, width, zero_slot, cands, block)
 
 
 class Attention(nn.Module):
@@ -420,11 +226,11 @@ class Attention(nn.Module):
         """x [T, D] -> [T, D]. rope_cs: this layer kind's cos, sin at the tokens' positions; entry_cs: at the
         first position of the entry each token completes (compressed layers). With `keep` [K] (token
         indices) every token's keys and entries are stored, but only the tokens `keep` attend: -> [K, D]."""
-        cfg, role, plan = self.cfg, self.role, step.plan
+        cfg, role, plan, ops = self.cfg, self.role, step.plan, step.ops
         h, hd = self.heads, cfg.head_dim
-        kv = rope(self.kv_norm(linear(x, self.wkv.weight)), *rope_cs, in_place=True)  # [T, hd]
+        kv = ops.rope(self.kv_norm(linear(x, self.wkv.weight), ops), *rope_cs, inverse=False, in_place=True)  # [T, hd]
         window = step.cache.window[role.layer]
-        store(step.cache, window, plan.slots, kv)  # this microbatch's keys first: a token attends to itself
+        ops.store_rows(window, plan.slots, kv, step.cache.trash_slot)  # this microbatch's keys first: a token attends to itself
         if role.ratio and self.compressor is not None:
             self._compress(x, step, entry_cs)
         topk, cands = step.topk[:x.shape[0]], step.candidates[:x.shape[0]]
@@ -436,8 +242,8 @@ class Attention(nn.Module):
             x, rope_cs, plan = x[keep], tuple(c[keep] for c in rope_cs), plan.rows(keep)
             topk, cands = topk[keep], cands[keep]
         t = x.shape[0]
-        qr = self.q_norm(linear(x, self.wq_a.weight))  # [T, ql]
-        q = rope(linear(qr, self.wq_b.weight).view(t, h, hd), *rope_cs, in_place=True)  # [T, H, hd]
+        qr = self.q_norm(linear(x, self.wq_a.weight), ops)  # [T, ql]
+        q = ops.rope(linear(qr, self.wq_b.weight).view(t, h, hd), *rope_cs, inverse=False, in_place=True)  # [T, H, hd]
         entries = eslots = None
         if role.ratio:
             if self.indexer is not None:
@@ -445,20 +251,22 @@ class Attention(nn.Module):
             entries, eslots = step.cache.entries[role.kv_source], plan.entry_slots[role.ratio]
         else:
             topk = None
-        o = attend_paged(q, window, plan.window, plan.window_ok, entries, eslots, topk, step.cache.zero_slot,
-                         sink=self.attn_sink, scale=hd ** -0.5)  # [T, H, hd]
-        o = rope(o, *rope_cs, inverse=True, in_place=True).reshape(t, self.groups, h * hd // self.groups)
+        o = ops.attend_paged(q, window, plan.window, plan.window_ok, entries, eslots, topk, step.cache.zero_slot,
+                             sink=self.attn_sink, scale=hd ** -0.5)  # [T, H, hd]
+        o = ops.rope(o, *rope_cs, inverse=True, in_place=True).reshape(t, self.groups, h * hd // self.groups)
         ol = cfg.o_lora_rank
-        u = fused.cat_cols([linear(o[:, g], self.wo_a.weight[g * ol:(g + 1) * ol]) for g in range(self.groups)])
+        u = ops.cat_cols([linear(o[:, g], self.wo_a.weight[g * ol:(g + 1) * ol]) for g in range(self.groups)])
         return linear(u, self.wo_b.weight)
 
     def _compress(self, x: torch.Tensor, step: V41Step, entry_cs) -> None:
         """Store the entries (and index keys) completed by this microbatch's tokens."""
-        layer, r, plan = self.role.layer, self.role.ratio, step.plan
+        layer, r, plan, ops, trash = self.role.layer, self.role.ratio, step.plan, step.ops, step.cache.trash_slot
         latent = self.compressor.latent(x, step, layer)  # [T, hd]
-        store(step.cache, step.cache.entries[layer], plan.slots, rope(latent, *entry_cs), plan.positions, r)
-        ik = rope(self.indexer.k_norm(linear(latent, self.indexer.wk.weight)), *entry_cs, in_place=True)
-        store(step.cache, step.cache.index_keys[layer], plan.slots, ik, plan.positions, r)
+        ops.store_rows(step.cache.entries[layer], plan.slots, ops.rope(latent, *entry_cs, inverse=False), trash,
+                       plan.positions, r)
+        ik = ops.rope(self.indexer.k_norm(linear(latent, self.indexer.wk.weight), ops), *entry_cs, inverse=False,
+                      in_place=True)
+        ops.store_rows(step.cache.index_keys[layer], plan.slots, ik, trash, plan.positions, r)
 
     def _select(self, x: torch.Tensor, qr: torch.Tensor, step: V41Step, plan: SlotPlan, rope_cs, topk: torch.Tensor,
                 cands: torch.Tensor) -> None:
@@ -468,23 +276,26 @@ class Attention(nn.Module):
         eslots, count = plan.entry_slots[role.ratio], plan.entry_count[role.ratio]  # [T, E], [T]
         unit = math.lcm(KEY_CHUNK, cfg.candidate_block_size)  # whole indexer items and whole candidate blocks
         width = max(1, -(-eslots.shape[1] // unit)) * unit
-        s = self.indexer.scores(x, qr, *rope_cs, step.cache.index_keys[role.kv_source], eslots, count, width,
+        s = self.indexer.scores(step.ops, x, qr, *rope_cs, step.cache.index_keys[role.kv_source], eslots, count, width,
                                 step.cache.zero_slot, cands if role.uses_candidates else None,
                                 cfg.candidate_block_size)  # [T, width]
         if role.publishes_candidates:
-            candidate_blocks(s, count, cfg.candidate_block_size, cfg.candidate_topk_blocks, out=cands)
-        topk_first(s, cfg.index_topk, out=topk)
+            step.ops.candidate_blocks(s, count, cfg.candidate_block_size, cfg.candidate_topk_blocks, out=cands)
+        step.ops.topk(s, cfg.index_topk, out=topk)
 
 
 # ---- MoE -------------------------------------------------------------------------------------------
-def swiglu(gu: torch.Tensor, inter: int, limit: float) -> torch.Tensor:
-    """silu(min(g, L)) * clamp(u, -L, L) for gu [N, 2 * inter] = (g, u); no clamp when L <= 0."""
-    if fused.runs_in_c(gu):
-        return fused.swiglu(gu, inter, limit)
-    g, u = gu[:, :inter], gu[:, inter:]
-    if limit > 0:
-        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
-    return pointwise(F.silu, g.contiguous()) * u
+class ExpertPanels(NamedTuple):
+    """What the experts' one linear-kernel call reads (`exactness.moe_experts`): the addresses [E] int64 of each
+    expert's packed w13 and w2 (their strategies' `kernel_weight`), their block sizes, the strategies kept alive,
+    and whether the addresses are of bfloat16 tiles."""
+
+    w13: torch.Tensor
+    kc13: int
+    w2: torch.Tensor
+    kc2: int
+    plans: list
+    tiles: bool
 
 
 class MoE(nn.Module):
@@ -507,97 +318,103 @@ class MoE(nn.Module):
         self.shared_experts.w1, self.shared_experts.w3 = Linear(d, i), Linear(d, i)
         self.shared_experts.w2 = Linear(i, d)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, ops: ModuleType) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [N, k] best first, ties to the lower id; their weights [N, k])."""
         cfg = self.cfg
         z = linear(x, self.gate.weight)  # [N, E]
-        if fused.runs_in_c(z, self.gate.bias):
-            return fused.moe_route(z, self.gate.bias, cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                                   cfg.routed_scaling_factor)
-        score = torch.sqrt(pointwise(F.softplus, z))
-        ids = topk_first(score + self.gate.bias, cfg.num_experts_per_tok)
-        w = score.gather(1, ids)
-        if cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:  # (one expert: its raw score, as the peers do)
-            w = w / w.sum(-1, keepdim=True)
-        return ids, w * cfg.routed_scaling_factor
+        return ops.moe_route(z, self.gate.bias, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return linear(swiglu(linear(x, self.w13[e]), self.inter, self.cfg.swiglu_limit), self.w2[e])
+    def expert(self, e: int, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
+        return linear(ops.swiglu(linear(x, self.w13[e]), self.inter, self.cfg.swiglu_limit), self.w2[e])
 
-    def experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def experts(self, xs: torch.Tensor, counts: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         """ys [P, D]: each expert's output for its rows of xs [P, D] (grouped by expert, counts [E] int64 rows
         each). One linear-kernel call where the C matmul serves every expert's weights (`exactness.moe_experts`:
         the very products and SwiGLU of `expert`, so the same bits, and no host read); else `expert` per
         expert with rows, after a host read of the counts."""
-        panels = self._expert_panels(xs, counts)
+        panels = self._expert_panels(xs, counts, ops)
         if panels is not None:
-            return exactness.moe_experts(xs, counts, *panels[:4], self.inter, self.cfg.swiglu_limit, panels[5])
+            return exactness.moe_experts(xs, counts, panels.w13, panels.kc13, panels.w2, panels.kc2, self.inter,
+                                         self.cfg.swiglu_limit, panels.tiles)
         capture.refuse("the MoE reads its expert counts on the host")
         parts, start = [], 0
         for e, c in enumerate(counts.tolist()):  # one host read
             if c:
-                parts.append(self.expert(e, xs[start:start + c]))
+                parts.append(self.expert(e, xs[start:start + c], ops))
             start += c
-        return fused.cat_rows(parts) if parts else xs
+        return ops.cat_rows(parts) if parts else xs
 
-    def _expert_panels(self, xs: torch.Tensor, counts: torch.Tensor) -> tuple | None:
-        """(w13 panel addresses [E] int64, kc13, w2 panel addresses, kc2, the plans kept alive, whether they are
-        bfloat16 tiles) where the C matmul takes every expert's product (model/exactness.py: the rules on, every
-        expert's bfloat16 tiles or a probed kc, float32 CPU rows, no autograd) and the SwiGLU takes its C form,
-        else None. Cached per weight version."""
+    def _expert_panels(self, xs: torch.Tensor, counts: torch.Tensor, ops: ModuleType) -> ExpertPanels | None:
+        """The `ExpertPanels` of the experts where the C matmul takes every expert's product (model/exactness.py: the
+        rules on, every expert's bfloat16 tiles or a probed kc, float32 CPU rows, no autograd) and the SwiGLU takes
+        its C form, else None. Cached per weight version."""
         w13, w2 = self.w13, self.w2
-        if not (exactness.rules_on() and fused.runs_in_c(xs, w13, w2) and xs.is_contiguous() and counts.is_cpu):
+        if not (exactness.rules_on() and ops is ops_c and xs.is_contiguous() and counts.is_cpu):
             return None  # (the token kernel's SwiGLU is the one inside: with the token kernel on only)
         key = (w13.data_ptr(), w13._version, w2.data_ptr(), w2._version, kernels.get("linear"), torch.get_num_threads())
         cached = getattr(self, "_panels", None)
         if cached is None or cached[0] != key:
             plans13 = [exactness.plan(w13[e]) for e in range(w13.shape[0])]
             plans2 = [exactness.plan(w2[e]) for e in range(w2.shape[0])]
-            tiles = all(p.tiles is not None for p in plans13 + plans2)  # every expert on the bfloat16 tiles
-            form = "tiles" if tiles else "panels"
-            ok = tiles or all(p.panels is not None for p in plans13 + plans2)  # (else mixed: per expert)
-            panels = None if not ok else (
-                torch.tensor([getattr(p, form).data_ptr() for p in plans13], dtype=torch.int64), plans13[0].kc or 1,
-                torch.tensor([getattr(p, form).data_ptr() for p in plans2], dtype=torch.int64), plans2[0].kc or 1,
+            tiles = all(p.is_tiles for p in plans13 + plans2)  # every expert on the bfloat16 tiles
+            ok = tiles or all(p.kernel_weight is not None and not p.is_tiles for p in plans13 + plans2)  # (else mixed)
+            panels = None if not ok else ExpertPanels(
+                torch.tensor([p.kernel_weight.data_ptr() for p in plans13], dtype=torch.int64), plans13[0].kc or 1,
+                torch.tensor([p.kernel_weight.data_ptr() for p in plans2], dtype=torch.int64), plans2[0].kc or 1,
                 plans13 + plans2, tiles)
             self._panels = cached = (key, panels)
         return cached[1]
 
-    def shared(self, x: torch.Tensor) -> torch.Tensor:
+    def shared(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         s = self.shared_experts
         gu = linear(x, stacked(s.w1.weight, s.w3.weight))  # [N, 2I]: w1's outputs, then w3's
-        return linear(swiglu(gu, self.inter, self.cfg.swiglu_limit), s.w2.weight)
+        return linear(ops.swiglu(gu, self.inter, self.cfg.swiglu_limit), s.w2.weight)
 
-    def stages(self, x: torch.Tensor, ctx=None) -> Generator[str, None, torch.Tensor]:
+    def stages(self, x: torch.Tensor, ops: ModuleType, ctx=None) -> Generator[str, None, torch.Tensor]:
         """Yields once, before the combine (the expert-parallel overlap point; `ctx`, the runner's
         ForwardContext, is for an expert-parallel shard's collective); returns [N, D]."""
-        k, experts = self.cfg.num_experts_per_tok, self.cfg.n_routed_experts
-        ids, w = self.route(x)
-        in_c = fused.runs_in_c(x, w)
-        if in_c:
-            order, counts, tok = fused.moe_group(ids, experts)
-            xs = fused.gather_rows(x, tok)[:, 0]  # [N*k, D]
-        else:
-            flat = ids.reshape(-1)
-            order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order kept inside
-            counts = torch.bincount(flat, minlength=experts)
-            tok = torch.div(order, k, rounding_mode="floor")
-            xs = x[tok]  # [N*k, D]
-        ys = self.experts(xs, counts)  # [N*k, D]
+        ids, w = self.route(x, ops)  # [N, k]
+        order, counts, tok = ops.moe_group(ids, self.cfg.n_routed_experts)  # (token, pick) pairs by expert
+        xs = ops.gather_rows(x, tok)[:, 0]  # [N*k, D]
+        ys = self.experts(xs, counts, ops)  # [N*k, D]
         yield STAGE_MOE
-        if in_c:
-            return fused.moe_combine(ys, order, w, self.shared(x))
-        routed = torch.zeros_like(x).index_add_(0, tok, ys * w.reshape(-1)[order][:, None])
-        return routed + self.shared(x)
+        return ops.moe_combine(ys, order, w, lambda: self.shared(x, ops))
 
 
 # ---- the model -------------------------------------------------------------------------------------
+@dataclass
+class Streams:
+    """The residual streams between two layers: x [T, hc, D] and `pre` [T, hc], the mix that collapses them into
+    the next sublayer's input. Where the last layer's expand was fused with the next layer's collapse and mix
+    (`Block.expand_into`), `mix` is that layer's attention mix (pre, post, comb) and `h` [T, D] its normed input;
+    else both None."""
+
+    x: torch.Tensor
+    pre: torch.Tensor
+    mix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    h: torch.Tensor | None = None
+
+
+@dataclass
+class EngramInputs:
+    """What a forward's Engram layers read: `rows(i)` Engram layer i's staged rows [T, C, hd] (None: Engram
+    ablated); `summed(i)` its projection already summed across ranks (tensor parallelism, `engram_sums`; else
+    None); `dead` [T] bool tokens whose gate is 0 (None: none)."""
+
+    rows: Callable[[int], torch.Tensor] | None
+    summed: Callable[[int], torch.Tensor] | None
+    dead: torch.Tensor | None
+
+
 class Block(nn.Module):
+    """One V4.1 layer: an Engram gate (on Engram layers), then attention and MoE, each read from the hc residual
+    streams through an mHC collapse and written back through an mHC expand."""
+
     def __init__(self, cfg: ModelConfig, role: LayerRole):
         super().__init__()
         hc, d = cfg.hc_mult, cfg.hidden_size
         e = cfg.engram
-        self.role = role
+        self.cfg, self.role = cfg, role
         self.engram_index = e.engram_layer_ids.index(role.layer) if role.layer in e.engram_layer_ids else None
         self.engram = (EngramGate(d, hc, e.num_columns, e.engram_head_dim, cfg.rms_norm_eps)
                        if self.engram_index is not None else None)
@@ -609,6 +426,58 @@ class Block(nn.Module):
         self.attn_norm, self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
         self.attn = Attention(cfg, role)
         self.ffn = MoE(cfg)
+
+    def stages(self, s: Streams, next_block: Block | None, step: V41Step, engram: EngramInputs,
+               keep: torch.Tensor | None = None, next_keep: torch.Tensor | None = None
+               ) -> Generator[str, None, Streams]:
+        """This layer over the streams s -> the next layer's streams; yields at its overlap points (the same
+        ones in every microbatch). With `keep` [K] (token indices) every token's keys and entries are stored,
+        and the rest is computed for the tokens `keep` alone; `next_keep`: the next layer's."""
+        cfg, ops, cs = self.cfg, step.ops, step.rotary
+        x = s.x  # [T, hc, D]
+        if self.engram is not None:
+            x = yield from self.gate(x, step, engram)
+        if s.mix is None:  # the attention's mHC collapse and mix
+            h = self.attn_norm(ops.collapse(x, s.pre), ops)  # [T, D]
+            if keep is not None:
+                x = x[keep]
+            pre, post, comb = ops.hyper_mix(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, cfg)
+        else:  # made by the last layer's expand (`expand_into`)
+            (pre, post, comb), h = s.mix, s.h
+        entry_cs = cs.get(self.role.ratio, cs["comp"]) if self.role.ratio else None
+        a = self.attn(h, step, cs["comp"] if self.role.ratio else cs["plain"], entry_cs, keep)
+        a = yield from collective_point(a, self.attn.wo_b, STAGE_ATTN, step.ctx)
+        # the attention's mHC expand, with the MoE's collapse and mix
+        x, (pre, post, comb), h = ops.hc_next(a, x, post, comb, pre, self.hc_ffn_fn, self.hc_ffn_base,
+                                              self.hc_ffn_scale, self.ffn_norm.weight, self.ffn_norm.eps, cfg,
+                                              in_place=True)
+        f = yield from self.ffn.stages(h, ops, step.ctx)
+        return self.expand_into(next_block, next_keep, ops, f, x, post, comb, pre)  # the MoE's mHC expand
+
+    def gate(self, x: torch.Tensor, step: V41Step, engram: EngramInputs) -> Generator[str, None, torch.Tensor]:
+        """The Engram gate on the streams x [T, hc, D]; yields while this microbatch's rows are gathered."""
+        if engram.summed is not None:  # tensor parallel: its projection's sum was launched at the start
+            return self.engram.apply(x.contiguous(), engram.summed(self.engram_index), engram.dead, step.ops)
+        yield STAGE_ENGRAM_GATHER  # the other microbatch computes while this one's gather runs
+        if engram.rows is None:
+            return x
+        rows = engram.rows(self.engram_index)
+        step.touch("staging", rows)
+        return self.engram(x.contiguous(), rows, engram.dead, step.ops)
+
+    def expand_into(self, next_block: Block | None, next_keep: torch.Tensor | None, ops: ModuleType,
+                    f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor
+                    ) -> Streams:
+        """The MoE's output f [T, D] expanded into the streams x, fused with next_block's attention collapse and
+        mix (`hc_next`: one C call over tiles of tokens) where nothing runs between the two (a next layer, no
+        Engram gate before it, and not the `keep` boundary: the next layer subsets the tokens in between); else
+        the plain expand, the next layer collapsing with `pre`."""
+        if next_block is None or next_block.engram is not None or next_keep is not None:
+            return Streams(ops.expand(f, x, post, comb, in_place=True), pre)
+        nxt = next_block
+        x, mix, h = ops.hc_next(f, x, post, comb, pre, nxt.hc_attn_fn, nxt.hc_attn_base, nxt.hc_attn_scale,
+                                nxt.attn_norm.weight, nxt.attn_norm.eps, self.cfg, in_place=True)
+        return Streams(x, pre, mix, h)
 
 
 class DeepseekV41(nn.Module):
@@ -660,45 +529,19 @@ class DeepseekV41(nn.Module):
         """The forward of one microbatch: ids [T] -> final hidden [T, D]; yields at overlap points.
         `engram_rows(i)` gives Engram layer i's staged rows [T, C, hd] (None: Engram ablated). With `keep` [K]
         (increasing token indices) -> the final hidden of those tokens alone [K, D]: the last layer stores every
-        token's keys and entries, and computes the rest for those tokens only, which no other token reads."""
+        token's keys and entries, and computes the rest for those tokens only, which no other token reads.
+        The form of the token-wise steps is chosen here, once (model/ops.py), into `step.ops`."""
         if keep is not None and not len(keep):  # one token still runs every stage (microbatches keep in step)
             return (yield from self.forward_stages(ids, dead, step, engram_rows, keep.new_zeros(1)))[:0]
-        cfg, cs = self.config, step.rotary
-        x = fused.gather_rows(self.embed.weight, ids, cfg.hc_mult)  # [T, hc, D]: the embedding on every stream
-        early = engram_sums(self.layers, engram_rows, step.ctx)  # tensor parallel only
-        pre = self._first_mix(ids.shape[0], ids.device)
-        ahead = None  # this layer's attention mix and input, made with the last layer's expand (`hc_next`)
-        for i, blk in enumerate(self.layers):
-            role, last = blk.role, keep if blk is self.layers[-1] else None
-            if early is not None and blk.engram is not None:  # its sum was launched at the start
-                x = blk.engram.apply(x.contiguous(), early(blk.engram_index), dead)
-            elif blk.engram is not None:
-                yield STAGE_ENGRAM_GATHER  # the other microbatch computes while this one's gather runs
-                if engram_rows is not None:
-                    rows = engram_rows(blk.engram_index)
-                    step.touch("staging", rows)
-                    x = blk.engram(x.contiguous(), rows, dead)
-            if ahead is not None:
-                (pre_a, post_a, comb_a), h = ahead
-            else:
-                h = blk.attn_norm(collapse(x, pre))
-                if last is not None:
-                    x = x[last]
-                pre_a, post_a, comb_a = hyper_mix(x, blk.hc_attn_fn, blk.hc_attn_base, blk.hc_attn_scale, cfg)
-            rope_cs = cs["comp"] if role.ratio else cs["plain"]
-            a = blk.attn(h, step, rope_cs, cs.get(role.ratio, cs["comp"]) if role.ratio else None, last)
-            a = yield from collective_point(a, blk.attn.wo_b, STAGE_ATTN, step.ctx)
-            x, (pre_f, post_f, comb_f), h = hc_next(a, x, post_a, comb_a, pre_a, blk.hc_ffn_fn, blk.hc_ffn_base,
-                                                    blk.hc_ffn_scale, blk.ffn_norm, cfg, in_place=True)
-            f = yield from blk.ffn.stages(h, step.ctx)
-            nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            if nxt is None or nxt.engram is not None or (keep is not None and nxt is self.layers[-1]):
-                x, ahead = expand(f, x, post_f, comb_f, in_place=True), None  # (an Engram gate or `keep` between)
-            else:
-                x, *ahead = hc_next(f, x, post_f, comb_f, pre_f, nxt.hc_attn_fn, nxt.hc_attn_base, nxt.hc_attn_scale,
-                                    nxt.attn_norm, cfg, in_place=True)
-            pre = pre_f
-        return self.norm(collapse(x, pre))
+        ops = step.ops = choose(self.embed.weight)
+        engram = EngramInputs(engram_rows, engram_sums(self.layers, engram_rows, step.ctx), dead)
+        x = ops.gather_rows(self.embed.weight, ids, self.config.hc_mult)  # [T, hc, D]: the embedding on every stream
+        s = Streams(x, self._first_mix(ids.shape[0], ids.device))
+        last = self.layers[-1]
+        for block, next_block in pairwise([*self.layers, None]):
+            s = yield from block.stages(s, next_block, step, engram, keep if block is last else None,
+                                        keep if next_block is last else None)
+        return self.norm(ops.collapse(s.x, s.pre), ops)
 
     def _first_mix(self, t: int, device: torch.device) -> torch.Tensor:
         """[t, hc] rows (1, 0, .., 0), a view of one constant grown on demand: no operator per forward (a CPU
@@ -776,7 +619,7 @@ class DeepseekV41(nn.Module):
             candidates = torch.full((t, cfg.candidate_topk_blocks), -1, dtype=torch.int64, device=dev)
         top = None if max_position is None else max_position + 1
         return V41Step(cache, plan, topk, candidates, touch or (lambda name, x: None),
-                       rotary=self.rotary(positions, top))
+                       rotary=self.rotary(positions, top), ops=choose(self.embed.weight))
 
 
 def plan_rows(ctx) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,38 +7,21 @@ model/exactness.py, and elementwise torch ops go through `exactness.pointwise`.
 """
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from . import exactness, fused  # (fused imports this module too: names are looked up at call time)
+from . import exactness
 from .exactness import in_major
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ weight[out, in].T -> [..., out], batch-invariant (the row rule of model/exactness.py).
-
-    A weight with bfloat16 tiles (`exactness.plan`, on an AMX CPU) goes to `linear_bf16` in every call (not under
-    autograd). Where `exactness.small_call_kc` allows, every call goes to the C matmul; where
-    MKL gives a row other bits at another place of its call, to `exactness.rowwise_linear`; else a
-    call of fewer than min_rows(weight) rows is zero-padded with one `F.pad` (host-side shape checks, no
-    device sync), and a call of enough rows goes to torch's sgemm directly where `exactness.blas_matches`
-    (torch's bits, a recordable kernel call); a 2-D input needs no reshape."""
+    """x [..., in] @ weight[out, in].T -> [..., out], batch-invariant (the row rule of model/exactness.py): the
+    weight's product strategy (`exactness.plan`: bfloat16 tiles, float or FP8 panels, row-wise, torch's sgemm, or
+    F.linear padded to min_rows rows) runs it; a 2-D input needs no reshape."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    n = x2.shape[0]
-    m, kc, panels, fp8, _, _, positional, blas, bf16 = exactness.plan(weight) if exactness.rules_on() else \
-        exactness.Plan(0, None, None, None, None, 0, False, False, None)
-    if exactness.kernel_takes(x2, weight, bf16):
-        y = exactness.matmul_bf16(x2, bf16, weight.shape[0])
-    elif exactness.kernel_takes(x2, weight, kc):
-        y = exactness.matmul_fp8(x2, fp8, weight.shape[0], kc) if fp8 is not None and n <= exactness.FP8_ROWS \
-            else exactness.matmul_kernel(x2, panels, weight.shape[0], kc)
-    elif positional:
-        y = exactness.rowwise_linear(x2, weight)
-    elif n >= m:
-        y = exactness.blas_linear(x2, weight) if blas and exactness.blas_takes(x2, weight) else F.linear(x2, weight)
-    else:
-        y = F.linear(F.pad(x2, (0, 0, 0, m - n)), weight)[:n]
+    y = exactness.plan(weight).run(x2, weight)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -99,29 +82,14 @@ class Linear(nn.Linear):
         return linear(x, self.weight)
 
 
-def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) [* weight], computed in float32, returned in x's dtype: one C call per the
-    rule of model/fused.py (`runs_in_c`), else `rms_norm_torch`."""
-    if fused.runs_in_c(x, weight):
-        return fused.rms_norm(x, eps, weight)
-    return rms_norm_torch(x, eps, weight)
-
-
-def rms_norm_torch(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """The torch form of `rms_norm`. A float32 input is used as is (no `.float()` / `.to()` calls: each is an
-    operator even when it copies nothing)."""
-    xf = x if x.dtype == torch.float32 else x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * (weight if weight.dtype == torch.float32 else weight.float())
-    return y if x.dtype == torch.float32 else y.to(x.dtype)
-
-
 class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, by the forward's form of the token-wise steps
+    (`ops`: model/ops_torch.py or model/ops_c.py `rms_norm`)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.eps, self.weight)
+    def forward(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
+        return ops.rms_norm(x, self.eps, self.weight)

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
 from ..config import ModelConfig
-from . import fused
+from . import ops_c
 
 
 class PagedState:
@@ -93,12 +94,13 @@ class SlotPlan:
             return torch.where(ok, block * block_size + pos % block_size, zero_slot)
 
         top = int(positions.max()) if max_position is None and positions.numel() else (max_position or 0)
-        if fused.runs_in_c() and all(t.is_cpu and t.dtype == torch.int64 for t in (positions, rows, block_tables)):
-            # the same slots from one C call per part (model/fused.py)
-            win, ok, prev = fused.plan_window(positions, rows, block_tables, block_size, zero_slot, window)
+        if kernels.get("token") is not None and all(t.is_cpu and t.dtype == torch.int64
+                                                    for t in (positions, rows, block_tables)):
+            # the same slots from one C call per part (model/ops_c.py)
+            win, ok, prev = ops_c.plan_window(positions, rows, block_tables, block_size, zero_slot, window)
             count, eslots = {}, {}
             for r in sorted(set(x for x in ratios if x)):
-                count[r], eslots[r] = fused.plan_entries(positions, rows, block_tables, block_size, zero_slot, r,
+                count[r], eslots[r] = ops_c.plan_entries(positions, rows, block_tables, block_size, zero_slot, r,
                                                          max(1, (top + 1) // r))
             return cls(positions, slots, win, ok, count, eslots, prev)
         dev = positions.device

@@ -9,6 +9,7 @@ the cross-rank sum at its next stage boundary and waits on it when the microbatc
 from __future__ import annotations
 
 from collections.abc import Generator
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -108,14 +109,15 @@ class ExpertParallelMoE(v41.MoE):
         self.shared_experts.w2.weight = _param(s.w2.weight[:, i0:i1])
         self.shared_inter = i1 - i0
 
-    def shared(self, x: torch.Tensor) -> torch.Tensor:
+    def shared(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         s = self.shared_experts
         gu = torch.cat([linear(x, s.w1.weight), linear(x, s.w3.weight)], 1)
-        return linear(v41.swiglu(gu, self.shared_inter, self.cfg.swiglu_limit), s.w2.weight)
+        return linear(ops.swiglu(gu, self.shared_inter, self.cfg.swiglu_limit), s.w2.weight)
 
-    def stages(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> Generator[str, None, torch.Tensor]:
+    def stages(self, x: torch.Tensor, ops: ModuleType, ctx: ForwardContext | None = None
+               ) -> Generator[str, None, torch.Tensor]:
         k, e_loc = self.cfg.num_experts_per_tok, self.num_local
-        ids, w = self.route(x)  # [N, k] global expert ids, identical on every rank
+        ids, w = self.route(x, ops)  # [N, k] global expert ids, identical on every rank
         loc = ids - self.lo
         key = torch.where((loc >= 0) & (loc < e_loc), loc, e_loc).reshape(-1)  # [N*k]; other ranks' pairs last
         order = torch.argsort(key, stable=True)
@@ -126,10 +128,10 @@ class ExpertParallelMoE(v41.MoE):
         parts, start = [], 0
         for e in range(e_loc):  # a loop over local experts, never over tokens
             if counts[e]:
-                parts.append(self.expert(e, xs[start:start + counts[e]]))
+                parts.append(self.expert(e, xs[start:start + counts[e]], ops))
             start += counts[e]
         ys = torch.cat(parts) if parts else xs
-        partial = torch.zeros_like(x).index_add_(0, tok, ys * w.reshape(-1)[order][:, None]) + self.shared(x)
+        partial = torch.zeros_like(x).index_add_(0, tok, ys * w.reshape(-1)[order][:, None]) + self.shared(x, ops)
         pending = launch_sum(self.group, partial, ctx, self.reduce_name)
         yield v41.STAGE_MOE
         return pending.wait()

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..model.fused import argmax_finite, argmax_rows
+from ..model.ops import choose
 
 _M32 = 0xFFFFFFFF
 # Temperatures below this are greedy: dividing the logits by them could overflow float32.
@@ -254,14 +254,15 @@ class Sampler:
     def greedy(self, logits: torch.Tensor) -> SamplerOutput:
         """`sample` for rows that are all greedy with nothing to process and no logprobs: one argmax per row
         (the same tokens and finite flags as `sample` gives them), without a SamplingBatch."""
-        return SamplerOutput(*argmax_finite(logits))
+        return SamplerOutput(*choose(logits).argmax_finite(logits))
 
     def sample(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         """logits [R, V] float32 -> SamplerOutput. Row r uses only row r of every input."""
         rows, vocab = logits.shape
         if b.num_rows != rows:
             raise ValueError(f"Sampler.sample: {b.num_rows} rows of parameters for {rows} rows of logits")
-        finite = argmax_finite(logits)[1]  # [R] bool: every logit of the row finite (one C pass on the CPU)
+        ops = choose(logits)  # the C argmax on the CPU (model/ops.py)
+        finite = ops.argmax_finite(logits)[1]  # [R] bool: every logit of the row finite (one C pass on the CPU)
         out = SamplerOutput(torch.empty(rows, dtype=torch.int64, device=logits.device), finite)
         work = logits
         if b.processed is not None:
@@ -269,9 +270,9 @@ class Sampler:
         if b.greedy.shape[0]:
             g = b.greedy
             if g.shape[0] == rows:
-                out.tokens = argmax_rows(work)
+                out.tokens = ops.argmax_rows(work)
             else:
-                out.tokens.index_copy_(0, g, argmax_rows(work.index_select(0, g)))
+                out.tokens.index_copy_(0, g, ops.argmax_rows(work.index_select(0, g)))
         if b.random.shape[0]:
             out.tokens.index_copy_(0, b.random, self._draw(work, b))
         if b.logprob_rows is not None:
@@ -317,7 +318,8 @@ class Sampler:
             scaled = zp / temp.index_select(0, pl)[:, None]  # [Sp, V]
             noise = self.noise_at(seeds.index_select(0, pl), counters.index_select(0, pl),
                                   torch.arange(vocab, device=work.device))
-            tokens.index_copy_(0, pl, argmax_rows(scaled + noise))
+            perturbed = scaled + noise  # [Sp, V]
+            tokens.index_copy_(0, pl, choose(perturbed).argmax_rows(perturbed))
         if b.filtered.shape[0]:
             f = b.filtered
             fr = s_rows.index_select(0, f)  # batch rows
@@ -386,7 +388,8 @@ class Sampler:
         scaled = z / temp[:, None]  # [F, V]
         keep = full_sort_keep(scaled, k, p, min_p)
         noise = self.noise_at(seeds, counters, torch.arange(vocab, device=z.device))
-        return argmax_rows(scaled.masked_fill(~keep, float("-inf")) + noise)
+        perturbed = scaled.masked_fill(~keep, float("-inf")) + noise  # [F, V]
+        return choose(perturbed).argmax_rows(perturbed)
 
     # ---- logprobs -----------------------------------------------------------------------------
     @staticmethod

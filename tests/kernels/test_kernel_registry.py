@@ -18,7 +18,7 @@ from engram_serve import kernels
 from engram_serve.engine.factory import build_engine
 from engram_serve.engram import hashing, staging
 from engram_serve.errors import ConfigError
-from engram_serve.model import exactness, fused
+from engram_serve.model import exactness, ops, ops_c, ops_torch
 
 ALL = set(kernels.MODULES)
 
@@ -60,7 +60,7 @@ def test_override_switches_every_user_to_its_torch_path_and_back():
     ids, qsl, hist = torch.tensor([5, 6, 7]), torch.tensor([0, 3]), torch.full((1, 3), -1)
 
     def paths() -> dict[str, bool]:
-        return {"token": fused.runs_in_c(x), "linear": kernels.simd_level() is not None,
+        return {"token": ops.choose(x) is ops_c, "linear": kernels.simd_level() is not None,
                 "hash": hashing.hash_backend(ids, qsl, hist) == "kernel",
                 "gather": staging.gather_backend(x, torch.empty(2, 32)) == "kernel"}
     on = paths()
@@ -83,10 +83,10 @@ def test_the_torch_form_under_the_override_computes_the_same_function():
     g = torch.Generator().manual_seed(0)
     h, kv = torch.randn(7, 2, 32, generator=g), torch.randn(7, 3 * 32, generator=g)
     qw, kw = torch.randn(2, 32, generator=g), torch.randn(2, 32, generator=g)
-    c = fused.engram_gate(h, kv, qw, kw, None, 1e-6)
+    c = ops.choose(h).engram_gate(h, kv, qw, kw, None, 1e-6)
     with kernels.override("-token"):
-        assert not fused.runs_in_c(h)
-        t = fused.engram_gate(h, kv, qw, kw, None, 1e-6)
+        assert ops.choose(h) is ops_torch
+        t = ops.choose(h).engram_gate(h, kv, qw, kw, None, 1e-6)
     assert torch.allclose(c, t, rtol=1e-5, atol=1e-5)
 
 

@@ -1,4 +1,4 @@
-"""The token kernel of DeepSeek-V4.1's CPU forward (model/_token_kernel.c through model/fused.py) against plain
+"""The token kernel of DeepSeek-V4.1's CPU forward (model/_token_kernel.c through model/ops_c.py) against plain
 definitions (float64 loops written from docs/deepseek_v41.md, or the torch form beside the caller), and the
 property the kernel exists for: a token's bits do not depend on its batch mates, its place in a call or the
 call's size. Each exactness rule has its negative control here or in the model-level tests below:
@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from engram_serve import kernels
 from engram_serve.model import deepseek_v41 as v41
-from engram_serve.model import fused
+from engram_serve.model import ops_c, ops_torch
 from engram_serve.model.layers import layout_weights_
 
 pytestmark = pytest.mark.skipif(not kernels.loaded("token"),
@@ -87,7 +87,7 @@ def test_mhc_mix_collapse_and_expand_match_their_definition_and_a_token_alone(n,
     g = gen(seed)
     x, mm = torch.randn(n, hc, dim, generator=g), torch.randn(n, (2 + hc) * hc, generator=g) * 3
     scale, base = torch.rand(3, generator=g) + 0.5, torch.randn((2 + hc) * hc, generator=g)
-    mix = lambda a, b: fused.hc_mix(a, b, scale, base, 1e-6, 1e-6, iters)  # noqa: E731
+    mix = lambda a, b: ops_c.hc_mix(a, b, scale, base, 1e-6, 1e-6, iters)  # noqa: E731
     pre, post, comb = mix(x, mm)
     for t in range(n):
         want = plain_mix(x[t].double().numpy(), mm[t].double().numpy(), scale.double().tolist(), base.double().tolist(),
@@ -95,13 +95,13 @@ def test_mhc_mix_collapse_and_expand_match_their_definition_and_a_token_alone(n,
         for got, w in zip((pre[t], post[t], comb[t]), want):
             np.testing.assert_allclose(got.double().numpy(), w, rtol=2e-5, atol=2e-6)
     o, weights = torch.randn(n, dim, generator=g), torch.rand(n, hc, generator=g)
-    np.testing.assert_allclose(fused.collapse(x, weights).double(), (weights.double()[:, :, None] * x.double()).sum(1),
+    np.testing.assert_allclose(ops_c.collapse(x, weights).double(), (weights.double()[:, :, None] * x.double()).sum(1),
                                rtol=1e-5, atol=1e-5)
     want = post.double()[:, :, None] * o.double()[:, None] + torch.einsum("nab,nad->nbd", comb.double(), x.double())
-    np.testing.assert_allclose(fused.expand(o, x, post, comb).double(), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ops_c.expand(o, x, post, comb).double(), want, rtol=1e-5, atol=1e-5)
     assert alone_bits(mix, x, mm) == []
-    assert alone_bits(fused.collapse, x, weights) == []
-    assert alone_bits(fused.expand, o, x, post, comb) == []
+    assert alone_bits(ops_c.collapse, x, weights) == []
+    assert alone_bits(ops_c.expand, o, x, post, comb) == []
 
 
 @settings(max_examples=12, deadline=None)
@@ -122,21 +122,21 @@ def test_hc_next_is_its_five_calls_bit_for_bit(n, hc, dim, seed, bf16):
     norm = v41.RMSNorm(dim, 1e-6)
     norm.weight.data = torch.randn(dim, generator=g)
     assert v41.exactness.plan(fn).kc is not None  # the linear kernel takes the weight: the one call runs
-    assert (v41.exactness.plan(fn).tiles is not None) == (bf16 and v41.exactness.amx_supported(kernels.get("linear")))
+    assert (v41.exactness.plan(fn).is_tiles) == (bf16 and v41.exactness.amx_supported(kernels.get("linear")))
     with torch.no_grad():
-        got = v41.hc_next(o, x, post, comb, mix, fn, base, scale, norm, cfg)
-        xs = fused.expand(o, x, post, comb)
-        want = xs, v41.hyper_mix(xs, fn, base, scale, cfg), norm(fused.collapse(xs, mix))
+        got = ops_c.hc_next(o, x, post, comb, mix, fn, base, scale, norm.weight, norm.eps, cfg)
+        xs = ops_c.expand(o, x, post, comb)
+        want = xs, ops_c.hyper_mix(xs, fn, base, scale, cfg), norm(ops_c.collapse(xs, mix), ops_c)
     assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
     assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
     # written over the old streams (the forward's way): the same bits, the streams' memory reused
     x2 = x.clone()
     with torch.no_grad():
-        over = v41.hc_next(o, x2, post, comb, mix, fn, base, scale, norm, cfg, in_place=True)
+        over = ops_c.hc_next(o, x2, post, comb, mix, fn, base, scale, norm.weight, norm.eps, cfg, in_place=True)
     assert over[0].data_ptr() == x2.data_ptr() and torch.equal(over[0], want[0]) and torch.equal(over[2], want[2])
     assert all(torch.equal(a, b) for a, b in zip(over[1], want[1]))
     x3 = x.clone()
-    assert torch.equal(fused.expand(o, x3, post, comb, in_place=True), xs) and torch.equal(x3, xs)
+    assert torch.equal(ops_c.expand(o, x3, post, comb, in_place=True), xs) and torch.equal(x3, xs)
 
 
 def test_the_mhc_forms_agree():
@@ -147,9 +147,9 @@ def test_the_mhc_forms_agree():
     x = torch.randn(5, hc, d, generator=g)
     fn, base = torch.randn((2 + hc) * hc, hc * d, generator=g) * 0.1, torch.randn((2 + hc) * hc, generator=g)
     scale = torch.tensor([0.7, 1.1, 0.9])
-    c = v41.hyper_mix(x, fn, base, scale, cfg)
+    c = ops_c.hyper_mix(x, fn, base, scale, cfg)
     with kernels.override("none"):
-        t = v41.hyper_mix(x, fn, base, scale, cfg)
+        t = ops_torch.hyper_mix(x, fn, base, scale, cfg)
     for a, b in zip(c, t):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -166,12 +166,12 @@ def v41_small() -> dict:
 def test_rms_norm_and_rope_match_their_definition_and_a_token_alone(n, m, width, half, inverse, seed):
     g = gen(seed)
     x, w = torch.randn(n, m, width, generator=g), torch.randn(width, generator=g)
-    y = fused.rms_norm(x, 1e-6, w)
+    y = ops_c.rms_norm(x, 1e-6, w)
     want = x.double() / torch.sqrt((x.double() ** 2).mean(-1, keepdim=True) + 1e-6) * w.double()
     np.testing.assert_allclose(y.double(), want, rtol=1e-5, atol=1e-6)
     ang = torch.rand(n, half, generator=g, dtype=F64) * 6
     cos, sin = ang.cos().float(), ang.sin().float()
-    r = fused.rope(x, cos, sin, inverse)
+    r = ops_c.rope(x, cos, sin, inverse)
     d0 = width - 2 * half
     want = x.double().clone()
     s = -1 if inverse else 1
@@ -180,23 +180,23 @@ def test_rms_norm_and_rope_match_their_definition_and_a_token_alone(n, m, width,
         c_, s_ = cos.double()[:, None, j], s * sin.double()[:, None, j]
         want[..., d0 + 2 * j], want[..., d0 + 2 * j + 1] = a * c_ - b * s_, a * s_ + b * c_
     np.testing.assert_allclose(r.double(), want, rtol=1e-5, atol=1e-6)
-    assert torch.equal(fused.rope(r, cos, sin, not inverse)[..., :d0], x[..., :d0])
+    assert torch.equal(ops_c.rope(r, cos, sin, not inverse)[..., :d0], x[..., :d0])
     mine = x.clone()
-    assert fused.rope(mine, cos, sin, inverse, in_place=True).data_ptr() == mine.data_ptr() and torch.equal(mine, r)
-    assert alone_bits(lambda a: fused.rms_norm(a, 1e-6, w), x) == []
-    assert alone_bits(lambda a, c, si: fused.rope(a, c, si, inverse), x, cos, sin) == []
+    assert ops_c.rope(mine, cos, sin, inverse, in_place=True).data_ptr() == mine.data_ptr() and torch.equal(mine, r)
+    assert alone_bits(lambda a: ops_c.rms_norm(a, 1e-6, w), x) == []
+    assert alone_bits(lambda a, c, si: ops_c.rope(a, c, si, inverse), x, cos, sin) == []
 
 
 def test_exp_fixed_is_accurate_and_the_same_in_any_place():
     """exp_fixed through the SwiGLU without a clamp (silu(x) * 1), in the vector body and the tail."""
     x = torch.linspace(-87.0, 88.0, 100_003)
     gu = torch.stack([x, torch.ones_like(x)], 1)
-    y = fused.swiglu(gu, 1, 0.0).view(-1).double()
+    y = ops_c.swiglu(gu, 1, 0.0).view(-1).double()
     want = x.double() / (1 + torch.exp(-x.double()))
     assert float(((y - want).abs() / want.abs().clamp(min=1e-30)).max()) < 4e-7
     for start, n in ((0, 1), (5, 17), (1000, 33), (99_990, 13)):
-        assert torch.equal(fused.swiglu(gu[start:start + n], 1, 0.0).view(-1), y.float()[start:start + n])
-    special = fused.swiglu(torch.tensor([[float("nan"), 1.0], [100.0, 1.0], [-100.0, 1.0]]), 1, 0.0).view(-1)
+        assert torch.equal(ops_c.swiglu(gu[start:start + n], 1, 0.0).view(-1), y.float()[start:start + n])
+    special = ops_c.swiglu(torch.tensor([[float("nan"), 1.0], [100.0, 1.0], [-100.0, 1.0]]), 1, 0.0).view(-1)
     assert math.isnan(special[0]) and special[1] == 100.0 and special[2] == 0.0
 
 
@@ -209,13 +209,13 @@ def test_clamped_swiglu_and_pooling_match_their_definition(n, inter, limit, seed
     a, b = gu.double()[:, :inter], gu.double()[:, inter:]
     if limit > 0:
         a, b = a.clamp(max=limit), b.clamp(-limit, limit)
-    np.testing.assert_allclose(fused.swiglu(gu, inter, limit).double(), a / (1 + torch.exp(-a)) * b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ops_c.swiglu(gu, inter, limit).double(), a / (1 + torch.exp(-a)) * b, rtol=1e-5, atol=1e-6)
     first, second = torch.randn(n, 2 * inter, generator=g) * 4, torch.randn(n, 2 * inter, generator=g) * 4
     w = torch.softmax(torch.stack([first[:, inter:], second[:, inter:]]).double(), 0)
     want = w[0] * first.double()[:, :inter] + w[1] * second.double()[:, :inter]
-    np.testing.assert_allclose(fused.pool_pair(first, second).double(), want, rtol=1e-5, atol=1e-6)
-    assert alone_bits(lambda x: fused.swiglu(x, inter, limit), gu) == []
-    assert alone_bits(fused.pool_pair, first, second) == []
+    np.testing.assert_allclose(ops_c.pool_pair(first, second).double(), want, rtol=1e-5, atol=1e-6)
+    assert alone_bits(lambda x: ops_c.swiglu(x, inter, limit), gu) == []
+    assert alone_bits(ops_c.pool_pair, first, second) == []
 
 
 def test_the_alone_checker_sees_a_batch_dependent_kernel():
@@ -225,7 +225,7 @@ def test_the_alone_checker_sees_a_batch_dependent_kernel():
     bad = alone_bits(lambda a: torch.sigmoid(a.reshape(-1)).view(a.shape), x)
     if not bad:
         pytest.skip("torch's sigmoid rounds the same in the vector body and the tail on this CPU")
-    assert alone_bits(lambda a: fused.swiglu(torch.cat([a, torch.ones_like(a)], 1), 13, 0.0), x) == []
+    assert alone_bits(lambda a: ops_c.swiglu(torch.cat([a, torch.ones_like(a)], 1), 13, 0.0), x) == []
 
 
 # ---- attention ------------------------------------------------------------------------------------------
@@ -256,8 +256,8 @@ def test_attend_paged_is_softmax_with_a_sink_over_the_keys_a_token_reads(n, h, w
     planted_e[[r for r in range(rows) if r not in ent_read]] = float("nan")
 
     def run(q, wslots, wok, eslots, topk):
-        return fused.attend_paged(q, planted_w, wslots, wok, planted_e, eslots if k else None, topk if k else None,
-                                  sink, hd ** -0.5)
+        return ops_c.attend_paged(q, planted_w, wslots, wok, planted_e, eslots if k else None, topk if k else None,
+                                  rows - 1, sink, hd ** -0.5)
     out = run(q, wslots, wok, eslots, topk)
     for t in range(n):
         keys = [window[s] for s, o in zip(wslots[t].tolist(), wok[t].tolist()) if o]
@@ -288,8 +288,8 @@ def test_attend_paged_gives_four_heads_at_once_the_bits_of_each_head_alone(n, gr
     q, sink = torch.randn(n, h, hd, generator=g) * 2, torch.randn(h, generator=g)
 
     def run(q, sink):
-        return fused.attend_paged(q, window, wslots, wok, entries, eslots if k else None, topk if k else None,
-                                  sink, hd ** -0.5)
+        return ops_c.attend_paged(q, window, wslots, wok, entries, eslots if k else None, topk if k else None,
+                                  rows - 1, sink, hd ** -0.5)
     together = run(q, sink)
     alone = torch.stack([run(q[:, i:i + 1].contiguous(), sink[i:i + 1]) for i in range(h)], 1)[:, :, 0]
     assert torch.equal(together, alone)
@@ -298,21 +298,21 @@ def test_attend_paged_refuses_a_slot_outside_the_pool():
     window, entries = torch.randn(10, 8, generator=gen(1)), torch.randn(10, 8, generator=gen(2))
     q, sink = torch.randn(1, 2, 8, generator=gen(3)), torch.zeros(2)
     wok, eslots, topk = torch.tensor([[True, True, True]]), torch.tensor([[4, 6, 9]]), torch.tensor([[1, -1, 0]])
-    fused.attend_paged(q, window, torch.tensor([[9, 2, 3]]), wok, entries, eslots, topk, sink, 0.5)
+    ops_c.attend_paged(q, window, torch.tensor([[9, 2, 3]]), wok, entries, eslots, topk, 0, sink, 0.5)
     with pytest.raises(ValueError, match="attend_paged"):
-        fused.attend_paged(q, window, torch.tensor([[10, 2, 3]]), wok, entries, eslots, topk, sink, 0.5)
+        ops_c.attend_paged(q, window, torch.tensor([[10, 2, 3]]), wok, entries, eslots, topk, 0, sink, 0.5)
     with pytest.raises(ValueError, match="attend_paged"):
-        fused.attend_paged(q, window, torch.tensor([[9, 2, 3]]), wok, entries, torch.tensor([[4, 11, 9]]), topk, sink, 0.5)
+        ops_c.attend_paged(q, window, torch.tensor([[9, 2, 3]]), wok, entries, torch.tensor([[4, 11, 9]]), topk, 0, sink, 0.5)
 
 
 def test_store_rows_writes_complete_entries_and_refuses_a_slot_outside_the_pool():
     pool = torch.zeros(10, 4)
     slots, vals = torch.tensor([3, -1, 5, 7]), torch.arange(16.0).view(4, 4)
-    fused.store_rows(pool, slots, vals, 8, torch.tensor([1, 2, 4, 5]), 2)  # ratio 2: positions 1 and 5 complete
+    ops_c.store_rows(pool, slots, vals, 8, torch.tensor([1, 2, 4, 5]), 2)  # ratio 2: positions 1 and 5 complete
     assert torch.equal(pool[3], vals[0]) and torch.equal(pool[7], vals[3]) and pool[5].eq(0).all()
     assert torch.equal(pool[8], vals[2])  # the trash slot took the rest (the last write wins)
     with pytest.raises(ValueError, match="store_rows: slot 12"):
-        fused.store_rows(pool, torch.tensor([1, 12]), vals[:2], 8)
+        ops_c.store_rows(pool, torch.tensor([1, 12]), vals[:2], 8)
     assert pool[1].eq(0).all()  # nothing written
 
 
@@ -324,17 +324,17 @@ def test_topk_rows_is_the_written_tie_rule(rows, v, k, data):
     special = st.sampled_from([0.0, 1.0, 1.0, -1.0, math.inf, -math.inf, math.nan, 2.5])
     x = torch.tensor([[data.draw(special | st.floats(-3, 3, width=32)) for _ in range(v)] for _ in range(rows)],
                      dtype=torch.float32).view(rows, v)
-    got = fused.topk(x, k)
+    got = ops_c.topk(x, k)
     assert got.tolist() == [plain_topk(r, k) for r in x.tolist()]
     with kernels.override("none"):
-        assert torch.equal(v41.topk_first(x, k), got)  # the torch form: the same rule
+        assert torch.equal(ops_torch.topk(x, k), got)  # the torch form: the same rule
 
 
 def test_the_tie_rule_checker_sees_a_later_entry_winning():
     """Negative control: a top-k that lets the later of two equal scores win is told apart."""
     row = [1.0, 3.0, 3.0, 0.5]
     later_wins = sorted(range(4), key=lambda j: (-row[j], -j))[:2]
-    assert later_wins == [2, 1] != plain_topk(row, 2) == fused.topk(torch.tensor([row]), 2)[0].tolist() == [1, 2]
+    assert later_wins == [2, 1] != plain_topk(row, 2) == ops_c.topk(torch.tensor([row]), 2)[0].tolist() == [1, 2]
 
 
 @settings(max_examples=20, deadline=None)
@@ -347,10 +347,10 @@ def test_index_scores_and_candidate_blocks_match_the_torch_form(n, nh, ihd, bloc
     e = int(torch.randint(1, 20, (1,), generator=g))
     slots = torch.randint(0, rows, (n, e), generator=g)
     count = torch.randint(0, e + 1, (n,), generator=g)
-    width = -(-max(e, 1) // (v41.KEY_CHUNK * block)) * v41.KEY_CHUNK * block
+    width = -(-max(e, 1) // (ops_torch.KEY_CHUNK * block)) * ops_torch.KEY_CHUNK * block
     q, w = torch.randn(n, nh, ihd, generator=g), torch.randn(n, nh, generator=g)
     cands = torch.randint(-1, width // block, (n, 3), generator=g) if restrict else None
-    got = fused.index_scores(q, w, 0.3, pool, slots, count, width, cands, block)
+    got = ops_c.index_scores(q, w, 0.3, pool, slots, count, width, 0, cands, block)
     keys = pool[torch.nn.functional.pad(slots, (0, width - e), value=0)].double()
     want = (torch.relu(torch.einsum("nhd,ned->nhe", q.double(), keys)) * (w.double() * 0.3)[..., None]).sum(1)
     vis = torch.arange(width)[None] < count[:, None]
@@ -359,11 +359,11 @@ def test_index_scores_and_candidate_blocks_match_the_torch_form(n, nh, ihd, bloc
         vis &= chosen[:, :-1].repeat_interleave(block, 1)
     assert torch.equal(torch.isinf(got), ~vis)
     np.testing.assert_allclose(got.double()[vis], want[vis], rtol=1e-5, atol=1e-5)
-    assert alone_bits(lambda a, b, s_, c_, *cd: fused.index_scores(a, b, 0.3, pool, s_, c_, width, cd[0] if cd else None, block),
+    assert alone_bits(lambda a, b, s_, c_, *cd: ops_c.index_scores(a, b, 0.3, pool, s_, c_, width, 0, cd[0] if cd else None, block),
                       q, w, slots, count, *([cands] if restrict else [])) == []
-    blocks = fused.candidate_blocks(got, count, block, 3)
+    blocks = ops_c.candidate_blocks(got, count, block, 3)
     with kernels.override("none"):
-        assert torch.equal(v41.candidate_blocks(got, count, block, 3), blocks)
+        assert torch.equal(ops_torch.candidate_blocks(got, count, block, 3), blocks)
 
 
 def dot_bits(a: np.ndarray, b: np.ndarray) -> np.float32:
@@ -388,7 +388,7 @@ def test_index_scores_have_the_bits_of_the_plain_float32_loop(nh, ihd, e, seed):
     pool = torch.randn(30, ihd, generator=g) * 2
     slots, count = torch.randint(0, 30, (2, e), generator=g), torch.randint(0, e + 1, (2,), generator=g)
     q, w = torch.randn(2, nh, ihd, generator=g), torch.randn(2, nh, generator=g)
-    got = fused.index_scores(q, w, 0.3, pool, slots, count, e, None, 1).numpy()
+    got = ops_c.index_scores(q, w, 0.3, pool, slots, count, e, 0, None, 1).numpy()
     for t in range(2):
         for x in range(int(count[t])):
             acc = np.float32(0)
@@ -405,23 +405,23 @@ def test_router_grouping_and_combine_match_their_definition(n, e, data, norm, se
     k = data.draw(st.integers(1, e))
     g = gen(seed)
     z, bias = torch.randn(n, e, generator=g) * 3, torch.randn(e, generator=g) * 0.1
-    ids, w = fused.moe_route(z, bias, k, norm, 1.5)
+    ids, w = ops_c.moe_route(z, bias, k, norm, 1.5)
     score = torch.sqrt(torch.nn.functional.softplus(z.double()))
     for t in range(n):
         assert ids[t].tolist() == plain_topk((score[t] + bias.double()).tolist(), k)
         want = score[t, ids[t]]
         want = want / want.sum() if norm and k > 1 else want
         np.testing.assert_allclose(w[t].double(), want * 1.5, rtol=1e-5)
-    order, counts, tok = fused.moe_group(ids, e)
+    order, counts, tok = ops_c.moe_group(ids, e)
     flat = ids.reshape(-1)
     assert torch.equal(order, torch.argsort(flat, stable=True))
     assert torch.equal(counts, torch.bincount(flat, minlength=e)) and torch.equal(tok, order // k)
     ys, shared = torch.randn(n * k, 5, generator=g), torch.randn(n, 5, generator=g)
     want = torch.zeros(n, 5).index_add_(0, tok, ys * w.reshape(-1)[order][:, None]) + shared
-    assert torch.equal(fused.moe_combine(ys, order, w, shared), want)  # the torch form's very operations
-    assert alone_bits(lambda a: fused.moe_route(a, bias, k, norm, 1.5), z) == []
+    assert torch.equal(ops_c.moe_combine(ys, order, w, lambda: shared), want)  # the torch form's very operations
+    assert alone_bits(lambda a: ops_c.moe_route(a, bias, k, norm, 1.5), z) == []
     with pytest.raises(ValueError, match="moe_group: expert id"):
-        fused.moe_group(torch.tensor([[0, e]]), e)
+        ops_c.moe_group(torch.tensor([[0, e]]), e)
 
 
 # ---- Engram, embedding, sampling ------------------------------------------------------------------------
@@ -432,7 +432,7 @@ def test_engram_gate_matches_the_plain_loop_and_a_row_alone(n, hc, dim, seed):
     h, kv = torch.randn(n, hc, dim, generator=g), torch.randn(n, (hc + 1) * dim, generator=g)
     qw, kw = torch.randn(hc, dim, generator=g), torch.randn(hc, dim, generator=g)
     dead = torch.rand(n, generator=g) < 0.3
-    gated = fused.engram_gate(h, kv, qw, kw, dead, 1e-6)
+    gated = ops_c.engram_gate(h, kv, qw, kw, dead, 1e-6)
 
     def rms(a):
         return a / math.sqrt(sum(float(x) ** 2 for x in a) / dim + 1e-6)
@@ -443,7 +443,7 @@ def test_engram_gate_matches_the_plain_loop_and_a_row_alone(n, hc, dim, seed):
             gate = 0.0 if dead[t] else 1 / (1 + math.exp(-math.copysign(math.sqrt(max(abs(dot), 1e-6)), dot)))
             np.testing.assert_allclose(gated[t, i].double(), h[t, i].double() + gate * kv[t, hc * dim:].double(),
                                        rtol=1e-5, atol=1e-5)
-    assert alone_bits(lambda a, b, c: fused.engram_gate(a, b, qw, kw, c, 1e-6), h, kv, dead) == []
+    assert alone_bits(lambda a, b, c: ops_c.engram_gate(a, b, qw, kw, c, 1e-6), h, kv, dead) == []
 
 
 def test_the_form_taken_does_not_depend_on_the_layout():
@@ -456,11 +456,11 @@ def test_the_form_taken_does_not_depend_on_the_layout():
     kv = torch.randn(3, 2 * (hc + 1) * dim, generator=g)[:, :(hc + 1) * dim]
     qw, kw = torch.randn(hc, dim, generator=g), torch.randn(hc, dim, generator=g)
     assert not kv.is_contiguous() and kv[1:2].is_contiguous()
-    assert alone_bits(lambda a, b: fused.engram_gate(a, b, qw, kw, None, 1e-6), h, kv) == []
+    assert alone_bits(lambda a, b: ops_c.engram_gate(a, b, qw, kw, None, 1e-6), h, kv) == []
     gu = torch.randn(3, 4 * 8, generator=g)[:, :2 * 8]
-    assert alone_bits(lambda a: v41.swiglu(a, 8, 1.0), gu) == []
+    assert alone_bits(lambda a: ops_c.swiglu(a, 8, 1.0), gu) == []
     x = torch.randn(3, 2 * dim, generator=g)[:, :dim]
-    assert alone_bits(lambda a: fused.rms_norm(a, 1e-6, None), x) == []
+    assert alone_bits(lambda a: ops_c.rms_norm(a, 1e-6, None), x) == []
 
 
 def plain_argmax(row: list[float]) -> int:
@@ -478,22 +478,22 @@ def plain_argmax(row: list[float]) -> int:
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 6), v=st.integers(1, 70), data=st.data())
 def test_argmax_rows_is_the_first_maximum_with_nan_first(rows, v, data):
-    """`fused.argmax_finite` (the sampler's argmax and finite flags) against a plain loop and torch.argmax, on
+    """`ops_c.argmax_finite` (the sampler's argmax and finite flags) against a plain loop and torch.argmax, on
     rows with ties, +-0, +-inf and NaN, in the vector body and the tail."""
     special = st.sampled_from([0.0, -0.0, 1.0, -1.0, math.inf, -math.inf, math.nan, 3.5])
     x = torch.tensor([[data.draw(special | st.floats(-4, 4, width=32)) for _ in range(v)] for _ in range(rows)],
                      dtype=torch.float32)
-    got, finite = fused.argmax_finite(x)
+    got, finite = ops_c.argmax_finite(x)
     assert got.tolist() == [plain_argmax(r) for r in x.tolist()]
-    assert torch.equal(got, x.argmax(dim=1)) and torch.equal(fused.argmax_rows(x), got)
+    assert torch.equal(got, x.argmax(dim=1)) and torch.equal(ops_c.argmax_rows(x), got)
     assert finite.tolist() == [all(math.isfinite(a) for a in r) for r in x.tolist()]
 
 
 def test_gather_rows_refuses_an_id_outside_the_table():
     src = torch.randn(5, 3)
-    assert torch.equal(fused.gather_rows(src, torch.tensor([4, 0]), 2), src[[4, 0]][:, None].expand(2, 2, 3))
+    assert torch.equal(ops_c.gather_rows(src, torch.tensor([4, 0]), 2), src[[4, 0]][:, None].expand(2, 2, 3))
     with pytest.raises(ValueError, match="index 5 at entry 1"):
-        fused.gather_rows(src, torch.tensor([0, 5]))
+        ops_c.gather_rows(src, torch.tensor([0, 5]))
 
 
 # ---- the model: both forms, the serving layout, the choice rule ------------------------------------------
@@ -532,9 +532,12 @@ def test_negative_control_the_form_chosen_by_the_token_count(exact, monkeypatch)
     m = exact.make_model()
     seqs = [torch.randint(0, 4096, (6,), generator=gen(s)) for s in (1, 2)]
     want = [exact.alone(m, s) for s in seqs]
-    real = fused.runs_in_c
-    first = lambda ts: next((t for t in ts if t is not None), None)  # noqa: E731
-    monkeypatch.setattr(fused, "runs_in_c", lambda *ts: real(*ts) and (first(ts) is None or first(ts).shape[0] == 1))
+    real = v41.DeepseekV41.forward_stages
+
+    def by_count(self, ids, *args, **kw):  # C for a forward of at most 2 tokens, torch for more
+        monkeypatch.setattr(v41, "choose", lambda *ts: ops_c if ids.shape[0] <= 2 else ops_torch)
+        return real(self, ids, *args, **kw)
+    monkeypatch.setattr(v41.DeepseekV41, "forward_stages", by_count)
     got = exact.run_schedule(m, seqs, [[(0, 1), (1, 1)], [(0, 5), (1, 5)]])
     assert not all(torch.equal(g, w) for g, w in zip(got, want))
 
@@ -572,5 +575,5 @@ def test_the_attention_of_a_long_prefill_in_token_chunks_has_the_same_bits(exact
     seq = torch.randint(0, 4096, (20,), generator=gen(8))
     with kernels.override(spec):
         whole = exact.alone(m, seq)
-        monkeypatch.setattr(v41, "ATTN_TOKENS", 3)
+        monkeypatch.setattr(ops_torch, "ATTN_TOKENS", 3)
         assert torch.equal(exact.alone(m, seq), whole)

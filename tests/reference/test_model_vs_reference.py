@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from engram_serve.config import ModelConfig
-from engram_serve.model import deepseek_v41 as v41
+from engram_serve.model import deepseek_v41 as v41, ops_c, ops_torch
 from engram_serve.model.deepseek_v41 import DeepseekV41
 from engram_serve.model.loader import model_state_from_official
 from reference_v41 import reference_forward
@@ -72,25 +72,26 @@ CONTROL_CONFIG = dict(FIXED,  # every component bites: ratio-2 pooling, a candid
 
 
 def _drop_lag(monkeypatch):
-    latest, mix, collapse = {}, v41.hyper_mix, v41.collapse
+    latest = {}
+    for ops in (ops_c, ops_torch):  # whichever form the forward takes
+        def recording_mix(*a, mix=ops.hyper_mix):
+            out = mix(*a)
+            latest["pre"] = out[0]
+            return out
+        monkeypatch.setattr(ops, "hyper_mix", recording_mix)
+        monkeypatch.setattr(ops, "collapse", lambda x, m, collapse=ops.collapse: collapse(x, latest.get("pre", m)))
+        # (this sublayer's own mix)
 
-    def recording_mix(*a):
-        out = mix(*a)
-        latest["pre"] = out[0]
-        return out
-    monkeypatch.setattr(v41, "hyper_mix", recording_mix)
-    monkeypatch.setattr(v41, "collapse", lambda x, m: collapse(x, latest.get("pre", m)))  # this sublayer's own mix
-
-    def hc_next_in_calls(o, x, post, comb, m, fn, base, scale, norm, cfg, in_place=False):  # through the two above
-        xs = v41.expand(o, x, post, comb, in_place)
-        return xs, v41.hyper_mix(xs, fn, base, scale, cfg), norm(v41.collapse(xs, m))
-    monkeypatch.setattr(v41, "hc_next", hc_next_in_calls)
+        def hc_next_in_calls(o, x, post, comb, m, fn, base, scale, norm_w, norm_eps, cfg, in_place=False, ops=ops):
+            xs = ops.expand(o, x, post, comb, in_place)  # through the two above
+            return xs, ops.hyper_mix(xs, fn, base, scale, cfg), ops.rms_norm(ops.collapse(xs, m), norm_eps, norm_w)
+        monkeypatch.setattr(ops, "hc_next", hc_next_in_calls)
 
 
 def _drop(name, wrap):
     def control(monkeypatch, model):
-        real = getattr(v41, name)
-        monkeypatch.setattr(v41, name, wrap(real))
+        for ops in (ops_c, ops_torch):  # whichever form the forward takes
+            monkeypatch.setattr(ops, name, wrap(getattr(ops, name)))
     return control
 
 
@@ -98,7 +99,7 @@ CONTROLS = {
     "mhc lag": lambda mp, model: _drop_lag(mp),
     "attention sink": _drop("attend_paged", lambda f: lambda *a, sink, scale: f(*a, sink=sink - float("inf"), scale=scale)),
     "swiglu clamp": _drop("swiglu", lambda f: lambda gu, inter, limit: f(gu, inter, 0.0)),
-    "inverse rope": _drop("rope", lambda f: lambda x, c, s, inverse=False, in_place=False: x if inverse else f(x, c, s)),
+    "inverse rope": _drop("rope", lambda f: lambda x, c, s, inverse=False, in_place=False: x if inverse else f(x, c, s, False)),
     "pooling softmax": _drop("pool_pair", lambda f: lambda a, b: (a[:, : a.shape[1] // 2] + b[:, : b.shape[1] // 2]) / 2),
     "candidate restriction": lambda mp, model: [mp.setattr(b.attn, "role", dataclasses.replace(b.attn.role, uses_candidates=False))
                                                 for b in model.layers],

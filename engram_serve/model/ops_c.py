@@ -1,62 +1,44 @@
-"""Fused token-wise steps of the forward: one C call each (`_token_kernel.c`) where it can run.
+"""The token-wise steps of the V4.1 forward as one C call each (`_token_kernel.c`): the same functions, with the
+same signatures, as model/ops_torch.py (read that one first: the formulas).
 
-The C form is taken for float32 CPU tensors outside autograd when the token kernel is loaded
-(engram_serve/kernels.py); the torch operators everywhere else (CUDA, training, the kernel not built or
-switched off). Which form runs depends only on devices, dtypes and the loaded kernels, never on a batch, so a
-serving config always takes the same one (`runs_in_c`). The callers choose with `runs_in_c` and keep the
-torch form beside the call (model/deepseek_v41.py `hyper_mix`, `collapse`, `expand`, `hc_next`, `attend_paged`,
-`pool_pair`, `swiglu`, `topk_first`, `store`, the indexer and the MoE; model/layers.py `rms_norm`);
-`engram_gate`, `gather_rows`, `cat_cols`, `cat_rows`, `argmax_rows` and `argmax_finite` choose here. The C form
-computes each token alone, in an order fixed per token (see the kernel's header): a token's bits do not depend
-on its batch mates, the cut or padding, by construction. The two forms compute the same formula, not the same
-bits; the torch form keeps the batch-invariance rules of model/exactness.py (`pointwise`).
+A forward takes this module where model/ops.py `choose` says so (the token kernel loaded, float32 CPU tensors
+outside autograd), once per forward, never per call. A condition about the data, not fixed per forward (int64
+CPU ids for `gather_rows`, a bool `dead` for `engram_gate`, at most 16 parts for `cat_cols`, a weight the linear
+kernel takes for `hc_next`), is checked here, and the torch form runs where it fails. The C form computes each
+token alone, in an order fixed per token (see the kernel's header): a token's bits do not depend on its batch
+mates, the cut or padding, by construction. The two forms compute the same formula, not the same bits.
 
-The C forms here take tensors that `runs_in_c` accepted (their int64 companions on the CPU too), copy a
-non-contiguous input rather than choosing the form by layout, and return new tensors: inputs are never
-modified (but by `rope(in_place=True)`).
+The C forms copy a non-contiguous input rather than choosing the form by layout, and return new tensors: inputs
+are never modified (but by `rope(in_place=True)`, `expand(in_place=True)`, `hc_next(in_place=True)` and
+`store_rows`, whose pool is written in place).
 """
 from __future__ import annotations
 
 import functools
-import math
+from collections.abc import Callable
 
 import torch
 
 from .. import kernels
-from . import capture, layers  # (layers imports this module too: names are looked up at call time)
-from .exactness import pointwise
+from . import capture, exactness, ops_torch
+from .layers import linear
 
 
 def _kernel():
-    """The token kernel module (engram_serve/kernels.py); callers checked `runs_in_c`."""
+    """The token kernel module (engram_serve/kernels.py); model/ops.py `choose` checked it is loaded."""
     return kernels.get("token")
-
-
-def runs_in_c(*tensors: torch.Tensor | None) -> bool:
-    """Whether the C form runs on these tensors: the token kernel loaded, float32, on the CPU (the engine's
-    devices: CPU or CUDA), no autograd. Never a question of shapes or layouts (a column slice of one row
-    is contiguous, of two rows not): the C form takes a contiguous copy where it needs one, so the same
-    form runs whatever the batch."""
-    if kernels.get("token") is None:
-        return False
-    grad = torch.is_grad_enabled()
-    for t in tensors:  # a plain loop: this runs a few times per layer
-        if t is not None and (t.dtype != torch.float32 or not t.is_cpu or (grad and t.requires_grad)):
-            return False
-    return True
 
 
 def gather_rows(src: torch.Tensor, ids: torch.Tensor, copies: int = 1) -> torch.Tensor:
     """[N, copies, width]: row ids[t] of src [rows, width] on each copy (the embedding, the rotary tables);
     ids [N] int64. An id outside [0, rows) raises (ValueError in C, IndexError in torch)."""
-    if runs_in_c(src) and ids.dtype == torch.int64 and ids.is_cpu:
-        src, ids = src.contiguous(), ids.contiguous()
-        out = torch.empty(ids.shape[0], copies, src.shape[1])
-        capture.call(_kernel().gather_rows, src.data_ptr(), src.shape[0], src.shape[1], ids.data_ptr(),
-                     ids.shape[0], copies, out.data_ptr())
-        return out
-    rows = src[ids][:, None, :]
-    return rows if copies == 1 else rows.expand(ids.shape[0], copies, src.shape[1]).contiguous()
+    if ids.dtype != torch.int64 or not ids.is_cpu:
+        return ops_torch.gather_rows(src, ids, copies)
+    src, ids = src.contiguous(), ids.contiguous()
+    out = torch.empty(ids.shape[0], copies, src.shape[1])
+    capture.call(_kernel().gather_rows, src.data_ptr(), src.shape[0], src.shape[1], ids.data_ptr(),
+                 ids.shape[0], copies, out.data_ptr())
+    return out
 
 
 def engram_gate(h: torch.Tensor, kv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor,
@@ -64,39 +46,20 @@ def engram_gate(h: torch.Tensor, kv: torch.Tensor, q_w: torch.Tensor, k_w: torch
     """The Engram gate of docs/contract.md §7 (engram/layer.py): h [N, hc, hidden] with gate_i * value added to
     branch i, from the projection kv [N, (hc + 1) * hidden]; dead [N] bool tokens get gate 0."""
     n, hc, dim = h.shape
-    if runs_in_c(h, kv, q_w, k_w) and (dead is None or dead.dtype == torch.bool):
-        h, kv, q_w, k_w = h.contiguous(), kv.contiguous(), q_w.contiguous(), k_w.contiguous()
-        dead = None if dead is None else dead.contiguous()
-        out = torch.empty(n, hc, dim)
-        capture.call(_kernel().engram_gate, h.data_ptr(), n, hc, dim, kv.data_ptr(), q_w.data_ptr(),
-                     k_w.data_ptr(), 0 if dead is None else dead.data_ptr(), eps, out.data_ptr())
-        return out
-    g, value = gate_torch(h, kv, q_w, k_w, dead, eps)
-    return h + g[..., None] * value[:, None, :]  # (not addcmul: a fused multiply-add may round differently
-    # in the vectorised body and the scalar tail, which would make a row's bits depend on its place)
-
-
-def gate_torch(h: torch.Tensor, kv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor,
-               dead: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch form's gate [N, hc] and value [N, hidden], computed in float32; dtype conversions only
-    where a dtype differs (each is an operator)."""
-    n, hc, dim = h.shape
-    keys = kv[:, :hc * dim].view(n, hc, dim)
-    value = kv[:, hc * dim:]  # [N, hidden], shared by all branches
-    q = layers.rms_norm_torch(h.float() if h.dtype != torch.float32 else h, eps, q_w)  # [N, hc, hidden] float32
-    k = layers.rms_norm_torch(keys.float() if keys.dtype != torch.float32 else keys, eps, k_w)
-    dot = (q * k).sum(-1) / math.sqrt(dim)  # [N, hc]
-    mag = torch.sqrt(dot.abs().clamp(min=1e-6))  # (NaN stays NaN)
-    g = pointwise(torch.sigmoid, torch.where(dot < 0, -mag, mag))  # the positive root at dot = +-0
-    if dead is not None:
-        g = g.masked_fill(dead[:, None], 0.0)
-    return (g if g.dtype == h.dtype else g.to(h.dtype)), value
+    if dead is not None and dead.dtype != torch.bool:
+        return ops_torch.engram_gate(h, kv, q_w, k_w, dead, eps)
+    h, kv, q_w, k_w = h.contiguous(), kv.contiguous(), q_w.contiguous(), k_w.contiguous()
+    dead = None if dead is None else dead.contiguous()
+    out = torch.empty(n, hc, dim)
+    capture.call(_kernel().engram_gate, h.data_ptr(), n, hc, dim, kv.data_ptr(), q_w.data_ptr(),
+                 k_w.data_ptr(), 0 if dead is None else dead.data_ptr(), eps, out.data_ptr())
+    return out
 
 
 def cat_cols(parts: list[torch.Tensor]) -> torch.Tensor:
-    """torch.cat(parts, 1) of [N, w_i] parts: one C copy where it runs, else torch.cat."""
-    if not runs_in_c(*parts) or len(parts) > 16:
-        return torch.cat(parts, 1)
+    """torch.cat(parts, 1) of [N, w_i] parts: one C copy of at most 16 parts, else torch.cat."""
+    if len(parts) > 16:
+        return ops_torch.cat_cols(parts)
     parts = [_c(p) for p in parts]
     n, width = parts[0].shape[0], sum(p.shape[1] for p in parts)
     out = torch.empty(n, width)
@@ -106,32 +69,31 @@ def cat_cols(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
-    """torch.cat(parts) of [n_i, w] parts: one C copy where it runs (each part a block of one flat row), else
+    """torch.cat(parts) of [n_i, w] parts: one C copy of at most 16 parts (each part a block of one flat row), else
     torch.cat."""
-    if not runs_in_c(*parts) or len(parts) > 16:
-        return torch.cat(parts)
+    if len(parts) > 16:
+        return ops_torch.cat_rows(parts)
     flat = cat_cols([p.contiguous().view(1, -1) for p in parts])
     return flat.view(-1, parts[0].shape[1])
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=1) for x [rows, v] (v >= 1): the first index of each row's maximum, a NaN above every
-    number. One C pass per row where it runs (torch's CPU argmax is a scalar loop, ~2.5 ns a logit)."""
+    number. One C pass per row (torch's CPU argmax is a scalar loop, ~2.5 ns a logit)."""
     return argmax_finite(x)[0]
 
 
 def argmax_finite(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`argmax_rows(x)`, torch.isfinite(x).all(dim=1)) for x [rows, v] (v >= 1): in the same C pass where it
-    runs."""
-    if runs_in_c(x) and x.dim() == 2 and x.shape[1] > 0:
-        x = x.contiguous()
-        out, finite = torch.empty(x.shape[0], dtype=torch.int64), torch.empty(x.shape[0], dtype=torch.bool)
-        _kernel().argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), finite.data_ptr())
-        return out, finite
-    return x.argmax(dim=1), torch.isfinite(x).all(dim=1)
+    """(`argmax_rows(x)`, torch.isfinite(x).all(dim=1)) for x [rows, v] (v >= 1): in the same C pass."""
+    if x.dim() != 2 or x.shape[1] == 0:
+        return ops_torch.argmax_finite(x)
+    x = x.contiguous()
+    out, finite = torch.empty(x.shape[0], dtype=torch.int64), torch.empty(x.shape[0], dtype=torch.bool)
+    _kernel().argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), finite.data_ptr())
+    return out, finite
 
 
-# ---- the C forms of V4.1's token-wise steps (callers checked `runs_in_c`) --------------------------------
+# ---- V4.1's token-wise steps ---------------------------------------------------------------------------
 def _c(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
@@ -139,7 +101,7 @@ def _c(t: torch.Tensor) -> torch.Tensor:
 def hc_mix(x: torch.Tensor, mm: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float, hc_eps: float,
            iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre [N, hc], post [N, hc], comb [N, hc, hc]) of the mHC mix from the streams x [N, hc, D] and their
-    product mm = fn . x [N, (2 + hc) hc] (deepseek_v41.hyper_mix)."""
+    product mm = fn . x [N, (2 + hc) hc] (`hyper_mix`)."""
     n, hc, d = x.shape
     x, mm, scale, base = _c(x), _c(mm), _c(scale), _c(base)
     pre, post, comb = torch.empty(n, hc), torch.empty(n, hc), torch.empty(n, hc, hc)
@@ -148,9 +110,33 @@ def hc_mix(x: torch.Tensor, mm: torch.Tensor, scale: torch.Tensor, base: torch.T
     return pre, post, comb
 
 
+def hyper_mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, cfg
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pre [N, hc], post [N, hc], comb [N, hc, hc]) of one sublayer from its streams x [N, hc, D] (`hc_mix` of
+    the product by the sublayer's fn)."""
+    mm = linear(x.reshape(x.shape[0], -1), fn)  # [N, (2+hc)*hc]
+    return hc_mix(x, mm, scale, base, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+
+
 def hc_next(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, mix: torch.Tensor,
-            panels: torch.Tensor, kc: int, scale: torch.Tensor, base: torch.Tensor, eps: float, hc_eps: float,
-            iters: int, norm_w: torch.Tensor, norm_eps: float, tiles: bool = False, in_place: bool = False):
+            fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_w: torch.Tensor, norm_eps: float, cfg,
+            in_place: bool = False):
+    """Between two sublayers: the streams x' = expand(o, x, post, comb), the next sublayer's mix of them
+    (`hyper_mix` with fn, base, scale) and its input rms_norm(collapse(x', mix)): (x', (pre, post, comb), input).
+    One C call over tiles of tokens (`hc_next_packed`) where the linear kernel takes fn (the same bits as the
+    calls below), else those calls. `in_place`: x' is written over x (the caller reads x no more)."""
+    if kernels.get("linear") is not None and exactness.rules_on():
+        p = exactness.plan(fn)
+        if p.kernel_weight is not None:  # (fn's product as `linear` computes it)
+            return hc_next_packed(o, x, post, comb, mix, p.kernel_weight, p.kc or 1, scale, base, cfg.rms_norm_eps,
+                                  cfg.hc_eps, cfg.hc_sinkhorn_iters, norm_w, norm_eps, p.is_tiles, in_place)
+    x = expand(o, x, post, comb, in_place)
+    return x, hyper_mix(x, fn, base, scale, cfg), rms_norm(collapse(x, mix), norm_eps, norm_w)
+
+
+def hc_next_packed(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, mix: torch.Tensor,
+                   panels: torch.Tensor, kc: int, scale: torch.Tensor, base: torch.Tensor, eps: float, hc_eps: float,
+                   iters: int, norm_w: torch.Tensor, norm_eps: float, tiles: bool = False, in_place: bool = False):
     """(x' = expand(o, x, post, comb), hc_mix(x', x' . fn) as (pre, post, comb), rms_norm(collapse(x', mix))) in one
     call, tile by tile (the kernel's header); fn's product through the linear kernel (loaded: the caller checked)
     over its packed panels at block size kc, or over its bfloat16 tiles (`tiles`: exactness.pack_bf16) by
@@ -195,7 +181,7 @@ def expand(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Ten
     return out
 
 
-def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) [* weight] over the last dim, x [..., dim]."""
     x = _c(x)
     w = None if weight is None else _c(weight)
@@ -255,11 +241,11 @@ def store_rows(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, tr
 
 
 def attend_paged(q: torch.Tensor, window: torch.Tensor, wslots: torch.Tensor, wok: torch.Tensor,
-                 entries: torch.Tensor | None, eslots: torch.Tensor | None, topk: torch.Tensor | None,
+                 entries: torch.Tensor | None, eslots: torch.Tensor | None, topk: torch.Tensor | None, zero_slot: int,
                  sink: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax attention with a sink logit, key = value, of q [T, H, hd] over the keys each token reads, in place
     in their pools: window[wslots] with wok [T, W], then with topk [T, K] the picked entries entries[eslots[t, topk]]
-    (a pick of -1 is masked); keys without ok are never read -> [T, H, hd]."""
+    (a pick of -1 is masked); keys without ok are never read (nor the zero slot) -> [T, H, hd]."""
     t, h, hd = q.shape
     w = wslots.shape[1]
     q, window, wslots, wok, sink = _c(q), _c(window), _c(wslots), _c(wok), _c(sink)
@@ -292,10 +278,11 @@ def topk(x: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tens
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, wscale: float, pool: torch.Tensor, slots: torch.Tensor,
-                 count: torch.Tensor, width: int, cands: torch.Tensor | None, block: int) -> torch.Tensor:
+                 count: torch.Tensor, width: int, zero_slot: int, cands: torch.Tensor | None, block: int
+                 ) -> torch.Tensor:
     """s [N, width]: the indexer's score of entry g, sum_h (w_h wscale) relu(q_h . pool[slots[:, g]]), for
     g < count and (with cands [N, nc], block ids) inside a candidate block of `block` entries; -inf
-    elsewhere (no key read). q [N, nh, ihd], w [N, nh], slots [N, E] int64, count [N] int64."""
+    elsewhere (no key read, nor the zero slot). q [N, nh, ihd], w [N, nh], slots [N, E] int64, count [N] int64."""
     n, nh, ihd = q.shape
     q, w, pool, slots, count = _c(q), _c(w), _c(pool), _c(slots), _c(count)
     cands = None if cands is None else _c(cands)
@@ -349,12 +336,13 @@ def moe_group(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tens
     return order, counts, tok
 
 
-def moe_combine(ys: torch.Tensor, order: torch.Tensor, w: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
-    """[N, D]: per token 0 + w ys of its pairs (in `order`: ascending expert), then + shared [N, D]; ys [P, D] the
-    expert outputs of the pairs `order` [P] lists, w [N, k]."""
+def moe_combine(ys: torch.Tensor, order: torch.Tensor, w: torch.Tensor,
+                shared: Callable[[], torch.Tensor] | None) -> torch.Tensor:
+    """[N, D]: per token 0 + w ys of its pairs (in `order`: ascending expert), then + shared() [N, D] (the shared
+    expert); ys [P, D] the expert outputs of the pairs `order` [P] lists, w [N, k]."""
     n, k = w.shape
     ys, order, w = _c(ys), _c(order), _c(w)
-    shared = None if shared is None else _c(shared)
+    shared = None if shared is None else _c(shared())
     out = torch.empty(n, ys.shape[1])
     capture.call(_kernel().moe_combine, ys.data_ptr(), order.data_ptr(), w.data_ptr(), order.shape[0], n, k, ys.shape[1],
                  0 if shared is None else shared.data_ptr(), out.data_ptr())

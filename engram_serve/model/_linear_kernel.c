@@ -1,8 +1,10 @@
-/* The float32 matmul of model/layers.py `linear` on the CPU, in a fixed accumulation order: every
+/* The CPU matmuls of model/exactness.py: float32 weights packed in panels (linear_packed), FP8 E4M3 weights with
+ * block scales (linear_fp8), weights exactly bfloat16 on AMX tiles (linear_bf16), the BLAS call torch makes
+ * (blas_mm), and the MoE's routed experts in one call (moe_experts). The float32 one, in a fixed accumulation order: every
  * output y[i][j] is the k products x[i][t] * w[t][j] summed as blocks of kc inputs: within a block one
  * fused multiply-add chain over the inputs in order, from 0 (one rounding per step); the blocks' sums
  * then added in order, the first one taken as is. That is the order of MKL's blocked sgemm kernel for
- * the right kc, so layers.py uses it for a weight only where a probe on this CPU shows it gives the
+ * the right kc, so exactness.py uses it for a weight only where a probe on this CPU shows it gives the
  * bits of torch's matmul (`small_call_kc`). The same operations for every row whatever the call's row
  * count, its tile or the tile's place: a row's bits do not depend on its batch mates, by construction.
  * So no call pads, and a call of one row costs one row.
@@ -17,8 +19,11 @@
  *
  * Plain CPython C API. The arrays come as addresses (torch's `data_ptr()`), not through the buffer
  * protocol: numpy conversions around each call cost more than the arithmetic of a one-row call
- * (~5 us against ~1 us at [128, 128]). The one caller, layers.py `_kernel`, checks dtype, device,
- * shapes and strides and keeps the tensors alive; the kernel checks sizes only.
+ * (~5 us against ~1 us at [128, 128]). The callers, model/exactness.py `matmul_kernel`, `matmul_bf16`,
+ * `matmul_fp8`, `blas_linear` and `moe_experts` (and model/fused.py `hc_next`, through linear_packed's or
+ * linear_bf16's raw entry), check dtype, device, shapes and strides and keep the tensors alive; the kernel checks
+ * sizes only. Every kernel takes its arguments by position or by name: one X-macro list each
+ * (_kernel_buffers.h) makes its struct, parser, raw entry and docstring.
  *
  *   linear_packed(x, ldx, panels, y, m, k, n, kc, simd) -> None
  *       x  [m, k] float32, rows ldx floats apart;
@@ -32,17 +37,17 @@
  *       interface, 32-bit integers) called with the arguments torch's CPU matmul gives it for these layouts
  *       (column-major: y^T = wt^T x^T, no transposes, alpha 1, beta 0): torch's bits without torch's dispatch,
  *       for the weights no fixed-order kernel reproduces (exactness.py `blas_linear` probes that it does).
- *   simd_level() -> 0, 1 or 2: the level that simd 2 (what layers.py passes) runs at on this CPU.
+ *   simd_level() -> 0, 1 or 2: the level that simd 2 (what exactness.py passes) runs at on this CPU.
  *   spin_adds(n) -> int or None: n rounds of 8 dependent integer adds (a cycle each on x86-64 cores: ~8 n
  *       cycles; the benchmarks time it for the core's clock), None on other CPUs.
- *   moe_experts(xs, rows, counts, e, d, inter, panels13, kc13, panels2, kc2, limit, h, g, ys, simd) -> None
+ *   moe_experts(xs, rows, counts, e, d, inter, panels13, kc13, panels2, kc2, limit, h, g, ys, simd[, tiles]) -> None
  *       DeepSeek-V4.1's routed experts in one call (model/deepseek_v41.py MoE): xs [rows, d] the (token, expert)
  *       pairs grouped by expert, counts [e] int64 the rows of each expert in order; for each expert x with
  *       rows, h = its rows @ w13[x] (panels13[x], kc13: [2 inter] outputs, w1 then w3), g = the clamped SwiGLU
  *       of h (_kernel_math.h `swiglu_value`), its rows of ys = g @ w2[x] (panels2[x], kc2). The very products
  *       and SwiGLU the MoE computes call by call (`linear`, `swiglu`), so the same bits, without a host read
- *       of the counts (a decode step's CPU graph replays it). simd 3: the addresses are of bfloat16 tiles,
- *       multiplied by linear_bf16 (kc13, kc2 unused).
+ *       of the counts (a decode step's CPU graph replays it). tiles=True (or simd 3): the addresses are of
+ *       bfloat16 tiles, multiplied by linear_bf16 (kc13, kc2 unused).
  *   linear_bf16(x, ldx, w, y, m, k, n) -> None, amx_supported() -> bool
  *       y [m, n] = x @ w on the AMX tile unit, w every value a bfloat16, packed as tiles (the section below):
  *       the inputs split exactly in three bfloat16 pieces, the products exact, the sums in float32; where
@@ -854,7 +859,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_linear_kernel",
-    "Float32 matmul in a fixed accumulation order, for model/layers.py `linear`.",
+    "CPU matmuls in a fixed accumulation order (float32 panels, FP8 panels, bfloat16 AMX tiles), the BLAS call "
+    "torch makes, and the MoE's routed experts, for model/exactness.py.",
     -1, methods,
 };
 

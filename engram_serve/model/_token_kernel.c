@@ -7,6 +7,9 @@
  *
  * Arrays come as addresses (torch's `data_ptr()`): float32 C-contiguous unless said otherwise, int64
  * ids, bool masks as one byte. model/fused.py checks dtypes, devices and shapes; the kernel checks sizes.
+ * Every kernel but concat_cols (a variable number of parts) takes its arguments by position, in the order below,
+ * or by name: one X-macro list each (X_FIELDS, ../_kernel_buffers.h) makes its struct, parser, raw entry and
+ * docstring (`help(kernel.hc_next)` lists the fields), and `kernel_fields()` lists them.
  *
  * mHC (docs/deepseek_v41.md, "mHC"), hc <= 16 streams:
  *   hc_mix(x, mm, n, hc, dim, scale, base, eps, hc_eps, iters, pre, post, comb)

@@ -1,12 +1,12 @@
 /* A decode step's inputs (inputs/decode.py `DecodeInputs.fill`) in one call: the numpy form's values, without
  * its ~40 array operations a step.
  *
- * Plain CPython C API (no torch or numpy headers). Arguments are addresses of C-contiguous arrays the caller
+ * Plain CPython C API (no torch or numpy headers), with the kernels' conventions (_kernel_buffers.h). Arguments are addresses of C-contiguous arrays the caller
  * keeps alive and sizes; the caller checks the shapes (a `DecodeInputs` owns every output buffer).
  *
  *   decode_inputs(ids, dead, num_slots, max_len, tables, max_blocks, slots, positions, r, n, block_size, width,
  *                 wide_width, history_len, neutral, input_ids, out_positions, out_dead, slot_mapping, seq_lens,
- *                 history, block_tables, wide)
+ *                 history, block_tables, wide), by position or by name (DECODE_INPUTS_FIELDS)
  *     ids [S, max_len] int32 and dead [S, max_len] bool: the token store (S = num_slots); tables [S, max_blocks]
  *     int64: the block tables (-1 null); slots, positions [r] int64: row i computes the token at positions[i] of slot
  *     slots[i]. Writes, for i < r: input_ids, out_positions, out_dead, slot_mapping [n] (block * block_size +
@@ -20,32 +20,57 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "_kernel_buffers.h"
+
 #define BEFORE_START (-1) /* engram/hashing.py */
 #define DEAD (-2)
 
-static PyObject *py_decode_inputs(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long ia, da, ta, sa, pa, oia, opa, oda, sma, sla, ha, bta, wa;
-    Py_ssize_t num_slots, max_len, max_blocks, r, n, bs, width, wide_width, hl;
-    int neutral;
-    if (!PyArg_ParseTuple(args, "KKnnKnKKnnnnnnpKKKKKKKK", &ia, &da, &num_slots, &max_len, &ta, &max_blocks, &sa,
-                          &pa, &r, &n, &bs, &width, &wide_width, &hl, &neutral, &oia, &opa, &oda, &sma, &sla, &ha, &bta,
-                          &wa))
-        return NULL;
+/* The arguments, one X-macro list (../_kernel_buffers.h): the struct, the parser (positional and keyword
+ * arguments) and the docstring come from it. */
+#define DECODE_INPUTS_FIELDS(X)                                                                                \
+    X(ADDR, ids, "[num_slots, max_len] int32: the token store")                                                \
+    X(ADDR, dead, "[num_slots, max_len] bool")                                                                 \
+    X(SIZE, num_slots, "slots of the store")                                                                   \
+    X(SIZE, max_len, "positions of a slot")                                                                    \
+    X(ADDR, tables, "[num_slots, max_blocks] int64 block tables (-1 null)")                                    \
+    X(SIZE, max_blocks, "blocks of a table")                                                                   \
+    X(ADDR, slots, "[r] int64: each row's slot")                                                               \
+    X(ADDR, positions, "[r] int64: each row's position")                                                       \
+    X(SIZE, r, "rows")                                                                                         \
+    X(SIZE, n, "tokens (>= r; [r, n) padding)")                                                                \
+    X(SIZE, block_size, "tokens of a block")                                                                   \
+    X(SIZE, width, "block_tables' width")                                                                      \
+    X(SIZE, wide_width, "wide's width (0: none)")                                                              \
+    X(SIZE, history_len, "history's width")                                                                    \
+    X(FLAG, neutral, "write the padding tokens [r, n)")                                                        \
+    X(ADDR, input_ids, "[n] int64, written")                                                                   \
+    X(ADDR, out_positions, "[n] int64, written")                                                               \
+    X(ADDR, out_dead, "[n] bool, written")                                                                     \
+    X(ADDR, slot_mapping, "[n] int64, written")                                                                \
+    X(ADDR, seq_lens, "[r] int64, written")                                                                    \
+    X(ADDR, history, "[r, history_len] int64, written")                                                        \
+    X(ADDR, block_tables, "[r, width] int64, written")                                                         \
+    X(ADDR, wide, "[r + 1, wide_width] int64, written")
+KERNEL_ARGS(decode_inputs, DECODE_INPUTS_FIELDS, "a decode step's inputs (see the file's header).")
+
+KERNEL_PY(decode_inputs) {
+    PARSE(decode_inputs);
+    const Py_ssize_t num_slots = a.num_slots, max_len = a.max_len, max_blocks = a.max_blocks, r = a.r, n = a.n,
+                     bs = a.block_size, width = a.width, wide_width = a.wide_width, hl = a.history_len;
+    const int neutral = (int)a.neutral;
     if (r < 0 || n < r || bs < 1 || width < 1 || width > max_blocks || (wide_width && wide_width < width)
             || wide_width > max_blocks || hl < 0) {
         PyErr_Format(PyExc_ValueError, "decode_inputs: r %zd, n %zd, block_size %zd, width %zd, wide_width %zd, "
                      "history_len %zd do not fit max_blocks %zd", r, n, bs, width, wide_width, hl, max_blocks);
         return NULL;
     }
-    const int32_t *ids = (const int32_t *)(uintptr_t)ia;
-    const bool *dead = (const bool *)(uintptr_t)da;
-    const int64_t *tables = (const int64_t *)(uintptr_t)ta, *slots = (const int64_t *)(uintptr_t)sa,
-                  *pos = (const int64_t *)(uintptr_t)pa;
-    int64_t *input_ids = (int64_t *)(uintptr_t)oia, *positions = (int64_t *)(uintptr_t)opa,
-            *slot_mapping = (int64_t *)(uintptr_t)sma, *seq_lens = (int64_t *)(uintptr_t)sla,
-            *history = (int64_t *)(uintptr_t)ha, *block_tables = (int64_t *)(uintptr_t)bta,
-            *wide = (int64_t *)(uintptr_t)wa;
-    bool *out_dead = (bool *)(uintptr_t)oda;
+    const int32_t *ids = (const int32_t *)(uintptr_t)a.ids;
+    const bool *dead = (const bool *)(uintptr_t)a.dead;
+    const int64_t *tables = CI64(a.tables), *slots = CI64(a.slots), *pos = CI64(a.positions);
+    int64_t *input_ids = I64(a.input_ids), *positions = I64(a.out_positions), *slot_mapping = I64(a.slot_mapping),
+            *seq_lens = I64(a.seq_lens), *history = I64(a.history), *block_tables = I64(a.block_tables),
+            *wide = I64(a.wide);
+    bool *out_dead = (bool *)(uintptr_t)a.out_dead;
     for (Py_ssize_t i = 0; i < r; i++) {
         const Py_ssize_t s = slots[i], p = pos[i];
         if (s < 0 || s >= num_slots || p < 0 || p >= max_len || p / bs >= width) {
@@ -82,11 +107,16 @@ static PyObject *py_decode_inputs(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static const struct arg_spec *const SPECS[] = {&decode_inputs_spec};
+
+static PyObject *py_kernel_fields(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
+    return kernel_fields_of(SPECS, 1);
+}
+
 static PyMethodDef methods[] = {
-    {"decode_inputs", py_decode_inputs, METH_VARARGS,
-     "decode_inputs(ids, dead, num_slots, max_len, tables, max_blocks, slots, positions, r, n, block_size, width, "
-     "wide_width, history_len, neutral, input_ids, positions, dead, slot_mapping, seq_lens, history, block_tables, "
-     "wide): a decode step's inputs (see the file's header)."},
+    KERNEL_METHOD(decode_inputs),
+    {"kernel_fields", py_kernel_fields, METH_NOARGS,
+     "kernel_fields() -> {name: ((field, kind), ...)}: the kernel's arguments in order (by position or by name)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -95,4 +125,7 @@ static struct PyModuleDef module = {
     -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__decode_kernel(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__decode_kernel(void) {
+    set_docs(methods, SPECS, 1);
+    return PyModule_Create(&module);
+}

@@ -25,6 +25,20 @@
  */
 #ifndef ENGRAM_SERVE_KERNEL_MATH_H
 #define ENGRAM_SERVE_KERNEL_MATH_H
+
+/* The linear kernel's linear_packed arguments (_kernel_buffers.h's X-macro list): its Python form's and its raw
+ * entry's, and the slots the token kernel's hc_next fills for its matmul (linear_bf16's raw entry reads the first
+ * seven: x, ldx, w, y, m, k, n). */
+#define LINEAR_PACKED_FIELDS(X)                                                                            \
+    X(ADDR, x, "[m, k] float32, rows ldx floats apart")                                                     \
+    X(SIZE, ldx, "floats between two rows of x (>= k)")                                                     \
+    X(ADDR, panels, "the weight w [k, n] packed as [ceil(n / 16), k, 16] float32, zero beyond n")           \
+    X(ADDR, y, "[m, n] float32, contiguous, written")                                                       \
+    X(SIZE, m, "rows")                                                                                      \
+    X(SIZE, k, "inputs (>= 1)")                                                                             \
+    X(SIZE, n, "outputs")                                                                                   \
+    X(SIZE, kc, "inputs of a block of the accumulation order (>= 1)")                                       \
+    X(SIZE, simd, "0 the portable tile, 1 AVX2 at most, 2 AVX-512 where the CPU has it (the same bits)")
 #include <math.h>
 #include <stdint.h>
 #include <string.h>

@@ -1,8 +1,10 @@
-/* The float32 matmul of model/layers.py `linear` on the CPU, in a fixed accumulation order: every
+/* The CPU matmuls of model/exactness.py: float32 weights packed in panels (linear_packed), FP8 E4M3 weights with
+ * block scales (linear_fp8), weights exactly bfloat16 on AMX tiles (linear_bf16), the BLAS call torch makes
+ * (blas_mm), and the MoE's routed experts in one call (moe_experts). The float32 one, in a fixed accumulation order: every
  * output y[i][j] is the k products x[i][t] * w[t][j] summed as blocks of kc inputs: within a block one
  * fused multiply-add chain over the inputs in order, from 0 (one rounding per step); the blocks' sums
  * then added in order, the first one taken as is. That is the order of MKL's blocked sgemm kernel for
- * the right kc, so layers.py uses it for a weight only where a probe on this CPU shows it gives the
+ * the right kc, so exactness.py uses it for a weight only where a probe on this CPU shows it gives the
  * bits of torch's matmul (`small_call_kc`). The same operations for every row whatever the call's row
  * count, its tile or the tile's place: a row's bits do not depend on its batch mates, by construction.
  * So no call pads, and a call of one row costs one row.
@@ -17,8 +19,11 @@
  *
  * Plain CPython C API. The arrays come as addresses (torch's `data_ptr()`), not through the buffer
  * protocol: numpy conversions around each call cost more than the arithmetic of a one-row call
- * (~5 us against ~1 us at [128, 128]). The one caller, layers.py `_kernel`, checks dtype, device,
- * shapes and strides and keeps the tensors alive; the kernel checks sizes only.
+ * (~5 us against ~1 us at [128, 128]). The callers, model/exactness.py `matmul_kernel`, `matmul_bf16`,
+ * `matmul_fp8`, `blas_linear` and `moe_experts` (and model/fused.py `hc_next`, through linear_packed's or
+ * linear_bf16's raw entry), check dtype, device, shapes and strides and keep the tensors alive; the kernel checks
+ * sizes only. Every kernel takes its arguments by position or by name: one X-macro list each
+ * (_kernel_buffers.h) makes its struct, parser, raw entry and docstring.
  *
  *   linear_packed(x, ldx, panels, y, m, k, n, kc, simd) -> None
  *       x  [m, k] float32, rows ldx floats apart;
@@ -32,17 +37,17 @@
  *       interface, 32-bit integers) called with the arguments torch's CPU matmul gives it for these layouts
  *       (column-major: y^T = wt^T x^T, no transposes, alpha 1, beta 0): torch's bits without torch's dispatch,
  *       for the weights no fixed-order kernel reproduces (exactness.py `blas_linear` probes that it does).
- *   simd_level() -> 0, 1 or 2: the level that simd 2 (what layers.py passes) runs at on this CPU.
+ *   simd_level() -> 0, 1 or 2: the level that simd 2 (what exactness.py passes) runs at on this CPU.
  *   spin_adds(n) -> int or None: n rounds of 8 dependent integer adds (a cycle each on x86-64 cores: ~8 n
  *       cycles; the benchmarks time it for the core's clock), None on other CPUs.
- *   moe_experts(xs, rows, counts, e, d, inter, panels13, kc13, panels2, kc2, limit, h, g, ys, simd) -> None
+ *   moe_experts(xs, rows, counts, e, d, inter, panels13, kc13, panels2, kc2, limit, h, g, ys, simd[, tiles]) -> None
  *       DeepSeek-V4.1's routed experts in one call (model/deepseek_v41.py MoE): xs [rows, d] the (token, expert)
  *       pairs grouped by expert, counts [e] int64 the rows of each expert in order; for each expert x with
  *       rows, h = its rows @ w13[x] (panels13[x], kc13: [2 inter] outputs, w1 then w3), g = the clamped SwiGLU
  *       of h (_kernel_math.h `swiglu_value`), its rows of ys = g @ w2[x] (panels2[x], kc2). The very products
  *       and SwiGLU the MoE computes call by call (`linear`, `swiglu`), so the same bits, without a host read
- *       of the counts (a decode step's CPU graph replays it). simd 3: the addresses are of bfloat16 tiles,
- *       multiplied by linear_bf16 (kc13, kc2 unused).
+ *       of the counts (a decode step's CPU graph replays it). tiles=True (or simd 3): the addresses are of
+ *       bfloat16 tiles, multiplied by linear_bf16 (kc13, kc2 unused).
  *   linear_bf16(x, ldx, w, y, m, k, n) -> None, amx_supported() -> bool
  *       y [m, n] = x @ w on the AMX tile unit, w every value a bfloat16, packed as tiles (the section below):
  *       the inputs split exactly in three bfloat16 pieces, the products exact, the sums in float32; where
@@ -58,6 +63,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_kernel_buffers.h"
 #include "_kernel_math.h"
 
 #if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || defined(__GNUC__))
@@ -300,23 +306,25 @@ static void linear_packed(const float *xp, Py_ssize_t ldx, const float *bp, floa
     }
 }
 
-/* The PyArg formats of the kernels a CPU graph replays raw (raw_kernels): one slot per argument, in order */
-#define ARGS_LINEAR_PACKED "KnKKnnnni"
-#define ARGS_LINEAR_FP8 "KnKKKnnnn"
-
-static PyObject *py_linear_packed(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long xa, pa, ya;
-    Py_ssize_t ldx, m, k, n, kc;
-    int simd;
-    if (!PyArg_ParseTuple(args, ARGS_LINEAR_PACKED, &xa, &ldx, &pa, &ya, &m, &k, &n, &kc, &simd)) return NULL;
-    if (m < 0 || k < 1 || n < 0 || kc < 1 || ldx < k || (m && n && (!xa || !pa || !ya))) {
+/* Each kernel's arguments are one X-macro list (_kernel_buffers.h; linear_packed's in _kernel_math.h, whose
+ * struct the token kernel's hc_next fills): its struct, parser (positional and keyword arguments), raw entry and
+ * docstring come from it. */
+KERNEL_ARGS(linear_packed, LINEAR_PACKED_FIELDS,
+            "y = x @ w in fma chains of kc inputs, the chains then added in order (addresses of float32 data).")
+static void run_linear_packed(const struct linear_packed_args *a) {
+    linear_packed(CF(a->x), a->ldx, CF(a->panels), F(a->y), a->m, a->k, a->n, a->kc, (int)a->simd);
+}
+RAW_ENTRY(linear_packed)
+KERNEL_PY(linear_packed) {
+    PARSE(linear_packed);
+    if (a.m < 0 || a.k < 1 || a.n < 0 || a.kc < 1 || a.ldx < a.k || (a.m && a.n && (!a.x || !a.panels || !a.y))) {
         PyErr_Format(PyExc_ValueError, "linear_packed: m %zd, k %zd, n %zd, kc %zd, ldx %zd do not fit (k and kc at "
-                     "least 1, ldx >= k, non-null addresses)", m, k, n, kc, ldx);
+                     "least 1, ldx >= k, non-null addresses)", (Py_ssize_t)a.m, (Py_ssize_t)a.k, (Py_ssize_t)a.n,
+                     (Py_ssize_t)a.kc, (Py_ssize_t)a.ldx);
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    linear_packed((const float *)(uintptr_t)xa, ldx, (const float *)(uintptr_t)pa, (float *)(uintptr_t)ya, m, k, n, kc,
-                  simd);
+    run_linear_packed(&a);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -324,11 +332,21 @@ static PyObject *py_linear_packed(PyObject *Py_UNUSED(self), PyObject *args) {
 typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, const int *, const float *,
                          const float *, const int *, const float *, const int *, const float *, float *, const int *);
 
-static PyObject *py_blas_mm(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long fa, xa, wa, ya;
-    Py_ssize_t m, k, n;
-    if (!PyArg_ParseTuple(args, "KKKKnnn", &fa, &xa, &wa, &ya, &m, &k, &n)) return NULL;
-    if (!fa || !xa || !wa || !ya || m < 1 || k < 1 || n < 1 || m > INT32_MAX || k > INT32_MAX || n > INT32_MAX) {
+#define BLAS_MM_FIELDS(X)                                                                                      \
+    X(ADDR, sgemm, "the BLAS sgemm's address (Fortran interface, 32-bit integers)")                            \
+    X(ADDR, x, "[m, k] float32, contiguous")                                                                   \
+    X(ADDR, wt, "[k, n] float32, contiguous")                                                                  \
+    X(ADDR, y, "[m, n] float32, written")                                                                      \
+    X(SIZE, m, "rows (1 to 2^31 - 1)")                                                                         \
+    X(SIZE, k, "inputs (1 to 2^31 - 1)")                                                                       \
+    X(SIZE, n, "outputs (1 to 2^31 - 1)")
+KERNEL_ARGS(blas_mm, BLAS_MM_FIELDS,
+            "y [m, n] = x [m, k] @ wt [k, n] (contiguous float32) by the BLAS sgemm at address sgemm, called as torch's "
+            "CPU matmul calls it.")
+KERNEL_PY(blas_mm) {
+    PARSE(blas_mm);
+    const Py_ssize_t m = a.m, k = a.k, n = a.n;
+    if (!a.sgemm || !a.x || !a.wt || !a.y || m < 1 || k < 1 || n < 1 || m > INT32_MAX || k > INT32_MAX || n > INT32_MAX) {
         PyErr_Format(PyExc_ValueError, "blas_mm: m %zd, k %zd, n %zd must be in [1, 2^31) with non-null addresses", m,
                      k, n);
         return NULL;
@@ -336,8 +354,8 @@ static PyObject *py_blas_mm(PyObject *Py_UNUSED(self), PyObject *args) {
     const int rows = (int)m, depth = (int)k, cols = (int)n;
     const float one = 1.0f, zero = 0.0f;
     Py_BEGIN_ALLOW_THREADS
-    ((sgemm_fn)(uintptr_t)fa)("N", "N", &cols, &rows, &depth, &one, (const float *)(uintptr_t)wa, &cols,
-                              (const float *)(uintptr_t)xa, &depth, &zero, (float *)(uintptr_t)ya, &cols);
+    ((sgemm_fn)(uintptr_t)a.sgemm)("N", "N", &cols, &rows, &depth, &one, CF(a.wt), &cols, CF(a.x), &depth, &zero,
+                                   F(a.y), &cols);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -426,23 +444,40 @@ static int fp8_supported(void) {
 #endif
 }
 
-static PyObject *py_linear_fp8(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long xa, qa, sa, ya;
-    Py_ssize_t ldx, m, k, n, kc;
-    if (!PyArg_ParseTuple(args, ARGS_LINEAR_FP8, &xa, &ldx, &qa, &sa, &ya, &m, &k, &n, &kc)) return NULL;
+#define LINEAR_FP8_FIELDS(X)                                                                                   \
+    X(ADDR, x, "[m, k] float32, rows ldx floats apart")                                                        \
+    X(SIZE, ldx, "floats between two rows of x (>= k)")                                                        \
+    X(ADDR, fp8, "the weight as E4M3 bytes [ceil(n / 16), k, 16]")                                            \
+    X(ADDR, scales, "[ceil(n / 16), ceil(k / 64)] float32 (2^(s + 8))")                                       \
+    X(ADDR, y, "[m, n] float32, contiguous, written")                                                          \
+    X(SIZE, m, "rows")                                                                                         \
+    X(SIZE, k, "inputs (>= 1)")                                                                                \
+    X(SIZE, n, "outputs")                                                                                      \
+    X(SIZE, kc, "inputs of a block of the accumulation order (>= 1)")
+KERNEL_ARGS(linear_fp8, LINEAR_FP8_FIELDS,
+            "linear_packed's product, row by row, of a weight packed as E4M3 bytes with a power-of-two scale a block: "
+            "the same bits (AVX-512 CPUs only).")
+#if HAVE_X86_AVX2
+static void run_linear_fp8(const struct linear_fp8_args *a) {
+    linear_fp8(CF(a->x), a->ldx, (const uint8_t *)(uintptr_t)a->fp8, CF(a->scales), F(a->y), a->m, a->k, a->n, a->kc);
+}
+RAW_ENTRY(linear_fp8)
+#endif
+KERNEL_PY(linear_fp8) {
+    PARSE(linear_fp8);
     if (!fp8_supported()) {
         PyErr_SetString(PyExc_RuntimeError, "linear_fp8: this CPU has no AVX-512 (fp8_supported() is False)");
         return NULL;
     }
-    if (m < 0 || k < 1 || n < 0 || kc < 1 || ldx < k || (m && n && (!xa || !qa || !sa || !ya))) {
+    if (a.m < 0 || a.k < 1 || a.n < 0 || a.kc < 1 || a.ldx < a.k || (a.m && a.n && (!a.x || !a.fp8 || !a.scales || !a.y))) {
         PyErr_Format(PyExc_ValueError, "linear_fp8: m %zd, k %zd, n %zd, kc %zd, ldx %zd do not fit (k and kc at "
-                     "least 1, ldx >= k, non-null addresses)", m, k, n, kc, ldx);
+                     "least 1, ldx >= k, non-null addresses)", (Py_ssize_t)a.m, (Py_ssize_t)a.k, (Py_ssize_t)a.n,
+                     (Py_ssize_t)a.kc, (Py_ssize_t)a.ldx);
         return NULL;
     }
 #if HAVE_X86_AVX2
     Py_BEGIN_ALLOW_THREADS
-    linear_fp8((const float *)(uintptr_t)xa, ldx, (const uint8_t *)(uintptr_t)qa, (const float *)(uintptr_t)sa,
-               (float *)(uintptr_t)ya, m, k, n, kc);
+    run_linear_fp8(&a);
     Py_END_ALLOW_THREADS
 #endif
     Py_RETURN_NONE;
@@ -621,28 +656,41 @@ __attribute__((target("amx-tile,amx-bf16"))) static int linear_bf16(const float 
 }
 #endif
 
-#define ARGS_LINEAR_BF16 "KnKKnnn"
-
-static PyObject *py_linear_bf16(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long xa, wa, ya;
-    Py_ssize_t ldx, m, k, n;
-    if (!PyArg_ParseTuple(args, ARGS_LINEAR_BF16, &xa, &ldx, &wa, &ya, &m, &k, &n)) return NULL;
+#define LINEAR_BF16_FIELDS(X)                                                                                  \
+    X(ADDR, x, "[m, k] float32, rows ldx floats apart")                                                        \
+    X(SIZE, ldx, "floats between two rows of x (>= k)")                                                        \
+    X(ADDR, w, "the weight's bfloat16 tiles [ceil(n / 32) * 2, ceil(k / 32) * 16, 16, 2]")                     \
+    X(ADDR, y, "[m, n] float32, contiguous, written")                                                          \
+    X(SIZE, m, "rows")                                                                                         \
+    X(SIZE, k, "inputs (>= 1)")                                                                                \
+    X(SIZE, n, "outputs")
+KERNEL_ARGS(linear_bf16, LINEAR_BF16_FIELDS,
+            "y [m, n] = x @ w on AMX tiles, w every value a bfloat16, x split exactly in three bfloat16 pieces (AMX "
+            "CPUs only).")
+#if HAVE_X86_AVX2 && defined(__linux__)
+static void run_linear_bf16(const struct linear_bf16_args *a) { /* no buffer (out of memory): y all NaN */
+    if (linear_bf16(CF(a->x), a->ldx, (const uint16_t *)(uintptr_t)a->w, F(a->y), a->m, a->k, a->n))
+        for (Py_ssize_t i = 0; i < a->m * a->n; i++) F(a->y)[i] = NAN;
+}
+RAW_ENTRY(linear_bf16)
+#endif
+KERNEL_PY(linear_bf16) {
+    PARSE(linear_bf16);
     if (!amx_supported()) {
         PyErr_SetString(PyExc_RuntimeError, "linear_bf16: this CPU or kernel gives no AMX-BF16 (amx_supported() is "
                         "False)");
         return NULL;
     }
-    if (m < 0 || k < 1 || n < 0 || ldx < k || (m && n && (!xa || !wa || !ya))) {
+    if (a.m < 0 || a.k < 1 || a.n < 0 || a.ldx < a.k || (a.m && a.n && (!a.x || !a.w || !a.y))) {
         PyErr_Format(PyExc_ValueError, "linear_bf16: m %zd, k %zd, n %zd, ldx %zd do not fit (k at least 1, ldx >= k, "
-                     "non-null addresses)", m, k, n, ldx);
+                     "non-null addresses)", (Py_ssize_t)a.m, (Py_ssize_t)a.k, (Py_ssize_t)a.n, (Py_ssize_t)a.ldx);
         return NULL;
     }
     int bad = 0;
 #if HAVE_X86_AVX2 && defined(__linux__)
     Py_BEGIN_ALLOW_THREADS
-    if (m && n)
-        bad = linear_bf16((const float *)(uintptr_t)xa, ldx, (const uint16_t *)(uintptr_t)wa, (float *)(uintptr_t)ya, m,
-                          k, n);
+    if (a.m && a.n)
+        bad = linear_bf16(CF(a.x), a.ldx, (const uint16_t *)(uintptr_t)a.w, F(a.y), a.m, a.k, a.n);
     Py_END_ALLOW_THREADS
 #endif
     if (bad) return PyErr_NoMemory();
@@ -694,79 +742,73 @@ static int moe_experts(const float *xs, Py_ssize_t rows, const int64_t *counts, 
     return 0;
 }
 
-static PyObject *py_moe_experts(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long xa, ca, p13a, p2a, ha, ga, ya;
-    Py_ssize_t rows, e, d, inter, kc13, kc2;
-    double limit;
-    int simd;
-    if (!PyArg_ParseTuple(args, "KnKnnnKnKndKKKi", &xa, &rows, &ca, &e, &d, &inter, &p13a, &kc13, &p2a, &kc2, &limit,
-                          &ha, &ga, &ya, &simd))
-        return NULL;
-    if (rows < 0 || e < 1 || d < 1 || inter < 1 || kc13 < 1 || kc2 < 1 || !ca || !p13a || !p2a ||
-        (rows && (!xa || !ha || !ga || !ya))) {
+#define MOE_EXPERTS_FIELDS(X)                                                                                  \
+    X(ADDR, xs, "[rows, d] float32: the (token, expert) pairs grouped by expert")                              \
+    X(SIZE, rows, "rows of xs")                                                                                \
+    X(ADDR, counts, "[e] int64: the rows of each expert, in order")                                            \
+    X(SIZE, e, "experts")                                                                                      \
+    X(SIZE, d, "the model's width")                                                                            \
+    X(SIZE, inter, "an expert's width")                                                                        \
+    X(ADDR, panels13, "[e] int64: each expert's w1/w3 weight address ([2 inter] outputs)")                     \
+    X(SIZE, kc13, "their block size (panels)")                                                                 \
+    X(ADDR, panels2, "[e] int64: each expert's w2 weight address")                                             \
+    X(SIZE, kc2, "its block size (panels)")                                                                    \
+    X(REAL, limit, "the SwiGLU's clamp")                                                                       \
+    X(ADDR, h, "[rows, 2 inter] float32 scratch")                                                              \
+    X(ADDR, g, "[rows, inter] float32 scratch")                                                                \
+    X(ADDR, ys, "[rows, d] float32, written")                                                                  \
+    X(SIZE, simd, "linear_packed's simd; 3: the same as tiles=True")                                           \
+    X(OPTFLAG, tiles, "the weight addresses are of bfloat16 tiles, multiplied by linear_bf16 (kc13, kc2 unused)")
+KERNEL_ARGS(moe_experts, MOE_EXPERTS_FIELDS,
+            "V4.1's routed experts over rows grouped by expert: per expert its w1/w3 product, the clamped SwiGLU, its "
+            "w2 product, into ys.")
+KERNEL_PY(moe_experts) {
+    PARSE(moe_experts);
+    if (a.rows < 0 || a.e < 1 || a.d < 1 || a.inter < 1 || a.kc13 < 1 || a.kc2 < 1 || !a.counts || !a.panels13 ||
+        !a.panels2 || (a.rows && (!a.xs || !a.h || !a.g || !a.ys))) {
         PyErr_Format(PyExc_ValueError, "moe_experts: rows %zd, %zd experts, d %zd, inter %zd, kc %zd / %zd do not fit",
-                     rows, e, d, inter, kc13, kc2);
+                     (Py_ssize_t)a.rows, (Py_ssize_t)a.e, (Py_ssize_t)a.d, (Py_ssize_t)a.inter, (Py_ssize_t)a.kc13,
+                     (Py_ssize_t)a.kc2);
         return NULL;
     }
+    const int simd = a.tiles ? 3 : (int)a.simd;
     if (simd == 3 && !amx_supported()) {
-        PyErr_SetString(PyExc_RuntimeError, "moe_experts: simd 3 (bfloat16 tiles) needs amx_supported()");
+        PyErr_SetString(PyExc_RuntimeError, "moe_experts: bfloat16 tiles (tiles, or simd 3) need amx_supported()");
         return NULL;
     }
     int bad;
     Py_BEGIN_ALLOW_THREADS
-    bad = moe_experts((const float *)(uintptr_t)xa, rows, (const int64_t *)(uintptr_t)ca, e, d, inter,
-                      (const int64_t *)(uintptr_t)p13a, kc13, (const int64_t *)(uintptr_t)p2a, kc2, (float)limit,
-                      (float *)(uintptr_t)ha, (float *)(uintptr_t)ga, (float *)(uintptr_t)ya, simd);
+    bad = moe_experts(CF(a.xs), a.rows, CI64(a.counts), a.e, a.d, a.inter, CI64(a.panels13), a.kc13, CI64(a.panels2),
+                      a.kc2, (float)a.limit, F(a.h), F(a.g), F(a.ys), simd);
     Py_END_ALLOW_THREADS
     if (bad == 2) return PyErr_NoMemory();
     if (bad) {
-        PyErr_Format(PyExc_ValueError, "moe_experts: the experts' row counts exceed the %zd rows (or one is negative)", rows);
+        PyErr_Format(PyExc_ValueError, "moe_experts: the experts' row counts exceed the %zd rows (or one is negative)",
+                     (Py_ssize_t)a.rows);
         return NULL;
     }
     Py_RETURN_NONE;
 }
 
-/* ---- raw entries (see _token_kernel.c `raw_kernels`): a replay's call from its arguments as 64-bit slots ---- */
-#define SN(i) ((Py_ssize_t)(int64_t)a[i])
+/* ---- raw entries (see _token_kernel.c `raw_kernels`): a replay's call from its argument struct ---- */
 
-static void raw_linear_packed(const uint64_t *a) {
-    linear_packed((const float *)(uintptr_t)a[0], SN(1), (const float *)(uintptr_t)a[2], (float *)(uintptr_t)a[3], SN(4),
-                  SN(5), SN(6), SN(7), (int)a[8]);
-}
-
-#if HAVE_X86_AVX2 && defined(__linux__)
-static void raw_linear_bf16(const uint64_t *a) { /* no buffer (out of memory): y all NaN, ending its rows */
-    float *y = (float *)(uintptr_t)a[3];
-    if (linear_bf16((const float *)(uintptr_t)a[0], SN(1), (const uint16_t *)(uintptr_t)a[2], y, SN(4), SN(5), SN(6)))
-        for (Py_ssize_t i = 0; i < SN(4) * SN(6); i++) y[i] = NAN;
-}
-#endif
-
-#if HAVE_X86_AVX2
-static void raw_linear_fp8(const uint64_t *a) {
-    linear_fp8((const float *)(uintptr_t)a[0], SN(1), (const uint8_t *)(uintptr_t)a[2], (const float *)(uintptr_t)a[3],
-               (float *)(uintptr_t)a[4], SN(5), SN(6), SN(7), SN(8));
-}
-#endif
+static const struct arg_spec *const SPECS[] = {&linear_packed_spec, &linear_fp8_spec, &linear_bf16_spec, &blas_mm_spec,
+                                               &moe_experts_spec};
 
 static PyObject *py_raw_kernels(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
-    PyObject *out = Py_BuildValue("{s(sN)}", "linear_packed", ARGS_LINEAR_PACKED,
-                                  PyLong_FromVoidPtr((void *)(uintptr_t)raw_linear_packed));
+    PyObject *out = PyDict_New();
+    if (out && add_raw(out, &linear_packed_spec, raw_linear_packed) < 0) Py_CLEAR(out);
 #if HAVE_X86_AVX2
-    if (out && fp8_supported()) {
-        PyObject *v = Py_BuildValue("(sN)", ARGS_LINEAR_FP8, PyLong_FromVoidPtr((void *)(uintptr_t)raw_linear_fp8));
-        if (!v || PyDict_SetItemString(out, "linear_fp8", v) < 0) Py_CLEAR(out);
-        Py_XDECREF(v);
-    }
+    if (out && fp8_supported() && add_raw(out, &linear_fp8_spec, raw_linear_fp8) < 0) Py_CLEAR(out);
 #endif
 #if HAVE_X86_AVX2 && defined(__linux__)
-    if (out && amx_supported()) {
-        PyObject *v = Py_BuildValue("(sN)", ARGS_LINEAR_BF16, PyLong_FromVoidPtr((void *)(uintptr_t)raw_linear_bf16));
-        if (!v || PyDict_SetItemString(out, "linear_bf16", v) < 0) Py_CLEAR(out);
-        Py_XDECREF(v);
-    }
+    if (out && amx_supported() && add_raw(out, &linear_bf16_spec, raw_linear_bf16) < 0) Py_CLEAR(out);
 #endif
     return out;
+}
+
+static PyObject *py_kernel_fields(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
+    return kernel_fields_of(SPECS, sizeof SPECS / sizeof SPECS[0]);
 }
 
 static PyObject *py_spin_adds(PyObject *Py_UNUSED(self), PyObject *arg) {
@@ -798,38 +840,31 @@ static PyMethodDef methods[] = {
     {"spin_adds", py_spin_adds, METH_O, "spin_adds(n) -> 8 n, after 8 n dependent integer adds (None off x86-64)."},
     {"simd_level", py_simd_level, METH_NOARGS,
      "simd_level() -> the SIMD level of this CPU's tiles: 0 portable, 1 AVX2, 2 AVX-512 (what simd 2 runs at)."},
-    {"linear_packed", py_linear_packed, METH_VARARGS,
-     "linear_packed(x, ldx, panels, y, m, k, n, kc, simd) -> None: y = x @ w in fma chains of kc inputs, the "
-     "chains then added in order (addresses of float32 data); w packed as [ceil(n / 16), k, 16] (zero beyond n), "
-     "y [m, n] contiguous; simd 0 takes the portable tile, 1 AVX2 at most, 2 AVX-512 where the CPU has it."},
-    {"linear_fp8", py_linear_fp8, METH_VARARGS,
-     "linear_fp8(x, ldx, fp8, scales, y, m, k, n, kc) -> None: linear_packed's product, row by row, of a weight "
-     "packed as E4M3 bytes [ceil(n / 16), k, 16] with scales [ceil(n / 16), ceil(k / 64)] float32 (2^(s + 8)): the "
-     "same bits (AVX-512 CPUs only)."},
-    {"linear_bf16", py_linear_bf16, METH_VARARGS,
-     "linear_bf16(x, ldx, w, y, m, k, n) -> None: y [m, n] = x @ w on AMX tiles, w every value a bfloat16 packed as "
-     "[ceil(n / 32) * 2, ceil(k / 32) * 16, 16, 2] bfloat16, x split exactly in three bfloat16 pieces (AMX CPUs "
-     "only)."},
+    KERNEL_METHOD(linear_packed),
+    KERNEL_METHOD(linear_fp8),
+    KERNEL_METHOD(linear_bf16),
     {"amx_supported", py_amx_supported, METH_NOARGS,
      "amx_supported() -> whether linear_bf16 runs here (AMX-BF16, AVX-512, the tile data granted by the kernel)."},
     {"fp8_supported", py_fp8_supported, METH_NOARGS, "fp8_supported() -> whether linear_fp8 runs on this CPU."},
     {"raw_kernels", py_raw_kernels, METH_NOARGS,
-     "raw_kernels() -> {name: (format, raw entry address)}: the kernels a CPU graph's replay runs from 64-bit slots."},
-    {"blas_mm", py_blas_mm, METH_VARARGS,
-     "blas_mm(sgemm, x, wt, y, m, k, n) -> None: y [m, n] = x [m, k] @ wt [k, n] (contiguous float32) by the BLAS "
-     "sgemm at address sgemm, called as torch's CPU matmul calls it."},
-    {"moe_experts", py_moe_experts, METH_VARARGS,
-     "moe_experts(xs, rows, counts, e, d, inter, panels13, kc13, panels2, kc2, limit, h, g, ys, simd) -> None: "
-     "V4.1's routed experts over rows grouped by expert (counts [e] int64): per expert its packed w1/w3 product "
-     "(panels13 [e] addresses, [2 inter] outputs), the clamped SwiGLU, its w2 product (panels2), into ys [rows, d]; "
-     "h [rows, 2 inter], g [rows, inter] scratch."},
+     "raw_kernels() -> {name: (((field, kind), ...), raw entry address)}: the kernels a CPU graph's replay runs from "
+     "their argument structs (one 64-bit slot a field)."},
+    {"kernel_fields", py_kernel_fields, METH_NOARGS,
+     "kernel_fields() -> {name: ((field, kind), ...)}: every kernel's arguments in order; each takes them by "
+     "position or by name."},
+    KERNEL_METHOD(blas_mm),
+    KERNEL_METHOD(moe_experts),
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_linear_kernel",
-    "Float32 matmul in a fixed accumulation order, for model/layers.py `linear`.",
+    "CPU matmuls in a fixed accumulation order (float32 panels, FP8 panels, bfloat16 AMX tiles), the BLAS call "
+    "torch makes, and the MoE's routed experts, for model/exactness.py.",
     -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__linear_kernel(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__linear_kernel(void) {
+    set_docs(methods, SPECS, sizeof SPECS / sizeof SPECS[0]);
+    return PyModule_Create(&module);
+}

@@ -7,6 +7,9 @@
  *
  * Arrays come as addresses (torch's `data_ptr()`): float32 C-contiguous unless said otherwise, int64
  * ids, bool masks as one byte. model/fused.py checks dtypes, devices and shapes; the kernel checks sizes.
+ * Every kernel but concat_cols (a variable number of parts) takes its arguments by position, in the order below,
+ * or by name: one X-macro list each (X_FIELDS, ../_kernel_buffers.h) makes its struct, parser, raw entry and
+ * docstring (`help(kernel.hc_next)` lists the fields), and `kernel_fields()` lists them.
  *
  * mHC (docs/deepseek_v41.md, "mHC"), hc <= 16 streams:
  *   hc_mix(x, mm, n, hc, dim, scale, base, eps, hc_eps, iters, pre, post, comb)
@@ -114,14 +117,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_kernel_buffers.h"
 #include "_kernel_math.h"
 
 #define MAX_HC 16
-#define F(a) ((float *)(uintptr_t)(a))
-#define CF(a) ((const float *)(uintptr_t)(a))
-#define I64(a) ((int64_t *)(uintptr_t)(a))
-#define CI64(a) ((const int64_t *)(uintptr_t)(a))
-#define U8(a) ((const uint8_t *)(uintptr_t)(a))
 
 /* 1 / sqrt(mean of x^2 + eps) over d values */
 static inline float rms_scale(const float *restrict x, Py_ssize_t d, float eps) {
@@ -385,29 +384,6 @@ CLONES static void rope_rows(const float *x, Py_ssize_t n, Py_ssize_t m, Py_ssiz
 /* ---- mHC between two sublayers ------------------------------------------------------------------------------ */
 
 #define HC_TILE 128 /* tokens of hc_next a tile: its streams (hc x dim floats a token) are read again from L2 */
-typedef void (*raw_fn)(const uint64_t *a);
-
-/* hc_next (the header): expand, the product mm = fn . x' through the linear kernel's raw entry `matmul` over
- * fn's packed panels, hc_mix, collapse (into y) and rms_norm, HC_TILE tokens at a time */
-static void hc_next_rows(const float *o, const float *x, const float *post, const float *comb, const float *mix,
-                         Py_ssize_t n, Py_ssize_t hc, Py_ssize_t dim, raw_fn matmul, const float *panels, Py_ssize_t kc,
-                         const float *scale, const float *base, float eps, float hc_eps, Py_ssize_t iters,
-                         const float *norm_w, float norm_eps, float *out, float *pre2, float *post2, float *comb2,
-                         float *h, float *mm, float *y) {
-    const Py_ssize_t width = hc * dim, nm = (2 + hc) * hc;
-    for (Py_ssize_t t = 0; t < n; t += HC_TILE) {
-        const Py_ssize_t m = n - t < HC_TILE ? n - t : HC_TILE;
-        float *xt = out + t * width;
-        expand_rows(o + t * dim, x + t * width, post + t * hc, comb + t * hc * hc, m, hc, dim, xt);
-        const uint64_t a[9] = {(uintptr_t)xt, (uint64_t)width, (uintptr_t)panels, (uintptr_t)mm, (uint64_t)m,
-                               (uint64_t)width, (uint64_t)nm, (uint64_t)kc, 2};
-        matmul(a);
-        hc_mix_rows(xt, mm, m, hc, dim, scale, base, eps, hc_eps, iters, pre2 + t * hc, post2 + t * hc,
-                    comb2 + t * hc * hc);
-        collapse_rows(xt, mix + t * hc, m, hc, dim, y);
-        rms_norm_rows(y, m, dim, norm_w, norm_eps, h + t * dim);
-    }
-}
 
 /* ---- paged state ---------------------------------------------------------------------------------------- */
 
@@ -1077,18 +1053,9 @@ static Py_ssize_t gather_rows(const float *restrict src, Py_ssize_t rows, Py_ssi
 }
 
 
-/* ---- the Python functions ------------------------------------------------------------------------------- */
-
-/* The PyArg formats of the kernels a CPU graph replays raw (RAW below): one slot per argument, in order */
-#define ARGS_HC_MIX "KKnnnKKddnKKK"
-#define ARGS_COLLAPSE "KKnnnK"
-#define ARGS_EXPAND "KKKKnnnK"
-#define ARGS_HC_NEXT "KKKKKnnnKKnKKddnKdKKKKKKK"
-#define ARGS_RMS_NORM "KnnKdK"
-#define ARGS_ROPE "KnnnKKnpK"
-#define ARGS_POOL_PAIR "KKnnK"
-#define ARGS_SWIGLU "KnndK"
-#define ARGS_ENGRAM_GATE "KnnnKKKKdK"
+/* ---- the kernels' arguments and their Python functions ----------------------------------------------------
+ * Each kernel's arguments are one X-macro list (_kernel_buffers.h): its struct, parser (positional and keyword
+ * arguments), raw entry and docstring all come from it. The order is the positional one. */
 
 /* whether the 16-lane tiles (attend_token16, index_token16) run on this CPU */
 static int has_avx512(void) {
@@ -1099,96 +1066,198 @@ static int has_avx512(void) {
 #endif
 }
 
-static PyObject *misfit(const char *fn, const char *what) {
-    PyErr_Format(PyExc_ValueError, "%s: %s", fn, what);
-    return NULL;
-}
-
 /* whole cache lines (aligned_alloc takes a multiple of its alignment) */
 static void *scratch(size_t bytes) { return aligned_alloc(64, bytes ? (bytes + 63) / 64 * 64 : 64); }
 
-static PyObject *py_hc_mix(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long xa, ma, sa, ba, pa, qa, ca;
-    Py_ssize_t n, hc, dim, iters;
-    double eps, hc_eps;
-    if (!PyArg_ParseTuple(args, ARGS_HC_MIX, &xa, &ma, &n, &hc, &dim, &sa, &ba, &eps, &hc_eps, &iters, &pa, &qa, &ca))
-        return NULL;
-    if (n < 0 || hc < 1 || hc > MAX_HC || dim < 1 || (n && (!xa || !ma || !sa || !ba || !pa || !qa || !ca)))
+#define HC_MIX_FIELDS(X)                                                                                       \
+    X(ADDR, x, "[n, hc * dim] float32: the streams")                                                           \
+    X(ADDR, mm, "[n, (2 + hc) * hc] float32: fn . x")                                                          \
+    X(SIZE, n, "tokens")                                                                                       \
+    X(SIZE, hc, "streams (1 to 16)")                                                                           \
+    X(SIZE, dim, "values of a stream")                                                                         \
+    X(ADDR, scale, "[3] float32: the pre, post and comb segments' scales")                                     \
+    X(ADDR, base, "[(2 + hc) * hc] float32")                                                                   \
+    X(REAL, eps, "the RMS epsilon")                                                                            \
+    X(REAL, hc_eps, "added to pre and in the Sinkhorn sums")                                                   \
+    X(SIZE, iters, "Sinkhorn iterations")                                                                      \
+    X(ADDR, pre, "[n, hc] float32, written")                                                                   \
+    X(ADDR, post, "[n, hc] float32, written")                                                                  \
+    X(ADDR, comb, "[n, hc, hc] float32, written")
+KERNEL_ARGS(hc_mix, HC_MIX_FIELDS, "mHC mixes: pre, post and the Sinkhorn-normalised comb of each token.")
+static void run_hc_mix(const struct hc_mix_args *a) {
+    hc_mix_rows(CF(a->x), CF(a->mm), a->n, a->hc, a->dim, CF(a->scale), CF(a->base), (float)a->eps, (float)a->hc_eps,
+                a->iters, F(a->pre), F(a->post), F(a->comb));
+}
+RAW_ENTRY(hc_mix)
+KERNEL_PY(hc_mix) {
+    PARSE(hc_mix);
+    if (a.n < 0 || a.hc < 1 || a.hc > MAX_HC || a.dim < 1 ||
+        (a.n && (!a.x || !a.mm || !a.scale || !a.base || !a.pre || !a.post || !a.comb)))
         return misfit("hc_mix", "n >= 0, 1 <= hc <= 16, dim >= 1 and every array");
     Py_BEGIN_ALLOW_THREADS
-    hc_mix_rows(CF(xa), CF(ma), n, hc, dim, CF(sa), CF(ba), (float)eps, (float)hc_eps, iters, F(pa), F(qa), F(ca));
+    run_hc_mix(&a);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-static PyObject *py_collapse(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long xa, ma, oa;
-    Py_ssize_t n, hc, dim;
-    if (!PyArg_ParseTuple(args, ARGS_COLLAPSE, &xa, &ma, &n, &hc, &dim, &oa)) return NULL;
-    if (n < 0 || hc < 1 || dim < 1 || (n && (!xa || !ma || !oa))) return misfit("collapse", "n >= 0, hc, dim >= 1");
+#define COLLAPSE_FIELDS(X)                                                                                     \
+    X(ADDR, x, "[n, hc * dim] float32: the streams")                                                           \
+    X(ADDR, mix, "[n, hc] float32")                                                                            \
+    X(SIZE, n, "tokens")                                                                                       \
+    X(SIZE, hc, "streams")                                                                                     \
+    X(SIZE, dim, "values of a stream")                                                                         \
+    X(ADDR, out, "[n, dim] float32, written")
+KERNEL_ARGS(collapse, COLLAPSE_FIELDS, "out = sum_i mix_i x_i (streams in order).")
+static void run_collapse(const struct collapse_args *a) {
+    collapse_rows(CF(a->x), CF(a->mix), a->n, a->hc, a->dim, F(a->out));
+}
+RAW_ENTRY(collapse)
+KERNEL_PY(collapse) {
+    PARSE(collapse);
+    if (a.n < 0 || a.hc < 1 || a.dim < 1 || (a.n && (!a.x || !a.mix || !a.out)))
+        return misfit("collapse", "n >= 0, hc, dim >= 1");
     Py_BEGIN_ALLOW_THREADS
-    collapse_rows(CF(xa), CF(ma), n, hc, dim, F(oa));
+    run_collapse(&a);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-static PyObject *py_hc_next(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long oa, xa, pa, ca, ma, fa, wa, sa, ba, na, ra, qa, va, ua, ha, mma, ya;
-    Py_ssize_t n, hc, dim, kc, iters;
-    double eps, hc_eps, norm_eps;
-    if (!PyArg_ParseTuple(args, ARGS_HC_NEXT, &oa, &xa, &pa, &ca, &ma, &n, &hc, &dim, &fa, &wa, &kc, &sa, &ba, &eps,
-                          &hc_eps, &iters, &na, &norm_eps, &ra, &qa, &va, &ua, &ha, &mma, &ya))
-        return NULL;
-    if (n < 0 || hc < 1 || hc > MAX_HC || dim < 1 || kc < 1 || (n && (!oa || !xa || !pa || !ca || !ma || !fa || !wa ||
-                                                                        !sa || !ba || !na || !ra || !qa || !va || !ua ||
-                                                                        !ha || !mma || !ya)))
+#define EXPAND_FIELDS(X)                                                                                       \
+    X(ADDR, o, "[n, dim] float32: the sublayer's output")                                                      \
+    X(ADDR, x, "[n, hc * dim] float32: the streams")                                                           \
+    X(ADDR, post, "[n, hc] float32")                                                                           \
+    X(ADDR, comb, "[n, hc, hc] float32")                                                                       \
+    X(SIZE, n, "tokens")                                                                                       \
+    X(SIZE, hc, "streams")                                                                                     \
+    X(SIZE, dim, "values of a stream")                                                                         \
+    X(ADDR, out, "[n, hc * dim] float32, written (may be x)")
+KERNEL_ARGS(expand, EXPAND_FIELDS, "stream b = post_b o + sum_a comb[a][b] x_a.")
+static void run_expand(const struct expand_args *a) {
+    expand_rows(CF(a->o), CF(a->x), CF(a->post), CF(a->comb), a->n, a->hc, a->dim, F(a->out));
+}
+RAW_ENTRY(expand)
+KERNEL_PY(expand) {
+    PARSE(expand);
+    if (a.n < 0 || a.hc < 1 || a.dim < 1 || (a.n && (!a.o || !a.x || !a.post || !a.comb || !a.out)))
+        return misfit("expand", "n >= 0, hc, dim >= 1");
+    Py_BEGIN_ALLOW_THREADS
+    run_expand(&a);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+ARGS_STRUCT(linear_packed, LINEAR_PACKED_FIELDS) /* the slots of hc_next's matmul */
+
+#define HC_NEXT_FIELDS(X)                                                                                      \
+    X(ADDR, o, "[n, dim] float32: the sublayer's output")                                                      \
+    X(ADDR, x, "[n, hc * dim] float32: the streams before it")                                                 \
+    X(ADDR, post, "[n, hc] float32: this sublayer's post")                                                     \
+    X(ADDR, comb, "[n, hc, hc] float32: this sublayer's comb")                                                 \
+    X(ADDR, mix, "[n, hc] float32: the next sublayer's pre (its collapse)")                                    \
+    X(SIZE, n, "tokens")                                                                                       \
+    X(SIZE, hc, "streams (1 to 16)")                                                                           \
+    X(SIZE, dim, "values of a stream")                                                                         \
+    X(ADDR, matmul, "the linear kernel's raw entry: linear_packed's, or linear_bf16's over bfloat16 tiles")    \
+    X(ADDR, panels, "fn's packed panels (or tiles) for matmul")                                                \
+    X(SIZE, kc, "matmul's block size (>= 1)")                                                                  \
+    X(ADDR, scale, "[3] float32: the next mix's segment scales")                                               \
+    X(ADDR, base, "[(2 + hc) * hc] float32")                                                                   \
+    X(REAL, eps, "the mix's RMS epsilon")                                                                      \
+    X(REAL, hc_eps, "the mix's hc epsilon")                                                                    \
+    X(SIZE, iters, "Sinkhorn iterations")                                                                      \
+    X(ADDR, norm_w, "[dim] float32: the next sublayer's norm weight")                                          \
+    X(REAL, norm_eps, "its epsilon")                                                                           \
+    X(ADDR, out, "[n, hc * dim] float32, written: the expanded streams (may be x)")                            \
+    X(ADDR, pre, "[n, hc] float32, written: the next pre")                                                     \
+    X(ADDR, post2, "[n, hc] float32, written: the next post")                                                  \
+    X(ADDR, comb2, "[n, hc, hc] float32, written: the next comb")                                              \
+    X(ADDR, h, "[n, dim] float32, written: the next sublayer's normed input")                                  \
+    X(ADDR, mm, "[min(n, HC_TILE), (2 + hc) * hc] float32 scratch")                                            \
+    X(ADDR, y, "[min(n, HC_TILE), dim] float32 scratch")
+KERNEL_ARGS(hc_next, HC_NEXT_FIELDS,
+            "expand, then the next sublayer's mix and normed input, HC_TILE tokens at a time (the header).")
+
+/* hc_next (the header): expand, the product mm = fn . x' through the linear kernel's raw entry `matmul` over
+ * fn's packed panels, hc_mix, collapse (into y) and rms_norm, HC_TILE tokens at a time */
+static void run_hc_next(const struct hc_next_args *a) {
+    const Py_ssize_t n = a->n, hc = a->hc, dim = a->dim, width = hc * dim, nm = (2 + hc) * hc;
+    float *const mm = F(a->mm);
+    for (Py_ssize_t t = 0; t < n; t += HC_TILE) {
+        const Py_ssize_t m = n - t < HC_TILE ? n - t : HC_TILE;
+        float *xt = F(a->out) + t * width;
+        expand_rows(CF(a->o) + t * dim, CF(a->x) + t * width, CF(a->post) + t * hc, CF(a->comb) + t * hc * hc, m, hc,
+                    dim, xt);
+        const struct linear_packed_args mat = {.x = (uintptr_t)xt, .ldx = width, .panels = a->panels,
+                                               .y = (uintptr_t)mm, .m = m, .k = width, .n = nm, .kc = a->kc, .simd = 2};
+        ((raw_fn)(uintptr_t)a->matmul)((const uint64_t *)(const void *)&mat);
+        hc_mix_rows(xt, mm, m, hc, dim, CF(a->scale), CF(a->base), (float)a->eps, (float)a->hc_eps, a->iters,
+                    F(a->pre) + t * hc, F(a->post2) + t * hc, F(a->comb2) + t * hc * hc);
+        collapse_rows(xt, CF(a->mix) + t * hc, m, hc, dim, F(a->y));
+        rms_norm_rows(F(a->y), m, dim, CF(a->norm_w), (float)a->norm_eps, F(a->h) + t * dim);
+    }
+}
+RAW_ENTRY(hc_next)
+KERNEL_PY(hc_next) {
+    PARSE(hc_next);
+    if (a.n < 0 || a.hc < 1 || a.hc > MAX_HC || a.dim < 1 || a.kc < 1 ||
+        (a.n && (!a.o || !a.x || !a.post || !a.comb || !a.mix || !a.matmul || !a.panels || !a.scale || !a.base ||
+                 !a.norm_w || !a.out || !a.pre || !a.post2 || !a.comb2 || !a.h || !a.mm || !a.y)))
         return misfit("hc_next", "n >= 0, 1 <= hc <= 16, dim, kc >= 1 and every array");
     Py_BEGIN_ALLOW_THREADS
-    hc_next_rows(CF(oa), CF(xa), CF(pa), CF(ca), CF(ma), n, hc, dim, (raw_fn)(uintptr_t)fa, CF(wa), kc, CF(sa), CF(ba),
-                 (float)eps, (float)hc_eps, iters, CF(na), (float)norm_eps, F(ra), F(qa), F(va), F(ua), F(ha), F(mma),
-                 F(ya));
+    run_hc_next(&a);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-static PyObject *py_expand(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long oa, xa, pa, ca, ra;
-    Py_ssize_t n, hc, dim;
-    if (!PyArg_ParseTuple(args, ARGS_EXPAND, &oa, &xa, &pa, &ca, &n, &hc, &dim, &ra)) return NULL;
-    if (n < 0 || hc < 1 || dim < 1 || (n && (!oa || !xa || !pa || !ca || !ra))) return misfit("expand", "n >= 0, hc, dim >= 1");
+#define RMS_NORM_FIELDS(X)                                                                                     \
+    X(ADDR, x, "[rows, dim] float32")                                                                          \
+    X(SIZE, rows, "rows")                                                                                      \
+    X(SIZE, dim, "values of a row")                                                                            \
+    X(ADDR, w, "[dim] float32 weight, or 0 for none")                                                          \
+    X(REAL, eps, "epsilon")                                                                                    \
+    X(ADDR, out, "[rows, dim] float32, written")
+KERNEL_ARGS(rms_norm, RMS_NORM_FIELDS, "out = x * rsqrt(mean(x^2) + eps) [* w].")
+static void run_rms_norm(const struct rms_norm_args *a) {
+    rms_norm_rows(CF(a->x), a->rows, a->dim, CF(a->w), (float)a->eps, F(a->out));
+}
+RAW_ENTRY(rms_norm)
+KERNEL_PY(rms_norm) {
+    PARSE(rms_norm);
+    if (a.rows < 0 || a.dim < 1 || (a.rows && (!a.x || !a.out))) return misfit("rms_norm", "rows >= 0, dim >= 1");
     Py_BEGIN_ALLOW_THREADS
-    expand_rows(CF(oa), CF(xa), CF(pa), CF(ca), n, hc, dim, F(ra));
+    run_rms_norm(&a);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-static PyObject *py_rms_norm(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long xa, wa, oa;
-    Py_ssize_t rows, dim;
-    double eps;
-    if (!PyArg_ParseTuple(args, ARGS_RMS_NORM, &xa, &rows, &dim, &wa, &eps, &oa)) return NULL;
-    if (rows < 0 || dim < 1 || (rows && (!xa || !oa))) return misfit("rms_norm", "rows >= 0, dim >= 1");
-    Py_BEGIN_ALLOW_THREADS
-    rms_norm_rows(CF(xa), rows, dim, CF(wa), (float)eps, F(oa));
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
+#define ROPE_FIELDS(X)                                                                                         \
+    X(ADDR, x, "[n, m, width] float32")                                                                        \
+    X(SIZE, n, "tokens")                                                                                       \
+    X(SIZE, m, "vectors of a token (heads)")                                                                   \
+    X(SIZE, width, "values of a vector")                                                                       \
+    X(ADDR, cos, "[n, half] float32")                                                                          \
+    X(ADDR, sin, "[n, half] float32")                                                                          \
+    X(SIZE, half, "pairs rotated: the last 2 half dims")                                                       \
+    X(FLAG, inverse, "rotate back")                                                                            \
+    X(ADDR, out, "[n, m, width] float32, written (may be x)")
+KERNEL_ARGS(rope, ROPE_FIELDS, "interleaved RoPE of the last 2 half dims (out may be x).")
+static void run_rope(const struct rope_args *a) {
+    rope_rows(CF(a->x), a->n, a->m, a->width, CF(a->cos), CF(a->sin), a->half, (int)a->inverse, F(a->out));
 }
-
-static PyObject *py_rope(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long xa, ca, sa, oa;
-    Py_ssize_t n, m, width, half;
-    int inverse;
-    if (!PyArg_ParseTuple(args, ARGS_ROPE, &xa, &n, &m, &width, &ca, &sa, &half, &inverse, &oa)) return NULL;
-    if (n < 0 || m < 0 || half < 0 || 2 * half > width || (n && m && (!xa || !ca || !sa || !oa)))
+RAW_ENTRY(rope)
+KERNEL_PY(rope) {
+    PARSE(rope);
+    if (a.n < 0 || a.m < 0 || a.half < 0 || 2 * a.half > a.width || (a.n && a.m && (!a.x || !a.cos || !a.sin || !a.out)))
         return misfit("rope", "n, m >= 0, 0 <= 2 half <= width");
     Py_BEGIN_ALLOW_THREADS
-    rope_rows(CF(xa), n, m, width, CF(ca), CF(sa), half, inverse, F(oa));
+    run_rope(&a);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
 #define MAX_PARTS 16
 
+/* concat_cols takes a variable number of parts: positional only (no struct, no raw entry) */
 static PyObject *py_concat_cols(PyObject *Py_UNUSED(self), PyObject *args) {
     const Py_ssize_t nargs = PyTuple_GET_SIZE(args);
     if (nargs < 3 || (nargs - 3) % 2 || (nargs - 3) / 2 > MAX_PARTS)
@@ -1218,75 +1287,123 @@ static PyObject *py_concat_cols(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_plan_window(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long pa, ra, ta, wa, oka, qa;
-    Py_ssize_t n, tr, tb, window;
-    long long bs, zero;
-    if (!PyArg_ParseTuple(args, "KKKnnnLLnKKK", &pa, &ra, &ta, &n, &tr, &tb, &bs, &zero, &window, &wa, &oka, &qa))
-        return NULL;
-    if (n < 0 || tr < 1 || tb < 1 || bs < 1 || window < 0 || (n && (!pa || !ra || !ta || !qa || (window && (!wa || !oka)))))
+#define PLAN_WINDOW_FIELDS(X)                                                                                  \
+    X(ADDR, positions, "[n] int64")                                                                            \
+    X(ADDR, rows, "[n] int64: each token's block-table row")                                                   \
+    X(ADDR, tables, "[tr, tb] int64 block tables (-1 a null block)")                                           \
+    X(SIZE, n, "tokens")                                                                                       \
+    X(SIZE, tr, "block-table rows")                                                                            \
+    X(SIZE, tb, "blocks of a table")                                                                           \
+    X(SIZE, bs, "block size")                                                                                  \
+    X(SIZE, zero, "the slot of a position with no block")                                                      \
+    X(SIZE, window, "window length")                                                                           \
+    X(ADDR, win, "[n, window] int64, written")                                                                 \
+    X(ADDR, win_ok, "[n, window] bool, written")                                                               \
+    X(ADDR, prev, "[n] int64, written: the partner slots")
+KERNEL_ARGS(plan_window, PLAN_WINDOW_FIELDS, "window and partner slots (ValueError: a row outside the tables).")
+KERNEL_PY(plan_window) {
+    PARSE(plan_window);
+    if (a.n < 0 || a.tr < 1 || a.tb < 1 || a.bs < 1 || a.window < 0 ||
+        (a.n && (!a.positions || !a.rows || !a.tables || !a.prev || (a.window && (!a.win || !a.win_ok)))))
         return misfit("plan_window", "n, window >= 0, tr, tb, block size >= 1");
     Py_ssize_t bad;
     Py_BEGIN_ALLOW_THREADS
-    bad = plan_window(CI64(pa), CI64(ra), CI64(ta), n, tr, tb, bs, zero, window, I64(wa), (uint8_t *)(uintptr_t)oka, I64(qa));
+    bad = plan_window(CI64(a.positions), CI64(a.rows), CI64(a.tables), a.n, a.tr, a.tb, a.bs, a.zero, a.window,
+                      I64(a.win), (uint8_t *)(uintptr_t)a.win_ok, I64(a.prev));
     Py_END_ALLOW_THREADS
     if (bad >= 0) {
         PyErr_Format(PyExc_ValueError, "plan_window: row %lld of token %zd is outside the %zd block-table rows",
-                     (long long)CI64(ra)[bad], bad, tr);
+                     (long long)CI64(a.rows)[bad], bad, (Py_ssize_t)a.tr);
         return NULL;
     }
     Py_RETURN_NONE;
 }
 
-static PyObject *py_plan_entries(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long pa, ra, ta, ca, ea;
-    Py_ssize_t n, tr, tb, width;
-    long long bs, zero, ratio;
-    if (!PyArg_ParseTuple(args, "KKKnnnLLLnKK", &pa, &ra, &ta, &n, &tr, &tb, &bs, &zero, &ratio, &width, &ca, &ea))
-        return NULL;
-    if (n < 0 || tr < 1 || tb < 1 || bs < 1 || ratio < 1 || width < 1 || (n && (!pa || !ra || !ta || !ca || !ea)))
+#define PLAN_ENTRIES_FIELDS(X)                                                                                 \
+    X(ADDR, positions, "[n] int64")                                                                            \
+    X(ADDR, rows, "[n] int64: each token's block-table row")                                                   \
+    X(ADDR, tables, "[tr, tb] int64 block tables (-1 a null block)")                                           \
+    X(SIZE, n, "tokens")                                                                                       \
+    X(SIZE, tr, "block-table rows")                                                                            \
+    X(SIZE, tb, "blocks of a table")                                                                           \
+    X(SIZE, bs, "block size")                                                                                  \
+    X(SIZE, zero, "the slot of a position with no block")                                                      \
+    X(SIZE, ratio, "tokens of an entry")                                                                       \
+    X(SIZE, width, "entry slots of a token")                                                                   \
+    X(ADDR, count, "[n] int64, written")                                                                       \
+    X(ADDR, eslots, "[n, width] int64, written")
+KERNEL_ARGS(plan_entries, PLAN_ENTRIES_FIELDS, "entry counts and slots (ValueError: a row outside the tables).")
+KERNEL_PY(plan_entries) {
+    PARSE(plan_entries);
+    if (a.n < 0 || a.tr < 1 || a.tb < 1 || a.bs < 1 || a.ratio < 1 || a.width < 1 ||
+        (a.n && (!a.positions || !a.rows || !a.tables || !a.count || !a.eslots)))
         return misfit("plan_entries", "n >= 0, tr, tb, block size, ratio, width >= 1");
     Py_ssize_t bad;
     Py_BEGIN_ALLOW_THREADS
-    bad = plan_entries(CI64(pa), CI64(ra), CI64(ta), n, tr, tb, bs, zero, ratio, width, I64(ca), I64(ea));
+    bad = plan_entries(CI64(a.positions), CI64(a.rows), CI64(a.tables), a.n, a.tr, a.tb, a.bs, a.zero, a.ratio,
+                       a.width, I64(a.count), I64(a.eslots));
     Py_END_ALLOW_THREADS
     if (bad >= 0) {
         PyErr_Format(PyExc_ValueError, "plan_entries: row %lld of token %zd is outside the %zd block-table rows",
-                     (long long)CI64(ra)[bad], bad, tr);
+                     (long long)CI64(a.rows)[bad], bad, (Py_ssize_t)a.tr);
         return NULL;
     }
     Py_RETURN_NONE;
 }
 
-static PyObject *py_store_rows(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long pa, sa, va, qa;
-    Py_ssize_t rows, width, n;
-    long long trash, ratio;
-    if (!PyArg_ParseTuple(args, "KnnKnKLKL", &pa, &rows, &width, &sa, &n, &va, &trash, &qa, &ratio)) return NULL;
-    if (rows < 1 || width < 1 || n < 0 || (qa && ratio < 1) || !pa || (n && (!sa || !va)))
+#define STORE_ROWS_FIELDS(X)                                                                                   \
+    X(ADDR, pool, "[rows, width] float32, written")                                                            \
+    X(SIZE, rows, "rows of the pool")                                                                          \
+    X(SIZE, width, "values of a row")                                                                          \
+    X(ADDR, slots, "[n] int64: each token's row (< 0: the trash row)")                                         \
+    X(SIZE, n, "tokens")                                                                                       \
+    X(ADDR, values, "[n, width] float32")                                                                      \
+    X(SIZE, trash, "the trash row")                                                                            \
+    X(ADDR, positions, "[n] int64, or 0: with it, only tokens completing an entry are stored")                 \
+    X(SIZE, ratio, "tokens of an entry (with positions)")
+KERNEL_ARGS(store_rows, STORE_ROWS_FIELDS, "pool[slots[t]] = values[t], else the trash row.")
+KERNEL_PY(store_rows) {
+    PARSE(store_rows);
+    if (a.rows < 1 || a.width < 1 || a.n < 0 || (a.positions && a.ratio < 1) || !a.pool || (a.n && (!a.slots || !a.values)))
         return misfit("store_rows", "rows, width >= 1, n >= 0, ratio >= 1 with positions");
     Py_ssize_t bad;
     Py_BEGIN_ALLOW_THREADS
-    bad = store_rows(F(pa), rows, width, CI64(sa), n, CF(va), trash, CI64(qa), ratio);
+    bad = store_rows(F(a.pool), a.rows, a.width, CI64(a.slots), a.n, CF(a.values), a.trash, CI64(a.positions), a.ratio);
     Py_END_ALLOW_THREADS
     if (bad >= 0) {
         PyErr_Format(PyExc_ValueError, "store_rows: slot %lld (token %zd) is outside the pool's %zd rows",
-                     bad < n ? (long long)CI64(sa)[bad] : trash, bad, rows);
+                     bad < a.n ? (long long)CI64(a.slots)[bad] : (long long)a.trash, bad, (Py_ssize_t)a.rows);
         return NULL;
     }
     Py_RETURN_NONE;
 }
 
-static PyObject *py_attend_paged(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long qa, wa, wsa, woka, ea, esa, ta, sa, oa;
-    Py_ssize_t n, w, es, k, rows, hd, h;
-    double scale;
-    if (!PyArg_ParseTuple(args, "KKKKnnKKnKnnnKndK", &qa, &wa, &wsa, &woka, &n, &w, &ea, &esa, &es, &ta, &k, &rows, &hd,
-                          &sa, &h, &scale, &oa))
-        return NULL;
-    if (n < 0 || w < 0 || es < 0 || k < 0 || rows < 1 || hd < 1 || h < 1 || (k && !ta) ||
-        (n && (!qa || !wa || !sa || !oa || (w && (!wsa || !woka)) || (k && es && (!ea || !esa)))))
+#define ATTEND_PAGED_FIELDS(X)                                                                                 \
+    X(ADDR, q, "[n, h, hd] float32")                                                                           \
+    X(ADDR, window, "[rows, hd] float32: the window pool")                                                     \
+    X(ADDR, wslots, "[n, w] int64: each token's window slots")                                                 \
+    X(ADDR, wok, "[n, w] bool: which of them it reads")                                                        \
+    X(SIZE, n, "tokens")                                                                                       \
+    X(SIZE, w, "window keys of a token")                                                                       \
+    X(ADDR, entries, "[rows, hd] float32: the entry pool")                                                     \
+    X(ADDR, eslots, "[n, es] int64: each token's entry slots")                                                 \
+    X(SIZE, es, "entry slots of a token")                                                                      \
+    X(ADDR, topk, "[n, k] int64: the entries picked (-1 none)")                                                \
+    X(SIZE, k, "picks of a token (0: none)")                                                                   \
+    X(SIZE, rows, "rows of the pools")                                                                         \
+    X(SIZE, hd, "head dim")                                                                                    \
+    X(ADDR, sink, "[h] float32")                                                                               \
+    X(SIZE, h, "heads")                                                                                        \
+    X(REAL, scale, "score scale")                                                                              \
+    X(ADDR, out, "[n, h, hd] float32, written")
+KERNEL_ARGS(attend_paged, ATTEND_PAGED_FIELDS, "attention over the keys a token reads, in place.")
+KERNEL_PY(attend_paged) {
+    PARSE(attend_paged);
+    if (a.n < 0 || a.w < 0 || a.es < 0 || a.k < 0 || a.rows < 1 || a.hd < 1 || a.h < 1 || (a.k && !a.topk) ||
+        (a.n && (!a.q || !a.window || !a.sink || !a.out || (a.w && (!a.wslots || !a.wok)) ||
+                 (a.k && a.es && (!a.entries || !a.eslots)))))
         return misfit("attend_paged", "n, w, es, k >= 0, rows, hd, h >= 1");
+    const Py_ssize_t h = a.h, w = a.w, k = a.k;
     const size_t keys = (size_t)(w + k);
     char *buf = scratch(keys * sizeof(float *) + sizeof(float) * (size_t)(h * (w + k) + h) + 64);
     if (!buf) return PyErr_NoMemory();
@@ -1295,48 +1412,77 @@ static PyObject *py_attend_paged(PyObject *Py_UNUSED(self), PyObject *args) {
     const int wide = has_avx512();
     int bad;
     Py_BEGIN_ALLOW_THREADS
-    bad = attend_paged(CF(qa), CF(wa), CI64(wsa), U8(woka), n, w, CF(ea), CI64(esa), es, CI64(ta), k, rows, hd, CF(sa),
-                       h, (float)scale, F(oa), kp, z, z + h * (w + k), wide);
+    bad = attend_paged(CF(a.q), CF(a.window), CI64(a.wslots), U8(a.wok), a.n, w, CF(a.entries), CI64(a.eslots), a.es,
+                       CI64(a.topk), k, a.rows, a.hd, CF(a.sink), h, (float)a.scale, F(a.out), kp, z, z + h * (w + k),
+                       wide);
     Py_END_ALLOW_THREADS
     free(buf);
     if (bad) return misfit("attend_paged", "a slot is outside the pool");
     Py_RETURN_NONE;
 }
 
-static PyObject *py_pool_pair(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long fa, sa, oa;
-    Py_ssize_t n, hd;
-    if (!PyArg_ParseTuple(args, ARGS_POOL_PAIR, &fa, &sa, &n, &hd, &oa)) return NULL;
-    if (n < 0 || hd < 1 || (n && (!fa || !sa || !oa))) return misfit("pool_pair", "n >= 0, hd >= 1");
+#define POOL_PAIR_FIELDS(X)                                                                                    \
+    X(ADDR, first, "[n, 2 hd] float32: [kv, gate] rows")                                                       \
+    X(ADDR, second, "[n, 2 hd] float32: [kv, gate] rows")                                                      \
+    X(SIZE, n, "tokens")                                                                                       \
+    X(SIZE, hd, "head dim")                                                                                    \
+    X(ADDR, out, "[n, hd] float32, written")
+KERNEL_ARGS(pool_pair, POOL_PAIR_FIELDS, "a ratio-2 entry from two [kv, gate] rows.")
+static void run_pool_pair(const struct pool_pair_args *a) {
+    pool_pair_rows(CF(a->first), CF(a->second), a->n, a->hd, F(a->out));
+}
+RAW_ENTRY(pool_pair)
+KERNEL_PY(pool_pair) {
+    PARSE(pool_pair);
+    if (a.n < 0 || a.hd < 1 || (a.n && (!a.first || !a.second || !a.out))) return misfit("pool_pair", "n >= 0, hd >= 1");
     Py_BEGIN_ALLOW_THREADS
-    pool_pair_rows(CF(fa), CF(sa), n, hd, F(oa));
+    run_pool_pair(&a);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-static PyObject *py_topk_rows(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long xa, oa;
-    Py_ssize_t rows, v, k;
-    if (!PyArg_ParseTuple(args, "KnnnK", &xa, &rows, &v, &k, &oa)) return NULL;
-    if (rows < 0 || v < 0 || k < 1 || (rows && (!oa || (v && !xa)))) return misfit("topk_rows", "rows, v >= 0, k >= 1");
-    float *vals = scratch(sizeof(float) * (size_t)k);
+#define TOPK_ROWS_FIELDS(X)                                                                                    \
+    X(ADDR, x, "[rows, v] float32")                                                                            \
+    X(SIZE, rows, "rows")                                                                                      \
+    X(SIZE, v, "values of a row")                                                                              \
+    X(SIZE, k, "picks of a row (>= 1)")                                                                        \
+    X(ADDR, out, "[rows, k] int64, written")
+KERNEL_ARGS(topk_rows, TOPK_ROWS_FIELDS, "the k best per row, ties to the lower index, -1 for -inf.")
+KERNEL_PY(topk_rows) {
+    PARSE(topk_rows);
+    if (a.rows < 0 || a.v < 0 || a.k < 1 || (a.rows && (!a.out || (a.v && !a.x))))
+        return misfit("topk_rows", "rows, v >= 0, k >= 1");
+    float *vals = scratch(sizeof(float) * (size_t)a.k);
     if (!vals) return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS
-    topk_rows(CF(xa), rows, v, k, I64(oa), vals);
+    topk_rows(CF(a.x), a.rows, a.v, a.k, I64(a.out), vals);
     Py_END_ALLOW_THREADS
     free(vals);
     Py_RETURN_NONE;
 }
 
-static PyObject *py_index_scores(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long qa, wa, pa, sa, ca, cda, oa;
-    Py_ssize_t n, es, e, nh, ihd, nc, block;
-    double wscale;
-    if (!PyArg_ParseTuple(args, "KKdKKKnnnnnKnnK", &qa, &wa, &wscale, &pa, &sa, &ca, &n, &es, &e, &nh, &ihd, &cda, &nc,
-                          &block, &oa))
-        return NULL;
-    if (n < 0 || es < 0 || e < 0 || nh < 1 || ihd < 1 || block < 1 || (cda && (nc < 1 || e % block)) ||
-        (n && (!qa || !wa || !pa || !ca || !oa || (es && !sa))))
+#define INDEX_SCORES_FIELDS(X)                                                                                 \
+    X(ADDR, q, "[n, nh, ihd] float32")                                                                         \
+    X(ADDR, w, "[n, nh] float32: head weights")                                                                \
+    X(REAL, wscale, "their scale")                                                                             \
+    X(ADDR, pool, "[slots, ihd] float32: the index keys")                                                      \
+    X(ADDR, slots, "[n, es] int64: each entry's slot")                                                         \
+    X(ADDR, count, "[n] int64: the visible entries")                                                           \
+    X(SIZE, n, "tokens")                                                                                       \
+    X(SIZE, es, "entry slots of a token")                                                                      \
+    X(SIZE, e, "scores of a token")                                                                            \
+    X(SIZE, nh, "heads")                                                                                       \
+    X(SIZE, ihd, "head dim")                                                                                   \
+    X(ADDR, cands, "[n, nc] int64 candidate blocks (-1 none), or 0")                                           \
+    X(SIZE, nc, "candidates of a token")                                                                       \
+    X(SIZE, block, "entries of a block")                                                                       \
+    X(ADDR, out, "[n, e] float32, written")
+KERNEL_ARGS(index_scores, INDEX_SCORES_FIELDS, "the indexer's entry scores.")
+KERNEL_PY(index_scores) {
+    PARSE(index_scores);
+    const Py_ssize_t e = a.e, nh = a.nh, block = a.block;
+    if (a.n < 0 || a.es < 0 || e < 0 || nh < 1 || a.ihd < 1 || block < 1 || (a.cands && (a.nc < 1 || e % block)) ||
+        (a.n && (!a.q || !a.w || !a.pool || !a.count || !a.out || (a.es && !a.slots))))
         return misfit("index_scores", "n, es, e >= 0, nh, ihd, block >= 1; with candidates nc >= 1 and e a multiple of block");
     const size_t keep_bytes = (size_t)((e / block + 16) / 16) * 16; /* whole 16-byte units: what follows aligns */
     const size_t wt_bytes = (sizeof(float) * (size_t)nh + 15) / 16 * 16;
@@ -1347,197 +1493,248 @@ static PyObject *py_index_scores(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_ssize_t *gi = (Py_ssize_t *)(void *)(kp + e);
     const int wide = has_avx512();
     Py_BEGIN_ALLOW_THREADS
-    index_scores_rows(CF(qa), CF(wa), (float)wscale, CF(pa), CI64(sa), CI64(ca), n, es, e, nh, ihd, CI64(cda), nc, block,
-                      F(oa), keep, wt, kp, gi, wide);
+    index_scores_rows(CF(a.q), CF(a.w), (float)a.wscale, CF(a.pool), CI64(a.slots), CI64(a.count), a.n, a.es, e, nh,
+                      a.ihd, CI64(a.cands), a.nc, block, F(a.out), keep, wt, kp, gi, wide);
     Py_END_ALLOW_THREADS
     free(keep);
     Py_RETURN_NONE;
 }
 
-static PyObject *py_candidate_blocks(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long sa, ca, oa;
-    Py_ssize_t n, e, block, k;
-    if (!PyArg_ParseTuple(args, "KKnnnnK", &sa, &ca, &n, &e, &block, &k, &oa)) return NULL;
-    if (n < 0 || e < 0 || block < 1 || e % block || k < 1 || (n && (!ca || !oa || (e && !sa))))
+#define CANDIDATE_BLOCKS_FIELDS(X)                                                                             \
+    X(ADDR, s, "[n, e] float32 entry scores")                                                                  \
+    X(ADDR, count, "[n] int64: the visible entries")                                                           \
+    X(SIZE, n, "tokens")                                                                                       \
+    X(SIZE, e, "scores of a token (a multiple of block)")                                                      \
+    X(SIZE, block, "entries of a block")                                                                       \
+    X(SIZE, k, "blocks picked")                                                                                \
+    X(ADDR, out, "[n, k] int64, written")
+KERNEL_ARGS(candidate_blocks, CANDIDATE_BLOCKS_FIELDS, "the candidate source's top blocks.")
+KERNEL_PY(candidate_blocks) {
+    PARSE(candidate_blocks);
+    const Py_ssize_t e = a.e, block = a.block, k = a.k;
+    if (a.n < 0 || e < 0 || block < 1 || e % block || k < 1 || (a.n && (!a.count || !a.out || (e && !a.s))))
         return misfit("candidate_blocks", "n, e >= 0, e a multiple of block >= 1, k >= 1");
     float *bs = scratch(sizeof(float) * (size_t)(e / block + k));
     if (!bs) return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS
-    candidate_blocks_rows(CF(sa), CI64(ca), n, e, block, k, I64(oa), bs, bs + e / block);
+    candidate_blocks_rows(CF(a.s), CI64(a.count), a.n, e, block, k, I64(a.out), bs, bs + e / block);
     Py_END_ALLOW_THREADS
     free(bs);
     Py_RETURN_NONE;
 }
 
-static PyObject *py_moe_route(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long za, ba, ia, wa;
-    Py_ssize_t n, e, k;
-    int norm;
-    double scale;
-    if (!PyArg_ParseTuple(args, "KKnnnpdKK", &za, &ba, &n, &e, &k, &norm, &scale, &ia, &wa)) return NULL;
-    if (n < 0 || e < 1 || k < 1 || k > e || (n && (!za || !ba || !ia || !wa))) return misfit("moe_route", "n >= 0, 1 <= k <= e");
+#define MOE_ROUTE_FIELDS(X)                                                                                    \
+    X(ADDR, z, "[n, e] float32: the router's logits")                                                          \
+    X(ADDR, bias, "[e] float32: the choice bias")                                                              \
+    X(SIZE, n, "tokens")                                                                                       \
+    X(SIZE, e, "experts")                                                                                      \
+    X(SIZE, k, "experts of a token")                                                                           \
+    X(FLAG, norm, "normalise the weights")                                                                     \
+    X(REAL, scale, "weight scale")                                                                             \
+    X(ADDR, ids, "[n, k] int64, written")                                                                      \
+    X(ADDR, w, "[n, k] float32, written")
+KERNEL_ARGS(moe_route, MOE_ROUTE_FIELDS, "sqrt-softplus router.")
+KERNEL_PY(moe_route) {
+    PARSE(moe_route);
+    const Py_ssize_t e = a.e, k = a.k;
+    if (a.n < 0 || e < 1 || k < 1 || k > e || (a.n && (!a.z || !a.bias || !a.ids || !a.w)))
+        return misfit("moe_route", "n >= 0, 1 <= k <= e");
     float *buf = scratch(sizeof(float) * (size_t)(2 * e + k));
     if (!buf) return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS
-    moe_route_rows(CF(za), CF(ba), n, e, k, norm, (float)scale, I64(ia), F(wa), buf, buf + e, buf + 2 * e);
+    moe_route_rows(CF(a.z), CF(a.bias), a.n, e, k, (int)a.norm, (float)a.scale, I64(a.ids), F(a.w), buf, buf + e,
+                   buf + 2 * e);
     Py_END_ALLOW_THREADS
     free(buf);
     Py_RETURN_NONE;
 }
 
-static PyObject *py_moe_group(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long ia, oa, ca, ta;
-    Py_ssize_t pairs, e, k;
-    if (!PyArg_ParseTuple(args, "KnnnKKK", &ia, &pairs, &e, &k, &oa, &ca, &ta)) return NULL;
-    if (pairs < 0 || e < 1 || k < 1 || !ca || (pairs && (!ia || !oa || !ta))) return misfit("moe_group", "pairs >= 0, e, k >= 1");
-    int64_t *start = scratch(sizeof(int64_t) * (size_t)e);
+#define MOE_GROUP_FIELDS(X)                                                                                    \
+    X(ADDR, ids, "[pairs] int64: the expert of each (token, pick) pair")                                       \
+    X(SIZE, pairs, "pairs")                                                                                    \
+    X(SIZE, e, "experts")                                                                                      \
+    X(SIZE, k, "picks of a token")                                                                             \
+    X(ADDR, order, "[pairs] int64, written: the pairs sorted by expert")                                       \
+    X(ADDR, counts, "[e] int64, written")                                                                      \
+    X(ADDR, tok, "[pairs] int64, written: order / k")
+KERNEL_ARGS(moe_group, MOE_GROUP_FIELDS, "pairs sorted by expert (stable), their tokens.")
+KERNEL_PY(moe_group) {
+    PARSE(moe_group);
+    if (a.pairs < 0 || a.e < 1 || a.k < 1 || !a.counts || (a.pairs && (!a.ids || !a.order || !a.tok)))
+        return misfit("moe_group", "pairs >= 0, e, k >= 1");
+    int64_t *start = scratch(sizeof(int64_t) * (size_t)a.e);
     if (!start) return PyErr_NoMemory();
     Py_ssize_t bad;
     Py_BEGIN_ALLOW_THREADS
-    bad = moe_group(CI64(ia), pairs, e, k, I64(oa), I64(ca), I64(ta), start);
+    bad = moe_group(CI64(a.ids), a.pairs, a.e, a.k, I64(a.order), I64(a.counts), I64(a.tok), start);
     Py_END_ALLOW_THREADS
     free(start);
     if (bad >= 0) {
         PyErr_Format(PyExc_ValueError, "moe_group: expert id %lld of pair %zd is outside [0, %zd)",
-                     (long long)CI64(ia)[bad], bad, e);
+                     (long long)CI64(a.ids)[bad], bad, (Py_ssize_t)a.e);
         return NULL;
     }
     Py_RETURN_NONE;
 }
 
-static PyObject *py_moe_combine(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long ya, oa, wa, sa, ra;
-    Py_ssize_t pairs, n, k, dim;
-    if (!PyArg_ParseTuple(args, "KKKnnnnKK", &ya, &oa, &wa, &pairs, &n, &k, &dim, &sa, &ra)) return NULL;
-    if (pairs < 0 || n < 0 || k < 1 || dim < 1 || pairs > n * k || (n && !ra) || (pairs && (!ya || !oa || !wa)))
+#define MOE_COMBINE_FIELDS(X)                                                                                  \
+    X(ADDR, ys, "[pairs, dim] float32: the expert outputs in order")                                           \
+    X(ADDR, order, "[pairs] int64")                                                                            \
+    X(ADDR, w, "[n * k] float32: the pairs' weights")                                                          \
+    X(SIZE, pairs, "pairs")                                                                                    \
+    X(SIZE, n, "tokens")                                                                                       \
+    X(SIZE, k, "picks of a token")                                                                             \
+    X(SIZE, dim, "values of a row")                                                                            \
+    X(ADDR, shared, "[n, dim] float32 the shared expert's output, or 0")                                       \
+    X(ADDR, out, "[n, dim] float32, written")
+KERNEL_ARGS(moe_combine, MOE_COMBINE_FIELDS, "weighted expert outputs per token, then the shared one.")
+KERNEL_PY(moe_combine) {
+    PARSE(moe_combine);
+    const Py_ssize_t pairs = a.pairs, n = a.n, k = a.k;
+    if (pairs < 0 || n < 0 || k < 1 || a.dim < 1 || pairs > n * k || (n && !a.out) || (pairs && (!a.ys || !a.order || !a.w)))
         return misfit("moe_combine", "0 <= pairs <= n k, k, dim >= 1");
     for (Py_ssize_t p = 0; p < pairs; p++)
-        if (CI64(oa)[p] < 0 || CI64(oa)[p] >= n * k) {
-            PyErr_Format(PyExc_ValueError, "moe_combine: pair %lld at %zd is outside [0, %zd)", (long long)CI64(oa)[p], p, n * k);
+        if (CI64(a.order)[p] < 0 || CI64(a.order)[p] >= n * k) {
+            PyErr_Format(PyExc_ValueError, "moe_combine: pair %lld at %zd is outside [0, %zd)",
+                         (long long)CI64(a.order)[p], p, n * k);
             return NULL;
         }
     Py_BEGIN_ALLOW_THREADS
-    moe_combine_rows(CF(ya), CI64(oa), CF(wa), pairs, n, k, dim, CF(sa), F(ra));
+    moe_combine_rows(CF(a.ys), CI64(a.order), CF(a.w), pairs, n, k, a.dim, CF(a.shared), F(a.out));
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-static PyObject *py_swiglu(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long ga, oa;
-    Py_ssize_t n, inter;
-    double limit;
-    if (!PyArg_ParseTuple(args, ARGS_SWIGLU, &ga, &n, &inter, &limit, &oa)) return NULL;
-    if (n < 0 || inter < 1 || (n && (!ga || !oa))) return misfit("swiglu", "n >= 0, inter >= 1");
+#define SWIGLU_FIELDS(X)                                                                                       \
+    X(ADDR, gu, "[n, 2 inter] float32: g, then u")                                                             \
+    X(SIZE, n, "rows")                                                                                         \
+    X(SIZE, inter, "values of g (and of u)")                                                                   \
+    X(REAL, limit, "L (no clamp when L <= 0)")                                                                 \
+    X(ADDR, out, "[n, inter] float32, written")
+KERNEL_ARGS(swiglu, SWIGLU_FIELDS, "out = silu(min(g, L)) * clamp(u, -L, L).")
+static void run_swiglu(const struct swiglu_args *a) {
+    swiglu_rows(CF(a->gu), a->n, a->inter, (float)a->limit, F(a->out));
+}
+RAW_ENTRY(swiglu)
+KERNEL_PY(swiglu) {
+    PARSE(swiglu);
+    if (a.n < 0 || a.inter < 1 || (a.n && (!a.gu || !a.out))) return misfit("swiglu", "n >= 0, inter >= 1");
     Py_BEGIN_ALLOW_THREADS
-    swiglu_rows(CF(ga), n, inter, (float)limit, F(oa));
+    run_swiglu(&a);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-static PyObject *py_engram_gate(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long ha, kva, qa, ka, da, oa;
-    Py_ssize_t n, hc, dim;
-    double eps;
-    if (!PyArg_ParseTuple(args, ARGS_ENGRAM_GATE, &ha, &n, &hc, &dim, &kva, &qa, &ka, &da, &eps, &oa)) return NULL;
-    if (n < 0 || hc < 1 || dim < 1 || dim > 1024 || (n && (!ha || !kva || !qa || !ka || !oa))) {
-        PyErr_Format(PyExc_ValueError, "engram_gate: n %zd, hc %zd, hidden %zd (<= 1024) do not fit", n, hc, dim);
+#define ENGRAM_GATE_FIELDS(X)                                                                                  \
+    X(ADDR, h, "[n, hc * hidden] float32: the streams")                                                        \
+    X(SIZE, n, "tokens")                                                                                       \
+    X(SIZE, hc, "branches")                                                                                    \
+    X(SIZE, hidden, "values of a branch (<= 1024)")                                                            \
+    X(ADDR, kv, "[n, (hc + 1) * hidden] float32: hc keys, then the value")                                     \
+    X(ADDR, q_w, "[hc, hidden] float32")                                                                       \
+    X(ADDR, k_w, "[hc, hidden] float32")                                                                       \
+    X(ADDR, dead, "[n] bool, or 0")                                                                            \
+    X(REAL, eps, "the RMS epsilon")                                                                            \
+    X(ADDR, h_out, "[n, hc * hidden] float32, written")
+KERNEL_ARGS(engram_gate, ENGRAM_GATE_FIELDS, "the Engram gate into h_out.")
+static void run_engram_gate(const struct engram_gate_args *a) {
+    engram_gate_rows(CF(a->h), a->n, a->hc, a->hidden, CF(a->kv), CF(a->q_w), CF(a->k_w), U8(a->dead), (float)a->eps,
+                     F(a->h_out));
+}
+RAW_ENTRY(engram_gate)
+KERNEL_PY(engram_gate) {
+    PARSE(engram_gate);
+    if (a.n < 0 || a.hc < 1 || a.hidden < 1 || a.hidden > 1024 || (a.n && (!a.h || !a.kv || !a.q_w || !a.k_w || !a.h_out))) {
+        PyErr_Format(PyExc_ValueError, "engram_gate: n %zd, hc %zd, hidden %zd (<= 1024) do not fit", (Py_ssize_t)a.n,
+                     (Py_ssize_t)a.hc, (Py_ssize_t)a.hidden);
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    engram_gate_rows((float *)(uintptr_t)ha, n, hc, dim, (const float *)(uintptr_t)kva, (const float *)(uintptr_t)qa,
-                     (const float *)(uintptr_t)ka, (const uint8_t *)(uintptr_t)da, (float)eps, (float *)(uintptr_t)oa);
+    run_engram_gate(&a);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-static PyObject *py_gather_rows(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long sa, ia, oa;
-    Py_ssize_t rows, width, n, copies;
-    if (!PyArg_ParseTuple(args, "KnnKnnK", &sa, &rows, &width, &ia, &n, &copies, &oa)) return NULL;
-    if (rows < 0 || width < 1 || n < 0 || copies < 1 || (n && (!sa || !ia || !oa))) {
-        PyErr_Format(PyExc_ValueError, "gather_rows: rows %zd, width %zd, n %zd, copies %zd do not fit", rows, width, n,
-                     copies);
+#define GATHER_ROWS_FIELDS(X)                                                                                  \
+    X(ADDR, src, "[rows, width] float32")                                                                      \
+    X(SIZE, rows, "rows of src")                                                                               \
+    X(SIZE, width, "values of a row")                                                                          \
+    X(ADDR, ids, "[n] int64")                                                                                  \
+    X(SIZE, n, "ids")                                                                                          \
+    X(SIZE, copies, "copies of each row")                                                                      \
+    X(ADDR, out, "[n, copies, width] float32, written")
+KERNEL_ARGS(gather_rows, GATHER_ROWS_FIELDS, "out[t, c] = src[ids[t]] (ValueError: an id out of range).")
+KERNEL_PY(gather_rows) {
+    PARSE(gather_rows);
+    if (a.rows < 0 || a.width < 1 || a.n < 0 || a.copies < 1 || (a.n && (!a.src || !a.ids || !a.out))) {
+        PyErr_Format(PyExc_ValueError, "gather_rows: rows %zd, width %zd, n %zd, copies %zd do not fit",
+                     (Py_ssize_t)a.rows, (Py_ssize_t)a.width, (Py_ssize_t)a.n, (Py_ssize_t)a.copies);
         return NULL;
     }
     Py_ssize_t bad;
     Py_BEGIN_ALLOW_THREADS
-    bad = gather_rows((const float *)(uintptr_t)sa, rows, width, (const int64_t *)(uintptr_t)ia, n, copies,
-                      (float *)(uintptr_t)oa);
+    bad = gather_rows(CF(a.src), a.rows, a.width, CI64(a.ids), a.n, a.copies, F(a.out));
     Py_END_ALLOW_THREADS
     if (bad >= 0) {
         PyErr_Format(PyExc_ValueError, "gather_rows: index %lld at entry %zd is outside the %zd rows",
-                     (long long)((const int64_t *)(uintptr_t)ia)[bad], bad, rows);
+                     (long long)CI64(a.ids)[bad], bad, (Py_ssize_t)a.rows);
         return NULL;
     }
     Py_RETURN_NONE;
 }
 
-static PyObject *py_argmax_rows(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long xa, oa, fa = 0;
-    Py_ssize_t rows, v;
-    if (!PyArg_ParseTuple(args, "KnnK|K", &xa, &rows, &v, &oa, &fa)) return NULL;
-    if (rows < 0 || v < 1 || (rows && (!xa || !oa))) {
-        PyErr_Format(PyExc_ValueError, "argmax_rows: rows %zd, v %zd do not fit (v at least 1)", rows, v);
+#define ARGMAX_ROWS_FIELDS(X)                                                                                  \
+    X(ADDR, x, "[rows, v] float32")                                                                            \
+    X(SIZE, rows, "rows")                                                                                      \
+    X(SIZE, v, "values of a row (>= 1)")                                                                       \
+    X(ADDR, out, "[rows] int64, written")                                                                      \
+    X(OPTADDR, finite, "[rows] bool, written: every value of the row finite (0 or left out: none)")
+KERNEL_ARGS(argmax_rows, ARGMAX_ROWS_FIELDS,
+            "out[r] = the first index of row r's maximum, NaN first (torch.argmax); finite[r] = every value of row r "
+            "finite.")
+KERNEL_PY(argmax_rows) {
+    PARSE(argmax_rows);
+    if (a.rows < 0 || a.v < 1 || (a.rows && (!a.x || !a.out))) {
+        PyErr_Format(PyExc_ValueError, "argmax_rows: rows %zd, v %zd do not fit (v at least 1)", (Py_ssize_t)a.rows,
+                     (Py_ssize_t)a.v);
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    argmax_rows((const float *)(uintptr_t)xa, rows, v, (int64_t *)(uintptr_t)oa, (uint8_t *)(uintptr_t)fa);
+    argmax_rows(CF(a.x), a.rows, a.v, I64(a.out), (uint8_t *)(uintptr_t)a.finite);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
 /* ---- raw entries: a CPU graph's replay of a kernel without its Python call ---------------------------------
- * raw_X(a) runs kernel X on the arguments its Python form took, as 64-bit slots a[i] in the same order (an
- * integer, or a float's double bits), without the checks: a replay makes a call whose sizes its capture already
- * made through the Python form, at addresses of tensors of the same shapes. Only kernels without data-dependent
- * checks (an index outside a table or pool) have one. */
-static inline double slot_double(uint64_t u) {
-    double d;
-    memcpy(&d, &u, sizeof d);
-    return d;
-}
-#define SN(i) ((Py_ssize_t)(int64_t)a[i])
-#define SD(i) slot_double(a[i])
+ * raw_X(slots) runs kernel X on its argument struct (the slots, in field order), without the checks: a replay
+ * makes a call whose sizes its capture already made through the Python form, at addresses of tensors of the same
+ * shapes. Only kernels without data-dependent checks (an index outside a table or pool) have one. */
+static const struct {
+    const struct arg_spec *spec;
+    raw_fn fn;
+} RAW[] = {
+    {&hc_mix_spec, raw_hc_mix}, {&collapse_spec, raw_collapse}, {&expand_spec, raw_expand},
+    {&hc_next_spec, raw_hc_next}, {&rms_norm_spec, raw_rms_norm}, {&rope_spec, raw_rope},
+    {&pool_pair_spec, raw_pool_pair}, {&swiglu_spec, raw_swiglu}, {&engram_gate_spec, raw_engram_gate},
+};
 
-static void raw_hc_mix(const uint64_t *a) {
-    hc_mix_rows(CF(a[0]), CF(a[1]), SN(2), SN(3), SN(4), CF(a[5]), CF(a[6]), (float)SD(7), (float)SD(8), SN(9), F(a[10]),
-                F(a[11]), F(a[12]));
-}
-static void raw_collapse(const uint64_t *a) { collapse_rows(CF(a[0]), CF(a[1]), SN(2), SN(3), SN(4), F(a[5])); }
-static void raw_expand(const uint64_t *a) {
-    expand_rows(CF(a[0]), CF(a[1]), CF(a[2]), CF(a[3]), SN(4), SN(5), SN(6), F(a[7]));
-}
-static void raw_hc_next(const uint64_t *a) {
-    hc_next_rows(CF(a[0]), CF(a[1]), CF(a[2]), CF(a[3]), CF(a[4]), SN(5), SN(6), SN(7), (raw_fn)(uintptr_t)a[8], CF(a[9]),
-                 SN(10), CF(a[11]), CF(a[12]), (float)SD(13), (float)SD(14), SN(15), CF(a[16]), (float)SD(17), F(a[18]),
-                 F(a[19]), F(a[20]), F(a[21]), F(a[22]), F(a[23]), F(a[24]));
-}
-static void raw_rms_norm(const uint64_t *a) { rms_norm_rows(CF(a[0]), SN(1), SN(2), CF(a[3]), (float)SD(4), F(a[5])); }
-static void raw_rope(const uint64_t *a) {
-    rope_rows(CF(a[0]), SN(1), SN(2), SN(3), CF(a[4]), CF(a[5]), SN(6), (int)a[7], F(a[8]));
-}
-static void raw_pool_pair(const uint64_t *a) { pool_pair_rows(CF(a[0]), CF(a[1]), SN(2), SN(3), F(a[4])); }
-static void raw_swiglu(const uint64_t *a) { swiglu_rows(CF(a[0]), SN(1), SN(2), (float)SD(3), F(a[4])); }
-static void raw_engram_gate(const uint64_t *a) {
-    engram_gate_rows(F(a[0]), SN(1), SN(2), SN(3), CF(a[4]), CF(a[5]), CF(a[6]), U8(a[7]), (float)SD(8), F(a[9]));
-}
-
-/* name, the Python form's PyArg format, raw entry */
-static const struct { const char *name, *format; raw_fn fn; } RAW[] = {
-    {"hc_mix", ARGS_HC_MIX, raw_hc_mix}, {"collapse", ARGS_COLLAPSE, raw_collapse}, {"expand", ARGS_EXPAND, raw_expand},
-    {"hc_next", ARGS_HC_NEXT, raw_hc_next},
-    {"rms_norm", ARGS_RMS_NORM, raw_rms_norm}, {"rope", ARGS_ROPE, raw_rope}, {"pool_pair", ARGS_POOL_PAIR, raw_pool_pair},
-    {"swiglu", ARGS_SWIGLU, raw_swiglu}, {"engram_gate", ARGS_ENGRAM_GATE, raw_engram_gate},
+/* every kernel with an argument list (concat_cols, variadic, has none) */
+static const struct arg_spec *const SPECS[] = {
+    &hc_mix_spec, &collapse_spec, &expand_spec, &hc_next_spec, &rms_norm_spec, &rope_spec, &plan_window_spec,
+    &plan_entries_spec, &store_rows_spec, &attend_paged_spec, &pool_pair_spec, &topk_rows_spec, &index_scores_spec,
+    &candidate_blocks_spec, &moe_route_spec, &moe_group_spec, &moe_combine_spec, &swiglu_spec, &engram_gate_spec,
+    &gather_rows_spec, &argmax_rows_spec,
 };
 
 static PyObject *py_raw_kernels(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
     PyObject *out = PyDict_New();
-    for (size_t i = 0; out && i < sizeof RAW / sizeof RAW[0]; i++) {
-        PyObject *v = Py_BuildValue("(sN)", RAW[i].format, PyLong_FromVoidPtr((void *)(uintptr_t)RAW[i].fn));
-        if (!v || PyDict_SetItemString(out, RAW[i].name, v) < 0) Py_CLEAR(out);
-        Py_XDECREF(v);
-    }
+    for (size_t i = 0; out && i < sizeof RAW / sizeof RAW[0]; i++)
+        if (add_raw(out, RAW[i].spec, RAW[i].fn) < 0) Py_CLEAR(out);
     return out;
+}
+
+static PyObject *py_kernel_fields(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
+    return kernel_fields_of(SPECS, sizeof SPECS / sizeof SPECS[0]);
 }
 
 #define RAW_RUN 64 /* raw calls run in one release of the GIL, at most */
@@ -1589,43 +1786,36 @@ static PyMethodDef methods[] = {
      "call_all(calls) -> None: fn(*args) for each (fn, args) of the list calls, raw(slots) for each (fn, raw, slots), "
      "in order (a CPU graph's replay)."},
     {"raw_kernels", py_raw_kernels, METH_NOARGS,
-     "raw_kernels() -> {name: (format, raw entry address)}: the kernels a replay can run from 64-bit argument slots."},
-    {"hc_mix", py_hc_mix, METH_VARARGS, "hc_mix(x, mm, n, hc, dim, scale, base, eps, hc_eps, iters, pre, post, comb): mHC mixes."},
-    {"collapse", py_collapse, METH_VARARGS, "collapse(x, mix, n, hc, dim, out): out = sum_i mix_i x_i."},
-    {"hc_next", py_hc_next, METH_VARARGS,
-     "hc_next(o, x, post, comb, mix, n, hc, dim, matmul, panels, kc, scale, base, eps, hc_eps, iters, norm_w, norm_eps, "
-     "out, pre, post2, comb2, h, mm, y): expand, then the next sublayer's mix and normed input, tile by tile."},
-    {"expand", py_expand, METH_VARARGS, "expand(o, x, post, comb, n, hc, dim, out): stream b = post_b o + sum_a comb[a][b] x_a."},
-    {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, rows, dim, w, eps, out): out = x * rsqrt(mean(x^2) + eps) [* w]."},
-    {"rope", py_rope, METH_VARARGS, "rope(x, n, m, width, cos, sin, half, inverse, out): interleaved RoPE of the last 2 half dims (out may be x)."},
-    {"concat_cols", py_concat_cols, METH_VARARGS, "concat_cols(out, n, width, a_0, w_0, ...): column blocks side by side."},
-    {"plan_window", py_plan_window, METH_VARARGS,
-     "plan_window(positions, rows, tables, n, tr, tb, bs, zero, window, win, win_ok, prev): window and partner slots."},
-    {"plan_entries", py_plan_entries, METH_VARARGS,
-     "plan_entries(positions, rows, tables, n, tr, tb, bs, zero, ratio, width, count, eslots): entry counts and slots."},
-    {"store_rows", py_store_rows, METH_VARARGS,
-     "store_rows(pool, rows, width, slots, n, values, trash, positions, ratio): pool[slots[t]] = values[t], else the trash row."},
-    {"attend_paged", py_attend_paged, METH_VARARGS,
-     "attend_paged(q, window, wslots, wok, n, w, entries, eslots, es, topk, k, rows, hd, sink, h, scale, out): "
-     "attention over the keys a token reads, in place."},
-    {"pool_pair", py_pool_pair, METH_VARARGS, "pool_pair(first, second, n, hd, out): a ratio-2 entry from two [kv, gate] rows."},
-    {"topk_rows", py_topk_rows, METH_VARARGS, "topk_rows(x, rows, v, k, out): the k best per row, ties to the lower index, -1 for -inf."},
-    {"index_scores", py_index_scores, METH_VARARGS,
-     "index_scores(q, w, wscale, pool, slots, count, n, es, e, nh, ihd, cands, nc, block, out): the indexer's entry scores."},
-    {"candidate_blocks", py_candidate_blocks, METH_VARARGS,
-     "candidate_blocks(s, count, n, e, block, k, out): the candidate source's top blocks."},
-    {"moe_route", py_moe_route, METH_VARARGS, "moe_route(z, bias, n, e, k, norm, scale, ids, w): sqrt-softplus router."},
-    {"moe_group", py_moe_group, METH_VARARGS, "moe_group(ids, pairs, e, k, order, counts, tok): pairs sorted by expert (stable), their tokens."},
-    {"moe_combine", py_moe_combine, METH_VARARGS,
-     "moe_combine(ys, order, w, pairs, n, k, dim, shared, out): weighted expert outputs per token, then the shared one."},
-    {"swiglu", py_swiglu, METH_VARARGS, "swiglu(gu, n, inter, limit, out): silu(min(g, L)) * clamp(u, -L, L)."},
-    {"engram_gate", py_engram_gate, METH_VARARGS,
-     "engram_gate(h, n, hc, hidden, kv, q_w, k_w, dead, eps, h_out) -> None: the Engram gate into h_out."},
-    {"gather_rows", py_gather_rows, METH_VARARGS,
-     "gather_rows(src, rows, width, ids, n, copies, out) -> None: out[t, c] = src[ids[t]] (ValueError: id out of range)."},
-    {"argmax_rows", py_argmax_rows, METH_VARARGS,
-     "argmax_rows(x, rows, v, out[, finite]) -> None: out[r] = the first index of row r's maximum, NaN first "
-     "(torch.argmax); finite[r] = every value of row r finite."},
+     "raw_kernels() -> {name: (((field, kind), ...), raw entry address)}: the kernels a replay can run from their "
+     "argument structs (one 64-bit slot a field, in order: an address or size as an integer, a real as a double's "
+     "bits)."},
+    {"kernel_fields", py_kernel_fields, METH_NOARGS,
+     "kernel_fields() -> {name: ((field, kind), ...)}: every kernel's arguments in order (kinds addr, size, real, "
+     "flag); each takes them by position or by name."},
+    KERNEL_METHOD(hc_mix),
+    KERNEL_METHOD(collapse),
+    KERNEL_METHOD(hc_next),
+    KERNEL_METHOD(expand),
+    KERNEL_METHOD(rms_norm),
+    KERNEL_METHOD(rope),
+    {"concat_cols", py_concat_cols, METH_VARARGS,
+     "concat_cols(out, n, width, a_0, w_0, ...): column blocks side by side (positional only: a variable number of "
+     "parts)."},
+    KERNEL_METHOD(plan_window),
+    KERNEL_METHOD(plan_entries),
+    KERNEL_METHOD(store_rows),
+    KERNEL_METHOD(attend_paged),
+    KERNEL_METHOD(pool_pair),
+    KERNEL_METHOD(topk_rows),
+    KERNEL_METHOD(index_scores),
+    KERNEL_METHOD(candidate_blocks),
+    KERNEL_METHOD(moe_route),
+    KERNEL_METHOD(moe_group),
+    KERNEL_METHOD(moe_combine),
+    KERNEL_METHOD(swiglu),
+    KERNEL_METHOD(engram_gate),
+    KERNEL_METHOD(gather_rows),
+    KERNEL_METHOD(argmax_rows),
     {NULL, NULL, 0, NULL},
 };
 
@@ -1636,6 +1826,7 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__token_kernel(void) {
+    set_docs(methods, SPECS, sizeof SPECS / sizeof SPECS[0]);
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "HC_TILE", HC_TILE) < 0) Py_CLEAR(m);
     return m;

@@ -13,7 +13,8 @@ capture's per-step tensors (the `StepBatch` fields, and the microbatch's rows an
 `plan_rows` makes eagerly every step, or inputs/decode.py writes in place) is rebound to the same offset in
 this step's tensor (a decode step's inputs keep their addresses, so its calls are bound once and kept); the
 calls run in one C loop (the token kernel's `call_all`), those of kernels with a raw entry from
-their arguments packed once as 64-bit slots (`_Graph`). The slot plan and the rotary lookups are made from
+their argument structs packed once as 64-bit slots, one a named field (`_Graph`; model/capture.py records a
+call made with keyword arguments in field order). The slot plan and the rotary lookups are made from
 them inside the graph, by the recorded calls of `DeepseekV41.prepare`.
 So a replay computes what an eager forward on this step's inputs computes, bit for bit, provided the
 forward's path depends only on the key (below) and its data reaches the kernels as arguments only.
@@ -165,8 +166,9 @@ class _Watch(TorchDispatchMode):
 
 
 def _raw_entries() -> dict:
-    """{kernel function: (its Python form's format, raw entry address)} of the loaded kernels' raw entries (the
-    token kernel's `raw_kernels`): the calls a replay makes from 64-bit argument slots, without the interpreter."""
+    """{kernel function: (its fields ((name, kind), ...) in order, raw entry address)} of the loaded kernels' raw
+    entries (`raw_kernels`): the calls a replay makes from their argument structs, one 64-bit slot a field, without
+    the interpreter."""
     out = {}
     for name in ("token", "linear"):
         mod = kernels.get(name)
@@ -175,9 +177,11 @@ def _raw_entries() -> dict:
     return out
 
 
-def _slots(fmt: str, args: tuple) -> list[int]:
-    """args as 64-bit slots: integers (two's complement), a float's double bits."""
-    return [struct.unpack("<Q", struct.pack("<d", a))[0] if c == "d" else int(a) & _U64 for c, a in zip(fmt, args)]
+def _slots(fields: tuple, args: tuple) -> list[int]:
+    """args (in field order, as model/capture.py records them) as the kernel's argument struct, one 64-bit slot a
+    field: an address or size as an integer (two's complement), a flag as 0 or 1, a real as a double's bits."""
+    return [struct.unpack("<Q", struct.pack("<d", a))[0] if kind == "real" else
+            int(bool(a)) if kind == "flag" else int(a) & _U64 for (_, kind), a in zip(fields, args)]
 
 
 _U64 = (1 << 64) - 1
@@ -185,7 +189,7 @@ _U64 = (1 << 64) - 1
 
 class _Graph:
     """One captured forward: its calls, where to rebind per-step addresses, its output, what it keeps alive.
-    A call of a kernel with a raw entry replays from 64-bit argument slots (one array for the graph, its
+    A call of a kernel with a raw entry replays from its argument struct (64-bit slots, one a field) (one array for the graph, its
     per-step addresses rewritten in place); the others through their Python form."""
 
     def __init__(self, tape: list, spans: dict[str, tuple[int, int]], out: torch.Tensor, keep: list, nbytes: int):

@@ -44,7 +44,7 @@ class EngramGate(nn.Module):
 
     def apply(self, h: torch.Tensor, kv: torch.Tensor, dead: torch.Tensor | None, ops: ModuleType) -> torch.Tensor:
         """h with the gated value added, from an already computed (e.g. cross-rank summed) projection kv, by the
-        forward's form `ops` (model/ops.py)."""
+        forward's form ops (model/ops.py `choose`)."""
         return ops.engram_gate(h, kv, self.q_weight, self.k_weight, dead, self.eps)
 
     def forward(self, h: torch.Tensor, rows: torch.Tensor, dead: torch.Tensor | None, ops: ModuleType) -> torch.Tensor:

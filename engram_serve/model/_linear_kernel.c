@@ -20,7 +20,7 @@
  * Plain CPython C API. The arrays come as addresses (torch's `data_ptr()`), not through the buffer
  * protocol: numpy conversions around each call cost more than the arithmetic of a one-row call
  * (~5 us against ~1 us at [128, 128]). The callers, model/exactness.py `matmul_kernel`, `matmul_bf16`,
- * `matmul_fp8`, `blas_linear` and `moe_experts` (and model/fused.py `hc_next`, through linear_packed's or
+ * `matmul_fp8`, `blas_linear` and `moe_experts` (and model/ops_c.py `hc_next_packed`, through linear_packed's or
  * linear_bf16's raw entry), check dtype, device, shapes and strides and keep the tensors alive; the kernel checks
  * sizes only. Every kernel takes its arguments by position or by name: one X-macro list each
  * (_kernel_buffers.h) makes its struct, parser, raw entry and docstring.

@@ -1,12 +1,12 @@
-/* Token-wise fused steps of DeepSeek-V4.1's serving forward (model/fused.py): each token computed alone,
+/* Token-wise fused steps of DeepSeek-V4.1's serving forward (model/ops_c.py): each token computed alone,
  * by the same operations in the same order whatever the call's size, so a token's bits do not depend on
  * its batch mates, the cut or padding (docs/contract.md §9) with no padding rule; one call instead of the
  * several torch operators each step takes. The torch form of each lives beside its caller
- * (model/deepseek_v41.py, model/layers.py, model/fused.py) and runs where this kernel does not (CUDA,
+ * (model/deepseek_v41.py, model/layers.py, model/ops_c.py) and runs where this kernel does not (CUDA,
  * autograd, no compiler, ENGRAM_SERVE_KERNELS). The two forms compute the same formula, not the same bits.
  *
  * Arrays come as addresses (torch's `data_ptr()`): float32 C-contiguous unless said otherwise, int64
- * ids, bool masks as one byte. model/fused.py checks dtypes, devices and shapes; the kernel checks sizes.
+ * ids, bool masks as one byte. model/ops_c.py checks dtypes, devices and shapes; the kernel checks sizes.
  * Every kernel but concat_cols (a variable number of parts) takes its arguments by position, in the order below,
  * or by name: one X-macro list each (X_FIELDS, ../_kernel_buffers.h) makes its struct, parser, raw entry and
  * docstring (`help(kernel.hc_next)` lists the fields), and `kernel_fields()` lists them.
@@ -75,7 +75,7 @@
  *     +inf, then topk_rows.
  *   topk_rows(x, rows, v, k, out): out [rows, k] int64, the k best of each row x [rows, v]: higher first, a
  *     NaN above every number, ties to the lower index; -1 for a pick that is -inf or beyond v
- *     (model/deepseek_v41.py `topk_first`).
+ *     (model/ops_torch.py `topk`).
  * MoE (docs/deepseek_v41.md, "MoE"):
  *   moe_route(z, bias, n, e, k, norm, scale, ids, w): z [n, e] the router's logits -> ids [n, k] best first
  *     by score + bias (topk_rows' order, always k experts), w [n, k]: score = sqrt(softplus(z)) (softplus =
@@ -1821,7 +1821,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_token_kernel",
-    "Token-wise fused steps of DeepSeek-V4.1's serving forward, one token at a time in a fixed order (model/fused.py).",
+    "Token-wise fused steps of DeepSeek-V4.1's serving forward, one token at a time in a fixed order (model/ops_c.py).",
     -1, methods,
 };
 

@@ -530,7 +530,7 @@ class DeepseekV41(nn.Module):
         `engram_rows(i)` gives Engram layer i's staged rows [T, C, hd] (None: Engram ablated). With `keep` [K]
         (increasing token indices) -> the final hidden of those tokens alone [K, D]: the last layer stores every
         token's keys and entries, and computes the rest for those tokens only, which no other token reads.
-        The form of the token-wise steps is chosen here, once (model/ops.py), into `step.ops`."""
+        The form of the token-wise steps is chosen here, once (model/ops.py `choose`), into step.ops."""
         if keep is not None and not len(keep):  # one token still runs every stage (microbatches keep in step)
             return (yield from self.forward_stages(ids, dead, step, engram_rows, keep.new_zeros(1)))[:0]
         ops = step.ops = choose(self.embed.weight)

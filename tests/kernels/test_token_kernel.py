@@ -17,7 +17,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from engram_serve import kernels
@@ -121,7 +121,9 @@ def test_hc_next_is_its_five_calls_bit_for_bit(n, hc, dim, seed, bf16):
     base, scale = torch.randn((2 + hc) * hc, generator=g), torch.rand(3, generator=g) + 0.5
     norm = v41.RMSNorm(dim, 1e-6)
     norm.weight.data = torch.randn(dim, generator=g)
-    assert v41.exactness.plan(fn).kc is not None  # the linear kernel takes the weight: the one call runs
+    # the one call runs where the linear kernel takes the weight: where a probe on this CPU finds its product has
+    # MKL's bits (on the EPYC not for hc = 1's three outputs, which take BLAS and the five calls)
+    assume(v41.exactness.plan(fn).kc is not None)
     assert (v41.exactness.plan(fn).is_tiles) == (bf16 and v41.exactness.amx_supported(kernels.get("linear")))
     with torch.no_grad():
         got = ops_c.hc_next(o, x, post, comb, mix, fn, base, scale, norm.weight, norm.eps, cfg)

@@ -9,7 +9,6 @@ plain-loop `reference_hash`.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import struct
@@ -31,6 +30,7 @@ from engram_serve.errors import CheckpointMismatch
 from engram_serve.engram.tables import EngramTables
 from engram_serve.model.loader import TINY_DIR, load_model
 from engram_serve.model.writer import Quant, save_v41_checkpoint
+from fp8_tables import e4m3, e8m0
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARD_MIB = 0.25
@@ -68,22 +68,10 @@ def raw_bytes(root: Path, name: str) -> tuple[str, list[int], bytes]:
         return e["dtype"], e["shape"], f.read(e["data_offsets"][1] - e["data_offsets"][0])
 
 
-def e4m3_value(b: int) -> float:
-    sign, exp, man = b >> 7, (b >> 3) & 0xF, b & 0x7
-    if exp == 0xF and man == 0x7:
-        return math.nan
-    v = (man / 8) * 2.0 ** -6 if exp == 0 else (1 + man / 8) * 2.0 ** (exp - 7)
-    return -v if sign else v
-
-
-def e8m0_value(code: int) -> float:
-    return math.nan if code == 255 else 2.0 ** (code - 127)
-
-
 def reference_row(w: bytes, s: bytes, row: int, hd: int) -> list[np.float32]:
     out = []
     for col in range(hd):
-        exact = e4m3_value(w[row * hd + col]) * e8m0_value(s[row * (hd // 32) + col // 32])  # exact in a double
+        exact = e4m3(w[row * hd + col]) * e8m0(s[row * (hd // 32) + col // 32])  # exact in a double
         out.append(np.float32(exact))  # one rounding to float32
     return out
 

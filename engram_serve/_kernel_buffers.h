@@ -49,6 +49,7 @@ struct arg_spec {
     const char *name, *summary;
     const struct arg_field *fields;
     Py_ssize_t count;
+    PyObject **keys; /* [count]: the field names as interned str, made at the first keyword call (`match_key`) */
 };
 
 #define ARG_MEMBER_(kind, name, doc) ARG_TYPE_##kind name;
@@ -61,8 +62,10 @@ struct arg_spec {
 #define KERNEL_ARGS(NAME, FIELDS, SUMMARY)                                                                     \
     ARGS_STRUCT(NAME, FIELDS)                                                                                  \
     static const struct arg_field NAME##_fields[] = {FIELDS(ARG_FIELD_)};                                      \
+    static PyObject *NAME##_keys[sizeof NAME##_fields / sizeof NAME##_fields[0]];                              \
     static const struct arg_spec NAME##_spec = {#NAME, SUMMARY, NAME##_fields,                                  \
-                                                (Py_ssize_t)(sizeof NAME##_fields / sizeof NAME##_fields[0])}; \
+                                                (Py_ssize_t)(sizeof NAME##_fields / sizeof NAME##_fields[0]),  \
+                                                NAME##_keys};                                                  \
     _Static_assert(sizeof(struct NAME##_args) == sizeof NAME##_fields / sizeof NAME##_fields[0] * 8,           \
                    #NAME ": every argument is one 8-byte slot");
 
@@ -129,6 +132,28 @@ bad:
     return -1;
 }
 
+/* The index of the field named `key` (a str) among fields [from, s->count), -1 if none (-2 with an error set).
+ * A keyword in Python source, or a **dict's key written in source, is an interned str: the field's interned name
+ * is the same object, found by pointer first, from `hint` on (keywords mostly come in field order: one look);
+ * any other str falls back to comparing the text. */
+static inline Py_ssize_t match_key(const struct arg_spec *s, PyObject *key, Py_ssize_t from, Py_ssize_t hint) {
+    if (!s->keys[0])
+        for (Py_ssize_t i = 0; i < s->count; i++)
+            if (!(s->keys[i] = PyUnicode_InternFromString(s->fields[i].name))) {
+                while (i > 0) Py_CLEAR(s->keys[--i]);
+                return -2;
+            }
+    if (hint < from || hint >= s->count) hint = from;
+    for (Py_ssize_t i = hint; i < s->count; i++)
+        if (s->keys[i] == key) return i;
+    for (Py_ssize_t i = from; i < hint; i++)
+        if (s->keys[i] == key) return i;
+    if (!PyUnicode_Check(key)) return -1;
+    for (Py_ssize_t i = from; i < s->count; i++)
+        if (PyUnicode_CompareWithASCIIString(key, s->fields[i].name) == 0) return i;
+    return -1;
+}
+
 /* A METH_FASTCALL | METH_KEYWORDS call's arguments into the struct at `out` (s->count slots): positional ones
  * first, in the list's order, then keywords by name; TypeError naming a missing, unknown or repeated argument.
  * An OPTADDR or OPTFLAG left out is 0. */
@@ -144,20 +169,19 @@ static inline int parse_args(const struct arg_spec *s, PyObject *const *args, Py
         if (arg_convert(s, i, args[i], slots + 8 * i) < 0) return -1;
     if (!nkw && nargs == s->count) return 0; /* the positional call: every argument given */
     uint64_t seen[4] = {0, 0, 0, 0};                 /* fields given by keyword (at most 256) */
+    Py_ssize_t hint = nargs;                         /* where the next keyword is looked for first */
     for (Py_ssize_t j = 0; j < nkw; j++) {
         PyObject *key = PyTuple_GET_ITEM(kwnames, j);
-        Py_ssize_t i = nargs;
-        for (; i < s->count; i++)
-            if (PyUnicode_CompareWithASCIIString(key, s->fields[i].name) == 0) break;
-        if (i == s->count) {
-            for (i = 0; i < nargs; i++)
-                if (PyUnicode_CompareWithASCIIString(key, s->fields[i].name) == 0) {
-                    PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%U'", s->name, key);
-                    return -1;
-                }
-            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%U'", s->name, key);
+        const Py_ssize_t i = match_key(s, key, nargs, hint);
+        if (i == -2) return -1;
+        if (i < 0 || seen[i / 64] >> (i % 64) & 1) {
+            if (i >= 0 || (nargs && match_key(s, key, 0, 0) >= 0))
+                PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%U'", s->name, key);
+            else
+                PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%U'", s->name, key);
             return -1;
         }
+        hint = i + 1;
         seen[i / 64] |= (uint64_t)1 << (i % 64);
         if (arg_convert(s, i, args[nargs + j], slots + 8 * i) < 0) return -1;
     }

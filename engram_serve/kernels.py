@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
+from typing import NamedTuple
 
 from .errors import ConfigError
 
@@ -117,6 +118,21 @@ def get(name: str) -> ModuleType | None:
     """The kernel module `name` if it is loaded, else None (its torch path runs)."""
     reg = _registry if _registry is not None else _current()
     return reg.modules[name]
+
+
+class RawKernel(NamedTuple):
+    """One of a kernel module's raw entries (its `raw_kernels()` item, by name): the fields ((name, kind), ...)
+    in slot order and the address of the C function that runs the kernel on those 64-bit slots."""
+
+    fields: tuple[tuple[str, str], ...]
+    entry: int
+
+
+def raw_kernels(name: str) -> dict[str, RawKernel]:
+    """{function name: RawKernel} of the loaded kernel `name`'s raw entries (runner/cpu_graphs.py, hc_next's
+    matmul); {} where it is not loaded."""
+    mod = get(name)
+    return {} if mod is None else {fn: RawKernel(*raw) for fn, raw in mod.raw_kernels().items()}
 
 
 def loaded(*names: str) -> bool:

@@ -188,8 +188,9 @@ def test_raw_replays_read_the_per_step_tensor_at_its_new_address():
     normed, y = torch.empty(3, 32), torch.empty(3, 32)
     tape = []
     with capture.recording(tape):
-        capture.call(tok.rms_norm, first.data_ptr(), 3, 32, w.data_ptr(), 1e-6, normed.data_ptr())
-        capture.call(lin.linear_packed, normed.data_ptr(), 32, panels.data_ptr(), y.data_ptr(), 3, 32, 32, 32, 2)
+        capture.call(tok.rms_norm, x=first.data_ptr(), rows=3, dim=32, w=w.data_ptr(), eps=1e-6, out=normed.data_ptr())
+        capture.call(lin.linear_packed, x=normed.data_ptr(), ldx=32, panels=panels.data_ptr(), y=y.data_ptr(), m=3,
+                     k=32, n=32, kc=32, simd=2)
     span = (first.data_ptr(), first.data_ptr() + first.numel() * 4)
     graph = cpu_graphs._Graph(tape, {"rows": span}, y, [first, normed], 0)
     assert sum(len(c) == 3 for c in graph._raw if c is not None) == 2  # both replay raw
@@ -197,7 +198,8 @@ def test_raw_replays_read_the_per_step_tensor_at_its_new_address():
         step = torch.randn(3, 32, generator=g)
         want_x = step if rebind else first
         want = torch.empty(3, 32)
-        tok.rms_norm(want_x.data_ptr(), 3, 32, w.data_ptr(), 1e-6, normed.data_ptr())
-        lin.linear_packed(normed.data_ptr(), 32, panels.data_ptr(), want.data_ptr(), 3, 32, 32, 32, 2)
+        tok.rms_norm(x=want_x.data_ptr(), rows=3, dim=32, w=w.data_ptr(), eps=1e-6, out=normed.data_ptr())
+        lin.linear_packed(x=normed.data_ptr(), ldx=32, panels=panels.data_ptr(), y=want.data_ptr(), m=3, k=32, n=32,
+                          kc=32, simd=2)
         y.zero_()
         assert torch.equal(graph.replay({"rows": step}, rebind).clone(), want)

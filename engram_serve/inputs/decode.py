@@ -22,6 +22,10 @@ from .step_state import StepState
 from .token_store import TokenStore
 
 _OUTPUTS = ("input_ids", "positions", "dead", "slot_mapping", "seq_lens", "history")  # the kernel's order
+# the decode kernel's buffer fields -> the arrays of DecodeInputs they address
+_KERNEL_BUFFERS = {"slots": "req_slots", "positions": "num_computed", "input_ids": "input_ids",
+                   "out_positions": "positions", "out_dead": "dead", "slot_mapping": "slot_mapping",
+                   "seq_lens": "seq_lens", "history": "history"}
 
 
 class DecodeInputs:
@@ -43,7 +47,7 @@ class DecodeInputs:
         self._wide = torch.empty((max_rows + 1) * max_blocks, dtype=torch.int64)  # plan_rows' tables
         self._batches: dict[int, tuple[StepBatch, StepBatch, torch.Tensor]] = {}  # by row count: views, rows
         self._views: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}  # of the tables
-        self._addresses = tuple(getattr(self, name).ctypes.data for name in ("req_slots", "num_computed", *_OUTPUTS))
+        self._addresses = {field: getattr(self, name).ctypes.data for field, name in _KERNEL_BUFFERS.items()}
         self.last: StepBatch | None = None  # the batch of the last fill (valid until the next one)
         self.padded: StepBatch | None = None  # the same, with the padding tokens (`pad_tokens` to pad_to)
         self.planned: tuple[torch.Tensor, torch.Tensor] | None = None  # its `plan_rows` for the last fill's bound
@@ -66,10 +70,12 @@ class DecodeInputs:
         state.flush()
         kernel = kernels.get("decode")
         if kernel is not None:
-            kernel.decode_inputs(store.ids.data_ptr(), store.dead.data_ptr(), min(store.max_slots, state.max_slots),
-                                 store.max_len, state.tables.data_ptr(), state.max_blocks, *self._addresses[:2], r, n,
-                                 bs, width, wide_width, self.history_len, self.neutral_padding, *self._addresses[2:],
-                                 tables.data_ptr(), 0 if wide is None else wide.data_ptr())
+            kernel.decode_inputs(ids=store.ids.data_ptr(), dead=store.dead.data_ptr(),
+                                 num_slots=min(store.max_slots, state.max_slots), max_len=store.max_len,
+                                 tables=state.tables.data_ptr(), max_blocks=state.max_blocks, r=r, n=n, block_size=bs,
+                                 width=width, wide_width=wide_width, history_len=self.history_len,
+                                 neutral=self.neutral_padding, block_tables=tables.data_ptr(),
+                                 wide=0 if wide is None else wide.data_ptr(), **self._addresses)
         else:
             self._fill_numpy(store, state, slots, positions, r, n, tables.numpy(),
                              None if wide is None else wide.numpy())

@@ -46,8 +46,8 @@
  *       rows, h = its rows @ w13[x] (panels13[x], kc13: [2 inter] outputs, w1 then w3), g = the clamped SwiGLU
  *       of h (_kernel_math.h `swiglu_value`), its rows of ys = g @ w2[x] (panels2[x], kc2). The very products
  *       and SwiGLU the MoE computes call by call (`linear`, `swiglu`), so the same bits, without a host read
- *       of the counts (a decode step's CPU graph replays it). tiles=True (or simd 3): the addresses are of
- *       bfloat16 tiles, multiplied by linear_bf16 (kc13, kc2 unused).
+ *       of the counts (a decode step's CPU graph replays it). simd as linear_packed's (0, 1 or 2); tiles=True:
+ *       the addresses are of bfloat16 tiles, multiplied by linear_bf16 (kc13, kc2 and simd unused).
  *   linear_bf16(x, ldx, w, y, m, k, n) -> None, amx_supported() -> bool
  *       y [m, n] = x @ w on the AMX tile unit, w every value a bfloat16, packed as tiles (the section below):
  *       the inputs split exactly in three bfloat16 pieces, the products exact, the sums in float32; where
@@ -710,12 +710,14 @@ CLONES static void swiglu_rows(const float *restrict h, Py_ssize_t rows, Py_ssiz
             g[r * inter + j] = swiglu_value(h[r * 2 * inter + j], h[r * 2 * inter + inter + j], limit);
 }
 
-/* y [m, n] = x [m, k] (contiguous) @ the weight at address w: its bfloat16 tiles by linear_bf16 (simd 3; 1 if it
- * cannot have its buffer), else its panels by linear_packed at block size kc */
+/* y [m, n] = x [m, k] (contiguous) @ the weight at address w: its bfloat16 tiles by linear_bf16 (`tiles`; 1 if it
+ * cannot have its buffer), else its panels by linear_packed at block size kc and `simd` */
 static int product(const float *x, int64_t w, float *y, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t kc,
-                   int simd) {
+                   int simd, int tiles) {
 #if HAVE_X86_AVX2 && defined(__linux__)
-    if (simd == 3) return linear_bf16(x, k, (const uint16_t *)(uintptr_t)w, y, m, k, n);
+    if (tiles) return linear_bf16(x, k, (const uint16_t *)(uintptr_t)w, y, m, k, n);
+#else
+    (void)tiles;
 #endif
     linear_packed(x, k, (const float *)(uintptr_t)w, y, m, k, n, kc, simd);
     return 0;
@@ -723,7 +725,7 @@ static int product(const float *x, int64_t w, float *y, Py_ssize_t m, Py_ssize_t
 
 static int moe_experts(const float *xs, Py_ssize_t rows, const int64_t *counts, Py_ssize_t e, Py_ssize_t d,
                        Py_ssize_t inter, const int64_t *p13, Py_ssize_t kc13, const int64_t *p2, Py_ssize_t kc2,
-                       float limit, float *h, float *g, float *ys, int simd) {
+                       float limit, float *h, float *g, float *ys, int simd, int tiles) {
     int64_t total = 0;
     for (Py_ssize_t x = 0; x < e; x++) {
         if (counts[x] < 0) return 1;
@@ -734,9 +736,9 @@ static int moe_experts(const float *xs, Py_ssize_t rows, const int64_t *counts, 
     for (Py_ssize_t x = 0; x < e; x++) {
         const Py_ssize_t c = (Py_ssize_t)counts[x];
         if (!c) continue;
-        if (product(xs + start * d, p13[x], h + start * 2 * inter, c, d, 2 * inter, kc13, simd)) return 2;
+        if (product(xs + start * d, p13[x], h + start * 2 * inter, c, d, 2 * inter, kc13, simd, tiles)) return 2;
         swiglu_rows(h + start * 2 * inter, c, inter, limit, g + start * inter);
-        if (product(g + start * inter, p2[x], ys + start * d, c, inter, d, kc2, simd)) return 2;
+        if (product(g + start * inter, p2[x], ys + start * d, c, inter, d, kc2, simd, tiles)) return 2;
         start += c;
     }
     return 0;
@@ -757,7 +759,7 @@ static int moe_experts(const float *xs, Py_ssize_t rows, const int64_t *counts, 
     X(ADDR, h, "[rows, 2 inter] float32 scratch")                                                              \
     X(ADDR, g, "[rows, inter] float32 scratch")                                                                \
     X(ADDR, ys, "[rows, d] float32, written")                                                                  \
-    X(SIZE, simd, "linear_packed's simd; 3: the same as tiles=True")                                           \
+    X(SIZE, simd, "linear_packed's simd: 0, 1 or 2 (unused with tiles)")                                           \
     X(OPTFLAG, tiles, "the weight addresses are of bfloat16 tiles, multiplied by linear_bf16 (kc13, kc2 unused)")
 KERNEL_ARGS(moe_experts, MOE_EXPERTS_FIELDS,
             "V4.1's routed experts over rows grouped by expert: per expert its w1/w3 product, the clamped SwiGLU, its "
@@ -771,15 +773,18 @@ KERNEL_PY(moe_experts) {
                      (Py_ssize_t)a.kc2);
         return NULL;
     }
-    const int simd = a.tiles ? 3 : (int)a.simd;
-    if (simd == 3 && !amx_supported()) {
-        PyErr_SetString(PyExc_RuntimeError, "moe_experts: bfloat16 tiles (tiles, or simd 3) need amx_supported()");
+    if (a.simd < 0 || a.simd > 2) {
+        PyErr_Format(PyExc_ValueError, "moe_experts: simd is %zd, expected 0, 1 or 2", (Py_ssize_t)a.simd);
+        return NULL;
+    }
+    if (a.tiles && !amx_supported()) {
+        PyErr_SetString(PyExc_RuntimeError, "moe_experts: bfloat16 tiles (tiles=True) need amx_supported()");
         return NULL;
     }
     int bad;
     Py_BEGIN_ALLOW_THREADS
     bad = moe_experts(CF(a.xs), a.rows, CI64(a.counts), a.e, a.d, a.inter, CI64(a.panels13), a.kc13, CI64(a.panels2),
-                      a.kc2, (float)a.limit, F(a.h), F(a.g), F(a.ys), simd);
+                      a.kc2, (float)a.limit, F(a.h), F(a.g), F(a.ys), (int)a.simd, (int)a.tiles);
     Py_END_ALLOW_THREADS
     if (bad == 2) return PyErr_NoMemory();
     if (bad) {

@@ -219,8 +219,8 @@ def blas_linear(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     call. The caller checked `blas_matches` and `blas_takes`."""
     m, k = x2.shape
     y = torch.empty(m, weight.shape[0])
-    capture.call(kernels.get("linear").blas_mm, sgemm_address(), x2.data_ptr(), weight.data_ptr(), y.data_ptr(), m, k,
-                 weight.shape[0])
+    capture.call(kernels.get("linear").blas_mm, sgemm=sgemm_address(), x=x2.data_ptr(), wt=weight.data_ptr(),
+                 y=y.data_ptr(), m=m, k=k, n=weight.shape[0])
     return y
 
 
@@ -277,8 +277,8 @@ def matmul_bf16(x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor:
     checked as for `matmul_kernel`)."""
     m, k = x.shape
     y = torch.empty(m, n)
-    capture.call(kernels.get("linear").linear_bf16, x.data_ptr(), x.stride(0) if m > 1 else k, tiles.data_ptr(),
-                 y.data_ptr(), m, k, n)
+    capture.call(kernels.get("linear").linear_bf16, x=x.data_ptr(), ldx=x.stride(0) if m > 1 else k,
+                 w=tiles.data_ptr(), y=y.data_ptr(), m=m, k=k, n=n)
     return y
 
 
@@ -292,8 +292,8 @@ def matmul_fp8(x: torch.Tensor, fp8: tuple[torch.Tensor, torch.Tensor], n: int, 
     weight's bytes read (the same caller guarantees; `fp8_supported()` checked)."""
     m, k = x.shape
     y = torch.empty(m, n)
-    capture.call(kernels.get("linear").linear_fp8, x.data_ptr(), x.stride(0) if m > 1 else k, fp8[0].data_ptr(),
-                 fp8[1].data_ptr(), y.data_ptr(), m, k, n, kc)
+    capture.call(kernels.get("linear").linear_fp8, x=x.data_ptr(), ldx=x.stride(0) if m > 1 else k,
+                 fp8=fp8[0].data_ptr(), scales=fp8[1].data_ptr(), y=y.data_ptr(), m=m, k=k, n=n, kc=kc)
     return y
 
 
@@ -309,8 +309,8 @@ def matmul_kernel(x: torch.Tensor, panels: torch.Tensor, n: int, kc: int, simd: 
     most, 2 AVX-512 where the CPU has it (the same bits)."""
     m, k = x.shape
     y = torch.empty(m, n)
-    capture.call(kernels.get("linear").linear_packed, x.data_ptr(), x.stride(0) if m > 1 else k, panels.data_ptr(),
-                 y.data_ptr(), m, k, n, kc, simd)
+    capture.call(kernels.get("linear").linear_packed, x=x.data_ptr(), ldx=x.stride(0) if m > 1 else k,
+                 panels=panels.data_ptr(), y=y.data_ptr(), m=m, k=k, n=n, kc=kc, simd=simd)
     return y
 
 
@@ -324,9 +324,10 @@ def moe_experts(xs: torch.Tensor, counts: torch.Tensor, panels13: torch.Tensor, 
     multiplied by `linear_bf16` (kc13 and kc2 unused)."""
     p, d = xs.shape
     h, g, ys = torch.empty(p, 2 * inter), torch.empty(p, inter), torch.empty(p, d)
-    capture.call(kernels.get("linear").moe_experts, xs.data_ptr(), p, counts.data_ptr(), counts.shape[0], d, inter,
-                 panels13.data_ptr(), kc13, panels2.data_ptr(), kc2, limit, h.data_ptr(), g.data_ptr(), ys.data_ptr(),
-                 3 if tiles else 2)
+    capture.call(kernels.get("linear").moe_experts, xs=xs.data_ptr(), rows=p, counts=counts.data_ptr(),
+                 e=counts.shape[0], d=d, inter=inter, panels13=panels13.data_ptr(), kc13=kc13,
+                 panels2=panels2.data_ptr(), kc2=kc2, limit=limit, h=h.data_ptr(), g=g.data_ptr(), ys=ys.data_ptr(),
+                 simd=2, tiles=tiles)
     return ys
 
 

@@ -36,8 +36,8 @@ def gather_rows(src: torch.Tensor, ids: torch.Tensor, copies: int = 1) -> torch.
         return ops_torch.gather_rows(src, ids, copies)
     src, ids = src.contiguous(), ids.contiguous()
     out = torch.empty(ids.shape[0], copies, src.shape[1])
-    capture.call(_kernel().gather_rows, src.data_ptr(), src.shape[0], src.shape[1], ids.data_ptr(),
-                 ids.shape[0], copies, out.data_ptr())
+    capture.call(_kernel().gather_rows, src=src.data_ptr(), rows=src.shape[0], width=src.shape[1], ids=ids.data_ptr(),
+                 n=ids.shape[0], copies=copies, out=out.data_ptr())
     return out
 
 
@@ -51,8 +51,8 @@ def engram_gate(h: torch.Tensor, kv: torch.Tensor, q_w: torch.Tensor, k_w: torch
     h, kv, q_w, k_w = h.contiguous(), kv.contiguous(), q_w.contiguous(), k_w.contiguous()
     dead = None if dead is None else dead.contiguous()
     out = torch.empty(n, hc, dim)
-    capture.call(_kernel().engram_gate, h.data_ptr(), n, hc, dim, kv.data_ptr(), q_w.data_ptr(),
-                 k_w.data_ptr(), 0 if dead is None else dead.data_ptr(), eps, out.data_ptr())
+    capture.call(_kernel().engram_gate, h=h.data_ptr(), n=n, hc=hc, hidden=dim, kv=kv.data_ptr(), q_w=q_w.data_ptr(),
+                 k_w=k_w.data_ptr(), dead=0 if dead is None else dead.data_ptr(), eps=eps, h_out=out.data_ptr())
     return out
 
 
@@ -89,7 +89,7 @@ def argmax_finite(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return ops_torch.argmax_finite(x)
     x = x.contiguous()
     out, finite = torch.empty(x.shape[0], dtype=torch.int64), torch.empty(x.shape[0], dtype=torch.bool)
-    _kernel().argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), finite.data_ptr())
+    _kernel().argmax_rows(x=x.data_ptr(), rows=x.shape[0], v=x.shape[1], out=out.data_ptr(), finite=finite.data_ptr())
     return out, finite
 
 
@@ -105,8 +105,9 @@ def hc_mix(x: torch.Tensor, mm: torch.Tensor, scale: torch.Tensor, base: torch.T
     n, hc, d = x.shape
     x, mm, scale, base = _c(x), _c(mm), _c(scale), _c(base)
     pre, post, comb = torch.empty(n, hc), torch.empty(n, hc), torch.empty(n, hc, hc)
-    capture.call(_kernel().hc_mix, x.data_ptr(), mm.data_ptr(), n, hc, d, scale.data_ptr(), base.data_ptr(), eps, hc_eps,
-                 iters, pre.data_ptr(), post.data_ptr(), comb.data_ptr())
+    capture.call(_kernel().hc_mix, x=x.data_ptr(), mm=mm.data_ptr(), n=n, hc=hc, dim=d, scale=scale.data_ptr(),
+                 base=base.data_ptr(), eps=eps, hc_eps=hc_eps, iters=iters, pre=pre.data_ptr(), post=post.data_ptr(),
+                 comb=comb.data_ptr())
     return pre, post, comb
 
 
@@ -147,10 +148,11 @@ def hc_next_packed(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: t
     pre, post2, comb2, h = torch.empty(n, hc), torch.empty(n, hc), torch.empty(n, hc, hc), torch.empty(n, d)
     tile = min(n, _kernel().HC_TILE)
     mm, y = torch.empty(tile, (2 + hc) * hc), torch.empty(tile, d)  # scratch
-    capture.call(_kernel().hc_next, o.data_ptr(), x.data_ptr(), post.data_ptr(), comb.data_ptr(), mix.data_ptr(), n, hc,
-                 d, _matmul_entry(kernels.get("linear"), tiles), panels.data_ptr(), kc, scale.data_ptr(),
-                 base.data_ptr(), eps, hc_eps, iters, norm_w.data_ptr(), norm_eps, out.data_ptr(), pre.data_ptr(),
-                 post2.data_ptr(), comb2.data_ptr(), h.data_ptr(), mm.data_ptr(), y.data_ptr())
+    capture.call(_kernel().hc_next, o=o.data_ptr(), x=x.data_ptr(), post=post.data_ptr(), comb=comb.data_ptr(),
+                 mix=mix.data_ptr(), n=n, hc=hc, dim=d, matmul=_matmul_entry(kernels.get("linear"), tiles),
+                 panels=panels.data_ptr(), kc=kc, scale=scale.data_ptr(), base=base.data_ptr(), eps=eps, hc_eps=hc_eps,
+                 iters=iters, norm_w=norm_w.data_ptr(), norm_eps=norm_eps, out=out.data_ptr(), pre=pre.data_ptr(),
+                 post2=post2.data_ptr(), comb2=comb2.data_ptr(), h=h.data_ptr(), mm=mm.data_ptr(), y=y.data_ptr())
     return out, (pre, post2, comb2), h
 
 
@@ -158,7 +160,7 @@ def hc_next_packed(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: t
 def _matmul_entry(linear_kernel, tiles: bool) -> int:
     """The address of the linear kernel's raw `linear_packed` entry, or `linear_bf16`'s (whose seven slots are the
     first seven of linear_packed's): what hc_next calls per tile."""
-    return linear_kernel.raw_kernels()["linear_bf16" if tiles else "linear_packed"][1]
+    return kernels.RawKernel(*linear_kernel.raw_kernels()["linear_bf16" if tiles else "linear_packed"]).entry
 
 
 def collapse(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
@@ -166,7 +168,7 @@ def collapse(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
     n, hc, d = x.shape
     x, mix = _c(x), _c(mix)
     out = torch.empty(n, d)
-    capture.call(_kernel().collapse, x.data_ptr(), mix.data_ptr(), n, hc, d, out.data_ptr())
+    capture.call(_kernel().collapse, x=x.data_ptr(), mix=mix.data_ptr(), n=n, hc=hc, dim=d, out=out.data_ptr())
     return out
 
 
@@ -177,7 +179,8 @@ def expand(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Ten
     n, hc, d = x.shape
     o, x, post, comb = _c(o), _c(x), _c(post), _c(comb)
     out = x if in_place else torch.empty(n, hc, d)
-    capture.call(_kernel().expand, o.data_ptr(), x.data_ptr(), post.data_ptr(), comb.data_ptr(), n, hc, d, out.data_ptr())
+    capture.call(_kernel().expand, o=o.data_ptr(), x=x.data_ptr(), post=post.data_ptr(), comb=comb.data_ptr(), n=n,
+                 hc=hc, dim=d, out=out.data_ptr())
     return out
 
 
@@ -186,8 +189,8 @@ def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) ->
     x = _c(x)
     w = None if weight is None else _c(weight)
     out = torch.empty(x.shape)
-    capture.call(_kernel().rms_norm, x.data_ptr(), x.numel() // max(x.shape[-1], 1), x.shape[-1],
-                 0 if w is None else w.data_ptr(), eps, out.data_ptr())
+    capture.call(_kernel().rms_norm, x=x.data_ptr(), rows=x.numel() // max(x.shape[-1], 1), dim=x.shape[-1],
+                 w=0 if w is None else w.data_ptr(), eps=eps, out=out.data_ptr())
     return out
 
 
@@ -197,8 +200,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool, i
     x, cos, sin = _c(x), _c(cos), _c(sin)
     n, width = x.shape[0], x.shape[-1]
     out = x if in_place else torch.empty(x.shape)
-    capture.call(_kernel().rope, x.data_ptr(), n, x.numel() // max(n * width, 1), width, cos.data_ptr(), sin.data_ptr(),
-                 cos.shape[-1], inverse, out.data_ptr())
+    capture.call(_kernel().rope, x=x.data_ptr(), n=n, m=x.numel() // max(n * width, 1), width=width,
+                 cos=cos.data_ptr(), sin=sin.data_ptr(), half=cos.shape[-1], inverse=inverse, out=out.data_ptr())
     return out
 
 
@@ -210,8 +213,9 @@ def plan_window(positions: torch.Tensor, rows: torch.Tensor, tables: torch.Tenso
     n = positions.shape[0]
     win, ok, prev = (torch.empty(n, window, dtype=torch.int64), torch.empty(n, window, dtype=torch.bool),
                      torch.empty(n, dtype=torch.int64))
-    capture.call(_kernel().plan_window, positions.data_ptr(), rows.data_ptr(), tables.data_ptr(), n, tables.shape[0],
-                 tables.shape[1], block_size, zero, window, win.data_ptr(), ok.data_ptr(), prev.data_ptr())
+    capture.call(_kernel().plan_window, positions=positions.data_ptr(), rows=rows.data_ptr(), tables=tables.data_ptr(),
+                 n=n, tr=tables.shape[0], tb=tables.shape[1], bs=block_size, zero=zero, window=window,
+                 win=win.data_ptr(), win_ok=ok.data_ptr(), prev=prev.data_ptr())
     return win, ok, prev
 
 
@@ -222,8 +226,9 @@ def plan_entries(positions: torch.Tensor, rows: torch.Tensor, tables: torch.Tens
     positions, rows, tables = _c(positions), _c(rows), _c(tables)
     n = positions.shape[0]
     count, eslots = torch.empty(n, dtype=torch.int64), torch.empty(n, width, dtype=torch.int64)
-    capture.call(_kernel().plan_entries, positions.data_ptr(), rows.data_ptr(), tables.data_ptr(), n, tables.shape[0],
-                 tables.shape[1], block_size, zero, ratio, width, count.data_ptr(), eslots.data_ptr())
+    capture.call(_kernel().plan_entries, positions=positions.data_ptr(), rows=rows.data_ptr(),
+                 tables=tables.data_ptr(), n=n, tr=tables.shape[0], tb=tables.shape[1], bs=block_size, zero=zero,
+                 ratio=ratio, width=width, count=count.data_ptr(), eslots=eslots.data_ptr())
     return count, eslots
 
 
@@ -236,8 +241,9 @@ def store_rows(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, tr
         raise ValueError(f"store_rows: the pool {tuple(pool.shape)} must be contiguous (it is written in place)")
     slots, values = _c(slots), _c(values)
     positions = None if positions is None else _c(positions)
-    capture.call(_kernel().store_rows, pool.data_ptr(), pool.shape[0], pool.shape[1], slots.data_ptr(), slots.shape[0],
-                 values.data_ptr(), trash, 0 if positions is None else positions.data_ptr(), ratio)
+    capture.call(_kernel().store_rows, pool=pool.data_ptr(), rows=pool.shape[0], width=pool.shape[1],
+                 slots=slots.data_ptr(), n=slots.shape[0], values=values.data_ptr(), trash=trash,
+                 positions=0 if positions is None else positions.data_ptr(), ratio=ratio)
 
 
 def attend_paged(q: torch.Tensor, window: torch.Tensor, wslots: torch.Tensor, wok: torch.Tensor,
@@ -253,9 +259,11 @@ def attend_paged(q: torch.Tensor, window: torch.Tensor, wslots: torch.Tensor, wo
     if k:
         entries, eslots, topk = _c(entries), _c(eslots), _c(topk)
     out = torch.empty(t, h, hd)
-    capture.call(_kernel().attend_paged, q.data_ptr(), window.data_ptr(), wslots.data_ptr(), wok.data_ptr(), t, w,
-                 entries.data_ptr() if k else 0, eslots.data_ptr() if k else 0, eslots.shape[1] if k else 0,
-                 topk.data_ptr() if k else 0, k, window.shape[0], hd, sink.data_ptr(), h, scale, out.data_ptr())
+    capture.call(_kernel().attend_paged, q=q.data_ptr(), window=window.data_ptr(), wslots=wslots.data_ptr(),
+                 wok=wok.data_ptr(), n=t, w=w, entries=entries.data_ptr() if k else 0,
+                 eslots=eslots.data_ptr() if k else 0, es=eslots.shape[1] if k else 0,
+                 topk=topk.data_ptr() if k else 0, k=k, rows=window.shape[0], hd=hd, sink=sink.data_ptr(), h=h,
+                 scale=scale, out=out.data_ptr())
     return out
 
 
@@ -264,7 +272,7 @@ def pool_pair(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     first, second = _c(first), _c(second)
     n, hd = first.shape[0], first.shape[1] // 2
     out = torch.empty(n, hd)
-    capture.call(_kernel().pool_pair, first.data_ptr(), second.data_ptr(), n, hd, out.data_ptr())
+    capture.call(_kernel().pool_pair, first=first.data_ptr(), second=second.data_ptr(), n=n, hd=hd, out=out.data_ptr())
     return out
 
 
@@ -273,7 +281,7 @@ def topk(x: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tens
     lower index, -1 for a pick that is -inf or beyond v; written into `out` (a contiguous [N, k] int64) where given."""
     x = _c(x)
     ids = _ids_out(out, x.shape[0], k)
-    capture.call(_kernel().topk_rows, x.data_ptr(), x.shape[0], x.shape[1], k, ids.data_ptr())
+    capture.call(_kernel().topk_rows, x=x.data_ptr(), rows=x.shape[0], v=x.shape[1], k=k, out=ids.data_ptr())
     return ids
 
 
@@ -287,9 +295,10 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, wscale: float, pool: torch.Te
     q, w, pool, slots, count = _c(q), _c(w), _c(pool), _c(slots), _c(count)
     cands = None if cands is None else _c(cands)
     out = torch.empty(n, width)
-    capture.call(_kernel().index_scores, q.data_ptr(), w.data_ptr(), wscale, pool.data_ptr(), slots.data_ptr(),
-                 count.data_ptr(), n, slots.shape[1], width, nh, ihd, 0 if cands is None else cands.data_ptr(),
-                 0 if cands is None else cands.shape[1], block, out.data_ptr())
+    capture.call(_kernel().index_scores, q=q.data_ptr(), w=w.data_ptr(), wscale=wscale, pool=pool.data_ptr(),
+                 slots=slots.data_ptr(), count=count.data_ptr(), n=n, es=slots.shape[1], e=width, nh=nh, ihd=ihd,
+                 cands=0 if cands is None else cands.data_ptr(), nc=0 if cands is None else cands.shape[1],
+                 block=block, out=out.data_ptr())
     return out
 
 
@@ -308,8 +317,8 @@ def candidate_blocks(s: torch.Tensor, count: torch.Tensor, block: int, k: int,
     block (count - 1) // block +inf, then `topk`; written into `out` (a contiguous [N, k] int64) where given."""
     s, count = _c(s), _c(count)
     ids = _ids_out(out, s.shape[0], k)
-    capture.call(_kernel().candidate_blocks, s.data_ptr(), count.data_ptr(), s.shape[0], s.shape[1], block, k,
-                 ids.data_ptr())
+    capture.call(_kernel().candidate_blocks, s=s.data_ptr(), count=count.data_ptr(), n=s.shape[0], e=s.shape[1],
+                 block=block, k=k, out=ids.data_ptr())
     return ids
 
 
@@ -319,7 +328,8 @@ def moe_route(z: torch.Tensor, bias: torch.Tensor, k: int, norm: bool, scale: fl
     z, bias = _c(z), _c(bias)
     n, e = z.shape
     ids, w = torch.empty(n, k, dtype=torch.int64), torch.empty(n, k)
-    capture.call(_kernel().moe_route, z.data_ptr(), bias.data_ptr(), n, e, k, norm, scale, ids.data_ptr(), w.data_ptr())
+    capture.call(_kernel().moe_route, z=z.data_ptr(), bias=bias.data_ptr(), n=n, e=e, k=k, norm=norm, scale=scale,
+                 ids=ids.data_ptr(), w=w.data_ptr())
     return ids, w
 
 
@@ -331,8 +341,8 @@ def moe_group(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tens
     ids = _c(ids)
     order, counts, tok = (torch.empty(n * k, dtype=torch.int64), torch.empty(experts, dtype=torch.int64),
                           torch.empty(n * k, dtype=torch.int64))
-    capture.call(_kernel().moe_group, ids.data_ptr(), n * k, experts, k, order.data_ptr(), counts.data_ptr(),
-                 tok.data_ptr())
+    capture.call(_kernel().moe_group, ids=ids.data_ptr(), pairs=n * k, e=experts, k=k, order=order.data_ptr(),
+                 counts=counts.data_ptr(), tok=tok.data_ptr())
     return order, counts, tok
 
 
@@ -344,8 +354,8 @@ def moe_combine(ys: torch.Tensor, order: torch.Tensor, w: torch.Tensor,
     ys, order, w = _c(ys), _c(order), _c(w)
     shared = None if shared is None else _c(shared())
     out = torch.empty(n, ys.shape[1])
-    capture.call(_kernel().moe_combine, ys.data_ptr(), order.data_ptr(), w.data_ptr(), order.shape[0], n, k, ys.shape[1],
-                 0 if shared is None else shared.data_ptr(), out.data_ptr())
+    capture.call(_kernel().moe_combine, ys=ys.data_ptr(), order=order.data_ptr(), w=w.data_ptr(), pairs=order.shape[0],
+                 n=n, k=k, dim=ys.shape[1], shared=0 if shared is None else shared.data_ptr(), out=out.data_ptr())
     return out
 
 
@@ -353,5 +363,5 @@ def swiglu(gu: torch.Tensor, inter: int, limit: float) -> torch.Tensor:
     """silu(min(g, L)) * clamp(u, -L, L) for gu [N, 2 inter] = (g, u); no clamp when L <= 0."""
     gu = _c(gu)
     out = torch.empty(gu.shape[0], inter)
-    capture.call(_kernel().swiglu, gu.data_ptr(), gu.shape[0], inter, limit, out.data_ptr())
+    capture.call(_kernel().swiglu, gu=gu.data_ptr(), n=gu.shape[0], inter=inter, limit=limit, out=out.data_ptr())
     return out

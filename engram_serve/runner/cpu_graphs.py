@@ -166,14 +166,12 @@ class _Watch(TorchDispatchMode):
 
 
 def _raw_entries() -> dict:
-    """{kernel function: (its fields ((name, kind), ...) in order, raw entry address)} of the loaded kernels' raw
-    entries (`raw_kernels`): the calls a replay makes from their argument structs, one 64-bit slot a field, without
-    the interpreter."""
+    """{kernel function: kernels.RawKernel (its fields ((name, kind), ...) in order, its raw entry address)} of the
+    loaded kernels' raw entries (`kernels.raw_kernels`): the calls a replay makes from their argument structs, one
+    64-bit slot a field, without the interpreter."""
     out = {}
     for name in ("token", "linear"):
-        mod = kernels.get(name)
-        if mod is not None:
-            out.update({getattr(mod, fn): entry for fn, entry in mod.raw_kernels().items()})
+        out.update({getattr(kernels.get(name), fn): raw for fn, raw in kernels.raw_kernels(name).items()})
     return out
 
 
@@ -213,12 +211,12 @@ class _Graph:
         raw, slots, at = _raw_entries(), [], []  # at: per call, its first slot (or None)
         for fn, args, _ in self.calls:
             entry = raw.get(fn)
-            at.append(len(slots) if entry is not None and len(entry[0]) == len(args) else None)
+            at.append(len(slots) if entry is not None and len(entry.fields) == len(args) else None)
             if at[-1] is not None:
-                slots += _slots(entry[0], args)
+                slots += _slots(entry.fields, args)
         self.slots = np.array(slots, dtype=np.uint64)
         base = self.slots.ctypes.data
-        self._raw = [None if k is None else (fn, raw[fn][1], base + 8 * k) for (fn, _, _), k in zip(self.calls, at)]
+        self._raw = [None if k is None else (fn, raw[fn].entry, base + 8 * k) for (fn, _, _), k in zip(self.calls, at)]
         idx = [(at[c] + i, self.names.index(name), off) for c, (_, _, ps) in enumerate(self.calls) if at[c] is not None
                for i, name, off in ps]
         self._slot_at, self._slot_name, self._slot_off = (np.array(v, dtype=np.int64) for v in zip(*idx)) if idx \

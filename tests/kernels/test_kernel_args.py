@@ -34,8 +34,8 @@ def hc_next_case(seed: int = 0):
     outs = dict(out=torch.empty(N, WIDTH), pre=torch.empty(N, HC), post2=torch.empty(N, HC),
                 comb2=torch.empty(N, HC * HC), h=torch.empty(N, DIM), mm=torch.empty(N, NM), y=torch.empty(N, DIM))
     kw = {k: t.data_ptr() for k, t in {**keep, **outs}.items()}
-    kw.update(n=N, hc=HC, dim=DIM, matmul=lin.raw_kernels()["linear_packed"][1], kc=64, eps=1e-6, hc_eps=1e-6,
-              iters=20, norm_eps=1e-6)
+    kw.update(n=N, hc=HC, dim=DIM, matmul=kernels.raw_kernels("linear")["linear_packed"].entry, kc=64, eps=1e-6,
+              hc_eps=1e-6, iters=20, norm_eps=1e-6)
     return kw, keep, outs
 
 
@@ -49,8 +49,8 @@ def test_fields_are_the_positional_order_and_the_signature():
     assert dict(fields)["eps"] == "real" and dict(fields)["matmul"] == "addr" and len(fields) == 25
     assert list(inspect.signature(tok.hc_next).parameters) == [n for n, _ in fields]
     assert "norm_eps (real)" in tok.hc_next.__doc__
-    raw = tok.raw_kernels()["hc_next"]
-    assert raw[0] == fields and isinstance(raw[1], int)  # (fields, entry): the entry stays at [1]
+    raw = kernels.raw_kernels("token")["hc_next"]
+    assert raw.fields == fields and isinstance(raw.entry, int)
     assert lin.kernel_fields()["moe_experts"][-1] == ("tiles", "flag")
 
 
@@ -75,6 +75,10 @@ def test_keywords_give_the_positional_bits():
     tok.argmax_rows(x.data_ptr(), 4, 9, i1.data_ptr())  # the optional address left out
     tok.argmax_rows(x=x.data_ptr(), rows=4, v=9, out=i2.data_ptr(), finite=f.data_ptr())
     assert torch.equal(i1, i2) and bool(f.all())
+    c = torch.empty(3, 8)  # names made at run time (not interned: matched by their text), out of field order
+    tok.swiglu(**{"".join(k): v for k, v in (("out", c.data_ptr()), ("gu", gu.data_ptr()), ("n", 3),
+                                             ("limit", 0.5), ("inter", 8))})
+    assert torch.equal(bits(a), bits(c))
 
 
 def test_a_wrong_or_missing_name_is_a_type_error_naming_it():
@@ -92,6 +96,10 @@ def test_a_wrong_or_missing_name_is_a_type_error_naming_it():
         tok.swiglu(gu=0, n=0, inter=8, limit="x", out=0)
     with pytest.raises(TypeError, match="kc"):
         lin.linear_packed(x=0, ldx=1, panels=0, y=0, m=0, k=1, n=0, kcc=1, simd=2)
+    counts = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="simd is 3"):  # bfloat16 tiles are `tiles`, no simd level
+        lin.moe_experts(xs=0, rows=0, counts=counts.data_ptr(), e=1, d=1, inter=1, panels13=counts.data_ptr(), kc13=1,
+                        panels2=counts.data_ptr(), kc2=1, limit=0.0, h=0, g=0, ys=0, simd=3)
 
 
 def test_a_keyword_recorded_call_replays_with_the_eager_bits():

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import torch
 
-from engram_serve.engram.quantized import Fp8Table
+from engram_serve.engram.quantized import Fp8Table, dequantize_blocks, quantize_blocks
 
 
 # ---- plain reference: bits decoded by hand, one value at a time ----
@@ -47,3 +47,10 @@ def same_bits(a, b) -> bool:
 
 def table_from_bytes(w: np.ndarray, s: np.ndarray) -> Fp8Table:
     return Fp8Table(torch.from_numpy(w).view(torch.float8_e4m3fn), torch.from_numpy(s).view(torch.float8_e8m0fnu))
+
+
+def fp8_weight(out_f: int, in_f: int, block: int, seed: int) -> torch.Tensor:
+    """An FP8 block-scaled weight as a checkpoint's loader gives it: E4M3 values times one power of two per tile."""
+    x = torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed)) * 0.05
+    x.view(-1)[:3] = torch.tensor([0.0, -0.0, 3e-6])[:x.numel()]  # zeros and (scaled) an E4M3 subnormal
+    return dequantize_blocks(*quantize_blocks(x, block), block)

@@ -1287,7 +1287,8 @@ static PyObject *py_concat_cols(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
-#define PLAN_WINDOW_FIELDS(X)                                                                                  \
+/* the fields plan_window and plan_entries share: tokens at positions [n] in rows [n] of block tables */
+#define SLOT_PLAN_FIELDS(X)                                                                                    \
     X(ADDR, positions, "[n] int64")                                                                            \
     X(ADDR, rows, "[n] int64: each token's block-table row")                                                   \
     X(ADDR, tables, "[tr, tb] int64 block tables (-1 a null block)")                                           \
@@ -1295,7 +1296,10 @@ static PyObject *py_concat_cols(PyObject *Py_UNUSED(self), PyObject *args) {
     X(SIZE, tr, "block-table rows")                                                                            \
     X(SIZE, tb, "blocks of a table")                                                                           \
     X(SIZE, bs, "block size")                                                                                  \
-    X(SIZE, zero, "the slot of a position with no block")                                                      \
+    X(SIZE, zero, "the slot of a position with no block")
+
+#define PLAN_WINDOW_FIELDS(X)                                                                                  \
+    SLOT_PLAN_FIELDS(X)                                                                                        \
     X(SIZE, window, "window length")                                                                           \
     X(ADDR, win, "[n, window] int64, written")                                                                 \
     X(ADDR, win_ok, "[n, window] bool, written")                                                               \
@@ -1320,14 +1324,7 @@ KERNEL_PY(plan_window) {
 }
 
 #define PLAN_ENTRIES_FIELDS(X)                                                                                 \
-    X(ADDR, positions, "[n] int64")                                                                            \
-    X(ADDR, rows, "[n] int64: each token's block-table row")                                                   \
-    X(ADDR, tables, "[tr, tb] int64 block tables (-1 a null block)")                                           \
-    X(SIZE, n, "tokens")                                                                                       \
-    X(SIZE, tr, "block-table rows")                                                                            \
-    X(SIZE, tb, "blocks of a table")                                                                           \
-    X(SIZE, bs, "block size")                                                                                  \
-    X(SIZE, zero, "the slot of a position with no block")                                                      \
+    SLOT_PLAN_FIELDS(X)                                                                                        \
     X(SIZE, ratio, "tokens of an entry")                                                                       \
     X(SIZE, width, "entry slots of a token")                                                                   \
     X(ADDR, count, "[n] int64, written")                                                                       \

@@ -31,7 +31,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
@@ -105,13 +105,29 @@ def _load(name: str, path: str, wanted: bool, switch: str) -> tuple[ModuleType |
 
 
 _registry: _Registry | None = None
+_watchers: list[Callable[[], None]] = []
+
+
+def _set(registry: _Registry) -> None:
+    global _registry
+    _registry = registry
+    for fn in _watchers:
+        fn()
 
 
 def _current() -> _Registry:
-    global _registry
     if _registry is None:
-        _registry = _Registry(os.environ.get(ENV), ENV)
+        _set(_Registry(os.environ.get(ENV), ENV))
     return _registry
+
+
+def on_change(fn: Callable[[], None]) -> None:
+    """Call fn() now if the kernels are chosen already, and after every later change of the choice (the first
+    question, an override and its end): for a user that resolves something from the loaded kernels once
+    (model/capture.py `call`) instead of at each use. Never loads the kernels itself."""
+    _watchers.append(fn)
+    if _registry is not None:
+        fn()
 
 
 def get(name: str) -> ModuleType | None:
@@ -150,13 +166,12 @@ def override(spec: str) -> Iterator[None]:
     """Inside the block, the kernels `spec` names (ENGRAM_SERVE_KERNELS syntax) are the loaded ones; the
     previous choice comes back after it. For tests and benchmarks: not thread-safe against a forward that
     runs meanwhile, and results memoised inside the block (plans, captures) belong to the block."""
-    global _registry
     before = _current()
-    _registry = _Registry(spec, "override")
+    _set(_Registry(spec, "override"))
     try:
         yield
     finally:
-        _registry = before
+        _set(before)
 
 
 def simd_level() -> int | None:

@@ -1778,10 +1778,72 @@ static PyObject *py_call_all(PyObject *Py_UNUSED(self), PyObject *calls) {
     Py_RETURN_NONE;
 }
 
+/* model/capture.py's hook while a capture is in progress on some thread (set_recorder), else NULL. */
+static PyObject *recorder = NULL;
+
+/* capture.call(fn, *args, **kwargs) in C: fn called with this call's own vectorcall arguments and keyword names
+ * (no tuple, no dict), RuntimeError naming fn if it returns anything but None; then, only while a recorder is set,
+ * recorder(fn, (args..., keyword values...), kwnames or None), which appends to the calling thread's tape, if any. */
+static PyObject *py_call(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames) {
+    const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs < 1) {
+        PyErr_SetString(PyExc_TypeError, "call(fn, *args, **kwargs): missing fn");
+        return NULL;
+    }
+    PyObject *fn = args[0];
+    PyObject *out = PyObject_Vectorcall(fn, args + 1, (size_t)(nargs - 1), kwnames);
+    if (out == NULL) return NULL;
+    if (out != Py_None) {
+        Py_DECREF(out);
+        PyObject *name = PyObject_GetAttrString(fn, "__name__");
+        if (name == NULL) {
+            PyErr_Clear();
+            if ((name = PyObject_Repr(fn)) == NULL) return NULL;
+        }
+        PyErr_Format(PyExc_RuntimeError, "%S returned a value: a recorded kernel call must return nothing", name);
+        Py_DECREF(name);
+        return NULL;
+    }
+    Py_DECREF(out);
+    if (recorder != NULL) {
+        const Py_ssize_t total = nargs - 1 + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
+        PyObject *values = PyTuple_New(total);
+        if (values == NULL) return NULL;
+        for (Py_ssize_t i = 0; i < total; i++) {
+            Py_INCREF(args[1 + i]);
+            PyTuple_SET_ITEM(values, i, args[1 + i]);
+        }
+        PyObject *hook = recorder; /* held: the hook may uninstall itself */
+        Py_INCREF(hook);
+        PyObject *r = PyObject_CallFunctionObjArgs(hook, fn, values, kwnames ? kwnames : Py_None, NULL);
+        Py_DECREF(hook);
+        Py_DECREF(values);
+        if (r == NULL) return NULL;
+        Py_DECREF(r);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_set_recorder(PyObject *Py_UNUSED(self), PyObject *hook) {
+    if (hook != Py_None && !PyCallable_Check(hook)) {
+        PyErr_SetString(PyExc_TypeError, "set_recorder: expected a callable or None");
+        return NULL;
+    }
+    PyObject *old = recorder;
+    recorder = hook == Py_None ? NULL : (Py_INCREF(hook), hook);
+    Py_XDECREF(old);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"call_all", py_call_all, METH_O,
      "call_all(calls) -> None: fn(*args) for each (fn, args) of the list calls, raw(slots) for each (fn, raw, slots), "
      "in order (a CPU graph's replay)."},
+    {"call", (PyCFunction)(void (*)(void))py_call, METH_FASTCALL | METH_KEYWORDS,
+     "call(fn, *args, **kwargs) -> None: fn(*args, **kwargs), which must return None (RuntimeError otherwise), "
+     "then recorder(fn, values, kwnames) while one is set (model/capture.py `call`)."},
+    {"set_recorder", py_set_recorder, METH_O,
+     "set_recorder(hook or None): the hook `call` calls after each call while set (model/capture.py `recording`)."},
     {"raw_kernels", py_raw_kernels, METH_NOARGS,
      "raw_kernels() -> {name: (((field, kind), ...), raw entry address)}: the kernels a replay can run from their "
      "argument structs (one 64-bit slot a field, in order: an address or size as an integer, a real as a double's "

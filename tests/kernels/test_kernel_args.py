@@ -135,3 +135,91 @@ def test_keywords_need_a_kernel_with_fields():
     with pytest.raises(TypeError, match="concat_cols"):
         with capture.recording([]):
             capture.positional(tok.concat_cols, (), {"out": 0})
+
+
+def test_the_c_call_records_the_tape_of_the_python_form():
+    """capture.call is the token kernel's C pass-through: a capture through it records what `call_python` records
+    (the positional form in field order, an optional address left out as 0), for keyword, mixed and positional
+    calls; outside a capture it records nothing, and no hook stays installed."""
+    assert capture.call is tok.call
+    kw, _keep, outs = hc_next_case(3)
+    z, ids = torch.randn(N, 16), torch.empty(N, 4, dtype=torch.int64)
+    calls = [(tok.hc_next, (), kw),
+             (tok.argmax_rows, (z.data_ptr(),), dict(rows=N, v=16, out=ids.data_ptr())),
+             (tok.argmax_rows, (z.data_ptr(), N, 16, ids.data_ptr()), {})]
+    tapes = []
+    for form in (tok.call, capture.call_python):
+        tape = []
+        with capture.recording(tape):
+            for fn, args, named in calls:
+                form(fn, *args, **named)
+        tapes.append(tape)
+    assert tapes[0] == tapes[1] and len(tapes[0]) == 3
+    assert tapes[0][0] == (tok.hc_next, positional("hc_next", kw))
+    assert tapes[0][1] == (tok.argmax_rows, (z.data_ptr(), N, 16, ids.data_ptr(), 0))
+    assert tapes[0][2] == (tok.argmax_rows, (z.data_ptr(), N, 16, ids.data_ptr()))  # as called, like the Python form
+    seen = []
+    capture.call(lambda *a, **k: seen.append((a, k)), 1, b=2)  # no capture: a plain call
+    assert seen == [((1,), {"b": 2})] and capture._active == 0
+
+
+def test_a_call_on_another_thread_during_a_capture_is_not_recorded():
+    """The C `call`'s recorder is process-wide while any capture runs, but it appends to the calling thread's tape
+    only: another thread's calls meanwhile run and are not recorded; its own capture records its own calls."""
+    import threading
+    z, ids = torch.randn(N, 16), torch.empty(N, 4, dtype=torch.int64)
+    mine, theirs, ran = [], [], []
+
+    def other(record: bool):
+        def fn(x):
+            ran.append(x)
+        try:
+            if record:
+                with capture.recording(theirs):
+                    capture.call(fn, 2)  # (a function without kernel_fields: by position)
+            else:
+                capture.call(fn, x=1)  # not recorded: its keywords are never normalised
+        except Exception as e:  # noqa: BLE001 - reported by the assert below
+            ran.append(e)
+    with capture.recording(mine):
+        capture.call(tok.argmax_rows, x=z.data_ptr(), rows=N, v=16, out=ids.data_ptr())
+        for record in (False, True):
+            t = threading.Thread(target=other, args=(record,))
+            t.start()
+            t.join()
+        capture.call(tok.argmax_rows, z.data_ptr(), N, 16, ids.data_ptr())
+    assert ran == [1, 2]
+    assert [fn for fn, _ in mine] == [tok.argmax_rows, tok.argmax_rows]
+    assert len(theirs) == 1 and theirs[0][1] == (2,) and capture._active == 0
+
+
+@pytest.mark.parametrize("form", ["c", "python"])
+def test_a_kernel_returning_a_value_raises_and_is_not_recorded(form):
+    call = tok.call if form == "c" else capture.call_python
+
+    def returns_one(x=0):
+        return 1
+    tape = []
+    with capture.recording(tape):
+        with pytest.raises(RuntimeError, match="returns_one returned a value"):
+            call(returns_one, x=3)
+        with pytest.raises(ValueError):  # a kernel's own error passes through
+            call(lambda: (_ for _ in ()).throw(ValueError("bad")))
+    assert tape == []
+    with pytest.raises(TypeError, match="missing fn"):
+        tok.call()
+
+
+def test_the_call_follows_the_loaded_kernels():
+    """capture.call is the C one while the token kernel is loaded, the Python one inside an override without it,
+    and the C one again after the block (kernels.on_change); a capture that spans the change records both."""
+    assert capture.call is tok.call
+    z, ids = torch.randn(N, 16), torch.empty(N, 4, dtype=torch.int64)
+    tape = []
+    with capture.recording(tape):
+        with kernels.override("-token"):
+            assert capture.call is capture.call_python
+            capture.call(tok.argmax_rows, x=z.data_ptr(), rows=N, v=16, out=ids.data_ptr())
+        assert capture.call is tok.call
+        capture.call(tok.argmax_rows, x=z.data_ptr(), rows=N, v=16, out=ids.data_ptr())
+    assert tape == [(tok.argmax_rows, (z.data_ptr(), N, 16, ids.data_ptr(), 0))] * 2

@@ -282,8 +282,8 @@ def matmul_mxfp4(x: torch.Tensor, mx: tuple[torch.Tensor, torch.Tensor], n: int,
     bytes a weight read (the same caller guarantees)."""
     m, k = x.shape
     y = torch.empty(m, n)
-    capture.call(kernels.get("linear").linear_mxfp4, x.data_ptr(), x.stride(0) if m > 1 else k, mx[0].data_ptr(),
-                 mx[1].data_ptr(), y.data_ptr(), m, k, n, kc, simd)
+    capture.call(kernels.get("linear").linear_mxfp4, x=x.data_ptr(), ldx=x.stride(0) if m > 1 else k,
+                 codes=mx[0].data_ptr(), scales=mx[1].data_ptr(), y=y.data_ptr(), m=m, k=k, n=n, kc=kc, simd=simd)
     return y
 
 

@@ -89,6 +89,17 @@ def test_stored_experts_give_the_float_paths_logits_bit_for_bit(ckpt, reference_
     assert torch.equal(got, want)
 
 
+def test_where_the_plan_is_not_the_float_panels_the_moe_dequantizes_once(ckpt, reference_weights, monkeypatch):
+    """Tiles, BLAS, row-wise or padded torch (e.g. a CPU where no kc reproduces MKL for the experts' shape): the MoE
+    makes its float Parameters once and runs today's product, with the same logits."""
+    want = logprobs(load_model(ckpt, pin_tables=False).model, reference_weights, PROMPT)
+    monkeypatch.setattr(MoE, "_stored_panels", lambda self: None)
+    model = load_model(ckpt, pin_tables=False).model
+    got = logprobs(model, reference_weights, PROMPT)
+    assert all(m.stored is None and m.w13.dtype == torch.float32 for m in moes(model))
+    assert torch.equal(got, want)
+
+
 def _decode_one_code_wrong(experts: Mxfp4Experts, code: int = 1, wrong: int = 2) -> None:
     """Every E2M1 nibble `code` (0.5) in the packed panels becomes `wrong` (1.0): the decode of one code wrong."""
     for t in (experts.codes13, experts.codes2):

@@ -32,7 +32,7 @@ setup(
     ext_modules=[Extension(f"engram_serve.{pkg}._{name}_kernel", [f"engram_serve/{pkg}/_{name}_kernel.c"],
                            include_dirs=["engram_serve"],  # _kernel_buffers.h: every kernel's conventions
                            depends=["engram_serve/_kernel_buffers.h",
-                                    *(["engram_serve/model/_kernel_math.h"] if pkg == "model" else [])],
+                                    *(["engram_serve/model/_kernel_math.h", "engram_serve/model/_formats.h"] if pkg == "model" else [])],
                            libraries=["m"] if name == "token" and sys.platform != "win32" else [],  # log1pf
                            optional=True)
                  for pkg, name in (("engram", "hash"), ("engram", "gather"), ("model", "linear"), ("model", "token"),

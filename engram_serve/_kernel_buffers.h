@@ -9,7 +9,7 @@
  *        KERNEL_ARGS(swiglu, SWIGLU_FIELDS, "silu(min(g, L)) * clamp(u, -L, L)")
  *
  *    KERNEL_ARGS makes from it `struct swiglu_args` (one 8-byte member per entry, in order: ADDR a uint64_t
- *    address, SIZE an int64_t, REAL a double, FLAG an int64_t 0 or 1; OPTADDR and OPTFLAG may be left out:
+ *    address, SIZE an int64_t, REAL a double, FLAG an int64_t 0 or 1; OPTADDR, OPTFLAG and OPTSIZE may be left out:
  *    0; they come last), so that the struct's memory is the array of 64-bit slots a CPU graph's replay packs
  *    (runner/cpu_graphs.py); `swiglu_spec`, the names, kinds and docs the parser (`parse_args`: positional
  *    and keyword arguments, METH_FASTCALL), the docstring with its text signature (`kernel_doc`) and
@@ -29,14 +29,16 @@
 
 /* ---- 1. named arguments ------------------------------------------------------------------------------- */
 
-enum arg_kind { ARG_ADDR, ARG_SIZE, ARG_REAL, ARG_FLAG, ARG_OPTADDR, ARG_OPTFLAG };
-static const char *const ARG_KIND_NAMES[] __attribute__((unused)) = {"addr", "size", "real", "flag", "addr", "flag"};
+enum arg_kind { ARG_ADDR, ARG_SIZE, ARG_REAL, ARG_FLAG, ARG_OPTADDR, ARG_OPTFLAG, ARG_OPTSIZE };
+static const char *const ARG_KIND_NAMES[] __attribute__((unused)) = {"addr", "size", "real", "flag", "addr", "flag",
+                                                                        "size"};
 
 #define ARG_TYPE_ADDR uint64_t
 #define ARG_TYPE_OPTADDR uint64_t
 #define ARG_TYPE_SIZE int64_t
 #define ARG_TYPE_FLAG int64_t
 #define ARG_TYPE_OPTFLAG int64_t
+#define ARG_TYPE_OPTSIZE int64_t
 #define ARG_TYPE_REAL double
 
 struct arg_field {
@@ -107,7 +109,7 @@ static inline int arg_convert(const struct arg_spec *s, Py_ssize_t i, PyObject *
         const int t = PyObject_IsTrue(o);
         if (t < 0) goto bad;
         v = t;
-    } else if (k == ARG_SIZE) {
+    } else if (k == ARG_SIZE || k == ARG_OPTSIZE) {
         const Py_ssize_t n = PyLong_Check(o) ? PyLong_AsSsize_t(o) : PyNumber_AsSsize_t(o, PyExc_OverflowError);
         if (n == -1 && PyErr_Occurred()) goto bad;
         v = (int64_t)n;
@@ -156,7 +158,7 @@ static inline Py_ssize_t match_key(const struct arg_spec *s, PyObject *key, Py_s
 
 /* A METH_FASTCALL | METH_KEYWORDS call's arguments into the struct at `out` (s->count slots): positional ones
  * first, in the list's order, then keywords by name; TypeError naming a missing, unknown or repeated argument.
- * An OPTADDR or OPTFLAG left out is 0. */
+ * An OPTADDR, OPTFLAG or OPTSIZE left out is 0. */
 static inline int parse_args(const struct arg_spec *s, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                       void *out) {
     char *slots = out;
@@ -187,7 +189,7 @@ static inline int parse_args(const struct arg_spec *s, PyObject *const *args, Py
     }
     for (Py_ssize_t i = nargs; i < s->count; i++)
         if (!(seen[i / 64] >> (i % 64) & 1)) {
-            if (s->fields[i].kind != ARG_OPTADDR && s->fields[i].kind != ARG_OPTFLAG) {
+            if (s->fields[i].kind < ARG_OPTADDR) {
                 PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s' (pos %zd)", s->name,
                              s->fields[i].name, i + 1);
                 return -1;

@@ -1,5 +1,6 @@
-/* The CPU matmuls of model/exactness.py: float32 weights packed in panels (linear_packed), FP8 E4M3 weights with
- * block scales (linear_fp8), weights exactly bfloat16 on AMX tiles (linear_bf16), the BLAS call torch makes
+/* The CPU matmuls of model/exactness.py: float32 weights packed in panels (linear_packed), MXFP4 weights as stored
+ * (linear_mxfp4), FP8 E4M3 weights with block scales (linear_fp8), weights exactly bfloat16 on AMX tiles
+ * (linear_bf16), the BLAS call torch makes
  * (blas_mm), and the MoE's routed experts in one call (moe_experts). The float32 one, in a fixed accumulation order: every
  * output y[i][j] is the k products x[i][t] * w[t][j] summed as blocks of kc inputs: within a block one
  * fused multiply-add chain over the inputs in order, from 0 (one rounding per step); the blocks' sums
@@ -40,14 +41,23 @@
  *   simd_level() -> 0, 1 or 2: the level that simd 2 (what exactness.py passes) runs at on this CPU.
  *   spin_adds(n) -> int or None: n rounds of 8 dependent integer adds (a cycle each on x86-64 cores: ~8 n
  *       cycles; the benchmarks time it for the core's clock), None on other CPUs.
- *   moe_experts(xs, rows, counts, e, d, inter, panels13, kc13, panels2, kc2, limit, h, g, ys, simd[, tiles]) -> None
+ *   linear_mxfp4(x, ldx, codes, scales, y, m, k, n, kc, simd) -> None
+ *       linear_packed's product of a weight as MXFP4 panels (codes [ceil(n / 16), k, 8] nibbles, scales
+ *       [ceil(n / 16), k / 32, 16] E8M0: exactness.py `pack_mxfp4`, a permutation of the stored bytes), decoded
+ *       exactly in registers (_formats.h) inside the very accumulation loops of the float panels (instantiated per
+ *       format, the section "weight formats" below): the bits of linear_packed over the dequantized weight.
+ *   decode_formats(format, data, y, n, simd[, scales]) -> level: the decoders of _formats.h, for their test.
+ *   moe_experts(xs, rows, counts, e, d, inter, panels13, kc13, panels2, kc2, limit, h, g, ys, simd[, format,
+ *               scales13, scales2, tiles]) -> None
  *       DeepSeek-V4.1's routed experts in one call (model/deepseek_v41.py MoE): xs [rows, d] the (token, expert)
  *       pairs grouped by expert, counts [e] int64 the rows of each expert in order; for each expert x with
  *       rows, h = its rows @ w13[x] (panels13[x], kc13: [2 inter] outputs, w1 then w3), g = the clamped SwiGLU
  *       of h (_kernel_math.h `swiglu_value`), its rows of ys = g @ w2[x] (panels2[x], kc2). The very products
  *       and SwiGLU the MoE computes call by call (`linear`, `swiglu`), so the same bits, without a host read
- *       of the counts (a decode step's CPU graph replays it). simd as linear_packed's (0, 1 or 2); tiles=True:
- *       the addresses are of bfloat16 tiles, multiplied by linear_bf16 (kc13, kc2 and simd unused).
+ *       of the counts (a decode step's CPU graph replays it). simd as linear_packed's (0, 1 or 2). format 1
+ *       (or tiles=True): the addresses are of bfloat16 tiles, multiplied by linear_bf16 (kc13, kc2 and simd
+ *       unused); format 2: of MXFP4 panels' codes, with scales13 / scales2 their scales' addresses
+ *       (linear_mxfp4's product: the same bits as format 0 over the dequantized weights).
  *   linear_bf16(x, ldx, w, y, m, k, n) -> None, amx_supported() -> bool
  *       y [m, n] = x @ w on the AMX tile unit, w every value a bfloat16, packed as tiles (the section below):
  *       the inputs split exactly in three bfloat16 pieces, the products exact, the sums in float32; where
@@ -65,6 +75,7 @@
 
 #include "_kernel_buffers.h"
 #include "_kernel_math.h"
+#include "_formats.h"
 
 #if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || defined(__GNUC__))
 #include <cpuid.h>
@@ -81,23 +92,130 @@
 #define FEW_ROWS 16 /* the most rows of AVX-512's one-panel tile (16 accumulators of its 32 registers) */
 #define PANEL_BYTES (192 * 1024) /* the panels one pass over the rows reuses: they stay in L2 */
 
+/* ---- weight formats: how a panel's row of 16 weights is decoded (_formats.h), instantiated per format ---------
+ *
+ * Every accumulation loop below takes its format as a constant first argument (the loops are always inlined
+ * into one function per format and tile shape, so the format's test folds away): WF_F32 reads a row of a float
+ * panel, WF_MXFP4 decodes it from nibbles and E8M0 scales, WF_FP8 from E4M3 bytes and a power of two. The
+ * decode gives the very float32 weights of the float panels of the dequantized weight (an exact decoder), and
+ * the fused multiply-adds and adds that follow are one code for all formats: so the same bits.
+ *
+ *   WF_F32    panel [k][16] float32 (pack_panels)
+ *   WF_MXFP4  codes [k][8] bytes (column 2j the lower nibble of byte j), scales [k / 32][16] E8M0 bytes
+ *             (exactness.py `pack_mxfp4`): 0.53 bytes a weight
+ *   WF_FP8    [k][16] E4M3 bytes (never a NaN code), scales [ceil(k / 64)] float32 2^(s + 8) (pack_fp8)
+ *
+ * A panel is (data, scales): struct panel_ref. */
+enum weight_format { WF_F32 = 0, WF_BF16 = 1, WF_MXFP4 = 2, WF_FP8 = 3 };
+
+#define MX_G 32 /* inputs of an E8M0 scale of an MXFP4 panel */
+#define SB 64   /* input rows of a scale block of an FP8 panel */
+
+typedef struct {
+    const void *data;  /* the panel's first row */
+    const void *scale; /* its scales (MXFP4, FP8), else unused */
+} panel_ref;
+
+/* panel p of a weight of k inputs: its data and scales */
+static inline panel_ref panel_at(const int fmt, const void *data, const void *scales, Py_ssize_t p, Py_ssize_t k) {
+    panel_ref r;
+    if (fmt == WF_MXFP4) {
+        r.data = (const uint8_t *)data + p * k * (NR / 2);
+        r.scale = (const uint8_t *)scales + p * (k / MX_G) * NR;
+    } else if (fmt == WF_FP8) {
+        r.data = (const uint8_t *)data + p * k * NR;
+        r.scale = (const float *)scales + p * ((k + SB - 1) / SB);
+    } else {
+        r.data = (const float *)data + p * k * NR, r.scale = NULL;
+    }
+    return r;
+}
+
+/* the bytes of one panel (for the L2 grouping and the prefetch decision) */
+static inline size_t panel_bytes(const int fmt, Py_ssize_t k) {
+    return fmt == WF_MXFP4 ? (size_t)k * NR / 2 + (size_t)k / MX_G * NR : fmt == WF_FP8 ? (size_t)k * NR
+                                                                                         : (size_t)k * NR * 4;
+}
+
+/* the end of input t's scale group (inputs that share one scale), within [t, ke): all of them for float panels */
+static inline Py_ssize_t group_end(const int fmt, Py_ssize_t t, Py_ssize_t ke) {
+    const Py_ssize_t g = fmt == WF_MXFP4 ? MX_G : fmt == WF_FP8 ? SB : 0;
+    if (!g) return ke;
+    const Py_ssize_t e = (t / g + 1) * g;
+    return e < ke ? e : ke;
+}
+
+/* the scalar weight at input t, column j of a panel (the portable tile's decode) */
+static inline float weight_at(const int fmt, panel_ref b, Py_ssize_t t, int j) {
+    if (fmt == WF_MXFP4)
+        return mxfp4_value(nibble((const uint8_t *)b.data + t * (NR / 2), j),
+                           ((const uint8_t *)b.scale)[t / MX_G * NR + j]);
+    if (fmt == WF_FP8) /* 2^(s + 8) / 2^8: exact */
+        return e4m3_value(((const uint8_t *)b.data)[t * NR + j]) * (((const float *)b.scale)[t / SB] * 0.00390625f);
+    return ((const float *)b.data)[t * NR + j];
+}
+
 #if HAVE_X86_AVX2
-/* out[r][0..16) for r < mr: the formula above over x rows (ldx apart) and one packed panel bp [k][16];
- * out rows ldo apart. Each block of kc inputs: a chain from 0, stored (the first block) or added. */
+/* AVX-512: the scale vector of input t's group, and the row of 16 weights at input t */
+__attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 scale16(const int fmt, panel_ref b,
+                                                                                    Py_ssize_t t) {
+    if (fmt == WF_MXFP4) return e8m0_16(_mm_loadu_si128((const __m128i *)((const uint8_t *)b.scale + t / MX_G * NR)));
+    if (fmt == WF_FP8) return _mm512_set1_ps(((const float *)b.scale)[t / SB]);
+    return _mm512_setzero_ps(); /* unused */
+}
+
+/* an FP8 row: E4M3 bytes moved into float16 patterns (the value times 2^-8), times 2^(s + 8): a power of two */
+__attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 row16(const int fmt, panel_ref b,
+                                                                                  Py_ssize_t t, __m512 scale) {
+    if (fmt == WF_MXFP4) return mxfp4_16(nibbles16((const uint8_t *)b.data + t * (NR / 2)), scale);
+    if (fmt == WF_FP8) return _mm512_mul_ps(e4m3_16_raw((const uint8_t *)b.data + t * NR), scale);
+    return _mm512_loadu_ps((const float *)b.data + t * NR);
+}
+
+/* AVX2: the two scale vectors of input t's group (columns 0-7, 8-15), the row's two halves */
+__attribute__((target("avx2,fma"), always_inline)) static inline void scale8x2(const int fmt, panel_ref b, Py_ssize_t t,
+                                                                              __m256 *s0, __m256 *s1) {
+    if (fmt == WF_MXFP4) {
+        const __m128i e = _mm_loadu_si128((const __m128i *)((const uint8_t *)b.scale + t / MX_G * NR));
+        *s0 = e8m0_8(e), *s1 = e8m0_8(_mm_srli_si128(e, 8));
+    } else {
+        *s0 = *s1 = _mm256_setzero_ps(); /* unused (no AVX2 FP8 path) */
+    }
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline void row8x2(const int fmt, panel_ref b, Py_ssize_t t,
+                                                                            __m256 s0, __m256 s1, __m256 *w0,
+                                                                            __m256 *w1) {
+    if (fmt == WF_MXFP4) {
+        const __m128i c = nibbles16_sse((const uint8_t *)b.data + t * (NR / 2));
+        *w0 = mxfp4_8(c, s0), *w1 = mxfp4_8(_mm_srli_si128(c, 8), s1);
+    } else {
+        *w0 = _mm256_loadu_ps((const float *)b.data + t * NR), *w1 = _mm256_loadu_ps((const float *)b.data + t * NR + 8);
+    }
+}
+
+/* out[r][0..16) for r < mr: the formula above over x rows (ldx apart) and one panel bp; out rows ldo apart.
+ * Each block of kc inputs: a chain from 0, stored (the first block) or added. */
 __attribute__((target("avx2,fma"), always_inline)) static inline void
-tile_avx2(const int mr, const float *restrict x, Py_ssize_t ldx, const float *restrict bp, Py_ssize_t k,
+tile_avx2(const int fmt, const int mr, const float *restrict x, Py_ssize_t ldx, panel_ref bp, Py_ssize_t k,
           Py_ssize_t kc, float *restrict out, Py_ssize_t ldo) {
     for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
         const Py_ssize_t ke = k - k0 < kc ? k : k0 + kc;
         __m256 c[MR][2];
         for (int r = 0; r < mr; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();
+        for (Py_ssize_t t = k0; t < ke;) {
+            const Py_ssize_t te = group_end(fmt, t, ke);
+            __m256 s0, s1;
+            scale8x2(fmt, bp, t, &s0, &s1);
 #pragma GCC unroll 4
-        for (Py_ssize_t t = k0; t < ke; t++) {
-            const __m256 b0 = _mm256_loadu_ps(bp + t * NR), b1 = _mm256_loadu_ps(bp + t * NR + 8);
-            for (int r = 0; r < mr; r++) {
-                const __m256 a = _mm256_broadcast_ss(x + r * ldx + t);
-                c[r][0] = _mm256_fmadd_ps(a, b0, c[r][0]);
-                c[r][1] = _mm256_fmadd_ps(a, b1, c[r][1]);
+            for (; t < te; t++) {
+                __m256 b0, b1;
+                row8x2(fmt, bp, t, s0, s1, &b0, &b1);
+                for (int r = 0; r < mr; r++) {
+                    const __m256 a = _mm256_broadcast_ss(x + r * ldx + t);
+                    c[r][0] = _mm256_fmadd_ps(a, b0, c[r][0]);
+                    c[r][1] = _mm256_fmadd_ps(a, b1, c[r][1]);
+                }
             }
         }
         for (int r = 0; r < mr; r++) {
@@ -112,42 +230,32 @@ tile_avx2(const int mr, const float *restrict x, Py_ssize_t ldx, const float *re
     }
 }
 
-__attribute__((target("avx2,fma"))) static void tile_x86(int mr, const float *x, Py_ssize_t ldx, const float *bp,
-                                                         Py_ssize_t k, Py_ssize_t kc, float *out, Py_ssize_t ldo) {
-    switch (mr) { /* each case a tile of constant rows: its accumulators stay in registers */
-    case 6: tile_avx2(6, x, ldx, bp, k, kc, out, ldo); break;
-    case 5: tile_avx2(5, x, ldx, bp, k, kc, out, ldo); break;
-    case 4: tile_avx2(4, x, ldx, bp, k, kc, out, ldo); break;
-    case 3: tile_avx2(3, x, ldx, bp, k, kc, out, ldo); break;
-    case 2: tile_avx2(2, x, ldx, bp, k, kc, out, ldo); break;
-    default: tile_avx2(1, x, ldx, bp, k, kc, out, ldo); break;
-    }
-}
-
-/* np panels at once in AVX2 for a tile of one or two rows: o[q] [r][0..16) (rows ldo apart) from the panel at
- * b[q] ([k][16]), two 8-lane accumulators per row and panel, so that such a tile has 4 or 8 independent chains
- * (tile_avx2 of one row: 2, each latency-bound, which left a matrix-vector product at about half the memory
- * bandwidth). The panels need not be adjacent (the SwiGLU's gate and up panels). Each output's chain is
- * tile_avx2's operations in the same order: the same bits. (pf, the AVX-512 tiles' prefetch, is not used here.) */
+/* np panels at once in AVX2 for a tile of one or two rows: o[q] [r][0..16) (rows ldo apart) from the panel b[q],
+ * two 8-lane accumulators per row and panel, so that such a tile has 4 or 8 independent chains (tile_avx2 of one
+ * row: 2, each latency-bound, which left a matrix-vector product at about half the memory bandwidth). The panels
+ * need not be adjacent (the SwiGLU's gate and up panels). Each output's chain is tile_avx2's operations in the
+ * same order: the same bits. (pf, the AVX-512 tiles' prefetch, is not used here.) */
 __attribute__((target("avx2,fma"), always_inline)) static inline void
-wide_avx2(const int mr, const int np, const float *restrict x, Py_ssize_t ldx, const float *const *b, Py_ssize_t k,
-          Py_ssize_t kc, float *const *o, Py_ssize_t ldo, Py_ssize_t ldl, int pf) {
+wide_avx2(const int fmt, const int mr, const int np, const float *restrict x, Py_ssize_t ldx, const panel_ref *b,
+          Py_ssize_t k, Py_ssize_t kc, float *const *o, Py_ssize_t ldo, Py_ssize_t ldl, int pf) {
     for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
         const Py_ssize_t ke = k - k0 < kc ? k : k0 + kc;
         __m256 c[4][2]; /* mr * np <= 4 */
         for (int i = 0; i < mr * np; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
+        for (Py_ssize_t t = k0; t < ke;) {
+            const Py_ssize_t te = group_end(fmt, t, ke);
+            __m256 s[4][2];
+            for (int q = 0; q < np; q++) scale8x2(fmt, b[q], t, &s[q][0], &s[q][1]);
 #pragma GCC unroll 2
-        for (Py_ssize_t t = k0; t < ke; t++) {
-            __m256 w[4][2];
-            for (int q = 0; q < np; q++) {
-                w[q][0] = _mm256_loadu_ps(b[q] + t * NR);
-                w[q][1] = _mm256_loadu_ps(b[q] + t * NR + 8);
-            }
-            for (int r = 0; r < mr; r++) {
-                const __m256 a = _mm256_broadcast_ss(x + r * ldx + t);
-                for (int q = 0; q < np; q++) {
-                    c[r * np + q][0] = _mm256_fmadd_ps(a, w[q][0], c[r * np + q][0]);
-                    c[r * np + q][1] = _mm256_fmadd_ps(a, w[q][1], c[r * np + q][1]);
+            for (; t < te; t++) {
+                __m256 w[4][2];
+                for (int q = 0; q < np; q++) row8x2(fmt, b[q], t, s[q][0], s[q][1], &w[q][0], &w[q][1]);
+                for (int r = 0; r < mr; r++) {
+                    const __m256 a = _mm256_broadcast_ss(x + r * ldx + t);
+                    for (int q = 0; q < np; q++) {
+                        c[r * np + q][0] = _mm256_fmadd_ps(a, w[q][0], c[r * np + q][0]);
+                        c[r * np + q][1] = _mm256_fmadd_ps(a, w[q][1], c[r * np + q][1]);
+                    }
                 }
             }
         }
@@ -164,39 +272,33 @@ wide_avx2(const int mr, const int np, const float *restrict x, Py_ssize_t ldx, c
     }
 }
 
-/* AVX2's wide tiles: one row of 2 or 4 panels, two rows of 2 (three or more rows already have 6 or more chains
- * in tile_avx2). */
-__attribute__((target("avx2,fma"))) static void wide2_x86(int mr, int np, const float *x, Py_ssize_t ldx,
-                                                         const float *const *b, Py_ssize_t k, Py_ssize_t kc,
-                                                         float *const *o, Py_ssize_t ldo, Py_ssize_t ldl, int pf) {
-    if (mr == 2)
-        wide_avx2(2, 2, x, ldx, b, k, kc, o, ldo, ldl, pf);
-    else if (np == 2)
-        wide_avx2(1, 2, x, ldx, b, k, kc, o, ldo, ldl, pf);
-    else
-        wide_avx2(1, 4, x, ldx, b, k, kc, o, ldo, ldl, pf);
-}
-
-/* np panels at once in AVX-512 (where the CPU has it): o[q] [r][0..16) from the panel at b[q], with one
- * 16-lane accumulator per row and panel, so each broadcast of x feeds np 16-lane fused multiply-adds (AVX2's
- * tile: two 8-lane ones), and a tile of few rows still has 8 or more independent chains (a chain is
- * latency-bound). Each output's chain is the same operations in the same order as tile_avx2's: the same bits. */
-__attribute__((target("avx512f"), always_inline)) static inline void
-wide_avx512(const int mr, const int np, const float *restrict x, Py_ssize_t ldx, const float *const *b, Py_ssize_t k,
-            Py_ssize_t kc, float *const *o, Py_ssize_t ldo, Py_ssize_t ldl, const int pf) {
+/* np panels at once in AVX-512 (where the CPU has it): o[q] [r][0..16) from the panel b[q], with one 16-lane
+ * accumulator per row and panel, so each broadcast of x feeds np 16-lane fused multiply-adds (AVX2's tile: two
+ * 8-lane ones), and a tile of few rows still has 8 or more independent chains (a chain is latency-bound). Each
+ * output's chain is the same operations in the same order as tile_avx2's: the same bits. */
+__attribute__((target("avx512f,avx2"), always_inline)) static inline void
+wide_avx512(const int fmt, const int mr, const int np, const float *restrict x, Py_ssize_t ldx, const panel_ref *b,
+            Py_ssize_t k, Py_ssize_t kc, float *const *o, Py_ssize_t ldo, Py_ssize_t ldl, const int pf) {
     for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
         const Py_ssize_t ke = k - k0 < kc ? k : k0 + kc;
         __m512 c[FEW_ROWS]; /* mr * np <= 16 */
         for (int i = 0; i < mr * np; i++) c[i] = _mm512_setzero_ps();
+        for (Py_ssize_t t = k0; t < ke;) {
+            const Py_ssize_t te = group_end(fmt, t, ke);
+            __m512 s[8];
+            for (int q = 0; q < np; q++) s[q] = scale16(fmt, b[q], t);
 #pragma GCC unroll 2
-        for (Py_ssize_t t = k0; t < ke; t++) {
-            __m512 w[8];
-            for (int q = 0; q < np; q++) w[q] = _mm512_loadu_ps(b[q] + t * NR);
-            if (pf) /* (a loop-invariant test; a prefetch past the panel's end does not fault) */
-                for (int q = 0; q < np; q++) _mm_prefetch((const char *)(b[q] + (t + PF_AHEAD) * NR), _MM_HINT_T0);
-            for (int r = 0; r < mr; r++) {
-                const __m512 a = _mm512_set1_ps(x[r * ldx + t]);
-                for (int q = 0; q < np; q++) c[r * np + q] = _mm512_fmadd_ps(a, w[q], c[r * np + q]);
+            for (; t < te; t++) {
+                __m512 w[8];
+                for (int q = 0; q < np; q++) w[q] = row16(fmt, b[q], t, s[q]);
+                if (pf) /* (a loop-invariant test; a prefetch past the panel's end does not fault) */
+                    for (int q = 0; q < np; q++)
+                        _mm_prefetch((const char *)b[q].data + (t + PF_AHEAD) * (Py_ssize_t)panel_bytes(fmt, 1),
+                                     _MM_HINT_T0);
+                for (int r = 0; r < mr; r++) {
+                    const __m512 a = _mm512_set1_ps(x[r * ldx + t]);
+                    for (int q = 0; q < np; q++) c[r * np + q] = _mm512_fmadd_ps(a, w[q], c[r * np + q]);
+                }
             }
         }
         for (int r = 0; r < mr; r++)
@@ -215,63 +317,111 @@ static inline int wide_panels(int level, int mr) {
     return mr == 1 ? 8 : mr == 2 ? 4 : mr <= MR ? 2 : 1;
 }
 
-__attribute__((target("avx512f"))) static void wide_x86(int mr, int np, const float *x, Py_ssize_t ldx,
-                                                        const float *const *b, Py_ssize_t k, Py_ssize_t kc,
-                                                        float *const *o, Py_ssize_t ldo, Py_ssize_t ldl, int pf) {
-#define FEW(r) case r * 16 + 1: wide_avx512(r, 1, x, ldx, b, k, kc, o, ldo, ldl, pf); break;
-    switch (mr * 16 + np) { /* constant rows and panels: the accumulators stay in registers */
-    FEW(16) FEW(15) FEW(14) FEW(13) FEW(12) FEW(11) FEW(10) FEW(9) FEW(8) FEW(7)
-#undef FEW
-    case 6 * 16 + 2: wide_avx512(6, 2, x, ldx, b, k, kc, o, ldo, ldl, pf); break;
-    case 5 * 16 + 2: wide_avx512(5, 2, x, ldx, b, k, kc, o, ldo, ldl, pf); break;
-    case 4 * 16 + 2: wide_avx512(4, 2, x, ldx, b, k, kc, o, ldo, ldl, pf); break;
-    case 3 * 16 + 2: wide_avx512(3, 2, x, ldx, b, k, kc, o, ldo, ldl, pf); break;
-    case 2 * 16 + 4: wide_avx512(2, 4, x, ldx, b, k, kc, o, ldo, ldl, pf); break;
-    case 2 * 16 + 2: wide_avx512(2, 2, x, ldx, b, k, kc, o, ldo, ldl, pf); break;
-    case 1 * 16 + 8: wide_avx512(1, 8, x, ldx, b, k, kc, o, ldo, ldl, pf); break;
-    case 1 * 16 + 4: wide_avx512(1, 4, x, ldx, b, k, kc, o, ldo, ldl, pf); break;
-    default: wide_avx512(1, 2, x, ldx, b, k, kc, o, ldo, ldl, pf); break;
+/* The tiles of one format, each of constant rows and panels (its accumulators stay in registers): tile_x86_FMT
+ * (AVX2, one panel), wide2_x86_FMT (AVX2's wide tiles: one row of 2 or 4 panels, two rows of 2; three or more
+ * rows already have 6 or more chains in tile_avx2), wide_x86_FMT (AVX-512). */
+#define FEW(F, r) case r * 16 + 1: wide_avx512(F, r, 1, x, ldx, b, k, kc, o, ldo, ldl, pf); break;
+#define TILES_OF(NAME, FMT)                                                                                        \
+    __attribute__((target("avx2,fma"))) static void tile_x86_##NAME(int mr, const float *x, Py_ssize_t ldx,       \
+                                                                    panel_ref bp, Py_ssize_t k, Py_ssize_t kc,     \
+                                                                    float *out, Py_ssize_t ldo) {                  \
+        switch (mr) {                                                                                              \
+        case 6: tile_avx2(FMT, 6, x, ldx, bp, k, kc, out, ldo); break;                                             \
+        case 5: tile_avx2(FMT, 5, x, ldx, bp, k, kc, out, ldo); break;                                             \
+        case 4: tile_avx2(FMT, 4, x, ldx, bp, k, kc, out, ldo); break;                                             \
+        case 3: tile_avx2(FMT, 3, x, ldx, bp, k, kc, out, ldo); break;                                             \
+        case 2: tile_avx2(FMT, 2, x, ldx, bp, k, kc, out, ldo); break;                                             \
+        default: tile_avx2(FMT, 1, x, ldx, bp, k, kc, out, ldo); break;                                            \
+        }                                                                                                          \
+    }                                                                                                              \
+    __attribute__((target("avx2,fma"))) static void wide2_x86_##NAME(int mr, int np, const float *x,              \
+                                                                     Py_ssize_t ldx, const panel_ref *b,           \
+                                                                     Py_ssize_t k, Py_ssize_t kc, float *const *o, \
+                                                                     Py_ssize_t ldo, Py_ssize_t ldl, int pf) {     \
+        if (mr == 2)                                                                                               \
+            wide_avx2(FMT, 2, 2, x, ldx, b, k, kc, o, ldo, ldl, pf);                                               \
+        else if (np == 2)                                                                                          \
+            wide_avx2(FMT, 1, 2, x, ldx, b, k, kc, o, ldo, ldl, pf);                                               \
+        else                                                                                                       \
+            wide_avx2(FMT, 1, 4, x, ldx, b, k, kc, o, ldo, ldl, pf);                                               \
+    }                                                                                                              \
+    __attribute__((target("avx512f,avx2"))) static void wide_x86_##NAME(int mr, int np, const float *x,           \
+                                                                        Py_ssize_t ldx, const panel_ref *b,        \
+                                                                        Py_ssize_t k, Py_ssize_t kc,               \
+                                                                        float *const *o, Py_ssize_t ldo,           \
+                                                                        Py_ssize_t ldl, int pf) {                  \
+        switch (mr * 16 + np) {                                                                                    \
+        FEW(FMT, 16) FEW(FMT, 15) FEW(FMT, 14) FEW(FMT, 13) FEW(FMT, 12) FEW(FMT, 11) FEW(FMT, 10) FEW(FMT, 9)     \
+        FEW(FMT, 8) FEW(FMT, 7)                                                                                    \
+        case 6 * 16 + 2: wide_avx512(FMT, 6, 2, x, ldx, b, k, kc, o, ldo, ldl, pf); break;                        \
+        case 5 * 16 + 2: wide_avx512(FMT, 5, 2, x, ldx, b, k, kc, o, ldo, ldl, pf); break;                        \
+        case 4 * 16 + 2: wide_avx512(FMT, 4, 2, x, ldx, b, k, kc, o, ldo, ldl, pf); break;                        \
+        case 3 * 16 + 2: wide_avx512(FMT, 3, 2, x, ldx, b, k, kc, o, ldo, ldl, pf); break;                        \
+        case 2 * 16 + 4: wide_avx512(FMT, 2, 4, x, ldx, b, k, kc, o, ldo, ldl, pf); break;                        \
+        case 2 * 16 + 2: wide_avx512(FMT, 2, 2, x, ldx, b, k, kc, o, ldo, ldl, pf); break;                        \
+        case 1 * 16 + 8: wide_avx512(FMT, 1, 8, x, ldx, b, k, kc, o, ldo, ldl, pf); break;                        \
+        case 1 * 16 + 4: wide_avx512(FMT, 1, 4, x, ldx, b, k, kc, o, ldo, ldl, pf); break;                        \
+        case 1 * 16 + 1: wide_avx512(FMT, 1, 1, x, ldx, b, k, kc, o, ldo, ldl, pf); break;                        \
+        default: wide_avx512(FMT, 1, 2, x, ldx, b, k, kc, o, ldo, ldl, pf); break;                                 \
+        }                                                                                                          \
     }
-}
+TILES_OF(f32, WF_F32)
+TILES_OF(mxfp4, WF_MXFP4)
+#undef FEW
 #endif
 
-/* The same tile in portable C (fmaf: one rounding, as the vector fused multiply-add). */
-static void tile_plain(int mr, const float *restrict x, Py_ssize_t ldx, const float *restrict bp, Py_ssize_t k,
-                       Py_ssize_t kc, float *restrict out, Py_ssize_t ldo) {
+typedef void (*tile_fn)(int, const float *, Py_ssize_t, panel_ref, Py_ssize_t, Py_ssize_t, float *, Py_ssize_t);
+typedef void (*wide_fn)(int, int, const float *, Py_ssize_t, const panel_ref *, Py_ssize_t, Py_ssize_t,
+                        float *const *, Py_ssize_t, Py_ssize_t, int);
+
+/* The same tile in portable C (fmaf: one rounding, as the vector fused multiply-add; the scalar decoders). */
+static inline __attribute__((always_inline)) void tile_plain(const int fmt, int mr, const float *restrict x,
+                                                             Py_ssize_t ldx, panel_ref bp, Py_ssize_t k,
+                                                             Py_ssize_t kc, float *restrict out, Py_ssize_t ldo) {
     for (int r = 0; r < mr; r++)
         for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
             const Py_ssize_t ke = k - k0 < kc ? k : k0 + kc;
             float c[NR] = {0};
             for (Py_ssize_t t = k0; t < ke; t++)
-                for (int j = 0; j < NR; j++) c[j] = fmaf(x[r * ldx + t], bp[t * NR + j], c[j]);
+                for (int j = 0; j < NR; j++) c[j] = fmaf(x[r * ldx + t], weight_at(fmt, bp, t, j), c[j]);
             for (int j = 0; j < NR; j++) out[r * ldo + j] = k0 ? out[r * ldo + j] + c[j] : c[j];
         }
 }
 
-typedef void (*tile_fn)(int, const float *, Py_ssize_t, const float *, Py_ssize_t, Py_ssize_t, float *, Py_ssize_t);
-typedef void (*wide_fn)(int, int, const float *, Py_ssize_t, const float *const *, Py_ssize_t, Py_ssize_t,
-                        float *const *, Py_ssize_t, Py_ssize_t, int);
+static void tile_plain_f32(int mr, const float *x, Py_ssize_t ldx, panel_ref bp, Py_ssize_t k, Py_ssize_t kc,
+                           float *out, Py_ssize_t ldo) {
+    tile_plain(WF_F32, mr, x, ldx, bp, k, kc, out, ldo);
+}
 
-/* The product (see the header) of checked arguments; runs without the GIL. */
-static void linear_packed(const float *xp, Py_ssize_t ldx, const float *bp, float *yp, Py_ssize_t m, Py_ssize_t k,
-                          Py_ssize_t n, Py_ssize_t kc, int simd) {
-    tile_fn tile = tile_plain;
+static void tile_plain_mxfp4(int mr, const float *x, Py_ssize_t ldx, panel_ref bp, Py_ssize_t k, Py_ssize_t kc,
+                             float *out, Py_ssize_t ldo) {
+    tile_plain(WF_MXFP4, mr, x, ldx, bp, k, kc, out, ldo);
+}
+
+/* The product (see the header) of checked arguments, the weight as panels of format fmt (WF_F32 or WF_MXFP4) at
+ * data (and scales); runs without the GIL. The work is split along the rows' tiles and the output panels only:
+ * never inside an output's sum. */
+static void linear_panels(const int fmt, const float *xp, Py_ssize_t ldx, const void *data, const void *scales,
+                          float *yp, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t kc, int simd) {
+    tile_fn tile = fmt == WF_MXFP4 ? tile_plain_mxfp4 : tile_plain_f32;
     wide_fn wide = NULL; /* several panels at once: AVX-512 (level 2), or AVX2 for one or two rows (1) */
     int level = 0, wide_rows = 0;
 #if HAVE_X86_AVX2
     if (simd >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-        tile = tile_x86;
-        wide = wide2_x86, level = 1, wide_rows = 2;
-        if (simd >= 2 && __builtin_cpu_supports("avx512f")) wide = wide_x86, level = 2, wide_rows = MR;
+        tile = fmt == WF_MXFP4 ? tile_x86_mxfp4 : tile_x86_f32;
+        wide = fmt == WF_MXFP4 ? wide2_x86_mxfp4 : wide2_x86_f32, level = 1, wide_rows = 2;
+        if (simd >= 2 && __builtin_cpu_supports("avx512f"))
+            wide = fmt == WF_MXFP4 ? wide_x86_mxfp4 : wide_x86_f32, level = 2, wide_rows = MR;
     }
 #endif
     const Py_ssize_t panels = (n + NR - 1) / NR;
-    const Py_ssize_t group = PANEL_BYTES / (k * NR * 4) > 1 ? PANEL_BYTES / (k * NR * 4) : 1;
+    const size_t pb = panel_bytes(fmt, k);
+    const Py_ssize_t group = PANEL_BYTES / pb > 1 ? (Py_ssize_t)(PANEL_BYTES / pb) : 1;
     /* A call of 7 to 16 rows (a routed expert's) with AVX-512: one wide tile of all its rows and one panel
      * (wide_panels), so each weight is read once (from memory, for an expert's cold weights) for every row, not
      * once per 6-row tile */
     const int rows = level == 2 && m > MR && m <= FEW_ROWS ? (int)m : MR; /* a tile's rows */
-    const int pf = level == 2 && (size_t)k * (size_t)n * 4 >= PF_BYTES;
+    const int pf = level == 2 && (fmt == WF_F32 ? (size_t)k * (size_t)n * 4 : (size_t)panels * pb) >= PF_BYTES;
     if (rows > MR) wide_rows = rows;
     float part[FEW_ROWS * NR]; /* a partial panel's tile */
     for (Py_ssize_t p0 = 0; p0 < panels; p0 += group) {
@@ -286,10 +436,10 @@ static void linear_packed(const float *xp, Py_ssize_t ldx, const float *bp, floa
                     int np = wide_panels(level, mr);
                     while (np > 2 && np > p1 - p) np /= 2;
                     if (np <= p1 - p) {
-                        const float *b[8];
+                        panel_ref b[8];
                         float *o[8];
                         for (int q = 0; q < np; q++)
-                            b[q] = bp + (p + q) * k * NR, o[q] = q < full ? out + q * NR : part;
+                            b[q] = panel_at(fmt, data, scales, p + q, k), o[q] = q < full ? out + q * NR : part;
                         wide(mr, np, xp + i * ldx, ldx, b, k, kc, o, n, np > full ? NR : n, pf);
                         if (np > full)
                             for (int r = 0; r < mr; r++)
@@ -298,13 +448,20 @@ static void linear_packed(const float *xp, Py_ssize_t ldx, const float *bp, floa
                         continue;
                     }
                 }
-                tile(mr, xp + i * ldx, ldx, bp + p * k * NR, k, kc, nv == NR ? out : part, nv == NR ? n : NR);
+                tile(mr, xp + i * ldx, ldx, panel_at(fmt, data, scales, p, k), k, kc, nv == NR ? out : part,
+                     nv == NR ? n : NR);
                 if (nv < NR)
                     for (int r = 0; r < mr; r++) memcpy(out + r * n, part + r * NR, nv * sizeof(float));
             }
         }
     }
 }
+
+static void linear_packed(const float *xp, Py_ssize_t ldx, const float *bp, float *yp, Py_ssize_t m, Py_ssize_t k,
+                          Py_ssize_t n, Py_ssize_t kc, int simd) {
+    linear_panels(WF_F32, xp, ldx, bp, NULL, yp, m, k, n, kc, simd);
+}
+
 
 /* Each kernel's arguments are one X-macro list (_kernel_buffers.h; linear_packed's in _kernel_math.h, whose
  * struct the token kernel's hc_next fills): its struct, parser (positional and keyword arguments), raw entry and
@@ -327,6 +484,135 @@ KERNEL_PY(linear_packed) {
     run_linear_packed(&a);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
+}
+
+#define LINEAR_MXFP4_FIELDS(X)                                                                                 \
+    X(ADDR, x, "[m, k] float32, rows ldx floats apart")                                                        \
+    X(SIZE, ldx, "floats between two rows of x (>= k)")                                                        \
+    X(ADDR, codes, "the weight's E2M1 codes [ceil(n / 16), k, 8] bytes (column 2j the lower nibble of byte j)")  \
+    X(ADDR, scales, "its E8M0 scales [ceil(n / 16), k / 32, 16] bytes")                                        \
+    X(ADDR, y, "[m, n] float32, contiguous, written")                                                          \
+    X(SIZE, m, "rows")                                                                                         \
+    X(SIZE, k, "inputs (a multiple of 32, >= 32)")                                                             \
+    X(SIZE, n, "outputs")                                                                                      \
+    X(SIZE, kc, "inputs of a block of the accumulation order (>= 1)")                                          \
+    X(SIZE, simd, "0 the portable tile, 1 AVX2 at most, 2 AVX-512 where the CPU has it (the same bits)")
+KERNEL_ARGS(linear_mxfp4, LINEAR_MXFP4_FIELDS,
+            "linear_packed's product of a weight packed as MXFP4 panels (exactness.py pack_mxfp4), decoded exactly in "
+            "registers: the bits of linear_packed over the dequantized weight's panels.")
+static void run_linear_mxfp4(const struct linear_mxfp4_args *a) {
+    linear_panels(WF_MXFP4, CF(a->x), a->ldx, U8(a->codes), U8(a->scales), F(a->y), a->m, a->k, a->n, a->kc,
+                  (int)a->simd);
+}
+RAW_ENTRY(linear_mxfp4)
+KERNEL_PY(linear_mxfp4) {
+    PARSE(linear_mxfp4);
+    if (a.m < 0 || a.k < MX_G || a.k % MX_G || a.n < 0 || a.kc < 1 || a.ldx < a.k ||
+        (a.m && a.n && (!a.x || !a.codes || !a.scales || !a.y))) {
+        PyErr_Format(PyExc_ValueError, "linear_mxfp4: m %zd, k %zd, n %zd, kc %zd, ldx %zd do not fit (k a multiple of "
+                     "32, kc at least 1, ldx >= k, non-null addresses)", (Py_ssize_t)a.m, (Py_ssize_t)a.k,
+                     (Py_ssize_t)a.n, (Py_ssize_t)a.kc, (Py_ssize_t)a.ldx);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    run_linear_mxfp4(&a);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* ---- the decoders of _formats.h, for their test: every code through each form ------------------------------- */
+
+enum { DF_E2M1, DF_E8M0, DF_E4M3, DF_BF16, DF_MXFP4 };
+
+static void decode_plain(int fmt, const uint8_t *d, const uint8_t *sc, float *y, Py_ssize_t i) {
+    for (int j = 0; j < 16; j++) {
+        const Py_ssize_t v = i + j;
+        y[v] = fmt == DF_E2M1    ? e2m1_value(nibble(d, v))
+               : fmt == DF_E8M0  ? e8m0_value(d[v])
+               : fmt == DF_E4M3  ? e4m3_value(d[v])
+               : fmt == DF_BF16  ? bf16_value(((const uint16_t *)(const void *)d)[v])
+                                 : mxfp4_value(nibble(d, v), sc[v / MX_G]);
+    }
+}
+
+#if HAVE_X86_AVX2
+__attribute__((target("avx512f,avx2"))) static void decode_avx512(int fmt, const uint8_t *d, const uint8_t *sc,
+                                                                  float *y, Py_ssize_t i) {
+    __m512 v;
+    switch (fmt) {
+    case DF_E2M1: v = e2m1_16(nibbles16(d + i / 2)); break;
+    case DF_E8M0: v = e8m0_16(_mm_loadu_si128((const __m128i *)(d + i))); break;
+    case DF_E4M3: v = e4m3_16(d + i); break;
+    case DF_BF16: v = bf16_16((const uint16_t *)(const void *)d + i); break;
+    default: v = mxfp4_16(nibbles16(d + i / 2), e8m0_16(_mm_set1_epi8((char)sc[i / MX_G]))); break;
+    }
+    _mm512_storeu_ps(y + i, v);
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void decode_avx2(int fmt, const uint8_t *d, const uint8_t *sc,
+                                                                 float *y, Py_ssize_t i) {
+    __m256 v0, v1;
+    switch (fmt) {
+    case DF_E2M1: {
+        const __m128i c = nibbles16_sse(d + i / 2);
+        v0 = e2m1_8(c), v1 = e2m1_8(_mm_srli_si128(c, 8));
+        break;
+    }
+    case DF_E8M0: {
+        const __m128i e = _mm_loadu_si128((const __m128i *)(d + i));
+        v0 = e8m0_8(e), v1 = e8m0_8(_mm_srli_si128(e, 8));
+        break;
+    }
+    case DF_E4M3: v0 = e4m3_8(d + i), v1 = e4m3_8(d + i + 8); break;
+    case DF_BF16:
+        v0 = bf16_8((const uint16_t *)(const void *)d + i), v1 = bf16_8((const uint16_t *)(const void *)d + i + 8);
+        break;
+    default: {
+        const __m128i c = nibbles16_sse(d + i / 2);
+        const __m256 s = e8m0_8(_mm_set1_epi8((char)sc[i / MX_G]));
+        v0 = mxfp4_8(c, s), v1 = mxfp4_8(_mm_srli_si128(c, 8), s);
+    }
+    }
+    _mm256_storeu_ps(y + i, v0);
+    _mm256_storeu_ps(y + i + 8, v1);
+}
+#endif
+
+#define DECODE_FORMATS_FIELDS(X)                                                                               \
+    X(SIZE, format, "0 E2M1 (codes packed two a byte, the lower nibble first), 1 E8M0, 2 E4M3, 3 BF16, 4 MXFP4") \
+    X(ADDR, data, "the codes (uint8; BF16: uint16)")                                                          \
+    X(ADDR, y, "[n] float32, written")                                                                         \
+    X(SIZE, n, "values (a multiple of 32)")                                                                    \
+    X(SIZE, simd, "0 the scalar decoders, 1 the AVX2 ones, 2 the AVX-512 ones (where the CPU has them)")       \
+    X(OPTADDR, scales, "MXFP4: one E8M0 byte per 32 values")
+KERNEL_ARGS(decode_formats, DECODE_FORMATS_FIELDS,
+            "y = the float32 values of n codes of a weight format, by the decoders of _formats.h at one SIMD level "
+            "(their test).")
+KERNEL_PY(decode_formats) {
+    PARSE(decode_formats);
+    if (a.format < 0 || a.format > DF_MXFP4 || a.n < 0 || a.n % 32 || (a.n && (!a.data || !a.y)) ||
+        (a.format == DF_MXFP4 && a.n && !a.scales))
+        return misfit("decode_formats", "format 0..4, n a multiple of 32, non-null addresses (MXFP4: scales too)");
+    int level = 0;
+#if HAVE_X86_AVX2
+    if (a.simd >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        level = a.simd >= 2 && __builtin_cpu_supports("avx512f") ? 2 : 1;
+#endif
+    const int fmt = (int)a.format;
+    for (Py_ssize_t i = 0; i < a.n; i += 16) {
+#if HAVE_X86_AVX2
+        if (level == 2) {
+            decode_avx512(fmt, U8(a.data), U8(a.scales), F(a.y), i);
+            continue;
+        }
+        if (level == 1) {
+            decode_avx2(fmt, U8(a.data), U8(a.scales), F(a.y), i);
+            continue;
+        }
+#endif
+        decode_plain(fmt, U8(a.data), U8(a.scales), F(a.y), i);
+    }
+    return PyLong_FromLong(level);
 }
 
 typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, const int *, const float *,
@@ -362,53 +648,17 @@ KERNEL_PY(blas_mm) {
 
 /* ---- FP8 panels: one row of a product whose weight is E4M3 times a power of two per block ----------------- */
 
-#define SB 64 /* input rows of a scale block of an FP8 panel */
-
 #if HAVE_X86_AVX2
-/* One row of 16 weights of an FP8 panel as float32: E4M3 bytes q[0..16) moved into float16 bit patterns (sign to
- * bit 15, exponent and mantissa to bits 7..13: the value times 2^-8, normal or subnormal alike), converted
- * exactly, times the block's scale 2^(s + 8): a power of two, so exact. The float32 weight itself. */
-__attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 fp8_row(const uint8_t *q, __m512 scale) {
-    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
-    const __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(0x3F80)),
-                                      _mm256_and_si256(_mm256_slli_epi16(b, 8), _mm256_set1_epi16((short)0x8000)));
-    return _mm512_mul_ps(_mm512_cvtph_ps(h), scale);
-}
-
-/* o[q][0..16) for q < np: one row x times the FP8 panels b[q] ([k][16] bytes; scales sc[q] per SB rows): the
- * operations of tile_avx2 on the same float32 weights, in the same order (blocks of kc inputs, each a chain
- * from 0, then added in order), so the same bits, reading a quarter of the bytes. */
-__attribute__((target("avx512f,avx2"), always_inline)) static inline void
-wide_fp8(const int np, const float *restrict x, const uint8_t *const *b, const float *const *sc, Py_ssize_t k,
-         Py_ssize_t kc, float *const *o) {
-    for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
-        const Py_ssize_t ke = k - k0 < kc ? k : k0 + kc;
-        __m512 c[8], scale[8];
-        for (int q = 0; q < np; q++) c[q] = _mm512_setzero_ps();
-        for (Py_ssize_t t = k0; t < ke;) {
-            const Py_ssize_t te = (t / SB + 1) * SB < ke ? (t / SB + 1) * SB : ke; /* the rest of t's scale block */
-            for (int q = 0; q < np; q++) scale[q] = _mm512_set1_ps(sc[q][t / SB]);
-#pragma GCC unroll 2
-            for (; t < te; t++) {
-                const __m512 a = _mm512_set1_ps(x[t]);
-                for (int q = 0; q < np; q++) c[q] = _mm512_fmadd_ps(a, fp8_row(b[q] + t * NR, scale[q]), c[q]);
-            }
-        }
-        for (int q = 0; q < np; q++) {
-            if (k0) c[q] = _mm512_add_ps(_mm512_loadu_ps(o[q]), c[q]);
-            _mm512_storeu_ps(o[q], c[q]);
-        }
-    }
-}
-
-__attribute__((target("avx512f,avx2"))) static void wide_fp8_x86(int np, const float *x, const uint8_t *const *b,
-                                                                 const float *const *sc, Py_ssize_t k, Py_ssize_t kc,
-                                                                 float *const *o) {
+/* o[q][0..16) for q < np: one row x times the FP8 panels b[q] (WF_FP8): the accumulation of every panel format
+ * (wide_avx512) over the same float32 weights, decoded exactly (e4m3_16_raw times 2^(s + 8)), so the same bits,
+ * reading a quarter of the bytes. */
+__attribute__((target("avx512f,avx2"))) static void wide_fp8_x86(int np, const float *x, const panel_ref *b,
+                                                                 Py_ssize_t k, Py_ssize_t kc, float *const *o) {
     switch (np) { /* constant panels: the accumulators stay in registers */
-    case 8: wide_fp8(8, x, b, sc, k, kc, o); break;
-    case 4: wide_fp8(4, x, b, sc, k, kc, o); break;
-    case 2: wide_fp8(2, x, b, sc, k, kc, o); break;
-    default: wide_fp8(1, x, b, sc, k, kc, o); break;
+    case 8: wide_avx512(WF_FP8, 1, 8, x, k, b, k, kc, o, NR, NR, 0); break;
+    case 4: wide_avx512(WF_FP8, 1, 4, x, k, b, k, kc, o, NR, NR, 0); break;
+    case 2: wide_avx512(WF_FP8, 1, 2, x, k, b, k, kc, o, NR, NR, 0); break;
+    default: wide_avx512(WF_FP8, 1, 1, x, k, b, k, kc, o, NR, NR, 0); break;
     }
 }
 
@@ -416,20 +666,18 @@ __attribute__((target("avx512f,avx2"))) static void wide_fp8_x86(int np, const f
  * (checked arguments, an AVX-512 CPU); runs without the GIL. */
 static void linear_fp8(const float *xp, Py_ssize_t ldx, const uint8_t *qp, const float *sp, float *yp, Py_ssize_t m,
                        Py_ssize_t k, Py_ssize_t n, Py_ssize_t kc) {
-    const Py_ssize_t panels = (n + NR - 1) / NR, blocks = (k + SB - 1) / SB;
+    const Py_ssize_t panels = (n + NR - 1) / NR;
     float part[NR]; /* the last, partial panel's outputs */
     for (Py_ssize_t i = 0; i < m; i++)
         for (Py_ssize_t p = 0; p < panels;) {
             const Py_ssize_t j = p * NR, full = (n - j) / NR;
             int np = 8;
             while (np > 1 && np > panels - p) np /= 2;
-            const uint8_t *b[8];
-            const float *sc[8];
+            panel_ref b[8];
             float *o[8];
             for (int q = 0; q < np; q++)
-                b[q] = qp + (p + q) * k * NR, sc[q] = sp + (p + q) * blocks,
-                o[q] = q < full ? yp + i * n + j + q * NR : part;
-            wide_fp8_x86(np, xp + i * ldx, b, sc, k, kc, o);
+                b[q] = panel_at(WF_FP8, qp, sp, p + q, k), o[q] = q < full ? yp + i * n + j + q * NR : part;
+            wide_fp8_x86(np, xp + i * ldx, b, k, kc, o);
             if (np > full) memcpy(yp + i * n + j + full * NR, part, (n - j - full * NR) * sizeof(float));
             p += np;
         }
@@ -710,22 +958,23 @@ CLONES static void swiglu_rows(const float *restrict h, Py_ssize_t rows, Py_ssiz
             g[r * inter + j] = swiglu_value(h[r * 2 * inter + j], h[r * 2 * inter + inter + j], limit);
 }
 
-/* y [m, n] = x [m, k] (contiguous) @ the weight at address w: its bfloat16 tiles by linear_bf16 (`tiles`; 1 if it
- * cannot have its buffer), else its panels by linear_packed at block size kc and `simd` */
-static int product(const float *x, int64_t w, float *y, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t kc,
-                   int simd, int tiles) {
+/* y [m, n] = x [m, k] (contiguous) @ the weight at address w (scales s) in format fmt: its bfloat16 tiles by
+ * linear_bf16 (WF_BF16; 1 if it cannot have its buffer), else its panels (WF_F32, WF_MXFP4) by linear_panels at
+ * block size kc */
+static int product(const int fmt, const float *x, int64_t w, int64_t s, float *y, Py_ssize_t m, Py_ssize_t k,
+                   Py_ssize_t n, Py_ssize_t kc, int simd) {
 #if HAVE_X86_AVX2 && defined(__linux__)
-    if (tiles) return linear_bf16(x, k, (const uint16_t *)(uintptr_t)w, y, m, k, n);
-#else
-    (void)tiles;
+    if (fmt == WF_BF16) return linear_bf16(x, k, (const uint16_t *)(uintptr_t)w, y, m, k, n);
 #endif
-    linear_packed(x, k, (const float *)(uintptr_t)w, y, m, k, n, kc, simd);
+    linear_panels(fmt, x, k, (const void *)(uintptr_t)w, (const void *)(uintptr_t)s, y, m, k, n, kc, simd);
     return 0;
 }
 
-static int moe_experts(const float *xs, Py_ssize_t rows, const int64_t *counts, Py_ssize_t e, Py_ssize_t d,
-                       Py_ssize_t inter, const int64_t *p13, Py_ssize_t kc13, const int64_t *p2, Py_ssize_t kc2,
-                       float limit, float *h, float *g, float *ys, int simd, int tiles) {
+/* Work is split by expert, then (inside each product) by rows' tiles and output panels: never inside a sum. */
+static int moe_experts(const int fmt, const float *xs, Py_ssize_t rows, const int64_t *counts, Py_ssize_t e,
+                       Py_ssize_t d, Py_ssize_t inter, const int64_t *p13, const int64_t *s13, Py_ssize_t kc13,
+                       const int64_t *p2, const int64_t *s2, Py_ssize_t kc2, float limit, float *h, float *g,
+                       float *ys, int simd) {
     int64_t total = 0;
     for (Py_ssize_t x = 0; x < e; x++) {
         if (counts[x] < 0) return 1;
@@ -736,9 +985,11 @@ static int moe_experts(const float *xs, Py_ssize_t rows, const int64_t *counts, 
     for (Py_ssize_t x = 0; x < e; x++) {
         const Py_ssize_t c = (Py_ssize_t)counts[x];
         if (!c) continue;
-        if (product(xs + start * d, p13[x], h + start * 2 * inter, c, d, 2 * inter, kc13, simd, tiles)) return 2;
+        if (product(fmt, xs + start * d, p13[x], s13 ? s13[x] : 0, h + start * 2 * inter, c, d, 2 * inter, kc13,
+                    simd))
+            return 2;
         swiglu_rows(h + start * 2 * inter, c, inter, limit, g + start * inter);
-        if (product(g + start * inter, p2[x], ys + start * d, c, inter, d, kc2, simd, tiles)) return 2;
+        if (product(fmt, g + start * inter, p2[x], s2 ? s2[x] : 0, ys + start * d, c, inter, d, kc2, simd)) return 2;
         start += c;
     }
     return 0;
@@ -759,7 +1010,10 @@ static int moe_experts(const float *xs, Py_ssize_t rows, const int64_t *counts, 
     X(ADDR, h, "[rows, 2 inter] float32 scratch")                                                              \
     X(ADDR, g, "[rows, inter] float32 scratch")                                                                \
     X(ADDR, ys, "[rows, d] float32, written")                                                                  \
-    X(SIZE, simd, "linear_packed's simd: 0, 1 or 2 (unused with tiles)")                                           \
+    X(SIZE, simd, "linear_packed's simd: 0, 1 or 2 (unused with tiles)")                                       \
+    X(OPTSIZE, format, "the weights' format: 0 float32 panels, 1 bfloat16 tiles (as tiles=True), 2 MXFP4 panels")  \
+    X(OPTADDR, scales13, "MXFP4: [e] int64, each expert's w1/w3 E8M0 scales' address (panels13: its codes)")       \
+    X(OPTADDR, scales2, "MXFP4: [e] int64, each expert's w2 E8M0 scales' address")                             \
     X(OPTFLAG, tiles, "the weight addresses are of bfloat16 tiles, multiplied by linear_bf16 (kc13, kc2 unused)")
 KERNEL_ARGS(moe_experts, MOE_EXPERTS_FIELDS,
             "V4.1's routed experts over rows grouped by expert: per expert its w1/w3 product, the clamped SwiGLU, its "
@@ -777,14 +1031,27 @@ KERNEL_PY(moe_experts) {
         PyErr_Format(PyExc_ValueError, "moe_experts: simd is %zd, expected 0, 1 or 2", (Py_ssize_t)a.simd);
         return NULL;
     }
-    if (a.tiles && !amx_supported()) {
-        PyErr_SetString(PyExc_RuntimeError, "moe_experts: bfloat16 tiles (tiles=True) need amx_supported()");
+    const int fmt = a.tiles ? WF_BF16 : (int)a.format;
+    if (fmt != WF_F32 && fmt != WF_BF16 && fmt != WF_MXFP4) {
+        PyErr_Format(PyExc_ValueError, "moe_experts: format %zd is not 0 (float panels), 1 (tiles) or 2 (MXFP4 panels)",
+                     (Py_ssize_t)a.format);
+        return NULL;
+    }
+    if (fmt == WF_BF16 && !amx_supported()) {
+        PyErr_SetString(PyExc_RuntimeError, "moe_experts: bfloat16 tiles (tiles=True or format 1) need "
+                        "amx_supported()");
+        return NULL;
+    }
+    if (fmt == WF_MXFP4 && (!a.scales13 || !a.scales2 || a.d % MX_G || a.inter % MX_G)) {
+        PyErr_Format(PyExc_ValueError, "moe_experts: MXFP4 panels need scales13 and scales2, and d %zd and inter %zd "
+                     "multiples of 32", (Py_ssize_t)a.d, (Py_ssize_t)a.inter);
         return NULL;
     }
     int bad;
     Py_BEGIN_ALLOW_THREADS
-    bad = moe_experts(CF(a.xs), a.rows, CI64(a.counts), a.e, a.d, a.inter, CI64(a.panels13), a.kc13, CI64(a.panels2),
-                      a.kc2, (float)a.limit, F(a.h), F(a.g), F(a.ys), (int)a.simd, (int)a.tiles);
+    bad = moe_experts(fmt, CF(a.xs), a.rows, CI64(a.counts), a.e, a.d, a.inter, CI64(a.panels13), CI64(a.scales13),
+                      a.kc13, CI64(a.panels2), CI64(a.scales2), a.kc2, (float)a.limit, F(a.h), F(a.g), F(a.ys),
+                      (int)a.simd);
     Py_END_ALLOW_THREADS
     if (bad == 2) return PyErr_NoMemory();
     if (bad) {
@@ -797,12 +1064,14 @@ KERNEL_PY(moe_experts) {
 
 /* ---- raw entries (see _token_kernel.c `raw_kernels`): a replay's call from its argument struct ---- */
 
-static const struct arg_spec *const SPECS[] = {&linear_packed_spec, &linear_fp8_spec, &linear_bf16_spec, &blas_mm_spec,
-                                               &moe_experts_spec};
+static const struct arg_spec *const SPECS[] = {&linear_packed_spec, &linear_mxfp4_spec, &linear_fp8_spec,
+                                               &linear_bf16_spec,   &blas_mm_spec,      &moe_experts_spec,
+                                               &decode_formats_spec};
 
 static PyObject *py_raw_kernels(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
     PyObject *out = PyDict_New();
     if (out && add_raw(out, &linear_packed_spec, raw_linear_packed) < 0) Py_CLEAR(out);
+    if (out && add_raw(out, &linear_mxfp4_spec, raw_linear_mxfp4) < 0) Py_CLEAR(out);
 #if HAVE_X86_AVX2
     if (out && fp8_supported() && add_raw(out, &linear_fp8_spec, raw_linear_fp8) < 0) Py_CLEAR(out);
 #endif
@@ -846,6 +1115,8 @@ static PyMethodDef methods[] = {
     {"simd_level", py_simd_level, METH_NOARGS,
      "simd_level() -> the SIMD level of this CPU's tiles: 0 portable, 1 AVX2, 2 AVX-512 (what simd 2 runs at)."},
     KERNEL_METHOD(linear_packed),
+    KERNEL_METHOD(linear_mxfp4),
+    KERNEL_METHOD(decode_formats),
     KERNEL_METHOD(linear_fp8),
     KERNEL_METHOD(linear_bf16),
     {"amx_supported", py_amx_supported, METH_NOARGS,

@@ -42,6 +42,7 @@ from .layers import Linear, RMSNorm, linear, stacked
 from .ops import choose
 from .ops_torch import KEY_CHUNK
 from .paged_state import SlotPlan, PagedState
+from .weights import Mxfp4Experts
 
 # The overlap points. A microbatch yields where something of its own can be in flight while another
 # microbatch computes: its Engram gather (one process), its attention output's and its MoE output's
@@ -296,6 +297,8 @@ class ExpertPanels(NamedTuple):
     kc2: int
     plans: list
     tiles: bool
+    scales13: torch.Tensor | None = None  # MXFP4 panels (`Mxfp4Experts`): w13 / w2 address the codes
+    scales2: torch.Tensor | None = None
 
 
 class MoE(nn.Module):
@@ -304,7 +307,13 @@ class MoE(nn.Module):
     Parameters: `gate.weight` [E, D], `gate.bias` [E]; the experts stacked as `w13` [E, 2I, D] (w1 then w3
     by rows) and `w2` [E, D, I]; `shared_experts.{w1,w2,w3}` (checkpoints keep one tensor per expert:
     `experts.{e}.w{1,2,3}.weight`, stacked when loading). A token's output adds its experts' weighted
-    outputs in ascending expert order, then the shared expert's: an order fixed per token."""
+    outputs in ascending expert order, then the shared expert's: an order fixed per token.
+
+    Or the routed experts as stored (`stored`, an `Mxfp4Experts`, `use_stored`): then `w13` and `w2` are not
+    parameters until something reads them (the torch forms, autograd, sharding, `state_dict`, `.to`), which
+    turns them into today's float32 Parameters once (`dense_`)."""
+
+    stored: Mxfp4Experts | None = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -317,6 +326,32 @@ class MoE(nn.Module):
         self.shared_experts = nn.Module()
         self.shared_experts.w1, self.shared_experts.w3 = Linear(d, i), Linear(d, i)
         self.shared_experts.w2 = Linear(i, d)
+
+    def use_stored(self, stored: Mxfp4Experts) -> None:
+        """Hold the routed experts as stored: `w13` and `w2` stop being parameters (a state dict without them)."""
+        del self._parameters["w13"], self._parameters["w2"]
+        self.stored, self._panels = stored, None
+
+    def dense_(self) -> None:
+        """The stored experts as today's float32 Parameters `w13`, `w2` (a copy made once; `stored` let go)."""
+        if self.stored is not None:
+            w13, w2 = self.stored.dense()
+            grad = self.gate.weight.requires_grad
+            self.stored, self._panels = None, None
+            self.w13, self.w2 = nn.Parameter(w13, requires_grad=grad), nn.Parameter(w2, requires_grad=grad)
+
+    def __getattr__(self, name: str):
+        if name in ("w13", "w2") and self.__dict__.get("stored") is not None:
+            self.dense_()  # a reader of the float weights
+        return super().__getattr__(name)
+
+    def _apply(self, fn, recurse=True):
+        self.dense_()  # .to(), .double(), ...: of the float weights
+        return super()._apply(fn, recurse)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        self.dense_()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def route(self, x: torch.Tensor, ops: ModuleType) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [N, k] best first, ties to the lower id; their weights [N, k])."""
@@ -335,7 +370,7 @@ class MoE(nn.Module):
         panels = self._expert_panels(xs, counts, ops)
         if panels is not None:
             return exactness.moe_experts(xs, counts, panels.w13, panels.kc13, panels.w2, panels.kc2, self.inter,
-                                         self.cfg.swiglu_limit, panels.tiles)
+                                         self.cfg.swiglu_limit, panels.tiles, panels.scales13, panels.scales2)
         capture.refuse("the MoE reads its expert counts on the host")
         parts, start = [], 0
         for e, c in enumerate(counts.tolist()):  # one host read
@@ -347,10 +382,16 @@ class MoE(nn.Module):
     def _expert_panels(self, xs: torch.Tensor, counts: torch.Tensor, ops: ModuleType) -> ExpertPanels | None:
         """The `ExpertPanels` of the experts where the C matmul takes every expert's product (model/exactness.py: the
         rules on, every expert's bfloat16 tiles or a probed kc, float32 CPU rows, no autograd) and the SwiGLU takes
-        its C form, else None. Cached per weight version."""
-        w13, w2 = self.w13, self.w2
+        its C form, else None. Cached per weight version. With the experts as stored: their MXFP4 panels where the
+        plan of an expert's float weight takes float panels (then the same bits), else `dense_` and as today."""
         if not (exactness.rules_on() and ops is ops_c and xs.is_contiguous() and counts.is_cpu):
             return None  # (the token kernel's SwiGLU is the one inside: with the token kernel on only)
+        if self.stored is not None:
+            panels = self._stored_panels()
+            if panels is not None:
+                return panels
+            self.dense_()  # tiles, BLAS, row-wise or padded torch: today's product, over a float copy made once
+        w13, w2 = self.w13, self.w2
         key = (w13.data_ptr(), w13._version, w2.data_ptr(), w2._version, kernels.get("linear"), torch.get_num_threads())
         cached = getattr(self, "_panels", None)
         if cached is None or cached[0] != key:
@@ -362,6 +403,21 @@ class MoE(nn.Module):
                 torch.tensor([p.kernel_weight.data_ptr() for p in plans13], dtype=torch.int64), plans13[0].kc or 1,
                 torch.tensor([p.kernel_weight.data_ptr() for p in plans2], dtype=torch.int64), plans2[0].kc or 1,
                 plans13 + plans2, tiles)
+            self._panels = cached = (key, panels)
+        return cached[1]
+
+    def _stored_panels(self) -> ExpertPanels | None:
+        """The `ExpertPanels` of the stored experts' MXFP4 panels where the plan of the float weight (`exactness.plan`
+        of `Mxfp4Experts.probes`: every expert of a shape has the same kind of plan and kc) takes float panels; else
+        None. Cached per kernel and thread count."""
+        key = (kernels.get("linear"), torch.get_num_threads())
+        cached = getattr(self, "_panels", None)
+        if cached is None or cached[0] != key:
+            plans = [exactness.plan(w) for w in self.stored.probes()]
+            panels = None
+            if all(p.kernel_weight is not None and not p.is_tiles for p in plans):
+                codes13, scales13, codes2, scales2 = self.stored.addresses()
+                panels = ExpertPanels(codes13, plans[0].kc, codes2, plans[1].kc, plans, False, scales13, scales2)
             self._panels = cached = (key, panels)
         return cached[1]
 
@@ -561,7 +617,7 @@ class DeepseekV41(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 yield m, "weight", 1
-            elif isinstance(m, MoE):
+            elif isinstance(m, MoE) and m.stored is None:  # (stored experts: their panels, laid out already)
                 yield m, "w13", 1
                 yield m, "w2", 1
             elif isinstance(m, Block):
@@ -571,6 +627,7 @@ class DeepseekV41(nn.Module):
     def matmul_weights(self) -> list[torch.Tensor]:
         """The 2-D weights `linear` multiplies by, as the forward views them (layers.pad_rows)."""
         out, ol = [], self.config.o_lora_rank
+        out += [w for m in self.modules() if isinstance(m, MoE) and m.stored is not None for w in m.stored.probes()]
         for m, name, _ in self.matmul_params():
             w = getattr(m, name)
             if isinstance(m, MoE):

@@ -8,10 +8,12 @@ Tensor names are the official ones (docs/deepseek_v41.md), which are the model's
 for the routed experts: one tensor per expert and projection in the checkpoint (`ffn.experts.{e}.w1`),
 stacked at load (`ffn.w13` [E, 2I, D], `ffn.w2` [E, D, I]). Tensors are read through
 `safetensors.safe_open`: float32 weights are views of a private (copy-on-write) mapping of their shard,
-assigned into a model built on the meta device; FP8 block-scaled linears and MXFP4 (or FP8) experts
-are dequantized ONCE, at load, into float32, the compute dtype (so the batch-invariant `linear` runs
-unchanged; measured: the float32 C matmul is also faster here than dequantizing per call); BF16/F16
-weights are cast. The matmul weights are then copied once into the input-major layout of the row
+assigned into a model built on the meta device; FP8 block-scaled linears and FP8 experts are
+dequantized ONCE, at load, into float32, the compute dtype (so the batch-invariant `linear` runs
+unchanged); BF16/F16 weights are cast. MXFP4 routed experts stay as stored on a CPU with the linear
+kernel (`read_mxfp4_experts`: model/weights.py `Mxfp4Experts`, repacked once into MXFP4 panels, no
+float copy; the MoE multiplies them or dequantizes once where its plan needs floats); elsewhere they
+are dequantized like the FP8 ones. The matmul weights are then copied once into the input-major layout of the row
 rule (model/exactness.py). Engram tables are never converted: float or FP8 (E4M3 rows + E8M0
 per-32-column scales), they stay mapped and are read on demand (madvise MADV_RANDOM), row by row, by
 the staging gather. The DSpark drafter (`mtp.*`), the vision tower (`vision.*`, `aligner.*`,
@@ -34,6 +36,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from .. import kernels
 from ..config import EngramConfig, ModelConfig, read_json
 from ..engram.layout import EngramLayout, build_layout
 from ..engram.quantized import SCALE_COLS, Fp8Table, advise_random, block_size_of, dequantize_blocks, dequantize_fp4
@@ -42,6 +45,7 @@ from ..engram.token_map import build_token_map, load_tokenizer
 from ..errors import CheckpointMismatch, ConfigError, EngramServeError
 from .checkpoint import CONFIG_FILE, INDEX_FILE, TINY_DIR, TOKENIZER_FILE, WEIGHTS_FILE, CheckpointFiles
 from .deepseek_v41 import DeepseekV41
+from .weights import Mxfp4Experts
 from .layers import layout_weights_
 
 log = logging.getLogger(__name__)
@@ -154,6 +158,12 @@ def read_weight(files: CheckpointFiles, name: str, shape: list[int]) -> tuple[to
 
 def read_fp4(files: CheckpointFiles, name: str, shape: list[int]) -> torch.Tensor:
     """An MXFP4 weight (packed E2M1 [rows, cols / 2], E8M0 scales [rows, cols / 32]) dequantized to float32."""
+    return dequantize_fp4(*read_fp4_stored(files, name, shape))
+
+
+def read_fp4_stored(files: CheckpointFiles, name: str, shape: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MXFP4 weight as stored: (packed E2M1 [rows, cols / 2], E8M0 scales [rows, cols / 32]), views of the
+    memory map, checked against `shape` [rows, cols]."""
     rows, cols = shape
     where, (_, got) = files.file_of(name), files.info(name)
     if got != [rows, cols // 2] or cols % SCALE_COLS:
@@ -163,7 +173,25 @@ def read_fp4(files: CheckpointFiles, name: str, shape: list[int]) -> torch.Tenso
     if sname not in files:
         raise CheckpointMismatch(f"{where}: MXFP4 tensor {name!r} needs its {SCALE_CODE} scales {sname!r}")
     files.expect(sname, (SCALE_CODE,), [rows, cols // SCALE_COLS])
-    return dequantize_fp4(files.tensor(name), files.tensor(sname))
+    return files.tensor(name, writable=False), files.tensor(sname, writable=False)
+
+
+def stores_mxfp4_experts(files: CheckpointFiles, cfg: ModelConfig, layer: int) -> bool:
+    """Whether every routed expert projection of `layer` is MXFP4 (packed E2M1 bytes) in the checkpoint."""
+    names = [f"layers.{layer}.ffn.experts.{e}.w{j}.weight" for e in range(cfg.n_routed_experts) for j in (1, 2, 3)]
+    return all(n in files and files.info(n)[0] in FP4_CODES and len(files.info(n)[1]) == 2 for n in names)
+
+
+def read_mxfp4_experts(files: CheckpointFiles, cfg: ModelConfig, layer: int) -> tuple[Mxfp4Experts, list[str]]:
+    """Layer `layer`'s routed experts as stored (`Mxfp4Experts`, no float copy), with the checkpoint names used."""
+    e_n, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    parts, used = {1: [], 2: [], 3: []}, []
+    for e in range(e_n):
+        for j, shape in ((1, [i, d]), (3, [i, d]), (2, [d, i])):
+            name = f"layers.{layer}.ffn.experts.{e}.w{j}.weight"
+            parts[j].append(read_fp4_stored(files, name, shape))
+            used += [name, scale_name(name)]
+    return Mxfp4Experts.from_stored(parts[1], parts[3], parts[2]), used
 
 
 NOT_TEXT_PREFIXES = ("mtp.", "vision.", "aligner.", "image_")  # the DSpark drafter, the vision tower
@@ -277,6 +305,13 @@ def _load(root: Path, device, pin_tables, progress: Progress | None, dedup: bool
     with torch.device("meta"):
         model = DeepseekV41(cfg)
     expected, state = model.state_dict(), {}
+    if torch.device(device).type == "cpu" and kernels.loaded("linear"):  # MXFP4 experts stay as stored
+        for layer, block in enumerate(model.layers):
+            if stores_mxfp4_experts(files, cfg, layer):
+                experts, names = read_mxfp4_experts(files, cfg, layer)
+                block.ffn.use_stored(experts)
+                used.update(names)
+                del expected[f"layers.{layer}.ffn.w13"], expected[f"layers.{layer}.ffn.w2"]
     for i, (key, ref) in enumerate(expected.items()):
         state[key], names = read_param(files, key, list(ref.shape))
         used.update(names)

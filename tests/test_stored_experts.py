@@ -1,0 +1,126 @@
+"""MXFP4 routed experts kept as stored (model/weights.py `Mxfp4Experts`, issue 47): after load the MoE holds no
+float32 expert weights, only the MXFP4 panels (0.53 bytes a weight); its logits equal those of the same checkpoint
+with the experts dequantized to float32 bit for bit; and the float64 reference (tests/reference/reference_v41.py)
+agrees within 1e-4, which a single E2M1 code decoded wrong turns red (the negative control)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engram_serve import kernels
+from engram_serve.engram.quantized import Fp8Table, dequantize_rows
+from engram_serve.model import exactness
+from engram_serve.model.deepseek_v41 import MoE
+from engram_serve.model.loader import load_model
+from engram_serve.model.weights import Mxfp4Experts
+from engram_serve.model.writer import SMALL_TEXT_CONFIG, Quant, official_tensors, random_v41_checkpoint, with_engram_rows
+from reference_v41 import reference_forward
+from v41_fixtures import engram_hash_ids, tiny_token_map
+
+TOL = 1e-4
+PROMPT = [(7 * i + 3) % 4000 + 10 for i in range(12)]
+
+pytestmark = pytest.mark.skipif(not kernels.loaded("linear"), reason="the linear kernel is not built")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return random_v41_checkpoint(tmp_path_factory.mktemp("v41"), seed=5, quant=Quant(), shard_bytes=256 << 10)
+
+
+def moes(model) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def float_bytes(module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()] if t.is_floating_point())
+
+
+def takes_panels(moe: MoE) -> bool:
+    """Whether this CPU's plan for the experts' float weights is the float panels (else the MoE dequantizes)."""
+    return all(exactness.plan(w).kernel_weight is not None and not exactness.plan(w).is_tiles
+               for w in moe.stored.probes())
+
+
+def logprobs(model, weights: dict, ids: list[int]) -> torch.Tensor:
+    cfg = with_engram_rows(dict(SMALL_TEXT_CONFIG))
+    hashes = engram_hash_ids(cfg, ids, token_map=tiny_token_map())
+    rows = [weights[f"layers.{l}.engram.embed.weight"][hashes[l]][None] for l in cfg["engram_layer_ids"]]
+    with torch.no_grad():
+        return torch.log_softmax(model.forward_dense(torch.tensor([ids]), rows or None)[0].double(), -1)
+
+
+@pytest.fixture(scope="module")
+def reference_weights(ckpt):
+    """The checkpoint's tensors dequantized (the float path of the loader), under official names."""
+    lm = load_model(ckpt, pin_tables=False)
+    w = official_tensors(lm.model, None, Quant(linears=False, experts=None, tables=False))
+    for lid, t in zip(lm.tables.layer_ids, lm.tables.tables):
+        w[f"layers.{lid}.engram.embed.weight"] = (dequantize_rows(t.weight, t.scale, torch.empty(t.weight.shape))
+                                                  if isinstance(t, Fp8Table) else t.float())
+    return w
+
+
+def test_moe_holds_no_float_expert_weights_after_load(ckpt):
+    model = load_model(ckpt, pin_tables=False).model
+    cfg = SMALL_TEXT_CONFIG
+    e, d, i = cfg["n_routed_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"]
+    for m in moes(model):
+        assert isinstance(m.stored, Mxfp4Experts)
+        names = [n for n, _ in m.named_parameters()]
+        assert not any(n in ("w13", "w2") for n in names), names
+        assert float_bytes(m) == float_bytes(m.gate) + float_bytes(m.shared_experts)  # the router and shared expert
+        stored = e * 3 * i * d * (1 / 2 + 1 / 32)  # E2M1 nibbles and E8M0 scales
+        assert stored <= m.stored.nbytes() <= 1.1 * stored
+
+
+def test_stored_experts_give_the_float_paths_logits_bit_for_bit(ckpt, reference_weights):
+    stored = load_model(ckpt, pin_tables=False).model
+    if not takes_panels(moes(stored)[0]):
+        pytest.skip("this CPU's plan for the experts' shape is not the float panels: the MoE dequantizes")
+    dense = load_model(ckpt, pin_tables=False).model
+    for m in moes(dense):
+        m.dense_()
+        assert m.w13.dtype == torch.float32 and m.stored is None
+    got = logprobs(stored, reference_weights, PROMPT)
+    assert all(m.stored is not None and m._panels[1] is not None for m in moes(stored))  # ran on the MXFP4 panels
+    assert float_bytes(stored) < float_bytes(dense) - sum(m.stored.nbytes() for m in moes(stored))
+    want = logprobs(dense, reference_weights, PROMPT)
+    assert torch.equal(got, want)
+
+
+def test_where_the_plan_is_not_the_float_panels_the_moe_dequantizes_once(ckpt, reference_weights, monkeypatch):
+    """Tiles, BLAS, row-wise or padded torch (e.g. a CPU where no kc reproduces MKL for the experts' shape): the MoE
+    makes its float Parameters once and runs today's product, with the same logits."""
+    want = logprobs(load_model(ckpt, pin_tables=False).model, reference_weights, PROMPT)
+    monkeypatch.setattr(MoE, "_stored_panels", lambda self: None)
+    model = load_model(ckpt, pin_tables=False).model
+    got = logprobs(model, reference_weights, PROMPT)
+    assert all(m.stored is None and m.w13.dtype == torch.float32 for m in moes(model))
+    assert torch.equal(got, want)
+
+
+def _decode_one_code_wrong(experts: Mxfp4Experts, code: int = 1, wrong: int = 2) -> None:
+    """Every E2M1 nibble `code` (0.5) in the packed panels becomes `wrong` (1.0): the decode of one code wrong."""
+    for t in (experts.codes13, experts.codes2):
+        lo, hi = t & 15, t >> 4
+        lo[lo == code], hi[hi == code] = wrong, wrong
+        t.copy_(lo | (hi << 4))
+
+
+def test_reference_agrees_and_one_wrong_e2m1_code_turns_it_red(ckpt, reference_weights):
+    cfg = with_engram_rows(dict(SMALL_TEXT_CONFIG))
+    ref = reference_forward(cfg, reference_weights, PROMPT, engram_hash_ids(cfg, PROMPT, token_map=tiny_token_map()))
+    clean = [p for p in range(len(PROMPT)) if not ref.tainted(p)]
+    assert len(clean) > len(PROMPT) // 2
+
+    def diff(wrong: bool) -> float:
+        model = load_model(ckpt, pin_tables=False).model
+        if wrong:  # before the first forward: whichever product this CPU takes reads the wrong code
+            for m in moes(model):
+                _decode_one_code_wrong(m.stored)
+        got = logprobs(model, reference_weights, PROMPT)
+        return max((got[p] - ref.logprobs[p]).abs().max().item() for p in clean)
+
+    assert diff(False) <= TOL
+    assert diff(True) > TOL

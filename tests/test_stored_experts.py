@@ -1,4 +1,4 @@
-"""MXFP4 routed experts kept as stored (model/weights.py `Mxfp4Experts`, issue 47): after load the MoE holds no
+"""MXFP4 routed experts kept as stored (model/weights.py `Mxfp4Experts`): after load the MoE holds no
 float32 expert weights, only the MXFP4 panels (0.53 bytes a weight); its logits equal those of the same checkpoint
 with the experts dequantized to float32 bit for bit; and the float64 reference (tests/reference/reference_v41.py)
 agrees within 1e-4, which a single E2M1 code decoded wrong turns red (the negative control)."""

@@ -1,4 +1,4 @@
-"""Weights kept in their stored format: a layer's MXFP4 routed experts (issue 47).
+"""Weights kept in their stored format: a layer's MXFP4 routed experts.
 
 An MXFP4 checkpoint stores each expert's w1, w3 [I, D] and w2 [D, I] as packed E2M1 codes [rows, cols / 2]
 (the even column in the low nibble) with one E8M0 scale per row and 32 columns [rows, cols / 32]

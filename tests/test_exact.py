@@ -24,7 +24,7 @@ from engram_serve import kernels
 from engram_serve.config import ModelConfig
 from engram_serve.engram.tables import EngramTables
 from engram_serve.microbatch.plan import MicrobatchConfig
-from engram_serve.model import exactness, layers
+from engram_serve.model import exactness, layers, products
 from engram_serve.model.deepseek_v41 import DeepseekV41
 from engram_serve.model.loader import load_model, model_state_from_official
 from engram_serve.model.writer import Quant, make_random_checkpoint, save_v41_checkpoint
@@ -93,11 +93,11 @@ def test_negative_control_without_the_batch_invariance_rules_logits_differ(loade
     alone, _ = run(loaded, Workload(work.prompts[:1], GEN))  # with the rules on, the case passes
     assert torch.equal(alone, run(loaded, work, microbatches=2)[0])
     exact = True
-    monkeypatch.setattr(exactness, "_plans", {})  # the rules below are consulted afresh
+    monkeypatch.setattr(products, "_plans", {})  # the rules below are consulted afresh
     if not off.startswith("float kernel"):
         monkeypatch.setattr(exactness, "amx_supported", lambda kernel: False)
     if off.startswith("float kernel"):
-        if not exactness.plan(loaded.model.head.weight).is_tiles:
+        if not products.plan(loaded.model.head.weight).is_tiles:
             pytest.skip("no bfloat16 tiles: a float32 model, or no AMX here (exactness.amx_supported)")
         tiles = exactness.matmul_bf16
 
@@ -109,7 +109,7 @@ def test_negative_control_without_the_batch_invariance_rules_logits_differ(loade
         monkeypatch.setattr(exactness, "min_rows", lambda weight: 1)
         monkeypatch.setattr(exactness, "small_call_kc", lambda weight: None)
     elif off.startswith("matmul kernel"):
-        if exactness.pad_rows(layers.matmul_weights(loaded.model)) != 1:
+        if products.pad_rows(layers.matmul_weights(loaded.model)) != 1:
             pytest.skip("the C matmul kernel does not serve this model's matmuls here")
         kernel = exactness.matmul_kernel
         monkeypatch.setattr(exactness, "matmul_kernel", lambda x, panels, n, kc, *args, **kw: kernel(

@@ -14,7 +14,7 @@ from engram_serve import kernels
 from engram_serve.config import ModelConfig
 from engram_serve.engram.layer import EngramGate
 from engram_serve.model import deepseek_v41 as v41
-from engram_serve.model import exactness, layers, ops
+from engram_serve.model import exactness, layers, ops, products
 from engram_serve.model.deepseek_v41 import DeepseekV41, MoE, RopeTable, run_stages
 from engram_serve.model.loader import model_state_from_official
 from engram_serve.model.writer import Quant, official_tensors
@@ -241,8 +241,8 @@ def test_the_direct_sgemm_call_gets_torchs_bits(out_f, in_f, rows, seed):
     w = exactness.in_major(torch.randn(out_f, in_f, generator=g))
     x = torch.randn(rows, in_f, generator=g) * 3
     assert torch.equal(exactness.blas_linear(x, w), F.linear(x, w))
-    p = exactness.plan(w)
-    blas = isinstance(p, exactness.Blas)
+    p = products.plan(w)
+    blas = isinstance(p, products.Blas)
     assert not blas or (exactness.small_call_kc(w) is None and not exactness.position_dependent(w))
     if blas and rows >= p.min_rows:  # (a smaller call pads: the row rule)
         assert torch.equal(layers.linear(x, w), F.linear(x, w))
@@ -263,7 +263,7 @@ def test_weight_views_taken_by_the_direct_sgemm_call_give_wrong_logits(monkeypat
     monkeypatch.setattr(exactness, "small_call_kc", lambda weight: None)
 
     def logits():
-        monkeypatch.setattr(exactness, "_plans", {})
+        monkeypatch.setattr(products, "_plans", {})
         with torch.no_grad():
             return model.forward_dense(ids, None)
     kept = logits()
@@ -357,14 +357,14 @@ def test_linear_takes_the_tiles_only_for_bfloat16_weights(monkeypatch):
     for w, tiled in ((torch.randn(96, 128, generator=g).to(torch.bfloat16).float(), True),
                      (torch.randn(96, 128, generator=g), False)):
         w = exactness.in_major(w)
-        assert exactness.plan(w).is_tiles == tiled
+        assert products.plan(w).is_tiles == tiled
         y = layers.linear(x, w)
         assert ((y.double() - x.double() @ w.double().t()).abs()
                 <= 3 * 128 * 2.0**-24 * (x.double().abs() @ w.double().abs().t())).all()
         assert all(torch.equal(layers.linear(x[i:i + 1], w), y[i:i + 1]) for i in range(40))
     monkeypatch.setattr(exactness, "bf16_check", False)
-    monkeypatch.setattr(exactness, "_plans", {})
-    assert exactness.plan(w).is_tiles
+    monkeypatch.setattr(products, "_plans", {})
+    assert products.plan(w).is_tiles
     err = (layers.linear(x, w).double() - x.double() @ w.double().t()).abs()
     assert not (err <= 3 * 128 * 2.0**-24 * (x.double().abs() @ w.double().abs().t())).all()
 
@@ -376,12 +376,12 @@ def test_a_one_row_call_of_an_fp8_weight_equals_its_row_in_a_big_call(monkeypatc
     same either way. Negative control: FP8 panels for a weight they only approximate (the exact check off) give
     the one-row call other bits. (The bfloat16 tiles off: on an AMX CPU an FP8 weight takes its tiles instead.)"""
     monkeypatch.setattr(exactness, "amx_supported", lambda kernel: False)
-    monkeypatch.setattr(exactness, "_plans", {})
+    monkeypatch.setattr(products, "_plans", {})
     x = torch.randn(9, 128, generator=torch.Generator().manual_seed(3))
     w = exactness.in_major(fp8_weight(96, 128, 128, 1))
-    assert isinstance(exactness.plan(w), exactness.Fp8Panels)
+    assert isinstance(products.plan(w), products.Fp8Panels)
     assert all(torch.equal(layers.linear(x[i:i + 1], w), layers.linear(x, w)[i:i + 1]) for i in range(9))
     monkeypatch.setattr(exactness, "fp8_check", False)
     v = exactness.in_major(torch.randn(96, 128, generator=torch.Generator().manual_seed(4)))
-    assert isinstance(exactness.plan(v), exactness.Fp8Panels)
+    assert isinstance(products.plan(v), products.Fp8Panels)
     assert not torch.equal(layers.linear(x[:1], v), layers.linear(x, v)[:1])

@@ -9,7 +9,7 @@ import torch
 
 from engram_serve import kernels
 from engram_serve.engram.quantized import Fp8Table, dequantize_rows
-from engram_serve.model import exactness
+from engram_serve.model import products
 from engram_serve.model.deepseek_v41 import MoE
 from engram_serve.model.loader import load_model
 from engram_serve.model.weights import Mxfp4Experts
@@ -38,7 +38,7 @@ def float_bytes(module) -> int:
 
 def takes_panels(moe: MoE) -> bool:
     """Whether this CPU's plan for the experts' float weights is the float panels (else the MoE dequantizes)."""
-    return all(exactness.plan(w).kernel_weight is not None and not exactness.plan(w).is_tiles
+    return all(products.plan(w).kernel_weight is not None and not products.plan(w).is_tiles
                for w in moe.stored.probes())
 
 

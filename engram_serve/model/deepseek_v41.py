@@ -37,7 +37,7 @@ from ..config import ModelConfig
 from ..engram.layer import EngramGate
 from ..errors import StaticBufferError
 from .. import kernels
-from . import capture, exactness, ops_c
+from . import capture, exactness, ops_c, products
 from .layers import Linear, RMSNorm, linear, stacked
 from .ops import choose
 from .ops_torch import KEY_CHUNK
@@ -395,8 +395,8 @@ class MoE(nn.Module):
         key = (w13.data_ptr(), w13._version, w2.data_ptr(), w2._version, kernels.get("linear"), torch.get_num_threads())
         cached = getattr(self, "_panels", None)
         if cached is None or cached[0] != key:
-            plans13 = [exactness.plan(w13[e]) for e in range(w13.shape[0])]
-            plans2 = [exactness.plan(w2[e]) for e in range(w2.shape[0])]
+            plans13 = [products.plan(w13[e]) for e in range(w13.shape[0])]
+            plans2 = [products.plan(w2[e]) for e in range(w2.shape[0])]
             tiles = all(p.is_tiles for p in plans13 + plans2)  # every expert on the bfloat16 tiles
             ok = tiles or all(p.kernel_weight is not None and not p.is_tiles for p in plans13 + plans2)  # (else mixed)
             panels = None if not ok else ExpertPanels(
@@ -407,13 +407,13 @@ class MoE(nn.Module):
         return cached[1]
 
     def _stored_panels(self) -> ExpertPanels | None:
-        """The `ExpertPanels` of the stored experts' MXFP4 panels where the plan of the float weight (`exactness.plan`
+        """The `ExpertPanels` of the stored experts' MXFP4 panels where the plan of the float weight (`products.plan`
         of `Mxfp4Experts.probes`: every expert of a shape has the same kind of plan and kc) takes float panels; else
         None. Cached per kernel and thread count."""
         key = (kernels.get("linear"), torch.get_num_threads())
         cached = getattr(self, "_panels", None)
         if cached is None or cached[0] != key:
-            plans = [exactness.plan(w) for w in self.stored.probes()]
+            plans = [products.plan(w) for w in self.stored.probes()]
             panels = None
             if all(p.kernel_weight is not None and not p.is_tiles for p in plans):
                 codes13, scales13, codes2, scales2 = self.stored.addresses()

@@ -9,7 +9,8 @@ memory layout: with the usual [out, in] row-major weight it is 4 rows on an AVX2
 rows (growing with `in`) on an AVX-512 one; with the weight laid out input-major (`in_major`: W.T
 contiguous, so MKL reads it untransposed) only a 1-row call differs there. The model's matmul weights
 are laid out input-major (layers.py `layout_weights_`, once at load), and every matmul of the forward
-goes through layers.py `linear`, which asks `plan` here. Where a probe shows that the C kernel (the
+goes through layers.py `linear`, which runs the product model/products.py `plan` makes from these
+rules. Where a probe shows that the C kernel (the
 linear kernel of engram_serve/kernels.py) gives MKL's bits for this shape (`small_call_kc`: it computes
 the blocked kernel's accumulation order, fma chains over blocks of `kc` inputs, the blocks then
 added), every call goes to it: it computes each row by the same operations whatever the call's size,
@@ -24,7 +25,7 @@ other weight the kernel does not serve (few outputs: a 4-expert router) goes, in
 min_rows rows, to torch's own sgemm called directly (`blas_linear`, where `blas_matches` probes that it
 gives torch's bits): the same numbers as F.linear, as a kernel call a CPU graph can replay. The
 attention and indexer's torch forms use fixed per-item shapes (`KEY_CHUNK` keys a bmm item). The runner
-pads a small microbatch once to the row count the model's matmuls still need (`pad_rows`: 1 where the
+pads a small microbatch once to the row count the model's matmuls still need (model/products.py `pad_rows`: 1 where the
 kernel serves every weight), so that within a step only the sampled rows' logits call may still pad.
 tests/test_layers.py sweeps the rule.
 
@@ -47,7 +48,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from collections.abc import Iterable
 from contextlib import contextmanager
 
 import torch
@@ -370,172 +370,12 @@ def moe_experts(xs: torch.Tensor, counts: torch.Tensor, panels13: torch.Tensor, 
     return ys
 
 
-class Product:
-    """How `linear` multiplies by one weight view (`plan`): a strategy made once per weight (and version), whose
-    `run(x2, weight)` computes x2 [N, in] @ weight.T -> [N, out]. What the linear kernel's one-call forms (the MoE's
-    experts, the mHC's `hc_next`) read: `kernel_weight` (the packed panels or bfloat16 tiles; None where the
-    kernel does not take the weight), `kc` (the probed block size, None where none matches) and `is_tiles`.
-    A cached strategy keeps its weight alive, so its address cannot be reused by another tensor while cached.
-    `run(x2, weight)` takes the caller's weight view too: a view made again at the same address (a slice, under
-    autograd a concatenation) carries its own autograd history and `requires_grad`, which the torch forms and the
-    kernel's autograd check must read, never the cached view's."""
-
-    kernel_weight: torch.Tensor | None = None
-    kc: int | None = None
-    is_tiles = False
-
-    def __init__(self, weight: torch.Tensor):
-        self.weight, self.version = weight, weight._version
-
-    def run(self, x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-
-class Plain(Product):
-    """The rules off (`batch_invariant(False)`): torch's F.linear as is."""
-
-    def run(self, x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(x2, weight)
-
-
-class Padded(Product):
-    """torch's F.linear, a call of fewer than `min_rows` rows zero-padded with one `F.pad` (host-side shape checks,
-    no device sync)."""
-
-    def __init__(self, weight: torch.Tensor, min_rows: int):
-        super().__init__(weight)
-        self.min_rows = min_rows
-
-    def run(self, x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        n, m = x2.shape[0], self.min_rows
-        if n >= m:
-            return self.full(x2, weight)
-        return F.linear(F.pad(x2, (0, 0, 0, m - n)), weight)[:n]
-
-    def full(self, x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(x2, weight)
-
-
-class Blas(Padded):
-    """`Padded`, a call of enough rows by torch's sgemm called directly where `blas_takes` the rows (`blas_matches`
-    probed the weight: torch's bits, a recordable kernel call)."""
-
-    def full(self, x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return blas_linear(x2, weight) if blas_takes(x2, weight) else F.linear(x2, weight)
-
-
-class Rowwise(Product):
-    """`rowwise_linear`: for a weight MKL gives a row other bits at another place of its call (`position_dependent`)."""
-
-    def run(self, x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return rowwise_linear(x2, weight)
-
-
-class Panels(Product):
-    """The linear kernel over the weight's packed float panels at block size `kc` (`small_call_kc`), rows the kernel
-    takes (`kernel_takes`); other rows (autograd, another dtype or device) by `fallback`."""
-
-    def __init__(self, weight: torch.Tensor, kc: int, panels: torch.Tensor, fallback: Product):
-        super().__init__(weight)
-        self.kc, self.kernel_weight, self.fallback = kc, panels, fallback
-
-    def run(self, x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if not kernel_takes(x2, weight, self.kc):
-            return self.fallback.run(x2, weight)
-        return matmul_kernel(x2, self.kernel_weight, weight.shape[0], self.kc)
-
-
-class Fp8Panels(Panels):
-    """`Panels`, a call of at most FP8_ROWS rows from the weight's FP8 panels (`pack_fp8`): the same bits, a quarter
-    of the bytes read."""
-
-    def __init__(self, weight: torch.Tensor, kc: int, panels: torch.Tensor, fp8: tuple, fallback: Product):
-        super().__init__(weight, kc, panels, fallback)
-        self.fp8 = fp8
-
-    def run(self, x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if kernel_takes(x2, weight, self.kc) and x2.shape[0] <= FP8_ROWS:
-            return matmul_fp8(x2, self.fp8, weight.shape[0], self.kc)
-        return super().run(x2, weight)
-
-
-class Tiles(Product):
-    """The linear kernel's `linear_bf16` over the weight's bfloat16 tiles (`pack_bf16`, on an AMX CPU) for every
-    call it takes, whatever its rows; other rows by `fallback`. `kc`: the probed block size, if any (unused)."""
-
-    is_tiles = True
-
-    def __init__(self, weight: torch.Tensor, kc: int | None, tiles: torch.Tensor, fallback: Product):
-        super().__init__(weight)
-        self.kc, self.kernel_weight, self.fallback = kc, tiles, fallback
-
-    def run(self, x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if not kernel_takes(x2, weight, self.kernel_weight):
-            return self.fallback.run(x2, weight)
-        return matmul_bf16(x2, self.kernel_weight, weight.shape[0])
-
-
-_plans: dict[tuple, Product] = {}
-
-
-def plan(weight: torch.Tensor) -> Product:
-    """The `Product` of this weight view: `Plain` with the rules off; else made once and memoised by address and
-    layout (~1 us a call instead of ~12 us for measuring keys each time). The panels and tiles are a copy (the
-    weight's memory once more), made again when the weight was modified in place (its version counter)."""
-    if not _exact:
-        return Plain(weight)
-    key = (weight.data_ptr(), weight.shape, weight.stride(), weight.dtype, weight.is_cuda, torch.get_num_threads(),
-           kernels.get("linear"))
-    p = _plans.get(key)
-    if p is None or p.version != weight._version:
-        if len(_plans) >= 4096:  # weights replaced many times over (tests): start again
-            _plans.clear()
-        p = _plans[key] = _make_plan(weight)
-    return p
-
-
-def _make_plan(weight: torch.Tensor) -> Product:
-    kc = small_call_kc(weight)
-    positional = kc is None and position_dependent(weight)
-    bf16 = pack_bf16(weight.detach().t()) if weight.dtype == torch.float32 and weight.dim() == 2 and \
-        weight.device.type == "cpu" and amx_supported(kernels.get("linear")) else None
-    panels = kc and bf16 is None
-    fp8 = pack_fp8(weight.detach().t()) if panels and fp8_supported(kernels.get("linear")) else None
-    packed = pack_panels(weight.detach().t()) if panels else None
-    m = min_rows(weight)
-    if positional:
-        fallback = Rowwise(weight)
-    elif kc is None and blas_matches(weight):
-        fallback = Blas(weight, m)
-    else:
-        fallback = Padded(weight, m)
-    if bf16 is not None:
-        return Tiles(weight, kc, bf16, fallback)
-    if fp8 is not None:
-        return Fp8Panels(weight, kc, packed, fp8, fallback)
-    if panels:
-        return Panels(weight, kc, packed, fallback)
-    return fallback
-
-
-def live_plans() -> list[Product]:
-    """Every cached plan (its panels and weight): what a CPU graph capture must keep alive."""
-    return list(_plans.values())
-
-
 def kernel_takes(x2: torch.Tensor, weight: torch.Tensor, packed) -> bool:
     """Whether the linear kernel computes x2 [N, in] @ weight.T with the plan's `packed` form of the weight (a
     probed kc, or its bfloat16 tiles; None: none): float32 CPU rows with unit stride, outside autograd."""
     return (packed is not None and x2.is_cpu and x2.dtype == torch.float32 and x2.stride(-1) == 1
             and x2.shape[1] == weight.shape[1] and (x2.shape[0] == 1 or x2.stride(0) >= x2.shape[1])
             and not (torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad)))
-
-
-def pad_rows(weights: Iterable[torch.Tensor]) -> int:
-    """The token count a microbatch is padded to so that no matmul by these weights (layers.py
-    `matmul_weights` of a model) pads its call."""
-    return max((1 if small_call_kc(w) or (rules_on() and plan(w).is_tiles) else min_rows(w) for w in weights),
-               default=MIN_ROWS)
 
 
 def pointwise(fn, x: torch.Tensor) -> torch.Tensor:

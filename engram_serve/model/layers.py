@@ -12,16 +12,16 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from . import exactness
+from . import exactness, products
 from .exactness import in_major
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T -> [..., out], batch-invariant (the row rule of model/exactness.py): the
-    weight's product strategy (`exactness.plan`: bfloat16 tiles, float or FP8 panels, row-wise, torch's sgemm, or
+    weight's product strategy (`products.plan`: bfloat16 tiles, float or FP8 panels, row-wise, torch's sgemm, or
     F.linear padded to min_rows rows) runs it; a 2-D input needs no reshape."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    y = exactness.plan(weight).run(x2, weight)
+    y = products.plan(weight).run(x2, weight)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 
 

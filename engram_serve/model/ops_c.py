@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from .. import kernels
-from . import capture, exactness, ops_torch
+from . import capture, exactness, ops_torch, products
 from .layers import linear
 
 
@@ -127,7 +127,7 @@ def hc_next(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Te
     One C call over tiles of tokens (`hc_next_packed`) where the linear kernel takes fn (the same bits as the
     calls below), else those calls. `in_place`: x' is written over x (the caller reads x no more)."""
     if kernels.get("linear") is not None and exactness.rules_on():
-        p = exactness.plan(fn)
+        p = products.plan(fn)
         if p.kernel_weight is not None:  # (fn's product as `linear` computes it)
             return hc_next_packed(o, x, post, comb, mix, p.kernel_weight, p.kc or 1, scale, base, cfg.rms_norm_eps,
                                   cfg.hc_eps, cfg.hc_sinkhorn_iters, norm_w, norm_eps, p.is_tiles, in_place)

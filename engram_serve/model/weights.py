@@ -74,7 +74,7 @@ class Mxfp4Experts:
 
     def probes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert 0's float32 w13 and w2, input-major, one per shape in the process: the weights whose
-        `exactness.plan` says how the float path would multiply every expert of that shape (the plan's kind and
+        `products.plan` says how the float path would multiply every expert of that shape (the plan's kind and
         kc depend on the shape, the CPU and the threads; its bfloat16 check on the values, and every MXFP4 value
         is a bfloat16)."""
         key = (self.shape13, self.shape2)

@@ -29,7 +29,8 @@ from ..microbatch.plan import MicrobatchConfig, MicrobatchPlanner, check_bounds
 from ..microbatch.slicing import slice_microbatches
 from ..model.context import ForwardContext
 from ..model.paged_state import PagedState
-from ..model.exactness import MIN_ROWS, batch_invariant, pad_rows
+from ..model.exactness import MIN_ROWS, batch_invariant
+from ..model.products import pad_rows
 from ..model.layers import matmul_weights
 from ..model.loader import LoadedModel
 from .cpu_graphs import CpuGraphs, bound

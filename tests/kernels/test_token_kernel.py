@@ -123,8 +123,8 @@ def test_hc_next_is_its_five_calls_bit_for_bit(n, hc, dim, seed, bf16):
     norm.weight.data = torch.randn(dim, generator=g)
     # the one call runs where the linear kernel takes the weight: where a probe on this CPU finds its product has
     # MKL's bits (on the EPYC not for hc = 1's three outputs, which take BLAS and the five calls)
-    assume(v41.exactness.plan(fn).kc is not None)
-    assert (v41.exactness.plan(fn).is_tiles) == (bf16 and v41.exactness.amx_supported(kernels.get("linear")))
+    assume(v41.products.plan(fn).kc is not None)
+    assert (v41.products.plan(fn).is_tiles) == (bf16 and v41.exactness.amx_supported(kernels.get("linear")))
     with torch.no_grad():
         got = ops_c.hc_next(o, x, post, comb, mix, fn, base, scale, norm.weight, norm.eps, cfg)
         xs = ops_c.expand(o, x, post, comb)

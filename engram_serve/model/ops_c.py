@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from .. import kernels
-from . import capture, exactness, ops_torch, products
+from . import capture, ops_torch, products
 from .layers import linear
 
 
@@ -126,11 +126,10 @@ def hc_next(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Te
     (`hyper_mix` with fn, base, scale) and its input rms_norm(collapse(x', mix)): (x', (pre, post, comb), input).
     One C call over tiles of tokens (`hc_next_packed`) where the linear kernel takes fn (the same bits as the
     calls below), else those calls. `in_place`: x' is written over x (the caller reads x no more)."""
-    if kernels.get("linear") is not None and exactness.rules_on():
-        p = products.plan(fn)
-        if p.kernel_weight is not None:  # (fn's product as `linear` computes it)
-            return hc_next_packed(o, x, post, comb, mix, p.kernel_weight, p.kc or 1, scale, base, cfg.rms_norm_eps,
-                                  cfg.hc_eps, cfg.hc_sinkhorn_iters, norm_w, norm_eps, p.is_tiles, in_place)
+    p = products.plan(fn)  # (fn's product as `linear` computes it: none of the kernel's with the rules off)
+    if p.kernel_weight is not None:
+        return hc_next_packed(o, x, post, comb, mix, p.kernel_weight, p.kc or 1, scale, base, cfg.rms_norm_eps,
+                              cfg.hc_eps, cfg.hc_sinkhorn_iters, norm_w, norm_eps, p.is_tiles, in_place)
     x = expand(o, x, post, comb, in_place)
     return x, hyper_mix(x, fn, base, scale, cfg), rms_norm(collapse(x, mix), norm_eps, norm_w)
 

@@ -1,5 +1,5 @@
 """MXFP4 routed experts kept as stored (model/weights.py `Mxfp4Experts`): after load the MoE holds no
-float32 expert weights, only the MXFP4 panels (0.53 bytes a weight); its logits equal those of the same checkpoint
+float32 expert weights, only views of the checkpoint's read-only memory map (0.53 bytes a weight); its logits equal those of the same checkpoint
 with the experts dequantized to float32 bit for bit; and the float64 reference (tests/reference/reference_v41.py)
 agrees within 1e-4, which a single E2M1 code decoded wrong turns red (the negative control)."""
 from __future__ import annotations
@@ -83,7 +83,7 @@ def test_stored_experts_give_the_float_paths_logits_bit_for_bit(ckpt, reference_
         m.dense_()
         assert m.w13.dtype == torch.float32 and m.stored is None
     got = logprobs(stored, reference_weights, PROMPT)
-    assert all(m.stored is not None and m._panels[1] is not None for m in moes(stored))  # ran on the MXFP4 panels
+    assert all(m.stored is not None and m._panels[1] is not None for m in moes(stored))  # ran on the stored bytes
     assert float_bytes(stored) < float_bytes(dense) - sum(m.stored.nbytes() for m in moes(stored))
     want = logprobs(dense, reference_weights, PROMPT)
     assert torch.equal(got, want)
@@ -101,11 +101,36 @@ def test_where_the_plan_is_not_the_float_panels_the_moe_dequantizes_once(ckpt, r
 
 
 def _decode_one_code_wrong(experts: Mxfp4Experts, code: int = 1, wrong: int = 2) -> None:
-    """Every E2M1 nibble `code` (0.5) in the packed panels becomes `wrong` (1.0): the decode of one code wrong."""
-    for t in (experts.codes13, experts.codes2):
+    """Every E2M1 nibble `code` (0.5) of the stored experts becomes `wrong` (1.0): the decode of one code wrong (in
+    a copy: the memory map is read-only)."""
+    def wrong_codes(t):
         lo, hi = t & 15, t >> 4
         lo[lo == code], hi[hi == code] = wrong, wrong
-        t.copy_(lo | (hi << 4))
+        return lo | (hi << 4)
+    for w in (experts.w1, experts.w3, experts.w2):
+        w[:] = [(wrong_codes(c), s) for c, s in w]
+    experts._addresses = None
+
+
+def mapping_of(address: int) -> tuple[str, str]:
+    """(permissions, path) of the mapping of this process that holds `address` (/proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(v, 16) for v in fields[0].split("-"))
+            if lo <= address < hi:
+                return fields[1], fields[-1] if len(fields) > 5 else ""
+    raise LookupError(hex(address))
+
+
+def test_the_experts_are_views_of_the_read_only_map(ckpt):
+    """No copy: every stored tensor lies in a read-only mapping of its shard, so a page is read from disk when a
+    step first touches it (and the page cache may drop it again)."""
+    for m in moes(load_model(ckpt, pin_tables=False).model):
+        for w in (m.stored.w1, m.stored.w3, m.stored.w2):
+            for t in (c for pair in w for c in pair):
+                perms, path = mapping_of(t.data_ptr())
+                assert perms.startswith("r-") and path.endswith(".safetensors"), (perms, path)
 
 
 def test_reference_agrees_and_one_wrong_e2m1_code_turns_it_red(ckpt, reference_weights):

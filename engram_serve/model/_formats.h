@@ -67,9 +67,14 @@ __attribute__((target("avx512f,avx2"), always_inline)) static inline __m128i nib
     return _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
 }
 
+/* the E2M1 values of 16 codes, one a 32-bit lane (its low 4 bits) */
+__attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 e2m1_16_lanes(__m512i codes) {
+    return _mm512_permutexvar_ps(codes, _mm512_loadu_ps(E2M1_VALUES));
+}
+
 /* the E2M1 values of 16 codes (bytes) */
 __attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 e2m1_16(__m128i codes) {
-    return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), _mm512_loadu_ps(E2M1_VALUES));
+    return e2m1_16_lanes(_mm512_cvtepu8_epi32(codes));
 }
 
 /* the E8M0 scales of 16 bytes */
@@ -100,6 +105,16 @@ __attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 e4m3
     return _mm512_mul_ps(e4m3_16_raw(q), _mm512_set1_ps(256.0f));
 }
 
+/* 16 E4M3 codes, one a 32-bit lane (0..255), exact for every code (NaN for the NaN codes) */
+__attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 e4m3_16_lanes(__m512i b) {
+    const __m512i h = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi32(b, 7), _mm512_set1_epi32(0x3F80)),
+                                      _mm512_and_si512(_mm512_slli_epi32(b, 8), _mm512_set1_epi32(0x8000)));
+    const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)), _mm512_set1_ps(256.0f));
+    return _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7F)),
+                                                         _mm512_set1_epi32(0x7F)),
+                              _mm512_set1_ps(__builtin_nanf("")));
+}
+
 __attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 e4m3_16(const uint8_t *q) {
     const __m512 v = e4m3_16_finite(q);
     const __m512 mag = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF)));
@@ -119,12 +134,16 @@ __attribute__((target("avx2,fma"), always_inline)) static inline __m128i nibbles
     return _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
 }
 
-/* the E2M1 values of the 8 codes in the low 8 bytes of `codes` */
-__attribute__((target("avx2,fma"), always_inline)) static inline __m256 e2m1_8(__m128i codes) {
-    const __m256i c = _mm256_cvtepu8_epi32(codes);
+/* the E2M1 values of 8 codes, one a 32-bit lane (its low 4 bits) */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 e2m1_8_lanes(__m256i c) {
     const __m256 mag = _mm256_permutevar8x32_ps(_mm256_loadu_ps(E2M1_VALUES), c); /* the low 3 bits index */
     const __m256i sign = _mm256_slli_epi32(_mm256_srli_epi32(c, 3), 31);
     return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(mag), sign));
+}
+
+/* the E2M1 values of the 8 codes in the low 8 bytes of `codes` */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 e2m1_8(__m128i codes) {
+    return e2m1_8_lanes(_mm256_cvtepu8_epi32(codes));
 }
 
 /* the E8M0 scales of the low 8 bytes of e */
@@ -148,6 +167,16 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256 e4m
     const __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
     const __m256 mag = _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7FFFFFFF)));
     return _mm256_blendv_ps(v, _mm256_set1_ps(__builtin_nanf("")), _mm256_cmp_ps(mag, _mm256_set1_ps(480.0f), _CMP_EQ_OQ));
+}
+
+/* 8 E4M3 codes, one a 32-bit lane (0..255), exact for every code (F16C's conversion) */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256 e4m3_8_lanes(__m256i b) {
+    const __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(b, 7), _mm256_set1_epi32(0x3F80)),
+                                      _mm256_and_si256(_mm256_slli_epi32(b, 8), _mm256_set1_epi32(0x8000)));
+    const __m128i h16 = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    const __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(h16), _mm256_set1_ps(256.0f));
+    const __m256i nan = _mm256_cmpeq_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7F)), _mm256_set1_epi32(0x7F));
+    return _mm256_blendv_ps(v, _mm256_set1_ps(__builtin_nanf("")), _mm256_castsi256_ps(nan));
 }
 
 __attribute__((target("avx2,fma"), always_inline)) static inline __m256 bf16_8(const uint16_t *p) {

@@ -1,5 +1,5 @@
 /* The CPU matmuls of model/exactness.py: float32 weights packed in panels (linear_packed), MXFP4 weights as stored
- * (linear_mxfp4), FP8 E4M3 weights with block scales (linear_fp8), weights exactly bfloat16 on AMX tiles
+ * (linear_stored), FP8 E4M3 weights with block scales (linear_fp8), weights exactly bfloat16 on AMX tiles
  * (linear_bf16), the BLAS call torch makes
  * (blas_mm), and the MoE's routed experts in one call (moe_experts). The float32 one, in a fixed accumulation order: every
  * output y[i][j] is the k products x[i][t] * w[t][j] summed as blocks of kc inputs: within a block one
@@ -41,11 +41,12 @@
  *   simd_level() -> 0, 1 or 2: the level that simd 2 (what exactness.py passes) runs at on this CPU.
  *   spin_adds(n) -> int or None: n rounds of 8 dependent integer adds (a cycle each on x86-64 cores: ~8 n
  *       cycles; the benchmarks time it for the core's clock), None on other CPUs.
- *   linear_mxfp4(x, ldx, codes, scales, y, m, k, n, kc, simd) -> None
- *       linear_packed's product of a weight as MXFP4 panels (codes [ceil(n / 16), k, 8] nibbles, scales
- *       [ceil(n / 16), k / 32, 16] E8M0: exactness.py `pack_mxfp4`, a permutation of the stored bytes), decoded
- *       exactly in registers (_formats.h) inside the very accumulation loops of the float panels (instantiated per
- *       format, the section "weight formats" below): the bits of linear_packed over the dequantized weight.
+ *   linear_stored(x, ldx, format, data, scales, y, ldy, m, k, n, kc, simd[, block]) -> None
+ *       linear_packed's product of a weight as its checkpoint stores it, read in place (a memory map: no copy):
+ *       format 2 MXFP4 (E2M1 codes [n, k / 2], E8M0 scales [n, k / 32]), 4 FP8 (E4M3 [n, k], E8M0 scales per
+ *       block x block tile), decoded exactly in registers (_formats.h) inside the very accumulation loops of the
+ *       float panels (instantiated per format, the section "weight formats" below): the bits of linear_packed over
+ *       the dequantized weight.
  *   decode_formats(format, data, y, n, simd[, scales]) -> level: the decoders of _formats.h, for their test.
  *   moe_experts(xs, rows, counts, e, d, inter, panels13, kc13, panels2, kc2, limit, h, g, ys, simd[, format,
  *               scales13, scales2, tiles]) -> None
@@ -57,7 +58,7 @@
  *       of the counts (a decode step's CPU graph replays it). simd as linear_packed's (0, 1 or 2). format 1
  *       (or tiles=True): the addresses are of bfloat16 tiles, multiplied by linear_bf16 (kc13, kc2 and simd
  *       unused); format 2: of MXFP4 panels' codes, with scales13 / scales2 their scales' addresses
- *       (linear_mxfp4's product: the same bits as format 0 over the dequantized weights).
+ *       (linear_stored's product: the same bits as format 0 over the dequantized weights).
  *   linear_bf16(x, ldx, w, y, m, k, n) -> None, amx_supported() -> bool
  *       y [m, n] = x @ w on the AMX tile unit, w every value a bfloat16, packed as tiles (the section below):
  *       the inputs split exactly in three bfloat16 pieces, the products exact, the sums in float32; where
@@ -88,6 +89,8 @@
 #define NR 16 /* columns of a panel: the packed weight is [panels][k][NR], zero beyond n */
 #define PF_AHEAD 64 /* inputs ahead that AVX-512 tiles prefetch a weight too big for L2 (4 KiB of a panel) */
 #define PF_BYTES (1 << 20) /* weights of at least this many bytes stream from memory: prefetched */
+#define ROW_PF_EVERY 64   /* stored rows: inputs between two prefetches of each row (a cache line of FP8) */
+#define ROW_PF_AHEAD 512  /* stored rows: inputs ahead that a row is prefetched */
 #define MR 6  /* rows of a tile: 6 x 16 accumulators fill 12 of AVX2's 16 vector registers */
 #define FEW_ROWS 16 /* the most rows of AVX-512's one-panel tile (16 accumulators of its 32 registers) */
 #define PANEL_BYTES (192 * 1024) /* the panels one pass over the rows reuses: they stay in L2 */
@@ -96,79 +99,169 @@
  *
  * Every accumulation loop below takes its format as a constant first argument (the loops are always inlined
  * into one function per format and tile shape, so the format's test folds away): WF_F32 reads a row of a float
- * panel, WF_MXFP4 decodes it from nibbles and E8M0 scales, WF_FP8 from E4M3 bytes and a power of two. The
+ * panel, WF_MXFP4 and WF_FP8_PANELS from the rows of a weight as stored, WF_FP8_PANELS from E4M3 bytes and a power of two. The
  * decode gives the very float32 weights of the float panels of the dequantized weight (an exact decoder), and
  * the fused multiply-adds and adds that follow are one code for all formats: so the same bits.
  *
- *   WF_F32    panel [k][16] float32 (pack_panels)
- *   WF_MXFP4  codes [k][8] bytes (column 2j the lower nibble of byte j), scales [k / 32][16] E8M0 bytes
- *             (exactness.py `pack_mxfp4`): 0.53 bytes a weight
- *   WF_FP8    [k][16] E4M3 bytes (never a NaN code), scales [ceil(k / 64)] float32 2^(s + 8) (pack_fp8)
+ *   WF_F32        panel [k][16] float32 (pack_panels)
+ *   WF_FP8_PANELS [k][16] E4M3 bytes (never a NaN code), scales [ceil(k / 64)] float32 2^(s + 8) (pack_fp8)
+ *   WF_MXFP4      the weight as a checkpoint stores it, read in place (a memory map): codes [n][k / 2] (input 2i
+ *                 the lower nibble of byte i), E8M0 scales [n][k / 32]: 0.53 bytes a weight; a panel is 16 rows
+ *   WF_FP8_PANELS        as stored too: E4M3 [n][k], one E8M0 scale per block x block tile [ceil(n / block)][ceil(k /
+ *                 block)] (block a multiple of 16: a panel's rows share their scale row)
  *
- * A panel is (data, scales): struct panel_ref. */
-enum weight_format { WF_F32 = 0, WF_BF16 = 1, WF_MXFP4 = 2, WF_FP8 = 3 };
+ * The stored rows are read 16 at a time by one gather a few inputs wide (8 E2M1 codes, 4 E4M3 bytes a row), the
+ * lanes of the rows beyond n masked off (zero weights, as the padding of a panel). A panel is (data, scales, and
+ * for the stored rows their strides): struct panel_ref; a weight is its format, addresses and shape: weight_ref. */
+enum weight_format { WF_F32 = 0, WF_BF16 = 1, WF_MXFP4 = 2, WF_FP8_PANELS = 3, WF_FP8 = 4 };
 
 #define MX_G 32 /* inputs of an E8M0 scale of an MXFP4 panel */
 #define SB 64   /* input rows of a scale block of an FP8 panel */
 
 typedef struct {
-    const void *data;  /* the panel's first row */
-    const void *scale; /* its scales (MXFP4, FP8), else unused */
+    const void *data;  /* the panel's first row (stored rows: the first of its 16 rows) */
+    const void *scale; /* its scales (MXFP4, FP8: the panel's; stored rows: those of its first row), else unused */
+    Py_ssize_t ld;     /* stored rows: bytes between two rows of data */
+    Py_ssize_t sld;    /* WF_MXFP4: bytes between two rows of scales */
+    int rows;          /* stored rows: the panel's rows within n (1..16) */
+    int group;         /* WF_FP8: inputs sharing a scale (the block) */
 } panel_ref;
 
-/* panel p of a weight of k inputs: its data and scales */
-static inline panel_ref panel_at(const int fmt, const void *data, const void *scales, Py_ssize_t p, Py_ssize_t k) {
-    panel_ref r;
-    if (fmt == WF_MXFP4) {
-        r.data = (const uint8_t *)data + p * k * (NR / 2);
-        r.scale = (const uint8_t *)scales + p * (k / MX_G) * NR;
-    } else if (fmt == WF_FP8) {
-        r.data = (const uint8_t *)data + p * k * NR;
-        r.scale = (const float *)scales + p * ((k + SB - 1) / SB);
+typedef struct {
+    int fmt;
+    const void *data, *scales;
+    Py_ssize_t k, n; /* inputs, outputs */
+    Py_ssize_t block; /* WF_FP8: the scales' block */
+} weight_ref;
+
+static inline int stored_rows(const int fmt) { return fmt == WF_MXFP4 || fmt == WF_FP8; }
+
+/* panel p of weight w: its data and scales */
+static inline panel_ref panel_at(const weight_ref *w, Py_ssize_t p) {
+    const int fmt = w->fmt;
+    const Py_ssize_t k = w->k;
+    panel_ref r = {0};
+    if (fmt == WF_FP8_PANELS) {
+        r.data = (const uint8_t *)w->data + p * k * NR;
+        r.scale = (const float *)w->scales + p * ((k + SB - 1) / SB);
+    } else if (stored_rows(fmt)) {
+        const int mx = fmt == WF_MXFP4;
+        r.ld = mx ? k / 2 : k;
+        r.data = (const uint8_t *)w->data + p * NR * r.ld;
+        r.rows = w->n - p * NR < NR ? (int)(w->n - p * NR) : NR;
+        if (mx) {
+            r.sld = k / MX_G;
+            r.scale = (const uint8_t *)w->scales + p * NR * r.sld;
+        } else {
+            r.group = (int)w->block;
+            r.scale = (const uint8_t *)w->scales + (p * NR / w->block) * ((k + w->block - 1) / w->block);
+        }
     } else {
-        r.data = (const float *)data + p * k * NR, r.scale = NULL;
+        r.data = (const float *)w->data + p * k * NR;
     }
     return r;
 }
 
 /* the bytes of one panel (for the L2 grouping and the prefetch decision) */
 static inline size_t panel_bytes(const int fmt, Py_ssize_t k) {
-    return fmt == WF_MXFP4 ? (size_t)k * NR / 2 + (size_t)k / MX_G * NR : fmt == WF_FP8 ? (size_t)k * NR
-                                                                                         : (size_t)k * NR * 4;
+    return fmt == WF_MXFP4 ? (size_t)k * NR / 2 + (size_t)k / MX_G * NR
+           : fmt == WF_FP8_PANELS || fmt == WF_FP8   ? (size_t)k * NR
+                                                   : (size_t)k * NR * 4;
 }
 
 /* the end of input t's scale group (inputs that share one scale), within [t, ke): all of them for float panels */
-static inline Py_ssize_t group_end(const int fmt, Py_ssize_t t, Py_ssize_t ke) {
-    const Py_ssize_t g = fmt == WF_MXFP4 ? MX_G : fmt == WF_FP8 ? SB : 0;
+static inline Py_ssize_t group_end(const int fmt, panel_ref b, Py_ssize_t t, Py_ssize_t ke) {
+    const Py_ssize_t g = fmt == WF_MXFP4 ? MX_G : fmt == WF_FP8_PANELS ? SB
+                         : fmt == WF_FP8                   ? b.group
+                                                                : 0;
     if (!g) return ke;
     const Py_ssize_t e = (t / g + 1) * g;
     return e < ke ? e : ke;
 }
 
+/* the inputs one gather of stored rows covers (0: not stored rows) */
+static inline int gather_inputs(const int fmt) { return fmt == WF_MXFP4 ? 8 : fmt == WF_FP8 ? 4 : 0; }
+
 /* the scalar weight at input t, column j of a panel (the portable tile's decode) */
 static inline float weight_at(const int fmt, panel_ref b, Py_ssize_t t, int j) {
+    if (stored_rows(fmt) && j >= b.rows) return 0.0f;
     if (fmt == WF_MXFP4)
-        return mxfp4_value(nibble((const uint8_t *)b.data + t * (NR / 2), j),
-                           ((const uint8_t *)b.scale)[t / MX_G * NR + j]);
-    if (fmt == WF_FP8) /* 2^(s + 8) / 2^8: exact */
+        return mxfp4_value(nibble((const uint8_t *)b.data + j * b.ld, t),
+                           ((const uint8_t *)b.scale)[j * b.sld + t / MX_G]);
+    if (fmt == WF_FP8)
+        return e4m3_value(((const uint8_t *)b.data)[j * b.ld + t]) *
+               e8m0_value(((const uint8_t *)b.scale)[t / b.group]);
+    if (fmt == WF_FP8_PANELS) /* 2^(s + 8) / 2^8: exact */
         return e4m3_value(((const uint8_t *)b.data)[t * NR + j]) * (((const float *)b.scale)[t / SB] * 0.00390625f);
     return ((const float *)b.data)[t * NR + j];
 }
 
+/* the E8M0 scales of input t's group of a panel of stored MXFP4 rows, one a row (127, a scale of 1, beyond its
+ * rows) */
+static inline void row_scales(panel_ref b, Py_ssize_t t, uint8_t *e) {
+    for (int r = 0; r < NR; r++) e[r] = r < b.rows ? ((const uint8_t *)b.scale)[r * b.sld + t / MX_G] : 127;
+}
+
 #if HAVE_X86_AVX2
+/* Stored rows, AVX-512: the 16 rows' 32 bits at input t (the lanes beyond the panel's rows zero), and the 16 weights
+ * of input t + u of such a gather (u < gather_inputs) times the scales */
+__attribute__((target("avx512f,avx2"), always_inline)) static inline __m512i gather16(const int fmt, panel_ref b,
+                                                                                      Py_ssize_t t) {
+    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32((int)b.ld));
+    const uint8_t *p = (const uint8_t *)b.data + (fmt == WF_MXFP4 ? t / 2 : t);
+    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), (__mmask16)((1u << b.rows) - 1), at, p, 1);
+}
+
+/* the next 4 gathers' worth of a full panel (16 rows) at input t, by plain loads: each row's 16 bytes (MXFP4: 32
+ * inputs, FP8: 16), a 4 x 4 transpose of 32-bit words within each 128-bit lane (lane L holding rows 4L..4L+3): g[j]
+ * is gather16's at input t + j * gather_inputs */
+__attribute__((target("avx512f,avx2"), always_inline)) static inline void rows16x4(const int fmt, panel_ref b,
+                                                                                  Py_ssize_t t, __m512i *g) {
+    const uint8_t *p = (const uint8_t *)b.data + (fmt == WF_MXFP4 ? t / 2 : t);
+    __m512i z[4];
+    for (int i = 0; i < 4; i++) { /* lane L: row 4L + i */
+        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p + i * b.ld)));
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + (4 + i) * b.ld)), 1);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + (8 + i) * b.ld)), 2);
+        z[i] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + (12 + i) * b.ld)), 3);
+    }
+    const __m512i a = _mm512_unpacklo_epi32(z[0], z[1]), c = _mm512_unpackhi_epi32(z[0], z[1]);
+    const __m512i e = _mm512_unpacklo_epi32(z[2], z[3]), d = _mm512_unpackhi_epi32(z[2], z[3]);
+    g[0] = _mm512_unpacklo_epi64(a, e), g[1] = _mm512_unpackhi_epi64(a, e);
+    g[2] = _mm512_unpacklo_epi64(c, d), g[3] = _mm512_unpackhi_epi64(c, d);
+}
+
+__attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 lane16(const int fmt, __m512i g, int u,
+                                                                                   __m512 scale) {
+    if (fmt == WF_MXFP4) return _mm512_mul_ps(e2m1_16_lanes(_mm512_srli_epi32(g, 4 * u)), scale);
+    return _mm512_mul_ps(e4m3_16_lanes(_mm512_srli_epi32(g, 8 * u)), scale);
+}
+
 /* AVX-512: the scale vector of input t's group, and the row of 16 weights at input t */
 __attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 scale16(const int fmt, panel_ref b,
                                                                                     Py_ssize_t t) {
-    if (fmt == WF_MXFP4) return e8m0_16(_mm_loadu_si128((const __m128i *)((const uint8_t *)b.scale + t / MX_G * NR)));
-    if (fmt == WF_FP8) return _mm512_set1_ps(((const float *)b.scale)[t / SB]);
+    if (fmt == WF_MXFP4) {
+        if (t / MX_G + 4 <= b.sld) { /* a 32-bit gather of each row's scale (and the 3 after it, left out) */
+            const __m512i at = _mm512_mullo_epi32(
+                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int)b.sld));
+            const __m512i e = _mm512_mask_i32gather_epi32(_mm512_set1_epi32(127), (__mmask16)((1u << b.rows) - 1), at,
+                                                          (const uint8_t *)b.scale + t / MX_G, 1);
+            return e8m0_16(_mm512_cvtepi32_epi8(_mm512_and_si512(e, _mm512_set1_epi32(255))));
+        }
+        uint8_t e[NR];
+        row_scales(b, t, e);
+        return e8m0_16(_mm_loadu_si128((const __m128i *)e));
+    }
+    if (fmt == WF_FP8) return _mm512_set1_ps(e8m0_value(((const uint8_t *)b.scale)[t / b.group]));
+    if (fmt == WF_FP8_PANELS) return _mm512_set1_ps(((const float *)b.scale)[t / SB]);
     return _mm512_setzero_ps(); /* unused */
 }
 
 /* an FP8 row: E4M3 bytes moved into float16 patterns (the value times 2^-8), times 2^(s + 8): a power of two */
 __attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 row16(const int fmt, panel_ref b,
                                                                                   Py_ssize_t t, __m512 scale) {
-    if (fmt == WF_MXFP4) return mxfp4_16(nibbles16((const uint8_t *)b.data + t * (NR / 2)), scale);
-    if (fmt == WF_FP8) return _mm512_mul_ps(e4m3_16_raw((const uint8_t *)b.data + t * NR), scale);
+    if (fmt == WF_FP8_PANELS) return _mm512_mul_ps(e4m3_16_raw((const uint8_t *)b.data + t * NR), scale);
     return _mm512_loadu_ps((const float *)b.data + t * NR);
 }
 
@@ -176,8 +269,12 @@ __attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 row1
 __attribute__((target("avx2,fma"), always_inline)) static inline void scale8x2(const int fmt, panel_ref b, Py_ssize_t t,
                                                                               __m256 *s0, __m256 *s1) {
     if (fmt == WF_MXFP4) {
-        const __m128i e = _mm_loadu_si128((const __m128i *)((const uint8_t *)b.scale + t / MX_G * NR));
+        uint8_t rs[NR];
+        row_scales(b, t, rs);
+        const __m128i e = _mm_loadu_si128((const __m128i *)rs);
         *s0 = e8m0_8(e), *s1 = e8m0_8(_mm_srli_si128(e, 8));
+    } else if (fmt == WF_FP8) {
+        *s0 = *s1 = _mm256_set1_ps(e8m0_value(((const uint8_t *)b.scale)[t / b.group]));
     } else {
         *s0 = *s1 = _mm256_setzero_ps(); /* unused (no AVX2 FP8 path) */
     }
@@ -186,17 +283,49 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void scale8x2(c
 __attribute__((target("avx2,fma"), always_inline)) static inline void row8x2(const int fmt, panel_ref b, Py_ssize_t t,
                                                                             __m256 s0, __m256 s1, __m256 *w0,
                                                                             __m256 *w1) {
-    if (fmt == WF_MXFP4) {
-        const __m128i c = nibbles16_sse((const uint8_t *)b.data + t * (NR / 2));
-        *w0 = mxfp4_8(c, s0), *w1 = mxfp4_8(_mm_srli_si128(c, 8), s1);
-    } else {
-        *w0 = _mm256_loadu_ps((const float *)b.data + t * NR), *w1 = _mm256_loadu_ps((const float *)b.data + t * NR + 8);
+    (void)fmt, (void)s0, (void)s1; /* the float panels' (the stored rows take lane8) */
+    *w0 = _mm256_loadu_ps((const float *)b.data + t * NR), *w1 = _mm256_loadu_ps((const float *)b.data + t * NR + 8);
+}
+
+/* Stored rows, AVX2: gather16's bits as two halves of 8 rows, and lane16's weights */
+__attribute__((target("avx2,fma"), always_inline)) static inline void gather8x2(const int fmt, panel_ref b,
+                                                                               Py_ssize_t t, __m256i *g0,
+                                                                               __m256i *g1) {
+    const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)b.ld));
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const uint8_t *p = (const uint8_t *)b.data + (fmt == WF_MXFP4 ? t / 2 : t);
+    const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(b.rows), lanes);
+    const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(b.rows - 8), lanes);
+    *g0 = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)(const void *)p, at, m0, 1);
+    *g1 = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)(const void *)(p + 8 * b.ld), at, m1, 1);
+}
+
+/* rows16x4 in AVX2: g0[j] rows 0-7, g1[j] rows 8-15 (a 128-bit lane L of g?[j] holding 4 rows) */
+__attribute__((target("avx2,fma"), always_inline)) static inline void rows8x2x4(const int fmt, panel_ref b,
+                                                                               Py_ssize_t t, __m256i *g0,
+                                                                               __m256i *g1) {
+    const uint8_t *p = (const uint8_t *)b.data + (fmt == WF_MXFP4 ? t / 2 : t);
+    for (int h = 0; h < 2; h++) {
+        __m256i z[4], *g = h ? g1 : g0;
+        for (int i = 0; i < 4; i++) /* lane L: row 8h + 4L + i */
+            z[i] = _mm256_loadu2_m128i((const __m128i *)(p + (8 * h + 4 + i) * b.ld),
+                                       (const __m128i *)(p + (8 * h + i) * b.ld));
+        const __m256i a = _mm256_unpacklo_epi32(z[0], z[1]), c = _mm256_unpackhi_epi32(z[0], z[1]);
+        const __m256i e = _mm256_unpacklo_epi32(z[2], z[3]), d = _mm256_unpackhi_epi32(z[2], z[3]);
+        g[0] = _mm256_unpacklo_epi64(a, e), g[1] = _mm256_unpackhi_epi64(a, e);
+        g[2] = _mm256_unpacklo_epi64(c, d), g[3] = _mm256_unpackhi_epi64(c, d);
     }
+}
+
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256 lane8(const int fmt, __m256i g, int u,
+                                                                                   __m256 scale) {
+    if (fmt == WF_MXFP4) return _mm256_mul_ps(e2m1_8_lanes(_mm256_srli_epi32(g, 4 * u)), scale);
+    return _mm256_mul_ps(e4m3_8_lanes(_mm256_srli_epi32(g, 8 * u)), scale);
 }
 
 /* out[r][0..16) for r < mr: the formula above over x rows (ldx apart) and one panel bp; out rows ldo apart.
  * Each block of kc inputs: a chain from 0, stored (the first block) or added. */
-__attribute__((target("avx2,fma"), always_inline)) static inline void
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
 tile_avx2(const int fmt, const int mr, const float *restrict x, Py_ssize_t ldx, panel_ref bp, Py_ssize_t k,
           Py_ssize_t kc, float *restrict out, Py_ssize_t ldo) {
     for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
@@ -204,9 +333,27 @@ tile_avx2(const int fmt, const int mr, const float *restrict x, Py_ssize_t ldx, 
         __m256 c[MR][2];
         for (int r = 0; r < mr; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();
         for (Py_ssize_t t = k0; t < ke;) {
-            const Py_ssize_t te = group_end(fmt, t, ke);
+            const Py_ssize_t te = group_end(fmt, bp, t, ke);
             __m256 s0, s1;
             scale8x2(fmt, bp, t, &s0, &s1);
+            while (gather_inputs(fmt) && t < te) { /* stored rows: as wide_avx512's */
+                const int gi = gather_inputs(fmt), cols = bp.rows == NR && te - t >= 4 * gi ? 4 : 1;
+                __m256i g0[4], g1[4];
+                if (cols == 4)
+                    rows8x2x4(fmt, bp, t, g0, g1);
+                else
+                    gather8x2(fmt, bp, t, &g0[0], &g1[0]);
+                for (int j = 0; j < cols; j++)
+#pragma GCC unroll 8
+                    for (int u = 0; u < gi; u++, t++) {
+                        const __m256 b0 = lane8(fmt, g0[j], u, s0), b1 = lane8(fmt, g1[j], u, s1);
+                        for (int r = 0; r < mr; r++) {
+                            const __m256 a = _mm256_broadcast_ss(x + r * ldx + t);
+                            c[r][0] = _mm256_fmadd_ps(a, b0, c[r][0]);
+                            c[r][1] = _mm256_fmadd_ps(a, b1, c[r][1]);
+                        }
+                    }
+            }
 #pragma GCC unroll 4
             for (; t < te; t++) {
                 __m256 b0, b1;
@@ -235,17 +382,42 @@ tile_avx2(const int fmt, const int mr, const float *restrict x, Py_ssize_t ldx, 
  * row: 2, each latency-bound, which left a matrix-vector product at about half the memory bandwidth). The panels
  * need not be adjacent (the SwiGLU's gate and up panels). Each output's chain is tile_avx2's operations in the
  * same order: the same bits. (pf, the AVX-512 tiles' prefetch, is not used here.) */
-__attribute__((target("avx2,fma"), always_inline)) static inline void
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
 wide_avx2(const int fmt, const int mr, const int np, const float *restrict x, Py_ssize_t ldx, const panel_ref *b,
           Py_ssize_t k, Py_ssize_t kc, float *const *o, Py_ssize_t ldo, Py_ssize_t ldl, int pf) {
+    int full = 1; /* as wide_avx512's */
+    for (int q = 0; q < np; q++) full &= b[q].rows == NR;
     for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
         const Py_ssize_t ke = k - k0 < kc ? k : k0 + kc;
         __m256 c[4][2]; /* mr * np <= 4 */
         for (int i = 0; i < mr * np; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
         for (Py_ssize_t t = k0; t < ke;) {
-            const Py_ssize_t te = group_end(fmt, t, ke);
+            const Py_ssize_t te = group_end(fmt, b[0], t, ke);
             __m256 s[4][2];
             for (int q = 0; q < np; q++) scale8x2(fmt, b[q], t, &s[q][0], &s[q][1]);
+            while (gather_inputs(fmt) && t < te) { /* stored rows: as wide_avx512's */
+                const int gi = gather_inputs(fmt), cols = full && te - t >= 4 * gi ? 4 : 1;
+                __m256i g[4][2][4];
+                for (int q = 0; q < np; q++)
+                    if (cols == 4)
+                        rows8x2x4(fmt, b[q], t, g[q][0], g[q][1]);
+                    else
+                        gather8x2(fmt, b[q], t, &g[q][0][0], &g[q][1][0]);
+                for (int j = 0; j < cols; j++)
+#pragma GCC unroll 8
+                    for (int u = 0; u < gi; u++, t++) {
+                        __m256 w[4][2];
+                        for (int q = 0; q < np; q++)
+                            w[q][0] = lane8(fmt, g[q][0][j], u, s[q][0]), w[q][1] = lane8(fmt, g[q][1][j], u, s[q][1]);
+                        for (int r = 0; r < mr; r++) {
+                            const __m256 a = _mm256_broadcast_ss(x + r * ldx + t);
+                            for (int q = 0; q < np; q++) {
+                                c[r * np + q][0] = _mm256_fmadd_ps(a, w[q][0], c[r * np + q][0]);
+                                c[r * np + q][1] = _mm256_fmadd_ps(a, w[q][1], c[r * np + q][1]);
+                            }
+                        }
+                    }
+            }
 #pragma GCC unroll 2
             for (; t < te; t++) {
                 __m256 w[4][2];
@@ -279,14 +451,41 @@ wide_avx2(const int fmt, const int mr, const int np, const float *restrict x, Py
 __attribute__((target("avx512f,avx2"), always_inline)) static inline void
 wide_avx512(const int fmt, const int mr, const int np, const float *restrict x, Py_ssize_t ldx, const panel_ref *b,
             Py_ssize_t k, Py_ssize_t kc, float *const *o, Py_ssize_t ldo, Py_ssize_t ldl, const int pf) {
+    int full = 1; /* stored rows: every panel has its 16 rows (else only masked gathers read them) */
+    for (int q = 0; q < np; q++) full &= b[q].rows == NR;
     for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
         const Py_ssize_t ke = k - k0 < kc ? k : k0 + kc;
         __m512 c[FEW_ROWS]; /* mr * np <= 16 */
         for (int i = 0; i < mr * np; i++) c[i] = _mm512_setzero_ps();
         for (Py_ssize_t t = k0; t < ke;) {
-            const Py_ssize_t te = group_end(fmt, t, ke);
+            const Py_ssize_t te = group_end(fmt, b[0], t, ke);
             __m512 s[8];
             for (int q = 0; q < np; q++) s[q] = scale16(fmt, b[q], t);
+            while (gather_inputs(fmt) && t < te) { /* stored rows: 4 gathers' worth by plain loads where it can */
+                const int gi = gather_inputs(fmt), cols = full && te - t >= 4 * gi ? 4 : 1;
+                __m512i g[8][4];
+                for (int q = 0; q < np; q++)
+                    if (cols == 4)
+                        rows16x4(fmt, b[q], t, g[q]);
+                    else
+                        g[q][0] = gather16(fmt, b[q], t);
+                if (pf && !(t % ROW_PF_EVERY))
+                    for (int q = 0; q < np; q++)
+                        for (int r = 0; r < b[q].rows; r++)
+                            _mm_prefetch((const char *)b[q].data + r * b[q].ld +
+                                             (t + ROW_PF_AHEAD) * (Py_ssize_t)panel_bytes(fmt, 1) / NR,
+                                         _MM_HINT_T0);
+                for (int j = 0; j < cols; j++)
+#pragma GCC unroll 8
+                    for (int u = 0; u < gi; u++, t++) {
+                        __m512 w[8];
+                        for (int q = 0; q < np; q++) w[q] = lane16(fmt, g[q][j], u, s[q]);
+                        for (int r = 0; r < mr; r++) {
+                            const __m512 a = _mm512_set1_ps(x[r * ldx + t]);
+                            for (int q = 0; q < np; q++) c[r * np + q] = _mm512_fmadd_ps(a, w[q], c[r * np + q]);
+                        }
+                    }
+            }
 #pragma GCC unroll 2
             for (; t < te; t++) {
                 __m512 w[8];
@@ -322,7 +521,7 @@ static inline int wide_panels(int level, int mr) {
  * rows already have 6 or more chains in tile_avx2), wide_x86_FMT (AVX-512). */
 #define FEW(F, r) case r * 16 + 1: wide_avx512(F, r, 1, x, ldx, b, k, kc, o, ldo, ldl, pf); break;
 #define TILES_OF(NAME, FMT)                                                                                        \
-    __attribute__((target("avx2,fma"))) static void tile_x86_##NAME(int mr, const float *x, Py_ssize_t ldx,       \
+    __attribute__((target("avx2,fma,f16c"))) static void tile_x86_##NAME(int mr, const float *x, Py_ssize_t ldx,       \
                                                                     panel_ref bp, Py_ssize_t k, Py_ssize_t kc,     \
                                                                     float *out, Py_ssize_t ldo) {                  \
         switch (mr) {                                                                                              \
@@ -334,7 +533,7 @@ static inline int wide_panels(int level, int mr) {
         default: tile_avx2(FMT, 1, x, ldx, bp, k, kc, out, ldo); break;                                            \
         }                                                                                                          \
     }                                                                                                              \
-    __attribute__((target("avx2,fma"))) static void wide2_x86_##NAME(int mr, int np, const float *x,              \
+    __attribute__((target("avx2,fma,f16c"))) static void wide2_x86_##NAME(int mr, int np, const float *x,              \
                                                                      Py_ssize_t ldx, const panel_ref *b,           \
                                                                      Py_ssize_t k, Py_ssize_t kc, float *const *o, \
                                                                      Py_ssize_t ldo, Py_ssize_t ldl, int pf) {     \
@@ -367,6 +566,7 @@ static inline int wide_panels(int level, int mr) {
     }
 TILES_OF(f32, WF_F32)
 TILES_OF(mxfp4, WF_MXFP4)
+TILES_OF(fp8, WF_FP8)
 #undef FEW
 #endif
 
@@ -394,24 +594,52 @@ static void tile_plain_f32(int mr, const float *x, Py_ssize_t ldx, panel_ref bp,
 }
 
 static void tile_plain_mxfp4(int mr, const float *x, Py_ssize_t ldx, panel_ref bp, Py_ssize_t k, Py_ssize_t kc,
-                             float *out, Py_ssize_t ldo) {
+                                  float *out, Py_ssize_t ldo) {
     tile_plain(WF_MXFP4, mr, x, ldx, bp, k, kc, out, ldo);
 }
 
-/* The product (see the header) of checked arguments, the weight as panels of format fmt (WF_F32 or WF_MXFP4) at
- * data (and scales); runs without the GIL. The work is split along the rows' tiles and the output panels only:
- * never inside an output's sum. */
-static void linear_panels(const int fmt, const float *xp, Py_ssize_t ldx, const void *data, const void *scales,
-                          float *yp, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t kc, int simd) {
-    tile_fn tile = fmt == WF_MXFP4 ? tile_plain_mxfp4 : tile_plain_f32;
+static void tile_plain_fp8(int mr, const float *x, Py_ssize_t ldx, panel_ref bp, Py_ssize_t k, Py_ssize_t kc,
+                                float *out, Py_ssize_t ldo) {
+    tile_plain(WF_FP8, mr, x, ldx, bp, k, kc, out, ldo);
+}
+
+/* The tiles of each panel format (WF_F32 and the stored rows): the portable one, and on x86 AVX2's
+ * (one panel, and wide) and AVX-512's (wide) */
+typedef struct {
+    tile_fn plain;
+#if HAVE_X86_AVX2
+    tile_fn avx2;
+    wide_fn wide_avx2, wide_avx512;
+#endif
+} format_tiles;
+
+#if HAVE_X86_AVX2
+#define FORMAT_TILES(NAME) {tile_plain_##NAME, tile_x86_##NAME, wide2_x86_##NAME, wide_x86_##NAME}
+#else
+#define FORMAT_TILES(NAME) {tile_plain_##NAME}
+#endif
+static const format_tiles *tiles_of(const int fmt) {
+    static const format_tiles f32 = FORMAT_TILES(f32), mxfp4 = FORMAT_TILES(mxfp4), fp8 = FORMAT_TILES(fp8);
+    return fmt == WF_MXFP4 ? &mxfp4 : fmt == WF_FP8 ? &fp8 : &f32;
+}
+#undef FORMAT_TILES
+
+/* The product (see the header) of checked arguments, y [m, n] (rows ldy apart) = x @ the weight w, a panel format
+ * (WF_F32, the stored rows); runs without the GIL. The work is split along the rows' tiles and the output
+ * panels only: never inside an output's sum. */
+static void linear_panels(const weight_ref *w, const float *xp, Py_ssize_t ldx, float *yp, Py_ssize_t ldy,
+                          Py_ssize_t m, Py_ssize_t kc, int simd) {
+    const int fmt = w->fmt;
+    const Py_ssize_t k = w->k, n = w->n;
+    const format_tiles *ft = tiles_of(fmt);
+    tile_fn tile = ft->plain;
     wide_fn wide = NULL; /* several panels at once: AVX-512 (level 2), or AVX2 for one or two rows (1) */
     int level = 0, wide_rows = 0;
 #if HAVE_X86_AVX2
-    if (simd >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-        tile = fmt == WF_MXFP4 ? tile_x86_mxfp4 : tile_x86_f32;
-        wide = fmt == WF_MXFP4 ? wide2_x86_mxfp4 : wide2_x86_f32, level = 1, wide_rows = 2;
-        if (simd >= 2 && __builtin_cpu_supports("avx512f"))
-            wide = fmt == WF_MXFP4 ? wide_x86_mxfp4 : wide_x86_f32, level = 2, wide_rows = MR;
+    if (simd >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c")) {
+        tile = ft->avx2, wide = ft->wide_avx2, level = 1, wide_rows = 2;
+        if (simd >= 2 && __builtin_cpu_supports("avx512f")) wide = ft->wide_avx512, level = 2, wide_rows = MR;
     }
 #endif
     const Py_ssize_t panels = (n + NR - 1) / NR;
@@ -421,7 +649,7 @@ static void linear_panels(const int fmt, const float *xp, Py_ssize_t ldx, const 
      * (wide_panels), so each weight is read once (from memory, for an expert's cold weights) for every row, not
      * once per 6-row tile */
     const int rows = level == 2 && m > MR && m <= FEW_ROWS ? (int)m : MR; /* a tile's rows */
-    const int pf = level == 2 && (fmt == WF_F32 ? (size_t)k * (size_t)n * 4 : (size_t)panels * pb) >= PF_BYTES;
+    const int pf = level == 2 && (size_t)panels * pb >= PF_BYTES;
     if (rows > MR) wide_rows = rows;
     float part[FEW_ROWS * NR]; /* a partial panel's tile */
     for (Py_ssize_t p0 = 0; p0 < panels; p0 += group) {
@@ -430,7 +658,7 @@ static void linear_panels(const int fmt, const float *xp, Py_ssize_t ldx, const 
             const int mr = m - i < rows ? (int)(m - i) : rows;
             for (Py_ssize_t p = p0; p < p1; p++) {
                 const Py_ssize_t j = p * NR, nv = n - j < NR ? n - j : NR;
-                float *out = yp + i * n + j;
+                float *out = yp + i * ldy + j;
                 if (wide && mr <= wide_rows) { /* full panels, and the last, partial one (into part, rows NR apart) */
                     const Py_ssize_t full = (n - j) / NR;
                     int np = wide_panels(level, mr);
@@ -438,20 +666,18 @@ static void linear_panels(const int fmt, const float *xp, Py_ssize_t ldx, const 
                     if (np <= p1 - p) {
                         panel_ref b[8];
                         float *o[8];
-                        for (int q = 0; q < np; q++)
-                            b[q] = panel_at(fmt, data, scales, p + q, k), o[q] = q < full ? out + q * NR : part;
-                        wide(mr, np, xp + i * ldx, ldx, b, k, kc, o, n, np > full ? NR : n, pf);
+                        for (int q = 0; q < np; q++) b[q] = panel_at(w, p + q), o[q] = q < full ? out + q * NR : part;
+                        wide(mr, np, xp + i * ldx, ldx, b, k, kc, o, ldy, np > full ? NR : ldy, pf);
                         if (np > full)
                             for (int r = 0; r < mr; r++)
-                                memcpy(out + r * n + full * NR, part + r * NR, (n - j - full * NR) * sizeof(float));
+                                memcpy(out + r * ldy + full * NR, part + r * NR, (n - j - full * NR) * sizeof(float));
                         p += np - 1;
                         continue;
                     }
                 }
-                tile(mr, xp + i * ldx, ldx, panel_at(fmt, data, scales, p, k), k, kc, nv == NR ? out : part,
-                     nv == NR ? n : NR);
+                tile(mr, xp + i * ldx, ldx, panel_at(w, p), k, kc, nv == NR ? out : part, nv == NR ? ldy : NR);
                 if (nv < NR)
-                    for (int r = 0; r < mr; r++) memcpy(out + r * n, part + r * NR, nv * sizeof(float));
+                    for (int r = 0; r < mr; r++) memcpy(out + r * ldy, part + r * NR, nv * sizeof(float));
             }
         }
     }
@@ -459,7 +685,8 @@ static void linear_panels(const int fmt, const float *xp, Py_ssize_t ldx, const 
 
 static void linear_packed(const float *xp, Py_ssize_t ldx, const float *bp, float *yp, Py_ssize_t m, Py_ssize_t k,
                           Py_ssize_t n, Py_ssize_t kc, int simd) {
-    linear_panels(WF_F32, xp, ldx, bp, NULL, yp, m, k, n, kc, simd);
+    const weight_ref w = {WF_F32, bp, NULL, k, n, 0};
+    linear_panels(&w, xp, ldx, yp, n, m, kc, simd);
 }
 
 
@@ -486,36 +713,50 @@ KERNEL_PY(linear_packed) {
     Py_RETURN_NONE;
 }
 
-#define LINEAR_MXFP4_FIELDS(X)                                                                                 \
+/* ---- weights as a checkpoint stores them (WF_MXFP4, WF_FP8), read in place ------------------------ */
+
+#define LINEAR_STORED_FIELDS(X)                                                                                \
     X(ADDR, x, "[m, k] float32, rows ldx floats apart")                                                        \
     X(SIZE, ldx, "floats between two rows of x (>= k)")                                                        \
-    X(ADDR, codes, "the weight's E2M1 codes [ceil(n / 16), k, 8] bytes (column 2j the lower nibble of byte j)")  \
-    X(ADDR, scales, "its E8M0 scales [ceil(n / 16), k / 32, 16] bytes")                                        \
-    X(ADDR, y, "[m, n] float32, contiguous, written")                                                          \
+    X(SIZE, format, "2 MXFP4 (E2M1 codes [n, k / 2], the even input the lower nibble; E8M0 scales [n, k / 32]), " \
+                    "4 FP8 (E4M3 [n, k]; E8M0 scales [ceil(n / block), ceil(k / block)])")                   \
+    X(ADDR, data, "the weight's codes as stored (e.g. in its checkpoint's memory map)")                        \
+    X(ADDR, scales, "its E8M0 scales as stored")                                                               \
+    X(ADDR, y, "[m, n] float32, rows ldy floats apart, written")                                               \
+    X(SIZE, ldy, "floats between two rows of y (>= n)")                                                        \
     X(SIZE, m, "rows")                                                                                         \
-    X(SIZE, k, "inputs (a multiple of 32, >= 32)")                                                             \
+    X(SIZE, k, "inputs (MXFP4: a multiple of 32; FP8: of 4)")                                                 \
     X(SIZE, n, "outputs")                                                                                      \
-    X(SIZE, kc, "inputs of a block of the accumulation order (>= 1)")                                          \
-    X(SIZE, simd, "0 the portable tile, 1 AVX2 at most, 2 AVX-512 where the CPU has it (the same bits)")
-KERNEL_ARGS(linear_mxfp4, LINEAR_MXFP4_FIELDS,
-            "linear_packed's product of a weight packed as MXFP4 panels (exactness.py pack_mxfp4), decoded exactly in "
-            "registers: the bits of linear_packed over the dequantized weight's panels.")
-static void run_linear_mxfp4(const struct linear_mxfp4_args *a) {
-    linear_panels(WF_MXFP4, CF(a->x), a->ldx, U8(a->codes), U8(a->scales), F(a->y), a->m, a->k, a->n, a->kc,
-                  (int)a->simd);
+    X(SIZE, kc, "inputs of a block of the accumulation order (MXFP4: a multiple of 8; FP8: of 4)")            \
+    X(SIZE, simd, "0 the portable tile, 1 AVX2 at most, 2 AVX-512 where the CPU has it (the same bits)")      \
+    X(OPTSIZE, block, "FP8: the scales' block (a multiple of 16)")
+KERNEL_ARGS(linear_stored, LINEAR_STORED_FIELDS,
+            "linear_packed's product of a weight as its checkpoint stores it (MXFP4 or block-scaled FP8 rows), "
+            "decoded exactly in registers: the bits of linear_packed over the dequantized weight's panels.")
+static void run_linear_stored(const struct linear_stored_args *a) {
+    const weight_ref w = {(int)a->format, U8(a->data), U8(a->scales), a->k, a->n, a->block};
+    linear_panels(&w, CF(a->x), a->ldx, F(a->y), a->ldy, a->m, a->kc, (int)a->simd);
 }
-RAW_ENTRY(linear_mxfp4)
-KERNEL_PY(linear_mxfp4) {
-    PARSE(linear_mxfp4);
-    if (a.m < 0 || a.k < MX_G || a.k % MX_G || a.n < 0 || a.kc < 1 || a.ldx < a.k ||
-        (a.m && a.n && (!a.x || !a.codes || !a.scales || !a.y))) {
-        PyErr_Format(PyExc_ValueError, "linear_mxfp4: m %zd, k %zd, n %zd, kc %zd, ldx %zd do not fit (k a multiple of "
-                     "32, kc at least 1, ldx >= k, non-null addresses)", (Py_ssize_t)a.m, (Py_ssize_t)a.k,
-                     (Py_ssize_t)a.n, (Py_ssize_t)a.kc, (Py_ssize_t)a.ldx);
-        return NULL;
-    }
+RAW_ENTRY(linear_stored)
+
+/* whether a stored weight's shape, block and kc fit its format; 0 if so, else a ValueError set */
+static int stored_misfit(const char *fn, Py_ssize_t format, Py_ssize_t k, Py_ssize_t kc, Py_ssize_t block) {
+    const int mx = format == WF_MXFP4;
+    if ((mx && k >= MX_G && k % MX_G == 0 && kc >= 8 && kc % 8 == 0) ||
+        (format == WF_FP8 && k >= 4 && k % 4 == 0 && kc >= 4 && kc % 4 == 0 && block >= NR && block % NR == 0))
+        return 0;
+    PyErr_Format(PyExc_ValueError, "%s: format %zd, k %zd, kc %zd, block %zd do not fit (format 2: MXFP4, k a multiple "
+                 "of 32, kc of 8; format 4: FP8, k and kc multiples of 4, block of 16)", fn, format, k, kc, block);
+    return 1;
+}
+
+KERNEL_PY(linear_stored) {
+    PARSE(linear_stored);
+    if (stored_misfit("linear_stored", a.format, a.k, a.kc, a.block)) return NULL;
+    if (a.m < 0 || a.n < 0 || a.ldx < a.k || a.ldy < a.n || (a.m && a.n && (!a.x || !a.data || !a.scales || !a.y)))
+        return misfit("linear_stored", "m, n >= 0, ldx >= k, ldy >= n, non-null addresses");
     Py_BEGIN_ALLOW_THREADS
-    run_linear_mxfp4(&a);
+    run_linear_stored(&a);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -649,16 +890,16 @@ KERNEL_PY(blas_mm) {
 /* ---- FP8 panels: one row of a product whose weight is E4M3 times a power of two per block ----------------- */
 
 #if HAVE_X86_AVX2
-/* o[q][0..16) for q < np: one row x times the FP8 panels b[q] (WF_FP8): the accumulation of every panel format
+/* o[q][0..16) for q < np: one row x times the FP8 panels b[q] (WF_FP8_PANELS): the accumulation of every panel format
  * (wide_avx512) over the same float32 weights, decoded exactly (e4m3_16_raw times 2^(s + 8)), so the same bits,
  * reading a quarter of the bytes. */
 __attribute__((target("avx512f,avx2"))) static void wide_fp8_x86(int np, const float *x, const panel_ref *b,
                                                                  Py_ssize_t k, Py_ssize_t kc, float *const *o) {
     switch (np) { /* constant panels: the accumulators stay in registers */
-    case 8: wide_avx512(WF_FP8, 1, 8, x, k, b, k, kc, o, NR, NR, 0); break;
-    case 4: wide_avx512(WF_FP8, 1, 4, x, k, b, k, kc, o, NR, NR, 0); break;
-    case 2: wide_avx512(WF_FP8, 1, 2, x, k, b, k, kc, o, NR, NR, 0); break;
-    default: wide_avx512(WF_FP8, 1, 1, x, k, b, k, kc, o, NR, NR, 0); break;
+    case 8: wide_avx512(WF_FP8_PANELS, 1, 8, x, k, b, k, kc, o, NR, NR, 0); break;
+    case 4: wide_avx512(WF_FP8_PANELS, 1, 4, x, k, b, k, kc, o, NR, NR, 0); break;
+    case 2: wide_avx512(WF_FP8_PANELS, 1, 2, x, k, b, k, kc, o, NR, NR, 0); break;
+    default: wide_avx512(WF_FP8_PANELS, 1, 1, x, k, b, k, kc, o, NR, NR, 0); break;
     }
 }
 
@@ -673,10 +914,11 @@ static void linear_fp8(const float *xp, Py_ssize_t ldx, const uint8_t *qp, const
             const Py_ssize_t j = p * NR, full = (n - j) / NR;
             int np = 8;
             while (np > 1 && np > panels - p) np /= 2;
+            const weight_ref w = {WF_FP8_PANELS, qp, sp, k, n, 0};
             panel_ref b[8];
             float *o[8];
             for (int q = 0; q < np; q++)
-                b[q] = panel_at(WF_FP8, qp, sp, p + q, k), o[q] = q < full ? yp + i * n + j + q * NR : part;
+                b[q] = panel_at(&w, p + q), o[q] = q < full ? yp + i * n + j + q * NR : part;
             wide_fp8_x86(np, xp + i * ldx, b, k, kc, o);
             if (np > full) memcpy(yp + i * n + j + full * NR, part, (n - j - full * NR) * sizeof(float));
             p += np;
@@ -966,15 +1208,18 @@ static int product(const int fmt, const float *x, int64_t w, int64_t s, float *y
 #if HAVE_X86_AVX2 && defined(__linux__)
     if (fmt == WF_BF16) return linear_bf16(x, k, (const uint16_t *)(uintptr_t)w, y, m, k, n);
 #endif
-    linear_panels(fmt, x, k, (const void *)(uintptr_t)w, (const void *)(uintptr_t)s, y, m, k, n, kc, simd);
+    const weight_ref wr = {fmt, (const void *)(uintptr_t)w, (const void *)(uintptr_t)s, k, n, 0};
+    linear_panels(&wr, x, k, y, n, m, kc, simd);
     return 0;
 }
 
-/* Work is split by expert, then (inside each product) by rows' tiles and output panels: never inside a sum. */
+/* Work is split by expert, then (inside each product) by rows' tiles and output panels: never inside a sum. With
+ * stored rows (WF_MXFP4), w1 (p13, s13) and w3 (p3, s3) are two weights, the outputs [0, inter) and [inter,
+ * 2 inter) of h. */
 static int moe_experts(const int fmt, const float *xs, Py_ssize_t rows, const int64_t *counts, Py_ssize_t e,
-                       Py_ssize_t d, Py_ssize_t inter, const int64_t *p13, const int64_t *s13, Py_ssize_t kc13,
-                       const int64_t *p2, const int64_t *s2, Py_ssize_t kc2, float limit, float *h, float *g,
-                       float *ys, int simd) {
+                       Py_ssize_t d, Py_ssize_t inter, const int64_t *p13, const int64_t *s13, const int64_t *p3,
+                       const int64_t *s3, Py_ssize_t kc13, const int64_t *p2, const int64_t *s2, Py_ssize_t kc2,
+                       float limit, float *h, float *g, float *ys, int simd) {
     int64_t total = 0;
     for (Py_ssize_t x = 0; x < e; x++) {
         if (counts[x] < 0) return 1;
@@ -985,10 +1230,15 @@ static int moe_experts(const int fmt, const float *xs, Py_ssize_t rows, const in
     for (Py_ssize_t x = 0; x < e; x++) {
         const Py_ssize_t c = (Py_ssize_t)counts[x];
         if (!c) continue;
-        if (product(fmt, xs + start * d, p13[x], s13 ? s13[x] : 0, h + start * 2 * inter, c, d, 2 * inter, kc13,
-                    simd))
+        float *hx = h + start * 2 * inter;
+        if (stored_rows(fmt)) {
+            const weight_ref w1 = {fmt, U8(p13[x]), U8(s13[x]), d, inter, 0}, w3 = {fmt, U8(p3[x]), U8(s3[x]), d, inter, 0};
+            linear_panels(&w1, xs + start * d, d, hx, 2 * inter, c, kc13, simd);
+            linear_panels(&w3, xs + start * d, d, hx + inter, 2 * inter, c, kc13, simd);
+        } else if (product(fmt, xs + start * d, p13[x], s13 ? s13[x] : 0, hx, c, d, 2 * inter, kc13, simd)) {
             return 2;
-        swiglu_rows(h + start * 2 * inter, c, inter, limit, g + start * inter);
+        }
+        swiglu_rows(hx, c, inter, limit, g + start * inter);
         if (product(fmt, g + start * inter, p2[x], s2 ? s2[x] : 0, ys + start * d, c, inter, d, kc2, simd)) return 2;
         start += c;
     }
@@ -1011,9 +1261,11 @@ static int moe_experts(const int fmt, const float *xs, Py_ssize_t rows, const in
     X(ADDR, g, "[rows, inter] float32 scratch")                                                                \
     X(ADDR, ys, "[rows, d] float32, written")                                                                  \
     X(SIZE, simd, "linear_packed's simd: 0, 1 or 2 (unused with tiles)")                                       \
-    X(OPTSIZE, format, "the weights' format: 0 float32 panels, 1 bfloat16 tiles (as tiles=True), 2 MXFP4 panels")  \
+    X(OPTSIZE, format, "0 float32 panels, 1 bfloat16 tiles (as tiles=True), 2 MXFP4 as stored")  \
     X(OPTADDR, scales13, "MXFP4: [e] int64, each expert's w1/w3 E8M0 scales' address (panels13: its codes)")       \
     X(OPTADDR, scales2, "MXFP4: [e] int64, each expert's w2 E8M0 scales' address")                             \
+    X(OPTADDR, w3, "MXFP4 as stored: [e] int64, each expert's w3 codes' address (panels13: w1's, both [inter, d / 2])")\
+    X(OPTADDR, scales3, "MXFP4 as stored: [e] int64, each expert's w3 E8M0 scales' address (scales13: w1's)")     \
     X(OPTFLAG, tiles, "the weight addresses are of bfloat16 tiles, multiplied by linear_bf16 (kc13, kc2 unused)")
 KERNEL_ARGS(moe_experts, MOE_EXPERTS_FIELDS,
             "V4.1's routed experts over rows grouped by expert: per expert its w1/w3 product, the clamped SwiGLU, its "
@@ -1033,8 +1285,8 @@ KERNEL_PY(moe_experts) {
     }
     const int fmt = a.tiles ? WF_BF16 : (int)a.format;
     if (fmt != WF_F32 && fmt != WF_BF16 && fmt != WF_MXFP4) {
-        PyErr_Format(PyExc_ValueError, "moe_experts: format %zd is not 0 (float panels), 1 (tiles) or 2 (MXFP4 panels)",
-                     (Py_ssize_t)a.format);
+        PyErr_Format(PyExc_ValueError, "moe_experts: format %zd is not 0 (float panels), 1 (tiles) or 2 (MXFP4 as "
+                     "stored)", (Py_ssize_t)a.format);
         return NULL;
     }
     if (fmt == WF_BF16 && !amx_supported()) {
@@ -1042,7 +1294,12 @@ KERNEL_PY(moe_experts) {
                         "amx_supported()");
         return NULL;
     }
-    if (fmt == WF_MXFP4 && (!a.scales13 || !a.scales2 || a.d % MX_G || a.inter % MX_G)) {
+    if (fmt == WF_MXFP4 && (!a.w3 || !a.scales3 || stored_misfit("moe_experts", fmt, a.d, a.kc13, 0) ||
+                                 stored_misfit("moe_experts", fmt, a.inter, a.kc2, 0))) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "moe_experts: MXFP4 as stored needs w3 and scales3");
+        return NULL;
+    }
+    if ((fmt == WF_MXFP4) && (!a.scales13 || !a.scales2 || a.d % MX_G || a.inter % MX_G)) {
         PyErr_Format(PyExc_ValueError, "moe_experts: MXFP4 panels need scales13 and scales2, and d %zd and inter %zd "
                      "multiples of 32", (Py_ssize_t)a.d, (Py_ssize_t)a.inter);
         return NULL;
@@ -1050,8 +1307,8 @@ KERNEL_PY(moe_experts) {
     int bad;
     Py_BEGIN_ALLOW_THREADS
     bad = moe_experts(fmt, CF(a.xs), a.rows, CI64(a.counts), a.e, a.d, a.inter, CI64(a.panels13), CI64(a.scales13),
-                      a.kc13, CI64(a.panels2), CI64(a.scales2), a.kc2, (float)a.limit, F(a.h), F(a.g), F(a.ys),
-                      (int)a.simd);
+                      CI64(a.w3), CI64(a.scales3), a.kc13, CI64(a.panels2), CI64(a.scales2), a.kc2, (float)a.limit,
+                      F(a.h), F(a.g), F(a.ys), (int)a.simd);
     Py_END_ALLOW_THREADS
     if (bad == 2) return PyErr_NoMemory();
     if (bad) {
@@ -1064,14 +1321,14 @@ KERNEL_PY(moe_experts) {
 
 /* ---- raw entries (see _token_kernel.c `raw_kernels`): a replay's call from its argument struct ---- */
 
-static const struct arg_spec *const SPECS[] = {&linear_packed_spec, &linear_mxfp4_spec, &linear_fp8_spec,
-                                               &linear_bf16_spec,   &blas_mm_spec,      &moe_experts_spec,
-                                               &decode_formats_spec};
+static const struct arg_spec *const SPECS[] = {&linear_packed_spec, &linear_stored_spec,
+                                               &linear_fp8_spec,    &linear_bf16_spec,  &blas_mm_spec,
+                                               &moe_experts_spec,   &decode_formats_spec};
 
 static PyObject *py_raw_kernels(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
     PyObject *out = PyDict_New();
     if (out && add_raw(out, &linear_packed_spec, raw_linear_packed) < 0) Py_CLEAR(out);
-    if (out && add_raw(out, &linear_mxfp4_spec, raw_linear_mxfp4) < 0) Py_CLEAR(out);
+    if (out && add_raw(out, &linear_stored_spec, raw_linear_stored) < 0) Py_CLEAR(out);
 #if HAVE_X86_AVX2
     if (out && fp8_supported() && add_raw(out, &linear_fp8_spec, raw_linear_fp8) < 0) Py_CLEAR(out);
 #endif
@@ -1115,7 +1372,7 @@ static PyMethodDef methods[] = {
     {"simd_level", py_simd_level, METH_NOARGS,
      "simd_level() -> the SIMD level of this CPU's tiles: 0 portable, 1 AVX2, 2 AVX-512 (what simd 2 runs at)."},
     KERNEL_METHOD(linear_packed),
-    KERNEL_METHOD(linear_mxfp4),
+    KERNEL_METHOD(linear_stored),
     KERNEL_METHOD(decode_formats),
     KERNEL_METHOD(linear_fp8),
     KERNEL_METHOD(linear_bf16),

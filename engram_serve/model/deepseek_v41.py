@@ -297,8 +297,8 @@ class ExpertPanels(NamedTuple):
     kc2: int
     plans: list
     tiles: bool
-    scales13: torch.Tensor | None = None  # MXFP4 panels (`Mxfp4Experts`): w13 / w2 address the codes
-    scales2: torch.Tensor | None = None
+    stored: tuple | None = None  # MXFP4 as stored (`Mxfp4Experts`): w13 / w2 address w1's / w2's codes; the
+    # addresses of w1's scales, w3's codes and scales, w2's scales
 
 
 class MoE(nn.Module):
@@ -370,7 +370,7 @@ class MoE(nn.Module):
         panels = self._expert_panels(xs, counts, ops)
         if panels is not None:
             return exactness.moe_experts(xs, counts, panels.w13, panels.kc13, panels.w2, panels.kc2, self.inter,
-                                         self.cfg.swiglu_limit, panels.tiles, panels.scales13, panels.scales2)
+                                         self.cfg.swiglu_limit, panels.tiles, panels.stored)
         capture.refuse("the MoE reads its expert counts on the host")
         parts, start = [], 0
         for e, c in enumerate(counts.tolist()):  # one host read
@@ -407,7 +407,7 @@ class MoE(nn.Module):
         return cached[1]
 
     def _stored_panels(self) -> ExpertPanels | None:
-        """The `ExpertPanels` of the stored experts' MXFP4 panels where the plan of the float weight (`products.plan`
+        """The `ExpertPanels` of the experts as stored (MXFP4, read in place) where the plan of the float weight (`products.plan`
         of `Mxfp4Experts.probes`: every expert of a shape has the same kind of plan and kc) takes float panels; else
         None. Cached per kernel and thread count."""
         key = (kernels.get("linear"), torch.get_num_threads())
@@ -415,9 +415,12 @@ class MoE(nn.Module):
         if cached is None or cached[0] != key:
             plans = [products.plan(w) for w in self.stored.probes()]
             panels = None
-            if all(p.kernel_weight is not None and not p.is_tiles for p in plans):
-                codes13, scales13, codes2, scales2 = self.stored.addresses()
-                panels = ExpertPanels(codes13, plans[0].kc, codes2, plans[1].kc, plans, False, scales13, scales2)
+            if all(p.kernel_weight is not None and not p.is_tiles for p in plans) and all(
+                    exactness.stored_kc_fits(exactness.STORED_MXFP4, w.shape[1], p.kc)
+                    for w, p in zip(self.stored.probes(), plans)):
+                codes1, scales1, codes3, scales3, codes2, scales2 = self.stored.addresses()
+                panels = ExpertPanels(codes1, plans[0].kc, codes2, plans[1].kc, plans, False,
+                                      (scales1, codes3, scales3, scales2))
             self._panels = cached = (key, panels)
         return cached[1]
 

@@ -256,34 +256,27 @@ def pack_fp8(wt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return q, torch.exp2(e + 8).float().contiguous()
 
 
-MX_BLOCK = 32  # inputs per E8M0 scale of an MXFP4 weight (and of its panels)
-MX_PAD_SCALE = 127  # the E8M0 code of 1.0: the scale of a panel's columns beyond out (their codes are 0)
+MX_BLOCK = 32  # inputs per E8M0 scale of an MXFP4 weight
+STORED_MXFP4, STORED_FP8 = 2, 4  # the linear kernel's `linear_stored` formats (and moe_experts' MXFP4 one)
 
 
-def pack_mxfp4(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """An MXFP4 weight as stored ([out, in / 2] packed E2M1, even input in the lower nibble; [out, in / 32] E8M0)
-    as the linear kernel's MXFP4 panels: (codes [ceil(out / 16), in, 8] uint8, column 2j of a panel's row in the
-    lower nibble of byte j; scales [ceil(out / 16), in / 32, 16] uint8), zero codes (scale 1) beyond out. A
-    permutation of the stored nibbles and scales (plus the padding of the last panel): `linear_mxfp4` decodes
-    them into the float32 weight `dequantize_fp4` gives, exactly."""
-    out, half = codes.shape
-    k, p = 2 * half, -(-out // PANEL)
-    b = codes.view(torch.uint8)
-    nib = torch.stack([b & 15, b >> 4], -1).view(out, k)  # [out, in] one code a byte
-    nib = F.pad(nib, (0, 0, 0, p * PANEL - out)).view(p, PANEL, k).transpose(1, 2)  # [P, in, 16]
-    packed = (nib[..., 0::2] | (nib[..., 1::2] << 4)).contiguous()  # [P, in, 8]
-    s = F.pad(scales.view(torch.uint8), (0, 0, 0, p * PANEL - out), value=MX_PAD_SCALE)  # [P * 16, in / 32]
-    return packed, s.view(p, PANEL, k // MX_BLOCK).transpose(1, 2).contiguous()
+def stored_kc_fits(fmt: int, k: int, kc: int) -> bool:
+    """Whether `linear_stored` takes a weight of k inputs of this format at block size kc (MXFP4: k a multiple of
+    32, kc of 8; FP8: both of 4)."""
+    return (k % MX_BLOCK == 0 and kc % 8 == 0) if fmt == STORED_MXFP4 else (k % 4 == 0 and kc % 4 == 0)
 
 
-def matmul_mxfp4(x: torch.Tensor, mx: tuple[torch.Tensor, torch.Tensor], n: int, kc: int,
-                 simd: int = 2) -> torch.Tensor:
-    """`matmul_kernel(x, panels, n, kc, simd)` from the weight's MXFP4 panels (`pack_mxfp4`): the same bits, 0.53
-    bytes a weight read (the same caller guarantees)."""
+def matmul_stored(x: torch.Tensor, fmt: int, data: torch.Tensor, scales: torch.Tensor, n: int, kc: int,
+                  block: int = 0, simd: int = 2) -> torch.Tensor:
+    """`matmul_kernel(x, panels, n, kc, simd)` from the weight as its checkpoint stores it (`fmt` STORED_MXFP4: codes
+    [n, k / 2], E8M0 scales [n, k / 32]; STORED_FP8: E4M3 [n, k], E8M0 scales per block x block tile), read in
+    place: the same bits as the float panels of the dequantized weight (`stored_kc_fits` and the same caller
+    guarantees as `matmul_kernel`)."""
     m, k = x.shape
     y = torch.empty(m, n)
-    capture.call(kernels.get("linear").linear_mxfp4, x=x.data_ptr(), ldx=x.stride(0) if m > 1 else k,
-                 codes=mx[0].data_ptr(), scales=mx[1].data_ptr(), y=y.data_ptr(), m=m, k=k, n=n, kc=kc, simd=simd)
+    capture.call(kernels.get("linear").linear_stored, x=x.data_ptr(), ldx=x.stride(0) if m > 1 else k, format=fmt,
+                 data=data.data_ptr(), scales=scales.data_ptr(), y=y.data_ptr(), ldy=n, m=m, k=k, n=n, kc=kc,
+                 simd=simd, block=block)
     return y
 
 
@@ -345,28 +338,27 @@ def matmul_kernel(x: torch.Tensor, panels: torch.Tensor, n: int, kc: int, simd: 
     return y
 
 
-MOE_FLOAT, MOE_TILES, MOE_MXFP4 = 0, 1, 2  # the linear kernel's moe_experts `format`
+MOE_FLOAT, MOE_TILES, MOE_MXFP4 = 0, 1, STORED_MXFP4  # the linear kernel's moe_experts `format`
 
 
 def moe_experts(xs: torch.Tensor, counts: torch.Tensor, panels13: torch.Tensor, kc13: int, panels2: torch.Tensor,
-                kc2: int, inter: int, limit: float, tiles: bool = False, scales13: torch.Tensor | None = None,
-                scales2: torch.Tensor | None = None) -> torch.Tensor:
+                kc2: int, inter: int, limit: float, tiles: bool = False, stored: tuple | None = None) -> torch.Tensor:
     """V4.1's routed experts in one linear-kernel call (loaded: the caller checked): xs [P, D] the pairs grouped
     by expert, counts [E] int64 their rows per expert, panels13 / panels2 [E] int64 the addresses of each
     expert's packed w13 [2I, D] / w2 [D, I] (kc13, kc2 their probed block sizes) -> ys [P, D], the rows of
     `linear(swiglu(linear(rows, w13[e]), inter, limit), w2[e])` per expert: the same products and SwiGLU, so
     the same bits as those calls, without a host read of the counts. tiles: the addresses are of `pack_bf16` tiles,
-    multiplied by `linear_bf16` (kc13 and kc2 unused). scales13 / scales2 [E] int64 (with panels13 / panels2 the
-    addresses of the codes): the weights are `pack_mxfp4` panels, decoded exactly (the same bits as their float
-    panels)."""
+    multiplied by `linear_bf16` (kc13 and kc2 unused). stored: the experts as their checkpoint stores them in MXFP4,
+    [E] int64 addresses (scales13, w3, scales3, scales2), panels13 / panels2 those of the w1 / w2 codes: decoded
+    exactly where they lie (the same bits as the float panels of the dequantized weights)."""
     p, d = xs.shape
     h, g, ys = torch.empty(p, 2 * inter), torch.empty(p, inter), torch.empty(p, d)
-    mx = scales13 is not None
+    s13, w3, s3, s2 = (t.data_ptr() for t in stored) if stored is not None else (0, 0, 0, 0)
     capture.call(kernels.get("linear").moe_experts, xs=xs.data_ptr(), rows=p, counts=counts.data_ptr(),
                  e=counts.shape[0], d=d, inter=inter, panels13=panels13.data_ptr(), kc13=kc13,
                  panels2=panels2.data_ptr(), kc2=kc2, limit=limit, h=h.data_ptr(), g=g.data_ptr(), ys=ys.data_ptr(),
-                 simd=2, format=MOE_TILES if tiles else MOE_MXFP4 if mx else MOE_FLOAT,
-                 scales13=scales13.data_ptr() if mx else 0, scales2=scales2.data_ptr() if mx else 0)
+                 simd=2, format=MOE_TILES if tiles else MOE_MXFP4 if stored is not None else MOE_FLOAT,
+                 scales13=s13, scales2=s2, w3=w3, scales3=s3)
     return ys
 
 

@@ -11,8 +11,8 @@ stacked at load (`ffn.w13` [E, 2I, D], `ffn.w2` [E, D, I]). Tensors are read thr
 assigned into a model built on the meta device; FP8 block-scaled linears and FP8 experts are
 dequantized ONCE, at load, into float32, the compute dtype (so the batch-invariant `linear` runs
 unchanged); BF16/F16 weights are cast. MXFP4 routed experts stay as stored on a CPU with the linear
-kernel (`read_mxfp4_experts`: model/weights.py `Mxfp4Experts`, repacked once into MXFP4 panels, no
-float copy; the MoE multiplies them or dequantizes once where its plan needs floats); elsewhere they
+kernel (`read_mxfp4_experts`: model/weights.py `Mxfp4Experts`, views of the memory map, no copy; the MoE
+multiplies them in place, or dequantizes once where its plan needs floats); elsewhere they
 are dequantized like the FP8 ones. The matmul weights are then copied once into the input-major layout of the row
 rule (model/exactness.py). Engram tables are never converted: float or FP8 (E4M3 rows + E8M0
 per-32-column scales), they stay mapped and are read on demand (madvise MADV_RANDOM), row by row, by
@@ -191,7 +191,7 @@ def read_mxfp4_experts(files: CheckpointFiles, cfg: ModelConfig, layer: int) -> 
             name = f"layers.{layer}.ffn.experts.{e}.w{j}.weight"
             parts[j].append(read_fp4_stored(files, name, shape))
             used += [name, scale_name(name)]
-    return Mxfp4Experts.from_stored(parts[1], parts[3], parts[2]), used
+    return Mxfp4Experts(parts[1], parts[3], parts[2]), used
 
 
 NOT_TEXT_PREFIXES = ("mtp.", "vision.", "aligner.", "image_")  # the DSpark drafter, the vision tower

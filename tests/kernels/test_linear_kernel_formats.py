@@ -1,9 +1,10 @@
-"""Products over a weight as stored: the linear kernel's MXFP4 panels (`linear_mxfp4`, exactness.py `pack_mxfp4`)
-give exactly the bits of its float panels (`linear_packed`) over the dequantized weight (engram/quantized.py
-`dequantize_fp4`), for 1 to 70 rows, several k and n (n not a multiple of 16 too), any block size kc, at every
-SIMD level this CPU has (0 portable, 1 AVX2, 2 AVX-512: the same bits, each other's too); and the MoE's one-call
-`moe_experts` on MXFP4 panels equals it on float panels. Negative control: a reference dequantized with one E2M1
-code decoded wrong differs."""
+"""Products over a weight as its checkpoint stores it, read in place (the linear kernel's `linear_stored`,
+exactness.py `matmul_stored`): MXFP4 (E2M1 codes, an E8M0 scale per 32 inputs) and block-scaled FP8 (E4M3, an E8M0
+scale per block x block tile) give exactly the bits of the float panels (`linear_packed`) over the dequantized weight
+(engram/quantized.py `dequantize_fp4`, `dequantize_blocks`), for 1 to 70 rows, several k and n (n not a multiple of
+16 too), block sizes kc, at every SIMD level this CPU has (0 portable, 1 AVX2, 2 AVX-512: the same bits, each
+other's too); and the MoE's one-call `moe_experts` on stored experts equals it on float panels. Negative control: a
+reference dequantized with one E2M1 code decoded wrong differs."""
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engram_serve import kernels
-from engram_serve.engram.quantized import FP4_VALUES, SCALE_COLS, dequantize_fp4
+from engram_serve.engram.quantized import FP4_VALUES, SCALE_COLS, dequantize_blocks, dequantize_fp4
 from engram_serve.model import exactness
+from engram_serve.model.exactness import STORED_FP8, STORED_MXFP4
 
 lin = kernels.get("linear")
 pytestmark = pytest.mark.skipif(lin is None, reason="the linear kernel is not built")
@@ -32,12 +34,20 @@ def mxfp4_weight(n: int, k: int, seed: int, lo: int = 112, hi: int = 140) -> tup
     return codes, scales
 
 
-def float_product(x, codes, scales, kc, simd, lut=FP4_VALUES):
-    w = dequantize_table(codes, scales, lut)  # [n, k]
+def fp8_weight(n: int, k: int, block: int, seed: int, nan: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """random E4M3 [n, k] (no NaN code unless `nan`) and E8M0 scales per block x block tile"""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
+    if not nan:
+        q[(q & 0x7F) == 0x7F] = 0x7E
+    return q, torch.randint(100, 140, (-(-n // block), -(-k // block)), generator=g, dtype=torch.uint8)
+
+
+def float_product(x, w, kc, simd):
     return exactness.matmul_kernel(x, exactness.pack_panels(w.t()), w.shape[0], kc, simd)
 
 
-def dequantize_table(codes, scales, lut):
+def mxfp4_float(codes, scales, lut=FP4_VALUES):
     if lut is FP4_VALUES:
         return dequantize_fp4(codes, scales.view(torch.float8_e8m0fnu))
     t = torch.tensor(lut, dtype=torch.float32)
@@ -46,67 +56,86 @@ def dequantize_table(codes, scales, lut):
     return v * torch.exp2(scales.float() - 127).repeat_interleave(SCALE_COLS, 1)
 
 
+def fp8_float(q, s, block):
+    return dequantize_blocks(q.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), block)
+
+
 @settings(max_examples=40, deadline=None)
 @given(m=st.integers(1, 70), k=st.sampled_from([32, 64, 96, 160, 256, 512]), n=st.integers(1, 70),
-       kc=st.sampled_from([1, 16, 48, 64, 256, 4096]), seed=st.integers(0, 2**16))
-def test_mxfp4_panels_give_the_float_panels_bits(m, k, n, kc, seed):
+       kc=st.sampled_from([8, 16, 48, 64, 256, 4096]), seed=st.integers(0, 2**16))
+def test_stored_mxfp4_gives_the_float_panels_bits(m, k, n, kc, seed):
     codes, scales = mxfp4_weight(n, k, seed)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1))
-    mx = exactness.pack_mxfp4(codes, scales)
-    assert mx[0].shape == (-(-n // 16), k, 8) and mx[1].shape == (-(-n // 16), k // 32, 16)
-    want = float_product(x, codes, scales, kc, LEVELS[-1])
+    want = float_product(x, mxfp4_float(codes, scales), kc, LEVELS[-1])
     for simd in LEVELS:
-        assert torch.equal(bits(float_product(x, codes, scales, kc, simd)), bits(want))  # (the float panels agree)
-        assert torch.equal(bits(exactness.matmul_mxfp4(x, mx, n, kc, simd)), bits(want)), simd
+        assert torch.equal(bits(float_product(x, mxfp4_float(codes, scales), kc, simd)), bits(want))
+        assert torch.equal(bits(exactness.matmul_stored(x, STORED_MXFP4, codes, scales, n, kc, simd=simd)),
+                           bits(want)), simd
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 70), k=st.sampled_from([16, 36, 64, 200, 512]), n=st.integers(1, 70),
+       block=st.sampled_from([16, 32, 128]), kc=st.sampled_from([4, 16, 48, 64, 4096]), seed=st.integers(0, 2**16))
+def test_stored_fp8_gives_the_float_panels_bits(m, k, n, block, kc, seed):
+    q, s = fp8_weight(n, k, block, seed)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1))
+    want = float_product(x, fp8_float(q, s, block), kc, LEVELS[-1])
+    for simd in LEVELS:
+        got = exactness.matmul_stored(x, STORED_FP8, q, s, n, kc, block=block, simd=simd)
+        assert torch.equal(bits(got), bits(want)), simd
 
 
 @pytest.mark.parametrize("m", [1, 2, 7, 16, 40])
-def test_extreme_scales_and_a_streamed_weight_get_the_same_bits(m):
-    """every E8M0 exponent but NaN's (subnormal weights, and infinities where 6 x 2^127 overflows), and a weight of
-    more than 1 MiB of panels (the AVX-512 tiles' prefetch)"""
+def test_extreme_scales_nan_codes_and_a_streamed_weight_get_the_same_bits(m):
+    """every E8M0 exponent (subnormal weights, infinities where 6 x 2^127 overflows, NaN scales), every E4M3 code
+    (its NaNs too), and weights of more than 1 MiB (the AVX-512 tiles' prefetch): NaN where the float product has
+    NaN, else its bits"""
     k, n = 1024, 300
-    codes, scales = mxfp4_weight(n, k, m, lo=0, hi=254)
+    codes, scales = mxfp4_weight(n, k, m, lo=0, hi=255)
+    q, s = fp8_weight(n, k, 128, m, nan=True)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    mx = exactness.pack_mxfp4(codes, scales)
     for simd in LEVELS:
-        want, got = float_product(x, codes, scales, 64, simd), exactness.matmul_mxfp4(x, mx, n, 64, simd)
-        assert torch.equal(torch.isnan(got), torch.isnan(want))
-        assert torch.equal(bits(got)[~torch.isnan(got)], bits(want)[~torch.isnan(want)])
+        for want, got in ((float_product(x, mxfp4_float(codes, scales), 64, simd),
+                           exactness.matmul_stored(x, STORED_MXFP4, codes, scales, n, 64, simd=simd)),
+                          (float_product(x, fp8_float(q, s, 128), 64, simd),
+                           exactness.matmul_stored(x, STORED_FP8, q, s, n, 64, block=128, simd=simd))):
+            assert torch.equal(torch.isnan(got), torch.isnan(want))
+            assert torch.equal(bits(got)[~torch.isnan(got)], bits(want)[~torch.isnan(want)])
 
 
-def test_the_panels_hold_the_stored_bytes_within_ten_percent():
-    for n, k in ((512, 1024), (1024, 256), (200, 96)):
-        codes, scales = mxfp4_weight(n, k, 0)
-        mx = exactness.pack_mxfp4(codes, scales)
-        stored = codes.numel() + scales.numel()
-        assert stored <= mx[0].numel() + mx[1].numel() <= 1.1 * stored
+def test_a_kc_or_shape_the_stored_kernel_does_not_take_is_refused():
+    codes, scales = mxfp4_weight(16, 64, 0)
+    x = torch.randn(2, 64)
+    assert not exactness.stored_kc_fits(STORED_MXFP4, 64, 12) and exactness.stored_kc_fits(STORED_MXFP4, 64, 16)
+    with pytest.raises(ValueError, match="kc 12"):
+        exactness.matmul_stored(x, STORED_MXFP4, codes, scales, 16, 12)
+    with pytest.raises(ValueError, match="block 0"):
+        exactness.matmul_stored(x, STORED_FP8, *fp8_weight(16, 64, 32, 0), 16, 16)
 
 
 def test_a_reference_with_one_e2m1_code_wrong_differs():
-    """Negative control: the float panels of a weight dequantized with code 3 as 1.25 (not 1.5) are not the MXFP4
-    panels' bits, so the comparison above sees a decoder one code off."""
+    """Negative control: the float panels of a weight dequantized with code 3 as 1.25 (not 1.5) are not the stored
+    product's bits, so the comparison above sees a decoder one code off."""
     codes, scales = mxfp4_weight(32, 64, 5)
     x = torch.randn(3, 64)
-    mx = exactness.pack_mxfp4(codes, scales)
     wrong = tuple(1.25 if i == 3 else v for i, v in enumerate(FP4_VALUES))
-    got = exactness.matmul_mxfp4(x, mx, 32, 64)
-    assert torch.equal(bits(got), bits(float_product(x, codes, scales, 64, 2)))
-    assert not torch.equal(bits(got), bits(float_product(x, codes, scales, 64, 2, lut=wrong)))
+    got = exactness.matmul_stored(x, STORED_MXFP4, codes, scales, 32, 64)
+    assert torch.equal(bits(got), bits(float_product(x, mxfp4_float(codes, scales), 64, 2)))
+    assert not torch.equal(bits(got), bits(float_product(x, mxfp4_float(codes, scales, wrong), 64, 2)))
 
 
 @pytest.mark.parametrize("d,inter,experts", [(64, 32, 3), (96, 64, 4)])
-def test_moe_experts_on_mxfp4_panels_equal_them_on_float_panels(d, inter, experts):
+def test_moe_experts_as_stored_equal_them_on_float_panels(d, inter, experts):
     g = torch.Generator().manual_seed(d + inter)
-    w13 = [mxfp4_weight(2 * inter, d, 10 * e) for e in range(experts)]
+    w1, w3 = ([mxfp4_weight(inter, d, 10 * e + j) for e in range(experts)] for j in (0, 2))
     w2 = [mxfp4_weight(d, inter, 10 * e + 1) for e in range(experts)]
     counts = torch.tensor([5, 0, 17, 1][:experts], dtype=torch.int64)
     xs = torch.randn(int(counts.sum()), d, generator=g)
-    float13 = [exactness.pack_panels(dequantize_fp4(c, s.view(torch.float8_e8m0fnu)).t()) for c, s in w13]
-    float2 = [exactness.pack_panels(dequantize_fp4(c, s.view(torch.float8_e8m0fnu)).t()) for c, s in w2]
-    mx13 = [exactness.pack_mxfp4(c, s) for c, s in w13]
-    mx2 = [exactness.pack_mxfp4(c, s) for c, s in w2]
+    float13 = [exactness.pack_panels(torch.cat([mxfp4_float(*a), mxfp4_float(*b)]).t()) for a, b in zip(w1, w3)]
+    float2 = [exactness.pack_panels(mxfp4_float(*w).t()) for w in w2]
     addr = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
     want = exactness.moe_experts(xs, counts, addr(float13), 32, addr(float2), 48, inter, 7.0)
-    got = exactness.moe_experts(xs, counts, addr([c for c, _ in mx13]), 32, addr([c for c, _ in mx2]), 48, inter, 7.0,
-                                scales13=addr([s for _, s in mx13]), scales2=addr([s for _, s in mx2]))
+    stored = (addr([s for _, s in w1]), addr([c for c, _ in w3]), addr([s for _, s in w3]), addr([s for _, s in w2]))
+    got = exactness.moe_experts(xs, counts, addr([c for c, _ in w1]), 32, addr([c for c, _ in w2]), 48, inter, 7.0,
+                                stored=stored)
     assert torch.equal(bits(got), bits(want))

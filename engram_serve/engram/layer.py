@@ -35,7 +35,7 @@ class EngramGate(nn.Module):
             raise ValueError(f"Engram rows have shape {tuple(rows.shape)}; expected "
                              f"{(t, self.num_columns, self.head_dim)}")
         e = rows.reshape(t, self.num_columns * self.head_dim)
-        return self.wkv(e if e.dtype == self.wkv.weight.dtype else e.to(self.wkv.weight.dtype))
+        return self.wkv(e if e.dtype == self.wkv.w.dtype else e.to(self.wkv.w.dtype))
 
     def gate(self, h: torch.Tensor, rows: torch.Tensor, dead: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """gate [T, hc_mult] and value [T, hidden] for h [T, hc, hidden], rows [T, C, hd], dead [T] bool (the

@@ -130,8 +130,9 @@ typedef struct {
 typedef struct {
     int fmt;
     const void *data, *scales;
-    Py_ssize_t k, n; /* inputs, outputs */
+    Py_ssize_t k, n;  /* inputs, outputs */
     Py_ssize_t block; /* WF_FP8: the scales' block */
+    Py_ssize_t row0;  /* WF_FP8: the first row's place in its block of scales (a slice of rows; a multiple of 16) */
 } weight_ref;
 
 static inline int stored_rows(const int fmt) { return fmt == WF_MXFP4 || fmt == WF_FP8; }
@@ -154,7 +155,7 @@ static inline panel_ref panel_at(const weight_ref *w, Py_ssize_t p) {
             r.scale = (const uint8_t *)w->scales + p * NR * r.sld;
         } else {
             r.group = (int)w->block;
-            r.scale = (const uint8_t *)w->scales + (p * NR / w->block) * ((k + w->block - 1) / w->block);
+            r.scale = (const uint8_t *)w->scales + ((w->row0 + p * NR) / w->block) * ((k + w->block - 1) / w->block);
         }
     } else {
         r.data = (const float *)w->data + p * k * NR;
@@ -729,12 +730,14 @@ KERNEL_PY(linear_packed) {
     X(SIZE, n, "outputs")                                                                                      \
     X(SIZE, kc, "inputs of a block of the accumulation order (MXFP4: a multiple of 8; FP8: of 4)")            \
     X(SIZE, simd, "0 the portable tile, 1 AVX2 at most, 2 AVX-512 where the CPU has it (the same bits)")      \
-    X(OPTSIZE, block, "FP8: the scales' block (a multiple of 16)")
+    X(OPTSIZE, block, "FP8: the scales' block (a multiple of 16)")                                             \
+    X(OPTSIZE, row0, "FP8: rows r0.. of a weight (data from row r0, scales from block row r0 / block): r0 % block, "  \
+                     "a multiple of 16")
 KERNEL_ARGS(linear_stored, LINEAR_STORED_FIELDS,
             "linear_packed's product of a weight as its checkpoint stores it (MXFP4 or block-scaled FP8 rows), "
             "decoded exactly in registers: the bits of linear_packed over the dequantized weight's panels.")
 static void run_linear_stored(const struct linear_stored_args *a) {
-    const weight_ref w = {(int)a->format, U8(a->data), U8(a->scales), a->k, a->n, a->block};
+    const weight_ref w = {(int)a->format, U8(a->data), U8(a->scales), a->k, a->n, a->block, a->row0};
     linear_panels(&w, CF(a->x), a->ldx, F(a->y), a->ldy, a->m, a->kc, (int)a->simd);
 }
 RAW_ENTRY(linear_stored)
@@ -753,6 +756,8 @@ static int stored_misfit(const char *fn, Py_ssize_t format, Py_ssize_t k, Py_ssi
 KERNEL_PY(linear_stored) {
     PARSE(linear_stored);
     if (stored_misfit("linear_stored", a.format, a.k, a.kc, a.block)) return NULL;
+    if (a.row0 < 0 || a.row0 % NR || (a.format == WF_FP8 && a.row0 >= a.block))
+        return misfit("linear_stored", "row0 a multiple of 16 below the block");
     if (a.m < 0 || a.n < 0 || a.ldx < a.k || a.ldy < a.n || (a.m && a.n && (!a.x || !a.data || !a.scales || !a.y)))
         return misfit("linear_stored", "m, n >= 0, ldx >= k, ldy >= n, non-null addresses");
     Py_BEGIN_ALLOW_THREADS

@@ -42,7 +42,7 @@ from .layers import Linear, RMSNorm, linear, stacked
 from .ops import choose
 from .ops_torch import KEY_CHUNK
 from .paged_state import SlotPlan, PagedState
-from .weights import Mxfp4Experts
+from .weights import Fp8Weight, HoldsStored, Mxfp4Experts
 
 # The overlap points. A microbatch yields where something of its own can be in flight while another
 # microbatch computes: its Engram gather (one process), its attention output's and its MoE output's
@@ -164,8 +164,8 @@ class Compressor(nn.Module):
         each token with the row of position p - 1, wherever that was computed."""
         ops = step.ops
         if self.ratio == 1:
-            return self.norm(linear(x, self.wkv.weight), ops)  # [T, hd]
-        row = linear(x, stacked(self.wkv.weight, self.wgate.weight)).float()  # [T, 2hd]: kv, then gate
+            return self.norm(linear(x, self.wkv.w), ops)  # [T, hd]
+        row = linear(x, stacked(self.wkv.w, self.wgate.w)).float()  # [T, 2hd]: kv, then gate
         return self.norm(ops.pool_pair(self.partner(row, step, layer), row).to(x.dtype), ops)
 
     @staticmethod
@@ -196,7 +196,7 @@ class Indexer(nn.Module):
         none), outside the candidate blocks of `block` entries (`index_scores`). width is a multiple of KEY_CHUNK
         (each batched-matmul item of the torch form is one chunk)."""
         t = x.shape[0]
-        q = ops.rope(linear(qr, self.wq_b.weight).view(t, self.heads, self.dim), cos, sin, inverse=False,
+        q = ops.rope(linear(qr, self.wq_b.w).view(t, self.heads, self.dim), cos, sin, inverse=False,
                      in_place=True)  # [T, nh, ihd]
         w = linear(x, self.weights_proj.weight)  # [T, nh]
         wscale = self.dim ** -0.5 * self.heads ** -0.5
@@ -229,7 +229,7 @@ class Attention(nn.Module):
         indices) every token's keys and entries are stored, but only the tokens `keep` attend: -> [K, D]."""
         cfg, role, plan, ops = self.cfg, self.role, step.plan, step.ops
         h, hd = self.heads, cfg.head_dim
-        kv = ops.rope(self.kv_norm(linear(x, self.wkv.weight), ops), *rope_cs, inverse=False, in_place=True)  # [T, hd]
+        kv = ops.rope(self.kv_norm(linear(x, self.wkv.w), ops), *rope_cs, inverse=False, in_place=True)  # [T, hd]
         window = step.cache.window[role.layer]
         ops.store_rows(window, plan.slots, kv, step.cache.trash_slot)  # this microbatch's keys first: a token attends to itself
         if role.ratio and self.compressor is not None:
@@ -243,8 +243,8 @@ class Attention(nn.Module):
             x, rope_cs, plan = x[keep], tuple(c[keep] for c in rope_cs), plan.rows(keep)
             topk, cands = topk[keep], cands[keep]
         t = x.shape[0]
-        qr = self.q_norm(linear(x, self.wq_a.weight), ops)  # [T, ql]
-        q = ops.rope(linear(qr, self.wq_b.weight).view(t, h, hd), *rope_cs, inverse=False, in_place=True)  # [T, H, hd]
+        qr = self.q_norm(linear(x, self.wq_a.w), ops)  # [T, ql]
+        q = ops.rope(linear(qr, self.wq_b.w).view(t, h, hd), *rope_cs, inverse=False, in_place=True)  # [T, H, hd]
         entries = eslots = None
         if role.ratio:
             if self.indexer is not None:
@@ -256,8 +256,8 @@ class Attention(nn.Module):
                              sink=self.attn_sink, scale=hd ** -0.5)  # [T, H, hd]
         o = ops.rope(o, *rope_cs, inverse=True, in_place=True).reshape(t, self.groups, h * hd // self.groups)
         ol = cfg.o_lora_rank
-        u = ops.cat_cols([linear(o[:, g], self.wo_a.weight[g * ol:(g + 1) * ol]) for g in range(self.groups)])
-        return linear(u, self.wo_b.weight)
+        u = ops.cat_cols([linear(o[:, g], self.wo_a.rows(g * ol, (g + 1) * ol)) for g in range(self.groups)])
+        return linear(u, self.wo_b.w)
 
     def _compress(self, x: torch.Tensor, step: V41Step, entry_cs) -> None:
         """Store the entries (and index keys) completed by this microbatch's tokens."""
@@ -301,7 +301,7 @@ class ExpertPanels(NamedTuple):
     # addresses of w1's scales, w3's codes and scales, w2's scales
 
 
-class MoE(nn.Module):
+class MoE(HoldsStored):
     """Routed experts with sqrt(softplus) scores and a bias that only chooses, plus one shared expert.
 
     Parameters: `gate.weight` [E, D], `gate.bias` [E]; the experts stacked as `w13` [E, 2I, D] (w1 then w3
@@ -309,11 +309,11 @@ class MoE(nn.Module):
     `experts.{e}.w{1,2,3}.weight`, stacked when loading). A token's output adds its experts' weighted
     outputs in ascending expert order, then the shared expert's: an order fixed per token.
 
-    Or the routed experts as stored (`stored`, an `Mxfp4Experts`, `use_stored`): then `w13` and `w2` are not
-    parameters until something reads them (the torch forms, autograd, sharding, `state_dict`, `.to`), which
-    turns them into today's float32 Parameters once (`dense_`)."""
+    Or the routed experts as stored (`stored`, an `Mxfp4Experts`, `use_stored`: model/weights.py `HoldsStored`):
+    then `w13` and `w2` are not parameters until something reads them (the torch forms, autograd, sharding,
+    `state_dict`, `.to`), which turns them into today's float32 Parameters once (`dense_`)."""
 
-    stored: Mxfp4Experts | None = None
+    STORED = ("w13", "w2")
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -327,31 +327,10 @@ class MoE(nn.Module):
         self.shared_experts.w1, self.shared_experts.w3 = Linear(d, i), Linear(d, i)
         self.shared_experts.w2 = Linear(i, d)
 
-    def use_stored(self, stored: Mxfp4Experts) -> None:
-        """Hold the routed experts as stored: `w13` and `w2` stop being parameters (a state dict without them)."""
-        del self._parameters["w13"], self._parameters["w2"]
-        self.stored, self._panels = stored, None
-
-    def dense_(self) -> None:
-        """The stored experts as today's float32 Parameters `w13`, `w2` (a copy made once; `stored` let go)."""
-        if self.stored is not None:
-            w13, w2 = self.stored.dense()
-            grad = self.gate.weight.requires_grad
-            self.stored, self._panels = None, None
-            self.w13, self.w2 = nn.Parameter(w13, requires_grad=grad), nn.Parameter(w2, requires_grad=grad)
-
-    def __getattr__(self, name: str):
-        if name in ("w13", "w2") and self.__dict__.get("stored") is not None:
-            self.dense_()  # a reader of the float weights
-        return super().__getattr__(name)
-
-    def _apply(self, fn, recurse=True):
-        self.dense_()  # .to(), .double(), ...: of the float weights
-        return super()._apply(fn, recurse)
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        self.dense_()
-        super()._save_to_state_dict(destination, prefix, keep_vars)
+    def dense_params(self) -> dict[str, torch.Tensor]:
+        w13, w2 = self.stored.dense()
+        self._panels = None
+        return {"w13": w13, "w2": w2}
 
     def route(self, x: torch.Tensor, ops: ModuleType) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [N, k] best first, ties to the lower id; their weights [N, k])."""
@@ -407,27 +386,23 @@ class MoE(nn.Module):
         return cached[1]
 
     def _stored_panels(self) -> ExpertPanels | None:
-        """The `ExpertPanels` of the experts as stored (MXFP4, read in place) where the plan of the float weight (`products.plan`
-        of `Mxfp4Experts.probes`: every expert of a shape has the same kind of plan and kc) takes float panels; else
-        None. Cached per kernel and thread count."""
+        """The `ExpertPanels` of the experts as stored (MXFP4, read in place) at the block sizes of the float path
+        (`Mxfp4Experts.kcs`: every expert of a shape has the same plan); else None. Cached per kernel and thread
+        count."""
         key = (kernels.get("linear"), torch.get_num_threads())
         cached = getattr(self, "_panels", None)
         if cached is None or cached[0] != key:
-            plans = [products.plan(w) for w in self.stored.probes()]
-            panels = None
-            if all(p.kernel_weight is not None and not p.is_tiles for p in plans) and all(
-                    exactness.stored_kc_fits(exactness.STORED_MXFP4, w.shape[1], p.kc)
-                    for w, p in zip(self.stored.probes(), plans)):
+            kcs, panels = self.stored.kcs(), None
+            if kcs is not None:
                 codes1, scales1, codes3, scales3, codes2, scales2 = self.stored.addresses()
-                panels = ExpertPanels(codes1, plans[0].kc, codes2, plans[1].kc, plans, False,
-                                      (scales1, codes3, scales3, scales2))
+                panels = ExpertPanels(codes1, kcs[0], codes2, kcs[1], [], False, (scales1, codes3, scales3, scales2))
             self._panels = cached = (key, panels)
         return cached[1]
 
     def shared(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         s = self.shared_experts
-        gu = linear(x, stacked(s.w1.weight, s.w3.weight))  # [N, 2I]: w1's outputs, then w3's
-        return linear(ops.swiglu(gu, self.inter, self.cfg.swiglu_limit), s.w2.weight)
+        gu = linear(x, stacked(s.w1.w, s.w3.w))  # [N, 2I]: w1's outputs, then w3's
+        return linear(ops.swiglu(gu, self.inter, self.cfg.swiglu_limit), s.w2.w)
 
     def stages(self, x: torch.Tensor, ops: ModuleType, ctx=None) -> Generator[str, None, torch.Tensor]:
         """Yields once, before the combine (the expert-parallel overlap point; `ctx`, the runner's
@@ -618,9 +593,9 @@ class DeepseekV41(nn.Module):
     def matmul_params(self):
         """(module, parameter name, input dims) of every weight `linear` multiplies by (layers.layout_weights_)."""
         for m in self.modules():
-            if isinstance(m, Linear):
+            if isinstance(m, Linear) and m.stored is None:  # (weights as stored: laid out as stored)
                 yield m, "weight", 1
-            elif isinstance(m, MoE) and m.stored is None:  # (stored experts: their panels, laid out already)
+            elif isinstance(m, MoE) and m.stored is None:
                 yield m, "w13", 1
                 yield m, "w2", 1
             elif isinstance(m, Block):
@@ -631,6 +606,11 @@ class DeepseekV41(nn.Module):
         """The 2-D weights `linear` multiplies by, as the forward views them (layers.pad_rows)."""
         out, ol = [], self.config.o_lora_rank
         out += [w for m in self.modules() if isinstance(m, MoE) and m.stored is not None for w in m.stored.probes()]
+        wo_a = {id(a.wo_a) for a in self._attentions()}
+        for m in self.modules():
+            if isinstance(m, Linear) and m.stored is not None:  # (as stored: the float weight of its plan)
+                w = m.rows(0, ol) if id(m) in wo_a else m.w
+                out.append(w.probe() if isinstance(w, Fp8Weight) else w)
         for m, name, _ in self.matmul_params():
             w = getattr(m, name)
             if isinstance(m, MoE):

@@ -266,17 +266,37 @@ def stored_kc_fits(fmt: int, k: int, kc: int) -> bool:
     return (k % MX_BLOCK == 0 and kc % 8 == 0) if fmt == STORED_MXFP4 else (k % 4 == 0 and kc % 4 == 0)
 
 
+def shape_only(out: int, k: int) -> torch.Tensor:
+    """A float32 CPU view of shape [out, k] laid out input-major over `out` floats (every input alike): what the
+    probes of `small_call_kc` and `min_rows` read of a weight (its shape, layout and dtype, never its values)."""
+    return _shape_views.setdefault((out, k), torch.zeros(out).as_strided((out, k), (1, 0)))
+
+
+_shape_views: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def stored_kc(fmt: int, out: int, k: int) -> int | None:
+    """The block size at which `linear_stored` multiplies a weight of this shape as stored with the float path's
+    bits, or None: the float plan's kc (`small_call_kc`) where that plan is the float panels (on an AMX CPU it is the
+    bfloat16 tiles, every FP8 and MXFP4 value being a bfloat16) and `stored_kc_fits`."""
+    if amx_supported(kernels.get("linear")):
+        return None
+    kc = small_call_kc(shape_only(out, k))
+    return kc if kc is not None and stored_kc_fits(fmt, k, kc) else None
+
+
 def matmul_stored(x: torch.Tensor, fmt: int, data: torch.Tensor, scales: torch.Tensor, n: int, kc: int,
-                  block: int = 0, simd: int = 2) -> torch.Tensor:
+                  block: int = 0, simd: int = 2, out: torch.Tensor | None = None, row0: int = 0) -> torch.Tensor:
     """`matmul_kernel(x, panels, n, kc, simd)` from the weight as its checkpoint stores it (`fmt` STORED_MXFP4: codes
     [n, k / 2], E8M0 scales [n, k / 32]; STORED_FP8: E4M3 [n, k], E8M0 scales per block x block tile), read in
     place: the same bits as the float panels of the dequantized weight (`stored_kc_fits` and the same caller
-    guarantees as `matmul_kernel`)."""
+    guarantees as `matmul_kernel`). `out`: written instead of a new [m, n] (its first n columns; rows with unit
+    stride). row0: FP8 rows r0.. of a weight (data from row r0, scales from block row r0 // block), r0 % block."""
     m, k = x.shape
-    y = torch.empty(m, n)
+    y = torch.empty(m, n) if out is None else out
     capture.call(kernels.get("linear").linear_stored, x=x.data_ptr(), ldx=x.stride(0) if m > 1 else k, format=fmt,
-                 data=data.data_ptr(), scales=scales.data_ptr(), y=y.data_ptr(), ldy=n, m=m, k=k, n=n, kc=kc,
-                 simd=simd, block=block)
+                 data=data.data_ptr(), scales=scales.data_ptr(), y=y.data_ptr(), ldy=y.stride(0) if m > 1 else n,
+                 m=m, k=k, n=n, kc=kc, simd=simd, block=block, row0=row0)
     return y
 
 

@@ -45,8 +45,8 @@ from ..engram.token_map import build_token_map, load_tokenizer
 from ..errors import CheckpointMismatch, ConfigError, EngramServeError
 from .checkpoint import CONFIG_FILE, INDEX_FILE, TINY_DIR, TOKENIZER_FILE, WEIGHTS_FILE, CheckpointFiles
 from .deepseek_v41 import DeepseekV41
-from .weights import Mxfp4Experts
-from .layers import layout_weights_
+from .weights import Fp8Weight, Mxfp4Experts
+from .layers import Linear, layout_weights_
 
 log = logging.getLogger(__name__)
 FLOAT_CODES = ("F32", "BF16", "F16")
@@ -144,16 +144,37 @@ def read_weight(files: CheckpointFiles, name: str, shape: list[int]) -> tuple[to
     if dtype != FP8_CODE:
         raise CheckpointMismatch(f"{where}: tensor {name!r} has dtype {dtype}, expected a float dtype {FLOAT_CODES} "
                                  f"or {FP8_CODE} with {SCALE_CODE} block scales")
+    sname, block = fp8_scales(files, name, shape)
+    return dequantize_blocks(files.tensor(name), files.tensor(sname), block), [name, sname]
+
+
+def fp8_scales(files: CheckpointFiles, name: str, shape: list[int]) -> tuple[str, int]:
+    """(the name of the E8M0 block scales of the FP8 tensor `name` of `shape`, their block size), checked."""
     sname = scale_name(name)
     if sname not in files or len(shape) != 2:
-        raise CheckpointMismatch(f"{where}: FP8 tensor {name!r} needs its {SCALE_CODE} block scales {sname!r}"
-                                 + ("" if len(shape) == 2 else f" and a 2-D shape (it is {list(shape)})"))
+        raise CheckpointMismatch(f"{files.file_of(name)}: FP8 tensor {name!r} needs its {SCALE_CODE} block scales "
+                                 f"{sname!r}" + ("" if len(shape) == 2 else f" and a 2-D shape (it is {list(shape)})"))
     sdtype, sshape = files.info(sname)
     block = block_size_of((shape[0], shape[1]), (sshape + [0, 0])[:2] if len(sshape) == 2 else (0, 0))
     if sdtype != SCALE_CODE or block is None:
         raise CheckpointMismatch(f"{files.file_of(sname)}: scales {sname!r} are {sdtype} {sshape}; expected "
                                  f"{SCALE_CODE} [ceil({shape[0]}/b), ceil({shape[1]}/b)] for a block size b in 32..256")
-    return dequantize_blocks(files.tensor(name), files.tensor(sname), block), [name, sname]
+    return sname, block
+
+
+def read_fp8_stored(files: CheckpointFiles, name: str, like: torch.Tensor) -> tuple[Fp8Weight, list[str]] | None:
+    """A 2-D FP8 block-scaled weight as stored (`Fp8Weight` over views of the read-only memory map, checked as
+    `read_weight` checks it), with the checkpoint names used; None where the checkpoint holds it in another dtype
+    or its block is not a multiple of 16 (the stored product's)."""
+    if name not in files or files.info(name)[0] != FP8_CODE or like.dim() != 2:
+        return None
+    if files.info(name)[1] != list(like.shape):
+        raise CheckpointMismatch(f"{files.file_of(name)}: tensor {name!r}: checkpoint shape {files.info(name)[1]}, "
+                                 f"the config needs {list(like.shape)}")
+    sname, block = fp8_scales(files, name, list(like.shape))
+    if block % 16:
+        return None
+    return Fp8Weight([(files.tensor(name, writable=False), files.tensor(sname, writable=False), 0)], block), [name, sname]
 
 
 def read_fp4(files: CheckpointFiles, name: str, shape: list[int]) -> torch.Tensor:
@@ -305,13 +326,19 @@ def _load(root: Path, device, pin_tables, progress: Progress | None, dedup: bool
     with torch.device("meta"):
         model = DeepseekV41(cfg)
     expected, state = model.state_dict(), {}
-    if torch.device(device).type == "cpu" and kernels.loaded("linear"):  # MXFP4 experts stay as stored
+    if torch.device(device).type == "cpu" and kernels.loaded("linear"):  # MXFP4 experts, FP8 linears stay as stored
         for layer, block in enumerate(model.layers):
             if stores_mxfp4_experts(files, cfg, layer):
                 experts, names = read_mxfp4_experts(files, cfg, layer)
                 block.ffn.use_stored(experts)
                 used.update(names)
                 del expected[f"layers.{layer}.ffn.w13"], expected[f"layers.{layer}.ffn.w2"]
+        for name, module in model.named_modules():
+            key = f"{name}.weight"
+            if isinstance(module, Linear) and key in expected and (stored := read_fp8_stored(files, key, expected[key])):
+                module.use_stored(stored[0])
+                used.update(stored[1])
+                del expected[key]
     for i, (key, ref) in enumerate(expected.items()):
         state[key], names = read_param(files, key, list(ref.shape))
         used.update(names)

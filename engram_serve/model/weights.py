@@ -1,4 +1,4 @@
-"""Weights kept in their stored format: a layer's MXFP4 routed experts.
+"""Weights kept in their stored format: a layer's MXFP4 routed experts, and FP8 block-scaled linears.
 
 An MXFP4 checkpoint stores each expert's w1, w3 [I, D] and w2 [D, I] as packed E2M1 codes [rows, cols / 2]
 (the even column in the low nibble) with one E8M0 scale per row and 32 columns [rows, cols / 32]
@@ -7,13 +7,25 @@ copy: a page is read from disk when a step first touches it, and the page cache 
 kernel's `moe_experts` (format `exactness.MOE_MXFP4`) multiplies them in place with the bits of the float panels
 over the dequantized weights. `dequantize(e)` / `dense()` give exactly the float32 weights the float path loads
 (for everything that needs floats: the torch forms, CUDA, autograd, sharding, the writer).
+
+An FP8 checkpoint stores a linear's weight as E4M3 [out, in] with one E8M0 scale per block x block tile. `Fp8Weight`
+holds it (or several stacked by rows: one product for weights that share their input) as it lies in the map, and
+`run(x2)` multiplies it in place (`exactness.matmul_stored`) at the block size kc the float plan of its shape takes
+(`exactness.stored_kc`), so with the bits of the float path; where that plan is not the float panels (AMX tiles, BLAS, padded torch), or the call is not the kernel's
+(autograd, another dtype), over a float copy made once (`dense()`).
+
+`HoldsStored`: a module whose float parameters are held so until something reads them (the torch forms, autograd,
+sharding, `state_dict`, `.to`), which turns them into today's float32 Parameters once (`dense_`).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from ..engram.quantized import dequantize_fp4
-from .exactness import in_major
+from ..engram.quantized import dequantize_blocks, dequantize_fp4
+from . import exactness
+from .exactness import STORED_FP8, in_major
 
 Stored = tuple[torch.Tensor, torch.Tensor]  # (packed E2M1 codes [rows, cols / 2], E8M0 scales [rows, cols / 32])
 
@@ -52,15 +64,107 @@ class Mxfp4Experts:
                                     for w in (self.w1, self.w3, self.w2) for j in (0, 1))
         return self._addresses
 
+    def kcs(self) -> tuple[int, int] | None:
+        """The block sizes at which `moe_experts` multiplies w13 and w2 as stored with the float path's bits
+        (`exactness.stored_kc`), or None (then the MoE dequantizes once)."""
+        kcs = tuple(exactness.stored_kc(exactness.STORED_MXFP4, *shape) for shape in (self.shape13, self.shape2))
+        return None if None in kcs else kcs
+
     def probes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert 0's float32 w13 and w2, input-major, one per shape in the process: the weights whose
-        `products.plan` says how the float path would multiply every expert of that shape (the plan's kind and
-        kc depend on the shape, the CPU and the threads; its bfloat16 check on the values, and every MXFP4 value
-        is a bfloat16)."""
-        key = (self.shape13, self.shape2)
-        if key not in _probes:
-            _probes[key] = tuple(in_major(w) for w in self.dequantize(0))
-        return _probes[key]
+        """What `products.pad_rows` reads of w13 and w2: views of their shapes alone (`exactness.shape_only`) where
+        they are multiplied as stored, else expert 0's float weights (input-major)."""
+        if self.kcs() is not None:
+            return exactness.shape_only(*self.shape13), exactness.shape_only(*self.shape2)
+        return tuple(in_major(w) for w in self.dequantize(0))
 
 
-_probes: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+class Fp8Weight:
+    """FP8 block-scaled weights as stored, stacked by rows: `parts` [(E4M3 [out_i, in] uint8, E8M0 scales
+    [blocks of rows, ceil(in / block)] uint8, row0: the first row's place in its block of scales)], one `block`;
+    `shape` (sum of out_i, in); `dtype` the one its products compute in."""
+
+    dtype = torch.float32
+
+    def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor, int]], block: int):
+        self.parts, self.block = parts, block
+        self.shape = torch.Size((sum(d.shape[0] for d, _, _ in parts), parts[0][0].shape[1]))
+        self._dense = None
+
+    def rows(self, r0: int, r1: int) -> Fp8Weight | None:
+        """Rows [r0, r1) of a one-part weight as stored, or None where r0 is not a multiple of 16 (a panel's rows
+        share their block of scales)."""
+        (data, scales, row0), b = self.parts[0], self.block
+        if len(self.parts) > 1 or r0 % 16:
+            return None
+        first = row0 + r0
+        return Fp8Weight([(data[r0:r1], scales[first // b:-(-(row0 + r1) // b)], first % b)], b)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 [out, in] weight: exactly `dequantize_blocks` of each part."""
+        b = self.block
+        return torch.cat([dequantize_blocks(F.pad(d, (0, 0, r, 0)).view(torch.float8_e4m3fn),
+                                            s.view(torch.float8_e8m0fnu), b)[r:] for d, s, r in self.parts])
+
+    def dense(self) -> torch.Tensor:
+        """The float32 weight input-major, as the float path lays it out (a copy, made once)."""
+        if self._dense is None:
+            self._dense = in_major(self.dequantize())
+        return self._dense
+
+    def probe(self) -> torch.Tensor:
+        """What `products.pad_rows` reads of it: a view of its shape alone (`exactness.shape_only`) where it is
+        multiplied as stored, else its float copy."""
+        return exactness.shape_only(*self.shape) if exactness.stored_kc(STORED_FP8, *self.shape) else self.dense()
+
+    def run(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [N, in] @ weight.T -> [N, out]: in place where the kernel takes it (`exactness.stored_kc`), else over
+        `dense()`."""
+        kc = exactness.stored_kc(STORED_FP8, *self.shape) if exactness.rules_on() else None
+        if kc is None or not exactness.kernel_takes(x2, exactness.shape_only(*self.shape), kc):
+            from . import products  # (products plans float weights; it does not know this module)
+            return products.plan(self.dense()).run(x2, self.dense())
+        y, at = torch.empty(x2.shape[0], self.shape[0]), 0
+        for data, scales, row0 in self.parts:
+            exactness.matmul_stored(x2, STORED_FP8, data, scales, data.shape[0], kc, self.block, out=y[:, at:],
+                                    row0=row0)
+            at += data.shape[0]
+        return y
+
+
+class HoldsStored(nn.Module):
+    """A module holding float parameters (`STORED`, names) as stored (`stored`, None once dense): they are not
+    parameters until something reads them, which calls `dense_` once (`dense_params()` gives them; they require
+    grad where the module's other parameters do)."""
+
+    STORED: tuple[str, ...] = ()
+    stored = None
+
+    def dense_params(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def use_stored(self, stored) -> None:
+        for name in self.STORED:
+            del self._parameters[name]
+        self.stored = stored
+
+    def dense_(self) -> None:
+        if self.stored is not None:
+            params, grad = self.dense_params(), any(p.requires_grad for p in self.parameters())
+            self.stored = None
+            for name, t in params.items():
+                setattr(self, name, nn.Parameter(t, requires_grad=grad))
+
+    def __getattr__(self, name: str):
+        if name in self.STORED and self.__dict__.get("stored") is not None:
+            self.dense_()  # a reader of the float weights
+        return super().__getattr__(name)
+
+    def _apply(self, fn, recurse=True):
+        self.dense_()  # .to(), .double(), ...: of the float weights
+        return super()._apply(fn, recurse)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        self.dense_()
+        super()._save_to_state_dict(destination, prefix, keep_vars)

@@ -16,6 +16,7 @@ from engram_serve import kernels
 from engram_serve.engram.quantized import FP4_VALUES, SCALE_COLS, dequantize_blocks, dequantize_fp4
 from engram_serve.model import exactness
 from engram_serve.model.exactness import STORED_FP8, STORED_MXFP4
+from engram_serve.model.weights import Fp8Weight
 
 lin = kernels.get("linear")
 pytestmark = pytest.mark.skipif(lin is None, reason="the linear kernel is not built")
@@ -139,3 +140,16 @@ def test_moe_experts_as_stored_equal_them_on_float_panels(d, inter, experts):
     got = exactness.moe_experts(xs, counts, addr([c for c, _ in w1]), 32, addr([c for c, _ in w2]), 48, inter, 7.0,
                                 stored=stored)
     assert torch.equal(bits(got), bits(want))
+
+
+@pytest.mark.parametrize("r0,r1", [(16, 48), (32, 70), (48, 53), (0, 5)])
+def test_rows_of_a_stored_fp8_weight_give_their_bits(r0, r1):
+    """rows r0.. of a weight as stored (model/weights.py `Fp8Weight.rows`: a group of a block-diagonal weight): its
+    scales from block row r0 // block, `row0` = r0 % block"""
+    q, s = fp8_weight(70, 64, 32, 3)
+    (d, sc, row0), = Fp8Weight([(q, s, 0)], 32).rows(r0, r1).parts
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(r0))
+    want = float_product(x, fp8_float(q, s, 32)[r0:r1], 16, LEVELS[-1])
+    for simd in LEVELS:
+        got = exactness.matmul_stored(x, STORED_FP8, d, sc, r1 - r0, 16, block=32, simd=simd, row0=row0)
+        assert torch.equal(bits(got), bits(want)), simd

@@ -9,11 +9,12 @@ import torch
 
 from engram_serve import kernels
 from engram_serve.engram.quantized import Fp8Table, dequantize_rows
-from engram_serve.model import products
 from engram_serve.model.deepseek_v41 import MoE
+from engram_serve.model.layers import Linear
+from engram_serve.model.checkpoint import CheckpointFiles
 from engram_serve.model.loader import load_model
-from engram_serve.model.weights import Mxfp4Experts
-from engram_serve.model.writer import SMALL_TEXT_CONFIG, Quant, official_tensors, random_v41_checkpoint, with_engram_rows
+from engram_serve.model.weights import Fp8Weight, HoldsStored, Mxfp4Experts
+from engram_serve.model.writer import FP8_LINEARS, SMALL_TEXT_CONFIG, Quant, official_tensors, random_v41_checkpoint, with_engram_rows
 from reference_v41 import reference_forward
 from v41_fixtures import engram_hash_ids, tiny_token_map
 
@@ -38,8 +39,7 @@ def float_bytes(module) -> int:
 
 def takes_panels(moe: MoE) -> bool:
     """Whether this CPU's plan for the experts' float weights is the float panels (else the MoE dequantizes)."""
-    return all(products.plan(w).kernel_weight is not None and not products.plan(w).is_tiles
-               for w in moe.stored.probes())
+    return moe.stored.kcs() is not None
 
 
 def logprobs(model, weights: dict, ids: list[int]) -> torch.Tensor:
@@ -74,16 +74,33 @@ def test_moe_holds_no_float_expert_weights_after_load(ckpt):
         assert stored <= m.stored.nbytes() <= 1.1 * stored
 
 
-def test_stored_experts_give_the_float_paths_logits_bit_for_bit(ckpt, reference_weights):
+def stored_linears(model) -> dict[str, Linear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, Linear) and m.stored is not None}
+
+
+def test_fp8_linears_are_held_as_stored(ckpt):
+    model = load_model(ckpt, pin_tables=False).model
+    held = stored_linears(model)
+    official = {n for n in CheckpointFiles.open(ckpt).keys() if FP8_LINEARS.fullmatch(n)}
+    assert {f"{n}.weight" for n in held} == official  # every FP8 linear of the checkpoint
+    for m in held.values():
+        assert isinstance(m.stored, Fp8Weight) and "weight" not in m._parameters
+        assert float_bytes(m) == 0
+
+
+def test_stored_weights_give_the_float_paths_logits_bit_for_bit(ckpt, reference_weights):
     stored = load_model(ckpt, pin_tables=False).model
     if not takes_panels(moes(stored)[0]):
         pytest.skip("this CPU's plan for the experts' shape is not the float panels: the MoE dequantizes")
     dense = load_model(ckpt, pin_tables=False).model
-    for m in moes(dense):
-        m.dense_()
-        assert m.w13.dtype == torch.float32 and m.stored is None
+    for m in dense.modules():
+        if isinstance(m, HoldsStored):
+            m.dense_()
+            assert m.stored is None
+    held = [m for m in stored.modules() if isinstance(m, HoldsStored) and m.stored is not None]
     got = logprobs(stored, reference_weights, PROMPT)
-    assert all(m.stored is not None and m._panels[1] is not None for m in moes(stored))  # ran on the stored bytes
+    assert all(m.stored is not None for m in held)  # no forward read them as floats
+    assert all(m._panels[1] is not None for m in moes(stored))  # the experts ran on the stored bytes
     assert float_bytes(stored) < float_bytes(dense) - sum(m.stored.nbytes() for m in moes(stored))
     want = logprobs(dense, reference_weights, PROMPT)
     assert torch.equal(got, want)
@@ -123,14 +140,15 @@ def mapping_of(address: int) -> tuple[str, str]:
     raise LookupError(hex(address))
 
 
-def test_the_experts_are_views_of_the_read_only_map(ckpt):
+def test_the_stored_weights_are_views_of_the_read_only_map(ckpt):
     """No copy: every stored tensor lies in a read-only mapping of its shard, so a page is read from disk when a
     step first touches it (and the page cache may drop it again)."""
-    for m in moes(load_model(ckpt, pin_tables=False).model):
-        for w in (m.stored.w1, m.stored.w3, m.stored.w2):
-            for t in (c for pair in w for c in pair):
-                perms, path = mapping_of(t.data_ptr())
-                assert perms.startswith("r-") and path.endswith(".safetensors"), (perms, path)
+    model = load_model(ckpt, pin_tables=False).model
+    experts = [t for m in moes(model) for w in (m.stored.w1, m.stored.w3, m.stored.w2) for pair in w for t in pair]
+    linears = [t for m in stored_linears(model).values() for d, s, _ in m.stored.parts for t in (d, s)]
+    for t in experts + linears:
+        perms, path = mapping_of(t.data_ptr())
+        assert perms.startswith("r-") and path.endswith(".safetensors"), (perms, path)
 
 
 def test_reference_agrees_and_one_wrong_e2m1_code_turns_it_red(ckpt, reference_weights):

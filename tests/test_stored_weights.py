@@ -13,7 +13,7 @@ from engram_serve.model.deepseek_v41 import MoE
 from engram_serve.model.layers import Linear
 from engram_serve.model.checkpoint import CheckpointFiles
 from engram_serve.model.loader import load_model
-from engram_serve.model.weights import Fp8Weight, HoldsStored, Mxfp4Experts
+from engram_serve.model.weights import StoredWeight, HoldsStored, Mxfp4Experts
 from engram_serve.model.writer import FP8_LINEARS, SMALL_TEXT_CONFIG, Quant, official_tensors, random_v41_checkpoint, with_engram_rows
 from reference_v41 import reference_forward
 from v41_fixtures import engram_hash_ids, tiny_token_map
@@ -24,9 +24,11 @@ PROMPT = [(7 * i + 3) % 4000 + 10 for i in range(12)]
 pytestmark = pytest.mark.skipif(not kernels.loaded("linear"), reason="the linear kernel is not built")
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return random_v41_checkpoint(tmp_path_factory.mktemp("v41"), seed=5, quant=Quant(), shard_bytes=256 << 10)
+@pytest.fixture(scope="module", params=[False, True], ids=["float32-matrices", "bf16-matrices"])
+def ckpt(request, tmp_path_factory):
+    """FP8 linears and MXFP4 experts; the other matrices float32 or (as published) BF16"""
+    return random_v41_checkpoint(tmp_path_factory.mktemp("v41"), seed=5, quant=Quant(bf16=request.param),
+                                 shard_bytes=256 << 10)
 
 
 def moes(model) -> list[MoE]:
@@ -78,14 +80,15 @@ def stored_linears(model) -> dict[str, Linear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, Linear) and m.stored is not None}
 
 
-def test_fp8_linears_are_held_as_stored(ckpt):
+def test_fp8_and_bf16_linears_are_held_as_stored(ckpt):
     model = load_model(ckpt, pin_tables=False).model
-    held = stored_linears(model)
-    official = {n for n in CheckpointFiles.open(ckpt).keys() if FP8_LINEARS.fullmatch(n)}
-    assert {f"{n}.weight" for n in held} == official  # every FP8 linear of the checkpoint
+    held, files = stored_linears(model), CheckpointFiles.open(ckpt)
+    linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Linear)}
+    stored = {n for n in linears & set(files.keys()) if files.info(n)[0] in ("F8_E4M3", "BF16")}
+    assert {n for n in files.keys() if FP8_LINEARS.fullmatch(n)} <= stored
+    assert {f"{n}.weight" for n in held} == stored  # every FP8 or BF16 linear of the checkpoint
     for m in held.values():
-        assert isinstance(m.stored, Fp8Weight) and "weight" not in m._parameters
-        assert float_bytes(m) == 0
+        assert isinstance(m.stored, StoredWeight) and "weight" not in m._parameters  # (the router keeps its bias)
 
 
 def test_stored_weights_give_the_float_paths_logits_bit_for_bit(ckpt, reference_weights):
@@ -145,7 +148,7 @@ def test_the_stored_weights_are_views_of_the_read_only_map(ckpt):
     step first touches it (and the page cache may drop it again)."""
     model = load_model(ckpt, pin_tables=False).model
     experts = [t for m in moes(model) for w in (m.stored.w1, m.stored.w3, m.stored.w2) for pair in w for t in pair]
-    linears = [t for m in stored_linears(model).values() for d, s, _ in m.stored.parts for t in (d, s)]
+    linears = [t for m in stored_linears(model).values() for d, s, _ in m.stored.parts for t in (d, s) if t is not None]
     for t in experts + linears:
         perms, path = mapping_of(t.data_ptr())
         assert perms.startswith("r-") and path.endswith(".safetensors"), (perms, path)

@@ -110,10 +110,10 @@
  *   WF_FP8_PANELS        as stored too: E4M3 [n][k], one E8M0 scale per block x block tile [ceil(n / block)][ceil(k /
  *                 block)] (block a multiple of 16: a panel's rows share their scale row)
  *
- * The stored rows are read 16 at a time by one gather a few inputs wide (8 E2M1 codes, 4 E4M3 bytes a row), the
+ * The stored rows are read 16 at a time by one gather a few inputs wide (8 E2M1 codes, 4 E4M3 bytes, 2 bfloat16 a row), the
  * lanes of the rows beyond n masked off (zero weights, as the padding of a panel). A panel is (data, scales, and
  * for the stored rows their strides): struct panel_ref; a weight is its format, addresses and shape: weight_ref. */
-enum weight_format { WF_F32 = 0, WF_BF16 = 1, WF_MXFP4 = 2, WF_FP8_PANELS = 3, WF_FP8 = 4 };
+enum weight_format { WF_F32 = 0, WF_TILES = 1, WF_MXFP4 = 2, WF_FP8_PANELS = 3, WF_FP8 = 4, WF_BF16 = 5 };
 
 #define MX_G 32 /* inputs of an E8M0 scale of an MXFP4 panel */
 #define SB 64   /* input rows of a scale block of an FP8 panel */
@@ -135,7 +135,10 @@ typedef struct {
     Py_ssize_t row0;  /* WF_FP8: the first row's place in its block of scales (a slice of rows; a multiple of 16) */
 } weight_ref;
 
-static inline int stored_rows(const int fmt) { return fmt == WF_MXFP4 || fmt == WF_FP8; }
+static inline int stored_rows(const int fmt) { return fmt == WF_MXFP4 || fmt == WF_FP8 || fmt == WF_BF16; }
+
+/* the byte of input t in a stored row */
+static inline Py_ssize_t row_byte(const int fmt, Py_ssize_t t) { return fmt == WF_MXFP4 ? t / 2 : fmt == WF_BF16 ? 2 * t : t; }
 
 /* panel p of weight w: its data and scales */
 static inline panel_ref panel_at(const weight_ref *w, Py_ssize_t p) {
@@ -147,13 +150,13 @@ static inline panel_ref panel_at(const weight_ref *w, Py_ssize_t p) {
         r.scale = (const float *)w->scales + p * ((k + SB - 1) / SB);
     } else if (stored_rows(fmt)) {
         const int mx = fmt == WF_MXFP4;
-        r.ld = mx ? k / 2 : k;
+        r.ld = row_byte(fmt, k);
         r.data = (const uint8_t *)w->data + p * NR * r.ld;
         r.rows = w->n - p * NR < NR ? (int)(w->n - p * NR) : NR;
         if (mx) {
             r.sld = k / MX_G;
             r.scale = (const uint8_t *)w->scales + p * NR * r.sld;
-        } else {
+        } else if (fmt == WF_FP8) {
             r.group = (int)w->block;
             r.scale = (const uint8_t *)w->scales + ((w->row0 + p * NR) / w->block) * ((k + w->block - 1) / w->block);
         }
@@ -166,7 +169,8 @@ static inline panel_ref panel_at(const weight_ref *w, Py_ssize_t p) {
 /* the bytes of one panel (for the L2 grouping and the prefetch decision) */
 static inline size_t panel_bytes(const int fmt, Py_ssize_t k) {
     return fmt == WF_MXFP4 ? (size_t)k * NR / 2 + (size_t)k / MX_G * NR
-           : fmt == WF_FP8_PANELS || fmt == WF_FP8   ? (size_t)k * NR
+           : fmt == WF_FP8_PANELS || fmt == WF_FP8 ? (size_t)k * NR
+           : fmt == WF_BF16                        ? (size_t)k * NR * 2
                                                    : (size_t)k * NR * 4;
 }
 
@@ -181,7 +185,7 @@ static inline Py_ssize_t group_end(const int fmt, panel_ref b, Py_ssize_t t, Py_
 }
 
 /* the inputs one gather of stored rows covers (0: not stored rows) */
-static inline int gather_inputs(const int fmt) { return fmt == WF_MXFP4 ? 8 : fmt == WF_FP8 ? 4 : 0; }
+static inline int gather_inputs(const int fmt) { return fmt == WF_MXFP4 ? 8 : fmt == WF_FP8 ? 4 : fmt == WF_BF16 ? 2 : 0; }
 
 /* the scalar weight at input t, column j of a panel (the portable tile's decode) */
 static inline float weight_at(const int fmt, panel_ref b, Py_ssize_t t, int j) {
@@ -192,6 +196,7 @@ static inline float weight_at(const int fmt, panel_ref b, Py_ssize_t t, int j) {
     if (fmt == WF_FP8)
         return e4m3_value(((const uint8_t *)b.data)[j * b.ld + t]) *
                e8m0_value(((const uint8_t *)b.scale)[t / b.group]);
+    if (fmt == WF_BF16) return bf16_value(((const uint16_t *)(const void *)((const uint8_t *)b.data + j * b.ld))[t]);
     if (fmt == WF_FP8_PANELS) /* 2^(s + 8) / 2^8: exact */
         return e4m3_value(((const uint8_t *)b.data)[t * NR + j]) * (((const float *)b.scale)[t / SB] * 0.00390625f);
     return ((const float *)b.data)[t * NR + j];
@@ -210,7 +215,7 @@ __attribute__((target("avx512f,avx2"), always_inline)) static inline __m512i gat
                                                                                       Py_ssize_t t) {
     const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32((int)b.ld));
-    const uint8_t *p = (const uint8_t *)b.data + (fmt == WF_MXFP4 ? t / 2 : t);
+    const uint8_t *p = (const uint8_t *)b.data + row_byte(fmt, t);
     return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), (__mmask16)((1u << b.rows) - 1), at, p, 1);
 }
 
@@ -219,7 +224,7 @@ __attribute__((target("avx512f,avx2"), always_inline)) static inline __m512i gat
  * is gather16's at input t + j * gather_inputs */
 __attribute__((target("avx512f,avx2"), always_inline)) static inline void rows16x4(const int fmt, panel_ref b,
                                                                                   Py_ssize_t t, __m512i *g) {
-    const uint8_t *p = (const uint8_t *)b.data + (fmt == WF_MXFP4 ? t / 2 : t);
+    const uint8_t *p = (const uint8_t *)b.data + row_byte(fmt, t);
     __m512i z[4];
     for (int i = 0; i < 4; i++) { /* lane L: row 4L + i */
         __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p + i * b.ld)));
@@ -236,6 +241,8 @@ __attribute__((target("avx512f,avx2"), always_inline)) static inline void rows16
 __attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 lane16(const int fmt, __m512i g, int u,
                                                                                    __m512 scale) {
     if (fmt == WF_MXFP4) return _mm512_mul_ps(e2m1_16_lanes(_mm512_srli_epi32(g, 4 * u)), scale);
+    if (fmt == WF_BF16) /* input t (u 0): the lower half of the word; t + 1: the upper */
+        return _mm512_castsi512_ps(u ? _mm512_and_si512(g, _mm512_set1_epi32((int)0xFFFF0000)) : _mm512_slli_epi32(g, 16));
     return _mm512_mul_ps(e4m3_16_lanes(_mm512_srli_epi32(g, 8 * u)), scale);
 }
 
@@ -294,7 +301,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void gather8x2(
                                                                                __m256i *g1) {
     const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)b.ld));
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const uint8_t *p = (const uint8_t *)b.data + (fmt == WF_MXFP4 ? t / 2 : t);
+    const uint8_t *p = (const uint8_t *)b.data + row_byte(fmt, t);
     const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(b.rows), lanes);
     const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(b.rows - 8), lanes);
     *g0 = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)(const void *)p, at, m0, 1);
@@ -305,7 +312,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void gather8x2(
 __attribute__((target("avx2,fma"), always_inline)) static inline void rows8x2x4(const int fmt, panel_ref b,
                                                                                Py_ssize_t t, __m256i *g0,
                                                                                __m256i *g1) {
-    const uint8_t *p = (const uint8_t *)b.data + (fmt == WF_MXFP4 ? t / 2 : t);
+    const uint8_t *p = (const uint8_t *)b.data + row_byte(fmt, t);
     for (int h = 0; h < 2; h++) {
         __m256i z[4], *g = h ? g1 : g0;
         for (int i = 0; i < 4; i++) /* lane L: row 8h + 4L + i */
@@ -321,6 +328,8 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void rows8x2x4(
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256 lane8(const int fmt, __m256i g, int u,
                                                                                    __m256 scale) {
     if (fmt == WF_MXFP4) return _mm256_mul_ps(e2m1_8_lanes(_mm256_srli_epi32(g, 4 * u)), scale);
+    if (fmt == WF_BF16)
+        return _mm256_castsi256_ps(u ? _mm256_and_si256(g, _mm256_set1_epi32((int)0xFFFF0000)) : _mm256_slli_epi32(g, 16));
     return _mm256_mul_ps(e4m3_8_lanes(_mm256_srli_epi32(g, 8 * u)), scale);
 }
 
@@ -568,6 +577,7 @@ static inline int wide_panels(int level, int mr) {
 TILES_OF(f32, WF_F32)
 TILES_OF(mxfp4, WF_MXFP4)
 TILES_OF(fp8, WF_FP8)
+TILES_OF(bf16, WF_BF16)
 #undef FEW
 #endif
 
@@ -599,6 +609,11 @@ static void tile_plain_mxfp4(int mr, const float *x, Py_ssize_t ldx, panel_ref b
     tile_plain(WF_MXFP4, mr, x, ldx, bp, k, kc, out, ldo);
 }
 
+static void tile_plain_bf16(int mr, const float *x, Py_ssize_t ldx, panel_ref bp, Py_ssize_t k, Py_ssize_t kc,
+                            float *out, Py_ssize_t ldo) {
+    tile_plain(WF_BF16, mr, x, ldx, bp, k, kc, out, ldo);
+}
+
 static void tile_plain_fp8(int mr, const float *x, Py_ssize_t ldx, panel_ref bp, Py_ssize_t k, Py_ssize_t kc,
                                 float *out, Py_ssize_t ldo) {
     tile_plain(WF_FP8, mr, x, ldx, bp, k, kc, out, ldo);
@@ -620,8 +635,9 @@ typedef struct {
 #define FORMAT_TILES(NAME) {tile_plain_##NAME}
 #endif
 static const format_tiles *tiles_of(const int fmt) {
-    static const format_tiles f32 = FORMAT_TILES(f32), mxfp4 = FORMAT_TILES(mxfp4), fp8 = FORMAT_TILES(fp8);
-    return fmt == WF_MXFP4 ? &mxfp4 : fmt == WF_FP8 ? &fp8 : &f32;
+    static const format_tiles f32 = FORMAT_TILES(f32), mxfp4 = FORMAT_TILES(mxfp4), fp8 = FORMAT_TILES(fp8),
+                              bf16 = FORMAT_TILES(bf16);
+    return fmt == WF_MXFP4 ? &mxfp4 : fmt == WF_FP8 ? &fp8 : fmt == WF_BF16 ? &bf16 : &f32;
 }
 #undef FORMAT_TILES
 
@@ -720,15 +736,15 @@ KERNEL_PY(linear_packed) {
     X(ADDR, x, "[m, k] float32, rows ldx floats apart")                                                        \
     X(SIZE, ldx, "floats between two rows of x (>= k)")                                                        \
     X(SIZE, format, "2 MXFP4 (E2M1 codes [n, k / 2], the even input the lower nibble; E8M0 scales [n, k / 32]), " \
-                    "4 FP8 (E4M3 [n, k]; E8M0 scales [ceil(n / block), ceil(k / block)])")                   \
+                    "4 FP8 (E4M3 [n, k]; E8M0 scales [ceil(n / block), ceil(k / block)]), 5 BF16 ([n, k])")                   \
     X(ADDR, data, "the weight's codes as stored (e.g. in its checkpoint's memory map)")                        \
-    X(ADDR, scales, "its E8M0 scales as stored")                                                               \
+    X(ADDR, scales, "its E8M0 scales as stored (MXFP4, FP8; BF16: 0)")                                                               \
     X(ADDR, y, "[m, n] float32, rows ldy floats apart, written")                                               \
     X(SIZE, ldy, "floats between two rows of y (>= n)")                                                        \
     X(SIZE, m, "rows")                                                                                         \
-    X(SIZE, k, "inputs (MXFP4: a multiple of 32; FP8: of 4)")                                                 \
+    X(SIZE, k, "inputs (MXFP4: a multiple of 32; FP8: of 4; BF16: of 2)")                                                 \
     X(SIZE, n, "outputs")                                                                                      \
-    X(SIZE, kc, "inputs of a block of the accumulation order (MXFP4: a multiple of 8; FP8: of 4)")            \
+    X(SIZE, kc, "inputs of a block of the accumulation order (MXFP4: a multiple of 8; FP8: of 4; BF16: of 2)")            \
     X(SIZE, simd, "0 the portable tile, 1 AVX2 at most, 2 AVX-512 where the CPU has it (the same bits)")      \
     X(OPTSIZE, block, "FP8: the scales' block (a multiple of 16)")                                             \
     X(OPTSIZE, row0, "FP8: rows r0.. of a weight (data from row r0, scales from block row r0 / block): r0 % block, "  \
@@ -746,10 +762,12 @@ RAW_ENTRY(linear_stored)
 static int stored_misfit(const char *fn, Py_ssize_t format, Py_ssize_t k, Py_ssize_t kc, Py_ssize_t block) {
     const int mx = format == WF_MXFP4;
     if ((mx && k >= MX_G && k % MX_G == 0 && kc >= 8 && kc % 8 == 0) ||
-        (format == WF_FP8 && k >= 4 && k % 4 == 0 && kc >= 4 && kc % 4 == 0 && block >= NR && block % NR == 0))
+        (format == WF_FP8 && k >= 4 && k % 4 == 0 && kc >= 4 && kc % 4 == 0 && block >= NR && block % NR == 0) ||
+        (format == WF_BF16 && k >= 2 && k % 2 == 0 && kc >= 2 && kc % 2 == 0))
         return 0;
     PyErr_Format(PyExc_ValueError, "%s: format %zd, k %zd, kc %zd, block %zd do not fit (format 2: MXFP4, k a multiple "
-                 "of 32, kc of 8; format 4: FP8, k and kc multiples of 4, block of 16)", fn, format, k, kc, block);
+                 "of 32, kc of 8; format 4: FP8, k and kc multiples of 4, block of 16; format 5: BF16, k and kc even)",
+                 fn, format, k, kc, block);
     return 1;
 }
 
@@ -758,8 +776,9 @@ KERNEL_PY(linear_stored) {
     if (stored_misfit("linear_stored", a.format, a.k, a.kc, a.block)) return NULL;
     if (a.row0 < 0 || a.row0 % NR || (a.format == WF_FP8 && a.row0 >= a.block))
         return misfit("linear_stored", "row0 a multiple of 16 below the block");
-    if (a.m < 0 || a.n < 0 || a.ldx < a.k || a.ldy < a.n || (a.m && a.n && (!a.x || !a.data || !a.scales || !a.y)))
-        return misfit("linear_stored", "m, n >= 0, ldx >= k, ldy >= n, non-null addresses");
+    if (a.m < 0 || a.n < 0 || a.ldx < a.k || a.ldy < a.n ||
+        (a.m && a.n && (!a.x || !a.data || !a.y || (a.format != WF_BF16 && !a.scales))))
+        return misfit("linear_stored", "m, n >= 0, ldx >= k, ldy >= n, non-null addresses (scales but for BF16)");
     Py_BEGIN_ALLOW_THREADS
     run_linear_stored(&a);
     Py_END_ALLOW_THREADS
@@ -1206,12 +1225,12 @@ CLONES static void swiglu_rows(const float *restrict h, Py_ssize_t rows, Py_ssiz
 }
 
 /* y [m, n] = x [m, k] (contiguous) @ the weight at address w (scales s) in format fmt: its bfloat16 tiles by
- * linear_bf16 (WF_BF16; 1 if it cannot have its buffer), else its panels (WF_F32, WF_MXFP4) by linear_panels at
+ * linear_bf16 (WF_TILES; 1 if it cannot have its buffer), else its panels (WF_F32, WF_MXFP4) by linear_panels at
  * block size kc */
 static int product(const int fmt, const float *x, int64_t w, int64_t s, float *y, Py_ssize_t m, Py_ssize_t k,
                    Py_ssize_t n, Py_ssize_t kc, int simd) {
 #if HAVE_X86_AVX2 && defined(__linux__)
-    if (fmt == WF_BF16) return linear_bf16(x, k, (const uint16_t *)(uintptr_t)w, y, m, k, n);
+    if (fmt == WF_TILES) return linear_bf16(x, k, (const uint16_t *)(uintptr_t)w, y, m, k, n);
 #endif
     const weight_ref wr = {fmt, (const void *)(uintptr_t)w, (const void *)(uintptr_t)s, k, n, 0};
     linear_panels(&wr, x, k, y, n, m, kc, simd);
@@ -1288,13 +1307,13 @@ KERNEL_PY(moe_experts) {
         PyErr_Format(PyExc_ValueError, "moe_experts: simd is %zd, expected 0, 1 or 2", (Py_ssize_t)a.simd);
         return NULL;
     }
-    const int fmt = a.tiles ? WF_BF16 : (int)a.format;
-    if (fmt != WF_F32 && fmt != WF_BF16 && fmt != WF_MXFP4) {
+    const int fmt = a.tiles ? WF_TILES : (int)a.format;
+    if (fmt != WF_F32 && fmt != WF_TILES && fmt != WF_MXFP4) {
         PyErr_Format(PyExc_ValueError, "moe_experts: format %zd is not 0 (float panels), 1 (tiles) or 2 (MXFP4 as "
                      "stored)", (Py_ssize_t)a.format);
         return NULL;
     }
-    if (fmt == WF_BF16 && !amx_supported()) {
+    if (fmt == WF_TILES && !amx_supported()) {
         PyErr_SetString(PyExc_RuntimeError, "moe_experts: bfloat16 tiles (tiles=True or format 1) need "
                         "amx_supported()");
         return NULL;

@@ -42,7 +42,7 @@ from .layers import Linear, RMSNorm, linear, stacked
 from .ops import choose
 from .ops_torch import KEY_CHUNK
 from .paged_state import SlotPlan, PagedState
-from .weights import Fp8Weight, HoldsStored, Mxfp4Experts
+from .weights import StoredWeight, HoldsStored, Mxfp4Experts
 
 # The overlap points. A microbatch yields where something of its own can be in flight while another
 # microbatch computes: its Engram gather (one process), its attention output's and its MoE output's
@@ -198,7 +198,7 @@ class Indexer(nn.Module):
         t = x.shape[0]
         q = ops.rope(linear(qr, self.wq_b.w).view(t, self.heads, self.dim), cos, sin, inverse=False,
                      in_place=True)  # [T, nh, ihd]
-        w = linear(x, self.weights_proj.weight)  # [T, nh]
+        w = linear(x, self.weights_proj.w)  # [T, nh]
         wscale = self.dim ** -0.5 * self.heads ** -0.5
         return ops.index_scores(q, w, wscale, pool, slots, count, width, zero_slot, cands, block)
 
@@ -265,7 +265,7 @@ class Attention(nn.Module):
         latent = self.compressor.latent(x, step, layer)  # [T, hd]
         ops.store_rows(step.cache.entries[layer], plan.slots, ops.rope(latent, *entry_cs, inverse=False), trash,
                        plan.positions, r)
-        ik = ops.rope(self.indexer.k_norm(linear(latent, self.indexer.wk.weight), ops), *entry_cs, inverse=False,
+        ik = ops.rope(self.indexer.k_norm(linear(latent, self.indexer.wk.w), ops), *entry_cs, inverse=False,
                       in_place=True)
         ops.store_rows(step.cache.index_keys[layer], plan.slots, ik, trash, plan.positions, r)
 
@@ -335,7 +335,7 @@ class MoE(HoldsStored):
     def route(self, x: torch.Tensor, ops: ModuleType) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [N, k] best first, ties to the lower id; their weights [N, k])."""
         cfg = self.cfg
-        z = linear(x, self.gate.weight)  # [N, E]
+        z = linear(x, self.gate.w)  # [N, E]
         return ops.moe_route(z, self.gate.bias, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
 
     def expert(self, e: int, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
@@ -610,7 +610,7 @@ class DeepseekV41(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear) and m.stored is not None:  # (as stored: the float weight of its plan)
                 w = m.rows(0, ol) if id(m) in wo_a else m.w
-                out.append(w.probe() if isinstance(w, Fp8Weight) else w)
+                out.append(w.probe() if isinstance(w, StoredWeight) else w)
         for m, name, _ in self.matmul_params():
             w = getattr(m, name)
             if isinstance(m, MoE):
@@ -626,7 +626,7 @@ class DeepseekV41(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, D] -> [N, vocab] float32."""
-        w = self.embed.weight if self.head is None else self.head.weight
+        w = self.embed.weight if self.head is None else self.head.w
         return linear(hidden, w).float()
 
     def forward_dense(self, input_ids: torch.Tensor, engram_rows: list[torch.Tensor] | None,

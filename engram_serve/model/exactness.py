@@ -257,13 +257,15 @@ def pack_fp8(wt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 MX_BLOCK = 32  # inputs per E8M0 scale of an MXFP4 weight
-STORED_MXFP4, STORED_FP8 = 2, 4  # the linear kernel's `linear_stored` formats (and moe_experts' MXFP4 one)
+STORED_MXFP4, STORED_FP8, STORED_BF16 = 2, 4, 5  # the linear kernel's `linear_stored` formats (moe_experts': MXFP4)
 
 
 def stored_kc_fits(fmt: int, k: int, kc: int) -> bool:
     """Whether `linear_stored` takes a weight of k inputs of this format at block size kc (MXFP4: k a multiple of
-    32, kc of 8; FP8: both of 4)."""
-    return (k % MX_BLOCK == 0 and kc % 8 == 0) if fmt == STORED_MXFP4 else (k % 4 == 0 and kc % 4 == 0)
+    32, kc of 8; FP8: both of 4; BF16: both even)."""
+    if fmt == STORED_MXFP4:
+        return k % MX_BLOCK == 0 and kc % 8 == 0
+    return k % 4 == 0 and kc % 4 == 0 if fmt == STORED_FP8 else k % 2 == 0 and kc % 2 == 0
 
 
 def shape_only(out: int, k: int) -> torch.Tensor:
@@ -288,14 +290,15 @@ def stored_kc(fmt: int, out: int, k: int) -> int | None:
 def matmul_stored(x: torch.Tensor, fmt: int, data: torch.Tensor, scales: torch.Tensor, n: int, kc: int,
                   block: int = 0, simd: int = 2, out: torch.Tensor | None = None, row0: int = 0) -> torch.Tensor:
     """`matmul_kernel(x, panels, n, kc, simd)` from the weight as its checkpoint stores it (`fmt` STORED_MXFP4: codes
-    [n, k / 2], E8M0 scales [n, k / 32]; STORED_FP8: E4M3 [n, k], E8M0 scales per block x block tile), read in
+    [n, k / 2], E8M0 scales [n, k / 32]; STORED_FP8: E4M3 [n, k], E8M0 scales per block x block tile; STORED_BF16:
+    [n, k], scales None), read in
     place: the same bits as the float panels of the dequantized weight (`stored_kc_fits` and the same caller
     guarantees as `matmul_kernel`). `out`: written instead of a new [m, n] (its first n columns; rows with unit
     stride). row0: FP8 rows r0.. of a weight (data from row r0, scales from block row r0 // block), r0 % block."""
     m, k = x.shape
     y = torch.empty(m, n) if out is None else out
     capture.call(kernels.get("linear").linear_stored, x=x.data_ptr(), ldx=x.stride(0) if m > 1 else k, format=fmt,
-                 data=data.data_ptr(), scales=scales.data_ptr(), y=y.data_ptr(), ldy=y.stride(0) if m > 1 else n,
+                 data=data.data_ptr(), scales=0 if scales is None else scales.data_ptr(), y=y.data_ptr(), ldy=y.stride(0) if m > 1 else n,
                  m=m, k=k, n=n, kc=kc, simd=simd, block=block, row0=row0)
     return y
 

@@ -14,34 +14,35 @@ from torch import nn
 
 from . import exactness, products
 from .exactness import in_major
-from .weights import Fp8Weight, HoldsStored
+from .weights import StoredWeight, HoldsStored
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | StoredWeight) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T -> [..., out], batch-invariant (the row rule of model/exactness.py): the
     weight's product strategy (`products.plan`: bfloat16 tiles, float or FP8 panels, row-wise, torch's sgemm, or
-    F.linear padded to min_rows rows) runs it, or a weight as stored (`Fp8Weight.run`: its float plan's bits); a
+    F.linear padded to min_rows rows) runs it, or a weight as stored (`StoredWeight.run`: its float plan's bits); a
     2-D input needs no reshape."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    y = weight.run(x2) if isinstance(weight, Fp8Weight) else products.plan(weight).run(x2, weight)
+    y = weight.run(x2) if isinstance(weight, StoredWeight) else products.plan(weight).run(x2, weight)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 
 
 _stacks: dict[tuple, tuple] = {}
 
 
-def stacked(*weights: torch.Tensor | Fp8Weight) -> torch.Tensor | Fp8Weight:
+def stacked(*weights: torch.Tensor | StoredWeight) -> torch.Tensor | StoredWeight:
     """The weights' rows one after the other, as one weight laid out as `linear` takes it (input-major): one call
     for weights that share their input, with no concatenation of outputs. Outside autograd, cached by the weights'
     addresses and versions (a copy of their memory; the entry keeps the weights alive, so their addresses cannot be
-    reused by other tensors while cached); under autograd, a plain concatenation. Weights as stored with one block
-    stay so (one `Fp8Weight` of their parts); stored among float ones, their float copies."""
-    if all(isinstance(w, Fp8Weight) for w in weights) and len({w.block for w in weights}) == 1:
+    reused by other tensors while cached); under autograd, a plain concatenation. Weights as stored in one format
+    stay so (one `StoredWeight` of their parts); stored among float ones, their float copies."""
+    if all(isinstance(w, StoredWeight) for w in weights) and len({(w.fmt, w.block) for w in weights}) == 1:
         key = tuple(id(p[0]) for w in weights for p in w.parts)
         if key not in _stacks:
-            _stacks[key] = (Fp8Weight([p for w in weights for p in w.parts], weights[0].block), weights)
+            _stacks[key] = (StoredWeight(weights[0].fmt, [p for w in weights for p in w.parts], weights[0].block),
+                            weights)
         return _stacks[key][0]
-    weights = tuple(w.dense() if isinstance(w, Fp8Weight) else w for w in weights)
+    weights = tuple(w.dense() if isinstance(w, StoredWeight) else w for w in weights)
     if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
         return torch.cat(weights)
     key = tuple((w.data_ptr(), w.shape, w.stride(), w._version) for w in weights)
@@ -83,7 +84,7 @@ def matmul_weights(module: nn.Module) -> list[torch.Tensor]:
 
 class Linear(HoldsStored, nn.Linear):
     """nn.Linear without bias whose forward is the batch-invariant `linear`. Its weight may be held as stored
-    (`use_stored(Fp8Weight)`: model/weights.py); `w` is what `linear` takes, `rows(r0, r1)` a slice of it."""
+    (`use_stored(StoredWeight)`: model/weights.py); `w` is what `linear` takes, `rows(r0, r1)` a slice of it."""
 
     STORED = ("weight",)
 
@@ -91,10 +92,10 @@ class Linear(HoldsStored, nn.Linear):
         super().__init__(in_features, out_features, bias=False)
 
     @property
-    def w(self) -> torch.Tensor | Fp8Weight:
+    def w(self) -> torch.Tensor | StoredWeight:
         return self.stored if self.stored is not None else self.weight
 
-    def rows(self, r0: int, r1: int) -> torch.Tensor | Fp8Weight:
+    def rows(self, r0: int, r1: int) -> torch.Tensor | StoredWeight:
         part = self.stored.rows(r0, r1) if self.stored is not None else None
         return part if part is not None else self.weight[r0:r1]
 

@@ -45,7 +45,8 @@ from ..engram.token_map import build_token_map, load_tokenizer
 from ..errors import CheckpointMismatch, ConfigError, EngramServeError
 from .checkpoint import CONFIG_FILE, INDEX_FILE, TINY_DIR, TOKENIZER_FILE, WEIGHTS_FILE, CheckpointFiles
 from .deepseek_v41 import DeepseekV41
-from .weights import Fp8Weight, Mxfp4Experts
+from .exactness import STORED_BF16, STORED_FP8
+from .weights import Mxfp4Experts, StoredWeight
 from .layers import Linear, layout_weights_
 
 log = logging.getLogger(__name__)
@@ -162,19 +163,22 @@ def fp8_scales(files: CheckpointFiles, name: str, shape: list[int]) -> tuple[str
     return sname, block
 
 
-def read_fp8_stored(files: CheckpointFiles, name: str, like: torch.Tensor) -> tuple[Fp8Weight, list[str]] | None:
-    """A 2-D FP8 block-scaled weight as stored (`Fp8Weight` over views of the read-only memory map, checked as
-    `read_weight` checks it), with the checkpoint names used; None where the checkpoint holds it in another dtype
-    or its block is not a multiple of 16 (the stored product's)."""
-    if name not in files or files.info(name)[0] != FP8_CODE or like.dim() != 2:
+def read_stored(files: CheckpointFiles, name: str, like: torch.Tensor) -> tuple[StoredWeight, list[str]] | None:
+    """A 2-D FP8 block-scaled or BF16 weight as stored (`StoredWeight` over views of the read-only memory map, checked
+    as `read_weight` checks it), with the checkpoint names used; None where the checkpoint holds it in another dtype
+    or its FP8 block is not a multiple of 16 (the stored product's)."""
+    if name not in files or files.info(name)[0] not in (FP8_CODE, "BF16") or like.dim() != 2:
         return None
     if files.info(name)[1] != list(like.shape):
         raise CheckpointMismatch(f"{files.file_of(name)}: tensor {name!r}: checkpoint shape {files.info(name)[1]}, "
                                  f"the config needs {list(like.shape)}")
+    if files.info(name)[0] == "BF16":
+        return StoredWeight(STORED_BF16, [(files.tensor(name, writable=False), None, 0)]), [name]
     sname, block = fp8_scales(files, name, list(like.shape))
     if block % 16:
         return None
-    return Fp8Weight([(files.tensor(name, writable=False), files.tensor(sname, writable=False), 0)], block), [name, sname]
+    data, scales = files.tensor(name, writable=False), files.tensor(sname, writable=False)
+    return StoredWeight(STORED_FP8, [(data, scales, 0)], block), [name, sname]
 
 
 def read_fp4(files: CheckpointFiles, name: str, shape: list[int]) -> torch.Tensor:
@@ -326,7 +330,7 @@ def _load(root: Path, device, pin_tables, progress: Progress | None, dedup: bool
     with torch.device("meta"):
         model = DeepseekV41(cfg)
     expected, state = model.state_dict(), {}
-    if torch.device(device).type == "cpu" and kernels.loaded("linear"):  # MXFP4 experts, FP8 linears stay as stored
+    if torch.device(device).type == "cpu" and kernels.loaded("linear"):  # MXFP4, FP8, BF16 matrices stay as stored
         for layer, block in enumerate(model.layers):
             if stores_mxfp4_experts(files, cfg, layer):
                 experts, names = read_mxfp4_experts(files, cfg, layer)
@@ -335,7 +339,7 @@ def _load(root: Path, device, pin_tables, progress: Progress | None, dedup: bool
                 del expected[f"layers.{layer}.ffn.w13"], expected[f"layers.{layer}.ffn.w2"]
         for name, module in model.named_modules():
             key = f"{name}.weight"
-            if isinstance(module, Linear) and key in expected and (stored := read_fp8_stored(files, key, expected[key])):
+            if isinstance(module, Linear) and key in expected and (stored := read_stored(files, key, expected[key])):
                 module.use_stored(stored[0])
                 used.update(stored[1])
                 del expected[key]

@@ -1,4 +1,4 @@
-"""Weights kept in their stored format: a layer's MXFP4 routed experts, and FP8 block-scaled linears.
+"""Weights kept in their stored format: a layer's MXFP4 routed experts, and FP8 block-scaled or BF16 linears.
 
 An MXFP4 checkpoint stores each expert's w1, w3 [I, D] and w2 [D, I] as packed E2M1 codes [rows, cols / 2]
 (the even column in the low nibble) with one E8M0 scale per row and 32 columns [rows, cols / 32]
@@ -8,8 +8,9 @@ kernel's `moe_experts` (format `exactness.MOE_MXFP4`) multiplies them in place w
 over the dequantized weights. `dequantize(e)` / `dense()` give exactly the float32 weights the float path loads
 (for everything that needs floats: the torch forms, CUDA, autograd, sharding, the writer).
 
-An FP8 checkpoint stores a linear's weight as E4M3 [out, in] with one E8M0 scale per block x block tile. `Fp8Weight`
-holds it (or several stacked by rows: one product for weights that share their input) as it lies in the map, and
+An FP8 checkpoint stores a linear's weight as E4M3 [out, in] with one E8M0 scale per block x block tile, its other
+matrices in BF16. `StoredWeight` holds such a weight (or several stacked by rows: one product for weights that share
+their input) as it lies in the map, and
 `run(x2)` multiplies it in place (`exactness.matmul_stored`) at the block size kc the float plan of its shape takes
 (`exactness.stored_kc`), so with the bits of the float path; where that plan is not the float panels (AMX tiles, BLAS, padded torch), or the call is not the kernel's
 (autograd, another dtype), over a float copy made once (`dense()`).
@@ -25,7 +26,7 @@ from torch import nn
 
 from ..engram.quantized import dequantize_blocks, dequantize_fp4
 from . import exactness
-from .exactness import STORED_FP8, in_major
+from .exactness import STORED_BF16, in_major
 
 Stored = tuple[torch.Tensor, torch.Tensor]  # (packed E2M1 codes [rows, cols / 2], E8M0 scales [rows, cols / 32])
 
@@ -80,32 +81,36 @@ class Mxfp4Experts:
 
 
 
-class Fp8Weight:
-    """FP8 block-scaled weights as stored, stacked by rows: `parts` [(E4M3 [out_i, in] uint8, E8M0 scales
-    [blocks of rows, ceil(in / block)] uint8, row0: the first row's place in its block of scales)], one `block`;
-    `shape` (sum of out_i, in); `dtype` the one its products compute in."""
+class StoredWeight:
+    """A linear's weights as stored, stacked by rows: `fmt` exactness.STORED_FP8 (E4M3 with one E8M0 scale per
+    `block` x `block` tile) or STORED_BF16; `parts` [(data [out_i, in] uint8 (BF16: bfloat16), E8M0 scales [blocks
+    of rows, ceil(in / block)] uint8 (BF16: None), row0: the first row's place in its block of scales)]; `shape`
+    (sum of out_i, in); `dtype` the one its products compute in."""
 
     dtype = torch.float32
 
-    def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor, int]], block: int):
-        self.parts, self.block = parts, block
+    def __init__(self, fmt: int, parts: list[tuple[torch.Tensor, torch.Tensor | None, int]], block: int = 0):
+        self.fmt, self.parts, self.block = fmt, parts, block
         self.shape = torch.Size((sum(d.shape[0] for d, _, _ in parts), parts[0][0].shape[1]))
         self._dense = None
 
-    def rows(self, r0: int, r1: int) -> Fp8Weight | None:
+    def rows(self, r0: int, r1: int) -> StoredWeight | None:
         """Rows [r0, r1) of a one-part weight as stored, or None where r0 is not a multiple of 16 (a panel's rows
         share their block of scales)."""
         (data, scales, row0), b = self.parts[0], self.block
         if len(self.parts) > 1 or r0 % 16:
             return None
+        if scales is None:
+            return StoredWeight(self.fmt, [(data[r0:r1], None, 0)])
         first = row0 + r0
-        return Fp8Weight([(data[r0:r1], scales[first // b:-(-(row0 + r1) // b)], first % b)], b)
+        return StoredWeight(self.fmt, [(data[r0:r1], scales[first // b:-(-(row0 + r1) // b)], first % b)], b)
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 [out, in] weight: exactly `dequantize_blocks` of each part."""
-        b = self.block
+        """The float32 [out, in] weight: exactly `dequantize_blocks` of each FP8 part (a BF16 one cast)."""
+        if self.fmt == STORED_BF16:
+            return torch.cat([d.view(torch.bfloat16).float() for d, _, _ in self.parts])
         return torch.cat([dequantize_blocks(F.pad(d, (0, 0, r, 0)).view(torch.float8_e4m3fn),
-                                            s.view(torch.float8_e8m0fnu), b)[r:] for d, s, r in self.parts])
+                                            s.view(torch.float8_e8m0fnu), self.block)[r:] for d, s, r in self.parts])
 
     def dense(self) -> torch.Tensor:
         """The float32 weight input-major, as the float path lays it out (a copy, made once)."""
@@ -113,21 +118,24 @@ class Fp8Weight:
             self._dense = in_major(self.dequantize())
         return self._dense
 
+    def kc(self) -> int | None:
+        return exactness.stored_kc(self.fmt, *self.shape) if exactness.rules_on() else None
+
     def probe(self) -> torch.Tensor:
         """What `products.pad_rows` reads of it: a view of its shape alone (`exactness.shape_only`) where it is
         multiplied as stored, else its float copy."""
-        return exactness.shape_only(*self.shape) if exactness.stored_kc(STORED_FP8, *self.shape) else self.dense()
+        return exactness.shape_only(*self.shape) if self.kc() else self.dense()
 
     def run(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 [N, in] @ weight.T -> [N, out]: in place where the kernel takes it (`exactness.stored_kc`), else over
         `dense()`."""
-        kc = exactness.stored_kc(STORED_FP8, *self.shape) if exactness.rules_on() else None
+        kc = self.kc()
         if kc is None or not exactness.kernel_takes(x2, exactness.shape_only(*self.shape), kc):
             from . import products  # (products plans float weights; it does not know this module)
             return products.plan(self.dense()).run(x2, self.dense())
         y, at = torch.empty(x2.shape[0], self.shape[0]), 0
         for data, scales, row0 in self.parts:
-            exactness.matmul_stored(x2, STORED_FP8, data, scales, data.shape[0], kc, self.block, out=y[:, at:],
+            exactness.matmul_stored(x2, self.fmt, data, scales, data.shape[0], kc, self.block, out=y[:, at:],
                                     row0=row0)
             at += data.shape[0]
         return y

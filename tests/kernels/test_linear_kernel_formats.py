@@ -1,7 +1,7 @@
 """Products over a weight as its checkpoint stores it, read in place (the linear kernel's `linear_stored`,
-exactness.py `matmul_stored`): MXFP4 (E2M1 codes, an E8M0 scale per 32 inputs) and block-scaled FP8 (E4M3, an E8M0
-scale per block x block tile) give exactly the bits of the float panels (`linear_packed`) over the dequantized weight
-(engram/quantized.py `dequantize_fp4`, `dequantize_blocks`), for 1 to 70 rows, several k and n (n not a multiple of
+exactness.py `matmul_stored`): MXFP4 (E2M1 codes, an E8M0 scale per 32 inputs), block-scaled FP8 (E4M3, an E8M0
+scale per block x block tile) and BF16 give exactly the bits of the float panels (`linear_packed`) over the dequantized weight
+(engram/quantized.py `dequantize_fp4`, `dequantize_blocks`, a cast), for 1 to 70 rows, several k and n (n not a multiple of
 16 too), block sizes kc, at every SIMD level this CPU has (0 portable, 1 AVX2, 2 AVX-512: the same bits, each
 other's too); and the MoE's one-call `moe_experts` on stored experts equals it on float panels. Negative control: a
 reference dequantized with one E2M1 code decoded wrong differs."""
@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from engram_serve import kernels
 from engram_serve.engram.quantized import FP4_VALUES, SCALE_COLS, dequantize_blocks, dequantize_fp4
 from engram_serve.model import exactness
-from engram_serve.model.exactness import STORED_FP8, STORED_MXFP4
-from engram_serve.model.weights import Fp8Weight
+from engram_serve.model.exactness import STORED_BF16, STORED_FP8, STORED_MXFP4
+from engram_serve.model.weights import StoredWeight
 
 lin = kernels.get("linear")
 pytestmark = pytest.mark.skipif(lin is None, reason="the linear kernel is not built")
@@ -86,6 +86,18 @@ def test_stored_fp8_gives_the_float_panels_bits(m, k, n, block, kc, seed):
         assert torch.equal(bits(got), bits(want)), simd
 
 
+@settings(max_examples=30, deadline=None)
+@given(m=st.integers(1, 70), k=st.sampled_from([2, 6, 32, 200, 512]), n=st.integers(1, 70),
+       kc=st.sampled_from([2, 8, 48, 4096]), seed=st.integers(0, 2**16))
+def test_stored_bf16_gives_the_float_panels_bits(m, k, n, kc, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * torch.exp2(torch.randint(-60, 60, (n, k), generator=g).float())).bfloat16()
+    x = torch.randn(m, k, generator=g)
+    want = float_product(x, w.float(), kc, LEVELS[-1])
+    for simd in LEVELS:
+        assert torch.equal(bits(exactness.matmul_stored(x, STORED_BF16, w, None, n, kc, simd=simd)), bits(want)), simd
+
+
 @pytest.mark.parametrize("m", [1, 2, 7, 16, 40])
 def test_extreme_scales_nan_codes_and_a_streamed_weight_get_the_same_bits(m):
     """every E8M0 exponent (subnormal weights, infinities where 6 x 2^127 overflows, NaN scales), every E4M3 code
@@ -144,10 +156,10 @@ def test_moe_experts_as_stored_equal_them_on_float_panels(d, inter, experts):
 
 @pytest.mark.parametrize("r0,r1", [(16, 48), (32, 70), (48, 53), (0, 5)])
 def test_rows_of_a_stored_fp8_weight_give_their_bits(r0, r1):
-    """rows r0.. of a weight as stored (model/weights.py `Fp8Weight.rows`: a group of a block-diagonal weight): its
+    """rows r0.. of a weight as stored (model/weights.py `StoredWeight.rows`: a group of a block-diagonal weight): its
     scales from block row r0 // block, `row0` = r0 % block"""
     q, s = fp8_weight(70, 64, 32, 3)
-    (d, sc, row0), = Fp8Weight([(q, s, 0)], 32).rows(r0, r1).parts
+    (d, sc, row0), = StoredWeight(STORED_FP8, [(q, s, 0)], 32).rows(r0, r1).parts
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(r0))
     want = float_product(x, fp8_float(q, s, 32)[r0:r1], 16, LEVELS[-1])
     for simd in LEVELS:

@@ -93,7 +93,8 @@ def recipes(text: dict, quant: Quant = Quant()) -> dict[str, Recipe]:
         rows, cols = shape[0], shape[-1]
         out[name] = Recipe(dtypes[0], (rows, cols // 2) if form == "fp4" else shape, form, shape)
         if len(dtypes) > 1:
-            scales = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)) if form == "fp8_blocks" else (rows, cols // SCALE_COLS)
+            blocks = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+            scales = blocks if form == "fp8_blocks" else (rows, cols // SCALE_COLS)
             out[name[: -len(".weight")] + ".scale"] = Recipe(dtypes[1], scales, form, shape, True)
     return out
 

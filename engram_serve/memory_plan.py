@@ -207,6 +207,10 @@ class Weights:
 
 @dataclass
 class MemoryPlan:
+    """What one rank (rank 0) holds. Invariant: `ram + file_backed` is the sum of every `Weights.held`, the
+    tables' `held`, `state` and the `buffers`; `fits` compares the larger of `ram` and `load_peak` with
+    `memory`."""
+
     source: str  # "checkpoint" (safetensors headers) or "config" (the published layout assumed)
     tensor_parallel_size: int
     max_model_len: int
@@ -245,14 +249,13 @@ def memory_plan(model: str | Path, tensor_parallel_size: int = 1, max_model_len:
                 memory: int | None = None, machine: Machine | None = None) -> MemoryPlan:
     """The plan of `model` (a checkpoint directory or a config.json); defaults as the engine's (RunnerConfig;
     max_model_len capped by max_position_embeddings), `memory` default this machine's MemTotal."""
-    from .runner.model_runner import RunnerConfig
     from .microbatch.plan import MicrobatchConfig
+    from .parallel.shard import check_divisible
+    from .runner.model_runner import RunnerConfig
     path, tp = Path(model), tensor_parallel_size
     specs, text, source = read_specs(path)
     cfg = ModelConfig.from_dict(text)
-    for name in ("num_attention_heads", "o_groups", "n_routed_experts", "moe_intermediate_size"):
-        if getattr(cfg, name) % tp:
-            raise ConfigError(f"--tensor-parallel-size {tp}: {name}={getattr(cfg, name)} is not divisible by {tp}")
+    check_divisible(cfg, tp)
     d = RunnerConfig()
     max_model_len = max_model_len or min(d.max_model_len, cfg.max_position_embeddings)
     max_num_seqs = max_num_seqs or d.max_num_seqs

@@ -407,10 +407,55 @@ def run_env(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- plan ----
+
+def add_plan(sub: argparse._SubParsersAction) -> None:
+    from .bench.common import positive_int
+    p = sub.add_parser("plan", help="print the memory a checkpoint (or a config.json) needs per rank, before loading",
+                       description="Per rank: the weights as the engine holds them (by stored format), the Engram "
+                       "tables, the per-request state at --max-model-len times --max-num-seqs, the runtime buffers, "
+                       "their total and whether it fits in this machine's RAM (MemTotal) or --memory. A checkpoint "
+                       "directory is read by its headers only; a config.json alone assumes the published layout.")
+    p.add_argument("--model", required=True, type=Path, metavar="DIR|CONFIG",
+                   help="a checkpoint directory, or a config.json (then FP8 linears, MXFP4 routed experts, BF16 other "
+                        "matrices and FP8 Engram tables are assumed, as published)")
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N", help="ranks (default 1)")
+    p.add_argument("--max-model-len", type=positive_int, default=None, metavar="L",
+                   help="tokens a request may hold (default: the engine's, 2048 capped by max_position_embeddings)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=None, metavar="S", help="requests at once (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="T",
+                   help="tokens a step computes (default 1024)")
+    p.add_argument("--memory", type=_byte_count, default=None, metavar="BYTES",
+                   help="compare with this instead of MemTotal (bytes, or with a K/M/G/T suffix: 512G)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run_plan)
+
+
+def _byte_count(text: str) -> int:
+    from .memory_plan import parse_bytes
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from .memory_plan import format_plan, memory_plan
+    if not args.model.exists():
+        raise ConfigError(f"--model {args.model}: no such file or directory")
+    p = memory_plan(args.model, args.tensor_parallel_size, args.max_model_len, args.max_num_seqs,
+                    args.max_num_batched_tokens, args.memory)
+    if args.json:
+        print(json.dumps(p.to_dict()))
+    else:
+        print("\n".join(format_plan(p)))
+    return 0
+
+
 # ---- entry point ----
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    add_generate, add_serve, add_verify, add_hash, add_lookup, add_train, add_bench, add_env)
+    add_generate, add_serve, add_verify, add_hash, add_lookup, add_train, add_bench, add_env, add_plan)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,6 +16,15 @@ another text config (a config.json, nested or flat).
 
     python scripts/make_official_checkpoint.py --out DIR [--seed 0] [--shard-mib 0.25] [--experts fp4]
     python scripts/make_official_checkpoint.py --out DIR --from CHECKPOINT_DIR   # re-write a checkpoint
+    python scripts/make_official_checkpoint.py --out DIR --fast --bf16 --shard-mib 2048 \
+        --config scripts/v41_beyond_ram_config.json   # 34.1 GiB, at disk speed
+
+A random checkpoint is a float model quantized (writer.py `random_v41_checkpoint`, about 1 MB/s: for the small
+shapes the tests compare with a float reference), or with `--fast` random bytes drawn in the stored formats,
+shard by shard (model/random_writer.py: the same names, dtypes, shapes and shards, about disk speed, two
+shards in memory at most). scripts/v41_beyond_ram_config.json is a V4.1-shaped text config whose fast
+checkpoint is larger than this machine's RAM (34.1 GiB with --bf16: 28.7 GiB of MXFP4 experts, 24 layers
+of 384 experts of 2048 x 1024, 3.8 GiB of FP8 Engram tables, 1.1 GiB of BF16 embedding and head).
 
 The built-in model (engram_serve/data/tiny) is its trained checkpoint re-written with
 `--from <it> --experts float --bf16 --shard-mib 1024`.
@@ -30,6 +39,7 @@ from pathlib import Path
 
 from engram_serve.config import read_json
 from engram_serve.model.loader import TOKENIZER_FILE, load_model
+from engram_serve.model.random_writer import fast_v41_checkpoint
 from engram_serve.model.writer import Quant, random_v41_checkpoint, save_v41_checkpoint
 
 
@@ -48,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bf16", action="store_true", help="store the other matrices in BF16 (default float32)")
     p.add_argument("--config", type=Path, default=None, help="a text config (config.json) instead of the small one")
     p.add_argument("--from", dest="src", type=Path, default=None, help="re-write this checkpoint directory instead")
+    p.add_argument("--fast", action="store_true", help="random bytes in the stored formats, at disk speed "
+                   "(no float model)")
     args = p.parse_args(argv)
+    if args.fast and args.src is not None:
+        p.error("--fast writes a random checkpoint; --from re-writes one: choose one")
     quant = Quant(experts=None if args.experts == "float" else args.experts, bf16=args.bf16)
     shard = int(args.shard_mib * 2**20)
     if args.src is not None:
@@ -57,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         out = save_v41_checkpoint(args.out, text, loaded.model, loaded.tables, args.src / TOKENIZER_FILE, quant, shard)
     else:
         text = None if args.config is None else text_config(args.config)
-        out = random_v41_checkpoint(args.out, text, args.seed, quant, shard_bytes=shard)
+        write = fast_v41_checkpoint if args.fast else random_v41_checkpoint
+        out = write(args.out, text, args.seed, quant, shard_bytes=shard)
     print(f"wrote {out}: {len(list(out.glob('*.safetensors')))} shards")
     return 0
 

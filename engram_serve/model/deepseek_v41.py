@@ -726,17 +726,19 @@ def run_stages(gen: Generator):
             return stop.value
 
 
+INIT_ONES = ("norm.weight", "_scale", ".q_weight", ".k_weight")  # parameters a random model starts at 1
+INIT_ZEROS = ("_base", "attn_sink", "gate.bias")  # and at 0 (`init_weights`, model/random_writer.py)
+
+
 def init_weights(model: DeepseekV41, seed: int, std: float = 0.02) -> DeepseekV41:
     """Deterministic random init: norms, mHC scales and Engram q/k weights at 1; mHC bases, sinks and the
     router bias at 0; embeddings N(0, 1); every other matrix N(0, std)."""
     g = torch.Generator().manual_seed(seed)
-    ones = ("norm.weight", "_scale", ".q_weight", ".k_weight")
-    zeros = ("_base", "attn_sink", "gate.bias")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(ones):
+            if name.endswith(INIT_ONES):
                 p.fill_(1.0)
-            elif name.endswith(zeros):
+            elif name.endswith(INIT_ZEROS):
                 p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * (1.0 if name == "embed.weight" else std))

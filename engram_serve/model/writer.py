@@ -80,15 +80,30 @@ def official_tensors(model, tables: EngramTables | None, quant: Quant) -> dict[s
     for name, t in out.items():
         t = t.detach().float().contiguous()
         base = name[: -len(".weight")]
-        if name.endswith(".engram.embed.weight") and quant.tables:
+        form = stored_form(name, t.dim(), quant)
+        if form == "fp8_rows":
             stored[name], stored[base + ".scale"] = quantize_rows(t)
-        elif EXPERTS.fullmatch(name) and quant.experts == "fp4":
+        elif form == "fp4":
             stored[name], stored[base + ".scale"] = quantize_fp4(t)
-        elif (EXPERTS.fullmatch(name) and quant.experts == "fp8") or (FP8_LINEARS.fullmatch(name) and quant.linears):
+        elif form == "fp8_blocks":
             stored[name], stored[base + ".scale"] = quantize_blocks(t, FP8_BLOCK)
         else:
-            stored[name] = t.to(torch.bfloat16) if quant.bf16 and t.dim() >= 2 else t
+            stored[name] = t.to(torch.bfloat16) if form == "bf16" else t
     return stored
+
+
+def stored_form(name: str, dim: int, quant: Quant) -> str:
+    """How the tensor `name` (official name, `dim` dimensions) is stored under `quant`: "fp8_rows" (an Engram
+    table: E4M3 rows, E8M0 per 32 columns), "fp4" (MXFP4: packed E2M1, E8M0 per row and 32 columns),
+    "fp8_blocks" (E4M3, E8M0 per FP8_BLOCK-square block), "bf16" or "f32". The one rule of both writers
+    (`official_tensors`, random_writer.py)."""
+    if name.endswith(".engram.embed.weight") and quant.tables:
+        return "fp8_rows"
+    if EXPERTS.fullmatch(name) and quant.experts == "fp4":
+        return "fp4"
+    if (EXPERTS.fullmatch(name) and quant.experts == "fp8") or (FP8_LINEARS.fullmatch(name) and quant.linears):
+        return "fp8_blocks"
+    return "bf16" if quant.bf16 and dim >= 2 else "f32"
 
 
 def nested_config(text: dict, quant: Quant) -> dict:
@@ -105,29 +120,47 @@ def nested_config(text: dict, quant: Quant) -> dict:
 def save_v41_checkpoint(out_dir: str | Path, text_config: dict, model, tables: EngramTables | None,
                         tokenizer_path: str | Path, quant: Quant = Quant(), shard_bytes: int = 64 << 20) -> Path:
     """Write the directory; returns it."""
+    out = start_directory(out_dir, text_config, quant, tokenizer_path)
+    stored = official_tensors(model, tables, quant)
+    shards = assign_shards({name: t.numel() * t.element_size() for name, t in stored.items()}, shard_bytes)
+    for k, names in enumerate(shards):
+        save_file({name: stored[name] for name in names}, str(out / shard_file(k, len(shards))),
+                  metadata={"format": "pt"})
+    write_index(out, shards, sum(t.numel() * t.element_size() for t in stored.values()))
+    return out
+
+
+def start_directory(out_dir: str | Path, text_config: dict, quant: Quant, tokenizer_path: str | Path) -> Path:
+    """The directory with its config.json and tokenizer.json (the tensors come next)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(nested_config(text_config, quant), indent=2) + "\n")
-    stored = official_tensors(model, tables, quant)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name in sorted(stored):
-        n = stored[name].numel() * stored[name].element_size()
-        if shards[-1] and size + n > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = stored[name]
-        size += n
-    weight_map = {}
-    for k, part in enumerate(shards):
-        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(part, str(out / fname), metadata={"format": "pt"})
-        weight_map.update({name: fname for name in part})
-    total = sum(t.numel() * t.element_size() for t in stored.values())
-    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (out / CONFIG_FILE).write_text(json.dumps(nested_config(text_config, quant), indent=2) + "\n")
     if Path(tokenizer_path).resolve() != (out / "tokenizer.json").resolve():
         shutil.copyfile(tokenizer_path, out / "tokenizer.json")
     return out
+
+
+def assign_shards(sizes: dict[str, int], shard_bytes: int) -> list[list[str]]:
+    """Tensor names by shard: in name order, a shard closed when the next tensor would take it past
+    `shard_bytes` (a bigger tensor gets a shard of its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(sizes):
+        if shards[-1] and size + sizes[name] > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += sizes[name]
+    return shards
+
+
+def shard_file(k: int, n: int) -> str:
+    return f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+
+
+def write_index(out: Path, shards: list[list[str]], total: int) -> None:
+    weight_map = {name: shard_file(k, len(shards)) for k, names in enumerate(shards) for name in names}
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
 # The published V4.1-Flash structure scaled down (window-only layers first, ratio-2 layers with their kv

@@ -1,0 +1,170 @@
+"""`engram-serve plan` (engram_serve/memory_plan.py) against what a loaded engine holds.
+
+Two checks of the one rule `held_copies`: in-process, the plan's bytes per copy equal the bytes of the tensors a
+loaded model holds after a generation (its parameters, MXFP4 panels, product panels, stacked copies, probes);
+in a fresh process at two shapes, the plan's total is within 10% of the growth of VmRSS from before the load
+to after a few generation steps. That process warms up on the built-in model first (imports, kernels, torch's
+first ops belong to the baseline) and runs with freed memory given back (ENGRAM_SERVE_KEEP_FREED_MEMORY=0 and
+glibc's mmap threshold fixed: the resident set is then what is held, not the peak of a freed step).
+Negative control: the same total without the product panels is off by more than 10%.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engram_serve.cli import main
+from engram_serve.memory_plan import Machine, memory_plan, parse_bytes
+from engram_serve.model.random_writer import fast_v41_checkpoint
+from engram_serve.model.writer import SMALL_TEXT_CONFIG, Quant
+
+ROOT = Path(__file__).resolve().parents[1]
+FLASH = ROOT / "tests" / "data" / "deepseek_v41_flash_config.json"
+SHAPES = {  # ~310 MiB, most of it MXFP4 experts and product panels; ~375 MiB, a larger head and request state
+    "experts": (dict(SMALL_TEXT_CONFIG, hidden_size=512, moe_intermediate_size=512, n_routed_experts=32,
+                     num_attention_heads=8, head_dim=64, q_lora_rank=128, o_lora_rank=64, index_n_heads=4,
+                     index_head_dim=32, engram_head_dim=64, vocab_size=16384), 4, 256),
+    "head+state": (dict(SMALL_TEXT_CONFIG, hidden_size=384, moe_intermediate_size=256, n_routed_experts=64,
+                        num_attention_heads=8, head_dim=128, q_lora_rank=256, o_lora_rank=128, index_n_heads=8,
+                        index_head_dim=64, engram_head_dim=64, vocab_size=32768), 8, 1024),
+}
+TOKENS = 256  # max_num_batched_tokens of both the plan and the engine
+
+MEASURE = """
+import gc, json, sys
+from engram_serve.llm import LLM
+from engram_serve.sampling_params import SamplingParams
+
+def rss():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
+
+params = SamplingParams(max_tokens=6, temperature=0.0)
+warm = LLM(None, max_num_seqs=2, max_model_len=64, num_blocks=8)
+warm.generate(["def f(x):"], params)
+del warm
+gc.collect()
+before = rss()
+path, seqs, length, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+llm = LLM(path, max_num_seqs=seqs, max_model_len=length, num_blocks=seqs * -(-length // 16),
+          max_num_batched_tokens=tokens)
+llm.generate(["def f(x):", "import os\\n", "the quick brown fox"], params)
+gc.collect()
+print(json.dumps({"growth": rss() - before}))
+"""
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("plan")
+    return {name: fast_v41_checkpoint(root / name, text, seed=1, quant=Quant(bf16=True), shard_bytes=64 << 20)
+            for name, (text, _, _) in SHAPES.items()}
+
+
+def held_tensors(model) -> dict[str, int]:
+    """Bytes of the tensors a loaded model holds, by kind, each storage once."""
+    from engram_serve.model import layers, products, weights
+    seen: set[int] = set()
+
+    def size(t) -> int:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            return 0
+        seen.add(ptr)
+        return t.untyped_storage().nbytes()
+
+    params = sum(size(p) for p in model.parameters())
+    mine = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    stacks = [v[0] for v in layers._stacks.values() if all(w.untyped_storage().data_ptr() in mine for w in v[1])]
+    stored = [m.stored for m in model.modules() if getattr(m, "stored", None) is not None]
+    probes = [t for key in {(s.shape13, s.shape2) for s in stored} for t in weights._probes.get(key, ())]
+    ours = mine | {t.untyped_storage().data_ptr() for t in stacks + probes}
+    plans = [p for p in products._plans.values() if p.weight.untyped_storage().data_ptr() in ours]
+    out = {"parameters": params, "stacked": sum(size(t) for t in stacks), "probes": sum(size(t) for t in probes),
+           "mxfp4": sum(size(t) for s in stored for t in (s.codes13, s.scales13, s.codes2, s.scales2)),
+           "panels": sum(size(p.kernel_weight) for p in plans if p.kernel_weight is not None),
+           "fp8": sum(size(p.fp8[0]) + size(p.fp8[1]) for p in plans if getattr(p, "fp8", None) is not None)}
+    return out
+
+
+def test_the_rule_counts_the_tensors_a_loaded_model_holds(checkpoints):
+    from engram_serve.llm import LLM
+    from engram_serve.sampling_params import SamplingParams
+    path = checkpoints["experts"]
+    llm = LLM(str(path), max_num_seqs=2, max_model_len=64, num_blocks=8)
+    llm.generate(["def f(x):", "import os\n"], SamplingParams(max_tokens=3, temperature=0.0))
+    got = held_tensors(llm.engine.runner.model)
+    plan = memory_plan(path, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=TOKENS)
+    copies: dict[str, int] = {}
+    for w in plan.weights.values():
+        for what, n in w.copies.items():
+            copies[what] = copies.get(what, 0) + n
+    expect = {"parameters": copies["float32 (input-major)"] + copies["float32 (cast)"] + copies["float32, mapped"],
+              "stacked": copies["stacked float32 copy"], "mxfp4": copies["MXFP4 panels"],
+              "probes": copies["float32 (input-major) of expert 0 (once)"],
+              "panels": copies["float panels"] + copies["float panels of expert 0 (once)"],
+              "fp8": copies.get("FP8 panels of expert 0 (once)", 0)}
+    assert Machine.local().kernel  # the C kernels are built: panels and MXFP4 panels are made
+    for kind, n in expect.items():
+        assert abs(got[kind] - n) <= 0.01 * n + 4096, (kind, got[kind], n)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_plan_total_is_within_10_percent_of_the_resident_growth(checkpoints, shape):
+    _, seqs, length = SHAPES[shape]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ENGRAM_SERVE_KEEP_FREED_MEMORY": "0",
+           "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "ENGRAM_SERVE_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", MEASURE, str(checkpoints[shape]), str(seqs), str(length), str(TOKENS)],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    growth = json.loads(run.stdout.strip().splitlines()[-1])["growth"]
+    plan = memory_plan(checkpoints[shape], max_model_len=length, max_num_seqs=seqs, max_num_batched_tokens=TOKENS)
+    total = plan.ram + plan.file_backed
+    print(f"{shape}: plan {total / 2**20:.1f} MiB, resident growth {growth / 2**20:.1f} MiB, "
+          f"ratio {total / growth:.3f}")
+    assert abs(total - growth) <= 0.10 * growth
+    panels = sum(n for w in plan.weights.values() for what, n in w.copies.items() if "panels" in what)
+    assert abs(total - panels - growth) > 0.10 * growth  # control: the plan without the panels is off
+
+
+def test_config_alone_gives_the_checkpoints_plan(checkpoints):
+    """A config.json alone assumes the published layout, which the fast checkpoint with --bf16 has."""
+    path = checkpoints["experts"]
+    a = memory_plan(path, max_model_len=256, max_num_seqs=4).to_dict()
+    b = memory_plan(path / "config.json", max_model_len=256, max_num_seqs=4).to_dict()
+    assert a.pop("source") == "checkpoint" and b.pop("source") == "config"
+    assert a == b
+
+
+def test_tensor_parallelism_shards_what_parallel_shards(checkpoints):
+    path = checkpoints["experts"]
+    one, two = (memory_plan(path, tp, max_model_len=256, max_num_seqs=4) for tp in (1, 2))
+    assert one.state == two.state  # the paged state is whole on every rank
+    mx1, mx2 = one.weights["MXFP4"], two.weights["MXFP4"]
+    assert mx2.stored * 2 == mx1.stored  # half the experts
+    assert "MXFP4 panels" not in mx2.copies and mx2.copies["float32 (input-major)"] == 4 * mx2.stored * 32 // 17
+    assert one.tables.file_backed == one.tables.held and two.tables.file_backed == 0  # rows copied at TP > 1
+    assert two.load_peak > one.ram - one.state  # every rank loads the whole checkpoint first
+
+
+def test_cli_prints_the_flash_plan(capsys):
+    assert main(["plan", "--model", str(FLASH), "--tensor-parallel-size", "8", "--max-model-len", "8192",
+                 "--max-num-seqs", "4", "--memory", "2T"]) == 0
+    out = capsys.readouterr().out
+    assert "per rank of 8" in out and "weights MXFP4" in out and "Engram tables" in out
+    assert "fits in 2,048.00 GiB" in out
+    assert main(["plan", "--model", str(FLASH), "--json", "--memory", "1G"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["fits"] is False and d["max_model_len"] == 2048 and d["tensor_parallel_size"] == 1
+    assert main(["plan", "--model", str(FLASH), "--tensor-parallel-size", "3"]) == 2
+    assert "num_attention_heads=64 is not divisible by 3" in capsys.readouterr().err
+
+
+def test_parse_bytes():
+    assert parse_bytes("1024") == 1024 and parse_bytes("64G") == 64 << 30 and parse_bytes("1.5TiB") == 3 << 39
+    with pytest.raises(ValueError):
+        parse_bytes("lots")

@@ -45,18 +45,17 @@ PANEL, TILE = 16, 32  # outputs per float/FP8/MXFP4 panel; per bfloat16 tile (mo
 @dataclass(frozen=True)
 class Machine:
     """What decides how a weight is held: the linear kernel loaded (engram_serve/kernels.py), and whether it
-    multiplies bfloat16 tiles (AMX) and FP8 panels (model/exactness.py `amx_supported`, `fp8_supported`)."""
+    multiplies bfloat16 tiles (AMX: model/exactness.py `amx_supported`)."""
 
     kernel: bool
     amx: bool = False
-    fp8: bool = False
 
     @classmethod
     def local(cls) -> Machine:
         from . import kernels
         from .model import exactness
         k = kernels.get("linear")
-        return cls(k is not None, exactness.amx_supported(k), exactness.fp8_supported(k))
+        return cls(k is not None, exactness.amx_supported(k))
 
 
 class Copy(NamedTuple):
@@ -72,35 +71,37 @@ class Copy(NamedTuple):
 FLOAT32 = Copy("float32 (input-major)", 4)
 STACK = Copy("stacked float32 copy", 4)
 PANELS = Copy("float panels", 4, PANEL)
-FP8_PANELS = Copy("FP8 panels", 1 + 4 / (PANEL * 64), PANEL)
 TILES = Copy("bfloat16 tiles", 2, TILE)
-MXFP4_PANELS = Copy("MXFP4 panels", 0.5 + 1 / 32, PANEL)
+STORED = ("F8_E4M3", "BF16")  # the formats a Linear's weight stays in (model/loader.py `read_stored`)
+
+
+AS_STORED = Copy("as stored, mapped", None, 1, True)
 
 
 def held_copies(role: str, stored: str, outputs: int, m: Machine, tp: int = 1) -> tuple[Copy, ...]:
     """THE RULE of how the engine holds one stored tensor. It must follow the code that makes the copies (change
     it with them; tests/test_memory_plan.py compares it with a loaded model's tensors):
 
-      model/loader.py    FP8 and BF16/F16 weights dequantized or cast ONCE to float32, F32 ones mapped; MXFP4
-                         routed experts kept as stored (weights.py `Mxfp4Experts`, a repack of the same bytes)
-                         where the linear kernel is loaded, else dequantized; scales used up at load
-      model/layers.py    `layout_weights_`: the matmul weights copied once, input-major; `stacked`: one more
-                         float32 copy of weights that share an input (a ratio-2 compressor's wkv and wgate, the
-                         shared expert's w1 and w3 at size 1)
-      model/products.py  `plan`, made at the first forward: a matmul weight's float panels (4 bytes), plus its
-                         FP8 panels where every value is an E4M3 times one power of two per 64 inputs x 16
-                         outputs (`pack_fp8`), or instead its bfloat16 tiles on an AMX CPU where every value is
-                         a bfloat16; none for fewer than 16 outputs (the probe finds no block size there: BLAS
-                         or padded torch, no copy). FP8 panels are counted for MXFP4 experts held in float
-                         (their values always pass) and not for FP8 block-scaled linears, which pass only
-                         where neighbouring 32x32 blocks share their scale: random_writer.py's (scales
-                         jittered, values down to the subnormals, as quantized weights have them) pass for 0 of
-                         70 such weights, writer.py's (one scale throughout) for 69 of 70; where they pass the
-                         plan is low by about 1 byte a parameter
-      parallel/          at size > 1 the routed experts are densified to float32 (`ExpertParallelMoE`) and
-                         each rank's Engram rows copied (`ShardedEngramTables`)
+      model/loader.py    at tensor-parallel size 1 where the linear kernel is loaded: MXFP4 routed experts
+                         (weights.py `Mxfp4Experts`) and FP8 block-scaled or BF16 weights of Linear modules
+                         (`StoredWeight`) kept as stored, views of the read-only memory map (file-backed: resident
+                         as steps touch their pages); F32 weights mapped; other FP8 and BF16/F16 weights (the
+                         embedding, the mHC's hc_*_fn) dequantized or cast ONCE to float32; scales used up at load
+      model/exactness.py `stored_kc`: a weight as stored is multiplied in place where the float plan of its shape
+                         is the float panels, i.e. no AMX and a probed block size (none for fewer than 16
+                         outputs); else a float32 copy (`dense`, input-major) and its plan, at the first forward
+      model/layers.py    `layout_weights_`: the float matmul weights copied once, input-major; `stacked`: one more
+                         float32 copy of float weights that share an input (weights as stored stay so)
+      model/products.py  `plan`, made at the first forward: a float matmul weight's float panels (4 bytes), plus
+                         its FP8 panels where every value is an E4M3 times one power of two per 64 inputs x 16
+                         outputs (`pack_fp8`; not counted: see below), or instead its bfloat16 tiles on an AMX CPU
+                         where every value is a bfloat16; none for fewer than 16 outputs (BLAS or padded torch)
+      parallel/          at size > 1 the weights are sliced as floats (the stored ones made float first), the
+                         routed experts densified to float32 (`ExpertParallelMoE`) and each rank's Engram rows
+                         copied (`ShardedEngramTables`)
 
-    `role`: "matmul", "stacked", "expert" (a routed expert projection), "embed", "vector" (anything else the
+    `role`: "matmul" (a float matmul weight), "linear" (a Linear module's weight), "stacked" / "stacked linear"
+    (weights that share an input), "expert" (a routed expert projection), "embed", "vector" (anything else the
     forward reads whole), "table" (an Engram table or its scales), "scale" (a weight's E8M0 scales)."""
     if role == "scale":
         return ()
@@ -108,22 +109,13 @@ def held_copies(role: str, stored: str, outputs: int, m: Machine, tp: int = 1) -
         return (Copy("as stored, mapped" if tp == 1 else "the rank's rows, copied", None, 1, tp == 1),)
     if role in ("vector", "embed"):
         return (Copy("float32, mapped", 4, 1, True),) if stored == "F32" else (Copy("float32 (cast)", 4),)
-    mxfp4 = stored in MXFP4_CODES
-    if role == "expert" and mxfp4 and m.kernel and not m.amx and tp == 1:
-        return (MXFP4_PANELS,)
+    in_place = m.kernel and not m.amx and tp == 1 and outputs >= PANEL
+    if in_place and (role == "expert" and stored in MXFP4_CODES or role.endswith("linear") and stored in STORED):
+        return (AS_STORED,)
     if not m.kernel or outputs < PANEL:
         return (FLOAT32,)
-    if m.amx and stored != "F32":  # every value a bfloat16: FP8, MXFP4, BF16, F16 (a float32 checkpoint's are not)
-        products: tuple[Copy, ...] = (TILES,)
-    else:
-        products = (PANELS, FP8_PANELS) if m.fp8 and mxfp4 else (PANELS,)
-    return ((FLOAT32, STACK) if role == "stacked" else (FLOAT32,)) + products
-
-
-def mxfp4_probe_copies(m: Machine) -> tuple[Copy, ...]:
-    """Once per process and expert shape where the MXFP4 experts are held as stored: expert 0 in float32 and its
-    product (weights.py `Mxfp4Experts.probes`, which decides how every expert of that shape is multiplied)."""
-    return (FLOAT32, PANELS, FP8_PANELS) if m.fp8 else (FLOAT32, PANELS)
+    products = (TILES,) if m.amx and stored != "F32" else (PANELS,)  # (every FP8, MXFP4, BF16 value a bfloat16)
+    return ((FLOAT32, STACK) if role.startswith("stacked") else (FLOAT32,)) + products
 
 
 # ---- what a rank holds at tensor-parallel size N: follows parallel/shard.py and parallel/layers.py ----
@@ -161,6 +153,7 @@ def roles(cfg: ModelConfig, tp: int) -> dict[str, str]:
     import torch
 
     from .model.deepseek_v41 import DeepseekV41
+    from .model.layers import Linear
     with torch.device("meta"):
         model = DeepseekV41(cfg)
     names = {id(mod): name for name, mod in model.named_modules()}
@@ -168,11 +161,12 @@ def roles(cfg: ModelConfig, tp: int) -> dict[str, str]:
     for mod, pname, _ in model.matmul_params():
         name = f"{names[id(mod)]}.{pname}"
         stacked = re.fullmatch(r"layers\.(\d+)\.attn\.compressor\.(wkv|wgate)\.weight", name)
+        kind = "linear" if isinstance(mod, Linear) else "matmul"
         if stacked and cfg.ratios[int(stacked.group(1))] == 2 or (
                 tp == 1 and re.fullmatch(r"layers\.\d+\.ffn\.shared_experts\.w[13]\.weight", name)):
-            out[name] = "stacked"
+            out[name] = f"stacked {kind}"
         elif not re.fullmatch(r"layers\.\d+\.ffn\.(w13|w2)", name):
-            out[name] = "matmul"
+            out[name] = kind
     return out
 
 
@@ -303,7 +297,6 @@ def held_weights(specs: dict, cfg: ModelConfig, tp: int, m: Machine,
     matmul = roles(cfg, tp)
     out: dict[str, Weights] = {}
     expert_params: dict[str, int] = {}
-    shapes = set()
     for name, (dtype, shape) in specs.items():
         if name.endswith(".ffn.gate.bias_vl"):
             continue  # not part of the text forward (loader.py `not_text_forward`)
@@ -313,6 +306,11 @@ def held_weights(specs: dict, cfg: ModelConfig, tp: int, m: Machine,
         shp = rank_shape(name, shape, cfg, tp)
         if shp is None:
             continue
+        copies = held_copies(role, dtype, 1, m, tp)
+        if role == "scale" and owner in specs:  # held as stored with its weight (else used up at load)
+            oshape = specs[owner][1]
+            outputs = oshape[0] if len(oshape) > 1 else 1
+            copies = (AS_STORED,) if AS_STORED in held_copies(role_of(owner, matmul), wdtype, outputs, m, tp) else ()
         key = "tables" if role == "table" else FORMATS.get(wdtype, wdtype)
         w = out.setdefault(key, Weights())
         w.stored += ITEMSIZE[dtype] * math.prod(shp)
@@ -320,19 +318,14 @@ def held_weights(specs: dict, cfg: ModelConfig, tp: int, m: Machine,
         if role == "expert":
             layer = name.split(".")[1]
             expert_params[layer] = expert_params.get(layer, 0) + math.prod(logical)
-            shapes.add((cfg.moe_intermediate_size, cfg.hidden_size))
-        for c in held_copies(role, dtype, logical[0] if len(logical) > 1 else 1, m, tp):
-            if not products and c in (PANELS, FP8_PANELS, TILES):
+        if role != "scale":
+            copies = held_copies(role, dtype, logical[0] if len(logical) > 1 else 1, m, tp)
+        for c in copies:
+            if not products and c in (PANELS, TILES):
                 continue
             rows = -(-logical[0] // c.pad) * c.pad if len(logical) > 1 else logical[0]
             n = rows * math.prod(logical[1:])
-            w.add(c, ITEMSIZE[dtype] * n if c.per_param is None else math.ceil(c.per_param * n))
-    mx = out.get(FORMATS["I8"])
-    if products and mx is not None and MXFP4_PANELS.what in mx.copies:
-        for i, d in shapes:  # expert 0's w13 [2I, D] and w2 [D, I]
-            for c in mxfp4_probe_copies(m):
-                n = (-(-2 * i // c.pad) * c.pad) * d + (-(-d // c.pad) * c.pad) * i
-                mx.add(Copy(f"{c.what} of expert 0 (once)", c.per_param, c.pad), math.ceil(c.per_param * n))
+            w.add(c, ITEMSIZE[dtype] * math.prod(shp) if c.per_param is None else math.ceil(c.per_param * n))
     one_layer = 4 * max(expert_params.values(), default=0) * (tp if tp > 1 else 1)
     return out, one_layer
 
@@ -381,8 +374,7 @@ def format_plan(p: MemoryPlan) -> list[str]:
     mach = p.machine
     lines = [f"per rank of {p.tensor_parallel_size} (rank 0), from the {src}; max-model-len {p.max_model_len}, "
              f"max-num-seqs {p.max_num_seqs}, max-num-batched-tokens {p.max_num_batched_tokens}; linear kernel "
-             f"{'loaded' if mach['kernel'] else 'not loaded'}, AMX tiles {'yes' if mach['amx'] else 'no'}, "
-             f"FP8 panels {'yes' if mach['fp8'] else 'no'}",
+             f"{'loaded' if mach['kernel'] else 'not loaded'}, AMX tiles {'yes' if mach['amx'] else 'no'}",
              f"  {'':34s} {'stored':>14s} {'held':>14s}"]
     for fmt, w in sorted(p.weights.items(), key=lambda kv: -kv[1].held):
         lines.append(f"  weights {fmt:26s} {gib(w.stored):>14s} {gib(w.held):>14s}"

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from engram_serve.bench import llama_bench as lb
 from engram_serve.bench import llama_gguf as lg
-from engram_serve.bench import peers_llamacpp as pl
+from engram_serve.bench.peers import run_llamacpp
 from engram_serve.engram.quantized import dequantize_fp4, quantize_fp4
 
 TINY = dict(vocab_size=4096, hidden_size=64, num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2,
@@ -117,9 +118,9 @@ def _args(tmp_path, **kw) -> argparse.Namespace:
 def test_the_suite_skips_with_the_build_line_without_llama_bench(tmp_path, monkeypatch):
     pytest.importorskip("gguf", reason=f"gguf is missing: {lg.INSTALL}")
     monkeypatch.delenv("LLAMA_BENCH", raising=False)
-    rows = pl.run_llamacpp(_args(tmp_path))
-    assert rows == [{"suite": "llamacpp", "skipped": f"no llama-bench at {tmp_path / 'no-llama-bench'}: {pl.BUILD_HINT}"}]
-    assert "scripts/build_llama_cpp.sh" in pl.BUILD_HINT
+    rows = run_llamacpp(_args(tmp_path))
+    assert rows == [{"suite": "llamacpp", "skipped": f"no llama-bench at {tmp_path / 'no-llama-bench'}: {lb.BUILD_HINT}"}]
+    assert "scripts/build_llama_cpp.sh" in lb.BUILD_HINT
     assert not list(tmp_path.iterdir())  # nothing written
 
 
@@ -127,15 +128,15 @@ def test_the_suite_skips_with_the_install_line_without_gguf(tmp_path, monkeypatc
     import importlib.util
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
-    assert pl.run_llamacpp(_args(tmp_path)) == [{"suite": "llamacpp", "skipped": f"the gguf package is missing: {lg.INSTALL}"}]
+    assert run_llamacpp(_args(tmp_path)) == [{"suite": "llamacpp", "skipped": f"the gguf package is missing: {lg.INSTALL}"}]
 
 
 def test_the_binary_comes_from_the_flag_then_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMA_BENCH", "/from/env")
-    assert str(pl.binary(_args(tmp_path))) == str(tmp_path / "no-llama-bench")
-    assert str(pl.binary(argparse.Namespace(llama_bench=None))) == "/from/env"
+    assert str(lb.binary(_args(tmp_path))) == str(tmp_path / "no-llama-bench")
+    assert str(lb.binary(argparse.Namespace(llama_bench=None))) == "/from/env"
     monkeypatch.delenv("LLAMA_BENCH")
-    assert str(pl.binary(argparse.Namespace(llama_bench=None))) == pl.DEFAULT_BINARY
+    assert str(lb.binary(argparse.Namespace(llama_bench=None))) == lb.DEFAULT_BINARY
 
 
 def test_a_llama_bench_run_is_parsed_from_its_json(tmp_path):
@@ -147,6 +148,17 @@ def test_a_llama_bench_run_is_parsed_from_its_json(tmp_path):
     out = json.dumps([{"n_prompt": p, "n_gen": n, "n_depth": d, "samples_ns": [ns]} for p, n, d, ns in tests])
     fake.write_text(f"#!/bin/sh\ncat <<'EOF'\n{out}\nEOF\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    times, info = pl.LlamaBench(fake, tmp_path / "m.gguf", 2, 8, 4).call()
+    times, info = lb.LlamaBench(fake, tmp_path / "m.gguf", 2, 8, 4).call()
     assert times == {"prefill": 2.0, "decode": 7.0} and info["max_rss_mib"] > 0
-    assert pl.LlamaBench(fake, tmp_path / "m.gguf", 2, 8, 4).command()[-8:] == ["-n", "4", "-d", "0,8", "-r", "1", "-o", "json"]
+    assert lb.LlamaBench(fake, tmp_path / "m.gguf", 2, 8, 4).command()[-8:] == ["-n", "4", "-d", "0,8", "-r", "1", "-o", "json"]
+
+
+def test_bench_peers_runs_the_suite_from_the_command_line(tmp_path, capsys, monkeypatch):
+    import json
+
+    from engram_serve.cli import main
+    monkeypatch.delenv("LLAMA_BENCH", raising=False)
+    assert main(["bench", "peers", "--suite", "llamacpp", "--llama-bench", str(tmp_path / "none"),
+                 "--thread-counts", "1,2", "--cache-dir", str(tmp_path), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 1 and rows[0]["suite"] == "llamacpp" and "skipped" in rows[0]

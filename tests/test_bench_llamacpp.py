@@ -142,14 +142,20 @@ def test_the_binary_comes_from_the_flag_then_the_environment(tmp_path, monkeypat
 def test_a_llama_bench_run_is_parsed_from_its_json(tmp_path):
     """A stand-in llama-bench that prints what the real one prints for -p 8 -n 4 -d 0,8 -o json."""
     import json
+    import os
     import stat
+    import subprocess
     tests = [(8, 0, 0, 2e9), (0, 4, 0, 5e9), (8, 0, 8, 3e9), (0, 4, 8, 7e9)]
     fake = tmp_path / "llama-bench"
     out = json.dumps([{"n_prompt": p, "n_gen": n, "n_depth": d, "samples_ns": [ns]} for p, n, d, ns in tests])
-    fake.write_text(f"#!/bin/sh\ncat <<'EOF'\n{out}\nEOF\n")
+    fake.write_text(f"#!/bin/sh\ncat <<'EOF'\n{out}\nEOF\nsleep 0.3\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     times, info = lb.LlamaBench(fake, tmp_path / "m.gguf", 2, 8, 4).call()
-    assert times == {"prefill": 2.0, "decode": 7.0} and info["max_rss_mib"] > 0
+    assert times == {"prefill": 2.0, "decode": 7.0}
+    assert 0 < info["max_rss_mib"] < 64  # its own peak (a shell's few MiB), not this process's
+    # negative control: wait4's ru_maxrss of the same child carries this process's peak over
+    proc = subprocess.Popen([str(fake)], stdout=subprocess.DEVNULL)
+    assert os.wait4(proc.pid, 0)[2].ru_maxrss / 1024 > 64
     assert lb.LlamaBench(fake, tmp_path / "m.gguf", 2, 8, 4).command()[-8:] == ["-n", "4", "-d", "0,8", "-r", "1", "-o", "json"]
 
 

@@ -95,19 +95,37 @@ class LlamaBench:
         """({"prefill": s, "decode": s}, {"max_rss_mib": the process's peak resident set})."""
         import subprocess
         import tempfile
-        with tempfile.TemporaryFile() as err:
-            proc = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=err)
-            out = proc.stdout.read()
-            proc.stdout.close()
-            _, status, usage = os.wait4(proc.pid, 0)  # its own rusage (ru_maxrss in KiB on Linux)
-            proc.returncode = os.waitstatus_to_exitcode(status)
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            proc = subprocess.Popen(self.command(), stdout=out, stderr=err)
+            peak = watch_peak_rss(proc, self.exe.name[:15])
             if proc.returncode:
                 err.seek(0)
                 tail = err.read().decode(errors="replace")[-2000:]
                 raise RuntimeError(f"{' '.join(self.command())} exited {proc.returncode}:\n{tail}")
-        tests = {(t["n_prompt"], t["n_gen"], t["n_depth"]): t["samples_ns"][0] / 1e9 for t in json.loads(out)}
+            out.seek(0)
+            tests = {(t["n_prompt"], t["n_gen"], t["n_depth"]): t["samples_ns"][0] / 1e9 for t in json.load(out)}
         times = {"prefill": tests[(self.prompt, 0, 0)], "decode": tests[(0, self.new, self.prompt)]}
-        return times, {"max_rss_mib": usage.ru_maxrss / 1024}
+        return times, {"max_rss_mib": peak}
+
+
+def watch_peak_rss(proc, comm: str, every_s: float = 0.02) -> float | None:
+    """Wait for `proc`; returns its peak resident set in MiB (VmHWM, read every `every_s` while it runs, once
+    its name is `comm`, i.e. after its exec), None where /proc is not there. wait4's ru_maxrss would not do:
+    a child's mark starts at its parent's, which exec records from the address space it leaves."""
+    import time
+    peak = None
+    while proc.poll() is None:
+        try:
+            with open(f"/proc/{proc.pid}/comm") as f:
+                ours = f.read().strip() == comm
+            if ours:
+                with open(f"/proc/{proc.pid}/status") as f:
+                    kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+                peak = max(peak or 0, kib / 1024)
+        except (OSError, StopIteration, ValueError):  # gone between the two reads, or no /proc
+            pass
+        time.sleep(every_s)
+    return peak
 
 
 def bytes_per_token(ckpt: Path, gguf_path: Path, cfg: dict) -> dict[str, int]:

@@ -4,8 +4,10 @@ The MoE is the shape's: hidden size, layers, routed experts, experts a token (to
 (`moe_intermediate_size`). qwen3moe has no shared expert, so the GGUF has none. The attention is the
 shape's heads, head size and KV heads (mid: 16 heads of 128, one KV head) as plain grouped-query
 projections with per-head q/k norms: V4.1's low-rank q and grouped o projections, compressors and
-indexers have no qwen3moe counterpart, so its projections are about a quarter larger than the mid
-shape's (4.2 M against 3.4 M parameters a layer, `active_bytes` counts both sides). The vocabulary and
+indexers have no qwen3moe counterpart, so its projections are about a third larger than the mid shape's
+(4.5 M parameters a layer against 3.3 M, 3.5 M with the compressors and indexers spread over the layers);
+without the shared expert, the bytes a decoded token reads come out close (`active_bytes`: 53.7 MiB in the
+GGUF, 57.5 MiB in the mid checkpoint with its FP8 linears and BF16 head and mHC). The vocabulary and
 tokenizer are the built-in model's (a byte-level BPE of 4096 tokens, stored as a `gpt2` tokenizer:
 llama.cpp's loader needs token, type and merge lists even though llama-bench never tokenizes text).
 

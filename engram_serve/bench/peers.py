@@ -42,7 +42,7 @@ layers, experts, top-k, expert width, heads and vocabulary, its experts MXFP4, i
 (its own timings: pp P at depth 0, tg N at depth P, so that its decode reads a P-token context as ours does)
 alternating with engram-serve's candidates (prefill, decode-B as in the mlx suite, --new default 64). Rows give
 tokens/s (median, spread), engram_over_llamacpp (median of the per-round ratios), the peak resident set of each
-(llama-bench's whole process, from wait4; engram-serve's worker), and for B = 1 decode each engine's read
+(llama-bench's VmHWM, read while it runs; engram-serve's worker), and for B = 1 decode each engine's read
 bound: the bytes a token reads in the stored formats (every matrix once, k of the routed experts, one embedding
 row) over the rate one thread reads at. The llama-bench binary: --llama-bench, else $LLAMA_BENCH, else
 /work/llama.cpp-build/bin/llama-bench (scripts/build_llama_cpp.sh builds it); without it, or without the `gguf`

@@ -1,9 +1,9 @@
-"""engram-serve against mlx-lm on DeepSeek-V4.1, and against CTranslate2 and Hugging Face `generate`.
+"""engram-serve against mlx-lm on DeepSeek-V4.1, against llama.cpp, and against CTranslate2 and HF `generate`.
 
-Two suites, each candidate in its own fresh process (spawned, one thread, an untimed warm-up call), the
-timed calls alternating between the candidates round by round with the order rotated, so that a change in
-machine load hits every candidate alike; only one candidate runs at a time. tokens/s is taken at the
-median call time; the spread is min..max over the rounds; a ratio is the median of the per-round ratios.
+Three suites, each candidate in its own fresh process (spawned, one thread unless said below, an untimed
+warm-up call), the timed calls alternating between the candidates round by round with the order rotated, so
+that a change in machine load hits every candidate alike; only one candidate runs at a time. tokens/s is taken
+at the median call time; the spread is min..max over the rounds; a ratio is the median of the per-round ratios.
 
 `mlx` (the V4.1 peer): engram-serve against mlx-lm 0.32.2's `deepseek_v41` on the SAME random V4.1 config,
 weights and prompts, without Engram (mlx-lm has none), float32 (bench/v41_shapes.py: the built-in model's
@@ -33,7 +33,23 @@ depth (vocab 4096, hidden 128, SwiGLU 384, the built-in's 7 layers, 4 heads, 2 K
 weights, `transformers.LlamaConfig`; converted in-process for CTranslate2); engram-serve runs its built-in
 V4.1 model (Engram on) through `LLMEngine`, microbatching off (`MicrobatchConfig(1)`) and on (2).
 
-Needs the `bench` extras: `pip install -e '.[bench]'` (ctranslate2, transformers, mlx-lm with mlx[cpu]).
+`llamacpp` (not run by default: `--suite llamacpp`): engram-serve against llama.cpp's `llama-bench` on a model
+of the same size, at each of --thread-counts (default 1 and 2), on the mid shape (bench/llama_bench.py). Two
+files are written once and cached (--cache-dir): the mid shape as engram-serve serves it, FP8 linears, MXFP4
+experts and BF16 other matrices in the official layout, and a random `qwen3moe` GGUF with the same hidden size,
+layers, experts, top-k, expert width, heads and vocabulary, its experts MXFP4, its other matrices Q8_0
+(bench/llama_gguf.py says what differs). Each round runs one `llama-bench -p P -n N -d 0,P -r 1 -o json` process
+(its own timings: pp P at depth 0, tg N at depth P, so that its decode reads a P-token context as ours does)
+alternating with engram-serve's candidates (prefill, decode-B as in the mlx suite, --new default 64). Rows give
+tokens/s (median, spread), engram_over_llamacpp (median of the per-round ratios), the peak resident set of each
+(llama-bench's VmHWM, read while it runs; engram-serve's worker), and for B = 1 decode each engine's read
+bound: the bytes a token reads in the stored formats (every matrix once, k of the routed experts, one embedding
+row) over the rate one thread reads at. The llama-bench binary: --llama-bench, else $LLAMA_BENCH, else
+/work/llama.cpp-build/bin/llama-bench (scripts/build_llama_cpp.sh builds it); without it, or without the `gguf`
+package, the suite yields one row saying what is missing. engram-serve's exact mode runs one thread whatever
+the count asked (model_runner.RunnerConfig); the count is passed to the engine all the same.
+
+Needs the `bench` extras: `pip install -e '.[bench]'` (ctranslate2, transformers, mlx-lm with mlx[cpu], gguf).
 """
 from __future__ import annotations
 
@@ -55,36 +71,50 @@ def _builtin_depth() -> int:
     return cfg.get("text_config", cfg)["num_hidden_layers"]
 
 
-SUITES = ("mlx", "llama")
+SUITES = ("mlx", "llama", "llamacpp")
+DEFAULT_SUITES = ("mlx", "llama")
 PROMPT, NEW = 64, 32
 LLAMA = dict(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=_builtin_depth(),
              num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
              tie_word_embeddings=False)
 CANDIDATES = ("ct2", "hf", "engram_off", "engram_on")
+LLAMACPP_NEW = 64
+LLAMACPP_SHAPE = "mid"
 V41_WORKLOADS = ("prefill", "decode-1", "decode-32")
 WARMUP_SEED = 1 << 20  # the untimed call's prompts (the timed prefill rounds use seeds 0, 1, ...)
 DECODE_SEED = 0  # decode workloads decode the same prompts every round (mlx-lm prefills them once)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--suite", default=",".join(SUITES), help="comma-separated: mlx (V4.1 against mlx-lm), "
-                                                                     "llama (against CTranslate2 and HF generate)")
+    parser.add_argument("--suite", default=",".join(DEFAULT_SUITES),
+                        help="comma-separated: mlx (V4.1 against mlx-lm), llama (against CTranslate2 and HF generate), "
+                             "llamacpp (against llama-bench; not in the default)")
     parser.add_argument("--rounds", type=common.positive_int, default=5, metavar="N",
                         help="timed calls per candidate and size, alternating between candidates (default 5)")
     parser.add_argument("--shapes", default="builtin,mid", help="mlx suite: V4.1 shapes, comma-separated (builtin, mid)")
     parser.add_argument("--workloads", default=",".join(V41_WORKLOADS),
-                        help="mlx suite: prefill and/or decode-B (B prompts decoding together), comma-separated")
+                        help="mlx and llamacpp suites: prefill and/or decode-B (B prompts decoding together), "
+                             "comma-separated")
     parser.add_argument("--prompt", type=common.positive_int, default=PROMPT, metavar="TOKENS",
-                        help=f"mlx suite: prompt tokens (default {PROMPT})")
-    parser.add_argument("--new", type=common.bounded_int(2, 4096, "must be in [2, 4096]"), default=NEW, metavar="TOKENS",
-                        help=f"mlx suite: generated tokens per prompt in decode workloads (default {NEW})")
+                        help=f"mlx and llamacpp suites: prompt tokens (default {PROMPT})")
+    parser.add_argument("--new", type=common.bounded_int(2, 4096, "must be in [2, 4096]"), default=None, metavar="TOKENS",
+                        help=f"mlx and llamacpp suites: generated tokens per prompt in decode workloads (default {NEW}, "
+                             f"llamacpp {LLAMACPP_NEW})")
     parser.add_argument("--batch", type=common.positive_int_list, default=[1, 32, 128], metavar="B,...",
                         help="llama suite: prompts per call (default 1,32,128)")
     parser.add_argument("--candidates", default=",".join(CANDIDATES), help="llama suite, comma-separated: " + ", ".join(CANDIDATES))
+    parser.add_argument("--thread-counts", type=common.positive_int_list, default=[1, 2], metavar="T,...",
+                        help="llamacpp suite: threads of both engines, one set of rounds each (default 1,2)")
+    parser.add_argument("--llama-bench", default=None, metavar="PATH",
+                        help="llamacpp suite: the llama-bench binary (default $LLAMA_BENCH, else "
+                             "/work/llama.cpp-build/bin/llama-bench)")
+    parser.add_argument("--cache-dir", default=None, metavar="DIR",
+                        help="llamacpp suite: where the checkpoint and GGUF are kept (default ~/.cache/engram-serve)")
 
 
 def missing_extras(suites: list[str]) -> list[str]:
-    need = {"mlx": ("mlx_lm", "mlx"), "llama": ("ctranslate2", "transformers")}
+    """The bench extras a suite cannot run without (the llamacpp suite reports its own: a row saying so)."""
+    need = {"mlx": ("mlx_lm", "mlx"), "llama": ("ctranslate2", "transformers"), "llamacpp": ()}
     return [m for s in suites for m in need[s] if importlib.util.find_spec(m) is None]
 
 
@@ -150,7 +180,7 @@ def _setup_ct2(batch: int):
     return call
 
 
-def _engine(model, batch: int, max_model_len: int, prompt: int, microbatches: int = 1):
+def _engine(model, batch: int, max_model_len: int, prompt: int, microbatches: int = 1, threads: int | None = None):
     from ..engine.llm_engine import LLMEngine
     from ..microbatch.plan import MicrobatchConfig
     from ..model.loader import load_model
@@ -159,7 +189,7 @@ def _engine(model, batch: int, max_model_len: int, prompt: int, microbatches: in
     cfg = RunnerConfig(max_num_seqs=max(batch, 4), max_model_len=max_model_len,
                        max_num_batched_tokens=max(1024, min(8192, batch * prompt)), num_blocks=max(64, batch * 8),
                        microbatch=MicrobatchConfig(microbatches))
-    return LLMEngine(loaded, cfg, enable_prefix_caching=False), loaded
+    return LLMEngine(loaded, cfg, enable_prefix_caching=False, threads=threads), loaded
 
 
 def _setup_engram(batch: int, microbatches: int):
@@ -215,11 +245,11 @@ def _v41_prompts(seed: int, batch: int, length: int, vocab: int) -> list[list[in
     return np.random.default_rng(seed).integers(6, vocab, size=(batch, length)).tolist()
 
 
-def _setup_v41_engram(ckpt: str, kind: str, batch: int, prompt: int, new: int):
+def _setup_v41_engram(ckpt: str, kind: str, batch: int, prompt: int, new: int, threads: int | None = None):
     import time
 
     from ..sampling_params import SamplingParams
-    eng, loaded = _engine(ckpt, batch, prompt + new, prompt)
+    eng, loaded = _engine(ckpt, batch, prompt + new, prompt, threads=threads)
     vocab, calls = loaded.config.vocab_size, [0]
 
     def call(seed: int) -> tuple[float, list]:
@@ -313,16 +343,19 @@ def _worker_setup(spec: tuple, threads: int) -> dict:
     suite, *rest = spec
     if suite == "llama":
         _WORKER["fn"] = setup(*rest)
-    else:
+    else:  # mlx, llamacpp: a V4.1 engine
         engine, ckpt, kind, batch, prompt, new = rest
-        make = _setup_v41_engram if engine == "engram" else _setup_v41_mlx
-        _WORKER["fn"] = make(ckpt, kind, batch, prompt, new)
-    _WORKER["fn"](WARMUP_SEED) if suite == "mlx" else _WORKER["fn"]()
+        if engine == "engram":
+            _WORKER["fn"] = _setup_v41_engram(ckpt, kind, batch, prompt, new, threads)
+        else:
+            _WORKER["fn"] = _setup_v41_mlx(ckpt, kind, batch, prompt, new)
+    _WORKER["fn"]() if suite == "llama" else _WORKER["fn"](WARMUP_SEED)
     gc.collect()
     common._malloc_trim()
+    setup_peak = common._status_kib("VmHWM")
     rss = common._status_kib("VmRSS") or 0
     _WORKER["base"] = rss if common._reset_peak_rss() else None
-    return {"rss_mib": rss / 1024}
+    return {"rss_mib": rss / 1024, "setup_peak_mib": None if setup_peak is None else setup_peak / 1024}
 
 
 def _worker_call(seed: int | None) -> tuple[float, list | None]:
@@ -335,23 +368,26 @@ def _worker_peak() -> float | None:
     return None if base is None else max(0, (common._status_kib("VmHWM") or 0) - base) / 1024
 
 
-def _rounds(specs: dict[str, tuple], rounds: int, threads: int, seeded: bool) -> dict:
-    """Alternate timed calls between the candidates (one process each); returns per candidate its times,
-    outputs, rss_mib and peak_mib."""
+def _rounds(specs: dict[str, tuple], rounds: int, threads: int, seeded: bool, local: dict | None = None) -> dict:
+    """Alternate timed calls between the candidates (one process each; those in `local` are callables
+    `round -> (time, output)` run from here, e.g. one that starts a process per call); returns per candidate
+    its times, outputs, and for the processes made here rss_mib, setup_peak_mib and peak_mib."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
-    names = list(specs)
-    pools = {c: ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) for c in names}
+    local = local or {}
+    names = list(specs) + list(local)
+    pools = {c: ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) for c in specs}
     res = {c: {"times": [], "outs": []} for c in names}
     try:
-        for c in names:  # one at a time: a setup never competes with another candidate
+        for c in specs:  # one at a time: a setup never competes with another candidate
             res[c].update(pools[c].submit(_worker_setup, specs[c], threads).result())
         for r in range(rounds):
             for c in names[r % len(names):] + names[:r % len(names)]:
-                t, out = pools[c].submit(_worker_call, r if seeded else None).result()
+                call = local[c] if c in local else lambda s: pools[c].submit(_worker_call, s).result()
+                t, out = call(r if seeded else None)
                 res[c]["times"].append(t)
                 res[c]["outs"].append(out)
-        for c in names:
+        for c in specs:
             res[c]["peak_mib"] = pools[c].submit(_worker_peak).result()
     finally:
         for pool in pools.values():
@@ -413,7 +449,7 @@ def run_mlx(args: argparse.Namespace) -> list[dict]:
             ckpt = str(vs.write_checkpoint(shape, Path(tmp) / shape))
             cfg = vs.text_config(shape)
             for kind, b in work:
-                new = 1 if kind == "prefill" else args.new
+                new = 1 if kind == "prefill" else (args.new or NEW)
                 specs = {e: ("mlx", e, ckpt, kind, b, args.prompt, new) for e in ("engram", "mlx")}
                 res = _rounds(specs, args.rounds, args.threads, seeded=True)
                 tokens = args.prompt if kind == "prefill" else b * (new - 1)
@@ -440,6 +476,69 @@ def run_mlx(args: argparse.Namespace) -> list[dict]:
                  "mhz_reported": facts["mhz_reported"],
                  "fma_lanes": facts["fma_lanes"], "fma_units": facts["fma_units"],
                  "copy_gb_s": max(bandwidth) / 1e9, "copy_gb_s_min": min(bandwidth) / 1e9})
+    return rows
+
+
+def _engram_peak(res: dict) -> float | None:
+    """A worker's peak resident set: the larger of its setup's and the timed calls' (rss + growth)."""
+    timed = None if res.get("peak_mib") is None else res["rss_mib"] + res["peak_mib"]
+    return max((p for p in (res.get("setup_peak_mib"), timed) if p is not None), default=None)
+
+
+def run_llamacpp(args: argparse.Namespace) -> list[dict]:
+    """The llamacpp suite (module docstring): one row per thread count and workload, then the machine's."""
+    import os
+    import statistics
+
+    from . import v41_shapes as vs
+    from .llama_bench import LlamaBench, artifacts, binary, bytes_per_token, cache_root, missing
+    from .llama_gguf import GgufShape
+    why = missing(args)
+    if why is not None:
+        return [{"suite": "llamacpp", "skipped": why}]
+    work = [_workload(w.strip()) for w in args.workloads.split(",")]
+    prompt, new = args.prompt, args.new or LLAMACPP_NEW
+    cfg = vs.text_config(LLAMACPP_SHAPE)
+    ckpt, gguf_path = artifacts(cache_root(args), LLAMACPP_SHAPE)
+    g = GgufShape.of_config(cfg)
+    per_token = bytes_per_token(ckpt, gguf_path, cfg)
+    reads = [vs.read_bandwidth()]
+    rows = []
+    for threads in args.thread_counts:
+        llama = LlamaBench(binary(args), gguf_path, threads, prompt, new)
+        specs = {f"engram_{k}-{b}": ("llamacpp", "engram", str(ckpt), k, b, prompt, 1 if k == "prefill" else new)
+                 for k, b in work}
+        res = _rounds(specs, args.rounds, threads, seeded=True, local={"llamacpp": llama.call})
+        llama_rss = max(o["max_rss_mib"] for o in res["llamacpp"]["outs"])
+        for kind, b in work:
+            mine = res[f"engram_{kind}-{b}"]
+            tokens = prompt if kind == "prefill" else b * (new - 1)
+            row: dict = {"suite": "llamacpp", "shape": LLAMACPP_SHAPE, "threads": threads,
+                         "workload": "prefill" if kind == "prefill" else f"decode-{b}", "prompt": prompt,
+                         "new": 1 if kind == "prefill" else new, "rounds": args.rounds}
+            _speed(row, "engram", tokens, mine["times"])
+            if b == 1:  # llama-bench runs one sequence: its counterpart
+                theirs = [t[kind] for t in res["llamacpp"]["times"]]
+                their_tokens = prompt if kind == "prefill" else new
+                _speed(row, "llamacpp", their_tokens, theirs)
+                row["engram_over_llamacpp"] = statistics.median(
+                    (t / their_tokens) / (m / tokens) for m, t in zip(mine["times"], theirs))
+                row["llamacpp_max_rss_mib"] = llama_rss
+            row["engram_rss_mib"], row["engram_peak_rss_mib"] = mine["rss_mib"], _engram_peak(mine)
+            if kind == "decode" and b == 1:
+                reads.append(vs.read_bandwidth())
+                for e in ("engram", "llamacpp"):
+                    row[f"{e}_mib_per_token"] = per_token[e] / 2**20
+                    row[f"{e}_read_bound_tok_s"] = reads[-1] / per_token[e]
+                    row[f"{e}_fraction_of_read_bound"] = row[f"{e}_tok_s"] / row[f"{e}_read_bound_tok_s"]
+                row["read_gb_s"] = reads[-1] / 1e9
+            rows.append(row)
+    facts = vs.cpu_facts()
+    rows.append({"suite": "llamacpp", "shape": "machine", "cpu": facts["cpu"], "cores": os.cpu_count(),
+                 "read_gb_s": max(reads) / 1e9, "read_gb_s_min": min(reads) / 1e9,
+                 "gguf": f"qwen3moe: {g.heads} heads of {g.head_dim}, {g.kv_heads} KV, {g.experts} experts "
+                         f"({g.top_k} a token) of {g.expert_width}, no shared expert",
+                 "llama_bench": str(binary(args)), "cache": str(ckpt.parent)})
     return rows
 
 
@@ -476,4 +575,6 @@ def run(args: argparse.Namespace) -> list[dict]:
         rows += run_mlx(args)
     if "llama" in suites:
         rows += run_llama(args)
+    if "llamacpp" in suites:
+        rows += run_llamacpp(args)
     return rows

@@ -105,13 +105,16 @@ __attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 e4m3
     return _mm512_mul_ps(e4m3_16_raw(q), _mm512_set1_ps(256.0f));
 }
 
-/* 16 E4M3 codes, one a 32-bit lane (0..255), exact for every code (NaN for the NaN codes) */
-__attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 e4m3_16_lanes(__m512i b) {
-    const __m512i h = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi32(b, 7), _mm512_set1_epi32(0x3F80)),
-                                      _mm512_and_si512(_mm512_slli_epi32(b, 8), _mm512_set1_epi32(0x8000)));
-    const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)), _mm512_set1_ps(256.0f));
-    return _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7F)),
-                                                         _mm512_set1_epi32(0x7F)),
+/* the E4M3 codes in byte u of 16 32-bit lanes, exact for every code (NaN for the NaN codes): the code's 7 bits of
+ * exponent and mantissa moved to bits 20..26 are a float32 of value v x 2^-120 (a subnormal one for v's subnormals,
+ * exactly), the sign to bit 31; times 2^120, exact */
+__attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 e4m3_16_byte(__m512i g, const int u) {
+    const __m512i mag = _mm512_and_si512(u < 3 ? _mm512_slli_epi32(g, 20 - 8 * u) : _mm512_srli_epi32(g, 4),
+                                         _mm512_set1_epi32(0x07F00000));
+    const __m512i sign = u < 3 ? _mm512_slli_epi32(g, 24 - 8 * u) : g; /* bit 31 */
+    const __m512i bits = _mm512_ternarylogic_epi32(sign, mag, _mm512_set1_epi32((int)0x80000000), 0xEC); /* s&C | m */
+    const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
+    return _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x07F00000)),
                               _mm512_set1_ps(__builtin_nanf("")));
 }
 
@@ -169,13 +172,13 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256 e4m
     return _mm256_blendv_ps(v, _mm256_set1_ps(__builtin_nanf("")), _mm256_cmp_ps(mag, _mm256_set1_ps(480.0f), _CMP_EQ_OQ));
 }
 
-/* 8 E4M3 codes, one a 32-bit lane (0..255), exact for every code (F16C's conversion) */
-__attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256 e4m3_8_lanes(__m256i b) {
-    const __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(b, 7), _mm256_set1_epi32(0x3F80)),
-                                      _mm256_and_si256(_mm256_slli_epi32(b, 8), _mm256_set1_epi32(0x8000)));
-    const __m128i h16 = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-    const __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(h16), _mm256_set1_ps(256.0f));
-    const __m256i nan = _mm256_cmpeq_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7F)), _mm256_set1_epi32(0x7F));
+/* e4m3_16_byte in AVX2: the codes in byte u of 8 32-bit lanes */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 e4m3_8_byte(__m256i g, const int u) {
+    const __m256i mag = _mm256_and_si256(u < 3 ? _mm256_slli_epi32(g, 20 - 8 * u) : _mm256_srli_epi32(g, 4),
+                                         _mm256_set1_epi32(0x07F00000));
+    const __m256i sign = _mm256_and_si256(u < 3 ? _mm256_slli_epi32(g, 24 - 8 * u) : g, _mm256_set1_epi32((int)0x80000000));
+    const __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(sign, mag)), _mm256_set1_ps(0x1p120f));
+    const __m256i nan = _mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x07F00000));
     return _mm256_blendv_ps(v, _mm256_set1_ps(__builtin_nanf("")), _mm256_castsi256_ps(nan));
 }
 

@@ -243,7 +243,7 @@ __attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 lane
     if (fmt == WF_MXFP4) return _mm512_mul_ps(e2m1_16_lanes(_mm512_srli_epi32(g, 4 * u)), scale);
     if (fmt == WF_BF16) /* input t (u 0): the lower half of the word; t + 1: the upper */
         return _mm512_castsi512_ps(u ? _mm512_and_si512(g, _mm512_set1_epi32((int)0xFFFF0000)) : _mm512_slli_epi32(g, 16));
-    return _mm512_mul_ps(e4m3_16_lanes(_mm512_srli_epi32(g, 8 * u)), scale);
+    return _mm512_mul_ps(e4m3_16_byte(g, u), scale);
 }
 
 /* AVX-512: the scale vector of input t's group, and the row of 16 weights at input t */
@@ -330,7 +330,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256 lan
     if (fmt == WF_MXFP4) return _mm256_mul_ps(e2m1_8_lanes(_mm256_srli_epi32(g, 4 * u)), scale);
     if (fmt == WF_BF16)
         return _mm256_castsi256_ps(u ? _mm256_and_si256(g, _mm256_set1_epi32((int)0xFFFF0000)) : _mm256_slli_epi32(g, 16));
-    return _mm256_mul_ps(e4m3_8_lanes(_mm256_srli_epi32(g, 8 * u)), scale);
+    return _mm256_mul_ps(e4m3_8_byte(g, u), scale);
 }
 
 /* out[r][0..16) for r < mr: the formula above over x rows (ldx apart) and one panel bp; out rows ldo apart.

@@ -60,13 +60,20 @@ class _Shard:
             pos += n
         self.data_start = path.stat().st_size - pos  # the data ends at the end of the file (validated)
 
+    def _map(self, writable: bool) -> np.memmap:
+        """The whole file, mapped once per mode (copy-on-write or read-only): every tensor is a view of it (one file
+        descriptor a shard, whatever its number of tensors)."""
+        maps = self.__dict__.setdefault("_maps", {})
+        if writable not in maps:
+            maps[writable] = np.memmap(self.path, dtype=np.uint8, mode="c" if writable else "r")
+        return maps[writable]
+
     def tensor(self, name: str, writable: bool) -> torch.Tensor:
         dtype, shape, begin, end = self.entries[name]
         tdtype = DTYPES[dtype]
         if end == begin:
             return torch.empty(shape, dtype=tdtype)
-        buf = np.memmap(self.path, dtype=np.uint8, mode="c" if writable else "r", offset=self.data_start + begin,
-                        shape=(end - begin,))
+        buf = self._map(writable)[self.data_start + begin:self.data_start + end]
         if (self.data_start + begin) % torch.empty((), dtype=tdtype).element_size():
             buf = np.array(buf)  # misaligned for its dtype: the one case that copies
         with warnings.catch_warnings():  # a read-only table: torch warns that it cannot be written (it never is)

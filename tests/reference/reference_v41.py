@@ -371,11 +371,16 @@ class _Forward:
         self.candidates: list[list[int]] | None = None
 
     def p(self, name: str) -> np.ndarray:
-        if name not in self.w:
-            if name not in self.weights:
-                raise KeyError(f"weight {name} is missing")
-            self.w[name] = self.weights[name].detach().to(torch.float64).numpy()
-        return self.w[name]
+        """The float64 weight `name`, read from `weights` when first used (a routed expert's each time it is used,
+        not kept: `weights` may be a mapping that reads a checkpoint larger than memory)."""
+        if name in self.w:
+            return self.w[name]
+        if name not in self.weights:
+            raise KeyError(f"weight {name} is missing")
+        w = self.weights[name].detach().to(torch.float64).numpy()
+        if ".experts." not in name:
+            self.w[name] = w
+        return w
 
     def freqs(self, layer: int) -> list[float]:
         return self.compressed_freqs if self.ratios[layer] > 0 else self.window_freqs
@@ -434,8 +439,8 @@ class _Forward:
         rows = self.hash_ids[layer][pos]
         if len(rows) != columns:
             raise ValueError(f"engram_hash_ids[{layer}] has {len(rows)} columns; (N-1)*H_e = {columns}")
-        table = self.p(pre + "embed.weight")
-        e = np.concatenate([table[row] for row in rows])  # [C*ehd]
+        table = self.weights[pre + "embed.weight"]  # (its rows alone read: a table may be larger than memory)
+        e = np.concatenate([table[row].detach().to(torch.float64).numpy() for row in rows])  # [C*ehd]
         kv = self.p(pre + "wkv.weight") @ e  # [(hc+1)*D]
         d = cfg["hidden_size"]
         value = kv[len(streams) * d:]
@@ -617,7 +622,7 @@ def reference_forward(config: dict, weights: dict[str, torch.Tensor], token_ids:
     """The float64 forward of one request whose tokens sit at positions 0..S-1.
 
     config: the text config (flat, or nested under text_config); weights: float tensors under the official
-    names (dequantized); engram_hash_ids[layer]: [S, (N-1)*H_e] int64 table rows (offsets included), needed
+    names (dequantized), a dict or any mapping (read when used: of the routed experts, only those chosen); engram_hash_ids[layer]: [S, (N-1)*H_e] int64 table rows (offsets included), needed
     for every Engram layer; dead[p]: token p is dead (its Engram gate is 0); tie_tolerance: the relative
     error bound of the near-tie report (0 reports only exact ties that float32 could break)."""
     cfg = flat_config(config)

@@ -957,11 +957,13 @@ CLONES static void swiglu_rows(const float *restrict gu, Py_ssize_t n, Py_ssize_
 
 /* ---- Engram, embedding, sampling ------------------------------------------------------------------------ */
 
+#define MAX_GATE_DIM 65536 /* the widest branch engram_gate takes (its normed rows on the stack) */
+
 CLONES static void engram_gate_rows(const float *restrict h, Py_ssize_t n, Py_ssize_t hc, Py_ssize_t dim,
                                     const float *restrict kv, const float *restrict qw, const float *restrict kw,
                                     const uint8_t *restrict dead, float eps, float *restrict hout) {
     const float root = sqrtf((float)dim);
-    float qn[1024], kn[1024];
+    float qn[dim], kn[dim]; /* (dim <= MAX_GATE_DIM: 512 KiB of stack at most) */
     for (Py_ssize_t t = 0; t < n; t++) {
         const float *ht = h + t * hc * dim;
         float *hot = hout + t * hc * dim;
@@ -1626,7 +1628,7 @@ KERNEL_PY(swiglu) {
     X(ADDR, h, "[n, hc * hidden] float32: the streams")                                                        \
     X(SIZE, n, "tokens")                                                                                       \
     X(SIZE, hc, "branches")                                                                                    \
-    X(SIZE, hidden, "values of a branch (<= 1024)")                                                            \
+    X(SIZE, hidden, "values of a branch (<= 65536)")                                                            \
     X(ADDR, kv, "[n, (hc + 1) * hidden] float32: hc keys, then the value")                                     \
     X(ADDR, q_w, "[hc, hidden] float32")                                                                       \
     X(ADDR, k_w, "[hc, hidden] float32")                                                                       \
@@ -1641,8 +1643,9 @@ static void run_engram_gate(const struct engram_gate_args *a) {
 RAW_ENTRY(engram_gate)
 KERNEL_PY(engram_gate) {
     PARSE(engram_gate);
-    if (a.n < 0 || a.hc < 1 || a.hidden < 1 || a.hidden > 1024 || (a.n && (!a.h || !a.kv || !a.q_w || !a.k_w || !a.h_out))) {
-        PyErr_Format(PyExc_ValueError, "engram_gate: n %zd, hc %zd, hidden %zd (<= 1024) do not fit", (Py_ssize_t)a.n,
+    if (a.n < 0 || a.hc < 1 || a.hidden < 1 || a.hidden > MAX_GATE_DIM ||
+        (a.n && (!a.h || !a.kv || !a.q_w || !a.k_w || !a.h_out))) {
+        PyErr_Format(PyExc_ValueError, "engram_gate: n %zd, hc %zd, hidden %zd (<= 65536) do not fit", (Py_ssize_t)a.n,
                      (Py_ssize_t)a.hc, (Py_ssize_t)a.hidden);
         return NULL;
     }

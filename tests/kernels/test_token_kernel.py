@@ -428,8 +428,10 @@ def test_router_grouping_and_combine_match_their_definition(n, e, data, norm, se
 
 # ---- Engram, embedding, sampling ------------------------------------------------------------------------
 @settings(max_examples=20, deadline=None)
-@given(n=st.integers(1, 12), hc=st.sampled_from([1, 2, 4]), dim=st.sampled_from([16, 40]), seed=st.integers(0, 2**31))
+@given(n=st.integers(1, 12), hc=st.sampled_from([1, 2, 4]), dim=st.sampled_from([16, 40, 2048, 4096]),
+       seed=st.integers(0, 2**31))
 def test_engram_gate_matches_the_plain_loop_and_a_row_alone(n, hc, dim, seed):
+    """(dims past 1024: the published models' widths, e.g. V4.1-Flash's 4096)"""
     g = gen(seed)
     h, kv = torch.randn(n, hc, dim, generator=g), torch.randn(n, (hc + 1) * dim, generator=g)
     qw, kw = torch.randn(hc, dim, generator=g), torch.randn(hc, dim, generator=g)

@@ -1,6 +1,6 @@
 """Serve a DeepSeek-V4.1 checkpoint larger than this machine's memory, and check it against the float64 reference.
 
-    python scripts/beyond_ram.py CHECKPOINT [--new 3] [--decode 64] [--json OUT]
+    python scripts/beyond_ram.py CHECKPOINT [--new 3] [--decode 64] [--only check|decode]
 
 The checkpoint's routed experts (MXFP4), FP8 linears and BF16 matrices stay where the loader maps them
 (model/weights.py): a step pages in the experts its tokens choose. The script prints, as JSON lines:
@@ -131,6 +131,8 @@ def main() -> int:
     p.add_argument("checkpoint", type=Path)
     p.add_argument("--new", type=int, default=3)
     p.add_argument("--decode", type=int, default=64)
+    p.add_argument("--only", choices=("check", "decode"), default=None,
+                   help="one part alone (the reference's float64 weights take memory from the page cache)")
     args = p.parse_args()
     from engram_serve.model.loader import load_model
     torch.set_num_threads(1)
@@ -139,9 +141,11 @@ def main() -> int:
     loaded = load_model(args.checkpoint, pin_tables=False)
     print(json.dumps({"load": {"seconds": round(time.perf_counter() - t0, 2), "before": before, "after": resident()}}),
           flush=True)
-    print(json.dumps({"check": check(args.checkpoint, loaded, args.new)}), flush=True)
-    for row in decode(loaded, args.decode):
-        print(json.dumps({"decode": row}), flush=True)
+    if args.only != "decode":
+        print(json.dumps({"check": check(args.checkpoint, loaded, args.new)}), flush=True)
+    if args.only != "check":
+        for row in decode(loaded, args.decode):
+            print(json.dumps({"decode": row}), flush=True)
     return 0
 
 

@@ -16,7 +16,10 @@ naming the file, the tensor and the values.
 """
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
+import sys
 import warnings
 from pathlib import Path
 
@@ -36,6 +39,24 @@ DTYPES = {
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
     "F8_E8M0": torch.float8_e8m0fnu,
 }
+
+
+PAGE = mmap.PAGESIZE
+
+
+def drop_pages(t: torch.Tensor) -> None:
+    """madvise(MADV_DONTNEED) over the whole pages inside a tensor that is a view of a shard's map and was read
+    once (converted at load): the map lets them go, and they no longer count in the process's resident memory
+    (read from the file again if ever touched; a page shared with a neighbour is kept). A no-op elsewhere."""
+    if not sys.platform.startswith("linux") or t.numel() == 0:
+        return
+    start = -(-t.data_ptr() // PAGE) * PAGE
+    end = (t.data_ptr() + t.numel() * t.element_size()) // PAGE * PAGE
+    if end > start:
+        try:
+            ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)
+        except (OSError, AttributeError):
+            pass
 
 
 class _Shard:

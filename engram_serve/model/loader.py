@@ -43,7 +43,7 @@ from ..engram.quantized import SCALE_COLS, Fp8Table, advise_random, block_size_o
 from ..engram.tables import EngramTables, scale_key, table_key
 from ..engram.token_map import build_token_map, load_tokenizer
 from ..errors import CheckpointMismatch, ConfigError, EngramServeError
-from .checkpoint import CONFIG_FILE, INDEX_FILE, TINY_DIR, TOKENIZER_FILE, WEIGHTS_FILE, CheckpointFiles
+from .checkpoint import CONFIG_FILE, INDEX_FILE, TINY_DIR, TOKENIZER_FILE, WEIGHTS_FILE, CheckpointFiles, drop_pages
 from .deepseek_v41 import DeepseekV41
 from .exactness import STORED_BF16, STORED_FP8
 from .weights import Mxfp4Experts, StoredWeight
@@ -141,12 +141,13 @@ def read_weight(files: CheckpointFiles, name: str, shape: list[int]) -> tuple[to
         raise CheckpointMismatch(f"{where}: tensor {name!r}: checkpoint shape {got}, the config needs {list(shape)}")
     if dtype in FLOAT_CODES:
         t = files.tensor(name)
-        return (t if t.dtype == torch.float32 else t.float()), [name]
+        return (t if t.dtype == torch.float32 else converted(t.float(), t)), [name]
     if dtype != FP8_CODE:
         raise CheckpointMismatch(f"{where}: tensor {name!r} has dtype {dtype}, expected a float dtype {FLOAT_CODES} "
                                  f"or {FP8_CODE} with {SCALE_CODE} block scales")
     sname, block = fp8_scales(files, name, shape)
-    return dequantize_blocks(files.tensor(name), files.tensor(sname), block), [name, sname]
+    data, scales = files.tensor(name), files.tensor(sname)
+    return converted(dequantize_blocks(data, scales, block), data, scales), [name, sname]
 
 
 def fp8_scales(files: CheckpointFiles, name: str, shape: list[int]) -> tuple[str, int]:
@@ -161,6 +162,14 @@ def fp8_scales(files: CheckpointFiles, name: str, shape: list[int]) -> tuple[str
         raise CheckpointMismatch(f"{files.file_of(sname)}: scales {sname!r} are {sdtype} {sshape}; expected "
                                  f"{SCALE_CODE} [ceil({shape[0]}/b), ceil({shape[1]}/b)] for a block size b in 32..256")
     return sname, block
+
+
+def converted(out: torch.Tensor, *sources: torch.Tensor) -> torch.Tensor:
+    """`out`, made from `sources` (views of a shard's map), whose pages the map then lets go (checkpoint.py
+    `drop_pages`): a converted tensor's stored bytes are not kept resident."""
+    for t in sources:
+        drop_pages(t)
+    return out
 
 
 def read_stored(files: CheckpointFiles, name: str, like: torch.Tensor) -> tuple[StoredWeight, list[str]] | None:
@@ -183,7 +192,8 @@ def read_stored(files: CheckpointFiles, name: str, like: torch.Tensor) -> tuple[
 
 def read_fp4(files: CheckpointFiles, name: str, shape: list[int]) -> torch.Tensor:
     """An MXFP4 weight (packed E2M1 [rows, cols / 2], E8M0 scales [rows, cols / 32]) dequantized to float32."""
-    return dequantize_fp4(*read_fp4_stored(files, name, shape))
+    stored = read_fp4_stored(files, name, shape)
+    return converted(dequantize_fp4(*stored), *stored)
 
 
 def read_fp4_stored(files: CheckpointFiles, name: str, shape: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

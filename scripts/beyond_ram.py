@@ -91,18 +91,20 @@ def check(path: Path, loaded, new: int) -> dict:
     cold_s = time.perf_counter() - t0
     warm = llm.generate(PROMPTS, params)
     weights, worst, greedy, clean, tainted, near = Dequantized(path), 0.0, True, 0, 0, []
+    vocab = loaded.tokenizer.get_vocab_size(with_added_tokens=True)
     for out in cold:
         ids = list(out.prompt_token_ids) + list(out.token_ids)
         ref = reference_forward(cfg, weights, ids, engram_hash_ids(cfg, ids, token_map=loaded.token_map))
+        logprobs = torch.log_softmax(ref.logits[:, :vocab], -1)  # over the tokens the engine samples from
         scored = [lp[0] for lp in out.prompt_logprobs[1:]] + [lp for lp, _ in out.logprobs]  # of ids[1:]
         for pos, (tok, lp) in enumerate(zip(ids[1:], scored)):  # the logprob of ids[pos + 1] at position pos
             if ref.tainted(pos):  # a near tie float32 could flip at or before pos: not comparable
                 tainted += 1
-                near.append(abs(lp - float(ref.logprobs[pos][tok])))
+                near.append(abs(lp - float(logprobs[pos][tok])))
                 continue
             clean += 1
-            worst = max(worst, abs(lp - float(ref.logprobs[pos][tok])))
-            greedy &= pos < len(out.prompt_token_ids) - 1 or int(ref.logprobs[pos].argmax()) == tok
+            worst = max(worst, abs(lp - float(logprobs[pos][tok])))
+            greedy &= pos < len(out.prompt_token_ids) - 1 or int(logprobs[pos].argmax()) == tok
     bits = all(a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.prompt_logprobs == b.prompt_logprobs
                for a, b in zip(cold, warm))
     return {"prompts": len(PROMPTS), "new_tokens": new, "compared_positions": clean, "tainted_positions": tainted,

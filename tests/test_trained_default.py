@@ -67,7 +67,7 @@ def test_intact_copy_loads(tmp_path):  # the control for the refusals below
     ("engram_compressed_vocab_size", lambda v: v + 1, "engram_compressed_vocab_size"),
     ("engram_num_embeddings", lambda v: [v[0] + 1, *v[1:]], "engram_num_embeddings"),
     ("engram_num_embeddings", lambda v: v[::-1], "engram_num_embeddings"),
-    ("moe_intermediate_size", lambda v: v * 2, "ffn.experts"),
+    ("moe_intermediate_size", lambda v: v * 2, r"ffn\.(shared_)?experts.*the config needs"),
 ])
 def test_corrupted_config_is_refused(tmp_path, field, change, named):
     value = read_json(TINY_DIR / "config.json")["text_config"][field]

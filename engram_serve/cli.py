@@ -397,7 +397,7 @@ def run_env(args: argparse.Namespace) -> int:
         print(json.dumps({"engram_serve": __version__, **env}))
         return 0
     print(f"engram-serve {__version__}, torch {env['torch']}")
-    print(f"threads: {env['threads']} ({env['threads_source']})")
+    print(f"threads: {env['threads']} ({env['threads_source']}); kernels' thread pool: {env['thread_pool']}")
     print(f"{kernels.ENV}: {env['kernels_env'] if env['kernels_env'] is not None else '(unset: all)'}")
     for name, state in env["kernels"].items():
         print(f"kernel {name}: {state}")

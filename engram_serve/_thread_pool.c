@@ -18,8 +18,9 @@
  *
  * Test hooks, not part of the module: the same shared object holds a second module, `_thread_pool_hooks`, which
  * only tests load (tests/support/kernel_hooks.py): set_always(flag), every job of at least 2 items split whatever
- * its cost (so that the tests' small models run every partition), and set_k_halves(flag), the negative control
- * of the threading rule (model/_linear_kernel.c sums a dot product's two halves computed on two threads). */
+ * its cost (so that the tests' small models run every partition), set_k_halves(flag), the negative control
+ * of the threading rule (model/_linear_kernel.c sums a dot product's two halves computed on two threads), and
+ * shared_jobs(), the jobs run on two threads or more (that a test's jobs really were shared). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -48,6 +49,11 @@
 
 static volatile int k_halves = 0;
 static int always = 0;
+#if defined(__linux__)
+static _Atomic long long shared_jobs = 0; /* jobs run on two threads or more (a test's count) */
+#else
+static long long shared_jobs = 0;
+#endif
 
 #if POOL_THREADS
 
@@ -150,6 +156,7 @@ static void pool_run_impl(int64_t n, int parts, pool_fn fn, void *ctx) {
         return;
     }
     if (parts > P.size) parts = P.size; /* (set_threads waits for busy: the size is stable from here) */
+    atomic_fetch_add_explicit(&shared_jobs, 1, memory_order_relaxed);
     atomic_store(&P.pending, (uint32_t)(parts - 1));
     for (int w = 1; w < parts; w++) {
         slot *s = &P.slots[w];
@@ -336,7 +343,13 @@ static PyObject *py_set_k_halves(PyObject *Py_UNUSED(self), PyObject *arg) {
     return PyBool_FromLong(before);
 }
 
+static PyObject *py_shared_jobs(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
+    return PyLong_FromLongLong((long long)shared_jobs);
+}
+
 static PyMethodDef hook_methods[] = {
+    {"shared_jobs", py_shared_jobs, METH_NOARGS,
+     "shared_jobs() -> the jobs run on two threads or more since the process started."},
     {"set_always", py_set_always, METH_O,
      "set_always(flag) -> the previous flag: every job of at least 2 items is split across the pool, whatever its "
      "cost."},

@@ -127,6 +127,12 @@ def _worker_environment():
             os.environ.pop(key, None)
 
 
+def set_kernel_threads(group: ParallelGroup, n: int) -> int:
+    """The C kernels' pool size on a rank (`TPCluster.call_all`: verify's one-thread baseline on every rank)."""
+    from .. import kernels
+    return kernels.set_threads(n)
+
+
 def local_device(device: str) -> str:
     """Under torchrun, each process takes the GPU of its LOCAL_RANK."""
     if device == "cuda" and "LOCAL_RANK" in os.environ:

@@ -7,10 +7,13 @@
  *   threads() -> the size.
  *
  * A job: the caller writes each participating worker's slot (function, context, range) and bumps the slot's
- * generation; the worker runs its range and counts down `pending`; the caller runs part 0, then waits for
- * pending to reach 0. Waiting, on either side, spins for up to SPIN_NS (a pause per look at the word, a
- * sched_yield every YIELD_EVERY looks, so that a core shared with a runnable thread gives way), then sleeps in
- * futex_wait on the word, so an idle pool costs nothing; a caller that bumps a sleeper's word wakes it. One job
+ * generation; the worker claims its part, runs it and counts down `pending`; the caller runs part 0, then runs
+ * every part no worker has claimed yet (a worker descheduled by another process: the part, its range fixed, runs
+ * on the caller instead of waiting), then waits for pending to reach 0. Waiting, on either side, spins for up to SPIN_NS (a pause per look at the word, a
+ * sched_yield now and then, so that a core shared with a runnable thread gives way), then sleeps in
+ * futex_wait on the word, so an idle pool costs nothing; a caller that bumps a sleeper's word wakes it. (A
+ * sched_yield costs microseconds on a VM: it runs every ~0.1 ms of spinning, every YIELD_CROWDED looks where the
+ * pool has more threads than the process has cores, where a spinning thread may hold the core of one with work.) One job
  * at a time: a second thread that finds the pool busy runs its job whole itself (the bits do not depend on the
  * parts). Linux only (futex); elsewhere the pool has one thread and set_threads(n > 1) raises.
  *
@@ -21,6 +24,7 @@
  * its cost (so that the tests' small models run every partition), set_k_halves(flag), the negative control
  * of the threading rule (model/_linear_kernel.c sums a dot product's two halves computed on two threads), and
  * shared_jobs(), the jobs run on two threads or more (that a test's jobs really were shared). */
+#define _GNU_SOURCE /* CPU_COUNT */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -45,7 +49,8 @@
 
 #define MAX_THREADS 512
 #define SPIN_NS 300000L  /* 0.3 ms: longer than the host work between two kernel calls of a step */
-#define YIELD_EVERY 256  /* looks at the word between two sched_yield calls */
+#define YIELD_EVERY 4096 /* looks at the word between two sched_yield calls (~0.1 ms): a yield costs microseconds */
+#define YIELD_CROWDED 64 /* the same where the pool has more threads than the process has cores */
 
 static volatile int k_halves = 0;
 static int always = 0;
@@ -60,6 +65,7 @@ static long long shared_jobs = 0;
 typedef struct __attribute__((aligned(64))) { /* one cache line each: a worker's word is its own */
     _Atomic uint32_t gen;   /* bumped by the caller for each job of this worker (and to stop it); its futex word */
     _Atomic int sleeping;   /* the worker sleeps on gen (futex_wait) */
+    _Atomic uint32_t todo;  /* the generation of a posted part nobody has claimed yet, else 0 */
     pool_fn fn;
     void *ctx;
     int64_t begin, end;
@@ -76,6 +82,7 @@ static struct {
 } P = {1, NULL, 0, 0, 0};
 
 static _Thread_local int inside; /* this thread runs a part of a job: a job it starts runs whole on it */
+static unsigned yield_every = YIELD_EVERY;
 
 static long futex(_Atomic uint32_t *word, int op, uint32_t val) {
     return syscall(SYS_futex, (uint32_t *)word, op | FUTEX_PRIVATE_FLAG, val, NULL, NULL, 0);
@@ -105,7 +112,7 @@ static uint32_t wait_change(_Atomic uint32_t *word, uint32_t seen, _Atomic int *
             const int64_t t = now_ns();
             if (!start) start = t;
             else if (t - start > SPIN_NS) break;
-            if (i % YIELD_EVERY == 0) sched_yield();
+            if (i % yield_every == 0) sched_yield();
         }
         relax();
     }
@@ -119,6 +126,15 @@ static uint32_t wait_change(_Atomic uint32_t *word, uint32_t seen, _Atomic int *
     }
 }
 
+/* Run slot s's posted part of generation g if nobody has claimed it yet (its worker, or the caller stealing it),
+ * then count it done */
+static void claim_and_run(slot *s, uint32_t g) {
+    uint32_t want = g;
+    if (!atomic_compare_exchange_strong(&s->todo, &want, 0)) return;
+    s->fn(s->ctx, s->begin, s->end);
+    if (atomic_fetch_sub(&P.pending, 1) == 1 && atomic_load(&P.caller_sleeping)) futex(&P.pending, FUTEX_WAKE, 1);
+}
+
 static void *worker(void *arg) {
     slot *s = arg;
     inside = 1;
@@ -126,14 +142,17 @@ static void *worker(void *arg) {
     for (;;) {
         seen = wait_change(&s->gen, seen, &s->sleeping);
         if (s->stop) return NULL;
-        s->fn(s->ctx, s->begin, s->end);
-        if (atomic_fetch_sub(&P.pending, 1) == 1 && atomic_load(&P.caller_sleeping)) futex(&P.pending, FUTEX_WAKE, 1);
+        claim_and_run(s, seen);
     }
 }
 
-static void bump(slot *s) {
-    atomic_fetch_add(&s->gen, 1); /* seq_cst, then the sleeping flag: see wait_change */
+/* a new generation of slot s (its part posted in todo first, or its stop set), waking its worker if it sleeps */
+static uint32_t bump(slot *s, int post) {
+    const uint32_t g = atomic_load_explicit(&s->gen, memory_order_relaxed) + 1; /* (only the caller writes gen) */
+    if (post) atomic_store_explicit(&s->todo, g, memory_order_release);
+    atomic_store(&s->gen, g); /* seq_cst, then the sleeping flag: see wait_change */
     if (atomic_load(&s->sleeping)) futex(&s->gen, FUTEX_WAKE, 1);
+    return g;
 }
 
 static int try_acquire(void) {
@@ -158,16 +177,20 @@ static void pool_run_impl(int64_t n, int parts, pool_fn fn, void *ctx) {
     if (parts > P.size) parts = P.size; /* (set_threads waits for busy: the size is stable from here) */
     atomic_fetch_add_explicit(&shared_jobs, 1, memory_order_relaxed);
     atomic_store(&P.pending, (uint32_t)(parts - 1));
+    uint32_t posted[MAX_THREADS];
     for (int w = 1; w < parts; w++) {
         slot *s = &P.slots[w];
         s->fn = fn, s->ctx = ctx;
         range_of(n, parts, w, &s->begin, &s->end);
-        bump(s);
+        posted[w] = bump(s, 1);
     }
     int64_t b, e;
     range_of(n, parts, 0, &b, &e);
     inside = 1;
     fn(ctx, b, e);
+    /* parts no worker has claimed yet (its thread descheduled, on a loaded machine) run here: each part's range is
+     * the same whichever thread runs it */
+    for (int w = parts - 1; w >= 1; w--) claim_and_run(&P.slots[w], posted[w]);
     inside = 0;
     int64_t start = 0;
     for (unsigned i = 1;; i++) {
@@ -176,7 +199,7 @@ static void pool_run_impl(int64_t n, int parts, pool_fn fn, void *ctx) {
         if (i % 32 == 0) {
             const int64_t t = now_ns();
             if (!start) start = t;
-            if (i % YIELD_EVERY == 0) sched_yield();
+            if (i % yield_every == 0) sched_yield();
             if (t - start > SPIN_NS) {
                 atomic_store(&P.caller_sleeping, 1);
                 const uint32_t v = atomic_load(&P.pending);
@@ -194,7 +217,7 @@ static void pool_run_impl(int64_t n, int parts, pool_fn fn, void *ctx) {
 static void stop_workers(void) {
     for (int w = 1; w < P.size; w++) {
         P.slots[w].stop = 1;
-        bump(&P.slots[w]);
+        bump(&P.slots[w], 0);
     }
     for (int w = 1; w < P.size; w++) pthread_join(P.slots[w].tid, NULL);
     free(P.slots);
@@ -205,6 +228,8 @@ static void stop_workers(void) {
 /* n threads (n - 1 workers); 0, or -1 with errno's text in *why */
 static int resize(int n, const char **why) {
     stop_workers();
+    cpu_set_t cores;
+    yield_every = sched_getaffinity(0, sizeof cores, &cores) == 0 && n > CPU_COUNT(&cores) ? YIELD_CROWDED : YIELD_EVERY;
     if (n <= 1) return 0;
     slot *slots = aligned_alloc(64, (size_t)n * sizeof(slot));
     if (!slots) {

@@ -1,0 +1,157 @@
+"""The C kernels' thread pool: one engine timed at several pool sizes, round by round in one process.
+
+One process loads the model (--model; e.g. the mid-size V4.1 shape written by scripts/make_official_checkpoint.py)
+and builds one engine per workload (exact: torch on one thread; CPU graphs on); each round times every pool size
+(`kernels.set_threads`), the order rotated round by round, so that a change in machine load hits every size alike.
+Workloads:
+- `decode-B`: B prompts of --prompt tokens prefilled (untimed), then --new - 1 greedy steps timed
+  (tokens/s = B x (new - 1) / their time);
+- `prefill-P`: one prompt of P tokens to its first token (tokens/s = P / the step's time).
+The same prompts every round; the greedy tokens (decode) and the logits (prefill) of every size must equal the
+first size's, bit for bit (`same_bits`). tokens/s is taken at the median time; `x_first` is the median over the
+rounds of the first size's time over this size's (each round's ratio measured seconds apart), `x_best` the ratio of
+the best times (another process's load only ever slows a call down, and slows a pool of several threads more than
+one thread: a neighbour on one of two cores leaves the second thread without a core).
+
+For B = 1 decode, `host_ms` is the median step's time outside the C kernels' replays (runner/cpu_graphs.py: the
+token kernel's `call_all`, timed around each call): the Python host work of a step (scheduling, inputs,
+sampling, detokenizing), which no kernel thread shortens.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from . import common
+
+NAME = "threads"
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
+    parser.add_argument("--workloads", default="decode-1,decode-32,prefill-64,prefill-2048",
+                        help="comma-separated decode-B and prefill-P (default decode-1,decode-32,prefill-64,"
+                             "prefill-2048)")
+    parser.add_argument("--sizes", type=common.positive_int_list, default=[1, 2], metavar="N,N",
+                        help="pool sizes timed against each other, the first the reference (default 1,2)")
+    parser.add_argument("--rounds", type=common.positive_int, default=5, help="timed rounds (default 5)")
+    parser.add_argument("--prompt", type=common.positive_int, default=64, help="decode prompts' tokens (default 64)")
+    parser.add_argument("--new", type=common.positive_int, default=32, help="decode: greedy tokens (default 32)")
+
+
+def _workload(name: str) -> tuple[str, int]:
+    kind, _, n = name.partition("-")
+    if kind not in ("decode", "prefill") or not n.isdigit() or int(n) < 1:
+        raise ValueError(f"--workloads: {name!r} is neither decode-B nor prefill-P (B, P >= 1)")
+    return kind, int(n)
+
+
+class _ReplayClock:
+    """Time spent in the token kernel's `call_all` (CPU graph replays) while installed."""
+
+    def __init__(self, token_kernel):
+        self.mod, self.spent = token_kernel, 0.0
+        self.inner = token_kernel.call_all
+
+    def __enter__(self):
+        def timed(calls):
+            t0 = time.perf_counter()
+            try:
+                return self.inner(calls)
+            finally:
+                self.spent += time.perf_counter() - t0
+        self.mod.call_all = timed
+        return self
+
+    def __exit__(self, *exc):
+        self.mod.call_all = self.inner
+
+
+def _setup(loaded, kind: str, n: int, prompt: int, new: int):
+    import numpy as np
+
+    from ..engine.llm_engine import LLMEngine
+    from ..microbatch.plan import MicrobatchConfig
+    from ..runner.model_runner import RunnerConfig
+    from ..sampling_params import SamplingParams
+    batch, length = (n, prompt) if kind == "decode" else (1, n)
+    cfg = RunnerConfig(max_num_seqs=max(batch, 4), max_model_len=length + new + 1,
+                       max_num_batched_tokens=max(2048, batch * length), num_blocks=max(64, batch * 16 + length // 8),
+                       microbatch=MicrobatchConfig(1))
+    eng = LLMEngine(loaded, cfg, enable_prefix_caching=False)
+    prompts = np.random.default_rng(0).integers(6, loaded.config.vocab_size, size=(batch, length)).tolist()
+    calls = [0]
+
+    def call(replay: _ReplayClock | None = None) -> dict:
+        calls[0] += 1
+        params = SamplingParams(max_tokens=1 if kind == "prefill" else new, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            eng.add_request(f"c{calls[0]}-{i}", p, params)
+        t0 = time.perf_counter()
+        first = eng.step(record=kind == "prefill")
+        t1 = time.perf_counter()
+        steps, replay_s, tokens = [], [], [e.token for e in first.events]
+        while eng.has_unfinished():
+            r0 = replay.spent if replay else 0.0
+            s0 = time.perf_counter()
+            tokens += [e.token for e in eng.step().events]
+            steps.append(time.perf_counter() - s0)
+            replay_s.append((replay.spent - r0) if replay else 0.0)
+        out = {"seconds": t1 - t0 if kind == "prefill" else sum(steps), "tokens": tokens, "steps": steps,
+               "replay": replay_s}
+        if kind == "prefill":
+            out["logits"] = first.output.logits.clone()
+        return out
+    return call
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    import torch
+
+    from .. import kernels
+    from ..engine.threads import set_torch_threads
+    from ..model.loader import load_model
+    sizes = list(dict.fromkeys(args.sizes))
+    set_torch_threads(max(sizes))  # the engine's count (torch: one thread in exact mode)
+    loaded = load_model(args.model)
+    rows = []
+    for name in args.workloads.split(","):
+        kind, n = _workload(name)
+        call = _setup(loaded, kind, n, args.prompt, args.new)
+        times: dict[int, list[float]] = {s: [] for s in sizes}
+        host: dict[int, list[float]] = {s: [] for s in sizes}
+        same = {s: True for s in sizes}
+        ref = None  # the first size's output: every size's must equal it
+        for s in sizes:  # warm-up (captures, packing, first touch)
+            kernels.set_threads(s)
+            out = call()
+            ref = ref or out
+            same[s] &= out["tokens"] == ref["tokens"] and ("logits" not in out or torch.equal(out["logits"],
+                                                                                          ref["logits"]))
+        for r in range(args.rounds + (kind == "decode" and n == 1)):  # B = 1 decode: a last round times replays
+            for s in sizes[r % len(sizes):] + sizes[:r % len(sizes)]:
+                kernels.set_threads(s)
+                if r < args.rounds:
+                    out = call()
+                    times[s].append(out["seconds"])
+                else:
+                    with _ReplayClock(kernels.get("token")) as clock:
+                        out = call(clock)
+                    host[s] = [(a - b) * 1e3 for a, b in zip(out["steps"], out["replay"])]
+                same[s] &= out["tokens"] == ref["tokens"] and ("logits" not in out or torch.equal(out["logits"],
+                                                                                              ref["logits"]))
+        work = n * (args.new - 1) if kind == "decode" else n
+        for s in sizes:
+            med = statistics.median(times[s])
+            ratios = [a / b for a, b in zip(times[sizes[0]], times[s])]
+            row = {"workload": name, "threads": s, "tok_s": work / med, "median_ms": med * 1e3,
+                   "spread_ms": f"{min(times[s]) * 1e3:.1f}-{max(times[s]) * 1e3:.1f}",
+                   "x_first": statistics.median(ratios), "x_best": min(times[sizes[0]]) / min(times[s]),
+                   "same_bits": same[s]}
+            if host[s]:
+                row["step_ms"] = med / (args.new - 1) * 1e3
+                row["host_ms"] = statistics.median(host[s])
+            rows.append(row)
+    kernels.set_threads(sizes[0])
+    return rows

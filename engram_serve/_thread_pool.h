@@ -20,6 +20,8 @@
  *   parallel_for(n, fn, ctx)    parallel_run over min(threads, n) parts (the caller judged the job big enough).
  *   parallel_for_cost(n, cost, fn, ctx)   parallel_run over pool_parts(n, cost) parts.
  *   range_of(n, parts, i, &b, &e)   part i's range (the same function the pool uses).
+ *   balanced_bounds(n, cost, ctx, parts, bounds)   contiguous ranges of about equal cost, for items of unequal cost
+ *                               (a causal prompt's attention, experts of unequal rows).
  *   pool_k_halves()             the negative control's switch (set only by tests, _thread_pool_hooks): a kernel that
  *                               reads it sums one dot product's two halves on two threads (model/_linear_kernel.c).
  *
@@ -65,6 +67,23 @@ static inline void range_of(int64_t n, int parts, int i, int64_t *b, int64_t *e)
 }
 
 static inline int pool_parts(int64_t n, double cost) { return pool_api_ ? pool_api_->parts(n, cost) : 1; }
+
+/* Contiguous ranges of items [0, n) of unequal costs (cost(ctx, i) >= 0), about equal in cost: bounds [parts + 1],
+ * part i being [bounds[i], bounds[i + 1]), ending at the first item whose running cost reaches i / parts of the
+ * total (a fixed function of the items' costs and the part count; for parallel_run over `parts` items, each part
+ * reading its bounds). */
+static inline void balanced_bounds(int64_t n, double (*cost)(const void *ctx, int64_t i), const void *ctx, int parts,
+                                   int64_t *bounds) {
+    double total = 0.0, sum = 0.0;
+    for (int64_t i = 0; i < n; i++) total += cost(ctx, i);
+    int part = 1;
+    bounds[0] = 0;
+    for (int64_t i = 0; i < n && part < parts; i++) {
+        sum += cost(ctx, i);
+        while (part < parts && sum >= total * part / parts) bounds[part++] = i + 1;
+    }
+    while (part <= parts) bounds[part++] = n;
+}
 
 static inline void parallel_run(int64_t n, int parts, pool_fn fn, void *ctx) {
     if (n <= 0) return;

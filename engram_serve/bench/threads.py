@@ -13,9 +13,10 @@ rounds of the first size's time over this size's (each round's ratio measured se
 the best times (another process's load only ever slows a call down, and slows a pool of several threads more than
 one thread: a neighbour on one of two cores leaves the second thread without a core).
 
-For B = 1 decode, `host_ms` is the median step's time outside the C kernels' replays (runner/cpu_graphs.py: the
-token kernel's `call_all`, timed around each call): the Python host work of a step (scheduling, inputs,
-sampling, detokenizing), which no kernel thread shortens.
+For B = 1 decode, `host_ms` is the median step's time outside the C kernels (a last round with a clock around the
+token kernel's `call_all`, the CPU graph replays of runner/cpu_graphs.py, and `capture.call`, every other kernel
+call of the forward): the Python host work of a step (scheduling, inputs, sampling, detokenizing, the clock's
+own calls), which no kernel thread shortens.
 """
 from __future__ import annotations
 
@@ -47,25 +48,33 @@ def _workload(name: str) -> tuple[str, int]:
     return kind, int(n)
 
 
-class _ReplayClock:
-    """Time spent in the token kernel's `call_all` (CPU graph replays) while installed."""
+class _KernelClock:
+    """Time spent in the C kernels of the forward while installed: the token kernel's `call_all` (CPU graph replays)
+    and `capture.call` (every other kernel call of the forward, e.g. the logits' product)."""
 
     def __init__(self, token_kernel):
-        self.mod, self.spent = token_kernel, 0.0
-        self.inner = token_kernel.call_all
+        from ..model import capture
+        self.spent = 0.0
+        self.targets = [(token_kernel, "call_all"), (capture, "call")]
+        self.inner = [getattr(m, n) for m, n in self.targets]
 
-    def __enter__(self):
-        def timed(calls):
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
             t0 = time.perf_counter()
             try:
-                return self.inner(calls)
+                return fn(*args, **kwargs)
             finally:
                 self.spent += time.perf_counter() - t0
-        self.mod.call_all = timed
+        return timed
+
+    def __enter__(self):
+        for (m, n), fn in zip(self.targets, self.inner):
+            setattr(m, n, self._timed(fn))
         return self
 
     def __exit__(self, *exc):
-        self.mod.call_all = self.inner
+        for (m, n), fn in zip(self.targets, self.inner):
+            setattr(m, n, fn)
 
 
 def _setup(loaded, kind: str, n: int, prompt: int, new: int):
@@ -83,7 +92,7 @@ def _setup(loaded, kind: str, n: int, prompt: int, new: int):
     prompts = np.random.default_rng(0).integers(6, loaded.config.vocab_size, size=(batch, length)).tolist()
     calls = [0]
 
-    def call(replay: _ReplayClock | None = None) -> dict:
+    def call(clock: _KernelClock | None = None) -> dict:
         calls[0] += 1
         params = SamplingParams(max_tokens=1 if kind == "prefill" else new, temperature=0.0, ignore_eos=True)
         for i, p in enumerate(prompts):
@@ -91,15 +100,15 @@ def _setup(loaded, kind: str, n: int, prompt: int, new: int):
         t0 = time.perf_counter()
         first = eng.step(record=kind == "prefill")
         t1 = time.perf_counter()
-        steps, replay_s, tokens = [], [], [e.token for e in first.events]
+        steps, kernel_s, tokens = [], [], [e.token for e in first.events]
         while eng.has_unfinished():
-            r0 = replay.spent if replay else 0.0
+            k0 = clock.spent if clock else 0.0
             s0 = time.perf_counter()
             tokens += [e.token for e in eng.step().events]
             steps.append(time.perf_counter() - s0)
-            replay_s.append((replay.spent - r0) if replay else 0.0)
+            kernel_s.append((clock.spent - k0) if clock else 0.0)
         out = {"seconds": t1 - t0 if kind == "prefill" else sum(steps), "tokens": tokens, "steps": steps,
-               "replay": replay_s}
+               "kernel": kernel_s}
         if kind == "prefill":
             out["logits"] = first.output.logits.clone()
         return out
@@ -129,16 +138,16 @@ def run(args: argparse.Namespace) -> list[dict]:
             ref = ref or out
             same[s] &= out["tokens"] == ref["tokens"] and ("logits" not in out or torch.equal(out["logits"],
                                                                                           ref["logits"]))
-        for r in range(args.rounds + (kind == "decode" and n == 1)):  # B = 1 decode: a last round times replays
+        for r in range(args.rounds + (kind == "decode" and n == 1)):  # B = 1 decode: a last round times the kernels
             for s in sizes[r % len(sizes):] + sizes[:r % len(sizes)]:
                 kernels.set_threads(s)
                 if r < args.rounds:
                     out = call()
                     times[s].append(out["seconds"])
                 else:
-                    with _ReplayClock(kernels.get("token")) as clock:
+                    with _KernelClock(kernels.get("token")) as clock:
                         out = call(clock)
-                    host[s] = [(a - b) * 1e3 for a, b in zip(out["steps"], out["replay"])]
+                    host[s] = [(a - b) * 1e3 for a, b in zip(out["steps"], out["kernel"])]
                 same[s] &= out["tokens"] == ref["tokens"] and ("logits" not in out or torch.equal(out["logits"],
                                                                                               ref["logits"]))
         work = n * (args.new - 1) if kind == "decode" else n

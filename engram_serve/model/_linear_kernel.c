@@ -1196,6 +1196,12 @@ static void experts_part(void *c, int64_t b, int64_t e) {
         }
 }
 
+static double expert_item_cost(const void *c, int64_t it) {
+    const experts_job *j = c;
+    const Py_ssize_t a = (Py_ssize_t)(it / j->units);
+    return (double)(j->start[a + 1] - j->start[a] + EXPERT_WEIGHT_ROWS);
+}
+
 /* Run job j (its fields but bounds) over na experts on the pool, in at most most_parts parts; bounds [most_parts + 1]
  * scratch. 1 if a product could not have its buffer. */
 static int experts_product(experts_job *j, Py_ssize_t na, int64_t *bounds, int most_parts) {
@@ -1203,19 +1209,7 @@ static int experts_product(experts_job *j, Py_ssize_t na, int64_t *bounds, int m
     int parts = pool_parts(items, (double)rows * (double)j->k * (double)j->n);
     if (parts > most_parts) parts = most_parts;
     j->bounds = bounds;
-    bounds[0] = 0;
-    if (parts > 1) { /* part i ends at the first item whose cost so far reaches i / parts of the total */
-        const double total = (double)(rows + na * EXPERT_WEIGHT_ROWS) * (double)j->units;
-        double sum = 0.0;
-        int part = 1;
-        for (int64_t it = 0; it < items && part < parts; it++) {
-            const Py_ssize_t a = (Py_ssize_t)(it / j->units);
-            sum += (double)(j->start[a + 1] - j->start[a] + EXPERT_WEIGHT_ROWS);
-            while (part < parts && sum >= total * part / parts) bounds[part++] = it + 1;
-        }
-        while (part < parts) bounds[part++] = items;
-    }
-    bounds[parts > 1 ? parts : 1] = items;
+    balanced_bounds(items, expert_item_cost, j, parts > 1 ? parts : 1, bounds);
     j->bad = 0;
     parallel_run(parts > 1 ? parts : 1, parts, experts_part, j);
     return j->bad;

@@ -1469,6 +1469,7 @@ KERNEL_ARGS(attend_paged, ATTEND_PAGED_FIELDS, "attention over the keys a token 
 /* attend_items over items [b, e) with this part's scratch (out of memory: its outputs NaN) */
 static void attend_part(void *c, int64_t b, int64_t e) {
     const struct attend_paged_args *a = c;
+    if (b >= e) return;
     const size_t keys = (size_t)(a->w + a->k), ptrs = (keys * sizeof(float *) + 63) & ~(size_t)63;
     char *buf = scratch(ptrs + sizeof(float) * (HEAD_GROUP * keys + HEAD_GROUP));
     if (!buf) {
@@ -1486,6 +1487,40 @@ static void attend_part(void *c, int64_t b, int64_t e) {
                  (const float **)(void *)buf, z, z + HEAD_GROUP * keys, has_avx512());
     free(buf);
 }
+/* keys [n]: the keys each token reads (and a few for its items themselves) */
+static void attend_token_keys(const struct attend_paged_args *a, double *keys) {
+    for (Py_ssize_t t = 0; t < a->n; t++) {
+        const uint8_t *ok = U8(a->wok) + t * a->w;
+        Py_ssize_t m = 4;
+        for (Py_ssize_t j = 0; j < a->w; j++) m += ok[j] != 0;
+        for (Py_ssize_t i = 0; i < a->k; i++) {
+            const int64_t g = CI64(a->topk)[t * a->k + i];
+            m += g >= 0 && g < a->es;
+        }
+        keys[t] = (double)m;
+    }
+}
+
+typedef struct {
+    const struct attend_paged_args *a;
+    const double *keys;
+} attend_cost;
+
+static double attend_item_cost(const void *c, int64_t it) {
+    const attend_cost *x = c;
+    return x->keys[it / ((x->a->h + HEAD_GROUP - 1) / HEAD_GROUP)];
+}
+
+typedef struct {
+    const struct attend_paged_args *a;
+    const int64_t *bounds;
+} attend_job;
+
+static void attend_bounded_part(void *c, int64_t b, int64_t e) {
+    const attend_job *j = c;
+    for (int64_t part = b; part < e; part++) attend_part((void *)(uintptr_t)j->a, j->bounds[part], j->bounds[part + 1]);
+}
+
 KERNEL_PY(attend_paged) {
     PARSE(attend_paged);
     if (a.n < 0 || a.w < 0 || a.es < 0 || a.k < 0 || a.rows < 1 || a.hd < 1 || a.h < 1 || (a.k && !a.topk) ||
@@ -1494,10 +1529,21 @@ KERNEL_PY(attend_paged) {
         return misfit("attend_paged", "n, w, es, k >= 0, rows, hd, h >= 1");
     if (attend_check(CI64(a.wslots), a.n, a.w, CI64(a.eslots), a.es, CI64(a.topk), a.k, a.rows))
         return misfit("attend_paged", "a slot is outside the pool");
-    Py_BEGIN_ALLOW_THREADS
     const Py_ssize_t items = a.n * ((a.h + HEAD_GROUP - 1) / HEAD_GROUP);
-    parallel_for_cost(items, 2.0 * (double)(a.n * a.h) * (double)(a.w + a.k) * (double)a.hd, attend_part, &a);
+    const int parts = pool_parts(items, 2.0 * (double)(a.n * a.h) * (double)(a.w + a.k) * (double)a.hd);
+    int64_t *bounds = parts > 1 ? malloc(sizeof(int64_t) * (size_t)(parts + 1) + sizeof(double) * (size_t)a.n) : NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (bounds) { /* a prompt's tokens read more keys as they go: ranges of about equal keys, not items */
+        const attend_cost cost = {&a, (double *)(void *)(bounds + parts + 1)};
+        attend_token_keys(&a, (double *)(void *)(bounds + parts + 1));
+        balanced_bounds(items, attend_item_cost, &cost, parts, bounds);
+        const attend_job j = {&a, bounds};
+        parallel_run(parts, parts, attend_bounded_part, (void *)&j);
+    } else {
+        attend_part(&a, 0, items);
+    }
     Py_END_ALLOW_THREADS
+    free(bounds);
     Py_RETURN_NONE;
 }
 

@@ -174,47 +174,6 @@ def override(spec: str) -> Iterator[None]:
         _set(before)
 
 
-POOL = "engram_serve._thread_pool"  # the kernels' one thread pool (_thread_pool.c), not a kernel: never switched off
-
-
-def _pool() -> ModuleType | None:
-    if importlib.util.find_spec(POOL) is None:
-        return None
-    try:
-        return importlib.import_module(POOL)
-    except ImportError:
-        return None
-
-
-def set_threads(n: int) -> int:
-    """The C kernels run their jobs on n threads (the calling thread included; engine/threads.py sets the engine's
-    count). Returns the size now in effect: 1 where the pool was not built (every kernel then runs on its caller).
-    A kernel's results do not depend on it (docs/exactness.md, "Threads")."""
-    pool = _pool()
-    if pool is None:
-        return 1
-    pool.set_threads(int(n))
-    return int(pool.threads())
-
-
-def threads() -> int:
-    """The C kernels' pool size (1 where it was not built)."""
-    pool = _pool()
-    return 1 if pool is None else int(pool.threads())
-
-
-@contextmanager
-def threads_set(n: int) -> Iterator[None]:
-    """Inside the block the kernels' pool has n threads; the previous size comes back after it (verify's one-thread
-    baseline, tests, benchmarks)."""
-    before = threads()
-    set_threads(n)
-    try:
-        yield
-    finally:
-        set_threads(before)
-
-
 def simd_level() -> int | None:
     """The linear kernel's SIMD level on this CPU (0 portable, 1 AVX2, 2 AVX-512), None if it is not loaded."""
     lin = get("linear")
@@ -242,6 +201,7 @@ def environment() -> dict:
     pool was built."""
     import torch
 
+    from . import thread_pool
     from .engine.threads import ENV as THREADS_ENV, available_cores, parse_threads
     threads = os.environ.get(THREADS_ENV)
     return {
@@ -253,5 +213,5 @@ def environment() -> dict:
         "torch": torch.__version__,
         "threads": parse_threads(threads, THREADS_ENV) if threads else available_cores(),
         "threads_source": THREADS_ENV if threads else "cores of the affinity mask",
-        "thread_pool": "built" if _pool() is not None else "not built (the kernels run on one thread)",
+        "thread_pool": "built" if thread_pool.built() else "not built (the kernels run on one thread)",
     }

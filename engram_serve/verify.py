@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import kernels
+from . import thread_pool
 from .config import ModelConfig
 from .engine.llm_engine import EngineStats, LLMEngine
 from .microbatch.plan import MicrobatchConfig
@@ -275,7 +275,7 @@ def verify(loaded: LoadedModel, seed: int = 0, num_requests: int = 6, gen_tokens
     a negative control) apply to the compared cases, never to the whole-step baseline.
 
     Threads: the baseline runs on one thread of the C kernels' pool, the cases on `threads` (default: the pool's
-    size now), set by `set_threads(n)` (default `kernels.set_threads`; tensor parallel: on every rank).
+    size now), set by `set_threads(n)` (default `thread_pool.set_threads`; tensor parallel: on every rank).
 
     Tensor parallel: `make_runner` builds each case's runner on every rank (baseline included: the
     same parallel size, whole steps); `reference` (the unsharded model) adds "vs_single_process": the
@@ -287,8 +287,8 @@ def verify(loaded: LoadedModel, seed: int = 0, num_requests: int = 6, gen_tokens
                             max_num_batched_tokens=total, num_blocks=num_requests * 8 + 64, block_size=16,
                             microbatch=MicrobatchConfig(1), device=device)
     base_cfg = dataclasses.replace(base_cfg, max_model_len=-(-base_cfg.max_model_len // 16) * 16)
-    set_threads = set_threads or kernels.set_threads
-    threads = kernels.threads() if threads is None else threads
+    set_threads = set_threads or thread_pool.set_threads
+    threads = thread_pool.threads() if threads is None else threads
     set_threads(1)
     try:
         base = run_case(loaded, work, base_cfg, make_runner=make_runner)

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engram_serve import kernels
+from engram_serve import kernels, thread_pool
 from engram_serve.engine import threads as engine_threads
 from engram_serve.microbatch.plan import MicrobatchConfig
 from engram_serve.model.loader import load_model
@@ -23,7 +23,7 @@ from kernel_hooks import k_halves, pool_always, shared_jobs
 from test_exact import write_v41_checkpoint
 from v41_fixtures import v41_configs
 
-pytestmark = pytest.mark.skipif(not kernels.loaded("linear", "token") or kernels._pool() is None,
+pytestmark = pytest.mark.skipif(not kernels.loaded("linear", "token") or not thread_pool.built(),
                                 reason="needs the linear and token kernels and the kernels' thread pool")
 
 THREADS = (1, 2, 3, 4)
@@ -34,7 +34,7 @@ GEN = 3
 def one_thread_after():
     engine_threads.set_torch_threads()  # the engine's count chosen now: an engine built below keeps the pool's size
     yield
-    kernels.set_threads(1)
+    thread_pool.set_threads(1)
 
 
 def logits_on(loaded, prompts: list[list[int]], threads: int, microbatches: int = 1) -> tuple[torch.Tensor, list]:
@@ -44,8 +44,8 @@ def logits_on(loaded, prompts: list[list[int]], threads: int, microbatches: int 
     cfg = RunnerConfig(max_num_seqs=len(prompts), max_model_len=longest, max_num_batched_tokens=256, block_size=4,
                        num_blocks=len(prompts) * (longest // 4 + 2),
                        microbatch=MicrobatchConfig(microbatches, "tokens", 0, 0, when="always"))
-    with kernels.threads_set(threads), pool_always():
-        assert kernels.threads() == threads
+    with thread_pool.threads_set(threads), pool_always():
+        assert thread_pool.threads() == threads
         before = shared_jobs()
         rec = run_case(loaded, Workload(prompts, GEN), cfg)
         assert (shared_jobs() > before) == (threads > 1)  # the jobs really ran on several threads
@@ -104,11 +104,11 @@ def test_negative_control_a_dot_product_summed_in_halves_on_two_threads_changes_
 
 
 def test_verify_compares_every_case_on_n_threads_with_the_one_thread_baseline(quantized):
-    with kernels.threads_set(3), pool_always():
+    with thread_pool.threads_set(3), pool_always():
         res = verify(quantized, seed=2, num_requests=2, gen_tokens=4, only=("whole steps", "2 microbatches, tokens"))
     assert res["threads"] == 3 and res["passed"], res
     assert [c["case"] for c in res["cases"]] == ["whole steps, 3 threads", "2 microbatches, tokens policy"]
-    with kernels.threads_set(2), pool_always(), k_halves():
+    with thread_pool.threads_set(2), pool_always(), k_halves():
         res = verify(quantized, seed=2, num_requests=2, gen_tokens=4, only="whole steps")
     assert not res["passed"] and res["cases"][0]["logit_mismatches"] > 0
 
@@ -118,10 +118,10 @@ def test_the_engine_count_sets_the_pool_and_tensor_parallel_ranks_share_the_core
     monkeypatch.setattr(engine_threads, "_ranks", 1)
     before = torch.get_num_threads()
     try:
-        assert engine_threads.set_torch_threads(2) == 2 == kernels.threads()
-        assert engine_threads.share_cores(2) == 1 == kernels.threads()  # TP=2 on 2 cores: one thread a rank
+        assert engine_threads.set_torch_threads(2) == 2 == thread_pool.threads()
+        assert engine_threads.share_cores(2) == 1 == thread_pool.threads()  # TP=2 on 2 cores: one thread a rank
         assert engine_threads.set_torch_threads() == 1  # a later engine keeps the rank's share
-        assert engine_threads.share_cores(1) == 2 == kernels.threads()
+        assert engine_threads.share_cores(1) == 2 == thread_pool.threads()
         assert engine_threads.rank_threads(32, 3) == 10 and engine_threads.rank_threads(2, 4) == 1
     finally:
         torch.set_num_threads(before)

@@ -7,7 +7,7 @@ of cores in the process's affinity mask (`os.sched_getaffinity`: the cores this 
 on, e.g. under `taskset` or a container's cpuset). Later engines keep it unless they are given an
 explicit count.
 
-Two things take it. The C kernels' thread pool (`kernels.set_threads`, engram_serve/_thread_pool.c): each
+Two things take it. The C kernels' thread pool (`thread_pool.set_threads`, engram_serve/_thread_pool.c): each
 kernel call partitions its independent outputs (output panels, (expert, panel) pairs, tokens, heads, rows) in
 contiguous ranges across the threads, never a sum, so a result's bits do not depend on the count
 (docs/exactness.md, "Threads"). And torch's intra-op threads, which a runner in exact mode (the default) on CPU
@@ -55,10 +55,10 @@ def _apply(n: int, raise_torch: bool = True) -> None:
     have set it to one)."""
     import torch
 
-    from .. import kernels
+    from .. import thread_pool
     if n != torch.get_num_threads() and (raise_torch or n < torch.get_num_threads()):
         torch.set_num_threads(n)
-    kernels.set_threads(n)
+    thread_pool.set_threads(n)
 
 
 def set_torch_threads(threads: int | None = None) -> int:

@@ -81,9 +81,9 @@ def serve_worker(group: ParallelGroup, loaded, ppid: int | None = None) -> None:
 
 def _worker_main(rank: int, world: int, init_method: str, model_path: str, device: str, timeout_s: float,
                  ppid: int, threads: int) -> None:
-    from .. import kernels
+    from .. import thread_pool
     torch.set_num_threads(threads)
-    kernels.set_threads(threads)  # this rank's share of the cores (TPCluster)
+    thread_pool.set_threads(threads)  # this rank's share of the cores (TPCluster)
     group = ParallelGroup.connect(init_method, rank, world, device, timeout_s)
     try:
         serve_worker(group, _load_shard(model_path, group), ppid)
@@ -129,8 +129,8 @@ def _worker_environment():
 
 def set_kernel_threads(group: ParallelGroup, n: int) -> int:
     """The C kernels' pool size on a rank (`TPCluster.call_all`: verify's one-thread baseline on every rank)."""
-    from .. import kernels
-    return kernels.set_threads(n)
+    from .. import thread_pool
+    return thread_pool.set_threads(n)
 
 
 def local_device(device: str) -> str:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
 
-from engram_serve import kernels
+from engram_serve import kernels, thread_pool
 
 _loaded: dict[str, ModuleType] = {}
 
@@ -23,7 +23,7 @@ def hooks(name: str) -> ModuleType:
     was not built."""
     import pytest
     if name not in _loaded:
-        path = kernels.POOL if name == "pool" else kernels.MODULES[name]
+        path = thread_pool.MODULE if name == "pool" else kernels.MODULES[name]
         spec = importlib.util.find_spec(path)
         if spec is None:
             pytest.skip(f"the {name} kernel was not built (no C compiler at install time)")

@@ -9,13 +9,14 @@
  * A job: the caller writes each participating worker's slot (function, context, range) and bumps the slot's
  * generation; the worker claims its part, runs it and counts down `pending`; the caller runs part 0, then runs
  * every part no worker has claimed yet (a worker descheduled by another process: the part, its range fixed, runs
- * on the caller instead of waiting), then waits for pending to reach 0. Waiting, on either side, spins for up to SPIN_NS (a pause per look at the word, a
- * sched_yield now and then, so that a core shared with a runnable thread gives way), then sleeps in
- * futex_wait on the word, so an idle pool costs nothing; a caller that bumps a sleeper's word wakes it. (A
- * sched_yield costs microseconds on a VM: it runs every ~0.1 ms of spinning, every YIELD_CROWDED looks where the
- * pool has more threads than the process has cores, where a spinning thread may hold the core of one with work.) One job
- * at a time: a second thread that finds the pool busy runs its job whole itself (the bits do not depend on the
- * parts). Linux only (futex); elsewhere the pool has one thread and set_threads(n > 1) raises.
+ * on the caller instead of waiting), then waits for pending to reach 0. Waiting, on either side, spins for up to
+ * SPIN_NS (a pause per look at the word, a sched_yield now and then, so that a core shared with a runnable thread
+ * gives way), then sleeps in futex_wait on the word, so an idle pool costs nothing; a caller that bumps a
+ * sleeper's word wakes it. (A sched_yield costs microseconds on a VM: it runs every ~0.1 ms of spinning, every
+ * YIELD_CROWDED looks where the pool has more threads than the process has cores, where a spinning thread may
+ * hold the core of one with work.) One job at a time: a second thread that finds the pool busy runs its job
+ * whole itself (the bits do not depend on the parts). Linux only (futex); elsewhere the pool has one thread and
+ * set_threads(n > 1) raises.
  *
  * After fork() the child has no workers: a handler sets the pool's size to 1 there.
  *
@@ -163,8 +164,11 @@ static int try_acquire(void) {
 static void release(void) { atomic_store_explicit(&P.busy, 0, memory_order_release); }
 
 static int pool_parts_impl(int64_t n, double cost) {
-    if (P.size <= 1 || inside || n < 2 || (cost < POOL_MIN_COST && !always)) return 1;
-    return n < P.size ? (int)n : P.size;
+    if (P.size <= 1 || inside || n < 2) return 1;
+    int64_t parts = n < P.size ? n : P.size;
+    if (!always && cost / POOL_MIN_COST < (double)parts) /* each part at least POOL_MIN_COST */
+        parts = cost >= POOL_MIN_COST ? (int64_t)(cost / POOL_MIN_COST) : 1;
+    return (int)parts;
 }
 
 static void pool_run_impl(int64_t n, int parts, pool_fn fn, void *ctx) {

@@ -9,10 +9,10 @@
  * one thread: so a result's bits do not depend on the thread count or on the partition.
  *
  *   pool_parts(n, cost)         the parts a job of n items and `cost` (about one unit a multiply-add or an
- *                               element's operation) runs in: 1 where the pool has one thread, where the calling
- *                               thread already runs a part of a job (a nested job runs whole on it), or where cost
- *                               is below POOL_MIN_COST (a small call stays on the calling thread: waking the
- *                               workers would cost more); else min(threads, n).
+ *                               element's operation) runs in: min(threads, n, cost / POOL_MIN_COST), at least 1; 1
+ *                               where the pool has one thread or the calling thread already runs a part of a job (a
+ *                               nested job runs whole on it). A small call stays on the calling thread, and every
+ *                               part costs at least POOL_MIN_COST: a fork and join costs more on more threads.
  *   parallel_run(n, parts, fn, ctx)   fn(ctx, begin, end) over [0, n) in `parts` ranges, part i being
  *                               [n i / parts, n (i + 1) / parts); the calling thread runs part 0 and returns when
  *                               every part is done. parts <= 1, a pool busy with another thread's job, or no pool
@@ -29,11 +29,13 @@
 #ifndef ENGRAM_THREAD_POOL_H
 #define ENGRAM_THREAD_POOL_H
 
+#include <math.h>
 #include <stdint.h>
 
 #define POOL_ABI 1
 #define POOL_CAPSULE "engram_serve._thread_pool._C_API"
-#define POOL_MIN_COST 32768.0 /* ~5-10 us of one core's work: below it a job runs on the calling thread */
+#define POOL_MIN_COST 16384.0 /* the least cost of a part (~1-3 us of one core's work): a job runs on
+                                * cost / POOL_MIN_COST threads at most */
 
 typedef void (*pool_fn)(void *ctx, int64_t begin, int64_t end);
 
@@ -93,9 +95,7 @@ static inline void parallel_run(int64_t n, int parts, pool_fn fn, void *ctx) {
         pool_api_->run(n, parts, fn, ctx);
 }
 
-static inline void parallel_for(int64_t n, pool_fn fn, void *ctx) {
-    parallel_run(n, pool_parts(n, POOL_MIN_COST), fn, ctx);
-}
+static inline void parallel_for(int64_t n, pool_fn fn, void *ctx) { parallel_run(n, pool_parts(n, INFINITY), fn, ctx); }
 
 static inline void parallel_for_cost(int64_t n, double cost, pool_fn fn, void *ctx) {
     parallel_run(n, pool_parts(n, cost), fn, ctx);

@@ -243,7 +243,7 @@ def run_verify(args: argparse.Namespace) -> int:
               f"prefix-cache hits ({c['pair_prefix_hits']} inside a pair), {c['preemptions']} preemptions; tokens past "
               f"the window {c['past_window']}, with a selecting top-k {c['selecting']}, restricted by candidate "
               f"blocks {c['restricted']}")
-        print(f"{len(res['cases'])} cases on {res['threads']} kernel threads against the whole-step run on 1, "
+        print(f"{len(res['cases'])} cases on {res['threads']} kernel thread(s) against the whole-step run on 1, "
               f"{res['straddling_rows']} rows straddled a cut; hash mismatches "
               f"{res['hash_mismatches']}, staged-row mismatches {res['row_mismatches']}, max |logit diff| "
               f"{res['max_abs_logit_diff']:.3g} ({res['logit_mismatches']} sampled rows not bit-identical), greedy "

@@ -63,6 +63,11 @@
  *       the inputs split exactly in three bfloat16 pieces, the products exact, the sums in float32; where
  *       amx_supported() (AMX-BF16, AVX-512, the tile data granted by Linux).
  *
+ * Threads: each product runs on the kernels' pool (_thread_pool.h) partitioned along its output panels (16
+ * columns; the bfloat16 tiles' column pairs of 32), and along its rows in whole tiles where the panels are too few:
+ * the section "threads" below; the experts along (expert, output panel) pairs. Never inside an output's sum, so
+ * the bits do not depend on the thread count. `linear_panels_range` computes a range of panels for all rows.
+ *
  * Built without -ffast-math and with -ffp-contract=off: every operation is the IEEE one written
  * (fmaf and the vector fused multiply-add round once).
  */

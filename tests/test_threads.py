@@ -15,10 +15,12 @@ from hypothesis import strategies as st
 from engram_serve import kernels, thread_pool
 from engram_serve.engine import threads as engine_threads
 from engram_serve.microbatch.plan import MicrobatchConfig
+from engram_serve.model import exactness, ops_c
 from engram_serve.model.loader import load_model
 from engram_serve.model.writer import Quant, random_v41_checkpoint
 from engram_serve.runner.model_runner import RunnerConfig
 from engram_serve.verify import Workload, run_case, verify
+from fp8_tables import fp8_weight
 from kernel_hooks import k_halves, pool_always, shared_jobs
 from test_exact import write_v41_checkpoint
 from v41_fixtures import v41_configs
@@ -64,6 +66,47 @@ def assert_same_on_every_count(loaded, prompts, microbatches: int = 1) -> None:
         got, tokens = logits_on(loaded, prompts, n, microbatches)
         assert tokens == want_tokens, n
         assert torch.equal(got, want), (n, float((got - want).abs().max()))
+
+
+def mid_size_calls(seed: int) -> list[torch.Tensor]:
+    """The kernels at the mid-size model's shapes, where their jobs split at the default costs: attention of 5
+    tokens x 16 heads of 128 over a window with masked keys and picks; the indexer's scores of 3 tokens over 700
+    entries (three items of entries a token) with candidate blocks; products of one row (many panels), of 70 rows
+    of a 24-column weight (2 panels: rows chunked too), FP8 panels of one row, MXFP4 panels of 16 rows."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    out = []
+    window, entries = r(64, 128), r(40, 128)
+    wslots, wok = torch.randint(0, 64, (5, 32), generator=g), torch.rand(5, 32, generator=g) > 0.2
+    eslots = torch.randint(0, 40, (5, 20), generator=g)
+    topk = torch.randint(-1, 20, (5, 12), generator=g)
+    out.append(ops_c.attend_paged(r(5, 16, 128), window, wslots, wok, entries, eslots, topk, 0, r(16), 0.08))
+    pool, slots = r(800, 64), torch.randint(0, 800, (3, 700), generator=g)
+    count, cands = torch.tensor([700, 350, 1]), torch.randint(-1, 70, (3, 16), generator=g)
+    out.append(ops_c.index_scores(r(3, 16, 64), r(3, 16), 0.25, pool, slots, count, 700, 0, cands, 10))
+    for m, k, n in ((1, 1024, 520), (70, 512, 24)):
+        out.append(exactness.matmul_kernel(r(m, k), exactness.pack_panels(r(n, k).t().contiguous()), n, 256))
+    if kernels.get("linear").fp8_supported():
+        w = fp8_weight(300, 256, 64, seed)
+        out.append(exactness.matmul_fp8(r(1, 256), exactness.pack_fp8(w.t().contiguous()), 300, 256))
+    codes = torch.randint(0, 256, (96, 512), generator=g, dtype=torch.uint8)
+    scales = torch.randint(118, 130, (96, 32), generator=g, dtype=torch.uint8)
+    out.append(exactness.matmul_mxfp4(r(16, 1024), exactness.pack_mxfp4(codes, scales), 96, 256))
+    return out
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_kernels_at_mid_size_shapes_give_the_same_bits_on_several_threads(threads):
+    want = mid_size_calls(threads)
+    with thread_pool.threads_set(threads):
+        before = shared_jobs()
+        got = mid_size_calls(threads)  # the default costs: these calls are big enough to split
+        assert shared_jobs() - before >= len(want)
+        with pool_always():
+            split = mid_size_calls(threads)
+    for w, a, b in zip(want, got, split):
+        assert torch.equal(w.view(torch.int32), a.view(torch.int32)) and torch.equal(w.view(torch.int32),
+                                                                                    b.view(torch.int32))
 
 
 @settings(max_examples=10, deadline=None)

@@ -850,13 +850,16 @@ __attribute__((target("avx512f"))) static Py_ssize_t index_token16(const float *
 }
 #endif
 
-/* keep [e / block], wt [nh], kp [e], gi [e]: scratch of the call; wide: index_token16 where nh and ihd allow it */
+/* The scores of entries [g0, g1) of each token (each entry's score its own: the same bits in any range). keep
+ * [e / block], wt [nh], kp [g1 - g0], gi [g1 - g0]: scratch of the call; wide: index_token16 where nh and ihd allow
+ * it */
 CLONES static void index_scores_rows(const float *restrict q, const float *restrict w, float wscale,
                                      const float *restrict pool, const int64_t *restrict slots,
                                      const int64_t *restrict count, Py_ssize_t n, Py_ssize_t es, Py_ssize_t e,
                                      Py_ssize_t nh, Py_ssize_t ihd, const int64_t *restrict cands, Py_ssize_t nc,
                                      Py_ssize_t block, float *restrict out, uint8_t *restrict keep, float *restrict wt,
-                                     const float **kp, Py_ssize_t *restrict gi, int wide) {
+                                     const float **kp, Py_ssize_t *restrict gi, int wide, Py_ssize_t g0,
+                                     Py_ssize_t g1) {
     const Py_ssize_t nb = e / block;
     wide = wide && nh % 4 == 0 && ihd % LANES == 0;
     for (Py_ssize_t t = 0; t < n; t++) {
@@ -873,7 +876,7 @@ CLONES static void index_scores_rows(const float *restrict q, const float *restr
             }
         }
         Py_ssize_t m = 0; /* the live entries: below the count and, with candidates, in a kept block */
-        for (Py_ssize_t g = 0; g < e; g++) {
+        for (Py_ssize_t g = g0; g < g1; g++) {
             if (g >= lim || (cands && !keep[g / block])) {
                 ot[g] = -INFINITY;
                 continue;
@@ -1618,24 +1621,31 @@ KERNEL_PY(topk_rows) {
     X(ADDR, out, "[n, e] float32, written")
 KERNEL_ARGS(index_scores, INDEX_SCORES_FIELDS, "the indexer's entry scores.")
 
-/* index_scores_rows over the tokens [b, e) with this part's scratch (out of memory: their scores NaN) */
+#define INDEX_ENTRIES 256 /* entries of an index_scores item: a decode token's entries split across the pool */
+
+/* index_scores_rows over the items [b, e), item it the entries [INDEX_ENTRIES u, INDEX_ENTRIES (u + 1)) of token
+ * it / units (u = it % units), with this part's scratch (out of memory: their scores NaN) */
 static void index_scores_part(void *c, int64_t b, int64_t e) {
     const struct index_scores_args *a = c;
-    const Py_ssize_t ne = a->e, nh = a->nh;
+    const Py_ssize_t ne = a->e, nh = a->nh, units = (ne + INDEX_ENTRIES - 1) / INDEX_ENTRIES;
     const size_t keep_bytes = (size_t)((ne / a->block + 16) / 16) * 16; /* whole 16-byte units: what follows aligns */
     const size_t wt_bytes = (sizeof(float) * (size_t)nh + 15) / 16 * 16;
     uint8_t *keep = scratch(keep_bytes + wt_bytes + (sizeof(float *) + sizeof(Py_ssize_t)) * (size_t)ne);
-    if (!keep) {
-        for (Py_ssize_t x = b * ne; x < e * ne; x++) F(a->out)[x] = NAN;
-        return;
+    for (int64_t it = b; it < e; it++) {
+        const Py_ssize_t t = (Py_ssize_t)(it / units), g0 = (Py_ssize_t)(it % units) * INDEX_ENTRIES;
+        const Py_ssize_t g1 = ne - g0 < INDEX_ENTRIES ? ne : g0 + INDEX_ENTRIES;
+        if (!keep) {
+            for (Py_ssize_t g = g0; g < g1; g++) F(a->out)[t * ne + g] = NAN;
+            continue;
+        }
+        float *wt = (float *)(void *)(keep + keep_bytes);
+        const float **kp = (const float **)(void *)(keep + keep_bytes + wt_bytes);
+        Py_ssize_t *gi = (Py_ssize_t *)(void *)(kp + ne);
+        index_scores_rows(CF(a->q) + t * nh * a->ihd, CF(a->w) + t * nh, (float)a->wscale, CF(a->pool),
+                          a->slots ? CI64(a->slots) + t * a->es : NULL, CI64(a->count) + t, 1, a->es, ne, nh, a->ihd,
+                          a->cands ? CI64(a->cands) + t * a->nc : NULL, a->nc, a->block, F(a->out) + t * ne, keep, wt,
+                          kp, gi, has_avx512(), g0, g1);
     }
-    float *wt = (float *)(void *)(keep + keep_bytes);
-    const float **kp = (const float **)(void *)(keep + keep_bytes + wt_bytes);
-    Py_ssize_t *gi = (Py_ssize_t *)(void *)(kp + ne);
-    index_scores_rows(CF(a->q) + b * nh * a->ihd, CF(a->w) + b * nh, (float)a->wscale, CF(a->pool),
-                      a->slots ? CI64(a->slots) + b * a->es : NULL, CI64(a->count) + b, e - b, a->es, ne, nh, a->ihd,
-                      a->cands ? CI64(a->cands) + b * a->nc : NULL, a->nc, a->block, F(a->out) + b * ne, keep, wt, kp,
-                      gi, has_avx512());
     free(keep);
 }
 KERNEL_PY(index_scores) {
@@ -1645,7 +1655,8 @@ KERNEL_PY(index_scores) {
         (a.n && (!a.q || !a.w || !a.pool || !a.count || !a.out || (a.es && !a.slots))))
         return misfit("index_scores", "n, es, e >= 0, nh, ihd, block >= 1; with candidates nc >= 1 and e a multiple of block");
     Py_BEGIN_ALLOW_THREADS
-    parallel_for_cost(a.n, 2.0 * (double)a.n * (double)e * (double)(nh * a.ihd), index_scores_part, &a);
+    parallel_for_cost(a.n * ((e + INDEX_ENTRIES - 1) / INDEX_ENTRIES), 2.0 * (double)a.n * (double)e * (double)(nh * a.ihd),
+                      index_scores_part, &a);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }

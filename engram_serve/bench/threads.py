@@ -15,7 +15,7 @@ one thread: a neighbour on one of two cores leaves the second thread without a c
 CPU that other processes ran during this size's calls, in cores (/proc/stat's busy time less this process's);
 `x_quiet` the median ratio over the `quiet_rounds` in which both sizes' calls saw less than QUIET_CORES.
 
-For B = 1 decode, `host_ms` is the median step's time outside the C kernels (a last round with a clock around the
+For decode, `host_ms` is the median step's time outside the C kernels (a last round with a clock around the
 token kernel's `call_all`, the CPU graph replays of runner/cpu_graphs.py, and `capture.call`, every other kernel
 call of the forward): the Python host work of a step (scheduling, inputs, sampling, detokenizing, the clock's
 own calls), which no kernel thread shortens.
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             ref = ref or out
             same[s] &= out["tokens"] == ref["tokens"] and ("logits" not in out or torch.equal(out["logits"],
                                                                                           ref["logits"]))
-        for r in range(args.rounds + (kind == "decode" and n == 1)):  # B = 1 decode: a last round times the kernels
+        for r in range(args.rounds + (kind == "decode")):  # decode: a last round times the kernels
             for s in sizes[r % len(sizes):] + sizes[:r % len(sizes)]:
                 thread_pool.set_threads(s)
                 if r < args.rounds:

@@ -21,7 +21,8 @@
  *   parallel_for_cost(n, cost, fn, ctx)   parallel_run over pool_parts(n, cost) parts.
  *   range_of(n, parts, i, &b, &e)   part i's range (the same function the pool uses).
  *   balanced_bounds(n, cost, ctx, parts, bounds)   contiguous ranges of about equal cost, for items of unequal cost
- *                               (a causal prompt's attention, experts of unequal rows).
+ *                               (a causal prompt's attention and indexer, experts of unequal rows);
+ *                               parallel_balanced(n, parts, cost, cost_ctx, fn, ctx) runs fn over them.
  *   pool_k_halves()             the negative control's switch (set only by tests, _thread_pool_hooks): a kernel that
  *                               reads it sums one dot product's two halves on two threads (model/_linear_kernel.c).
  *
@@ -31,6 +32,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define POOL_ABI 1
 #define POOL_CAPSULE "engram_serve._thread_pool._C_API"
@@ -70,6 +72,14 @@ static inline void range_of(int64_t n, int parts, int i, int64_t *b, int64_t *e)
 
 static inline int pool_parts(int64_t n, double cost) { return pool_api_ ? pool_api_->parts(n, cost) : 1; }
 
+static inline void parallel_run(int64_t n, int parts, pool_fn fn, void *ctx) {
+    if (n <= 0) return;
+    if (parts <= 1 || !pool_api_)
+        fn(ctx, 0, n);
+    else
+        pool_api_->run(n, parts, fn, ctx);
+}
+
 /* Contiguous ranges of items [0, n) of unequal costs (cost(ctx, i) >= 0), about equal in cost: bounds [parts + 1],
  * part i being [bounds[i], bounds[i + 1]), ending at the first item whose running cost reaches i / parts of the
  * total (a fixed function of the items' costs and the part count; for parallel_run over `parts` items, each part
@@ -87,12 +97,29 @@ static inline void balanced_bounds(int64_t n, double (*cost)(const void *ctx, in
     while (part <= parts) bounds[part++] = n;
 }
 
-static inline void parallel_run(int64_t n, int parts, pool_fn fn, void *ctx) {
-    if (n <= 0) return;
-    if (parts <= 1 || !pool_api_)
-        fn(ctx, 0, n);
-    else
-        pool_api_->run(n, parts, fn, ctx);
+typedef struct {
+    pool_fn fn;
+    void *ctx;
+    const int64_t *bounds;
+} bounded_job;
+
+static inline void bounded_part(void *c, int64_t b, int64_t e) {
+    const bounded_job *j = (const bounded_job *)c;
+    for (int64_t part = b; part < e; part++) j->fn(j->ctx, j->bounds[part], j->bounds[part + 1]);
+}
+
+/* fn(ctx, begin, end) over [0, n) in `parts` contiguous ranges of about equal cost (balanced_bounds) */
+static inline void parallel_balanced(int64_t n, int parts, double (*cost)(const void *ctx, int64_t i),
+                                     const void *cost_ctx, pool_fn fn, void *ctx) {
+    int64_t *bounds = parts > 1 ? (int64_t *)malloc(sizeof(int64_t) * (size_t)(parts + 1)) : NULL;
+    if (!bounds) {
+        parallel_run(n, 1, fn, ctx);
+        return;
+    }
+    balanced_bounds(n, cost, cost_ctx, parts, bounds);
+    bounded_job j = {fn, ctx, bounds};
+    parallel_run(parts, parts, bounded_part, &j);
+    free(bounds);
 }
 
 static inline void parallel_for(int64_t n, pool_fn fn, void *ctx) { parallel_run(n, pool_parts(n, INFINITY), fn, ctx); }

@@ -1174,8 +1174,7 @@ static int product_range(const int fmt, const float *x, int64_t w, int64_t s, fl
 #define EXPERT_WEIGHT_ROWS 2 /* an item's cost in rows for reading its weights (the partition's balance only) */
 
 /* One product of every expert with rows (w1/w3, or w2), as items (expert a, output unit u), item a * units + u,
- * partitioned in `parts` contiguous ranges of about equal cost (rows + EXPERT_WEIGHT_ROWS an item): part i is items
- * [bounds[i], bounds[i + 1]). */
+ * on the pool in contiguous ranges of about equal cost (an item's rows + EXPERT_WEIGHT_ROWS: balanced_bounds). */
 typedef struct {
     int fmt, simd, bad;
     const float *x;                 /* the product's input rows, grouped by expert */
@@ -1183,22 +1182,20 @@ typedef struct {
     const int64_t *w, *s;           /* [e] each expert's weight (scales) address */
     float *y;
     const Py_ssize_t *ex, *start;   /* [na] the experts with rows and their first row; start[na] = all rows */
-    const int64_t *bounds;
 } experts_job;
 
+/* the items [b, e): one range call per expert they touch */
 static void experts_part(void *c, int64_t b, int64_t e) {
     experts_job *j = c;
-    for (int64_t part = b; part < e; part++)
-        for (int64_t it = j->bounds[part]; it < j->bounds[part + 1];) {
-            const Py_ssize_t a = (Py_ssize_t)(it / j->units), u0 = (Py_ssize_t)(it % j->units);
-            const Py_ssize_t u1 = u0 + (j->bounds[part + 1] - it) < j->units ? u0 + (Py_ssize_t)(j->bounds[part + 1] - it)
-                                                                             : j->units;
-            const Py_ssize_t x = j->ex[a], r0 = j->start[a], rows = j->start[a + 1] - r0;
-            if (product_range(j->fmt, j->x + r0 * j->k, j->w[x], j->s ? j->s[x] : 0, j->y + r0 * j->n, j->n, rows, j->k,
-                              j->n, j->kc, j->simd, u0, u1))
-                j->bad = 1;
-            it += u1 - u0;
-        }
+    for (int64_t it = b; it < e;) {
+        const Py_ssize_t a = (Py_ssize_t)(it / j->units), u0 = (Py_ssize_t)(it % j->units);
+        const Py_ssize_t u1 = u0 + (e - it) < j->units ? u0 + (Py_ssize_t)(e - it) : j->units;
+        const Py_ssize_t x = j->ex[a], r0 = j->start[a], rows = j->start[a + 1] - r0;
+        if (product_range(j->fmt, j->x + r0 * j->k, j->w[x], j->s ? j->s[x] : 0, j->y + r0 * j->n, j->n, rows, j->k,
+                          j->n, j->kc, j->simd, u0, u1))
+            j->bad = 1;
+        it += u1 - u0;
+    }
 }
 
 static double expert_item_cost(const void *c, int64_t it) {
@@ -1207,16 +1204,12 @@ static double expert_item_cost(const void *c, int64_t it) {
     return (double)(j->start[a + 1] - j->start[a] + EXPERT_WEIGHT_ROWS);
 }
 
-/* Run job j (its fields but bounds) over na experts on the pool, in at most most_parts parts; bounds [most_parts + 1]
- * scratch. 1 if a product could not have its buffer. */
-static int experts_product(experts_job *j, Py_ssize_t na, int64_t *bounds, int most_parts) {
+/* Run job j over na experts; 1 if a product could not have its buffer. */
+static int experts_product(experts_job *j, Py_ssize_t na) {
     const Py_ssize_t rows = j->start[na], items = na * j->units;
-    int parts = pool_parts(items, (double)rows * (double)j->k * (double)j->n);
-    if (parts > most_parts) parts = most_parts;
-    j->bounds = bounds;
-    balanced_bounds(items, expert_item_cost, j, parts > 1 ? parts : 1, bounds);
     j->bad = 0;
-    parallel_run(parts > 1 ? parts : 1, parts, experts_part, j);
+    parallel_balanced(items, pool_parts(items, (double)rows * (double)j->k * (double)j->n), expert_item_cost, j,
+                      experts_part, j);
     return j->bad;
 }
 
@@ -1244,27 +1237,22 @@ static int moe_experts(const int fmt, const float *xs, Py_ssize_t rows, const in
         total += counts[x];
     }
     if (total > rows) return 1;
-    const int threads = pool_api_ ? pool_api_->threads() : 1;
     Py_ssize_t *ex = malloc(sizeof(Py_ssize_t) * (size_t)(2 * e + 1));
-    int64_t *bounds = malloc(sizeof(int64_t) * (size_t)(threads + 1));
-    if (!ex || !bounds) {
-        free(ex), free(bounds);
-        return 2;
-    }
+    if (!ex) return 2;
     Py_ssize_t *start = ex + e, na = 0;
     start[0] = 0;
     for (Py_ssize_t x = 0; x < e; x++)
         if (counts[x]) ex[na] = x, start[na + 1] = start[na] + (Py_ssize_t)counts[x], na++;
     const Py_ssize_t unit = fmt == WF_BF16 ? 32 : NR;
-    experts_job j13 = {fmt, simd, 0, xs, d, 2 * inter, kc13, (2 * inter + unit - 1) / unit, p13, s13, h, ex, start, NULL};
-    int bad = experts_product(&j13, na, bounds, threads);
+    experts_job j13 = {fmt, simd, 0, xs, d, 2 * inter, kc13, (2 * inter + unit - 1) / unit, p13, s13, h, ex, start};
+    int bad = experts_product(&j13, na);
     if (!bad) {
         swiglu_job sj = {h, inter, limit, g};
         parallel_for_cost(total, (double)total * (double)inter * 16.0, swiglu_part, &sj);
-        experts_job j2 = {fmt, simd, 0, g, inter, d, kc2, (d + unit - 1) / unit, p2, s2, ys, ex, start, NULL};
-        bad = experts_product(&j2, na, bounds, threads);
+        experts_job j2 = {fmt, simd, 0, g, inter, d, kc2, (d + unit - 1) / unit, p2, s2, ys, ex, start};
+        bad = experts_product(&j2, na);
     }
-    free(ex), free(bounds);
+    free(ex);
     return bad ? 2 : 0;
 }
 

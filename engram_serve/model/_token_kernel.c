@@ -1517,16 +1517,6 @@ static double attend_item_cost(const void *c, int64_t it) {
     return x->keys[it / ((x->a->h + HEAD_GROUP - 1) / HEAD_GROUP)];
 }
 
-typedef struct {
-    const struct attend_paged_args *a;
-    const int64_t *bounds;
-} attend_job;
-
-static void attend_bounded_part(void *c, int64_t b, int64_t e) {
-    const attend_job *j = c;
-    for (int64_t part = b; part < e; part++) attend_part((void *)(uintptr_t)j->a, j->bounds[part], j->bounds[part + 1]);
-}
-
 KERNEL_PY(attend_paged) {
     PARSE(attend_paged);
     if (a.n < 0 || a.w < 0 || a.es < 0 || a.k < 0 || a.rows < 1 || a.hd < 1 || a.h < 1 || (a.k && !a.topk) ||
@@ -1537,19 +1527,17 @@ KERNEL_PY(attend_paged) {
         return misfit("attend_paged", "a slot is outside the pool");
     const Py_ssize_t items = a.n * ((a.h + HEAD_GROUP - 1) / HEAD_GROUP);
     const int parts = pool_parts(items, 2.0 * (double)(a.n * a.h) * (double)(a.w + a.k) * (double)a.hd);
-    int64_t *bounds = parts > 1 ? malloc(sizeof(int64_t) * (size_t)(parts + 1) + sizeof(double) * (size_t)a.n) : NULL;
+    double *keys = parts > 1 ? malloc(sizeof(double) * (size_t)a.n) : NULL;
     Py_BEGIN_ALLOW_THREADS
-    if (bounds) { /* a prompt's tokens read more keys as they go: ranges of about equal keys, not items */
-        const attend_cost cost = {&a, (double *)(void *)(bounds + parts + 1)};
-        attend_token_keys(&a, (double *)(void *)(bounds + parts + 1));
-        balanced_bounds(items, attend_item_cost, &cost, parts, bounds);
-        const attend_job j = {&a, bounds};
-        parallel_run(parts, parts, attend_bounded_part, (void *)&j);
+    if (keys) { /* a prompt's tokens read more keys as they go: ranges of about equal keys, not items */
+        const attend_cost cost = {&a, keys};
+        attend_token_keys(&a, keys);
+        parallel_balanced(items, parts, attend_item_cost, &cost, attend_part, &a);
     } else {
         attend_part(&a, 0, items);
     }
     Py_END_ALLOW_THREADS
-    free(bounds);
+    free(keys);
     Py_RETURN_NONE;
 }
 
@@ -1648,15 +1636,25 @@ static void index_scores_part(void *c, int64_t b, int64_t e) {
     }
     free(keep);
 }
+/* an item's cost: the entries it scores (below its token's count), and a few for the item itself */
+static double index_item_cost(const void *c, int64_t it) {
+    const struct index_scores_args *a = c;
+    const Py_ssize_t units = (a->e + INDEX_ENTRIES - 1) / INDEX_ENTRIES, t = (Py_ssize_t)(it / units);
+    const Py_ssize_t g0 = (Py_ssize_t)(it % units) * INDEX_ENTRIES, g1 = a->e - g0 < INDEX_ENTRIES ? a->e : g0 + INDEX_ENTRIES;
+    const int64_t lim = CI64(a->count)[t] < a->es ? CI64(a->count)[t] : a->es;
+    return (double)(8 + (lim < g0 ? 0 : (lim < g1 ? lim : g1) - g0));
+}
+
 KERNEL_PY(index_scores) {
     PARSE(index_scores);
     const Py_ssize_t e = a.e, nh = a.nh, block = a.block;
     if (a.n < 0 || a.es < 0 || e < 0 || nh < 1 || a.ihd < 1 || block < 1 || (a.cands && (a.nc < 1 || e % block)) ||
         (a.n && (!a.q || !a.w || !a.pool || !a.count || !a.out || (a.es && !a.slots))))
         return misfit("index_scores", "n, es, e >= 0, nh, ihd, block >= 1; with candidates nc >= 1 and e a multiple of block");
-    Py_BEGIN_ALLOW_THREADS
-    parallel_for_cost(a.n * ((e + INDEX_ENTRIES - 1) / INDEX_ENTRIES), 2.0 * (double)a.n * (double)e * (double)(nh * a.ihd),
-                      index_scores_part, &a);
+    const Py_ssize_t items = a.n * ((e + INDEX_ENTRIES - 1) / INDEX_ENTRIES);
+    Py_BEGIN_ALLOW_THREADS /* a prompt's tokens see more entries as they go: ranges of about equal entries */
+    parallel_balanced(items, pool_parts(items, 2.0 * (double)a.n * (double)e * (double)(nh * a.ihd)),
+                      index_item_cost, &a, index_scores_part, &a);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }

@@ -108,10 +108,11 @@
  * `exp_fixed` (_kernel_math.h, the same operations for every element), sqrtf the IEEE one, log1pf libm's
  * (one scalar function). Built without -ffast-math and with -ffp-contract=off: every operation is the
  * IEEE one written, in every clone. Scratch memory is allocated per call (per part of a call on the pool), sized
- * by the call's shape parameters that do not depend on the token count. The GIL is released during the arithmetic, which runs on the
- * kernels' pool (_thread_pool.h): the tokens (rows) of a call in contiguous ranges, attention's (token, group of 4
- * heads) items, moe_combine's columns; each token computed whole on one thread, so its bits do not depend on the
- * thread count (the section "threads" below).
+ * by the call's shape parameters that do not depend on the token count. The GIL is released during the
+ * arithmetic, which runs on the kernels' pool (_thread_pool.h): the tokens (rows) of a call in contiguous ranges,
+ * attention's (token, group of 4 heads) items, the indexer's (token, 256 entries) items, moe_combine's columns;
+ * each token (entry, column) computed whole on one thread, so its bits do not depend on the thread count (the
+ * section "threads" below).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -4,7 +4,8 @@
 staging gather of table rows), `engram_serve.model._linear_kernel` (the matmul),
 `engram_serve.model._token_kernel` (the token-wise steps of the forward) and
 `engram_serve.inputs._decode_kernel` (a decode step's inputs) need only a C compiler and
-the CPython headers (no torch or numpy headers). They are optional: where one cannot be compiled, the
+the CPython headers (no torch or numpy headers); `engram_serve._thread_pool` is the kernels' one thread pool
+(pthreads and Linux futexes; elsewhere it has one thread), which each kernel imports at its init. They are optional: where one cannot be compiled, the
 install still succeeds with a warning and the torch paths run (`engram_serve.model.exactness` pads small
 matmul calls instead). `engram_serve.kernels` loads them (ENGRAM_SERVE_KERNELS switches them) and
 `engram-serve env` says which loaded; docs/kernels.md describes them.
@@ -29,9 +30,12 @@ class BuildExt(build_ext):
 
 
 setup(
-    ext_modules=[Extension(f"engram_serve.{pkg}._{name}_kernel", [f"engram_serve/{pkg}/_{name}_kernel.c"],
+    ext_modules=[Extension("engram_serve._thread_pool", ["engram_serve/_thread_pool.c"],
+                           depends=["engram_serve/_thread_pool.h"],
+                           libraries=["pthread"] if sys.platform.startswith("linux") else [], optional=True)]
+                + [Extension(f"engram_serve.{pkg}._{name}_kernel", [f"engram_serve/{pkg}/_{name}_kernel.c"],
                            include_dirs=["engram_serve"],  # _kernel_buffers.h: every kernel's conventions
-                           depends=["engram_serve/_kernel_buffers.h",
+                           depends=["engram_serve/_kernel_buffers.h", "engram_serve/_thread_pool.h",
                                     *(["engram_serve/model/_kernel_math.h", "engram_serve/model/_formats.h"] if pkg == "model" else [])],
                            libraries=["m"] if name == "token" and sys.platform != "win32" else [],  # log1pf
                            optional=True)

@@ -207,7 +207,8 @@ def add_verify(sub: argparse._SubParsersAction) -> None:
                    help="also check at run time that no buffer is touched by two microbatches")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--threads", type=lambda t: positive_int_list(t)[0], default=None, metavar="N",
-                   help="torch threads (default: the cores in this process's affinity mask)")
+                   help="threads of the C kernels' pool the cases run on (the whole-step baseline runs on one; "
+                        "default: the cores in this process's affinity mask)")
     add_parallel_args(p)
     p.set_defaults(run=run_verify)
 
@@ -242,7 +243,8 @@ def run_verify(args: argparse.Namespace) -> int:
               f"prefix-cache hits ({c['pair_prefix_hits']} inside a pair), {c['preemptions']} preemptions; tokens past "
               f"the window {c['past_window']}, with a selecting top-k {c['selecting']}, restricted by candidate "
               f"blocks {c['restricted']}")
-        print(f"{len(res['cases'])} cases, {res['straddling_rows']} rows straddled a cut; hash mismatches "
+        print(f"{len(res['cases'])} cases on {res['threads']} kernel thread(s) against the whole-step run on 1, "
+              f"{res['straddling_rows']} rows straddled a cut; hash mismatches "
               f"{res['hash_mismatches']}, staged-row mismatches {res['row_mismatches']}, max |logit diff| "
               f"{res['max_abs_logit_diff']:.3g} ({res['logit_mismatches']} sampled rows not bit-identical), greedy "
               f"mismatches {res['greedy_mismatches']}: {'PASS' if res['passed'] else 'FAIL'}")
@@ -266,7 +268,7 @@ def _verify_parallel(args: argparse.Namespace, overrides: dict | None) -> dict:
     import os
 
     from .model.loader import load_model
-    from .parallel.launch import TPCluster, local_device
+    from .parallel.launch import TPCluster, local_device, set_kernel_threads
     from .verify import verify
     world = args.tensor_parallel_size
     if args.dist_init is not None and int(os.environ.get("WORLD_SIZE", world)) != world:
@@ -276,7 +278,7 @@ def _verify_parallel(args: argparse.Namespace, overrides: dict | None) -> dict:
     try:
         return verify(cluster.loaded, args.seed, args.num_requests, args.gen_tokens, overrides=overrides,
                       make_runner=cluster.make_runner, reference=load_model(args.model, device=device),
-                      device=device)
+                      device=device, set_threads=lambda n: cluster.call_all(set_kernel_threads, n))
     finally:
         cluster.close()
 
@@ -303,7 +305,8 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
                         "at all; the serving defaults are 32 for decode and 128 for prefill steps)")
     p.add_argument("--no-check", action="store_true", help="skip the second, whole-step run and its comparison")
     p.add_argument("--threads", type=positive_int, default=None, metavar="N",
-                   help="torch threads (default: the cores in this process's affinity mask)")
+                   help="threads of the C kernels (and of torch where not exact; default: the cores of this "
+                        "process's affinity mask)")
     p.add_argument("--json", action="store_true",
                    help='print {"text", "token_ids", "finish_reason", "microbatch": {...}} as JSON')
     add_parallel_args(p)
@@ -397,7 +400,7 @@ def run_env(args: argparse.Namespace) -> int:
         print(json.dumps({"engram_serve": __version__, **env}))
         return 0
     print(f"engram-serve {__version__}, torch {env['torch']}")
-    print(f"threads: {env['threads']} ({env['threads_source']})")
+    print(f"threads: {env['threads']} ({env['threads_source']}); kernels' thread pool: {env['thread_pool']}")
     print(f"{kernels.ENV}: {env['kernels_env'] if env['kernels_env'] is not None else '(unset: all)'}")
     for name, state in env["kernels"].items():
         print(f"kernel {name}: {state}")

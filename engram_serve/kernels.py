@@ -196,10 +196,12 @@ def summary() -> str:
 
 
 def environment() -> dict:
-    """What `engram-serve env` prints: the kernels, the SIMD level, whether CPU graphs can run, torch's version
-    and the thread count the engine would set (engine/threads.py, without setting it)."""
+    """What `engram-serve env` prints: the kernels, the SIMD level, whether CPU graphs can run, torch's version,
+    the thread count the engine would set (engine/threads.py, without setting it) and whether the kernels' thread
+    pool was built."""
     import torch
 
+    from . import thread_pool
     from .engine.threads import ENV as THREADS_ENV, available_cores, parse_threads
     threads = os.environ.get(THREADS_ENV)
     return {
@@ -211,4 +213,5 @@ def environment() -> dict:
         "torch": torch.__version__,
         "threads": parse_threads(threads, THREADS_ENV) if threads else available_cores(),
         "threads_source": THREADS_ENV if threads else "cores of the affinity mask",
+        "thread_pool": "built" if thread_pool.built() else "not built (the kernels run on one thread)",
     }

@@ -2,7 +2,9 @@
 
 Compared per token, keyed by (request, absolute position): hash ids, staged Engram rows and the
 logits of sampled positions bit for bit (tolerance 0; the maximum absolute difference is reported),
-and the greedy tokens exactly.
+and the greedy tokens exactly. The whole-step run is the baseline on one thread of the C kernels' pool; every
+case runs on `threads` (`--threads`: the engine's count), so each case also compares N threads against one, and
+the case "whole steps, N threads" compares nothing else (docs/exactness.md, "Threads").
 
 The workload is sized from the model's config so that DeepSeek-V4.1's per-request state is exercised
 where it is hard (docs/deepseek_v41.md): one prompt is longer than the sliding window, than index_topk
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import thread_pool
 from .config import ModelConfig
 from .engine.llm_engine import EngineStats, LLMEngine
 from .microbatch.plan import MicrobatchConfig
@@ -224,13 +227,16 @@ def compare(base: Record, other: Record, work: Workload, tokens: bool = True) ->
 COVERAGE = tuple(f.name for f in dataclasses.fields(Coverage))
 
 
-def cases(base: RunnerConfig, first_qsl: np.ndarray) -> list[tuple[str, RunnerConfig, list | None, bool]]:
-    """(name, runner config, forced bounds of the first step, reuse a cached prefix) per comparison."""
+def cases(base: RunnerConfig, first_qsl: np.ndarray, threads: int = 1) -> list[tuple[str, RunnerConfig, list | None,
+                                                                                      bool]]:
+    """(name, runner config, forced bounds of the first step, reuse a cached prefix) per comparison; `threads`: the
+    kernels' pool size the cases run on (the first case is the baseline's steps on it)."""
     big = base.max_num_batched_tokens
     def microbatched(n, policy, **kw):
         return dataclasses.replace(base, microbatch=MicrobatchConfig(n, policy, 0, 0, when="always"), **kw)
-    out = [(f"{n} microbatches, {p} policy", microbatched(n, p), None, False)
-           for n in (2, 3) for p in ("tokens", "requests")]
+    out = [(f"whole steps, {threads} threads", base, None, False)]
+    out += [(f"{n} microbatches, {p} policy", microbatched(n, p), None, False)
+            for n in (2, 3) for p in ("tokens", "requests")]
     out += [(f"prefill chunk {c}, 2 microbatches",
              microbatched(2, "tokens", max_num_batched_tokens=c, max_num_seqs=min(c, base.max_num_seqs)), None, False)
             for c in (1, 3, 17)]
@@ -263,10 +269,13 @@ def boundary_offsets(start: int, end: int, limit: int = MAX_BOUNDARIES) -> list[
 def verify(loaded: LoadedModel, seed: int = 0, num_requests: int = 6, gen_tokens: int = 16,
            overrides: dict | None = None, only: str | tuple[str, ...] | None = None, progress=None,
            runner_cls: type[ModelRunner] = ModelRunner, make_runner=None, reference: LoadedModel | None = None,
-           device: str = "cpu") -> dict:
+           device: str = "cpu", threads: int | None = None, set_threads=None) -> dict:
     """Run every case (or those whose name contains `only`, a string or a tuple of them). `overrides`
     (RunnerConfig fields, e.g. debug_ownership) and `runner_cls` (a test subclass with a protection off:
     a negative control) apply to the compared cases, never to the whole-step baseline.
+
+    Threads: the baseline runs on one thread of the C kernels' pool, the cases on `threads` (default: the pool's
+    size now), set by `set_threads(n)` (default `thread_pool.set_threads`; tensor parallel: on every rank).
 
     Tensor parallel: `make_runner` builds each case's runner on every rank (baseline included: the
     same parallel size, whole steps); `reference` (the unsharded model) adds "vs_single_process": the
@@ -278,11 +287,17 @@ def verify(loaded: LoadedModel, seed: int = 0, num_requests: int = 6, gen_tokens
                             max_num_batched_tokens=total, num_blocks=num_requests * 8 + 64, block_size=16,
                             microbatch=MicrobatchConfig(1), device=device)
     base_cfg = dataclasses.replace(base_cfg, max_model_len=-(-base_cfg.max_model_len // 16) * 16)
-    base = run_case(loaded, work, base_cfg, make_runner=make_runner)
+    set_threads = set_threads or thread_pool.set_threads
+    threads = thread_pool.threads() if threads is None else threads
+    set_threads(1)
+    try:
+        base = run_case(loaded, work, base_cfg, make_runner=make_runner)
+    finally:
+        set_threads(threads)
     first_qsl = np.concatenate([[0], np.cumsum([len(p) for p in work.prompts])])
     rows, straddling = [], 0
     only = (only,) if isinstance(only, str) else only
-    all_cases = [c for c in cases(base_cfg, first_qsl) if only is None or any(o in c[0] for o in only)]
+    all_cases = [c for c in cases(base_cfg, first_qsl, threads) if only is None or any(o in c[0] for o in only)]
     for i, (name, cfg, bounds, reuse) in enumerate(all_cases):
         cfg = dataclasses.replace(cfg, **(overrides or {}))
         rec = run_case(loaded, work, cfg, bounds, max_steps=1 if bounds else None, reuse_prefix=reuse,
@@ -303,6 +318,7 @@ def verify(loaded: LoadedModel, seed: int = 0, num_requests: int = 6, gen_tokens
         "greedy_mismatches": sum(r["greedy_mismatches"] for r in rows),
         "coverage": {k: sum(r[k] for r in rows) for k in (*COVERAGE, "preemptions")},
         "longest_prompt": max(map(len, work.prompts)),
+        "threads": threads,
     }
     summary["passed"] = all(summary[k] == 0 for k in ("hash_mismatches", "row_mismatches", "logit_mismatches",
                                                       "greedy_mismatches"))

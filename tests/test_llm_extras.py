@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from engram_serve import thread_pool
 from engram_serve.engine.llm_engine import LLMEngine
 from engram_serve.engine.threads import available_cores
 from engram_serve.errors import InvalidRequest
@@ -194,9 +195,10 @@ def test_thread_count_defaults_to_the_affinity_mask(monkeypatch):
     monkeypatch.setattr(th, "_chosen", None)
     monkeypatch.delenv(th.ENV, raising=False)
     monkeypatch.setattr(th.os, "sched_getaffinity", lambda pid: {0, 3, 5})
-    before = torch.get_num_threads()
+    before, pool_before = torch.get_num_threads(), thread_pool.threads()
     try:
         assert th.set_torch_threads() == 3 == torch.get_num_threads()
+        assert thread_pool.threads() == (3 if thread_pool.built() else 1)  # the C kernels' pool takes the count too
         assert th.set_torch_threads() == 3  # set once: a later engine keeps it
         assert th.set_torch_threads(1) == 1 == torch.get_num_threads()  # an explicit count wins
         monkeypatch.setattr(th, "_chosen", None)
@@ -208,4 +210,5 @@ def test_thread_count_defaults_to_the_affinity_mask(monkeypatch):
             th.set_torch_threads()
     finally:
         torch.set_num_threads(before)
+        thread_pool.set_threads(pool_before)
     assert available_cores() >= 1

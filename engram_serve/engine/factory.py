@@ -17,8 +17,8 @@ def build_engine(model=None, *, enable_prefix_caching: bool = True, progress: bo
                  **runner_options):
     """An LLMEngine over `model` (path, None or LoadedModel); `runner_options` are RunnerConfig fields
     (`device="cuda"` places weights, KV cache and staging buffers on the GPU; tables stay on the host);
-    an unknown one raises ConfigError naming it. `threads`: torch threads (default: the cores of the
-    affinity mask, engine/threads.py); `seed`: seeds the per-request seeds drawn for unseeded requests;
+    an unknown one raises ConfigError naming it. `threads`: the C kernels' and torch's threads (default: the cores of
+    the affinity mask, engine/threads.py); `seed`: seeds the per-request seeds drawn for unseeded requests;
     `max_waiting`: the scheduler's waiting-queue bound (default `scheduler.MAX_WAITING`; None = none).
 
     `tensor_parallel_size=N` (N >= 2) starts N-1 worker processes (or joins a torchrun group with

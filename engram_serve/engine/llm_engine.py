@@ -68,9 +68,9 @@ class LLMEngine:
                  runner_cls: type[ModelRunner] = ModelRunner, runner: ModelRunner | None = None,
                  threads: int | None = None, seed: int | None = None, max_waiting: int | None = MAX_WAITING):
         """`runner_cls`: a test may pass a subclass (negative controls). `runner`: a prepared runner over
-        `loaded` with config `cfg` (tensor parallel: rank 0's ParallelModelRunner). `threads`: torch
-        threads (engine/threads.py: default, the cores of the affinity mask); `seed`: seeds the draws
-        of per-request seeds for requests that give none. `max_waiting`: requests the scheduler's
+        `loaded` with config `cfg` (tensor parallel: rank 0's ParallelModelRunner). `threads`: the C
+        kernels' and torch's threads (engine/threads.py: default, the cores of the affinity mask); `seed`:
+        seeds the draws of per-request seeds for requests that give none. `max_waiting`: requests the scheduler's
         waiting queue holds before `add_request` refuses more (QueueFull); None = no bound."""
         self.threads = set_torch_threads(threads)
         cfg = cfg or RunnerConfig()

@@ -64,6 +64,11 @@
  *       the inputs split exactly in three bfloat16 pieces, the products exact, the sums in float32; where
  *       amx_supported() (AMX-BF16, AVX-512, the tile data granted by Linux).
  *
+ * Threads: each product runs on the kernels' pool (_thread_pool.h) partitioned along its output panels (16
+ * columns; the bfloat16 tiles' column pairs of 32), and along its rows in whole tiles where the panels are too few:
+ * the section "threads" below; the experts along (expert, output panel) pairs. Never inside an output's sum, so
+ * the bits do not depend on the thread count. `linear_panels_range` computes a range of panels for all rows.
+ *
  * Built without -ffast-math and with -ffp-contract=off: every operation is the IEEE one written
  * (fmaf and the vector fused multiply-add round once).
  */
@@ -77,6 +82,7 @@
 #include "_kernel_buffers.h"
 #include "_kernel_math.h"
 #include "_formats.h"
+#include "_thread_pool.h"
 
 #if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || defined(__GNUC__))
 #include <cpuid.h>
@@ -641,11 +647,12 @@ static const format_tiles *tiles_of(const int fmt) {
 }
 #undef FORMAT_TILES
 
-/* The product (see the header) of checked arguments, y [m, n] (rows ldy apart) = x @ the weight w, a panel format
- * (WF_F32, the stored rows); runs without the GIL. The work is split along the rows' tiles and the output
- * panels only: never inside an output's sum. */
-static void linear_panels(const weight_ref *w, const float *xp, Py_ssize_t ldx, float *yp, Py_ssize_t ldy,
-                          Py_ssize_t m, Py_ssize_t kc, int simd) {
+/* The product (see the header) of checked arguments for all m rows and the output panels [p_begin, p_end) only
+ * (columns 16 p_begin .. min(n, 16 p_end)), y = x @ the weight w, a panel format (WF_F32, the stored rows), y's
+ * rows ldy floats apart; runs without the GIL. The work is split along the rows' tiles and the output panels only:
+ * never inside an output's sum, so an output's bits do not depend on the range it was computed in. */
+static void linear_panels_range(const weight_ref *w, const float *xp, Py_ssize_t ldx, float *yp, Py_ssize_t ldy,
+                                Py_ssize_t m, Py_ssize_t kc, int simd, Py_ssize_t p_begin, Py_ssize_t p_end) {
     const int fmt = w->fmt;
     const Py_ssize_t k = w->k, n = w->n;
     const format_tiles *ft = tiles_of(fmt);
@@ -669,8 +676,9 @@ static void linear_panels(const weight_ref *w, const float *xp, Py_ssize_t ldx, 
     const int pf = level == 2 && (size_t)panels * pb >= PF_BYTES;
     if (rows > MR) wide_rows = rows;
     float part[FEW_ROWS * NR]; /* a partial panel's tile */
-    for (Py_ssize_t p0 = 0; p0 < panels; p0 += group) {
-        const Py_ssize_t p1 = p0 + group < panels ? p0 + group : panels;
+    if (p_end > panels) p_end = panels;
+    for (Py_ssize_t p0 = p_begin; p0 < p_end; p0 += group) {
+        const Py_ssize_t p1 = p0 + group < p_end ? p0 + group : p_end;
         for (Py_ssize_t i = 0; i < m; i += rows) {
             const int mr = m - i < rows ? (int)(m - i) : rows;
             for (Py_ssize_t p = p0; p < p1; p++) {
@@ -698,6 +706,131 @@ static void linear_panels(const weight_ref *w, const float *xp, Py_ssize_t ldx, 
             }
         }
     }
+}
+
+/* ---- threads: a product's output panels (and, for a few panels, its rows) across the kernels' pool ------------
+ *
+ * The items of a product are rectangles: row chunk r (rows [r rc, (r + 1) rc), rc a multiple of the tiles' MR) x
+ * one output unit u (a panel of 16 columns; a pair of 32 for the bfloat16 tiles), item r * units + u; a part of
+ * the pool (_thread_pool.h) takes a contiguous range of items, runs as one range call per row chunk. Rows are
+ * chunked only where the units are too few for the threads (the mHC's mix product: 2 panels), so a weight is
+ * mostly read by one thread alone. Every output is computed whole, in its own order, by the thread of its item. */
+
+#define UNITS_A_THREAD 4 /* units a thread at least, before rows are chunked too */
+
+typedef struct {
+    Py_ssize_t units, rows_per, row_chunks, items;
+    int parts;
+} grid;
+
+/* The items of a product of m rows and `units` output units costing `cost` (multiply-adds), for the pool's parts */
+static grid grid_of(Py_ssize_t m, Py_ssize_t units, double cost, Py_ssize_t row_step) {
+    grid g = {units, m, 1, units, 1};
+    if (m < 1 || units < 1) return g;
+    const int t = pool_parts(units * ((m + row_step - 1) / row_step), cost);
+    if (t <= 1) return g;
+    if (units < (Py_ssize_t)t * UNITS_A_THREAD && m > row_step) {
+        Py_ssize_t want = ((Py_ssize_t)t * UNITS_A_THREAD + units - 1) / units, most = (m + row_step - 1) / row_step;
+        if (want > most) want = most;
+        g.rows_per = ((m + want - 1) / want + row_step - 1) / row_step * row_step;
+        g.row_chunks = (m + g.rows_per - 1) / g.rows_per;
+    }
+    g.items = g.row_chunks * units;
+    g.parts = g.items < t ? (int)g.items : t;
+    return g;
+}
+
+/* The next piece of items [*it, e) of grid g (m rows): one row chunk's first row *r0, its rows *mr and its units
+ * [*u0, *u1); advances *it past it. 0 when none is left. */
+static inline int grid_next(const grid *g, Py_ssize_t m, int64_t *it, int64_t e, Py_ssize_t *r0, Py_ssize_t *mr,
+                            Py_ssize_t *u0, Py_ssize_t *u1) {
+    if (*it >= e) return 0;
+    *r0 = (Py_ssize_t)(*it / g->units) * g->rows_per;
+    *mr = m - *r0 < g->rows_per ? m - *r0 : g->rows_per;
+    *u0 = (Py_ssize_t)(*it % g->units);
+    *u1 = *u0 + (e - *it) < g->units ? *u0 + (Py_ssize_t)(e - *it) : g->units;
+    *it += *u1 - *u0;
+    return 1;
+}
+
+typedef struct {
+    weight_ref w;
+    int simd;
+    const float *x;
+    Py_ssize_t ldx, ldy, m, kc;
+    float *y;
+    grid g;
+} panels_job;
+
+static void panels_part(void *c, int64_t b, int64_t e) {
+    const panels_job *j = c;
+    Py_ssize_t r0, mr, u0, u1;
+    while (grid_next(&j->g, j->m, &b, e, &r0, &mr, &u0, &u1))
+        linear_panels_range(&j->w, j->x + r0 * j->ldx, j->ldx, j->y + r0 * j->ldy, j->ldy, mr, j->kc, j->simd, u0, u1);
+}
+
+static void k_halves_product(const weight_ref *w, const float *xp, Py_ssize_t ldx, float *yp, Py_ssize_t ldy,
+                             Py_ssize_t m);
+
+/* linear_panels_range over every panel, y's rows ldy apart, on the kernels' pool where the product is big enough
+ * (the items above); runs without the GIL. */
+static void linear_panels(const weight_ref *w, const float *xp, Py_ssize_t ldx, float *yp, Py_ssize_t ldy,
+                          Py_ssize_t m, Py_ssize_t kc, int simd) {
+    const Py_ssize_t k = w->k, n = w->n, panels = (n + NR - 1) / NR;
+    if (pool_k_halves() && m && n && pool_parts(2, INFINITY) >= 2) { /* the negative control (tests only) */
+        k_halves_product(w, xp, ldx, yp, ldy, m);
+        return;
+    }
+    const grid g = grid_of(m, panels, (double)m * (double)k * (double)n, MR);
+    if (g.parts <= 1) {
+        linear_panels_range(w, xp, ldx, yp, ldy, m, kc, simd, 0, panels);
+        return;
+    }
+    panels_job j = {*w, simd, xp, ldx, ldy, m, kc, yp, g};
+    parallel_run(g.items, g.parts, panels_part, &j);
+}
+
+/* ---- the negative control of the threading rule (tests only: _thread_pool_hooks set_k_halves) ------------------
+ * Every output's sum is cut in two halves of its inputs, [0, k / 2) and [k / 2, k), each a plain fused multiply-add
+ * chain computed by another thread, then added: the partition runs inside the sum, which the rule forbids, and a
+ * model's logits at two threads differ from those at one (tests/test_threads.py). */
+
+typedef struct {
+    weight_ref w;
+    const float *x;
+    Py_ssize_t ldx, ldy, m;
+    float *y, *other;
+} halves_job;
+
+static void halves_part(void *c, int64_t b, int64_t e) {
+    const halves_job *j = c;
+    for (int64_t half = b; half < e; half++) {
+        const Py_ssize_t k = j->w.k, n = j->w.n, t0 = half ? k / 2 : 0, t1 = half ? k : k / 2;
+        for (Py_ssize_t i = 0; i < j->m; i++)
+            for (Py_ssize_t c = 0; c < n; c++) {
+                const panel_ref pr = panel_at(&j->w, c / NR);
+                float acc = 0.0f;
+                for (Py_ssize_t t = t0; t < t1; t++) acc = fmaf(j->x[i * j->ldx + t], weight_at(j->w.fmt, pr, t, c % NR), acc);
+                if (half) j->other[i * n + c] = acc;
+                else j->y[i * j->ldy + c] = acc;
+            }
+    }
+}
+
+static void k_halves_product(const weight_ref *w, const float *xp, Py_ssize_t ldx, float *yp, Py_ssize_t ldy,
+                             Py_ssize_t m) {
+    const Py_ssize_t n = w->n;
+    float *other = malloc((size_t)m * (size_t)n * sizeof(float));
+    if (!other) {
+        for (Py_ssize_t i = 0; i < m; i++)
+            for (Py_ssize_t c = 0; c < n; c++) yp[i * ldy + c] = NAN;
+        return;
+    }
+    halves_job j = {*w, xp, ldx, ldy, m, yp, other};
+    parallel_run(2, 2, halves_part, &j);
+    for (Py_ssize_t i = 0; i < m; i++)
+        for (Py_ssize_t c = 0; c < n; c++) yp[i * ldy + c] = yp[i * ldy + c] + other[i * n + c];
+    free(other);
 }
 
 static void linear_packed(const float *xp, Py_ssize_t ldx, const float *bp, float *yp, Py_ssize_t m, Py_ssize_t k,
@@ -927,26 +1060,60 @@ __attribute__((target("avx512f,avx2"))) static void wide_fp8_x86(int np, const f
     }
 }
 
-/* y [m, n] = x @ w row by row, w as FP8 panels qp [panels][k][16] bytes with scales sp [panels][ceil(k / SB)]
- * (checked arguments, an AVX-512 CPU); runs without the GIL. */
-static void linear_fp8(const float *xp, Py_ssize_t ldx, const uint8_t *qp, const float *sp, float *yp, Py_ssize_t m,
-                       Py_ssize_t k, Py_ssize_t n, Py_ssize_t kc) {
-    const Py_ssize_t panels = (n + NR - 1) / NR;
+/* y = x @ w row by row for the output panels [p_begin, p_end), w as FP8 panels qp [panels][k][16] bytes with scales
+ * sp [panels][ceil(k / SB)] (checked arguments, an AVX-512 CPU), y's rows ldy apart; runs without the GIL. */
+static void linear_fp8_range(const float *xp, Py_ssize_t ldx, const uint8_t *qp, const float *sp, float *yp,
+                             Py_ssize_t ldy, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t kc,
+                             Py_ssize_t p_begin, Py_ssize_t p_end) {
     float part[NR]; /* the last, partial panel's outputs */
     for (Py_ssize_t i = 0; i < m; i++)
-        for (Py_ssize_t p = 0; p < panels;) {
+        for (Py_ssize_t p = p_begin; p < p_end;) {
             const Py_ssize_t j = p * NR, full = (n - j) / NR;
             int np = 8;
-            while (np > 1 && np > panels - p) np /= 2;
-            const weight_ref w = {WF_FP8_PANELS, qp, sp, k, n, 0};
+            while (np > 1 && np > p_end - p) np /= 2;
+            const weight_ref w = {WF_FP8_PANELS, qp, sp, k, n, 0, 0};
             panel_ref b[8];
             float *o[8];
             for (int q = 0; q < np; q++)
-                b[q] = panel_at(&w, p + q), o[q] = q < full ? yp + i * n + j + q * NR : part;
+                b[q] = panel_at(&w, p + q), o[q] = q < full ? yp + i * ldy + j + q * NR : part;
             wide_fp8_x86(np, xp + i * ldx, b, k, kc, o);
-            if (np > full) memcpy(yp + i * n + j + full * NR, part, (n - j - full * NR) * sizeof(float));
+            if (np > full) memcpy(yp + i * ldy + j + full * NR, part, (n - j - full * NR) * sizeof(float));
             p += np;
         }
+}
+
+typedef struct {
+    const float *x;
+    Py_ssize_t ldx, m, k, n, kc;
+    const uint8_t *q;
+    const float *s;
+    float *y;
+    grid g;
+} fp8_job;
+
+static void fp8_part(void *c, int64_t b, int64_t e) {
+    const fp8_job *j = c;
+    Py_ssize_t r0, mr, u0, u1;
+    while (grid_next(&j->g, j->m, &b, e, &r0, &mr, &u0, &u1))
+        linear_fp8_range(j->x + r0 * j->ldx, j->ldx, j->q, j->s, j->y + r0 * j->n, j->n, mr, j->k, j->n, j->kc, u0, u1);
+}
+
+/* y [m, n] = x @ w, linear_fp8_range over every panel, on the kernels' pool where the product is big enough */
+static void linear_fp8(const float *xp, Py_ssize_t ldx, const uint8_t *qp, const float *sp, float *yp, Py_ssize_t m,
+                       Py_ssize_t k, Py_ssize_t n, Py_ssize_t kc) {
+    const Py_ssize_t panels = (n + NR - 1) / NR;
+    if (pool_k_halves() && m && n && pool_parts(2, INFINITY) >= 2) { /* the negative control (tests only) */
+        const weight_ref w = {WF_FP8_PANELS, qp, sp, k, n, 0, 0};
+        k_halves_product(&w, xp, ldx, yp, n, m);
+        return;
+    }
+    const grid g = grid_of(m, panels, (double)m * (double)k * (double)n, 1);
+    if (g.parts <= 1) {
+        linear_fp8_range(xp, ldx, qp, sp, yp, n, m, k, n, kc, 0, panels);
+        return;
+    }
+    fp8_job j = {xp, ldx, m, k, n, kc, qp, sp, yp, g};
+    parallel_run(g.items, g.parts, fp8_part, &j);
 }
 #endif
 
@@ -1072,21 +1239,22 @@ __attribute__((target("avx512f"))) static void split3(const float *x, Py_ssize_t
     }
 }
 
-/* One block of r <= 32 rows x (ldx apart) times the packed weight: y rows ldy apart, n columns. two: whether r > 16
- * (a second row tile: constant tile numbers need two loops). The rows are split into buf: all their inputs first
- * where the block has several column pairs (each pair reuses the split), or, for one pair (n <= 32), each block of
- * 32 inputs into one half of buf while the products of the block before run on the other (buf stays in L1).
- * Either way every output gets the same tile operations in the same order. Tile config set by the caller. */
+/* One block of r <= 32 rows x (ldx apart) times the packed weight's column pairs [c0, c1) (columns 32 c0 to
+ * min(n, 32 c1)): y rows ldy apart, n columns. two: whether r > 16 (a second row tile: constant tile numbers need two
+ * loops). The rows are split into buf: all their inputs first where the block has several column pairs (each pair
+ * reuses the split), or, for one pair, each block of 32 inputs into one half of buf while the products of the block
+ * before run on the other (buf stays in L1). Either way every output gets the same tile operations in the same
+ * order. Tile config set by the caller. */
 __attribute__((target("amx-tile,amx-bf16"), always_inline)) static inline void
 amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py_ssize_t kp, uint16_t *buf,
-          const uint16_t *wp, float *y, Py_ssize_t ldy, Py_ssize_t n) {
-    const int narrow = n <= 32;
+          const uint16_t *wp, float *y, Py_ssize_t ldy, Py_ssize_t n, Py_ssize_t c0, Py_ssize_t c1) {
+    const int narrow = c1 - c0 == 1;
     const Py_ssize_t bk = narrow ? AMX_K : kp; /* inputs of a piece of a row in buf */
     const Py_ssize_t lda = 3 * bk * 2, second = (Py_ssize_t)AMX_ROWS * 3 * bk;
     const Py_ssize_t half = AMX_BLOCK * 3 * AMX_K; /* one block of inputs of the rows, split (one column pair) */
     float part[AMX_BLOCK * 32];
     if (!narrow) split3(x, ldx, r, k, kp, buf);
-    for (Py_ssize_t n0 = 0; n0 < n; n0 += 32) {
+    for (Py_ssize_t n0 = c0 * 32; n0 < n && n0 < c1 * 32; n0 += 32) {
         const uint16_t *b0 = wp + (n0 / 16) * kp * 16, *b1 = b0 + kp * 16;
         _tile_zero(0);
         _tile_zero(1);
@@ -1130,11 +1298,13 @@ amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py
 static __thread uint16_t *split_buf;
 static __thread size_t split_cap;
 
-/* y [m, n] = x @ w, w packed as above (checked arguments, amx_supported()); runs without the GIL. Returns 1 if
- * the split rows' buffer cannot be had (nothing computed). */
-__attribute__((target("amx-tile,amx-bf16"))) static int linear_bf16(const float *xp, Py_ssize_t ldx,
-                                                                   const uint16_t *wp, float *yp, Py_ssize_t m,
-                                                                   Py_ssize_t k, Py_ssize_t n) {
+/* y = x @ w for the column pairs [c0, c1) (columns 32 c0 to min(n, 32 c1)), w packed as above (checked arguments,
+ * amx_supported()), y's rows ldy apart; runs without the GIL, on the calling thread (its own tile configuration
+ * and split buffer). Returns 1 if the split rows' buffer cannot be had (nothing computed). */
+__attribute__((target("amx-tile,amx-bf16"))) static int linear_bf16_range(const float *xp, Py_ssize_t ldx,
+                                                                         const uint16_t *wp, float *yp, Py_ssize_t ldy,
+                                                                         Py_ssize_t m, Py_ssize_t k, Py_ssize_t n,
+                                                                         Py_ssize_t c0, Py_ssize_t c1) {
     const Py_ssize_t kp = (k + AMX_K - 1) / AMX_K * AMX_K;
     /* all the rows' inputs (several column pairs), or two blocks of them (one pair) */
     const size_t need = (size_t)AMX_BLOCK * 3 * (kp > 2 * AMX_K ? kp : 2 * AMX_K) * sizeof(uint16_t);
@@ -1161,12 +1331,41 @@ __attribute__((target("amx-tile,amx-bf16"))) static int linear_bf16(const float 
             shape = r;
         }
         if (r > AMX_ROWS)
-            amx_block(1, r, xp + i * ldx, ldx, k, kp, split_buf, wp, yp + i * n, n, n);
+            amx_block(1, r, xp + i * ldx, ldx, k, kp, split_buf, wp, yp + i * ldy, ldy, n, c0, c1);
         else
-            amx_block(0, r, xp + i * ldx, ldx, k, kp, split_buf, wp, yp + i * n, n, n);
+            amx_block(0, r, xp + i * ldx, ldx, k, kp, split_buf, wp, yp + i * ldy, ldy, n, c0, c1);
     }
     _tile_release();
     return 0;
+}
+
+typedef struct {
+    const float *x;
+    Py_ssize_t ldx, m, k, n;
+    const uint16_t *w;
+    float *y;
+    grid g;
+    int bad; /* a part could not have its split buffer */
+} bf16_job;
+
+static void bf16_part(void *c, int64_t b, int64_t e) {
+    bf16_job *j = c;
+    Py_ssize_t r0, mr, u0, u1;
+    while (grid_next(&j->g, j->m, &b, e, &r0, &mr, &u0, &u1))
+        if (linear_bf16_range(j->x + r0 * j->ldx, j->ldx, j->w, j->y + r0 * j->n, j->n, mr, j->k, j->n, u0, u1))
+            j->bad = 1;
+}
+
+/* y [m, n] = x @ w: linear_bf16_range over every column pair (rows in chunks of AMX_BLOCK where the pairs are few),
+ * on the kernels' pool where the product is big enough; 1 if a split buffer could not be had. */
+static int linear_bf16(const float *xp, Py_ssize_t ldx, const uint16_t *wp, float *yp, Py_ssize_t m, Py_ssize_t k,
+                       Py_ssize_t n) {
+    const Py_ssize_t pairs = (n + 31) / 32;
+    const grid g = grid_of(m, pairs, (double)m * (double)k * (double)n, AMX_BLOCK);
+    if (g.parts <= 1) return linear_bf16_range(xp, ldx, wp, yp, n, m, k, n, 0, pairs);
+    bf16_job j = {xp, ldx, m, k, n, wp, yp, g, 0};
+    parallel_run(g.items, g.parts, bf16_part, &j);
+    return j.bad;
 }
 #endif
 
@@ -1224,22 +1423,91 @@ CLONES static void swiglu_rows(const float *restrict h, Py_ssize_t rows, Py_ssiz
             g[r * inter + j] = swiglu_value(h[r * 2 * inter + j], h[r * 2 * inter + inter + j], limit);
 }
 
-/* y [m, n] = x [m, k] (contiguous) @ the weight at address w (scales s) in format fmt: its bfloat16 tiles by
- * linear_bf16 (WF_TILES; 1 if it cannot have its buffer), else its panels (WF_F32, WF_MXFP4) by linear_panels at
- * block size kc */
-static int product(const int fmt, const float *x, int64_t w, int64_t s, float *y, Py_ssize_t m, Py_ssize_t k,
-                   Py_ssize_t n, Py_ssize_t kc, int simd) {
+/* y = x [m, k] (contiguous) @ the weight at address w (scales s) in format fmt for the output units [u0, u1), y's
+ * rows ldy apart: its bfloat16 tiles by linear_bf16_range (WF_TILES, units of 32 columns; 1 if it cannot have its
+ * buffer), else its panels (WF_F32, WF_MXFP4 as stored, units of 16 columns) by linear_panels_range at block size kc */
+static int product_range(const int fmt, const float *x, int64_t w, int64_t s, float *y, Py_ssize_t ldy, Py_ssize_t m,
+                         Py_ssize_t k, Py_ssize_t n, Py_ssize_t kc, int simd, Py_ssize_t u0, Py_ssize_t u1) {
 #if HAVE_X86_AVX2 && defined(__linux__)
-    if (fmt == WF_TILES) return linear_bf16(x, k, (const uint16_t *)(uintptr_t)w, y, m, k, n);
+    if (fmt == WF_TILES) return linear_bf16_range(x, k, (const uint16_t *)(uintptr_t)w, y, ldy, m, k, n, u0, u1);
 #endif
-    const weight_ref wr = {fmt, (const void *)(uintptr_t)w, (const void *)(uintptr_t)s, k, n, 0};
-    linear_panels(&wr, x, k, y, n, m, kc, simd);
+    const weight_ref wr = {fmt, (const void *)(uintptr_t)w, (const void *)(uintptr_t)s, k, n, 0, 0};
+    linear_panels_range(&wr, x, k, y, ldy, m, kc, simd, u0, u1);
     return 0;
 }
 
-/* Work is split by expert, then (inside each product) by rows' tiles and output panels: never inside a sum. With
- * stored rows (WF_MXFP4), w1 (p13, s13) and w3 (p3, s3) are two weights, the outputs [0, inter) and [inter,
- * 2 inter) of h. */
+#define EXPERT_WEIGHT_ROWS 2 /* an item's cost in rows for reading its weights (the partition's balance only) */
+
+/* One product of every expert with rows (w1/w3, or w2), as items (expert a, output unit u), item a * units + u,
+ * on the pool in contiguous ranges of about equal cost (an item's rows + EXPERT_WEIGHT_ROWS: balanced_bounds). With
+ * MXFP4 as stored, w1 (w, s) and w3 (w3, s3) are two weights of n / 2 outputs each: units [0, half) are w1's, the
+ * rest w3's, into the columns [n / 2, n) of y. */
+typedef struct {
+    int fmt, simd, bad;
+    const float *x;                 /* the product's input rows, grouped by expert */
+    Py_ssize_t k, n, kc, units;
+    const int64_t *w, *s;           /* [e] each expert's weight (scales) address */
+    float *y;
+    const Py_ssize_t *ex, *start;   /* [na] the experts with rows and their first row; start[na] = all rows */
+    const int64_t *w3, *s3;         /* [e] w3's, where w is w1 alone (else NULL) */
+    Py_ssize_t half;                /* the units of w1 alone (0: one weight) */
+} experts_job;
+
+/* the items [b, e): one range call per expert they touch */
+static void experts_part(void *c, int64_t b, int64_t e) {
+    experts_job *j = c;
+    for (int64_t it = b; it < e;) {
+        const Py_ssize_t a = (Py_ssize_t)(it / j->units), u0 = (Py_ssize_t)(it % j->units);
+        const Py_ssize_t u1 = u0 + (e - it) < j->units ? u0 + (Py_ssize_t)(e - it) : j->units;
+        const Py_ssize_t x = j->ex[a], r0 = j->start[a], rows = j->start[a + 1] - r0;
+        const float *xa = j->x + r0 * j->k;
+        float *ya = j->y + r0 * j->n;
+        if (!j->half) {
+            if (product_range(j->fmt, xa, j->w[x], j->s ? j->s[x] : 0, ya, j->n, rows, j->k, j->n, j->kc, j->simd, u0,
+                              u1))
+                j->bad = 1;
+        } else { /* w1's units, then w3's (into the second half of y's columns) */
+            const Py_ssize_t h = j->half, n2 = j->n / 2;
+            if (u0 < h)
+                product_range(j->fmt, xa, j->w[x], j->s[x], ya, j->n, rows, j->k, n2, j->kc, j->simd, u0,
+                              u1 < h ? u1 : h);
+            if (u1 > h)
+                product_range(j->fmt, xa, j->w3[x], j->s3[x], ya + n2, j->n, rows, j->k, n2, j->kc, j->simd,
+                              (u0 > h ? u0 : h) - h, u1 - h);
+        }
+        it += u1 - u0;
+    }
+}
+
+static double expert_item_cost(const void *c, int64_t it) {
+    const experts_job *j = c;
+    const Py_ssize_t a = (Py_ssize_t)(it / j->units);
+    return (double)(j->start[a + 1] - j->start[a] + EXPERT_WEIGHT_ROWS);
+}
+
+/* Run job j over na experts; 1 if a product could not have its buffer. */
+static int experts_product(experts_job *j, Py_ssize_t na) {
+    const Py_ssize_t rows = j->start[na], items = na * j->units;
+    j->bad = 0;
+    parallel_balanced(items, pool_parts(items, (double)rows * (double)j->k * (double)j->n), expert_item_cost, j,
+                      experts_part, j);
+    return j->bad;
+}
+
+typedef struct {
+    const float *h;
+    Py_ssize_t inter;
+    float limit, *g;
+} swiglu_job;
+
+static void swiglu_part(void *c, int64_t b, int64_t e) {
+    const swiglu_job *j = c;
+    swiglu_rows(j->h + b * 2 * j->inter, e - b, j->inter, j->limit, j->g + b * j->inter);
+}
+
+/* V4.1's routed experts (see the header): the w1/w3 products of every expert with rows, the clamped SwiGLU of every
+ * row, the w2 products: three jobs on the kernels' pool, items (expert, output panel) and rows, never inside a sum.
+ * Returns 1 if the counts exceed the rows (nothing computed), 2 if a buffer could not be had. */
 static int moe_experts(const int fmt, const float *xs, Py_ssize_t rows, const int64_t *counts, Py_ssize_t e,
                        Py_ssize_t d, Py_ssize_t inter, const int64_t *p13, const int64_t *s13, const int64_t *p3,
                        const int64_t *s3, Py_ssize_t kc13, const int64_t *p2, const int64_t *s2, Py_ssize_t kc2,
@@ -1250,23 +1518,24 @@ static int moe_experts(const int fmt, const float *xs, Py_ssize_t rows, const in
         total += counts[x];
     }
     if (total > rows) return 1;
-    Py_ssize_t start = 0;
-    for (Py_ssize_t x = 0; x < e; x++) {
-        const Py_ssize_t c = (Py_ssize_t)counts[x];
-        if (!c) continue;
-        float *hx = h + start * 2 * inter;
-        if (stored_rows(fmt)) {
-            const weight_ref w1 = {fmt, U8(p13[x]), U8(s13[x]), d, inter, 0}, w3 = {fmt, U8(p3[x]), U8(s3[x]), d, inter, 0};
-            linear_panels(&w1, xs + start * d, d, hx, 2 * inter, c, kc13, simd);
-            linear_panels(&w3, xs + start * d, d, hx + inter, 2 * inter, c, kc13, simd);
-        } else if (product(fmt, xs + start * d, p13[x], s13 ? s13[x] : 0, hx, c, d, 2 * inter, kc13, simd)) {
-            return 2;
-        }
-        swiglu_rows(hx, c, inter, limit, g + start * inter);
-        if (product(fmt, g + start * inter, p2[x], s2 ? s2[x] : 0, ys + start * d, c, inter, d, kc2, simd)) return 2;
-        start += c;
+    Py_ssize_t *ex = malloc(sizeof(Py_ssize_t) * (size_t)(2 * e + 1));
+    if (!ex) return 2;
+    Py_ssize_t *start = ex + e, na = 0;
+    start[0] = 0;
+    for (Py_ssize_t x = 0; x < e; x++)
+        if (counts[x]) ex[na] = x, start[na + 1] = start[na] + (Py_ssize_t)counts[x], na++;
+    const Py_ssize_t unit = fmt == WF_TILES ? 32 : NR, half = stored_rows(fmt) ? (inter + NR - 1) / NR : 0;
+    experts_job j13 = {fmt, simd, 0, xs, d, 2 * inter, kc13, half ? 2 * half : (2 * inter + unit - 1) / unit, p13,
+                       s13, h, ex, start, p3, s3, half};
+    int bad = experts_product(&j13, na);
+    if (!bad) {
+        swiglu_job sj = {h, inter, limit, g};
+        parallel_for_cost(total, (double)total * (double)inter * 16.0, swiglu_part, &sj);
+        experts_job j2 = {fmt, simd, 0, g, inter, d, kc2, (d + unit - 1) / unit, p2, s2, ys, ex, start, NULL, NULL, 0};
+        bad = experts_product(&j2, na);
     }
-    return 0;
+    free(ex);
+    return bad ? 2 : 0;
 }
 
 #define MOE_EXPERTS_FIELDS(X)                                                                                  \
@@ -1423,5 +1692,6 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__linear_kernel(void) {
     set_docs(methods, SPECS, sizeof SPECS / sizeof SPECS[0]);
+    pool_import();
     return PyModule_Create(&module);
 }

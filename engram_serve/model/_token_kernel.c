@@ -107,8 +107,12 @@
  * Sums of products run over 16 lanes (index mod 16, in order) added in a fixed tree (`dot`); exp is
  * `exp_fixed` (_kernel_math.h, the same operations for every element), sqrtf the IEEE one, log1pf libm's
  * (one scalar function). Built without -ffast-math and with -ffp-contract=off: every operation is the
- * IEEE one written, in every clone. Scratch memory is allocated per call, sized by the call's shape
- * parameters that do not depend on the token count. The GIL is released during the arithmetic.
+ * IEEE one written, in every clone. Scratch memory is allocated per call (per part of a call on the pool), sized
+ * by the call's shape parameters that do not depend on the token count. The GIL is released during the
+ * arithmetic, which runs on the kernels' pool (_thread_pool.h): the tokens (rows) of a call in contiguous ranges,
+ * attention's (token, group of 4 heads) items, the indexer's (token, 256 entries) items, moe_combine's columns;
+ * each token (entry, column) computed whole on one thread, so its bits do not depend on the thread count (the
+ * section "threads" below).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -119,6 +123,7 @@
 
 #include "_kernel_buffers.h"
 #include "_kernel_math.h"
+#include "_thread_pool.h"
 
 #define MAX_HC 16
 
@@ -653,15 +658,9 @@ __attribute__((target("avx512f"))) static void attend_token16(const float *restr
 }
 #endif
 
-/* returns 1 if a slot read is outside [0, rows) (nothing written), else 0; kp [w + k], z, den: scratch of the
- * call; wide: attend_token16 where h and hd allow it */
-CLONES static int attend_paged(const float *restrict q, const float *restrict window, const int64_t *restrict wslots,
-                               const uint8_t *restrict wok, Py_ssize_t n, Py_ssize_t w, const float *restrict entries,
-                               const int64_t *restrict eslots, Py_ssize_t es, const int64_t *restrict topk,
-                               Py_ssize_t k, Py_ssize_t rows, Py_ssize_t hd, const float *restrict sink, Py_ssize_t h,
-                               float scale, float *restrict out, const float **kp, float *restrict z,
-                               float *restrict den, int wide) {
-    wide = wide && h % 4 == 0 && hd % LANES == 0;
+/* returns 1 if a slot token t of [0, n) would read is outside [0, rows), else 0 */
+static int attend_check(const int64_t *restrict wslots, Py_ssize_t n, Py_ssize_t w, const int64_t *restrict eslots,
+                        Py_ssize_t es, const int64_t *restrict topk, Py_ssize_t k, Py_ssize_t rows) {
     for (Py_ssize_t t = 0; t < n; t++) {
         for (Py_ssize_t j = 0; j < w; j++)
             if (wslots[t * w + j] < 0 || wslots[t * w + j] >= rows) return 1;
@@ -670,34 +669,58 @@ CLONES static int attend_paged(const float *restrict q, const float *restrict wi
             if (g >= 0 && g < es && (eslots[t * es + g] < 0 || eslots[t * es + g] >= rows)) return 1;
         }
     }
-    for (Py_ssize_t t = 0; t < n; t++) {
-        if (t + 1 < n) { /* the next token's keys on their way to the cache while this token computes; a window
-                          * that slides by one from this token's (a prompt's next token) brings only its newest key */
-            const Py_ssize_t j0 = w > 1 && wslots[(t + 1) * w] == wslots[t * w + 1] ? w - 1 : 0;
-            for (Py_ssize_t j = j0; j < w; j++)
-                for (Py_ssize_t d = 0; d < hd; d += 16) __builtin_prefetch(window + wslots[(t + 1) * w + j] * hd + d);
-            for (Py_ssize_t i = 0; i < k; i++) {
-                const int64_t g = topk[(t + 1) * k + i];
-                if (g >= 0 && g < es)
-                    for (Py_ssize_t d = 0; d < hd; d += 16)
-                        __builtin_prefetch(entries + eslots[(t + 1) * es + g] * hd + d);
+    return 0;
+}
+
+#define HEAD_GROUP 4 /* heads of an attention item (the wide tile's four) */
+
+/* The attention of the items [b, e) (checked slots): item it is token it / groups, heads [HEAD_GROUP g, HEAD_GROUP g
+ * + HEAD_GROUP) of it (g = it % groups, the last group the rest). Each head's scores, softmax and weighted sums are
+ * its own (attend_token, attend_token16: per head the same operations whatever heads come with it). kp [w + k],
+ * z [HEAD_GROUP (w + k)], den [HEAD_GROUP]: scratch; wide: attend_token16 where h and hd allow it */
+CLONES static void attend_items(const float *restrict q, const float *restrict window, const int64_t *restrict wslots,
+                                const uint8_t *restrict wok, Py_ssize_t n, Py_ssize_t w, const float *restrict entries,
+                                const int64_t *restrict eslots, Py_ssize_t es, const int64_t *restrict topk,
+                                Py_ssize_t k, Py_ssize_t hd, const float *restrict sink, Py_ssize_t h, float scale,
+                                float *restrict out, int64_t b, int64_t e, const float **kp, float *restrict z,
+                                float *restrict den, int wide) {
+    wide = wide && h % 4 == 0 && hd % LANES == 0;
+    const Py_ssize_t groups = (h + HEAD_GROUP - 1) / HEAD_GROUP;
+    Py_ssize_t have = -1, m = 0; /* the token whose keys kp holds, and their count */
+    for (int64_t it = b; it < e; it++) {
+        const Py_ssize_t t = (Py_ssize_t)(it / groups), i0 = (Py_ssize_t)(it % groups) * HEAD_GROUP;
+        const Py_ssize_t hg = h - i0 < HEAD_GROUP ? h - i0 : HEAD_GROUP;
+        if (t != have) {
+            if (t + 1 < n) { /* the next token's keys on their way to the cache while this token computes; a window
+                              * that slides by one from this token's (a prompt's next token) brings only its newest key */
+                const Py_ssize_t j0 = w > 1 && wslots[(t + 1) * w] == wslots[t * w + 1] ? w - 1 : 0;
+                for (Py_ssize_t j = j0; j < w; j++)
+                    for (Py_ssize_t d = 0; d < hd; d += 16) __builtin_prefetch(window + wslots[(t + 1) * w + j] * hd + d);
+                for (Py_ssize_t i = 0; i < k; i++) {
+                    const int64_t g = topk[(t + 1) * k + i];
+                    if (g >= 0 && g < es)
+                        for (Py_ssize_t d = 0; d < hd; d += 16)
+                            __builtin_prefetch(entries + eslots[(t + 1) * es + g] * hd + d);
+                }
             }
+            m = 0; /* the keys with ok, in key order: a masked key only adds exp(-inf) = +0 to the sums */
+            for (Py_ssize_t j = 0; j < w; j++)
+                if (wok[t * w + j]) kp[m++] = window + wslots[t * w + j] * hd;
+            for (Py_ssize_t i = 0; i < k; i++) {
+                const int64_t g = topk[t * k + i];
+                if (g >= 0 && g < es) kp[m++] = entries + eslots[t * es + g] * hd;
+            }
+            have = t;
         }
-        Py_ssize_t m = 0; /* the keys with ok, in key order: a masked key only adds exp(-inf) = +0 to the sums */
-        for (Py_ssize_t j = 0; j < w; j++)
-            if (wok[t * w + j]) kp[m++] = window + wslots[t * w + j] * hd;
-        for (Py_ssize_t i = 0; i < k; i++) {
-            const int64_t g = topk[t * k + i];
-            if (g >= 0 && g < es) kp[m++] = entries + eslots[t * es + g] * hd;
-        }
+        const float *qt = q + (t * h + i0) * hd;
+        float *ot = out + (t * h + i0) * hd;
 #if HAVE_X86_AVX2
         if (wide)
-            attend_token16(q + t * h * hd, kp, sink, h, m, hd, scale, out + t * h * hd, z, den);
+            attend_token16(qt, kp, sink + i0, hg, m, hd, scale, ot, z, den);
         else
 #endif
-            attend_token(q + t * h * hd, kp, sink, h, m, hd, scale, out + t * h * hd, z, den);
+            attend_token(qt, kp, sink + i0, hg, m, hd, scale, ot, z, den);
     }
-    return 0;
 }
 
 CLONES static void pool_pair_rows(const float *restrict first, const float *restrict second, Py_ssize_t n,
@@ -828,13 +851,16 @@ __attribute__((target("avx512f"))) static Py_ssize_t index_token16(const float *
 }
 #endif
 
-/* keep [e / block], wt [nh], kp [e], gi [e]: scratch of the call; wide: index_token16 where nh and ihd allow it */
+/* The scores of entries [g0, g1) of each token (each entry's score its own: the same bits in any range). keep
+ * [e / block], wt [nh], kp [g1 - g0], gi [g1 - g0]: scratch of the call; wide: index_token16 where nh and ihd allow
+ * it */
 CLONES static void index_scores_rows(const float *restrict q, const float *restrict w, float wscale,
                                      const float *restrict pool, const int64_t *restrict slots,
                                      const int64_t *restrict count, Py_ssize_t n, Py_ssize_t es, Py_ssize_t e,
                                      Py_ssize_t nh, Py_ssize_t ihd, const int64_t *restrict cands, Py_ssize_t nc,
                                      Py_ssize_t block, float *restrict out, uint8_t *restrict keep, float *restrict wt,
-                                     const float **kp, Py_ssize_t *restrict gi, int wide) {
+                                     const float **kp, Py_ssize_t *restrict gi, int wide, Py_ssize_t g0,
+                                     Py_ssize_t g1) {
     const Py_ssize_t nb = e / block;
     wide = wide && nh % 4 == 0 && ihd % LANES == 0;
     for (Py_ssize_t t = 0; t < n; t++) {
@@ -851,7 +877,7 @@ CLONES static void index_scores_rows(const float *restrict q, const float *restr
             }
         }
         Py_ssize_t m = 0; /* the live entries: below the count and, with candidates, in a kept block */
-        for (Py_ssize_t g = 0; g < e; g++) {
+        for (Py_ssize_t g = g0; g < g1; g++) {
             if (g >= lim || (cands && !keep[g / block])) {
                 ot[g] = -INFINITY;
                 continue;
@@ -932,18 +958,21 @@ static Py_ssize_t moe_group(const int64_t *restrict ids, Py_ssize_t pairs, Py_ss
     return -1;
 }
 
+/* the columns [d0, d1) of every token's sum (each element's additions in pair order whatever the columns) */
 CLONES static void moe_combine_rows(const float *restrict ys, const int64_t *restrict order, const float *restrict w,
                                     Py_ssize_t pairs, Py_ssize_t n, Py_ssize_t k, Py_ssize_t dim,
-                                    const float *restrict shared, float *restrict out) {
-    for (Py_ssize_t x = 0; x < n * dim; x++) out[x] = 0.0f;
+                                    const float *restrict shared, float *restrict out, Py_ssize_t d0, Py_ssize_t d1) {
+    for (Py_ssize_t t = 0; t < n; t++)
+        for (Py_ssize_t d = d0; d < d1; d++) out[t * dim + d] = 0.0f;
     for (Py_ssize_t p = 0; p < pairs; p++) {
         const float wp = w[order[p]];
         const float *yp = ys + p * dim;
         float *ot = out + (order[p] / k) * dim;
-        for (Py_ssize_t d = 0; d < dim; d++) ot[d] = ot[d] + yp[d] * wp;
+        for (Py_ssize_t d = d0; d < d1; d++) ot[d] = ot[d] + yp[d] * wp;
     }
     if (shared)
-        for (Py_ssize_t x = 0; x < n * dim; x++) out[x] = out[x] + shared[x];
+        for (Py_ssize_t t = 0; t < n; t++)
+            for (Py_ssize_t d = d0; d < d1; d++) out[t * dim + d] = out[t * dim + d] + shared[t * dim + d];
 }
 
 CLONES static void swiglu_rows(const float *restrict gu, Py_ssize_t n, Py_ssize_t inter, float limit,
@@ -1071,6 +1100,20 @@ static int has_avx512(void) {
 /* whole cache lines (aligned_alloc takes a multiple of its alignment) */
 static void *scratch(size_t bytes) { return aligned_alloc(64, bytes ? (bytes + 63) / 64 * 64 : 64); }
 
+/* ---- threads ---------------------------------------------------------------------------------------------------
+ * A kernel's tokens (or rows; the columns of moe_combine, whose output is a sum over rows; the (token, head group)
+ * items of attend_paged) run in contiguous ranges across the kernels' pool (_thread_pool.h): each token is computed
+ * whole by one thread, by the same operations as alone (every kernel here computes a token alone already), so its
+ * bits do not depend on the thread count. A call whose work (COST, about one unit an element's operation) is
+ * small stays on the calling thread. Scratch is a part's own (allocated per part). */
+
+/* run_NAME: NAME_range(a, begin, end) over the items [0, a->N) on the pool */
+#define TOKEN_JOB(NAME, N, COST)                                                                                   \
+    static void NAME##_part(void *c, int64_t b, int64_t e) { NAME##_range((const struct NAME##_args *)c, b, e); }  \
+    static void run_##NAME(const struct NAME##_args *a) {                                                          \
+        parallel_for_cost(a->N, (double)(COST), NAME##_part, (void *)(uintptr_t)a);                                \
+    }
+
 #define HC_MIX_FIELDS(X)                                                                                       \
     X(ADDR, x, "[n, hc * dim] float32: the streams")                                                           \
     X(ADDR, mm, "[n, (2 + hc) * hc] float32: fn . x")                                                          \
@@ -1086,10 +1129,13 @@ static void *scratch(size_t bytes) { return aligned_alloc(64, bytes ? (bytes + 6
     X(ADDR, post, "[n, hc] float32, written")                                                                  \
     X(ADDR, comb, "[n, hc, hc] float32, written")
 KERNEL_ARGS(hc_mix, HC_MIX_FIELDS, "mHC mixes: pre, post and the Sinkhorn-normalised comb of each token.")
-static void run_hc_mix(const struct hc_mix_args *a) {
-    hc_mix_rows(CF(a->x), CF(a->mm), a->n, a->hc, a->dim, CF(a->scale), CF(a->base), (float)a->eps, (float)a->hc_eps,
-                a->iters, F(a->pre), F(a->post), F(a->comb));
+static void hc_mix_range(const struct hc_mix_args *a, int64_t b, int64_t e) {
+    const Py_ssize_t hc = a->hc, mix = (2 + hc) * hc;
+    hc_mix_rows(CF(a->x) + b * hc * a->dim, CF(a->mm) + b * mix, e - b, hc, a->dim, CF(a->scale), CF(a->base),
+                (float)a->eps, (float)a->hc_eps, a->iters, F(a->pre) + b * hc, F(a->post) + b * hc,
+                F(a->comb) + b * hc * hc);
 }
+TOKEN_JOB(hc_mix, n, a->n * (a->hc * a->dim + 8 * a->iters * a->hc * a->hc + 40 * (2 + a->hc) * a->hc))
 RAW_ENTRY(hc_mix)
 KERNEL_PY(hc_mix) {
     PARSE(hc_mix);
@@ -1110,9 +1156,10 @@ KERNEL_PY(hc_mix) {
     X(SIZE, dim, "values of a stream")                                                                         \
     X(ADDR, out, "[n, dim] float32, written")
 KERNEL_ARGS(collapse, COLLAPSE_FIELDS, "out = sum_i mix_i x_i (streams in order).")
-static void run_collapse(const struct collapse_args *a) {
-    collapse_rows(CF(a->x), CF(a->mix), a->n, a->hc, a->dim, F(a->out));
+static void collapse_range(const struct collapse_args *a, int64_t b, int64_t e) {
+    collapse_rows(CF(a->x) + b * a->hc * a->dim, CF(a->mix) + b * a->hc, e - b, a->hc, a->dim, F(a->out) + b * a->dim);
 }
+TOKEN_JOB(collapse, n, a->n * a->hc * a->dim)
 RAW_ENTRY(collapse)
 KERNEL_PY(collapse) {
     PARSE(collapse);
@@ -1134,9 +1181,12 @@ KERNEL_PY(collapse) {
     X(SIZE, dim, "values of a stream")                                                                         \
     X(ADDR, out, "[n, hc * dim] float32, written (may be x)")
 KERNEL_ARGS(expand, EXPAND_FIELDS, "stream b = post_b o + sum_a comb[a][b] x_a.")
-static void run_expand(const struct expand_args *a) {
-    expand_rows(CF(a->o), CF(a->x), CF(a->post), CF(a->comb), a->n, a->hc, a->dim, F(a->out));
+static void expand_range(const struct expand_args *a, int64_t b, int64_t e) {
+    const Py_ssize_t hc = a->hc, dim = a->dim;
+    expand_rows(CF(a->o) + b * dim, CF(a->x) + b * hc * dim, CF(a->post) + b * hc, CF(a->comb) + b * hc * hc, e - b, hc,
+                dim, F(a->out) + b * hc * dim);
 }
+TOKEN_JOB(expand, n, a->n * a->hc * (a->hc + 1) * a->dim)
 RAW_ENTRY(expand)
 KERNEL_PY(expand) {
     PARSE(expand);
@@ -1179,13 +1229,13 @@ ARGS_STRUCT(linear_packed, LINEAR_PACKED_FIELDS) /* the slots of hc_next's matmu
 KERNEL_ARGS(hc_next, HC_NEXT_FIELDS,
             "expand, then the next sublayer's mix and normed input, HC_TILE tokens at a time (the header).")
 
-/* hc_next (the header): expand, the product mm = fn . x' through the linear kernel's raw entry `matmul` over
- * fn's packed panels, hc_mix, collapse (into y) and rms_norm, HC_TILE tokens at a time */
-static void run_hc_next(const struct hc_next_args *a) {
-    const Py_ssize_t n = a->n, hc = a->hc, dim = a->dim, width = hc * dim, nm = (2 + hc) * hc;
-    float *const mm = F(a->mm);
-    for (Py_ssize_t t = 0; t < n; t += HC_TILE) {
-        const Py_ssize_t m = n - t < HC_TILE ? n - t : HC_TILE;
+/* hc_next (the header) for the tokens [b, e): expand, the product mm = fn . x' through the linear kernel's raw entry
+ * `matmul` over fn's packed panels, hc_mix, collapse (into y) and rms_norm, HC_TILE tokens at a time; mm and y:
+ * scratch of min(e - b, HC_TILE) tokens */
+static void hc_next_tiles(const struct hc_next_args *a, int64_t b, int64_t e, float *mm, float *y) {
+    const Py_ssize_t hc = a->hc, dim = a->dim, width = hc * dim, nm = (2 + hc) * hc;
+    for (Py_ssize_t t = b; t < e; t += HC_TILE) {
+        const Py_ssize_t m = e - t < HC_TILE ? e - t : HC_TILE;
         float *xt = F(a->out) + t * width;
         expand_rows(CF(a->o) + t * dim, CF(a->x) + t * width, CF(a->post) + t * hc, CF(a->comb) + t * hc * hc, m, hc,
                     dim, xt);
@@ -1194,9 +1244,33 @@ static void run_hc_next(const struct hc_next_args *a) {
         ((raw_fn)(uintptr_t)a->matmul)((const uint64_t *)(const void *)&mat);
         hc_mix_rows(xt, mm, m, hc, dim, CF(a->scale), CF(a->base), (float)a->eps, (float)a->hc_eps, a->iters,
                     F(a->pre) + t * hc, F(a->post2) + t * hc, F(a->comb2) + t * hc * hc);
-        collapse_rows(xt, CF(a->mix) + t * hc, m, hc, dim, F(a->y));
-        rms_norm_rows(F(a->y), m, dim, CF(a->norm_w), (float)a->norm_eps, F(a->h) + t * dim);
+        collapse_rows(xt, CF(a->mix) + t * hc, m, hc, dim, y);
+        rms_norm_rows(y, m, dim, CF(a->norm_w), (float)a->norm_eps, F(a->h) + t * dim);
     }
+}
+
+static void hc_next_part(void *c, int64_t b, int64_t e) { /* a part of several: its own scratch */
+    const struct hc_next_args *a = c;
+    const Py_ssize_t tile = e - b < HC_TILE ? e - b : HC_TILE;
+    float *mm = scratch(sizeof(float) * (size_t)(tile * ((2 + a->hc) * a->hc + a->dim)));
+    if (!mm) { /* out of memory: this part's outputs NaN */
+        for (Py_ssize_t t = b; t < e; t++)
+            for (Py_ssize_t d = 0; d < a->dim; d++) F(a->h)[t * a->dim + d] = NAN;
+        return;
+    }
+    hc_next_tiles(a, b, e, mm, mm + tile * (2 + a->hc) * a->hc);
+    free(mm);
+}
+
+/* the tokens in contiguous ranges across the pool (each part's matmul then runs on its thread alone); one part: the
+ * caller's scratch, and the matmul may run on the pool */
+static void run_hc_next(const struct hc_next_args *a) {
+    const Py_ssize_t hc = a->hc, nm = (2 + hc) * hc;
+    const int parts = pool_parts(a->n, (double)a->n * (double)(hc * a->dim) * (double)(nm + 2 * hc + 4));
+    if (parts <= 1)
+        hc_next_tiles(a, 0, a->n, F(a->mm), F(a->y));
+    else
+        parallel_run(a->n, parts, hc_next_part, (void *)(uintptr_t)a);
 }
 RAW_ENTRY(hc_next)
 KERNEL_PY(hc_next) {
@@ -1219,9 +1293,10 @@ KERNEL_PY(hc_next) {
     X(REAL, eps, "epsilon")                                                                                    \
     X(ADDR, out, "[rows, dim] float32, written")
 KERNEL_ARGS(rms_norm, RMS_NORM_FIELDS, "out = x * rsqrt(mean(x^2) + eps) [* w].")
-static void run_rms_norm(const struct rms_norm_args *a) {
-    rms_norm_rows(CF(a->x), a->rows, a->dim, CF(a->w), (float)a->eps, F(a->out));
+static void rms_norm_range(const struct rms_norm_args *a, int64_t b, int64_t e) {
+    rms_norm_rows(CF(a->x) + b * a->dim, e - b, a->dim, CF(a->w), (float)a->eps, F(a->out) + b * a->dim);
 }
+TOKEN_JOB(rms_norm, rows, a->rows * a->dim * 3)
 RAW_ENTRY(rms_norm)
 KERNEL_PY(rms_norm) {
     PARSE(rms_norm);
@@ -1243,9 +1318,12 @@ KERNEL_PY(rms_norm) {
     X(FLAG, inverse, "rotate back")                                                                            \
     X(ADDR, out, "[n, m, width] float32, written (may be x)")
 KERNEL_ARGS(rope, ROPE_FIELDS, "interleaved RoPE of the last 2 half dims (out may be x).")
-static void run_rope(const struct rope_args *a) {
-    rope_rows(CF(a->x), a->n, a->m, a->width, CF(a->cos), CF(a->sin), a->half, (int)a->inverse, F(a->out));
+static void rope_range(const struct rope_args *a, int64_t b, int64_t e) {
+    const Py_ssize_t row = a->m * a->width;
+    rope_rows(CF(a->x) + b * row, e - b, a->m, a->width, CF(a->cos) + b * a->half, CF(a->sin) + b * a->half, a->half,
+              (int)a->inverse, F(a->out) + b * row);
 }
+TOKEN_JOB(rope, n, a->n * a->m * a->width * 2)
 RAW_ENTRY(rope)
 KERNEL_PY(rope) {
     PARSE(rope);
@@ -1396,27 +1474,73 @@ KERNEL_PY(store_rows) {
     X(REAL, scale, "score scale")                                                                              \
     X(ADDR, out, "[n, h, hd] float32, written")
 KERNEL_ARGS(attend_paged, ATTEND_PAGED_FIELDS, "attention over the keys a token reads, in place.")
+
+/* attend_items over items [b, e) with this part's scratch (out of memory: its outputs NaN) */
+static void attend_part(void *c, int64_t b, int64_t e) {
+    const struct attend_paged_args *a = c;
+    if (b >= e) return;
+    const size_t keys = (size_t)(a->w + a->k), ptrs = (keys * sizeof(float *) + 63) & ~(size_t)63;
+    char *buf = scratch(ptrs + sizeof(float) * (HEAD_GROUP * keys + HEAD_GROUP));
+    if (!buf) {
+        const Py_ssize_t groups = (a->h + HEAD_GROUP - 1) / HEAD_GROUP;
+        for (int64_t it = b; it < e; it++) {
+            const Py_ssize_t t = (Py_ssize_t)(it / groups), i0 = (Py_ssize_t)(it % groups) * HEAD_GROUP;
+            const Py_ssize_t hg = a->h - i0 < HEAD_GROUP ? a->h - i0 : HEAD_GROUP;
+            for (Py_ssize_t x = 0; x < hg * a->hd; x++) F(a->out)[(t * a->h + i0) * a->hd + x] = NAN;
+        }
+        return;
+    }
+    float *z = (float *)(void *)(buf + ptrs);
+    attend_items(CF(a->q), CF(a->window), CI64(a->wslots), U8(a->wok), a->n, a->w, CF(a->entries), CI64(a->eslots),
+                 a->es, CI64(a->topk), a->k, a->hd, CF(a->sink), a->h, (float)a->scale, F(a->out), b, e,
+                 (const float **)(void *)buf, z, z + HEAD_GROUP * keys, has_avx512());
+    free(buf);
+}
+/* keys [n]: the keys each token reads (and a few for its items themselves) */
+static void attend_token_keys(const struct attend_paged_args *a, double *keys) {
+    for (Py_ssize_t t = 0; t < a->n; t++) {
+        const uint8_t *ok = U8(a->wok) + t * a->w;
+        Py_ssize_t m = 4;
+        for (Py_ssize_t j = 0; j < a->w; j++) m += ok[j] != 0;
+        for (Py_ssize_t i = 0; i < a->k; i++) {
+            const int64_t g = CI64(a->topk)[t * a->k + i];
+            m += g >= 0 && g < a->es;
+        }
+        keys[t] = (double)m;
+    }
+}
+
+typedef struct {
+    const struct attend_paged_args *a;
+    const double *keys;
+} attend_cost;
+
+static double attend_item_cost(const void *c, int64_t it) {
+    const attend_cost *x = c;
+    return x->keys[it / ((x->a->h + HEAD_GROUP - 1) / HEAD_GROUP)];
+}
+
 KERNEL_PY(attend_paged) {
     PARSE(attend_paged);
     if (a.n < 0 || a.w < 0 || a.es < 0 || a.k < 0 || a.rows < 1 || a.hd < 1 || a.h < 1 || (a.k && !a.topk) ||
         (a.n && (!a.q || !a.window || !a.sink || !a.out || (a.w && (!a.wslots || !a.wok)) ||
                  (a.k && a.es && (!a.entries || !a.eslots)))))
         return misfit("attend_paged", "n, w, es, k >= 0, rows, hd, h >= 1");
-    const Py_ssize_t h = a.h, w = a.w, k = a.k;
-    const size_t keys = (size_t)(w + k);
-    char *buf = scratch(keys * sizeof(float *) + sizeof(float) * (size_t)(h * (w + k) + h) + 64);
-    if (!buf) return PyErr_NoMemory();
-    const float **kp = (const float **)(void *)buf;
-    float *z = (float *)(void *)(buf + ((keys * sizeof(float *) + 63) & ~(size_t)63));
-    const int wide = has_avx512();
-    int bad;
+    if (attend_check(CI64(a.wslots), a.n, a.w, CI64(a.eslots), a.es, CI64(a.topk), a.k, a.rows))
+        return misfit("attend_paged", "a slot is outside the pool");
+    const Py_ssize_t items = a.n * ((a.h + HEAD_GROUP - 1) / HEAD_GROUP);
+    const int parts = pool_parts(items, 2.0 * (double)(a.n * a.h) * (double)(a.w + a.k) * (double)a.hd);
+    double *keys = parts > 1 ? malloc(sizeof(double) * (size_t)a.n) : NULL;
     Py_BEGIN_ALLOW_THREADS
-    bad = attend_paged(CF(a.q), CF(a.window), CI64(a.wslots), U8(a.wok), a.n, w, CF(a.entries), CI64(a.eslots), a.es,
-                       CI64(a.topk), k, a.rows, a.hd, CF(a.sink), h, (float)a.scale, F(a.out), kp, z, z + h * (w + k),
-                       wide);
+    if (keys) { /* a prompt's tokens read more keys as they go: ranges of about equal keys, not items */
+        const attend_cost cost = {&a, keys};
+        attend_token_keys(&a, keys);
+        parallel_balanced(items, parts, attend_item_cost, &cost, attend_part, &a);
+    } else {
+        attend_part(&a, 0, items);
+    }
     Py_END_ALLOW_THREADS
-    free(buf);
-    if (bad) return misfit("attend_paged", "a slot is outside the pool");
+    free(keys);
     Py_RETURN_NONE;
 }
 
@@ -1427,9 +1551,10 @@ KERNEL_PY(attend_paged) {
     X(SIZE, hd, "head dim")                                                                                    \
     X(ADDR, out, "[n, hd] float32, written")
 KERNEL_ARGS(pool_pair, POOL_PAIR_FIELDS, "a ratio-2 entry from two [kv, gate] rows.")
-static void run_pool_pair(const struct pool_pair_args *a) {
-    pool_pair_rows(CF(a->first), CF(a->second), a->n, a->hd, F(a->out));
+static void pool_pair_range(const struct pool_pair_args *a, int64_t b, int64_t e) {
+    pool_pair_rows(CF(a->first) + b * 2 * a->hd, CF(a->second) + b * 2 * a->hd, e - b, a->hd, F(a->out) + b * a->hd);
 }
+TOKEN_JOB(pool_pair, n, a->n * a->hd * 40)
 RAW_ENTRY(pool_pair)
 KERNEL_PY(pool_pair) {
     PARSE(pool_pair);
@@ -1447,16 +1572,25 @@ KERNEL_PY(pool_pair) {
     X(SIZE, k, "picks of a row (>= 1)")                                                                        \
     X(ADDR, out, "[rows, k] int64, written")
 KERNEL_ARGS(topk_rows, TOPK_ROWS_FIELDS, "the k best per row, ties to the lower index, -1 for -inf.")
+
+/* topk_rows over the rows [b, e) with this part's scratch (out of memory: their picks -1) */
+static void topk_rows_part(void *c, int64_t b, int64_t e) {
+    const struct topk_rows_args *a = c;
+    float *vals = scratch(sizeof(float) * (size_t)a->k);
+    if (!vals) {
+        for (Py_ssize_t x = b * a->k; x < e * a->k; x++) I64(a->out)[x] = -1;
+        return;
+    }
+    topk_rows(a->v ? CF(a->x) + b * a->v : CF(a->x), e - b, a->v, a->k, I64(a->out) + b * a->k, vals);
+    free(vals);
+}
 KERNEL_PY(topk_rows) {
     PARSE(topk_rows);
     if (a.rows < 0 || a.v < 0 || a.k < 1 || (a.rows && (!a.out || (a.v && !a.x))))
         return misfit("topk_rows", "rows, v >= 0, k >= 1");
-    float *vals = scratch(sizeof(float) * (size_t)a.k);
-    if (!vals) return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS
-    topk_rows(CF(a.x), a.rows, a.v, a.k, I64(a.out), vals);
+    parallel_for_cost(a.rows, (double)a.rows * (double)(a.v + a.k) * 4.0, topk_rows_part, &a);
     Py_END_ALLOW_THREADS
-    free(vals);
     Py_RETURN_NONE;
 }
 
@@ -1477,25 +1611,54 @@ KERNEL_PY(topk_rows) {
     X(SIZE, block, "entries of a block")                                                                       \
     X(ADDR, out, "[n, e] float32, written")
 KERNEL_ARGS(index_scores, INDEX_SCORES_FIELDS, "the indexer's entry scores.")
+
+#define INDEX_ENTRIES 256 /* entries of an index_scores item: a decode token's entries split across the pool */
+
+/* index_scores_rows over the items [b, e), item it the entries [INDEX_ENTRIES u, INDEX_ENTRIES (u + 1)) of token
+ * it / units (u = it % units), with this part's scratch (out of memory: their scores NaN) */
+static void index_scores_part(void *c, int64_t b, int64_t e) {
+    const struct index_scores_args *a = c;
+    const Py_ssize_t ne = a->e, nh = a->nh, units = (ne + INDEX_ENTRIES - 1) / INDEX_ENTRIES;
+    const size_t keep_bytes = (size_t)((ne / a->block + 16) / 16) * 16; /* whole 16-byte units: what follows aligns */
+    const size_t wt_bytes = (sizeof(float) * (size_t)nh + 15) / 16 * 16;
+    uint8_t *keep = scratch(keep_bytes + wt_bytes + (sizeof(float *) + sizeof(Py_ssize_t)) * (size_t)ne);
+    for (int64_t it = b; it < e; it++) {
+        const Py_ssize_t t = (Py_ssize_t)(it / units), g0 = (Py_ssize_t)(it % units) * INDEX_ENTRIES;
+        const Py_ssize_t g1 = ne - g0 < INDEX_ENTRIES ? ne : g0 + INDEX_ENTRIES;
+        if (!keep) {
+            for (Py_ssize_t g = g0; g < g1; g++) F(a->out)[t * ne + g] = NAN;
+            continue;
+        }
+        float *wt = (float *)(void *)(keep + keep_bytes);
+        const float **kp = (const float **)(void *)(keep + keep_bytes + wt_bytes);
+        Py_ssize_t *gi = (Py_ssize_t *)(void *)(kp + ne);
+        index_scores_rows(CF(a->q) + t * nh * a->ihd, CF(a->w) + t * nh, (float)a->wscale, CF(a->pool),
+                          a->slots ? CI64(a->slots) + t * a->es : NULL, CI64(a->count) + t, 1, a->es, ne, nh, a->ihd,
+                          a->cands ? CI64(a->cands) + t * a->nc : NULL, a->nc, a->block, F(a->out) + t * ne, keep, wt,
+                          kp, gi, has_avx512(), g0, g1);
+    }
+    free(keep);
+}
+/* an item's cost: the entries it scores (below its token's count), and a few for the item itself */
+static double index_item_cost(const void *c, int64_t it) {
+    const struct index_scores_args *a = c;
+    const Py_ssize_t units = (a->e + INDEX_ENTRIES - 1) / INDEX_ENTRIES, t = (Py_ssize_t)(it / units);
+    const Py_ssize_t g0 = (Py_ssize_t)(it % units) * INDEX_ENTRIES, g1 = a->e - g0 < INDEX_ENTRIES ? a->e : g0 + INDEX_ENTRIES;
+    const int64_t lim = CI64(a->count)[t] < a->es ? CI64(a->count)[t] : a->es;
+    return (double)(8 + (lim < g0 ? 0 : (lim < g1 ? lim : g1) - g0));
+}
+
 KERNEL_PY(index_scores) {
     PARSE(index_scores);
     const Py_ssize_t e = a.e, nh = a.nh, block = a.block;
     if (a.n < 0 || a.es < 0 || e < 0 || nh < 1 || a.ihd < 1 || block < 1 || (a.cands && (a.nc < 1 || e % block)) ||
         (a.n && (!a.q || !a.w || !a.pool || !a.count || !a.out || (a.es && !a.slots))))
         return misfit("index_scores", "n, es, e >= 0, nh, ihd, block >= 1; with candidates nc >= 1 and e a multiple of block");
-    const size_t keep_bytes = (size_t)((e / block + 16) / 16) * 16; /* whole 16-byte units: what follows aligns */
-    const size_t wt_bytes = (sizeof(float) * (size_t)nh + 15) / 16 * 16;
-    uint8_t *keep = scratch(keep_bytes + wt_bytes + (sizeof(float *) + sizeof(Py_ssize_t)) * (size_t)e);
-    if (!keep) return PyErr_NoMemory();
-    float *wt = (float *)(void *)(keep + keep_bytes);
-    const float **kp = (const float **)(void *)(keep + keep_bytes + wt_bytes);
-    Py_ssize_t *gi = (Py_ssize_t *)(void *)(kp + e);
-    const int wide = has_avx512();
-    Py_BEGIN_ALLOW_THREADS
-    index_scores_rows(CF(a.q), CF(a.w), (float)a.wscale, CF(a.pool), CI64(a.slots), CI64(a.count), a.n, a.es, e, nh,
-                      a.ihd, CI64(a.cands), a.nc, block, F(a.out), keep, wt, kp, gi, wide);
+    const Py_ssize_t items = a.n * ((e + INDEX_ENTRIES - 1) / INDEX_ENTRIES);
+    Py_BEGIN_ALLOW_THREADS /* a prompt's tokens see more entries as they go: ranges of about equal entries */
+    parallel_balanced(items, pool_parts(items, 2.0 * (double)a.n * (double)e * (double)(nh * a.ihd)),
+                      index_item_cost, &a, index_scores_part, &a);
     Py_END_ALLOW_THREADS
-    free(keep);
     Py_RETURN_NONE;
 }
 
@@ -1508,17 +1671,27 @@ KERNEL_PY(index_scores) {
     X(SIZE, k, "blocks picked")                                                                                \
     X(ADDR, out, "[n, k] int64, written")
 KERNEL_ARGS(candidate_blocks, CANDIDATE_BLOCKS_FIELDS, "the candidate source's top blocks.")
+
+/* candidate_blocks_rows over the tokens [b, e) with this part's scratch (out of memory: their picks -1) */
+static void candidate_blocks_part(void *c, int64_t b, int64_t e) {
+    const struct candidate_blocks_args *a = c;
+    float *bs = scratch(sizeof(float) * (size_t)(a->e / a->block + a->k));
+    if (!bs) {
+        for (Py_ssize_t x = b * a->k; x < e * a->k; x++) I64(a->out)[x] = -1;
+        return;
+    }
+    candidate_blocks_rows(a->e ? CF(a->s) + b * a->e : CF(a->s), CI64(a->count) + b, e - b, a->e, a->block, a->k,
+                          I64(a->out) + b * a->k, bs, bs + a->e / a->block);
+    free(bs);
+}
 KERNEL_PY(candidate_blocks) {
     PARSE(candidate_blocks);
     const Py_ssize_t e = a.e, block = a.block, k = a.k;
     if (a.n < 0 || e < 0 || block < 1 || e % block || k < 1 || (a.n && (!a.count || !a.out || (e && !a.s))))
         return misfit("candidate_blocks", "n, e >= 0, e a multiple of block >= 1, k >= 1");
-    float *bs = scratch(sizeof(float) * (size_t)(e / block + k));
-    if (!bs) return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS
-    candidate_blocks_rows(CF(a.s), CI64(a.count), a.n, e, block, k, I64(a.out), bs, bs + e / block);
+    parallel_for_cost(a.n, (double)a.n * (double)(e + e / block * 4), candidate_blocks_part, &a);
     Py_END_ALLOW_THREADS
-    free(bs);
     Py_RETURN_NONE;
 }
 
@@ -1587,6 +1760,14 @@ KERNEL_PY(moe_group) {
     X(ADDR, shared, "[n, dim] float32 the shared expert's output, or 0")                                       \
     X(ADDR, out, "[n, dim] float32, written")
 KERNEL_ARGS(moe_combine, MOE_COMBINE_FIELDS, "weighted expert outputs per token, then the shared one.")
+
+/* moe_combine_rows over the column blocks [b, e) of 16 (a token's output is a sum over its pairs: its columns are
+ * what is independent) */
+static void moe_combine_part(void *c, int64_t b, int64_t e) {
+    const struct moe_combine_args *a = c;
+    moe_combine_rows(CF(a->ys), CI64(a->order), CF(a->w), a->pairs, a->n, a->k, a->dim, CF(a->shared), F(a->out),
+                     (Py_ssize_t)b * 16, e * 16 < a->dim ? (Py_ssize_t)e * 16 : a->dim);
+}
 KERNEL_PY(moe_combine) {
     PARSE(moe_combine);
     const Py_ssize_t pairs = a.pairs, n = a.n, k = a.k;
@@ -1599,7 +1780,7 @@ KERNEL_PY(moe_combine) {
             return NULL;
         }
     Py_BEGIN_ALLOW_THREADS
-    moe_combine_rows(CF(a.ys), CI64(a.order), CF(a.w), pairs, n, k, a.dim, CF(a.shared), F(a.out));
+    parallel_for_cost((a.dim + 15) / 16, (double)(pairs + 2 * n) * (double)a.dim * 2.0, moe_combine_part, &a);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1611,9 +1792,10 @@ KERNEL_PY(moe_combine) {
     X(REAL, limit, "L (no clamp when L <= 0)")                                                                 \
     X(ADDR, out, "[n, inter] float32, written")
 KERNEL_ARGS(swiglu, SWIGLU_FIELDS, "out = silu(min(g, L)) * clamp(u, -L, L).")
-static void run_swiglu(const struct swiglu_args *a) {
-    swiglu_rows(CF(a->gu), a->n, a->inter, (float)a->limit, F(a->out));
+static void swiglu_range(const struct swiglu_args *a, int64_t b, int64_t e) {
+    swiglu_rows(CF(a->gu) + b * 2 * a->inter, e - b, a->inter, (float)a->limit, F(a->out) + b * a->inter);
 }
+TOKEN_JOB(swiglu, n, a->n * a->inter * 20)
 RAW_ENTRY(swiglu)
 KERNEL_PY(swiglu) {
     PARSE(swiglu);
@@ -1636,10 +1818,12 @@ KERNEL_PY(swiglu) {
     X(REAL, eps, "the RMS epsilon")                                                                            \
     X(ADDR, h_out, "[n, hc * hidden] float32, written")
 KERNEL_ARGS(engram_gate, ENGRAM_GATE_FIELDS, "the Engram gate into h_out.")
-static void run_engram_gate(const struct engram_gate_args *a) {
-    engram_gate_rows(CF(a->h), a->n, a->hc, a->hidden, CF(a->kv), CF(a->q_w), CF(a->k_w), U8(a->dead), (float)a->eps,
-                     F(a->h_out));
+static void engram_gate_range(const struct engram_gate_args *a, int64_t b, int64_t e) {
+    const Py_ssize_t hc = a->hc, d = a->hidden;
+    engram_gate_rows(CF(a->h) + b * hc * d, e - b, hc, d, CF(a->kv) + b * (hc + 1) * d, CF(a->q_w), CF(a->k_w),
+                     a->dead ? U8(a->dead) + b : NULL, (float)a->eps, F(a->h_out) + b * hc * d);
 }
+TOKEN_JOB(engram_gate, n, a->n * a->hc * a->hidden * 8)
 RAW_ENTRY(engram_gate)
 KERNEL_PY(engram_gate) {
     PARSE(engram_gate);
@@ -1692,6 +1876,12 @@ KERNEL_PY(gather_rows) {
 KERNEL_ARGS(argmax_rows, ARGMAX_ROWS_FIELDS,
             "out[r] = the first index of row r's maximum, NaN first (torch.argmax); finite[r] = every value of row r "
             "finite.")
+
+static void argmax_rows_part(void *c, int64_t b, int64_t e) {
+    const struct argmax_rows_args *a = c;
+    argmax_rows(CF(a->x) + b * a->v, e - b, a->v, I64(a->out) + b, a->finite ? (uint8_t *)(uintptr_t)a->finite + b : NULL);
+}
+
 KERNEL_PY(argmax_rows) {
     PARSE(argmax_rows);
     if (a.rows < 0 || a.v < 1 || (a.rows && (!a.x || !a.out))) {
@@ -1700,7 +1890,7 @@ KERNEL_PY(argmax_rows) {
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    argmax_rows(CF(a.x), a.rows, a.v, I64(a.out), (uint8_t *)(uintptr_t)a.finite);
+    parallel_for_cost(a.rows, (double)a.rows * (double)a.v * 2.0, argmax_rows_part, &a);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1889,6 +2079,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__token_kernel(void) {
     set_docs(methods, SPECS, sizeof SPECS / sizeof SPECS[0]);
+    pool_import();
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "HC_TILE", HC_TILE) < 0) Py_CLEAR(m);
     return m;

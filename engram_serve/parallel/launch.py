@@ -81,7 +81,9 @@ def serve_worker(group: ParallelGroup, loaded, ppid: int | None = None) -> None:
 
 def _worker_main(rank: int, world: int, init_method: str, model_path: str, device: str, timeout_s: float,
                  ppid: int, threads: int) -> None:
+    from .. import thread_pool
     torch.set_num_threads(threads)
+    thread_pool.set_threads(threads)  # this rank's share of the cores (TPCluster)
     group = ParallelGroup.connect(init_method, rank, world, device, timeout_s)
     try:
         serve_worker(group, _load_shard(model_path, group), ppid)
@@ -95,7 +97,9 @@ def _worker_main(rank: int, world: int, init_method: str, model_path: str, devic
 
 def worker_entry(model_path, device: str = "cpu", timeout_s: float = 60.0) -> int:
     """A worker rank under torchrun (`env://`: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    from ..engine.threads import share_cores
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    share_cores(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # the ranks on this machine share its cores
     group = ParallelGroup.connect("env://", rank, world, device, timeout_s)
     try:
         serve_worker(group, _load_shard(model_path, group))
@@ -121,6 +125,12 @@ def _worker_environment():
     finally:
         if before is None:
             os.environ.pop(key, None)
+
+
+def set_kernel_threads(group: ParallelGroup, n: int) -> int:
+    """The C kernels' pool size on a rank (`TPCluster.call_all`: verify's one-thread baseline on every rank)."""
+    from .. import thread_pool
+    return thread_pool.set_threads(n)
 
 
 def local_device(device: str) -> str:
@@ -167,7 +177,10 @@ class TPCluster:
         self.procs = []
         self._closed = False
         from ..config import ModelConfig, read_json
+        from ..engine.threads import share_cores
         check_divisible(ModelConfig.from_dict(read_json(Path(self.model_path) / "config.json")), world)
+        # the ranks on this machine share its cores: each runs its kernels and torch on its share of the threads
+        threads = share_cores(world if init_method is None else int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         if init_method is None:  # start our own workers on loopback
             init_method = f"tcp://127.0.0.1:{free_port()}"
             ctx = torch.multiprocessing.get_context("spawn")
@@ -175,7 +188,7 @@ class TPCluster:
                 for r in range(1, world):
                     p = ctx.Process(target=_worker_main, name=f"engram-tp-rank{r}", daemon=True,
                                     args=(r, world, init_method, self.model_path, device, timeout_s, os.getpid(),
-                                          torch.get_num_threads()))
+                                          threads))
                     p.start()
                     self.procs.append(p)
         try:
@@ -258,3 +271,5 @@ class TPCluster:
                 p.join(2.0)
         if group is not None:
             group.close()
+        from ..engine.threads import share_cores
+        share_cores(1)  # this process has the machine's cores again

@@ -158,7 +158,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a("--seed", type=_int64, default=None, metavar="S",
       help="seeds the per-request seeds of requests that give none (default: random)")
     a("--threads", type=positive_int, default=None, metavar="N",
-      help="torch threads (default: the cores in this process's affinity mask)")
+      help="threads of the C kernels (and of torch where not exact; default: the cores of this process's "
+           "affinity mask)")
     a("--max-body-bytes", type=positive_int, default=None, metavar="N",
       help="largest request body accepted, larger ones get 413 (default 4 MiB)")
     a("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info")

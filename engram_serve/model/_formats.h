@@ -105,17 +105,28 @@ __attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 e4m3
     return _mm512_mul_ps(e4m3_16_raw(q), _mm512_set1_ps(256.0f));
 }
 
-/* the E4M3 codes in byte u of 16 32-bit lanes, exact for every code (NaN for the NaN codes): the code's 7 bits of
- * exponent and mantissa moved to bits 20..26 are a float32 of value v x 2^-120 (a subnormal one for v's subnormals,
- * exactly), the sign to bit 31; times 2^120, exact */
+/* the E4M3 codes in byte u of 16 32-bit lanes as float32 of value v x 2^-120 (NaN for the NaN codes): the code moved to
+ * bits 24..31, then shifted arithmetically to bits 20..27 keeps its sign in bit 31; its 7 bits of exponent and mantissa
+ * at bits 20..26 are a float32 of value v x 2^-120 (a subnormal one for v's subnormals, exactly) */
+__attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 e4m3_16_tiny(__m512i g, const int u,
+                                                                                       const int no_nan) {
+    const __m512i h = u < 3 ? _mm512_slli_epi32(g, 24 - 8 * u) : g;
+    const __m512 v = _mm512_castsi512_ps(_mm512_and_si512(_mm512_srai_epi32(h, 4), _mm512_set1_epi32((int)0x87F00000)));
+    if (no_nan) return v; /* the caller saw no NaN code among these bytes (e4m3_16_nan) */
+    const __m512i nan = _mm512_set1_epi32(0x7F000000);
+    return _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(_mm512_and_si512(h, nan), nan), _mm512_set1_ps(__builtin_nanf("")));
+}
+
+/* whether any of the 64 E4M3 codes of 16 32-bit lanes is a NaN code (its low 7 bits all ones: + 1 carries into bit 7) */
+__attribute__((target("avx512f,avx2"), always_inline)) static inline int e4m3_16_nan(__m512i g) {
+    const __m512i low = _mm512_and_si512(g, _mm512_set1_epi32(0x7F7F7F7F));
+    return _mm512_test_epi32_mask(_mm512_add_epi32(low, _mm512_set1_epi32(0x01010101)),
+                                  _mm512_set1_epi32((int)0x80808080)) != 0;
+}
+
+/* the E4M3 codes in byte u of 16 32-bit lanes, exact for every code (NaN for the NaN codes): e4m3_16_tiny times 2^120 */
 __attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 e4m3_16_byte(__m512i g, const int u) {
-    const __m512i mag = _mm512_and_si512(u < 3 ? _mm512_slli_epi32(g, 20 - 8 * u) : _mm512_srli_epi32(g, 4),
-                                         _mm512_set1_epi32(0x07F00000));
-    const __m512i sign = u < 3 ? _mm512_slli_epi32(g, 24 - 8 * u) : g; /* bit 31 */
-    const __m512i bits = _mm512_ternarylogic_epi32(sign, mag, _mm512_set1_epi32((int)0x80000000), 0xEC); /* s&C | m */
-    const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
-    return _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x07F00000)),
-                              _mm512_set1_ps(__builtin_nanf("")));
+    return _mm512_mul_ps(e4m3_16_tiny(g, u, 0), _mm512_set1_ps(0x1p120f));
 }
 
 __attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 e4m3_16(const uint8_t *q) {

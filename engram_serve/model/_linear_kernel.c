@@ -113,7 +113,7 @@
  *   WF_FP8_PANELS [k][16] E4M3 bytes (never a NaN code), scales [ceil(k / 64)] float32 2^(s + 8) (pack_fp8)
  *   WF_MXFP4      the weight as a checkpoint stores it, read in place (a memory map): codes [n][k / 2] (input 2i
  *                 the lower nibble of byte i), E8M0 scales [n][k / 32]: 0.53 bytes a weight; a panel is 16 rows
- *   WF_FP8_PANELS        as stored too: E4M3 [n][k], one E8M0 scale per block x block tile [ceil(n / block)][ceil(k /
+ *   WF_FP8        as stored too: E4M3 [n][k], one E8M0 scale per block x block tile [ceil(n / block)][ceil(k /
  *                 block)] (block a multiple of 16: a panel's rows share their scale row)
  *
  * The stored rows are read 16 at a time by one gather a few inputs wide (8 E2M1 codes, 4 E4M3 bytes, 2 bfloat16 a row), the
@@ -460,6 +460,33 @@ wide_avx2(const int fmt, const int mr, const int np, const float *restrict x, Py
     }
 }
 
+/* FP8 stored rows, AVX-512: xs[i] = x[i] * f for n <= XS inputs of one scale block, f its E8M0 scale (code e) times
+ * 2^120, where every product is exact; 0 elsewhere (a scale of 2^8 or more, or NaN; a finite nonzero input whose
+ * product overflows or falls below the normal range). Then x[i] (v s) = xs[i] (v 2^-120) exactly, so a fused
+ * multiply-add of xs[i] and e4m3_16_tiny's weights rounds the very sums of x[i] and lane16's: the same bits, without
+ * lane16's two multiplies per 16 weights. A zero, an infinity or a NaN input stays one. */
+#define XS 128
+__attribute__((target("avx512f,avx2"), always_inline)) static inline int fp8_prescale(const float *x, Py_ssize_t n,
+                                                                                     unsigned e, float *xs) {
+    if (e > 134) return 0;
+    const __m512 f = _mm512_set1_ps(bits_float((e + 120) << 23)), inf = _mm512_set1_ps(INFINITY);
+    const __m512i mag = _mm512_set1_epi32(0x7FFFFFFF);
+    __mmask16 bad = 0;
+    for (Py_ssize_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 v = _mm512_maskz_loadu_ps(m, x + i), y = _mm512_mul_ps(v, f);
+        const __m512 av = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), mag));
+        const __m512 ay = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(y), mag));
+        const __mmask16 finite_nonzero = _mm512_cmp_ps_mask(av, _mm512_setzero_ps(), _CMP_NEQ_OQ) &
+                                         _mm512_cmp_ps_mask(av, inf, _CMP_LT_OQ);
+        const __mmask16 normal = _mm512_cmp_ps_mask(ay, _mm512_set1_ps(0x1p-126f), _CMP_GE_OQ) &
+                                 _mm512_cmp_ps_mask(ay, inf, _CMP_LT_OQ);
+        bad |= finite_nonzero & ~normal;
+        _mm512_mask_storeu_ps(xs + i, m, y);
+    }
+    return !bad;
+}
+
 /* np panels at once in AVX-512 (where the CPU has it): o[q] [r][0..16) from the panel b[q], with one 16-lane
  * accumulator per row and panel, so each broadcast of x feeds np 16-lane fused multiply-adds (AVX2's tile: two
  * 8-lane ones), and a tile of few rows still has 8 or more independent chains (a chain is latency-bound). Each
@@ -474,9 +501,23 @@ wide_avx512(const int fmt, const int mr, const int np, const float *restrict x, 
         __m512 c[FEW_ROWS]; /* mr * np <= 16 */
         for (int i = 0; i < mr * np; i++) c[i] = _mm512_setzero_ps();
         for (Py_ssize_t t = k0; t < ke;) {
-            const Py_ssize_t te = group_end(fmt, b[0], t, ke);
+            Py_ssize_t te = group_end(fmt, b[0], t, ke);
             __m512 s[8];
             for (int q = 0; q < np; q++) s[q] = scale16(fmt, b[q], t);
+            /* FP8 stored rows: the inputs times each panel's scale (fp8_prescale, panels of one scale share them) */
+            const float *xp[8];
+            float xsb[FEW_ROWS * XS];
+            const Py_ssize_t ts = t;
+            int pre = fmt == WF_FP8;
+            if (pre) {
+                te = te - t > XS ? t + XS : te;
+                for (int q = 0, d = 0; q < np && pre; q++) {
+                    const unsigned e = ((const uint8_t *)b[q].scale)[t / b[q].group];
+                    xp[q] = q && e == ((const uint8_t *)b[q - 1].scale)[t / b[q - 1].group] ? xp[q - 1] : xsb + d++ * mr * XS;
+                    if (xp[q] != (q ? xp[q - 1] : NULL))
+                        for (int r = 0; r < mr && pre; r++) pre = fp8_prescale(x + r * ldx + t, te - t, e, (float *)xp[q] + r * XS);
+                }
+            }
             while (gather_inputs(fmt) && t < te) { /* stored rows: 4 gathers' worth by plain loads where it can */
                 const int gi = gather_inputs(fmt), cols = full && te - t >= 4 * gi ? 4 : 1;
                 __m512i g[8][4];
@@ -491,10 +532,22 @@ wide_avx512(const int fmt, const int mr, const int np, const float *restrict x, 
                             _mm_prefetch((const char *)b[q].data + r * b[q].ld +
                                              (t + ROW_PF_AHEAD) * (Py_ssize_t)panel_bytes(fmt, 1) / NR,
                                          _MM_HINT_T0);
+                int clean = pre; /* no NaN code in these bytes: e4m3_16_tiny leaves its NaN test out */
+                for (int q = 0; q < np && clean; q++)
+                    for (int j = 0; j < cols; j++) clean &= !e4m3_16_nan(g[q][j]);
                 for (int j = 0; j < cols; j++)
 #pragma GCC unroll 8
                     for (int u = 0; u < gi; u++, t++) {
                         __m512 w[8];
+                        if (pre) {
+                            for (int q = 0; q < np; q++)
+                                w[q] = clean ? e4m3_16_tiny(g[q][j], u, 1) : e4m3_16_tiny(g[q][j], u, 0);
+                            for (int r = 0; r < mr; r++)
+                                for (int q = 0; q < np; q++)
+                                    c[r * np + q] = _mm512_fmadd_ps(_mm512_set1_ps(xp[q][r * XS + t - ts]), w[q],
+                                                                    c[r * np + q]);
+                            continue;
+                        }
                         for (int q = 0; q < np; q++) w[q] = lane16(fmt, g[q][j], u, s[q]);
                         for (int r = 0; r < mr; r++) {
                             const __m512 a = _mm512_set1_ps(x[r * ldx + t]);

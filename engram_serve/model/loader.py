@@ -240,7 +240,7 @@ def not_text_forward(name: str) -> bool:
 def read_param(files: CheckpointFiles, key: str, shape: list[int]) -> tuple[torch.Tensor, list[str]]:
     """A model parameter (official name) as float32, with the checkpoint names it used; the stacked experts
     `layers.{l}.ffn.w13` [E, 2I, D] and `.w2` [E, D, I] come from one tensor per expert and projection."""
-    m = re.fullmatch(r"(layers\.\d+\.ffn)\.(w13|w2)", key)
+    m = re.fullmatch(r"((?:layers|mtp)\.\d+\.ffn)\.(w13|w2)", key)
     if m is None:
         return read_weight(files, key, shape)
     pre, which = m.groups()

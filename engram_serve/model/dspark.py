@@ -246,13 +246,17 @@ class DSpark(nn.Module):
         step = DraftStep(ops, *self.rope(pos), wslots.repeat_interleave(k, 0), wok.repeat_interleave(k, 0), bslots,
                          bslots.view(r, k).repeat_interleave(k, 0),
                          torch.arange(k, device=dev).expand(r * k, k).contiguous(), state)
-        x = ops.gather_rows(target.embed.weight, ids, cfg.hc_mult)  # [N, hc, D]: the embedding on every stream
-        pre = self._first_mix(r * k, dev)  # the first sublayer reads stream 0 alone
+        x = self.streams(target, ids, ops)  # [N, hc, D]
+        pre = self._first_mix(r * k, dev)  # the first sublayer reads stream 0 alone (NeMo's pre_mix (1, 0, ..))
         for i, layer in enumerate(self.mtp):
             x, pre = layer(x, pre, step, i)
         h = self.last.norm(ops.collapse(x, pre), ops)  # [N, D]
         return self.markov(target.compute_logits(h).view(r, k, -1), h.view(r, k, -1), last_tokens, ops,
                            pick or greedy(ops))
+
+    def streams(self, target: DeepseekV41, ids: torch.Tensor, ops: ModuleType) -> torch.Tensor:
+        """[N, hc, D]: the target's embedding of ids [N] on every stream."""
+        return ops.gather_rows(target.embed.weight, ids, self.config.hc_mult)
 
     def markov(self, u: torch.Tensor, h: torch.Tensor, prev: torch.Tensor, ops: ModuleType, pick: Pick) -> Draft:
         """The Markov chain over the k positions: u [R, k, V] the head's logits, h [R, k, D] the normed hidden,

@@ -27,7 +27,8 @@ class ForwardContext:
     `bufs.staging[i, :T]`; it may block until that gather is done. `max_query_len` / `max_seq_len` are
     optional static bounds (for graph capture); without them they are read from the batch. `keep`: the
     token indices whose final hidden the forward returns (increasing; None: every token). `capture_features`:
-    the forward also writes the DSpark drafter's features of every token into `features` (model/dspark.py).
+    the forward also writes the DSpark drafter's features of every token into the field `features` (for
+    model/dspark.py).
     """
 
     batch: StepBatch

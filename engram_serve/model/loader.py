@@ -16,7 +16,7 @@ multiplies them in place, or dequantizes once where its plan needs floats); else
 are dequantized like the FP8 ones. The matmul weights are then copied once into the input-major layout of the row
 rule (model/exactness.py). Engram tables are never converted: float or FP8 (E4M3 rows + E8M0
 per-32-column scales), they stay mapped and are read on demand (madvise MADV_RANDOM), row by row, by
-the staging gather. The DSpark drafter (`mtp.*`) loads the same way into `LoadedModel.drafter` (model/dspark.py)
+the staging gather. The DSpark drafter (`mtp.*`, model/dspark.py) loads the same way into `LoadedModel.drafter`
 where the config describes one; else it is left out, like the vision tower (`vision.*`, `aligner.*`, `image_*`)
 and the image routing bias (`*.ffn.gate.bias_vl`), which are not part of the text forward, with one line at load
 saying so.

@@ -4,9 +4,9 @@ A published V4.1 config nests the text model's fields under `text_config`, besid
 `quantization_config` and Hugging Face bookkeeping; `flatten_config` lifts them to one level (a key
 given both at the top level and in `text_config` with different values is an error naming both,
 except per-config metadata such as `model_type`). Every field that changes the math is implemented
-or refused (ConfigError naming the field and the value); fields outside the text forward (DSpark,
-vision) and other unknown ones are accepted and listed once per load at debug level (logger
-`engram_serve.config`), except an unknown `engram_*` field: the Engram fields define the hash
+or refused (ConfigError naming the field and the value); the DSpark drafter's fields are read into
+`DSparkConfig`; fields outside the text forward (vision) and other unknown ones are accepted and
+listed once per load at debug level (logger `engram_serve.config`), except an unknown `engram_*` field: the Engram fields define the hash
 (docs/contract.md §2), so one this project does not know is refused rather than silently ignored.
 Our own options (engine, runner, CLI) are separate dataclasses and reject unknown keys.
 """
@@ -135,6 +135,49 @@ def read_json(path: str | Path) -> dict:
     return d
 
 
+@dataclass(frozen=True)
+class DSparkConfig:
+    """The DSpark drafter (`mtp.*`, docs/deepseek_v41.md "The DSpark drafter"), in the published field names.
+
+    The defaults mean "no drafter": `enabled` needs at least one draft layer (`num_nextn_predict_layers`) AND
+    the target layers it reads (`dspark_target_layer_ids`); a config without them (every config before the
+    drafter, and those that name the draft layers but not their features) has none, and its other fields are
+    not checked. An enabled drafter is validated here, ConfigError naming the field and the value; the checks
+    that need the backbone (layer ids, vocabulary, the draft layers' compress ratios) are `ModelConfig`'s."""
+
+    num_nextn_predict_layers: int = 0  # draft layers, `mtp.0` .. `mtp.{n-1}`
+    dspark_block_size: int = 0  # tokens proposed per draft (the last sampled token's block)
+    dspark_noise_token_id: int = -1  # the token that fills the block after the last sampled token
+    dspark_target_layer_ids: tuple[int, ...] = ()  # target layers whose input streams feed the context
+    dspark_markov_rank: int = 0  # rank of the Markov head (embed [V, rank], head [V, rank])
+    dspark_n_routed_experts: int = 0
+    dspark_num_experts_per_tok: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dspark_target_layer_ids", tuple(int(x) for x in self.dspark_target_layer_ids))
+        _check(self.num_nextn_predict_layers >= 0, "num_nextn_predict_layers", self.num_nextn_predict_layers,
+               "must be >= 0")
+        if not self.enabled:
+            return
+        ids = self.dspark_target_layer_ids
+        _check(list(ids) == sorted(set(ids)) and ids[0] >= 0, "dspark_target_layer_ids", list(ids),
+               "must be increasing layer ids >= 0")
+        for name in ("dspark_block_size", "dspark_markov_rank", "dspark_n_routed_experts",
+                     "dspark_num_experts_per_tok"):
+            _check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1 for a drafter")
+        _check(self.dspark_num_experts_per_tok <= self.dspark_n_routed_experts, "dspark_num_experts_per_tok",
+               self.dspark_num_experts_per_tok, f"must be <= dspark_n_routed_experts={self.dspark_n_routed_experts}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_nextn_predict_layers > 0 and bool(self.dspark_target_layer_ids)
+
+    @property
+    def num_layers(self) -> int:
+        """Draft layers (0 without a drafter)."""
+        return self.num_nextn_predict_layers if self.enabled else 0
+
+
 SUPPORTED = {  # fields whose other values would change the math in ways this project does not implement
     "num_key_value_heads": (1,), "n_shared_experts": (1,), "hidden_act": ("silu",), "attention_bias": (False,),
     "scoring_func": ("sqrtsoftplus",), "topk_method": ("noaux_tc",), "n_group": (1, None), "topk_group": (1, None),
@@ -166,6 +209,7 @@ class ModelConfig:
     n_routed_experts: int
     num_experts_per_tok: int
     engram: EngramConfig
+    dspark: DSparkConfig = DSparkConfig()
     compress_ratios: tuple[int, ...] = ()
     kv_source_layer_ids: tuple[int, ...] = ()
     index_source_layer_ids: tuple[int, ...] = ()
@@ -242,6 +286,15 @@ class ModelConfig:
                    f"must be in [0, vocab_size={self.vocab_size})")
         _check(0 <= self.engram.engram_pad_token_id < self.vocab_size, "engram_pad_token_id",
                self.engram.engram_pad_token_id, f"must be in [0, vocab_size={self.vocab_size})")
+        ds = self.dspark
+        if ds.enabled:
+            bad = [i for i in ds.dspark_target_layer_ids if i >= n]
+            _check(not bad, "dspark_target_layer_ids", list(ds.dspark_target_layer_ids), f"layer ids must be < {n}")
+            _check(0 <= ds.dspark_noise_token_id < self.vocab_size, "dspark_noise_token_id", ds.dspark_noise_token_id,
+                   f"must be in [0, vocab_size={self.vocab_size})")
+            drafts = list(self.compress_ratios[n:n + ds.num_layers])
+            _check(drafts == [0] * ds.num_layers, "compress_ratios", list(self.compress_ratios),
+                   f"the {ds.num_layers} draft layers after layer {n - 1} need ratio 0 (window attention only)")
         rs = self.rope_scaling
         _check(rs is None or (isinstance(rs, dict) and rs.get("rope_type", rs.get("type")) == "yarn"), "rope_scaling",
                rs, "only YaRN scaling (rope_type 'yarn') is supported")
@@ -251,10 +304,12 @@ class ModelConfig:
         """The flat text config (the fields of `from_dict`, the Engram fields and the unused ones kept in
         `extra`): ModelConfig.from_dict(cfg.to_dict()) == cfg."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name not in ("engram", "extra", "quantization")}
+               if f.name not in ("engram", "dspark", "extra", "quantization")}
         eng = dataclasses.asdict(self.engram)
         eng.pop("hidden_size"), eng.pop("hc_mult")
         out.update(eng)
+        if self.dspark != DSparkConfig():
+            out.update(dataclasses.asdict(self.dspark))
         out.update(self.extra)
         return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
@@ -266,8 +321,8 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
         """From a published V4.1 config, nested or flat. Fields that change the math are implemented or
-        refused (ConfigError); DSpark and vision fields are not part of the text forward; other unknown
-        fields are kept in `extra` and listed once at debug level."""
+        refused (ConfigError); the DSpark fields go to `dspark`; vision fields are not part of the text
+        forward; other unknown fields are kept in `extra` and listed once at debug level."""
         quant = d.get("quantization_config") or {}
         d = flatten_config(d)
         for name, ok in SUPPORTED.items():  # absent: the published value
@@ -275,8 +330,10 @@ class ModelConfig:
                 raise ConfigError(f"config field {name}={d.get(name)!r}: only {[v for v in ok if v is not None]} "
                                   "is supported")
         engram = EngramConfig.from_dict({**d, "hidden_size": d.get("hidden_size", 0), "hc_mult": d.get("hc_mult", 4)})
-        names = {f.name for f in dataclasses.fields(cls)} - {"engram", "extra", "quantization"}
-        known = names | {f.name for f in dataclasses.fields(EngramConfig)} | set(SUPPORTED) | METADATA_FIELDS
+        dspark = DSparkConfig(**_dspark_fields(d))
+        names = {f.name for f in dataclasses.fields(cls)} - {"engram", "dspark", "extra", "quantization"}
+        known = (names | {f.name for f in dataclasses.fields(EngramConfig)}
+                 | {f.name for f in dataclasses.fields(DSparkConfig)} | set(SUPPORTED) | METADATA_FIELDS)
         unused = sorted(k for k in d if k not in known)
         if unused:
             log.debug("config: %d field(s) not used by the text forward: %s", len(unused), unused)
@@ -301,5 +358,18 @@ class ModelConfig:
                     raise ConfigError(f"config field {k}={v!r}: must be true or false")
             elif not _is_int(v, False):
                 raise ConfigError(f"config field {k}={v!r}: must be an integer")
-        return cls(engram=engram, quantization=dict(quant), extra={k: d[k] for k in unused},
+        return cls(engram=engram, dspark=dspark, quantization=dict(quant), extra={k: d[k] for k in unused},
                    **{k: d[k] for k in names & d.keys()})
+
+
+def _dspark_fields(d: dict) -> dict:
+    """The DSpark fields present in the flat config d, type-checked (ConfigError naming the field and value)."""
+    out = {}
+    for f in dataclasses.fields(DSparkConfig):
+        if f.name in d:
+            listy = f.name == "dspark_target_layer_ids"
+            if not _is_int(d[f.name], listy):
+                raise ConfigError(f"config field {f.name}={d[f.name]!r}: must be "
+                                  + ("a list of integers" if listy else "an integer"))
+            out[f.name] = d[f.name]
+    return out

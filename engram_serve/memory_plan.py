@@ -126,9 +126,9 @@ SHARDED = (  # (name, the dimension divided by N)
     (re.compile(r"layers\.\d+\.ffn\.shared_experts\.w[13]\.weight"), 0),  # the intermediate dimension
     (re.compile(r"layers\.\d+\.ffn\.shared_experts\.w2\.weight"), 1),
 )
-EXPERT = re.compile(r"layers\.\d+\.ffn\.experts\.(\d+)\.w[123]\.(weight|scale)")
+EXPERT = re.compile(r"(layers|mtp)\.\d+\.ffn\.experts\.(\d+)\.w[123]\.(weight|scale)")  # (mtp: the drafter's)
 TABLE = re.compile(r"layers\.\d+\.engram\.embed\.(weight|scale)")
-NOT_TEXT = ("mtp.", "vision.", "aligner.", "image_")
+NOT_TEXT = ("vision.", "aligner.", "image_")  # and `mtp.*` where the config has no drafter (loader.py)
 
 
 def rank_shape(name: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int) -> tuple[int, ...] | None:
@@ -137,8 +137,8 @@ def rank_shape(name: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int) -> 
     if tp == 1:
         return shape
     m = EXPERT.fullmatch(name)
-    if m:
-        return shape if int(m.group(1)) < cfg.n_routed_experts // tp else None
+    if m and m.group(1) == "layers":  # (the drafter is not sharded: replicated)
+        return shape if int(m.group(2)) < cfg.n_routed_experts // tp else None
     if TABLE.fullmatch(name):
         return (-(-shape[0] // tp) + 1, *shape[1:])
     for pattern, dim in SHARDED:
@@ -153,19 +153,20 @@ def roles(cfg: ModelConfig, tp: int) -> dict[str, str]:
     import torch
 
     from .model.deepseek_v41 import DeepseekV41
+    from .model.dspark import DSpark
     from .model.layers import Linear
     with torch.device("meta"):
-        model = DeepseekV41(cfg)
-    names = {id(mod): name for name, mod in model.named_modules()}
+        models = [DeepseekV41(cfg)] + ([DSpark(cfg)] if cfg.dspark.enabled else [])  # (the drafter: `mtp.*`)
+    names = {id(mod): name for model in models for name, mod in model.named_modules()}
     out = {}
-    for mod, pname, _ in model.matmul_params():
+    for mod, pname, _ in (p for model in models for p in model.matmul_params()):
         name = f"{names[id(mod)]}.{pname}"
         stacked = re.fullmatch(r"layers\.(\d+)\.attn\.compressor\.(wkv|wgate)\.weight", name)
         kind = "linear" if isinstance(mod, Linear) else "matmul"
         if stacked and cfg.ratios[int(stacked.group(1))] == 2 or (
                 tp == 1 and re.fullmatch(r"layers\.\d+\.ffn\.shared_experts\.w[13]\.weight", name)):
             out[name] = f"stacked {kind}"
-        elif not re.fullmatch(r"layers\.\d+\.ffn\.(w13|w2)", name):
+        elif not re.fullmatch(r"(layers|mtp)\.\d+\.ffn\.(w13|w2)", name):
             out[name] = kind
     return out
 
@@ -280,7 +281,8 @@ def read_specs(path: Path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict
     if path.is_dir():
         text = flatten_config(read_json(path / CONFIG_FILE))
         files = CheckpointFiles.open(path)  # reads the headers only
-        specs = {k: (files.info(k)[0], tuple(files.info(k)[1])) for k in files.keys() if not k.startswith(NOT_TEXT)}
+        skip = NOT_TEXT + (() if ModelConfig.from_dict(text).dspark.enabled else ("mtp.",))
+        specs = {k: (files.info(k)[0], tuple(files.info(k)[1])) for k in files.keys() if not k.startswith(skip)}
         return specs, text, "checkpoint"
     from .model.random_writer import stored_specs
     from .model.writer import Quant, with_engram_rows
@@ -316,7 +318,7 @@ def held_weights(specs: dict, cfg: ModelConfig, tp: int, m: Machine,
         w.stored += ITEMSIZE[dtype] * math.prod(shp)
         logical = (shp[0], shp[-1] * 2) if dtype in MXFP4_CODES else shp
         if role == "expert":
-            layer = name.split(".")[1]
+            layer = ".".join(name.split(".")[:2])  # layers.{l} or mtp.{i}
             expert_params[layer] = expert_params.get(layer, 0) + math.prod(logical)
         if role != "scale":
             copies = held_copies(role, dtype, logical[0] if len(logical) > 1 else 1, m, tp)
@@ -331,9 +333,10 @@ def held_weights(specs: dict, cfg: ModelConfig, tp: int, m: Machine,
 
 
 def state_per_token(cfg: ModelConfig) -> int:
-    """Bytes a request holds per token position (model/paged_state.py, float32; inputs/token_store.py)."""
+    """Bytes a request holds per token position (model/paged_state.py, float32; the drafter's window keys,
+    model/dspark.py `DSparkState`; inputs/token_store.py)."""
     kv = cfg.kv_source_layer_ids
-    floats = (cfg.num_hidden_layers * cfg.head_dim + len(kv) * (cfg.head_dim + cfg.index_head_dim)
+    floats = ((cfg.num_hidden_layers + cfg.dspark.num_layers) * cfg.head_dim + len(kv) * (cfg.head_dim + cfg.index_head_dim)
               + sum(2 * cfg.head_dim for s in kv if cfg.ratios[s] == 2))
     return 4 * floats + 4 + 1  # + the token id (int32) and its dead flag (bool)
 

@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.src is not None:
         loaded = load_model(args.src, pin_tables=False)
         text = text_config(args.src / "config.json")
-        out = save_v41_checkpoint(args.out, text, loaded.model, loaded.tables, args.src / TOKENIZER_FILE, quant, shard)
+        out = save_v41_checkpoint(args.out, text, loaded.model, loaded.tables, args.src / TOKENIZER_FILE, quant, shard,
+                                  loaded.drafter)
     else:
         text = None if args.config is None else text_config(args.config)
         write = fast_v41_checkpoint if args.fast else random_v41_checkpoint

@@ -59,8 +59,8 @@ def test_official_config_and_tokenizer_give_the_golden_layout(ds_token_map):
 
 def test_nested_equals_flat_and_unused_fields_logged_once(caplog):
     """DeepSeek-V4.1-Flash's published config.json (tests/data/deepseek_v41_flash_config.json): nested and
-    flattened read the same; the fields outside the text forward (vision, DSpark, quantization) are listed
-    once, at debug level, and kept."""
+    flattened read the same; the fields outside the text forward (vision, quantization) are listed once, at
+    debug level, and kept; the DSpark fields are read into `cfg.dspark`."""
     raw = read_json(FLASH)
     flat = flatten_config(raw)
     assert "text_config" not in flat and flat["hidden_size"] == raw["text_config"]["hidden_size"]
@@ -70,9 +70,11 @@ def test_nested_equals_flat_and_unused_fields_logged_once(caplog):
     assert cfg == ModelConfig.from_dict(flat)
     lines = [r for r in caplog.records if "not used by the text forward" in r.getMessage()]
     assert len(lines) == 1 and lines[0].levelno == logging.DEBUG
-    for name in ("vision_config", "quantization_config", "num_nextn_predict_layers", "dspark_block_size"):
+    for name in ("vision_config", "quantization_config"):
         assert name in lines[0].getMessage()
         assert name in cfg.extra
+    for name in ("num_nextn_predict_layers", "dspark_block_size"):  # the drafter's: read into cfg.dspark
+        assert name not in cfg.extra and getattr(cfg.dspark, name) == raw["text_config"][name]
     for used in ("q_lora_rank", "compress_ratios", "index_topk", "sliding_window"):  # V4.1's own: not extra
         assert used not in lines[0].getMessage() and used not in cfg.extra
 

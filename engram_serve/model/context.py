@@ -26,7 +26,9 @@ class ForwardContext:
     `engram_rows(i)` returns the staged rows [T, C, hd] of Engram layer i (0..L_e-1), normally a view of
     `bufs.staging[i, :T]`; it may block until that gather is done. `max_query_len` / `max_seq_len` are
     optional static bounds (for graph capture); without them they are read from the batch. `keep`: the
-    token indices whose final hidden the forward returns (increasing; None: every token).
+    token indices whose final hidden the forward returns (increasing; None: every token). `capture_features`:
+    the forward also writes the DSpark drafter's features of every token into the field `features` (for
+    model/dspark.py).
     """
 
     batch: StepBatch
@@ -37,6 +39,8 @@ class ForwardContext:
     max_query_len: int | None = None
     max_seq_len: int | None = None
     keep: torch.Tensor | None = None
+    capture_features: bool = False
+    features: torch.Tensor | None = None  # [T, nL D], written by the forward when capture_features
 
     def touch(self, name: str, t: torch.Tensor) -> None:
         if self.tracker is not None:

@@ -136,7 +136,9 @@ class V41Step:
     rope tables, and the microbatch's own cross-layer buffers `topk` [T, index_topk] int64 and
     `candidates` [T, candidate_topk_blocks] int64 (block ids, -1 none), owned by this microbatch alone
     (docs/contract.md §5). `touch(name, t)` reports a buffer use to the debug ownership check. `ops`: the form
-    every layer of this forward runs its token-wise steps in (`DeepseekV41.forward_stages` chooses it)."""
+    every layer of this forward runs its token-wise steps in (`DeepseekV41.forward_stages` chooses it). With
+    `capture` (layer ids), `features[l]` [T, D] is the mean over the hc streams entering layer l, after its Engram
+    gate and for every token (before a `keep`): the DSpark drafter's features (`DeepseekV41.features`)."""
 
     cache: PagedState
     plan: SlotPlan
@@ -146,6 +148,8 @@ class V41Step:
     ctx: object = None  # the runner's ForwardContext (tensor parallelism: its collectives' buffers and tracking)
     rotary: dict = None  # "plain", "comp": (cos, sin) [T, rd / 2] at the positions; ratio r: at each token's entry
     ops: ModuleType = None  # the form of the token-wise steps, ops_c or ops_torch (model/ops.py), chosen per forward
+    capture: tuple[int, ...] = ()  # layers whose input streams the forward keeps (the drafter's features); () none
+    features: dict = None  # layer -> [T, D]: the mean over the streams entering it, after its Engram gate
 
 
 class Compressor(nn.Module):
@@ -254,8 +258,12 @@ class Attention(nn.Module):
             topk = None
         o = ops.attend_paged(q, window, plan.window, plan.window_ok, entries, eslots, topk, step.cache.zero_slot,
                              sink=self.attn_sink, scale=hd ** -0.5)  # [T, H, hd]
+        return self.project(o, rope_cs, ops)
+
+    def project(self, o: torch.Tensor, rope_cs: tuple[torch.Tensor, torch.Tensor], ops: ModuleType) -> torch.Tensor:
+        """The heads' outputs o [T, H, hd] -> [T, D]: the inverse RoPE, the grouped `wo_a`, then `wo_b`."""
+        t, h, hd, ol = o.shape[0], self.heads, self.cfg.head_dim, self.cfg.o_lora_rank
         o = ops.rope(o, *rope_cs, inverse=True, in_place=True).reshape(t, self.groups, h * hd // self.groups)
-        ol = cfg.o_lora_rank
         u = ops.cat_cols([linear(o[:, g], self.wo_a.rows(g * ol, (g + 1) * ol)) for g in range(self.groups)])
         return linear(u, self.wo_b.w)
 
@@ -440,6 +448,14 @@ class EngramInputs:
     dead: torch.Tensor | None
 
 
+def stream_mean(x: torch.Tensor) -> torch.Tensor:
+    """[T, D]: the mean of the streams x [T, hc, D], added in stream order, then divided by hc (a new tensor)."""
+    out = x[:, 0].clone()
+    for i in range(1, x.shape[1]):
+        out = out + x[:, i]
+    return out / x.shape[1]
+
+
 class Block(nn.Module):
     """One V4.1 layer: an Engram gate (on Engram layers), then attention and MoE, each read from the hc residual
     streams through an mHC collapse and written back through an mHC expand."""
@@ -471,6 +487,8 @@ class Block(nn.Module):
         x = s.x  # [T, hc, D]
         if self.engram is not None:
             x = yield from self.gate(x, step, engram)
+        if self.role.layer in step.capture:  # (the drafter's features: after the Engram gate, as NeMo's)
+            step.features[self.role.layer] = stream_mean(x)
         if s.mix is None:  # the attention's mHC collapse and mix
             h = self.attn_norm(ops.collapse(x, s.pre), ops)  # [T, D]
             if keep is not None:
@@ -531,9 +549,14 @@ class DeepseekV41(nn.Module):
     def stages(self, ctx) -> Generator[str, None, torch.Tensor]:
         """The serving forward of one microbatch (a ForwardContext: its StepBatch slice, the cache, its own
         buffers, its staged Engram rows) -> hidden [T, D], or of the tokens `ctx.keep` alone; yields at overlap
-        points."""
+        points. With `ctx.capture_features`, the drafter's features of every token go to `ctx.features`."""
         step = self.prepare(ctx)
-        return (yield from self.forward_stages(ctx.batch.input_ids, ctx.batch.dead, step, ctx.engram_rows, ctx.keep))
+        if ctx.capture_features:
+            step.capture, step.features = self.config.dspark.dspark_target_layer_ids, {}
+        hidden = yield from self.forward_stages(ctx.batch.input_ids, ctx.batch.dead, step, ctx.engram_rows, ctx.keep)
+        if ctx.capture_features:
+            ctx.features = self.features(step)
+        return hidden
 
     def prepare(self, ctx, rows_tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> V41Step:
         """The V41Step of one microbatch: its slot plan over its rows' block tables, its own buffers, its rotary
@@ -629,11 +652,18 @@ class DeepseekV41(nn.Module):
         w = self.embed.weight if self.head is None else self.head.w
         return linear(hidden, w).float()
 
+    def features(self, step: V41Step) -> torch.Tensor:
+        """The drafter's features [T, nL D] of a forward that captured them: concat over L in
+        `dspark_target_layer_ids` order of the stream mean entering layer L (`V41Step.capture`)."""
+        return torch.cat([step.features[layer] for layer in self.config.dspark.dspark_target_layer_ids], 1)
+
     def forward_dense(self, input_ids: torch.Tensor, engram_rows: list[torch.Tensor] | None,
-                      dead: torch.Tensor | None = None) -> torch.Tensor:
+                      dead: torch.Tensor | None = None, features: bool = False
+                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Full sequences input_ids [B, S] at positions 0..S-1 -> logits [B, S, V] float32, through the
         serving code over a fresh cache (sequence b owns slots b*S .. b*S + S - 1). engram_rows[i]
-        [B, S, C, hd] (None: Engram ablated); dead [B, S] bool."""
+        [B, S, C, hd] (None: Engram ablated); dead [B, S] bool. With `features` (a config with a drafter),
+        (logits, the drafter's features [B, S, nL D])."""
         b, s = input_ids.shape
         dev = input_ids.device
         cache = PagedState(self.config, b, s, device=dev, dtype=self.embed.weight.dtype)
@@ -642,9 +672,11 @@ class DeepseekV41(nn.Module):
         step = self.make_step(cache, positions, rows, torch.arange(b, device=dev)[:, None], s,
                               rows * s + positions)
         fn = None if engram_rows is None else (lambda i: engram_rows[i].reshape(b * s, *engram_rows[i].shape[2:]))
+        if features:
+            step.capture, step.features = self.config.dspark.dspark_target_layer_ids, {}
         gen = self.forward_stages(input_ids.reshape(-1), None if dead is None else dead.reshape(-1), step, fn)
-        hidden = run_stages(gen)
-        return self.compute_logits(hidden).view(b, s, -1)
+        logits = self.compute_logits(run_stages(gen)).view(b, s, -1)
+        return (logits, self.features(step).view(b, s, -1)) if features else logits
 
     def make_step(self, cache: PagedState, positions: torch.Tensor, rows: torch.Tensor, block_tables: torch.Tensor,
                   block_size: int, slots: torch.Tensor, topk: torch.Tensor | None = None,

@@ -16,9 +16,10 @@ multiplies them in place, or dequantizes once where its plan needs floats); else
 are dequantized like the FP8 ones. The matmul weights are then copied once into the input-major layout of the row
 rule (model/exactness.py). Engram tables are never converted: float or FP8 (E4M3 rows + E8M0
 per-32-column scales), they stay mapped and are read on demand (madvise MADV_RANDOM), row by row, by
-the staging gather. The DSpark drafter (`mtp.*`), the vision tower (`vision.*`, `aligner.*`,
-`image_*`) and the image routing bias (`*.ffn.gate.bias_vl`) are not part of the text forward: they
-are left out, with one line at load saying so.
+the staging gather. The DSpark drafter (`mtp.*`, model/dspark.py) loads the same way into `LoadedModel.drafter`
+where the config describes one; else it is left out, like the vision tower (`vision.*`, `aligner.*`, `image_*`)
+and the image routing bias (`*.ffn.gate.bias_vl`), which are not part of the text forward, with one line at load
+saying so.
 
 Every disagreement between config, tokenizer and tensors raises CheckpointMismatch naming the field
 (or file and tensor) and both values; a wrongly typed config.json value raises ConfigError naming it.
@@ -45,6 +46,7 @@ from ..engram.token_map import build_token_map, load_tokenizer
 from ..errors import CheckpointMismatch, ConfigError, EngramServeError
 from .checkpoint import CONFIG_FILE, INDEX_FILE, TINY_DIR, TOKENIZER_FILE, WEIGHTS_FILE, CheckpointFiles, drop_pages
 from .deepseek_v41 import DeepseekV41
+from .dspark import DSpark
 from .exactness import STORED_BF16, STORED_FP8
 from .weights import Mxfp4Experts, StoredWeight
 from .layers import Linear, layout_weights_
@@ -66,6 +68,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     token_map: torch.Tensor  # [tokenizer vocab] int64 raw id -> compressed id
     path: Path
+    drafter: DSpark | None = None  # the DSpark drafter (`mtp.*`), where the config and the checkpoint have one
 
 
 def scale_name(name: str) -> str:
@@ -211,19 +214,21 @@ def read_fp4_stored(files: CheckpointFiles, name: str, shape: list[int]) -> tupl
     return files.tensor(name, writable=False), files.tensor(sname, writable=False)
 
 
-def stores_mxfp4_experts(files: CheckpointFiles, cfg: ModelConfig, layer: int) -> bool:
-    """Whether every routed expert projection of `layer` is MXFP4 (packed E2M1 bytes) in the checkpoint."""
-    names = [f"layers.{layer}.ffn.experts.{e}.w{j}.weight" for e in range(cfg.n_routed_experts) for j in (1, 2, 3)]
+def stores_mxfp4_experts(files: CheckpointFiles, cfg: ModelConfig, prefix: str) -> bool:
+    """Whether every routed expert projection of the layer `prefix` (`layers.{l}`, `mtp.{i}`: its MoE's cfg) is
+    MXFP4 (packed E2M1 bytes) in the checkpoint."""
+    names = [f"{prefix}.ffn.experts.{e}.w{j}.weight" for e in range(cfg.n_routed_experts) for j in (1, 2, 3)]
     return all(n in files and files.info(n)[0] in FP4_CODES and len(files.info(n)[1]) == 2 for n in names)
 
 
-def read_mxfp4_experts(files: CheckpointFiles, cfg: ModelConfig, layer: int) -> tuple[Mxfp4Experts, list[str]]:
-    """Layer `layer`'s routed experts as stored (`Mxfp4Experts`, no float copy), with the checkpoint names used."""
+def read_mxfp4_experts(files: CheckpointFiles, cfg: ModelConfig, prefix: str) -> tuple[Mxfp4Experts, list[str]]:
+    """The routed experts of the layer `prefix` as stored (`Mxfp4Experts`, no float copy), with the checkpoint
+    names used."""
     e_n, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
     parts, used = {1: [], 2: [], 3: []}, []
     for e in range(e_n):
         for j, shape in ((1, [i, d]), (3, [i, d]), (2, [d, i])):
-            name = f"layers.{layer}.ffn.experts.{e}.w{j}.weight"
+            name = f"{prefix}.ffn.experts.{e}.w{j}.weight"
             parts[j].append(read_fp4_stored(files, name, shape))
             used += [name, scale_name(name)]
     return Mxfp4Experts(parts[1], parts[3], parts[2]), used
@@ -240,7 +245,7 @@ def not_text_forward(name: str) -> bool:
 def read_param(files: CheckpointFiles, key: str, shape: list[int]) -> tuple[torch.Tensor, list[str]]:
     """A model parameter (official name) as float32, with the checkpoint names it used; the stacked experts
     `layers.{l}.ffn.w13` [E, 2I, D] and `.w2` [E, D, I] come from one tensor per expert and projection."""
-    m = re.fullmatch(r"(layers\.\d+\.ffn)\.(w13|w2)", key)
+    m = re.fullmatch(r"((?:layers|mtp)\.\d+\.ffn)\.(w13|w2)", key)
     if m is None:
         return read_weight(files, key, shape)
     pre, which = m.groups()
@@ -281,12 +286,15 @@ def model_state_from_official(model, tensors: dict[str, torch.Tensor]) -> dict[s
 
 def load_model(path: str | Path | LoadedModel | None = None, *, device: str | torch.device = "cpu",
                pin_tables: bool | None = None, progress: bool | Progress | None = None, dedup: bool = True,
-               cache_bytes: int = 0) -> LoadedModel:
+               cache_bytes: int = 0, drafter: bool = True) -> LoadedModel:
     """Load a checkpoint directory (None: the built-in tiny model). Parameters are memory-mapped on CPU
     (copied only when `device` is not the CPU, or dequantized/cast as the module docstring says) and have
     requires_grad off; Engram tables stay on the host, pinned when CUDA is available (pin_tables=None) -
     pinning copies them out of the mapping, so keep pin_tables=False for tables larger than RAM.
-    `dedup` and `cache_bytes` configure the staging gather (EngramTables).
+    `dedup` and `cache_bytes` configure the staging gather (EngramTables). `drafter`: load the DSpark drafter
+    (`LoadedModel.drafter`) where the config describes one (`DSparkConfig.enabled`) and the checkpoint has `mtp.*`
+    tensors (a missing one is then a CheckpointMismatch; the confidence head is optional); False, or a config
+    without one: `mtp.*` is left out.
 
     A LoadedModel is returned as is (its weights moved to `device` if they are elsewhere). `progress`:
     a callable (done, total, what) told about each loading stage, or True for a tqdm bar on stderr.
@@ -295,19 +303,21 @@ def load_model(path: str | Path | LoadedModel | None = None, *, device: str | to
     if isinstance(path, LoadedModel):
         if path.model.embed.weight.device.type != torch.device(device).type:
             path.model.to(device)
+            if path.drafter is not None:
+                path.drafter.to(device)
         return path
     root = Path(path) if path is not None else TINY_DIR
     try:
         if progress is True:
-            return _load_with_bar(root, device, pin_tables, dedup, cache_bytes)
-        return _load(root, device, pin_tables, progress or None, dedup, cache_bytes)
+            return _load_with_bar(root, device, pin_tables, dedup, cache_bytes, drafter)
+        return _load(root, device, pin_tables, progress or None, dedup, cache_bytes, drafter)
     except EngramServeError:
         raise
     except (TypeError, ValueError, KeyError) as e:
         raise ConfigError(f"{root / CONFIG_FILE}: {type(e).__name__}: {e}") from e
 
 
-def _load_with_bar(root: Path, device, pin_tables, dedup: bool, cache_bytes: int) -> LoadedModel:
+def _load_with_bar(root: Path, device, pin_tables, dedup: bool, cache_bytes: int, drafter: bool) -> LoadedModel:
     """`_load` with a tqdm bar on stderr following the loading stages."""
     from tqdm import tqdm
     with tqdm(total=1, desc="loading", unit="tensor", file=sys.stderr, leave=False,
@@ -318,10 +328,11 @@ def _load_with_bar(root: Path, device, pin_tables, dedup: bool, cache_bytes: int
             bar.n = done
             bar.set_postfix_str(what[-40:], refresh=False)
             bar.refresh()
-        return _load(root, device, pin_tables, note, dedup, cache_bytes)
+        return _load(root, device, pin_tables, note, dedup, cache_bytes, drafter)
 
 
-def _load(root: Path, device, pin_tables, progress: Progress | None, dedup: bool, cache_bytes: int) -> LoadedModel:
+def _load(root: Path, device, pin_tables, progress: Progress | None, dedup: bool, cache_bytes: int,
+          drafter: bool = True) -> LoadedModel:
     note = progress or (lambda done, total, what: None)
     for f in (CONFIG_FILE, TOKENIZER_FILE):
         if not (root / f).is_file():
@@ -339,25 +350,22 @@ def _load(root: Path, device, pin_tables, progress: Progress | None, dedup: bool
     used = {n for lid in cfg.engram.engram_layer_ids for n in (table_key(lid), scale_key(lid))}
     with torch.device("meta"):
         model = DeepseekV41(cfg)
-    expected, state = model.state_dict(), {}
-    if torch.device(device).type == "cpu" and kernels.loaded("linear"):  # MXFP4, FP8, BF16 matrices stay as stored
-        for layer, block in enumerate(model.layers):
-            if stores_mxfp4_experts(files, cfg, layer):
-                experts, names = read_mxfp4_experts(files, cfg, layer)
-                block.ffn.use_stored(experts)
-                used.update(names)
-                del expected[f"layers.{layer}.ffn.w13"], expected[f"layers.{layer}.ffn.w2"]
-        for name, module in model.named_modules():
-            key = f"{name}.weight"
-            if isinstance(module, Linear) and key in expected and (stored := read_stored(files, key, expected[key])):
-                module.use_stored(stored[0])
-                used.update(stored[1])
-                del expected[key]
-    for i, (key, ref) in enumerate(expected.items()):
-        state[key], names = read_param(files, key, list(ref.shape))
-        used.update(names)
-        note(i + 1, len(expected), key)
-    left_out = sorted(k for k in files.keys() if k not in used and not_text_forward(k))
+    as_stored = torch.device(device).type == "cpu" and kernels.loaded("linear")  # MXFP4, FP8, BF16 stay as stored
+    state = read_state(files, model, {f"layers.{l}": b.ffn for l, b in enumerate(model.layers)}, as_stored, used,
+                       note)
+    draft = None
+    if drafter and cfg.dspark.enabled and any(k.startswith("mtp.") for k in files.keys()):
+        with torch.device("meta"):
+            draft = DSpark(cfg)
+        if f"mtp.{cfg.dspark.num_layers - 1}.confidence_head.proj.weight" not in files:
+            draft.drop_confidence()  # (optional in a checkpoint)
+        draft_state = read_state(files, draft, {f"mtp.{i}": m.ffn for i, m in enumerate(draft.mtp)}, as_stored, used,
+                                 note)
+        draft.load_state_dict(draft_state, strict=True, assign=True)
+        layout_weights_(draft)
+        draft.requires_grad_(False).eval()
+    left_out = sorted(k for k in files.keys() if k not in used and not_text_forward(k)
+                      and not (draft is not None and k.startswith("mtp.")))  # (a loaded drafter's are all used)
     unexpected = sorted(set(files.keys()) - used - set(left_out))
     if unexpected:
         raise CheckpointMismatch(f"unexpected tensor(s) {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} "
@@ -370,5 +378,31 @@ def _load(root: Path, device, pin_tables, progress: Progress | None, dedup: bool
     model.requires_grad_(False).eval()
     if torch.device(device).type != "cpu":
         model = model.to(device)
-    return LoadedModel(cfg, model, tables, layout, tok, token_map, root)
+        draft = None if draft is None else draft.to(device)
+    return LoadedModel(cfg, model, tables, layout, tok, token_map, root, draft)
+
+
+def read_state(files: CheckpointFiles, module, moes: dict, as_stored: bool, used: set[str], note: Progress) -> dict:
+    """The float state of `module` (a DeepseekV41 or a DSpark, built on the meta device) by official name, the
+    checkpoint names read added to `used`. With `as_stored`, the MoEs `moes` (layer prefix -> MoE) whose experts are
+    all MXFP4 and the FP8 / BF16 Linears take their weights as stored (`use_stored`) and are not in the state."""
+    expected, state = module.state_dict(), {}
+    if as_stored:
+        for prefix, moe in moes.items():
+            if stores_mxfp4_experts(files, moe.cfg, prefix):
+                experts, names = read_mxfp4_experts(files, moe.cfg, prefix)
+                moe.use_stored(experts)
+                used.update(names)
+                del expected[f"{prefix}.ffn.w13"], expected[f"{prefix}.ffn.w2"]
+        for name, m in module.named_modules():
+            key = f"{name}.weight"
+            if isinstance(m, Linear) and key in expected and (stored := read_stored(files, key, expected[key])):
+                m.use_stored(stored[0])
+                used.update(stored[1])
+                del expected[key]
+    for i, (key, ref) in enumerate(expected.items()):
+        state[key], names = read_param(files, key, list(ref.shape))
+        used.update(names)
+        note(i + 1, len(expected), key)
+    return state
 

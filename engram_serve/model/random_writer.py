@@ -38,8 +38,8 @@ from ..config import ModelConfig
 from ..engram.quantized import E8M0_BIAS, SCALE_COLS
 from ..engram.tables import scale_key, table_key
 from .checkpoint import DTYPES, TINY_DIR
-from .writer import (FP8_BLOCK, SMALL_TEXT_CONFIG, Quant, assign_shards, shard_file, start_directory, stored_form,
-                     with_engram_rows, write_index)
+from .writer import (FP8_BLOCK, SMALL_TEXT_CONFIG, STACKED, Quant, assign_shards, shard_file, start_directory,
+                     stored_form, with_engram_rows, write_index)
 
 E2M1_RMS = math.sqrt(sum(v * v for v in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)) / 8)  # uniform codes
 JITTER_RMS = math.sqrt((0.25 + 1 + 1 + 4) / 4)  # scale codes base + {-1, 0, 0, 1}: the RMS of 2^jitter
@@ -67,12 +67,15 @@ def recipes(text: dict, quant: Quant = Quant()) -> dict[str, Recipe]:
     """Every tensor writer.py `official_tensors` stores for this text config (with `engram_num_embeddings`)
     and `quant`, by name, from the model built on the meta device (no memory)."""
     from .deepseek_v41 import DeepseekV41
+    from .dspark import DSpark
     cfg = ModelConfig.from_dict(text)
     with torch.device("meta"):
         model = DeepseekV41(cfg)
+        drafter = DSpark(cfg) if cfg.dspark.enabled else None  # the drafter's `mtp.*`, as writer.py writes them
     logical: dict[str, tuple[int, ...]] = {}
-    for name, p in model.state_dict().items():
-        m = re.fullmatch(r"(layers\.\d+\.ffn)\.(w13|w2)", name)
+    params = {**model.state_dict(), **(drafter.state_dict() if drafter is not None else {})}
+    for name, p in params.items():
+        m = STACKED.fullmatch(name)
         if m is None:
             logical[name] = tuple(p.shape)
             continue

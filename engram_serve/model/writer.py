@@ -31,9 +31,10 @@ from ..engram.tables import EngramTables, scale_key, table_key
 from .checkpoint import CONFIG_FILE, INDEX_FILE, TINY_DIR
 
 FP8_BLOCK = 32
-FP8_LINEARS = re.compile(r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]"
-                         r"|engram\.wkv)\.weight")
-EXPERTS = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
+FP8_LINEARS = re.compile(r"(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]"
+                         r"|engram\.wkv|main_proj)\.weight")  # (the drafter's as NeMo's adapter stores them)
+EXPERTS = re.compile(r"(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
+STACKED = re.compile(r"((?:layers|mtp)\.\d+\.ffn)\.(w13|w2)")  # stacked experts, one tensor per expert on disk
 
 
 @dataclass(frozen=True)
@@ -55,12 +56,13 @@ class Quant:
         return {**q, "expert_dtype": "fp4"} if self.experts == "fp4" else q
 
 
-def official_tensors(model, tables: EngramTables | None, quant: Quant) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint by official name: the model's parameters (its stacked experts split
-    into one tensor per expert and projection) and the Engram tables, quantized per `quant`."""
+def official_tensors(model, tables: EngramTables | None, quant: Quant, drafter=None) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint by official name: the model's parameters and the drafter's (`mtp.*`; their
+    stacked experts split into one tensor per expert and projection) and the Engram tables, quantized per `quant`."""
     out: dict[str, torch.Tensor] = {}
-    for name, p in model.state_dict().items():
-        m = re.fullmatch(r"(layers\.\d+\.ffn)\.(w13|w2)", name)
+    params = {**model.state_dict(), **(drafter.state_dict() if drafter is not None else {})}
+    for name, p in params.items():
+        m = STACKED.fullmatch(name)
         if m is None:
             out[name] = p
             continue
@@ -118,10 +120,11 @@ def nested_config(text: dict, quant: Quant) -> dict:
 
 
 def save_v41_checkpoint(out_dir: str | Path, text_config: dict, model, tables: EngramTables | None,
-                        tokenizer_path: str | Path, quant: Quant = Quant(), shard_bytes: int = 64 << 20) -> Path:
-    """Write the directory; returns it."""
+                        tokenizer_path: str | Path, quant: Quant = Quant(), shard_bytes: int = 64 << 20,
+                        drafter=None) -> Path:
+    """Write the directory (with the DSpark `drafter`'s `mtp.*` where given); returns it."""
     out = start_directory(out_dir, text_config, quant, tokenizer_path)
-    stored = official_tensors(model, tables, quant)
+    stored = official_tensors(model, tables, quant, drafter)
     shards = assign_shards({name: t.numel() * t.element_size() for name, t in stored.items()}, shard_bytes)
     for k, names in enumerate(shards):
         save_file({name: stored[name] for name in names}, str(out / shard_file(k, len(shards))),
@@ -194,15 +197,18 @@ def random_v41_checkpoint(out_dir: str | Path, text_config: dict | None = None, 
                           std: float = 0.05, tokenizer_path: str | Path | None = None, shard_bytes: int = 64 << 20,
                           extra_tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """A deterministic random V4.1 checkpoint in the official layout (SMALL_TEXT_CONFIG by default; the
-    built-in tokenizer). `extra_tensors` are written beside the model's (e.g. `mtp.*` DSpark weights)."""
+    built-in tokenizer), with a random DSpark drafter where the config describes one. `extra_tensors` are
+    written beside the model's (e.g. tensors the text forward leaves out)."""
     from .deepseek_v41 import DeepseekV41, init_weights
+    from .dspark import DSpark
 
     text = with_engram_rows(dict(text_config or SMALL_TEXT_CONFIG))
     cfg = ModelConfig.from_dict(text)
     model = init_weights(DeepseekV41(cfg), seed, std)
+    drafter = init_weights(DSpark(cfg), seed + 2, std) if cfg.dspark.enabled else None
     tables = EngramTables.random(cfg.engram, seed + 1, pin=False) if cfg.engram.engram_layer_ids else None
     out = save_v41_checkpoint(out_dir, text, model, tables, tokenizer_path or TINY_DIR / "tokenizer.json", quant,
-                              shard_bytes)
+                              shard_bytes, drafter)
     if extra_tensors:
         save_file({k: v.contiguous() for k, v in extra_tensors.items()}, str(out / "model-extra.safetensors"))
         index = json.loads((out / INDEX_FILE).read_text())

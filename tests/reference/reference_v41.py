@@ -80,6 +80,7 @@ class Reference:
     experts: dict[int, list[list[int]]] = field(default_factory=dict)
     index_topk: dict[int, list[list[int]]] = field(default_factory=dict)
     candidates: list[list[int]] | None = None
+    features: torch.Tensor | None = None  # [S, nL*D] float64: the captured layers' stream means (`capture`)
 
     def tainted(self, position: int) -> bool:
         """True when a near tie at `position` or before could make float32 differ from this reference."""
@@ -369,6 +370,8 @@ class _Forward:
         self.experts: dict[int, list[list[int]]] = {}
         self.index_topk: dict[int, list[list[int]]] = {}
         self.candidates: list[list[int]] | None = None
+        self.capture: tuple[int, ...] = ()
+        self.features: dict[int, list[np.ndarray]] = {}
 
     def p(self, name: str) -> np.ndarray:
         """The float64 weight `name`, read from `weights` when first used (a routed expert's each time it is used,
@@ -398,8 +401,12 @@ class _Forward:
             hidden = rmsnorm(collapse(streams[pos], pre_prev[pos]), self.p("norm.weight"), self.eps)
             logits.append(self.p("head.weight") @ hidden)
         logits_t = torch.tensor(np.array(logits), dtype=torch.float64)  # [S, V]
+        features = None
+        if self.capture:
+            features = torch.tensor(np.array([np.concatenate([self.features[layer][pos] for layer in self.capture])
+                                              for pos in range(seq)]), dtype=torch.float64)
         return Reference(logits_t, torch.log_softmax(logits_t, dim=-1), self.near_ties, self.experts,
-                         self.index_topk, self.candidates)
+                         self.index_topk, self.candidates, features)
 
     def layer(self, layer: int, streams: list[list[np.ndarray]], pre_prev: list[list[float]]) -> list[list[float]]:
         """Update every position's streams in place through layer `layer`; return each position's FFN pre."""
@@ -408,6 +415,8 @@ class _Forward:
         if layer in self.cfg.get("engram_layer_ids", []):
             for pos in range(seq):
                 streams[pos] = self.engram(layer, pos, streams[pos])
+        if layer in self.capture:  # the DSpark features: the streams entering the layer, after its Engram gate
+            self.features[layer] = [sum(streams[pos]) / len(streams[pos]) for pos in range(seq)]
         attn_mix = [self.mhc(layer, "attn", streams[pos]) for pos in range(seq)]
         xs = [rmsnorm(collapse(streams[pos], pre_prev[pos]), self.p(pre + "attn_norm.weight"), self.eps)
               for pos in range(seq)]
@@ -424,8 +433,8 @@ class _Forward:
             pre_f_all.append(pre_f)
         return pre_f_all
 
-    def mhc(self, layer: int, sub: str, streams: list[np.ndarray]):
-        pre = f"layers.{layer}.hc_{sub}_"
+    def mhc(self, layer: int, sub: str, streams: list[np.ndarray], prefix: str | None = None):
+        pre = (prefix or f"layers.{layer}.") + f"hc_{sub}_"
         return mhc(streams, self.p(pre + "fn"), self.p(pre + "base"), self.p(pre + "scale"), self.eps,
                    float(self.cfg["hc_eps"]), int(self.cfg["hc_sinkhorn_iters"]))
 
@@ -485,9 +494,9 @@ class _Forward:
             outs.append(self.output_projection(layer, o_heads))
         return outs
 
-    def output_projection(self, layer: int, o_heads: list[np.ndarray]) -> np.ndarray:
+    def output_projection(self, layer: int, o_heads: list[np.ndarray], pre: str | None = None) -> np.ndarray:
         """wo_b . concat(u_g), u_g = wo_a[g*ol:(g+1)*ol] . concat(o_h of group g) (block-diagonal wo_a)."""
-        cfg, pre = self.cfg, f"layers.{layer}.attn."
+        cfg, pre = self.cfg, pre or f"layers.{layer}.attn."
         groups, ol = cfg["o_groups"], cfg["o_lora_rank"]
         per_group = len(o_heads) // groups
         wo_a = self.p(pre + "wo_a.weight")  # [og*ol, H*hd/og]
@@ -592,19 +601,20 @@ class _Forward:
 
     # ---------------------------------------------------------------- MoE
 
-    def moe(self, layer: int, pos: int, x: np.ndarray) -> np.ndarray:
-        cfg, pre = self.cfg, f"layers.{layer}.ffn."
+    def moe(self, layer: int, pos: int, x: np.ndarray, pre: str | None = None, experts: int | None = None,
+            k: int | None = None) -> np.ndarray:
+        cfg, pre = self.cfg, pre or f"layers.{layer}.ffn."
         gate, bias = self.p(pre + "gate.weight"), self.p(pre + "gate.bias")
         scores, selection, errors = [], [], []
-        for e in range(cfg["n_routed_experts"]):
+        for e in range(experts or cfg["n_routed_experts"]):
             z = float(gate[e] @ x)
             score = math.sqrt(softplus(z))
             scores.append(score)
             selection.append(score + float(bias[e]))  # the bias only chooses
             errors.append(self.tol * (float(np.sum(np.abs(gate[e] * x))) + score + abs(float(bias[e]))))
-        chosen = top_k(selection, cfg["num_experts_per_tok"])
+        chosen = top_k(selection, k or cfg["num_experts_per_tok"])
         self.check_tie_symmetric(pos, layer, "router", selection, errors, chosen)
-        self.experts[layer].append(chosen)
+        self.experts.setdefault(layer, []).append(chosen)
         total = sum(scores[e] for e in chosen)
         out = self.expert(pre + "shared_experts.", x)
         for e in chosen:
@@ -618,13 +628,125 @@ class _Forward:
 
 def reference_forward(config: dict, weights: dict[str, torch.Tensor], token_ids: list[int],
                       engram_hash_ids: dict[int, torch.Tensor] | None = None,
-                      dead: list[bool] | None = None, tie_tolerance: float = NEAR_TIE_TOLERANCE) -> Reference:
+                      dead: list[bool] | None = None, tie_tolerance: float = NEAR_TIE_TOLERANCE,
+                      capture: tuple[int, ...] = ()) -> Reference:
     """The float64 forward of one request whose tokens sit at positions 0..S-1.
 
     config: the text config (flat, or nested under text_config); weights: float tensors under the official
     names (dequantized), a dict or any mapping (read when used: of the routed experts, only those chosen); engram_hash_ids[layer]: [S, (N-1)*H_e] int64 table rows (offsets included), needed
     for every Engram layer; dead[p]: token p is dead (its Engram gate is 0); tie_tolerance: the relative
-    error bound of the near-tie report (0 reports only exact ties that float32 could break)."""
+    error bound of the near-tie report (0 reports only exact ties that float32 could break); capture: layers
+    whose input streams' mean (after the Engram gate) goes to `Reference.features`, concatenated in this order."""
     cfg = flat_config(config)
     check_config(cfg)
-    return _Forward(cfg, weights, token_ids, engram_hash_ids, dead, tie_tolerance).run()
+    forward = _Forward(cfg, weights, token_ids, engram_hash_ids, dead, tie_tolerance)
+    forward.capture = tuple(capture)
+    return forward.run()
+
+
+# ------------------------------------------------------------------------------------------------ the DSpark drafter
+
+@dataclass
+class DraftReference:
+    """One draft's float64 results: logits[j] = z_j [V] (the Markov term included), tokens[j] the token taken as
+    prev for j + 1 (the given `chosen`, else the argmax), gaps[j] the argmax's margin over the runner-up,
+    confidence[j] the acceptance logit (None without the head); near ties of the draft routers as in `Reference`."""
+
+    logits: torch.Tensor  # [k, V] float64
+    tokens: list[int]
+    gaps: list[float]
+    confidence: list[float] | None
+    near_ties: list[NearTie] = field(default_factory=list)
+
+
+class _Draft(_Forward):
+    """The drafter of docs/deepseek_v41.md over the target's features, position by position."""
+
+    def run_draft(self, features: torch.Tensor, last: int, n: int, chosen: list[int] | None) -> DraftReference:
+        cfg, eps = self.cfg, self.eps
+        k, window, hc = cfg["dspark_block_size"], cfg["sliding_window"], cfg["hc_mult"]
+        layers, last_layer = cfg["num_nextn_predict_layers"], f"mtp.{cfg['num_nextn_predict_layers'] - 1}."
+        context = {}  # position -> c[p]
+        for p in range(max(0, n - window), n):
+            f = features[p].detach().to(torch.float64).numpy()
+            context[p] = rmsnorm(self.p("mtp.0.main_proj.weight") @ f, self.p("mtp.0.main_norm.weight"), eps)
+        ids = [last] + [cfg["dspark_noise_token_id"]] * (k - 1)
+        positions = [n + j for j in range(k)]
+        streams = [[self.p("embed.weight")[t].copy() for _ in range(hc)] for t in ids]
+        pre_prev = [[1.0] + [0.0] * (hc - 1) for _ in range(k)]  # the first sublayer: stream 0 alone
+        for i in range(layers):
+            pre_prev = self.draft_layer(i, streams, pre_prev, context, positions)
+        hidden = [rmsnorm(collapse(streams[j], pre_prev[j]), self.p(last_layer + "norm.weight"), eps) for j in range(k)]
+        embed, head = self.p(last_layer + "markov_head.embed.weight"), self.p(last_layer + "markov_head.head.weight")
+        has_confidence = last_layer + "confidence_head.proj.weight" in self.weights
+        prev, logits, tokens, gaps, confidence = last, [], [], [], []
+        for j in range(k):
+            z = self.p("head.weight") @ hidden[j] + head @ embed[prev]
+            order = sorted(range(len(z)), key=lambda v: (-z[v], v))
+            gaps.append(float(z[order[0]] - z[order[1]]))
+            if has_confidence:
+                confidence.append(float(self.p(last_layer + "confidence_head.proj.weight")[0]
+                                        @ np.concatenate([hidden[j], embed[prev]])))
+            prev = order[0] if chosen is None else int(chosen[j])
+            logits.append(z)
+            tokens.append(prev)
+        return DraftReference(torch.tensor(np.array(logits), dtype=torch.float64), tokens, gaps,
+                              confidence if has_confidence else None, self.near_ties)
+
+    def draft_layer(self, i: int, streams: list[list[np.ndarray]], pre_prev: list[list[float]],
+                    context: dict[int, np.ndarray], positions: list[int]) -> list[list[float]]:
+        cfg, pre = self.cfg, f"mtp.{i}."
+        attn_mix = [self.mhc(-1, "attn", s, pre) for s in streams]
+        xs = [rmsnorm(collapse(streams[j], pre_prev[j]), self.p(pre + "attn_norm.weight"), self.eps)
+              for j in range(len(streams))]
+        outs = self.draft_attention(i, xs, context, positions)
+        pre_f_all = []
+        for j in range(len(streams)):
+            _, post_a, c_a = attn_mix[j]
+            streams[j] = mix(streams[j], post_a, c_a, outs[j])
+            pre_f, post_f, c_f = self.mhc(-1, "ffn", streams[j], pre)
+            x = rmsnorm(collapse(streams[j], attn_mix[j][0]), self.p(pre + "ffn_norm.weight"), self.eps)
+            moe = self.moe(cfg["num_hidden_layers"] + i, positions[j], x, pre + "ffn.", cfg["dspark_n_routed_experts"],
+                           cfg["dspark_num_experts_per_tok"])
+            streams[j] = mix(streams[j], post_f, c_f, moe)
+            pre_f_all.append(pre_f)
+        return pre_f_all
+
+    def draft_attention(self, i: int, xs: list[np.ndarray], context: dict[int, np.ndarray],
+                        positions: list[int]) -> list[np.ndarray]:
+        """Every query of the block over the context keys of positions n - W .. n - 1, then the block's own keys."""
+        cfg, pre = self.cfg, f"mtp.{i}.attn."
+        heads, hd, freqs = cfg["num_attention_heads"], cfg["head_dim"], self.window_freqs
+
+        def key(x: np.ndarray, pos: int) -> np.ndarray:
+            return rope(rmsnorm(self.p(pre + "wkv.weight") @ x, self.p(pre + "kv_norm.weight"), self.eps), pos, freqs)
+
+        keys = [key(c, p) for p, c in sorted(context.items())] + [key(x, p) for x, p in zip(xs, positions)]
+        outs = []
+        for x, pos in zip(xs, positions):
+            q = self.p(pre + "wq_b.weight") @ rmsnorm(self.p(pre + "wq_a.weight") @ x, self.p(pre + "q_norm.weight"),
+                                                      self.eps)
+            o_heads = []
+            for h in range(heads):
+                o_h = attend(rope(q[h * hd:(h + 1) * hd], pos, freqs), keys, float(self.p(pre + "attn_sink")[h]))
+                o_heads.append(rope(o_h, pos, freqs, inverse=True))
+            outs.append(self.output_projection(-1, o_heads, pre))
+        return outs
+
+
+def reference_draft(config: dict, weights: dict[str, torch.Tensor], features: torch.Tensor, last_token: int,
+                    position: int, chosen: list[int] | None = None,
+                    tie_tolerance: float = NEAR_TIE_TOLERANCE) -> DraftReference:
+    """The float64 draft of one request: its last sampled token at `position` n, the target's features [S, nL*D]
+    of positions 0 .. S - 1 (S >= n; those before n - W are not read); chosen[j]: the token taken as prev for
+    position j + 1 (default: the argmax)."""
+    cfg = flat_config(config)
+    check_config(cfg)
+    for name in ("num_nextn_predict_layers", "dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids",
+                 "dspark_markov_rank", "dspark_n_routed_experts", "dspark_num_experts_per_tok"):
+        if name not in cfg:
+            raise ValueError(f"config field {name} is missing: the config has no drafter")
+    if features.shape[0] < position:
+        raise ValueError(f"features cover {features.shape[0]} positions; the draft at {position} reads up to "
+                         f"{position - 1}")
+    return _Draft(cfg, weights, [], None, None, tie_tolerance).run_draft(features, last_token, position, chosen)

@@ -189,7 +189,56 @@ def weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
             shapes.update({g + "embed.weight": (engram_rows[layer], cfg["engram_head_dim"]),
                            g + "wkv.weight": ((hc + 1) * d, columns * cfg["engram_head_dim"]),
                            g + "q_weight": (hc, d), g + "k_weight": (hc, d)})
+    return {**shapes, **dspark_shapes(cfg)}
+
+
+def has_drafter(cfg: dict) -> bool:
+    return cfg.get("num_nextn_predict_layers", 0) > 0 and bool(cfg.get("dspark_target_layer_ids"))
+
+
+def dspark_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """The DSpark drafter's tensors (`mtp.*`) of a config that has one, with their shapes; else none."""
+    if not has_drafter(cfg):
+        return {}
+    d, hc, heads, hd = cfg["hidden_size"], cfg["hc_mult"], cfg["num_attention_heads"], cfg["head_dim"]
+    ql, og, ol, inter = cfg["q_lora_rank"], cfg["o_groups"], cfg["o_lora_rank"], cfg["moe_intermediate_size"]
+    n, rank, experts = cfg["num_nextn_predict_layers"], cfg["dspark_markov_rank"], cfg["dspark_n_routed_experts"]
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(n):
+        p = f"mtp.{i}."
+        shapes[p + "attn_norm.weight"] = shapes[p + "ffn_norm.weight"] = (d,)
+        for sub in ("attn", "ffn"):
+            shapes.update({f"{p}hc_{sub}_fn": ((2 + hc) * hc, hc * d), f"{p}hc_{sub}_base": ((2 + hc) * hc,),
+                           f"{p}hc_{sub}_scale": (3,)})
+        a = p + "attn."
+        shapes.update({a + "wq_a.weight": (ql, d), a + "q_norm.weight": (ql,), a + "wq_b.weight": (heads * hd, ql),
+                       a + "wkv.weight": (hd, d), a + "kv_norm.weight": (hd,),
+                       a + "wo_a.weight": (og * ol, heads * hd // og), a + "wo_b.weight": (d, og * ol),
+                       a + "attn_sink": (heads,)})
+        f = p + "ffn."
+        shapes.update({f + "gate.weight": (experts, d), f + "gate.bias": (experts,)})
+        for e in [f"experts.{j}." for j in range(experts)] + ["shared_experts."]:
+            shapes.update({f + e + "w1.weight": (inter, d), f + e + "w3.weight": (inter, d),
+                           f + e + "w2.weight": (d, inter)})
+    shapes["mtp.0.main_proj.weight"] = (d, len(cfg["dspark_target_layer_ids"]) * d)
+    shapes["mtp.0.main_norm.weight"] = (d,)
+    last = f"mtp.{n - 1}."
+    shapes.update({last + "norm.weight": (d,), last + "markov_head.embed.weight": (cfg["vocab_size"], rank),
+                   last + "markov_head.head.weight": (cfg["vocab_size"], rank),
+                   last + "confidence_head.proj.weight": (1, d + rank)})
     return shapes
+
+
+def with_drafter(cfg: dict, layers: int = 2, block: int = 3, targets: tuple[int, ...] | None = None,
+                 rank: int = 8, experts: int = 4, per_token: int = 2, noise: int | None = None) -> dict:
+    """cfg with a DSpark drafter: `layers` draft layers (ratio 0 after the backbone's), reading the streams entering
+    `targets` (default: the last two layers)."""
+    n = cfg["num_hidden_layers"]
+    return {**cfg, "compress_ratios": list(cfg["compress_ratios"][:n]) + [0] * layers,
+            "num_nextn_predict_layers": layers, "dspark_block_size": block,
+            "dspark_noise_token_id": cfg["vocab_size"] - 1 if noise is None else noise,
+            "dspark_target_layer_ids": list(targets if targets is not None else range(max(0, n - 2), n)),
+            "dspark_markov_rank": rank, "dspark_n_routed_experts": experts, "dspark_num_experts_per_tok": per_token}
 
 
 def _std(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
@@ -207,7 +256,7 @@ def _std(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
         return 0.0, 0.5
     if name.endswith("gate.bias"):
         return 0.0, 0.1
-    if name == "embed.weight" or name.endswith("engram.embed.weight"):
+    if name == "embed.weight" or name.endswith(("engram.embed.weight", "markov_head.embed.weight")):
         return 0.0, 1.0
     return 0.0, 1.0 / shape[1] ** 0.5  # a projection [out, in]: unit-variance outputs for unit inputs
 

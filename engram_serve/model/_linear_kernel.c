@@ -64,6 +64,9 @@
  *       the inputs split exactly in three bfloat16 pieces, the products exact, the sums in float32; where
  *       amx_supported() (AMX-BF16, AVX-512, the tile data granted by Linux).
  *
+ * A call of more rows than one tile takes decodes each group of stored panels once into float panels (decode_panel)
+ * and runs the float tiles over them for every tile of rows: the same bits, one decode a weight.
+ *
  * Threads: each product runs on the kernels' pool (_thread_pool.h) partitioned along its output panels (16
  * columns; the bfloat16 tiles' column pairs of 32), and along its rows in whole tiles where the panels are too few:
  * the section "threads" below; the experts along (expert, output panel) pairs. Never inside an output's sum, so
@@ -700,6 +703,111 @@ static const format_tiles *tiles_of(const int fmt) {
 }
 #undef FORMAT_TILES
 
+/* ---- decoding a panel of stored rows once, for the calls of many rows ---------------------------------------
+ *
+ * A call whose rows take several tiles would decode each stored weight once a tile. decode_panel writes panel p's
+ * weights as a float panel instead ([k][16], the very values the stored tiles decode in registers, lanes beyond n
+ * zero or their decode of zero codes); the float tiles then read it for every tile of rows: the same products in
+ * the same order, so the same bits, with one decode a weight. */
+static inline __attribute__((always_inline)) void decode_panel_plain(const int fmt, panel_ref b, Py_ssize_t k,
+                                                                     float *dst) {
+    for (Py_ssize_t t = 0; t < k; t++)
+        for (int j = 0; j < NR; j++) dst[t * NR + j] = weight_at(fmt, b, t, j);
+}
+
+#if HAVE_X86_AVX2
+__attribute__((target("avx512f,avx2"), always_inline)) static inline void decode_panel_avx512(const int fmt,
+                                                                                           panel_ref b, Py_ssize_t k,
+                                                                                           float *dst) {
+    const int gi = gather_inputs(fmt);
+    for (Py_ssize_t t = 0; t < k;) {
+        const Py_ssize_t te = group_end(fmt, b, t, k);
+        const __m512 s = scale16(fmt, b, t);
+        while (t < te) {
+            const int cols = b.rows == NR && te - t >= 4 * gi ? 4 : 1;
+            __m512i g[4];
+            if (cols == 4)
+                rows16x4(fmt, b, t, g);
+            else
+                g[0] = gather16(fmt, b, t);
+            for (int j = 0; j < cols; j++)
+#pragma GCC unroll 8
+                for (int u = 0; u < gi; u++, t++) _mm512_storeu_ps(dst + t * NR, lane16(fmt, g[j], u, s));
+        }
+    }
+}
+
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void decode_panel_avx2(const int fmt, panel_ref b,
+                                                                                         Py_ssize_t k, float *dst) {
+    const int gi = gather_inputs(fmt);
+    for (Py_ssize_t t = 0; t < k;) {
+        const Py_ssize_t te = group_end(fmt, b, t, k);
+        __m256 s0, s1;
+        scale8x2(fmt, b, t, &s0, &s1);
+        while (t < te) {
+            const int cols = b.rows == NR && te - t >= 4 * gi ? 4 : 1;
+            __m256i g0[4], g1[4];
+            if (cols == 4)
+                rows8x2x4(fmt, b, t, g0, g1);
+            else
+                gather8x2(fmt, b, t, &g0[0], &g1[0]);
+            for (int j = 0; j < cols; j++)
+#pragma GCC unroll 8
+                for (int u = 0; u < gi; u++, t++) {
+                    _mm256_storeu_ps(dst + t * NR, lane8(fmt, g0[j], u, s0));
+                    _mm256_storeu_ps(dst + t * NR + 8, lane8(fmt, g1[j], u, s1));
+                }
+        }
+    }
+}
+
+#define DECODE_PANEL(NAME, FMT)                                                                                    \
+    __attribute__((target("avx512f,avx2"))) static void decode512_##NAME(panel_ref b, Py_ssize_t k, float *d) {     \
+        decode_panel_avx512(FMT, b, k, d);                                                                         \
+    }                                                                                                              \
+    __attribute__((target("avx2,fma,f16c"))) static void decode256_##NAME(panel_ref b, Py_ssize_t k, float *d) {   \
+        decode_panel_avx2(FMT, b, k, d);                                                                           \
+    }
+DECODE_PANEL(mxfp4, WF_MXFP4)
+DECODE_PANEL(fp8, WF_FP8)
+DECODE_PANEL(bf16, WF_BF16)
+#undef DECODE_PANEL
+#endif
+
+static void decode_panel(const weight_ref *w, Py_ssize_t p, int level, float *dst) {
+    const int fmt = w->fmt;
+    const panel_ref b = panel_at(w, p);
+#if HAVE_X86_AVX2
+    if (level >= 1) {
+        typedef void (*decode_fn)(panel_ref, Py_ssize_t, float *);
+        const decode_fn f = level == 2 ? (fmt == WF_MXFP4 ? decode512_mxfp4 : fmt == WF_FP8 ? decode512_fp8 : decode512_bf16)
+                                       : (fmt == WF_MXFP4 ? decode256_mxfp4 : fmt == WF_FP8 ? decode256_fp8 : decode256_bf16);
+        f(b, w->k, dst);
+        return;
+    }
+#else
+    (void)level;
+#endif
+    if (fmt == WF_MXFP4)
+        decode_panel_plain(WF_MXFP4, b, w->k, dst);
+    else if (fmt == WF_FP8)
+        decode_panel_plain(WF_FP8, b, w->k, dst);
+    else
+        decode_panel_plain(WF_BF16, b, w->k, dst);
+}
+
+static __thread float *panel_buf; /* each pool thread's decoded panels (grown, kept) */
+static __thread size_t panel_cap;
+
+static float *decoded_panels(size_t floats) {
+    if (floats > panel_cap) {
+        free(panel_buf);
+        panel_buf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        panel_cap = panel_buf ? floats : 0;
+    }
+    return panel_buf;
+}
+
 /* The product (see the header) of checked arguments for all m rows and the output panels [p_begin, p_end) only
  * (columns 16 p_begin .. min(n, 16 p_end)), y = x @ the weight w, a panel format (WF_F32, the stored rows), y's
  * rows ldy floats apart; runs without the GIL. The work is split along the rows' tiles and the output panels only:
@@ -726,6 +834,21 @@ static void linear_panels_range(const weight_ref *w, const float *xp, Py_ssize_t
      * (wide_panels), so each weight is read once (from memory, for an expert's cold weights) for every row, not
      * once per 6-row tile */
     const int rows = level == 2 && m > MR && m <= FEW_ROWS ? (int)m : MR; /* a tile's rows */
+    if (stored_rows(fmt) && m > rows) { /* several tiles of rows: each group of panels decoded once */
+        const Py_ssize_t fg = PANEL_BYTES / ((size_t)k * NR * sizeof(float)) > 1 ? PANEL_BYTES / ((size_t)k * NR * sizeof(float)) : 1;
+        float *buf = decoded_panels((size_t)fg * k * NR);
+        if (buf) {
+            if (p_end > panels) p_end = panels;
+            for (Py_ssize_t p0 = p_begin; p0 < p_end; p0 += fg) {
+                const Py_ssize_t p1 = p0 + fg < p_end ? p0 + fg : p_end;
+                for (Py_ssize_t p = p0; p < p1; p++) decode_panel(w, p, level, buf + (p - p0) * k * NR);
+                const Py_ssize_t cols = n - p0 * NR < (p1 - p0) * NR ? n - p0 * NR : (p1 - p0) * NR;
+                const weight_ref f = {.fmt = WF_F32, .data = buf, .k = k, .n = cols};
+                linear_panels_range(&f, xp, ldx, yp + p0 * NR, ldy, m, kc, simd, 0, p1 - p0);
+            }
+            return;
+        }
+    }
     const int pf = level == 2 && (size_t)panels * pb >= PF_BYTES;
     if (rows > MR) wide_rows = rows;
     float part[FEW_ROWS * NR]; /* a partial panel's tile */

@@ -64,8 +64,8 @@
  *       the inputs split exactly in three bfloat16 pieces, the products exact, the sums in float32; where
  *       amx_supported() (AMX-BF16, AVX-512, the tile data granted by Linux).
  *
- * A call of more rows than one tile takes decodes each group of stored panels once into float panels (decode_panel)
- * and runs the float tiles over them for every tile of rows: the same bits, one decode a weight.
+ * A call of more than DECODE_ROWS rows decodes each group of stored panels once into float panels (decode_panel) and
+ * runs the float tiles over them for every tile of rows: the same bits, one decode a weight.
  *
  * Threads: each product runs on the kernels' pool (_thread_pool.h) partitioned along its output panels (16
  * columns; the bfloat16 tiles' column pairs of 32), and along its rows in whole tiles where the panels are too few:
@@ -102,6 +102,7 @@
 #define ROW_PF_AHEAD 512  /* stored rows: inputs ahead that a row is prefetched */
 #define MR 6  /* rows of a tile: 6 x 16 accumulators fill 12 of AVX2's 16 vector registers */
 #define FEW_ROWS 16 /* the most rows of AVX-512's one-panel tile (16 accumulators of its 32 registers) */
+#define DECODE_ROWS 12 /* calls of more rows decode stored panels once (decode_panel; measured on Zen 4) */
 #define PANEL_BYTES (192 * 1024) /* the panels one pass over the rows reuses: they stay in L2 */
 
 /* ---- weight formats: how a panel's row of 16 weights is decoded (_formats.h), instantiated per format ---------
@@ -142,6 +143,7 @@ typedef struct {
     Py_ssize_t k, n;  /* inputs, outputs */
     Py_ssize_t block; /* WF_FP8: the scales' block */
     Py_ssize_t row0;  /* WF_FP8: the first row's place in its block of scales (a slice of rows; a multiple of 16) */
+    int decoded;      /* WF_F32: panels decode_panel just wrote (in L2) */
 } weight_ref;
 
 static inline int stored_rows(const int fmt) { return fmt == WF_MXFP4 || fmt == WF_FP8 || fmt == WF_BF16; }
@@ -255,17 +257,26 @@ __attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 lane
     return _mm512_mul_ps(e4m3_16_byte(g, u), scale);
 }
 
+/* MXFP4 stored rows, AVX-512: each row's scales of input t's group and the 3 groups after it (t / 32 + 4 <= the
+ * row's groups), one 32-bit word a row by one gather (127, a scale of 1, beyond the panel's rows); the scale
+ * vector of the group `i` (0..3) of such words */
+__attribute__((target("avx512f,avx2"), always_inline)) static inline __m512i mx_words16(panel_ref b, Py_ssize_t t) {
+    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32((int)b.sld));
+    return _mm512_mask_i32gather_epi32(_mm512_set1_epi32(0x7F7F7F7F), (__mmask16)((1u << b.rows) - 1), at,
+                                       (const uint8_t *)b.scale + t / MX_G, 1);
+}
+
+__attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 mx_scale16(__m512i words, int i) {
+    const __m512i e = _mm512_and_si512(_mm512_srl_epi32(words, _mm_cvtsi32_si128(8 * i)), _mm512_set1_epi32(255));
+    return e8m0_16(_mm512_cvtepi32_epi8(e));
+}
+
 /* AVX-512: the scale vector of input t's group, and the row of 16 weights at input t */
 __attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 scale16(const int fmt, panel_ref b,
                                                                                     Py_ssize_t t) {
     if (fmt == WF_MXFP4) {
-        if (t / MX_G + 4 <= b.sld) { /* a 32-bit gather of each row's scale (and the 3 after it, left out) */
-            const __m512i at = _mm512_mullo_epi32(
-                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int)b.sld));
-            const __m512i e = _mm512_mask_i32gather_epi32(_mm512_set1_epi32(127), (__mmask16)((1u << b.rows) - 1), at,
-                                                          (const uint8_t *)b.scale + t / MX_G, 1);
-            return e8m0_16(_mm512_cvtepi32_epi8(_mm512_and_si512(e, _mm512_set1_epi32(255))));
-        }
+        if (t / MX_G + 4 <= b.sld) return mx_scale16(mx_words16(b, t), 0);
         uint8_t e[NR];
         row_scales(b, t, e);
         return e8m0_16(_mm_loadu_si128((const __m128i *)e));
@@ -499,6 +510,8 @@ wide_avx512(const int fmt, const int mr, const int np, const float *restrict x, 
             Py_ssize_t k, Py_ssize_t kc, float *const *o, Py_ssize_t ldo, Py_ssize_t ldl, const int pf) {
     int full = 1; /* stored rows: every panel has its 16 rows (else only masked gathers read them) */
     for (int q = 0; q < np; q++) full &= b[q].rows == NR;
+    __m512i mw[8] = {0}; /* MXFP4: each panel's scale words of groups mw_at .. mw_at + 3 (mx_words16) */
+    Py_ssize_t mw_at = -8;
     for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
         const Py_ssize_t ke = k - k0 < kc ? k : k0 + kc;
         __m512 c[FEW_ROWS]; /* mr * np <= 16 */
@@ -506,7 +519,13 @@ wide_avx512(const int fmt, const int mr, const int np, const float *restrict x, 
         for (Py_ssize_t t = k0; t < ke;) {
             Py_ssize_t te = group_end(fmt, b[0], t, ke);
             __m512 s[8];
-            for (int q = 0; q < np; q++) s[q] = scale16(fmt, b[q], t);
+            if (fmt == WF_MXFP4 && t / MX_G + 4 <= b[0].sld) { /* one gather of scales every 4 groups */
+                if (t / MX_G < mw_at || t / MX_G >= mw_at + 4)
+                    for (int q = 0; q < np; q++) mw[q] = mx_words16(b[q], t), mw_at = t / MX_G;
+                for (int q = 0; q < np; q++) s[q] = mx_scale16(mw[q], (int)(t / MX_G - mw_at));
+            } else {
+                for (int q = 0; q < np; q++) s[q] = scale16(fmt, b[q], t);
+            }
             /* FP8 stored rows: the inputs times each panel's scale (fp8_prescale, panels of one scale share them) */
             const float *xp[8];
             float xsb[FEW_ROWS * XS];
@@ -833,8 +852,9 @@ static void linear_panels_range(const weight_ref *w, const float *xp, Py_ssize_t
     /* A call of 7 to 16 rows (a routed expert's) with AVX-512: one wide tile of all its rows and one panel
      * (wide_panels), so each weight is read once (from memory, for an expert's cold weights) for every row, not
      * once per 6-row tile */
-    const int rows = level == 2 && m > MR && m <= FEW_ROWS ? (int)m : MR; /* a tile's rows */
-    if (stored_rows(fmt) && m > rows) { /* several tiles of rows: each group of panels decoded once */
+    /* a tile's rows: all of a call of 7 to 16 (each weight read once from memory), but for decoded panels (in L2) */
+    const int rows = level == 2 && m > MR && m <= FEW_ROWS && !w->decoded ? (int)m : MR;
+    if (stored_rows(fmt) && m > DECODE_ROWS) { /* each group of panels decoded once for all the rows */
         const Py_ssize_t fg = PANEL_BYTES / ((size_t)k * NR * sizeof(float)) > 1 ? PANEL_BYTES / ((size_t)k * NR * sizeof(float)) : 1;
         float *buf = decoded_panels((size_t)fg * k * NR);
         if (buf) {
@@ -843,7 +863,7 @@ static void linear_panels_range(const weight_ref *w, const float *xp, Py_ssize_t
                 const Py_ssize_t p1 = p0 + fg < p_end ? p0 + fg : p_end;
                 for (Py_ssize_t p = p0; p < p1; p++) decode_panel(w, p, level, buf + (p - p0) * k * NR);
                 const Py_ssize_t cols = n - p0 * NR < (p1 - p0) * NR ? n - p0 * NR : (p1 - p0) * NR;
-                const weight_ref f = {.fmt = WF_F32, .data = buf, .k = k, .n = cols};
+                const weight_ref f = {.fmt = WF_F32, .data = buf, .k = k, .n = cols, .decoded = 1};
                 linear_panels_range(&f, xp, ldx, yp + p0 * NR, ldy, m, kc, simd, 0, p1 - p0);
             }
             return;

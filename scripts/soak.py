@@ -13,10 +13,12 @@ concurrent clients, each sending one request after another until the time is up:
 Every --sample-s it reads the server's resident set (VmRSS, and RssAnon, in /proc/PID/status). The soak fails (exit 1)
 on: any 5xx; any other error (a good request refused, a bad one accepted or answered without naming its field, a
 choice ending in error, a transport error); a hang (no answer within --request-timeout-s: the client's timeout on
-connecting and on each read); the server exiting; or RSS growth. The RSS rule: the samples of the first
---warmup-fraction of the run are warm-up and left out; of the rest, the median of the last third may exceed the
-median of the first third by at most max(--rss-growth-pct % of it, --rss-growth-mib MiB) (a leak grows without
-bound; allocator and page-cache noise stays within the bound). Prints a JSON summary on stdout.
+connecting and on each read); the server exiting; or RSS growth. The RSS rule: each sample is VmRSS less the memory
+the server's CPU graphs keep (`engram_cpu_graph_bytes` on /metrics: a cache that fills as new step shapes recur,
+bounded by runner/cpu_graphs.py `CpuGraphs.MAX_BYTES`); the samples of the first --warmup-fraction of the run are
+warm-up and left out; of the rest, the median of the last third may exceed the median of the first third by at most
+max(--rss-growth-pct % of it, --rss-growth-mib MiB) (a leak grows without bound; allocator and page-cache noise
+stays within the bound). Prints a JSON summary on stdout, with the raw VmRSS and the graphs' memory beside.
 
     python scripts/soak.py [--minutes 5] [--model DIR] [--clients 16] [-- SERVE FLAGS...]
 """
@@ -56,19 +58,23 @@ def rss_mib(pid: int) -> tuple[float, float] | None:
 
 
 class RssSampler(threading.Thread):
-    """Samples (seconds since start, VmRSS MiB, RssAnon MiB) of `pid` every `every` seconds until `stop()`."""
+    """Samples (seconds since start, VmRSS MiB, RssAnon MiB, graphs MiB) of `pid` every `every` seconds until
+    `stop()`; graphs MiB: `graphs()` (the server's CPU graphs, from /metrics; None: 0, or the last value read)."""
 
-    def __init__(self, pid: int, every: float):
+    def __init__(self, pid: int, every: float, graphs=None):
         super().__init__(name="rss-sampler", daemon=True)
-        self.pid, self.every, self.samples = pid, every, []
+        self.pid, self.every, self.graphs, self.samples = pid, every, graphs, []
         self._stop_event = threading.Event()
         self.t0 = time.monotonic()
 
     def run(self) -> None:
+        held = 0.0
         while True:
             got = rss_mib(self.pid)
+            if self.graphs is not None:
+                held = self.graphs() or held
             if got is not None:
-                self.samples.append((time.monotonic() - self.t0, *got))
+                self.samples.append((time.monotonic() - self.t0, *got, held))
             if self._stop_event.wait(self.every):
                 return
 
@@ -79,8 +85,8 @@ class RssSampler(threading.Thread):
 
 
 def rss_rule(samples: list[tuple[float, ...]], warmup_s: float, growth_pct: float, growth_mib: float) -> dict:
-    """The RSS rule (module docstring) over (seconds, VmRSS MiB, ...) samples: `passed` and the figures."""
-    after = [s[1] for s in samples if s[0] >= warmup_s]
+    """The RSS rule (module docstring) over RssSampler's samples: `passed` and the figures."""
+    after = [s[1] - s[3] for s in samples if s[0] >= warmup_s]  # VmRSS less the CPU graphs' captures
     out = {"samples": len(samples), "after_warmup": len(after), "warmup_s": round(warmup_s, 1),
            "start_mib": samples[0][1] if samples else None, "end_mib": samples[-1][1] if samples else None}
     if len(after) < 6:
@@ -91,7 +97,7 @@ def rss_rule(samples: list[tuple[float, ...]], warmup_s: float, growth_pct: floa
     out.update(first_third_median_mib=round(first, 1), last_third_median_mib=round(last, 1),
                growth_mib=round(last - first, 1), bound_mib=round(bound, 1), passed=last - first <= bound)
     if not out["passed"]:
-        out["why"] = (f"VmRSS grew {last - first:.1f} MiB (median of the last third {last:.1f} against the first "
+        out["why"] = (f"VmRSS less the CPU graphs grew {last - first:.1f} MiB (median of the last third {last:.1f} against the first "
                       f"third's {first:.1f}) > the bound {bound:.1f} MiB")
     return out
 
@@ -138,12 +144,16 @@ def stop_server(proc: subprocess.Popen) -> int | None:
     return proc.returncode
 
 
-def kernel_threads(base: str) -> int | None:
-    """The server's kernel pool size, from /metrics (`engram_kernel_threads`)."""
+def gauge(base: str, name: str) -> float | None:
+    """A gauge of the server's /metrics (None: not there, or no answer within 10 s)."""
     import httpx
-    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("engram_kernel_threads "):
-            return int(float(line.split()[1]))
+    try:
+        text = httpx.get(base + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
     return None
 
 
@@ -297,12 +307,12 @@ def soak(args) -> dict:
         t_start = time.monotonic()
         proc, base = start_server(serve_args, log, args.start_timeout_s)
         started_s = time.monotonic() - t_start
-        sampler = RssSampler(proc.pid, args.sample_s)
+        sampler = RssSampler(proc.pid, args.sample_s, lambda: (gauge(base, "engram_cpu_graph_bytes") or 0) / 2 ** 20)
         sampler.start()
         counts = Counts()
         try:
             card = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]
-            threads = kernel_threads(base)
+            threads = gauge(base, "engram_kernel_threads")
             duration = args.minutes * 60
             deadline = time.monotonic() + duration
             rng = random.Random(args.seed)
@@ -338,12 +348,14 @@ def soak(args) -> dict:
     total = sum(counts.by_status.values())
     return {"passed": not failures and total > 0, "failures": failures if total else failures + ["no requests"],
             "minutes": args.minutes, "clients": args.clients, "model": card["id"], "server_start_s": round(started_s, 1),
-            "server_threads": threads, "serve_args": serve_args, "requests": total,
+            "server_threads": None if threads is None else int(threads), "serve_args": serve_args, "requests": total,
             "by_status": dict(sorted(counts.by_status.items())), "requests_5xx": fives,
             "errors": counts.errors, "timeouts": counts.timeouts,
             "bad_requests": sum(n for k, n in counts.by_kind.items() if k.startswith("bad/")),
             "by_kind": dict(sorted(counts.by_kind.items())), "rss": rss,
             "rss_anon_mib": {"start": samples[0][2], "end": samples[-1][2]} if samples else None,
+            "cpu_graphs_mib": {"start": samples[0][3], "end": samples[-1][3]} if samples else None,
+            "rss_series": [[round(v, 1) for v in x] for x in samples[::max(1, len(samples) // 40)]],
             "server_exit_code": code, "server_log_tail": log_tail[-15:] if failures else []}
 
 

@@ -234,6 +234,7 @@ class AsyncLLMEngine:
     def _snapshot(self) -> None:
         e, st = self.engine, self.engine.stats
         bm = e.scheduler.block_manager
+        graphs = getattr(e.runner, "cpu_graphs", None)  # None: eager (or a runner without them)
         self._metrics = {
             "requests_running": e.scheduler.num_running,
             "requests_waiting": e.scheduler.num_waiting,
@@ -244,6 +245,8 @@ class AsyncLLMEngine:
             "generated_tokens_total": st.generated_tokens, "preemptions_total": st.preemptions,
             "request_errors_total": st.errors, "step_failures_total": st.step_failures,
             "kernel_threads": self._kernel_threads,
+            "cpu_graphs": len(graphs) if graphs is not None else 0,
+            "cpu_graph_bytes": graphs.nbytes if graphs is not None else 0,
         }
 
     # ---- output thread ------------------------------------------------------------------------

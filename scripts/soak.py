@@ -97,8 +97,8 @@ def rss_rule(samples: list[tuple[float, ...]], warmup_s: float, growth_pct: floa
     out.update(first_third_median_mib=round(first, 1), last_third_median_mib=round(last, 1),
                growth_mib=round(last - first, 1), bound_mib=round(bound, 1), passed=last - first <= bound)
     if not out["passed"]:
-        out["why"] = (f"VmRSS less the CPU graphs grew {last - first:.1f} MiB (median of the last third {last:.1f} against the first "
-                      f"third's {first:.1f}) > the bound {bound:.1f} MiB")
+        out["why"] = (f"VmRSS less the CPU graphs grew {last - first:.1f} MiB (median of the last third {last:.1f} "
+                      f"against the first third's {first:.1f}) > the bound {bound:.1f} MiB")
     return out
 
 
@@ -341,13 +341,16 @@ def soak(args) -> dict:
         failures.insert(0, f"{counts.timeouts} requests timed out (a hang)")
     if stuck:
         failures.append(f"{stuck} clients still waiting after the run")
-    if not alive or health != 200:
-        failures.append(f"the server {'exited (code ' + str(proc.returncode) + ')' if not alive else 'answered /health ' + str(health)}")
+    if not alive:
+        failures.append(f"the server exited (code {proc.returncode})")
+    elif health != 200:
+        failures.append(f"the server answered /health {health}")
     if not rss["passed"]:
         failures.append(f"RSS: {rss['why']}")
     total = sum(counts.by_status.values())
     return {"passed": not failures and total > 0, "failures": failures if total else failures + ["no requests"],
-            "minutes": args.minutes, "clients": args.clients, "model": card["id"], "server_start_s": round(started_s, 1),
+            "minutes": args.minutes, "clients": args.clients, "model": card["id"],
+            "server_start_s": round(started_s, 1),
             "server_threads": None if threads is None else int(threads), "serve_args": serve_args, "requests": total,
             "by_status": dict(sorted(counts.by_status.items())), "requests_5xx": fives,
             "errors": counts.errors, "timeouts": counts.timeouts,

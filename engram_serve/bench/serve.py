@@ -1,4 +1,4 @@
-"""Serving throughput and latency, microbatching on (MicrobatchConfig(2)) against off (MicrobatchConfig(1)).
+"""Serving throughput and latency: microbatching on against off, or the default kernel threads against one.
 
 Two servers run in this process on loopback (127.0.0.1, free ports), one per setting, over the
 same loaded model (one model user at a time: the other engine thread sleeps on its command
@@ -154,7 +154,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         before = functools.partial(_set_pool, sizes)
         set_torch_threads(n)  # loading runs torch ops; each engine below sets its own count (exact: torch on one)
     else:
-        settings = {base: (MicrobatchConfig(num_microbatches=1), None), cand: (MicrobatchConfig(num_microbatches=2), None)}
+        settings = {base: (MicrobatchConfig(num_microbatches=1), None),
+                    cand: (MicrobatchConfig(num_microbatches=2), None)}
         before = None
         torch.set_num_threads(args.threads)
         os.environ["ENGRAM_SERVE_THREADS"] = str(args.threads)  # engines built below keep it

@@ -63,7 +63,8 @@ def test_wrongly_typed_config_is_one_line(tmp_path, capsys, value, needle):
 @pytest.mark.parametrize("argv, needle", [
     (["serve", "--dtype", "float16"], "--dtype"), (["serve", "--max-num-seqs", "0"], "--max-num-seqs"),
     (["serve", "--port", "70000"], "--port"), (["serve", "--threads", "-1"], "--threads"),
-    (["serve", "--seed", "x"], "--seed"), (["serve", "--chat-template", "/nonexistent.jinja", "--port", "0"],
+    (["serve", "--seed", "x"], "--seed"), (["serve", "--max-waiting", "0"], "--max-waiting"),
+    (["serve", "--chat-template", "/nonexistent.jinja", "--port", "0"],
                                            "--chat-template"),
 ])
 def test_bad_serve_flags_are_one_line(capsys, argv, needle):

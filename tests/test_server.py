@@ -143,8 +143,11 @@ def test_models_health_metrics(served, client):
     text = httpx.get(served[0].base_url + "/metrics").text
     for name in ("engram_requests_running", "engram_requests_waiting", "engram_kv_blocks_used",
                  "engram_kv_cache_usage_ratio", "engram_generation_tokens_total",
-                 "engram_microbatched_steps_total", "engram_straddling_rows_total"):
+                 "engram_microbatched_steps_total", "engram_straddling_rows_total", "engram_kernel_threads",
+                 "engram_cpu_graphs", "engram_cpu_graph_bytes"):
         assert f"\n{name} " in "\n" + text, name
+    from engram_serve import thread_pool
+    assert f"\nengram_kernel_threads {float(thread_pool.threads())}\n" in "\n" + text  # one pool per process
 
 
 BAD = [  # (path, body, param that must be named)

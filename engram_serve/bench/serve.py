@@ -1,4 +1,4 @@
-"""Serving throughput and latency, microbatching on (MicrobatchConfig(2)) against off (MicrobatchConfig(1)).
+"""Serving throughput and latency: microbatching on against off, or the default kernel threads against one.
 
 Two servers run in this process on loopback (127.0.0.1, free ports), one per setting, over the
 same loaded model (one model user at a time: the other engine thread sleeps on its command
@@ -12,11 +12,20 @@ waves run back to back (median, min, max). Clients share the process (and
 the GIL) with the server: absolute numbers are pessimistic, the on/off ratio is the point.
 Steps are cut only above the MicrobatchConfig thresholds (32 decode tokens, 128 with prefill), so
 below ~32 clients both settings run the same whole steps.
+
+`--compare threads` duels the kernels' thread pool instead (default clients 1,16): `default`, the server as `serve`
+runs it without --threads (the pool at $ENGRAM_SERVE_THREADS, else the cores of the affinity mask, engine/threads.py
+`default_threads`), against `t1`, the same server at --threads 1; both microbatch as `serve` does (2). The pool is
+one per process, so before each wave the bench sets it to that wave's server's size (`_set_pool`; the other
+server's engine thread sleeps on its command queue, and a wave ends only after its last step). Each row gives both
+sizes and `*_pool_threads`, the size the engine's own snapshot saw at its last step (AsyncLLMEngine.metrics
+`kernel_threads`); the ratios are default over t1.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import os
@@ -27,12 +36,16 @@ import time
 from . import common
 
 NAME = "serve"
+COMPARE = {"microbatch": ("off", "on"), "threads": ("t1", "default")}  # (baseline, candidate) per --compare
 WORDS = "the a of river stone light quick slow green idea number seven over under house blue".split()
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--clients", type=common.positive_int_list, default=[1, 8, 32], metavar="N,N,...",
-                        help="concurrent streaming clients (default 1,8,32)")
+    parser.add_argument("--compare", choices=sorted(COMPARE), default="microbatch",
+                        help="microbatch: microbatching off against on (default); threads: the default kernel "
+                             "threads (the affinity mask's cores) against --threads 1")
+    parser.add_argument("--clients", type=common.positive_int_list, default=None, metavar="N,N,...",
+                        help="concurrent streaming clients (default 1,8,32; --compare threads 1,16)")
     parser.add_argument("--max-tokens", type=common.positive_int, default=32, metavar="N",
                         help="tokens per request (default 32)")
     parser.add_argument("--prompt-words", type=common.positive_int, default=12, metavar="N",
@@ -74,10 +87,12 @@ def _bodies(rng: random.Random, clients: int, args) -> list[dict]:
              "ignore_eos": True, "stream": True, "return_token_ids": True} for _ in range(clients)]
 
 
-async def _duel(urls: dict[str, str], clients: int, args, seed: int, max_waves: int | None = None) -> dict:
+async def _duel(urls: dict[str, str], clients: int, args, seed: int, max_waves: int | None = None,
+                before=None) -> dict:
     """Waves of `clients` concurrent streams, one wave per setting in turn (the order flips every wave,
     so a change in machine load hits both settings alike), until every setting has run --budget-s of
-    timed waves (at least one, at most --max-waves). Both settings get the same prompts, wave by wave."""
+    timed waves (at least one, at most --max-waves). Both settings get the same prompts, wave by wave.
+    `before(name)`, if given, runs before each of that setting's waves (untimed)."""
     import httpx
     rng = random.Random(seed)
     names = list(urls)
@@ -90,6 +105,8 @@ async def _duel(urls: dict[str, str], clients: int, args, seed: int, max_waves: 
             bodies = _bodies(rng, clients, args)
             for name in (names if w % 2 == 0 else names[::-1]):
                 st = stats[name]
+                if before is not None:
+                    before(name)
                 t0 = time.perf_counter()
                 counts = await asyncio.gather(*[_client(http, urls[name], b, st["ttft"], st["itl"]) for b in bodies])
                 dt = time.perf_counter() - t0
@@ -105,48 +122,78 @@ async def _duel(urls: dict[str, str], clients: int, args, seed: int, max_waves: 
             for n, st in stats.items()}
 
 
+def _set_pool(sizes: dict[str, int], name: str) -> None:
+    """The kernels' pool at `name`'s size: called between waves, while no engine steps."""
+    from .. import thread_pool
+    if thread_pool.set_threads(sizes[name]) != sizes[name]:
+        raise RuntimeError(f"the kernels' pool cannot run {sizes[name]} threads (not built?)")
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     import torch
 
     from ..engine.async_engine import AsyncLLMEngine
     from ..engine.llm_engine import LLMEngine
+    from ..engine.threads import default_threads, set_torch_threads
+    from ..errors import ConfigError
     from ..microbatch.plan import MicrobatchConfig
     from ..model.loader import load_model
     from ..runner.model_runner import RunnerConfig
     from ..server.api import build_app
     from ..server.run import BackgroundServer
 
-    torch.set_num_threads(args.threads)
-    os.environ["ENGRAM_SERVE_THREADS"] = str(args.threads)  # engines built below keep it
+    base, cand = COMPARE[args.compare]
+    clients_list = args.clients or ([1, 16] if args.compare == "threads" else [1, 8, 32])
+    if args.compare == "threads":
+        n = default_threads()
+        if n == 1:
+            raise ConfigError("--compare threads: the default is 1 thread (the affinity mask has one core, or "
+                              "ENGRAM_SERVE_THREADS=1): nothing to compare; set ENGRAM_SERVE_THREADS=N")
+        sizes = {base: 1, cand: n}
+        settings = {name: (MicrobatchConfig(num_microbatches=2), sizes[name]) for name in (base, cand)}
+        before = functools.partial(_set_pool, sizes)
+        set_torch_threads(n)  # loading runs torch ops; each engine below sets its own count (exact: torch on one)
+    else:
+        settings = {base: (MicrobatchConfig(num_microbatches=1), None),
+                    cand: (MicrobatchConfig(num_microbatches=2), None)}
+        before = None
+        torch.set_num_threads(args.threads)
+        os.environ["ENGRAM_SERVE_THREADS"] = str(args.threads)  # engines built below keep it
     loaded = load_model(args.model)
-    most = max(args.clients)
-    settings = {"off": MicrobatchConfig(num_microbatches=1), "on": MicrobatchConfig(num_microbatches=2)}
+    most = max(clients_list)
     servers = {}
     try:
-        for name, microbatch in settings.items():
+        for name, (microbatch, threads) in settings.items():
             cfg = RunnerConfig(max_num_seqs=most, max_model_len=min(2048, loaded.config.max_position_embeddings),
                                microbatch=microbatch)
-            engine = AsyncLLMEngine(LLMEngine(loaded, cfg))
+            engine = AsyncLLMEngine(LLMEngine(loaded, cfg, threads=threads))
             servers[name] = (engine, BackgroundServer(build_app(engine, "bench")).start())
         urls = {name: server.base_url for name, (_, server) in servers.items()}
-        asyncio.run(_duel(urls, 2, argparse.Namespace(**{**vars(args), "budget_s": 0}), seed=0, max_waves=1))  # warm-up
+        warm = argparse.Namespace(**{**vars(args), "budget_s": 0})
+        asyncio.run(_duel(urls, 2, warm, seed=0, max_waves=1, before=before))  # warm-up
         rows = []
-        for clients in args.clients:
-            before = {name: engine.metrics() for name, (engine, _) in servers.items()}
-            res = asyncio.run(_duel(urls, clients, args, seed=clients))
+        for clients in clients_list:
+            before_m = {name: engine.metrics() for name, (engine, _) in servers.items()}
+            res = asyncio.run(_duel(urls, clients, args, seed=clients, before=before))
             for name, (engine, _) in servers.items():
                 after = engine.metrics()
-                steps = after["steps_total"] - before[name]["steps_total"]
+                steps = after["steps_total"] - before_m[name]["steps_total"]
                 res[name]["microbatched_steps_pct"] = 100 * (after["microbatched_steps_total"] -
-                                                      before[name]["microbatched_steps_total"]) / max(steps, 1)
-            row = {"clients": clients, "max_tokens": args.max_tokens, "requests": res["on"]["requests"]}
-            for key in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "microbatched_steps_pct"):
-                row[f"off_{key}"] = res["off"][key]
-                row[f"on_{key}"] = res["on"][key]
-            row["tok_s_ratio_on_off"] = res["on"]["tok_s"] / res["off"]["tok_s"]
-            pairs = sorted(on / off for on, off in zip(res["on"]["wave_tok_s"], res["off"]["wave_tok_s"]))
+                                                      before_m[name]["microbatched_steps_total"]) / max(steps, 1)
+                res[name]["pool_threads"] = after["kernel_threads"]
+            row = {"clients": clients, "max_tokens": args.max_tokens, "requests": res[cand]["requests"]}
+            keys = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "microbatched_steps_pct")
+            if before is not None:
+                keys += ("pool_threads",)
+                row[f"{base}_threads"], row[f"{cand}_threads"] = sizes[base], sizes[cand]
+            for key in keys:
+                row[f"{base}_{key}"] = res[base][key]
+                row[f"{cand}_{key}"] = res[cand][key]
+            row[f"tok_s_ratio_{cand}_{base}"] = res[cand]["tok_s"] / res[base]["tok_s"]
+            pairs = sorted(c / b for c, b in zip(res[cand]["wave_tok_s"], res[base]["wave_tok_s"]))
             row["wave_ratio_median"], row["wave_ratio_min"], row["wave_ratio_max"] = _pct(pairs, 0.5), pairs[0], pairs[-1]
-            row["threads"] = args.threads
+            if before is None:
+                row["threads"] = args.threads
             rows.append(row)
     finally:
         for engine, server in servers.values():

@@ -26,6 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+from .. import thread_pool
 from ..errors import InvalidRequest
 from .detokenizer import OutputProcessor, RequestDelta
 from .driver import EngineDriver
@@ -83,6 +84,7 @@ class AsyncLLMEngine:
         self.fatal_error: str | None = None  # why the engine stopped on its own (a fatal step error)
         self.on_fatal = None  # called with that message from the engine thread (the server shuts down)
         self._ids = itertools.count()
+        self._kernel_threads = thread_pool.threads()  # the kernels' pool size the last step ran on
         self._snapshot()
         self._thread = threading.Thread(target=self._run, name="engram-engine", daemon=True)
         self._out_thread = threading.Thread(target=self._run_outputs, name="engram-output", daemon=True)
@@ -177,6 +179,7 @@ class AsyncLLMEngine:
                 self._snapshot()
                 continue
             started = time.monotonic()
+            self._kernel_threads = thread_pool.threads()  # one pool per process (bench serve switches it)
             try:
                 events, rows = driver.step_events()
             except Exception as e:  # a failed step ends its requests, never the server, never a hang
@@ -231,6 +234,7 @@ class AsyncLLMEngine:
     def _snapshot(self) -> None:
         e, st = self.engine, self.engine.stats
         bm = e.scheduler.block_manager
+        graphs = getattr(e.runner, "cpu_graphs", None)  # None: eager (or a runner without them)
         self._metrics = {
             "requests_running": e.scheduler.num_running,
             "requests_waiting": e.scheduler.num_waiting,
@@ -240,6 +244,9 @@ class AsyncLLMEngine:
             "straddling_rows_total": st.straddling_rows, "prompt_tokens_total": st.prompt_tokens,
             "generated_tokens_total": st.generated_tokens, "preemptions_total": st.preemptions,
             "request_errors_total": st.errors, "step_failures_total": st.step_failures,
+            "kernel_threads": self._kernel_threads,
+            "cpu_graphs": len(graphs) if graphs is not None else 0,
+            "cpu_graph_bytes": graphs.nbytes if graphs is not None else 0,
         }
 
     # ---- output thread ------------------------------------------------------------------------

@@ -35,6 +35,11 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def default_threads() -> int:
+    """The count an engine takes when given none: `ENGRAM_SERVE_THREADS` if set, else the affinity mask's cores."""
+    return parse_threads(os.environ[ENV], ENV) if os.environ.get(ENV) else available_cores()
+
+
 def parse_threads(value, source: str) -> int:
     try:
         n = int(value)
@@ -69,10 +74,8 @@ def set_torch_threads(threads: int | None = None) -> int:
         n = parse_threads(threads, "threads")
     elif _chosen is not None:
         return rank_threads(_chosen, _ranks)
-    elif os.environ.get(ENV):
-        n = parse_threads(os.environ[ENV], ENV)
     else:
-        n = available_cores()
+        n = default_threads()
     _chosen = n
     _apply(rank_threads(n, _ranks))
     return rank_threads(n, _ranks)

@@ -254,6 +254,10 @@ class CpuGraphs:
     rebind = True  # a protection a test subclass turns off (negative control): replays read the capture's inputs
     watch = _Watch
 
+    def __len__(self) -> int:
+        """The graphs kept (`nbytes`: the memory their captures allocated)."""
+        return len(self._graphs)
+
     @staticmethod
     def available() -> bool:
         """Whether the C kernels a decode forward needs are loaded: without them it runs torch's operators,

@@ -10,7 +10,9 @@ in the names, `_total` counters, one registry per server).
   `engram_step_failures_total`, `engram_requests_total` (accepted) and
   `engram_requests_finished_total{finished_reason="stop"|"length"|"error"|"abort"}`.
 - Gauges: `engram_requests_running`, `engram_requests_waiting`, `engram_kv_cache_usage_ratio`,
-  `engram_kv_blocks_used`, `engram_kv_blocks_total`.
+  `engram_kv_blocks_used`, `engram_kv_blocks_total`, `engram_kernel_threads` (the C kernels' pool size at the
+  engine's last step), `engram_cpu_graphs` and `engram_cpu_graph_bytes` (the CPU graphs kept and the memory their
+  captures allocated, at most runner/cpu_graphs.py `CpuGraphs.MAX_BYTES`).
 
 Throughput is a rate over a counter (e.g. `rate(engram_generation_tokens_total[1m])`), not a gauge.
 """
@@ -43,6 +45,9 @@ _GAUGES = (
     ("engram_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use.", "kv_cache_usage"),
     ("engram_kv_blocks_used", "KV-cache blocks held by live requests.", "kv_blocks_used"),
     ("engram_kv_blocks_total", "KV-cache blocks in the pool.", "kv_blocks_total"),
+    ("engram_kernel_threads", "Threads of the C kernels' pool at the engine's last step.", "kernel_threads"),
+    ("engram_cpu_graphs", "CPU graphs kept (recorded decode and short-prompt steps).", "cpu_graphs"),
+    ("engram_cpu_graph_bytes", "Memory the kept CPU graphs' captures allocated (bounded).", "cpu_graph_bytes"),
 )
 
 

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from ..bench.common import bounded_int, positive_int
+from ..engine.scheduler import MAX_WAITING
 from ..errors import ConfigError
 
 API_KEY_ENV = "ENGRAM_SERVE_API_KEY"
@@ -141,6 +142,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
       help="prompt + output tokens per request at most (default: min(2048, max_position_embeddings))")
     a("--max-num-seqs", type=positive_int, default=64, metavar="N", help="requests in the running batch (64)")
     a("--max-num-batched-tokens", type=positive_int, default=1024, metavar="N", help="tokens per step (1024)")
+    a("--max-waiting", type=positive_int, default=MAX_WAITING, metavar="N",
+      help=f"requests waiting for a slot before a new one gets 503 (default {MAX_WAITING})")
     a("--num-kv-blocks", type=positive_int, default=1024, metavar="N",
       help="KV-cache size in blocks of --block-size tokens (default 1024)")
     a("--block-size", type=positive_int, default=16, metavar="N", help="tokens per KV block (16)")
@@ -183,5 +186,5 @@ def run_serve(args: argparse.Namespace) -> int:
     serve(args.model, args.host, args.port, model_name=args.model_name, log_level=args.log_level,
           enable_prefix_caching=not args.no_enable_prefix_caching, api_key=args.api_key or os.environ.get(API_KEY_ENV),
           chat_template=args.chat_template, max_body_bytes=args.max_body_bytes, threads=args.threads, seed=args.seed,
-          **options)
+          max_waiting=args.max_waiting, **options)
     return 0

@@ -41,7 +41,9 @@ def test_shipped_drafts_on_held_out_code_match_the_float64_reference(shipped):
     ids = T.tokenize_files(shipped.tokenizer, T.stdlib_root(), held[:1])[0][100:124].tolist()
     config = json.loads((TINY_DIR / "config.json").read_text())["text_config"]
     files = CheckpointFiles.open(TINY_DIR)
-    weights = {name: read_weight(files, name, list(shape))[0] for name, shape in weight_shapes(config).items()}
+    tables = {f"layers.{l}.engram.embed.weight": t for l, t in zip(shipped.tables.layer_ids, shipped.tables.tables)}
+    weights = {name: tables[name].dequantize() if name in tables else read_weight(files, name, list(shape))[0]
+               for name, shape in weight_shapes(config).items()}  # (FP8 Engram rows: the loaded tables' decoder)
     assert agrees(compare(config, weights, ids, shipped.model, shipped.drafter))
 
 

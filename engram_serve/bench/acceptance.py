@@ -16,7 +16,9 @@ accepted + 1 (vLLM's acceptance length, tokens emitted per verify step). Steps r
 bonus token fit in the completion.
 
 Reported per temperature: `mean_len` (mean of accepted + 1), `rate@j` (the fraction of verify steps whose first j
-drafts were all accepted: vLLM's per-position acceptance rate), steps, prompts.
+drafts were all accepted: vLLM's per-position acceptance rate), steps, prompts; and what a draft costs beside a
+decode step (`step_costs`: `draft_ms`, one row's `draft` call over a written context (greedy pick);
+`decode_ms`, a greedy B = 1 engine step).
 """
 from __future__ import annotations
 
@@ -150,6 +152,40 @@ def measure(lm, prompts: list[list[int]], tokens: int = 256, temperatures=(0.0, 
     return rows
 
 
+def step_costs(lm, prompt: list[int], tokens: int = 64, repeats: int = 20) -> dict:
+    """{"draft_ms": one row's draft of k tokens (greedy; median of `repeats`), "decode_ms": a greedy B = 1 decode step
+    of the engine (its wall time over `tokens` tokens, prefill included)}: what a draft costs against a step."""
+    import statistics
+    import time
+
+    import torch
+    from ..llm import LLM
+    from ..sampling_params import SamplingParams
+    llm = LLM(lm, threads=torch.get_num_threads())
+    try:
+        llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+        t0 = time.perf_counter()
+        ids = list(prompt) + llm.generate([prompt], SamplingParams(max_tokens=tokens, temperature=0.0,
+                                                                   ignore_eos=True))[0].token_ids
+        decode = (time.perf_counter() - t0) / tokens
+    finally:
+        llm.close()
+    from ..model.dspark import DSparkState
+    d, seq = lm.drafter, len(ids)
+    feats = target_pass(lm, ids)[1]
+    state = DSparkState(lm.config, 1, seq + d.block, max_rows=1)
+    pos = torch.arange(seq)
+    times = []
+    with torch.no_grad():
+        d.write_context(state, feats, pos, pos)
+        last, n, table = torch.tensor([ids[-1]]), torch.tensor([seq - 1]), torch.zeros(1, 1, dtype=torch.int64)
+        for _ in range(repeats + 2):
+            t0 = time.perf_counter()
+            d.draft(lm.model, state, last, n, table, seq + d.block)
+            times.append(time.perf_counter() - t0)
+    return {"draft_ms": statistics.median(times[2:]) * 1e3, "decode_ms": decode * 1e3}
+
+
 def format_rows(rows: list[dict]) -> str:
     return common.format_table(rows)
 
@@ -173,4 +209,5 @@ def run(args: argparse.Namespace) -> list[dict]:
         raise SystemExit(f"bench acceptance: {lm.path} has no drafter")
     temps = [float(x) for x in args.temperatures.split(",") if x.strip()]
     prompts = heldout_prompts(lm.tokenizer, count=args.prompts, length=args.prompt_tokens)
-    return measure(lm, prompts, args.tokens, temps, args.seed)
+    costs = step_costs(lm, prompts[0])
+    return [{**r, **costs} for r in measure(lm, prompts, args.tokens, temps, args.seed)]

@@ -382,6 +382,15 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=lambda args: run_args(args, "engram-serve train"))
 
 
+def add_train_drafter(sub: argparse._SubParsersAction) -> None:
+    from .train_drafter import build_parser, run_args
+    p = sub.add_parser("train-drafter", help="train the DSpark drafter of a frozen target (default: the built-in model)",
+                       description="Seeded training of the drafter (`mtp.*`) on the Python standard library, the "
+                                   "target frozen; then its acceptance on held-out code.")
+    build_parser(p)
+    p.set_defaults(run=lambda args: run_args(args, "engram-serve train-drafter"))
+
+
 # ---- env ----
 
 def add_env(sub: argparse._SubParsersAction) -> None:
@@ -458,7 +467,7 @@ def run_plan(args: argparse.Namespace) -> int:
 # ---- entry point ----
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    add_generate, add_serve, add_verify, add_hash, add_lookup, add_train, add_bench, add_env, add_plan)
+    add_generate, add_serve, add_verify, add_hash, add_lookup, add_train, add_train_drafter, add_bench, add_env, add_plan)
 
 
 def build_parser() -> argparse.ArgumentParser:

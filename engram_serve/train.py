@@ -280,21 +280,31 @@ def evaluate(model: DeepseekV41, tables: list[torch.Tensor] | None, hasher: Wind
     return total / count
 
 
+def staged_rows(lm: LoadedModel, hasher: WindowHasher, x: torch.Tensor) -> list[torch.Tensor]:
+    """`forward_dense`'s engram_rows for windows x [B, S] from a loaded checkpoint's own tables (FP8 or float,
+    through the staging gather, as serving stages them): per Engram layer [B, S, C, hd]."""
+    e = lm.config.engram
+    b, s = x.shape
+    staged = torch.empty(e.num_layers, b * s, e.num_columns, e.engram_head_dim)
+    lm.tables.gather(hasher(x).reshape(b * s, e.num_layers, e.num_columns), staged)
+    return [staged[j].view(b, s, e.num_columns, -1) for j in range(e.num_layers)]
+
+
+def loaded_hasher(lm: LoadedModel) -> WindowHasher:
+    """The WindowHasher of a loaded checkpoint (its layout, token map and pad id)."""
+    return WindowHasher(lm.layout, lm.token_map, int(lm.token_map[lm.config.engram.engram_pad_token_id]))
+
+
 @torch.no_grad()
 def evaluate_loaded(lm: LoadedModel, windows: np.ndarray, batch_size: int = 16) -> float:
     """Held-out loss of a checkpoint loaded with `load_model`: its own tables (FP8 or float, through the
     staging gather), layout and token map."""
-    pad_id = int(lm.token_map[lm.config.engram.engram_pad_token_id])
-    hasher = WindowHasher(lm.layout, lm.token_map, pad_id)
-    e = lm.config.engram
+    hasher = loaded_hasher(lm)
     total, count = 0.0, 0
     for i in range(0, len(windows), batch_size):
         win = torch.from_numpy(windows[i:i + batch_size])
         x, y = win[:, :-1], win[:, 1:]
-        b, s = x.shape
-        staged = torch.empty(e.num_layers, b * s, e.num_columns, e.engram_head_dim)
-        lm.tables.gather(hasher(x).reshape(b * s, e.num_layers, e.num_columns), staged)
-        logits = lm.model.forward_dense(x, [staged[j].view(b, s, e.num_columns, -1) for j in range(e.num_layers)])
+        logits = lm.model.forward_dense(x, staged_rows(lm, hasher, x))
         total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"))
         count += y.numel()
     return total / count

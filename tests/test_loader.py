@@ -93,7 +93,7 @@ def test_random_checkpoint_is_deterministic_and_small(ckpt, tmp_path):
     for name in names:
         assert hashlib.sha256((ckpt / name).read_bytes()).digest() == \
             hashlib.sha256((again / name).read_bytes()).digest(), name
-    assert sum((ckpt / n).stat().st_size for n in names) < 24 * 2**20
+    assert sum((ckpt / n).stat().st_size for n in names) < 28 * 2**20  # (float32, the drafter's mtp.* included)
 
 
 def _mapped_ranges(path: Path) -> list[tuple[int, int]]:

@@ -38,8 +38,8 @@ CONFIGS = {
     # the built-in model's layer roles (ratio-2 and ratio-1 kv sources, a candidate source, Engram on two
     # layers, hc_mult 4) with a window of 8 and index_topk 6, so that both bite on these short sequences
     "tiny": dict(sliding_window=8, index_topk=6, candidate_topk_blocks=2),
-    # windows only: no compressed layer, one stream
-    "windows": dict(hc_mult=1, compress_ratios=[0] * 7, kv_source_layer_ids=[], index_source_layer_ids=[],
+    # windows only: no compressed layer, one stream (the eighth ratio: the drafter's layer)
+    "windows": dict(hc_mult=1, compress_ratios=[0] * 8, kv_source_layer_ids=[], index_source_layer_ids=[],
                     candidate_source_layer_id=-1),
 }
 

@@ -58,9 +58,11 @@ class Quant:
 
 def official_tensors(model, tables: EngramTables | None, quant: Quant, drafter=None) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint by official name: the model's parameters and the drafter's (`mtp.*`; their
-    stacked experts split into one tensor per expert and projection) and the Engram tables, quantized per `quant`."""
+    stacked experts split into one tensor per expert and projection) and the Engram tables, quantized per `quant`.
+    `model` None: the drafter's alone."""
     out: dict[str, torch.Tensor] = {}
-    params = {**model.state_dict(), **(drafter.state_dict() if drafter is not None else {})}
+    params = {**(model.state_dict() if model is not None else {}),
+              **(drafter.state_dict() if drafter is not None else {})}
     for name, p in params.items():
         m = STACKED.fullmatch(name)
         if m is None:

@@ -615,7 +615,7 @@ class _Forward:
         chosen = top_k(selection, k or cfg["num_experts_per_tok"])
         self.check_tie_symmetric(pos, layer, "router", selection, errors, chosen)
         self.experts.setdefault(layer, []).append(chosen)
-        total = sum(scores[e] for e in chosen)
+        total = sum(scores[e] for e in chosen) if len(chosen) > 1 else 1.0  # one expert: its raw score (the docs)
         out = self.expert(pre + "shared_experts.", x)
         for e in chosen:
             out = out + scores[e] / total * float(cfg["routed_scaling_factor"]) * self.expert(f"{pre}experts.{e}.", x)

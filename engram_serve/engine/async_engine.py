@@ -240,6 +240,9 @@ class AsyncLLMEngine:
             "straddling_rows_total": st.straddling_rows, "prompt_tokens_total": st.prompt_tokens,
             "generated_tokens_total": st.generated_tokens, "preemptions_total": st.preemptions,
             "request_errors_total": st.errors, "step_failures_total": st.step_failures,
+            "spec_decode_num_drafts_total": st.spec_drafts, "spec_decode_num_draft_tokens_total": st.spec_draft_tokens,
+            "spec_decode_num_accepted_tokens_total": st.spec_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(st.spec_accepted_per_position),
         }
 
     # ---- output thread ------------------------------------------------------------------------

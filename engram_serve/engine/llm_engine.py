@@ -534,8 +534,10 @@ class LLMEngine:
                 st.spec_drafts += 1
                 st.spec_draft_tokens += int(k[i])
                 st.spec_accepted_tokens += acc[i]
+                per = st.spec_accepted_per_position
+                per += [0] * (int(k[i]) - len(per))
                 for pos in range(acc[i]):
-                    st.spec_accepted_per_position[pos] += 1
+                    per[pos] += 1
                 self.spec_planner.record(seq.request_id, int(k[i]), acc[i])
             if not seq.is_finished:
                 commit_slots += [seq.slot] * (acc[i] + 1)

@@ -87,6 +87,24 @@ class SpeculativeConfig:
         return cls(**value, block_size=dspark_block_size(checkpoint))
 
 
+def add_speculative_arg(parser) -> None:
+    """`--speculative-config JSON` (serve, generate): parsed here, validated against the checkpoint when the
+    engine is built (ConfigError naming the field and the value)."""
+    def json_object(text: str) -> dict:
+        import argparse
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{text!r}: not valid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a JSON object")
+        return value
+    parser.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
+                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
+                             '(methods: dspark, ngram; random and noise for tests): more tokens a step, never '
+                             'other tokens')
+
+
 def dspark_block_size(checkpoint: Path | None) -> int | None:
     """`dspark_block_size` of a checkpoint's config.json (top level or `text_config`), None without one."""
     if checkpoint is None or not (Path(checkpoint) / "config.json").is_file():

@@ -133,6 +133,8 @@ class Record:
     preemptions: int = 0
     coverage: Coverage = dataclasses.field(default_factory=Coverage)
     spec: dict = dataclasses.field(default_factory=dict)  # speculative decoding's counts (EngineStats spec_*)
+    # per request, per event: (token, logprob, top logprobs, finish reason)
+    outputs: list[list[tuple]] = dataclasses.field(default_factory=list)
 
 
 def run_case(loaded: LoadedModel, work: Workload, cfg: RunnerConfig, first_step_bounds: list[int] | None = None,
@@ -161,12 +163,16 @@ def run_case(loaded: LoadedModel, work: Workload, cfg: RunnerConfig, first_step_
         index[f"r{i}"] = i
     keys, hashes, staged, lkeys, logits = [], [], [], [], []
     tokens: list[list[int]] = [[] for _ in work.prompts]
+    outputs: list[list[tuple]] = [[] for _ in work.prompts]
     steps, coverage, done = 0, Coverage(), {}
     try:
         while engine.has_unfinished() and (max_steps is None or steps < max_steps):
             res = engine.step(first_step_bounds if steps == 0 else None, record=True)
             steps += 1
             for ev in res.events:
+                if ev.request_id not in index:
+                    continue  # a warm-up request of a second engine user (never here: warm ones ran before)
+                outputs[index[ev.request_id]].append((ev.token, ev.logprob, ev.top_logprobs, ev.finish_reason))
                 if ev.token is not None:
                     tokens[index[ev.request_id]].append(ev.token)
             if res.output is None:
@@ -200,7 +206,7 @@ def run_case(loaded: LoadedModel, work: Workload, cfg: RunnerConfig, first_step_
                 "accepted_tokens": st.spec_accepted_tokens}
         return Record(np.concatenate(keys), torch.cat(hashes), torch.cat(staged), np.concatenate(lkeys),
                       torch.cat(logits), tokens, steps, st.microbatched_steps, st.straddling_rows, st.preemptions,
-                      coverage, spec)
+                      coverage, spec, outputs)
     finally:
         engine.close()
 

@@ -431,3 +431,34 @@ def test_negative_control_a_rejected_draft_kept_in_the_open_ratio2_pair_changes_
     monkeypatch.setattr(v41.Compressor, "partner", staticmethod(keep_rejected))
     base, rec, work = control_case(tiny, params, engine_cls=Sticky)
     assert differs(base, rec, work)
+
+
+def test_the_server_serves_speculatively_with_vllms_counters(tiny):
+    """`speculative_config` through build_engine (prompt lookup on the built-in model): the same completion as
+    without it, and /metrics exports vLLM's spec_decode counters, accepted tokens by draft position too."""
+    import httpx
+
+    from engram_serve.engine.async_engine import AsyncLLMEngine
+    from engram_serve.llm import build_engine
+    from engram_serve.server.api import build_app
+    from engram_serve.server.run import BackgroundServer
+    body = {"model": "m", "prompt": "a = 1\nb = 2\na = 1\nb = 2\na = 1\nb = 2\n", "max_tokens": 24,
+            "temperature": 0, "ignore_eos": True}
+    texts, metrics = [], None
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4}):
+        engine = AsyncLLMEngine(build_engine(tiny, max_model_len=128, num_blocks=32, max_num_seqs=4,
+                                             speculative_config=spec))
+        server = BackgroundServer(build_app(engine, "m")).start()
+        try:
+            texts.append(httpx.post(server.base_url + "/v1/completions", json=body, timeout=30).json())
+            metrics = httpx.get(server.base_url + "/metrics").text
+        finally:
+            server.stop()
+            engine.shutdown()
+    assert texts[0]["choices"][0]["text"] == texts[1]["choices"][0]["text"]
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines()
+              if line.startswith("engram_spec_decode")}
+    assert values["engram_spec_decode_num_drafts_total"] > 0
+    assert 0 < values["engram_spec_decode_num_accepted_tokens_total"] <= values[
+        "engram_spec_decode_num_draft_tokens_total"]
+    assert values['engram_spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0

@@ -260,7 +260,7 @@ def run_verify(args: argparse.Namespace) -> int:
         if "speculative" in res:
             s = res["speculative"]
             print(f"speculative decoding: {s['drafts']} verify rows, {s['draft_tokens']} drafts, "
-                  f"{s['accepted_tokens']} accepted, {s['draft_cuts']} microbatch cuts inside a draft block")
+                  f"{s['accepted_tokens']} accepted, {s['draft_bounds']} microbatch cuts inside a draft block")
     return 0 if res["passed"] else 1
 
 

@@ -76,7 +76,7 @@ class Coverage:
     prefix ends inside a ratio-2 pair; `past_window`: tokens at positions >= sliding_window;
     `selecting`: tokens that see more compressed entries than index_topk (the top-k selects);
     `restricted`: tokens whose later index sources see more entries than the candidate blocks cover;
-    `draft_cuts`: microbatch cuts inside a verify row's draft block (speculative decoding).
+    `draft_bounds`: microbatch cuts inside a verify row's draft block (speculative decoding).
     The ratio-2 counts stay 0 for a model without ratio-2 layers."""
 
     pair_bounds: int = 0
@@ -86,7 +86,7 @@ class Coverage:
     past_window: int = 0
     selecting: int = 0
     restricted: int = 0
-    draft_cuts: int = 0
+    draft_bounds: int = 0
 
     def add_step(self, cfg: ModelConfig, rows, bounds: list[int], done: dict) -> None:
         """Count one step: its scheduled `rows`, its microbatch `bounds`; `done` maps each request to the
@@ -99,7 +99,7 @@ class Coverage:
         inner = [b for b in bounds[1:-1] if b not in qsl]  # cuts inside a row: token b continues token b - 1
         self.pair_bounds += int(pairs and sum(pos[b] % 2 for b in inner))
         drafts = np.array([r.num_draft for r in rows])
-        self.draft_cuts += int(sum(((qsl[1:] - drafts <= b) & (b < qsl[1:]) & (drafts > 0)).any() for b in inner))
+        self.draft_bounds += int(sum(((qsl[1:] - drafts <= b) & (b < qsl[1:]) & (drafts > 0)).any() for b in inner))
         for r in rows:
             s, start = r.seq, r.num_computed
             if start and done.get(id(s)) == start:  # a later chunk of the same run of the request
@@ -364,7 +364,7 @@ def verify(loaded: LoadedModel, seed: int = 0, num_requests: int = 6, gen_tokens
     if spec is not None:
         summary["speculative"] = {k: sum(r[f"spec_{k}"] for r in rows) for k in ("drafts", "draft_tokens",
                                                                                  "accepted_tokens")}
-        summary["speculative"]["draft_cuts"] = summary["coverage"]["draft_cuts"]
+        summary["speculative"]["draft_bounds"] = summary["coverage"]["draft_bounds"]
     summary["passed"] = all(summary[k] == 0 for k in ("hash_mismatches", "row_mismatches", "logit_mismatches",
                                                       "greedy_mismatches"))
     if reference is not None:

@@ -297,4 +297,4 @@ def test_verify_tp2_speculative_decoding_keeps_every_bit(cluster):
                  only=("whole steps", "2 microbatches, tokens", "chunk 17", "preemption"))
     spec = res["speculative"]
     assert res["passed"] and res["logit_mismatches"] == 0 and res["hash_mismatches"] == 0, res
-    assert 0 < spec["accepted_tokens"] < spec["draft_tokens"] and spec["draft_cuts"] > 0, spec
+    assert 0 < spec["accepted_tokens"] < spec["draft_tokens"] and spec["draft_bounds"] > 0, spec

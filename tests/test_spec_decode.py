@@ -164,7 +164,7 @@ def test_cuts_inside_draft_blocks_keep_every_bit(loaded):
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     base, rec, work = plain_and_speculative(loaded, prompts, params, "mixed", 4, 1, microbatches=2)
     assert_same(base, rec, work)
-    assert rec.coverage.draft_cuts > 0 and 0 < rec.spec["accepted_tokens"] < rec.spec["draft_tokens"]
+    assert rec.coverage.draft_bounds > 0 and 0 < rec.spec["accepted_tokens"] < rec.spec["draft_tokens"]
 
 
 def test_stop_strings_end_inside_an_accepted_run_where_plain_decoding_ends(loaded):

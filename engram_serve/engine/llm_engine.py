@@ -265,8 +265,10 @@ class LLMEngine:
                 batch = self.runner.build(slots, computed, new, None, sampled)
             if bounds is not None:
                 check_bounds(bounds, batch.num_tokens, self.cfg.microbatch.num_microbatches)
-            reads = np.where(sampled, drafts + 1, 0) if drafts.any() else None  # verify rows: every position
-            return self.runner.execute(batch, bounds, record, score or None, reads)
+            if not drafts.any():
+                return self.runner.execute(batch, bounds, record, score or None)
+            return self.runner.execute(batch, bounds, record, score or None,  # verify rows: every position read
+                                       reads=np.where(sampled, drafts + 1, 0))
 
         try:
             result = run(rows, sample, bounds, record)

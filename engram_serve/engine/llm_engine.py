@@ -16,7 +16,7 @@ import torch
 
 from ..engine.scheduler import MAX_WAITING, Scheduler, SchedulerConfig, SchedulerOutput
 from ..engine.sequence import Sequence
-from ..errors import InvalidRequest, OwnershipError, SliceError, StaticBufferError
+from ..errors import ConfigError, InvalidRequest, OwnershipError, SliceError, StaticBufferError
 from ..microbatch.plan import check_bounds
 from ..model.loader import LoadedModel
 from ..runner.model_runner import ModelRunner, RunnerConfig, StepOutput
@@ -116,6 +116,9 @@ class LLMEngine:
         self.spec_planner = None if self.spec is None else SpecPlanner(self.spec)
         if self.spec is not None:
             self.stats.spec_accepted_per_position = [0] * self.spec.num_speculative_tokens
+            if self.drafter.feature_layers:  # the hook a feature-reading drafter needs (StepOutput.features)
+                raise ConfigError(f"drafter feature_layers={tuple(self.drafter.feature_layers)}: this runner "
+                                  f"returns no per-token hidden features yet (StepOutput.features)")
 
     # ---- requests ---------------------------------------------------------------------------
     def validate(self, prompt_ids, params) -> list[int]:
@@ -244,7 +247,7 @@ class LLMEngine:
             if s.slot is None:  # first time scheduled: running + preempted <= max_num_seqs slots
                 s.slot = self.runner.store.add(s.token_ids, s.dead)
             state.sync(s.slot, s.block_ids)  # O(new blocks): usually nothing
-        verify = [r for r in rows if r.num_draft]
+        verify = [r for r in rows if r.num_draft] if self.spec is not None else []
         if verify:  # the drafts go where the step reads its input ids: past the committed tokens
             self.runner.store.write(np.repeat([r.seq.slot for r in verify], [r.num_draft for r in verify]),
                                     np.concatenate([np.arange(r.seq.num_tokens, r.seq.num_tokens + r.num_draft)
@@ -309,8 +312,8 @@ class LLMEngine:
             events += self._sample(sampled, logits)
         if self.drafter is not None:
             self._observe(rows, standing, result)
-        for r in rows:
-            r.seq.draft_ids = []
+            for r in rows:
+                r.seq.draft_ids = []
         for ev in events:  # the prompt's logprobs ride on the request's first event
             seq = self._scored.pop(ev.request_id, None)
             if seq is not None:

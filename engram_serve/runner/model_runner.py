@@ -81,7 +81,8 @@ class StepOutput:
     scored: torch.Tensor | None = None  # [sum of the scored rows' tokens, V] float32: every token of `score_rows`
     hash_ids: torch.Tensor | None = None
     staged: torch.Tensor | None = None
-    # layer -> [T, hidden] per-token features of the step's real tokens (a drafter's `feature_layers`); None: none
+    # layer -> [T, hidden] per-token hidden features of the step's real tokens, for a drafter's `feature_layers`
+    # (spec/drafters.py); None: none captured (the forward captures none yet: the engine refuses such a drafter)
     features: dict[int, torch.Tensor] | None = None
 
 

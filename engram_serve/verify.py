@@ -329,7 +329,7 @@ def verify(loaded: LoadedModel, seed: int = 0, num_requests: int = 6, gen_tokens
     if speculative is not None:
         from .spec.config import SpeculativeConfig
         from .spec.drafters import OracleDrafter
-        spec = SpeculativeConfig("random", speculative)  # the config's own drafter is replaced below
+        spec = SpeculativeConfig("random", speculative, when="always")  # the config's own drafter is replaced below
         outputs = {f"r{i}": t for i, t in enumerate(base.tokens)}
         vocab = min(int(loaded.token_map.shape[0]), loaded.config.vocab_size)
         make_drafter = (lambda: drafter) if drafter is not None else (

@@ -110,7 +110,7 @@ def plain_and_speculative(loaded, prompts, params, kind, k, seed, **cfg):
     longest = max(map(len, prompts)) + params.max_tokens
     base = run_case(loaded, work, config(len(prompts), longest), params=params)
     outputs = {f"r{i}": t for i, t in enumerate(base.tokens)}
-    spec = SpeculativeConfig("random", k)
+    spec = SpeculativeConfig("random", k, when="always")
     rec = run_case(loaded, work, config(len(prompts), longest, **{x: v for x, v in cfg.items() if x != "reuse"}),
                    params=params, speculative=spec, drafter=drafter_for(kind, loaded, outputs, seed),
                    reuse_prefix=cfg.get("reuse", False))
@@ -194,7 +194,7 @@ def test_stop_strings_end_inside_an_accepted_run_where_plain_decoding_ends(loade
     p = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop])
     want = generate(p=p)
     assert want[2] == "stop" and len(want[1]) < len(plain_toks)
-    got = generate(SpeculativeConfig("random", 5), OracleDrafter({"a": plain_toks}, vocab_of(loaded)), p)
+    got = generate(SpeculativeConfig("random", 5, when="always"), OracleDrafter({"a": plain_toks}, vocab_of(loaded)), p)
     assert got[:3] == want[:3] and got[3].spec_accepted_tokens > 0
 
 
@@ -212,8 +212,9 @@ def test_lone_verify_rows_replay_as_cpu_graphs_with_the_eager_bits(loaded):
             return out
     work = Workload(prompts, 14)
     outputs = {"r0": eager.tokens[0]}
-    rec = run_case(loaded, work, config(1, 40), params=params, speculative=SpeculativeConfig("random", 3),
-                   drafter=drafter_for("mixed", loaded, outputs, 2), runner_cls=Counting)
+    rec = run_case(loaded, work, config(1, 40), params=params, runner_cls=Counting,
+                   speculative=SpeculativeConfig("random", 3, when="always"),
+                   drafter=drafter_for("mixed", loaded, outputs, 2))
     assert_same(eager, rec, work)
     assert graphs_seen and graphs_seen[-1] > 0  # verify steps of one row replayed
 
@@ -296,12 +297,12 @@ def test_the_planner_stops_drafting_where_it_does_not_pay(loaded):
     outputs = {f"r{i}": t for i, t in enumerate(base.tokens)}
     wrong = OracleDrafter(outputs, vocab_of(loaded), wrong=True)
     big = run_case(loaded, work, config(4, 20), params=params, drafter=wrong,
-                   speculative=SpeculativeConfig("random", 3, disable_by_batch_size=3))
+                   speculative=SpeculativeConfig("random", 3, when="always", disable_by_batch_size=3))
     assert big.spec["drafts"] == 0 and big.tokens == base.tokens  # 4 decodes > 3: no step drafts
     always = run_case(loaded, work, config(4, 20), params=params, drafter=wrong,
-                      speculative=SpeculativeConfig("random", 3))
+                      speculative=SpeculativeConfig("random", 3, when="always"))
     low = run_case(loaded, work, config(4, 20), params=params, drafter=wrong,
-                   speculative=SpeculativeConfig("random", 3, min_acceptance=0.5))
+                   speculative=SpeculativeConfig("random", 3, when="always", min_acceptance=0.5))
     assert 0 < low.spec["drafts"] < always.spec["drafts"] and low.tokens == always.tokens == base.tokens
 
 
@@ -370,7 +371,7 @@ def control_case(lm, params, engine_cls=LLMEngine, runner_cls=ModelRunner, kind=
     cfg = config(2, 60, cpu_graphs=False)
     base = run_case(lm, work, cfg, params=params)
     outputs = {f"r{i}": t for i, t in enumerate(base.tokens)}
-    rec = run_case(lm, work, cfg, params=params, speculative=SpeculativeConfig("random", k),
+    rec = run_case(lm, work, cfg, params=params, speculative=SpeculativeConfig("random", k, when="always"),
                    drafter=drafter_for(kind, lm, outputs, 0), engine_cls=engine_cls, runner_cls=runner_cls)
     return base, rec, work
 
@@ -465,3 +466,18 @@ def test_the_server_serves_speculatively_with_vllms_counters(tiny):
     assert 0 < values["engram_spec_decode_num_accepted_tokens_total"] <= values[
         "engram_spec_decode_num_draft_tokens_total"]
     assert values['engram_spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
+
+
+def test_the_planner_drafts_at_a_batch_size_only_where_it_measured_less_time_per_token():
+    from engram_serve.spec.planner import SpecPlanner
+    for drafted_ms, want in ((2.0, True), (9.0, False)):  # ms per token with drafts; plain steps: 5
+        p = SpecPlanner(SpeculativeConfig("ngram", 3))
+        choices = []
+        for _ in range(64):
+            on = p.speculate(8)
+            choices.append(on)
+            p.record_step(8, on, drafted_ms * 3 if on else 5.0, 3 if on else 1)
+        assert choices[:8].count(True) == 4  # warm-up: both forms measured
+        late = choices[8:]
+        assert late.count(want) > 0.9 * len(late) and late.count(not want) > 0  # the faster, explored now and then
+        assert p.speculate(1) in (True, False) and p.size(3) == p.size(4) != p.size(5)  # sizes bucketed

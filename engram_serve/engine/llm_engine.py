@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -228,6 +229,7 @@ class LLMEngine:
         request never ends its batch mates. If every row of a multi-row step fails even alone, the
         step itself is broken: the error is raised. Broken engine invariants (OwnershipError,
         SliceError, StaticBufferError) and malformed `bounds` (InvalidRequest) are raised at once."""
+        started = time.perf_counter()
         if self.spec is not None:
             self._propose()
         out = self.scheduler.schedule()
@@ -314,6 +316,10 @@ class LLMEngine:
             self._observe(rows, standing, result)
             for r in rows:
                 r.seq.draft_ids = []
+            if all(sample) and all(r.num_new - r.num_draft == 1 for r in rows):  # a decode step: the planner's measure
+                self.spec_planner.record_step(len(rows), any(r.num_draft for r in rows),
+                                              (time.perf_counter() - started) * 1e3,
+                                              sum(ev.token is not None for ev in events))
         for ev in events:  # the prompt's logprobs ride on the request's first event
             seq = self._scored.pop(ev.request_id, None)
             if seq is not None:

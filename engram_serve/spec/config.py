@@ -37,7 +37,9 @@ class SpeculativeConfig:
     """Invariants: `method` in METHODS; `1 <= num_speculative_tokens <= max_speculative_tokens(method)`;
     `1 <= prompt_lookup_min <= prompt_lookup_max`; `disable_by_batch_size` None or >= 1 (a step with more
     running decodes drafts nothing, as vLLM's field); `0 <= min_acceptance <= 1` (the planner stops drafting for a
-    request whose measured acceptance falls below it, spec/planner.py); `seed` seeds the random drafter."""
+    request whose measured acceptance falls below it, spec/planner.py); `seed` seeds the random drafter;
+    `when`: "pays" (default) drafts in a decode step only where such steps measured less time per token than
+    plain ones at that batch size, "always" in every decode step (verify and the tests)."""
 
     method: str
     num_speculative_tokens: int
@@ -46,6 +48,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     min_acceptance: float = 0.0
     seed: int = 0
+    when: str = "pays"
     block_size: int | None = None  # the checkpoint's dspark_block_size (method "dspark")
 
     def __post_init__(self) -> None:
@@ -63,6 +66,8 @@ class SpeculativeConfig:
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 1:
             _fail("min_acceptance", m, "must be a number in [0, 1]")
         _int("seed", self.seed, 0)
+        if self.when not in ("pays", "always"):
+            _fail("when", self.when, "must be 'pays' or 'always'")
 
     @classmethod
     def parse(cls, value: "str | dict | SpeculativeConfig", checkpoint: Path | None = None) -> "SpeculativeConfig":

@@ -206,6 +206,9 @@ def add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--debug-ownership", action="store_true",
                    help="also check at run time that no buffer is touched by two microbatches")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--speculative", type=lambda t: positive_int_list(t)[0], nargs="?", const=3, default=None,
+                   metavar="N", help="every case decodes speculatively, N drafts a request (default 3) from the "
+                                     "baseline's tokens with 30%% replaced at random, against the plain baseline")
     p.add_argument("--threads", type=lambda t: positive_int_list(t)[0], default=None, metavar="N",
                    help="threads of the C kernels' pool the cases run on (the whole-step baseline runs on one; "
                         "default: the cores in this process's affinity mask)")
@@ -232,7 +235,8 @@ def run_verify(args: argparse.Namespace) -> int:
             res = _verify_parallel(args, overrides)
         else:
             res = verify(load_model(args.model, device=args.device), args.seed, args.num_requests,
-                         args.gen_tokens, overrides=overrides, device=args.device, progress=progress)
+                         args.gen_tokens, overrides=overrides, device=args.device, progress=progress,
+                         speculative=args.speculative)
     if args.json:
         print(json.dumps(res))
     else:
@@ -253,6 +257,10 @@ def run_verify(args: argparse.Namespace) -> int:
             print(f"tensor-parallel size {args.tensor_parallel_size} (whole steps) against one process: "
                   f"{v['compared_tokens']} tokens, hash mismatches {v['hash_mismatches']}, greedy mismatches "
                   f"{v['greedy_mismatches']}, max |logit diff| {v['max_abs_logit_diff']:.3g}")
+        if "speculative" in res:
+            s = res["speculative"]
+            print(f"speculative decoding: {s['drafts']} verify rows, {s['draft_tokens']} drafts, "
+                  f"{s['accepted_tokens']} accepted, {s['draft_bounds']} microbatch cuts inside a draft block")
     return 0 if res["passed"] else 1
 
 
@@ -278,6 +286,7 @@ def _verify_parallel(args: argparse.Namespace, overrides: dict | None) -> dict:
     try:
         return verify(cluster.loaded, args.seed, args.num_requests, args.gen_tokens, overrides=overrides,
                       make_runner=cluster.make_runner, reference=load_model(args.model, device=device),
+                      speculative=args.speculative,
                       device=device, set_threads=lambda n: cluster.call_all(set_kernel_threads, n))
     finally:
         cluster.close()
@@ -309,6 +318,8 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
                         "process's affinity mask)")
     p.add_argument("--json", action="store_true",
                    help='print {"text", "token_ids", "finish_reason", "microbatch": {...}} as JSON')
+    from .spec.config import add_speculative_arg
+    add_speculative_arg(p)
     add_parallel_args(p)
     p.set_defaults(run=run_generate)
 
@@ -337,7 +348,8 @@ def run_generate(args: argparse.Namespace) -> int:
         loaded = load_model(args.model, progress=True, device=args.device) if cluster is None else args.model
         microbatch = MicrobatchConfig(num_microbatches=args.microbatches, decode_threshold=args.microbatch_threshold,
                                       prefill_threshold=args.microbatch_threshold, when="always")  # a demonstration
-        llm = LLM(loaded, microbatch=microbatch, threads=args.threads, **opts)
+        llm = LLM(loaded, microbatch=microbatch, threads=args.threads, speculative_config=args.speculative_config,
+                  **opts)
         out = llm.generate(args.prompt, params)[0]
         stats = dataclasses.replace(llm.stats)
         llm.close()
@@ -352,6 +364,9 @@ def run_generate(args: argparse.Namespace) -> int:
     micro = {"steps": stats.steps, "microbatched_steps": stats.microbatched_steps,
              "straddling_rows": stats.straddling_rows, "num_microbatches": args.microbatches, "seed": seed,
              "identical_to_whole": same}
+    if args.speculative_config is not None:
+        micro["speculative"] = {"drafts": stats.spec_drafts, "draft_tokens": stats.spec_draft_tokens,
+                                "accepted_tokens": stats.spec_accepted_tokens}
     if out.finish_reason == "error":
         print(f"error: {out.error}", file=sys.stderr)
     if args.json:
@@ -360,8 +375,11 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         print(out.text)
         check = "not checked (--no-check)" if same is None else ("yes" if same else "NO")
+        spec = "" if args.speculative_config is None else (
+            f" ({stats.spec_accepted_tokens} of {stats.spec_draft_tokens} drafts accepted; the unsplit run does not "
+            f"speculate)")
         print(f"microbatching: {stats.microbatched_steps}/{stats.steps} steps split, {stats.straddling_rows} rows "
-              f"straddled a cut, tokens identical to the unsplit run: {check}", file=sys.stderr)
+              f"straddled a cut, tokens identical to the unsplit run{spec}: {check}", file=sys.stderr)
     return 0 if same is not False and out.finish_reason != "error" else 1
 
 

@@ -5,9 +5,10 @@
     print(out[0].text, out[0].finish_reason)
 
 Engine options are `RunnerConfig` fields (max_num_seqs, max_model_len, microbatch, device, ...) plus
-`enable_prefix_caching`, `tensor_parallel_size`, `threads`, `seed` and `max_waiting` (the
-scheduler's waiting-queue bound; offline the default is none: every prompt of a call queues); an
-unknown option raises ConfigError naming it.
+`enable_prefix_caching`, `tensor_parallel_size`, `threads`, `seed`, `max_waiting` (the
+scheduler's waiting-queue bound; offline the default is none: every prompt of a call queues) and
+`speculative_config` (vLLM's, e.g. `{"method": "ngram", "num_speculative_tokens": 3}`: more tokens a step,
+the same tokens); an unknown option raises ConfigError naming it.
 The engine factory lives in `engine/factory.py`, the synchronous driver in `engine/driver.py`, the
 loader (`load_model`) in `model/loader.py`.
 """

@@ -75,7 +75,8 @@ class Coverage:
     `prefix_hits`, `pair_prefix_hits`: requests started from a cached prefix, and those whose cached
     prefix ends inside a ratio-2 pair; `past_window`: tokens at positions >= sliding_window;
     `selecting`: tokens that see more compressed entries than index_topk (the top-k selects);
-    `restricted`: tokens whose later index sources see more entries than the candidate blocks cover.
+    `restricted`: tokens whose later index sources see more entries than the candidate blocks cover;
+    `draft_bounds`: microbatch cuts inside a verify row's draft block (speculative decoding).
     The ratio-2 counts stay 0 for a model without ratio-2 layers."""
 
     pair_bounds: int = 0
@@ -85,6 +86,7 @@ class Coverage:
     past_window: int = 0
     selecting: int = 0
     restricted: int = 0
+    draft_bounds: int = 0
 
     def add_step(self, cfg: ModelConfig, rows, bounds: list[int], done: dict) -> None:
         """Count one step: its scheduled `rows`, its microbatch `bounds`; `done` maps each request to the
@@ -96,6 +98,8 @@ class Coverage:
         qsl = np.concatenate([[0], np.cumsum(num_new)])
         inner = [b for b in bounds[1:-1] if b not in qsl]  # cuts inside a row: token b continues token b - 1
         self.pair_bounds += int(pairs and sum(pos[b] % 2 for b in inner))
+        drafts = np.array([r.num_draft for r in rows])
+        self.draft_bounds += int(sum(((qsl[1:] - drafts <= b) & (b < qsl[1:]) & (drafts > 0)).any() for b in inner))
         for r in rows:
             s, start = r.seq, r.num_computed
             if start and done.get(id(s)) == start:  # a later chunk of the same run of the request
@@ -128,17 +132,25 @@ class Record:
     straddling_rows: int = 0
     preemptions: int = 0
     coverage: Coverage = dataclasses.field(default_factory=Coverage)
+    spec: dict = dataclasses.field(default_factory=dict)  # speculative decoding's counts (EngineStats spec_*)
+    # per request, per event: (token, logprob, top logprobs, finish reason)
+    outputs: list[list[tuple]] = dataclasses.field(default_factory=list)
 
 
 def run_case(loaded: LoadedModel, work: Workload, cfg: RunnerConfig, first_step_bounds: list[int] | None = None,
              max_steps: int | None = None, reuse_prefix: bool = False,
-             runner_cls: type[ModelRunner] = ModelRunner, make_runner=None) -> Record:
+             runner_cls: type[ModelRunner] = ModelRunner, make_runner=None, speculative=None, drafter=None,
+             params: SamplingParams | None = None, engine_cls: type[LLMEngine] = LLMEngine) -> Record:
     """Run the workload and record it. `reuse_prefix`: run it once unrecorded with prefix caching on,
     then record a second pass whose prompts start from the cached KV blocks of the first.
-    `make_runner(cfg)` (tensor parallel): builds the runner instead, e.g. `TPCluster.make_runner`."""
-    engine = LLMEngine(loaded, cfg, enable_prefix_caching=reuse_prefix, runner_cls=runner_cls,
-                       runner=make_runner(cfg) if make_runner is not None else None)
-    params = SamplingParams(max_tokens=work.gen_tokens, temperature=0.0, ignore_eos=True)
+    `make_runner(cfg)` (tensor parallel): builds the runner instead, e.g. `TPCluster.make_runner`.
+    `speculative`, `drafter`: speculative decoding (LLMEngine's); a verify row records only the positions
+    whose computation stands (StepResult.standing), so the record compares with a plain run's.
+    `params`: the requests' sampling (default greedy, `gen_tokens` each)."""
+    engine = engine_cls(loaded, cfg, enable_prefix_caching=reuse_prefix, runner_cls=runner_cls,
+                        runner=make_runner(cfg) if make_runner is not None else None, speculative=speculative,
+                        drafter=drafter)
+    params = params or SamplingParams(max_tokens=work.gen_tokens, temperature=0.0, ignore_eos=True)
     if reuse_prefix:
         for i, p in enumerate(work.prompts):
             engine.add_request(f"warm{i}", p, params)
@@ -151,12 +163,16 @@ def run_case(loaded: LoadedModel, work: Workload, cfg: RunnerConfig, first_step_
         index[f"r{i}"] = i
     keys, hashes, staged, lkeys, logits = [], [], [], [], []
     tokens: list[list[int]] = [[] for _ in work.prompts]
+    outputs: list[list[tuple]] = [[] for _ in work.prompts]
     steps, coverage, done = 0, Coverage(), {}
     try:
         while engine.has_unfinished() and (max_steps is None or steps < max_steps):
             res = engine.step(first_step_bounds if steps == 0 else None, record=True)
             steps += 1
             for ev in res.events:
+                if ev.request_id not in index:
+                    continue  # a warm-up request of a second engine user (never here: warm ones ran before)
+                outputs[index[ev.request_id]].append((ev.token, ev.logprob, ev.top_logprobs, ev.finish_reason))
                 if ev.token is not None:
                     tokens[index[ev.request_id]].append(ev.token)
             if res.output is None:
@@ -164,15 +180,21 @@ def run_case(loaded: LoadedModel, work: Workload, cfg: RunnerConfig, first_step_
             ran = set(res.req_ids)  # (a row that failed was ended and left out of the step)
             rows = [r for r in res.scheduled.rows if r.seq.request_id in ran]
             coverage.add_step(loaded.config, rows, res.output.bounds, done)
-            req = np.repeat([index[r] for r in res.req_ids], [r.num_new for r in rows])
-            pos = np.concatenate([np.arange(r.num_computed, r.num_computed + r.num_new) for r in rows])
+            stand = np.array(res.standing, dtype=np.int64)  # each row's first tokens that plain decoding computes
+            req = np.repeat([index[r] for r in res.req_ids], stand)
+            pos = np.concatenate([np.arange(r.num_computed, r.num_computed + n) for r, n in zip(rows, stand)])
+            first = np.cumsum([0] + [r.num_new for r in rows])
+            at = torch.from_numpy(np.concatenate([np.arange(f, f + n) for f, n in zip(first, stand)]))
             keys.append(np.stack([req, pos], 1))
-            hashes.append(res.output.hash_ids.reshape(len(req), -1))
-            staged.append(res.output.staged.permute(1, 0, 2, 3).reshape(len(req), -1))
-            sampled = [(index[rid], r.num_computed + r.num_new - 1)
-                       for rid, r, flag in zip(res.req_ids, rows, res.sampled) if flag]
-            lkeys.append(np.array(sampled, dtype=np.int64).reshape(-1, 2))
-            logits.append(res.output.logits)
+            hashes.append(res.output.hash_ids.reshape(first[-1], -1)[at])
+            staged.append(res.output.staged.permute(1, 0, 2, 3).reshape(first[-1], -1)[at])
+            sampled = [(index[rid], r, n) for rid, r, n, flag in zip(res.req_ids, rows, stand, res.sampled) if flag]
+            lkeys.append(np.array([(i, r.num_computed + r.num_new - r.num_draft - 1 + j) for i, r, n in sampled
+                                   for j in range(n if r.num_draft else 1)], dtype=np.int64).reshape(-1, 2))
+            lfirst = np.cumsum([0] + [r.num_draft + 1 for _, r, _ in sampled])
+            logits.append(res.output.logits[torch.from_numpy(np.concatenate(
+                [np.arange(f, f + (n if r.num_draft else 1)) for f, (_, r, n) in zip(lfirst, sampled)] or [[]]
+            ).astype(np.int64))])
         if not keys:  # every row of every step ended with an error: nothing was computed
             e = loaded.config.engram
             keys, lkeys = [np.zeros((0, 2), np.int64)], [np.zeros((0, 2), np.int64)]
@@ -180,9 +202,11 @@ def run_case(loaded: LoadedModel, work: Workload, cfg: RunnerConfig, first_step_
             staged = [torch.zeros(0, e.num_layers * e.num_columns * e.engram_head_dim)]
             logits = [torch.zeros(0, loaded.config.vocab_size)]
         st = engine.stats
+        spec = {"drafts": st.spec_drafts, "draft_tokens": st.spec_draft_tokens,
+                "accepted_tokens": st.spec_accepted_tokens}
         return Record(np.concatenate(keys), torch.cat(hashes), torch.cat(staged), np.concatenate(lkeys),
                       torch.cat(logits), tokens, steps, st.microbatched_steps, st.straddling_rows, st.preemptions,
-                      coverage)
+                      coverage, spec, outputs)
     finally:
         engine.close()
 
@@ -269,7 +293,8 @@ def boundary_offsets(start: int, end: int, limit: int = MAX_BOUNDARIES) -> list[
 def verify(loaded: LoadedModel, seed: int = 0, num_requests: int = 6, gen_tokens: int = 16,
            overrides: dict | None = None, only: str | tuple[str, ...] | None = None, progress=None,
            runner_cls: type[ModelRunner] = ModelRunner, make_runner=None, reference: LoadedModel | None = None,
-           device: str = "cpu", threads: int | None = None, set_threads=None) -> dict:
+           device: str = "cpu", threads: int | None = None, set_threads=None, speculative: int | None = None,
+           drafter=None) -> dict:
     """Run every case (or those whose name contains `only`, a string or a tuple of them). `overrides`
     (RunnerConfig fields, e.g. debug_ownership) and `runner_cls` (a test subclass with a protection off:
     a negative control) apply to the compared cases, never to the whole-step baseline.
@@ -279,7 +304,12 @@ def verify(loaded: LoadedModel, seed: int = 0, num_requests: int = 6, gen_tokens
 
     Tensor parallel: `make_runner` builds each case's runner on every rank (baseline included: the
     same parallel size, whole steps); `reference` (the unsharded model) adds "vs_single_process": the
-    whole-step baseline against one process, where greedy tokens must match and |logit diff| is reported."""
+    whole-step baseline against one process, where greedy tokens must match and |logit diff| is reported.
+
+    `speculative` N: every compared case decodes speculatively, N drafts a request, from `drafter` (default: the
+    baseline's own tokens with 30% of them replaced by seeded random ones, so that drafts are accepted and
+    rejected at every draft position), against the plain baseline; the summary counts drafts, accepted drafts
+    and cuts inside draft blocks."""
     work = Workload.seeded(seed, num_requests, loaded.config.vocab_size, gen_tokens,
                            long_prompt_len(loaded.config, gen_tokens))
     total = sum(map(len, work.prompts))
@@ -295,18 +325,29 @@ def verify(loaded: LoadedModel, seed: int = 0, num_requests: int = 6, gen_tokens
     finally:
         set_threads(threads)
     first_qsl = np.concatenate([[0], np.cumsum([len(p) for p in work.prompts])])
+    spec = None
+    if speculative is not None:
+        from .spec.config import SpeculativeConfig
+        from .spec.drafters import OracleDrafter
+        spec = SpeculativeConfig("random", speculative, when="always")  # the config's own drafter is replaced below
+        outputs = {f"r{i}": t for i, t in enumerate(base.tokens)}
+        vocab = min(int(loaded.token_map.shape[0]), loaded.config.vocab_size)
+        make_drafter = (lambda: drafter) if drafter is not None else (
+            lambda: OracleDrafter(outputs, vocab, error_rate=0.3, seed=seed))
     rows, straddling = [], 0
     only = (only,) if isinstance(only, str) else only
     all_cases = [c for c in cases(base_cfg, first_qsl, threads) if only is None or any(o in c[0] for o in only)]
     for i, (name, cfg, bounds, reuse) in enumerate(all_cases):
         cfg = dataclasses.replace(cfg, **(overrides or {}))
         rec = run_case(loaded, work, cfg, bounds, max_steps=1 if bounds else None, reuse_prefix=reuse,
-                       runner_cls=runner_cls, make_runner=make_runner)
+                       runner_cls=runner_cls, make_runner=make_runner, speculative=spec,
+                       drafter=None if spec is None else make_drafter())
         straddling += rec.straddling_rows
         res = compare(base, rec, work, tokens=not bounds)
         rows.append({"case": name, "steps": rec.steps, "microbatched_steps": rec.microbatched_steps,
                      "preemptions": rec.preemptions,
-                     "straddling_rows": rec.straddling_rows, **res, **dataclasses.asdict(rec.coverage)})
+                     "straddling_rows": rec.straddling_rows, **res, **dataclasses.asdict(rec.coverage),
+                     **{f"spec_{k}": v for k, v in rec.spec.items()}})
         if progress:
             progress(i + 1, len(all_cases))
     summary = {
@@ -320,6 +361,10 @@ def verify(loaded: LoadedModel, seed: int = 0, num_requests: int = 6, gen_tokens
         "longest_prompt": max(map(len, work.prompts)),
         "threads": threads,
     }
+    if spec is not None:
+        summary["speculative"] = {k: sum(r[f"spec_{k}"] for r in rows) for k in ("drafts", "draft_tokens",
+                                                                                 "accepted_tokens")}
+        summary["speculative"]["draft_bounds"] = summary["coverage"]["draft_bounds"]
     summary["passed"] = all(summary[k] == 0 for k in ("hash_mismatches", "row_mismatches", "logit_mismatches",
                                                       "greedy_mismatches"))
     if reference is not None:

@@ -247,6 +247,9 @@ class AsyncLLMEngine:
             "kernel_threads": self._kernel_threads,
             "cpu_graphs": len(graphs) if graphs is not None else 0,
             "cpu_graph_bytes": graphs.nbytes if graphs is not None else 0,
+            "spec_decode_num_drafts_total": st.spec_drafts, "spec_decode_num_draft_tokens_total": st.spec_draft_tokens,
+            "spec_decode_num_accepted_tokens_total": st.spec_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(st.spec_accepted_per_position),
         }
 
     # ---- output thread ------------------------------------------------------------------------

@@ -1,13 +1,15 @@
 """The engine: scheduler (torch-free bookkeeping) + model runner + sampler, one `step()` at a time.
 
-Per step: schedule -> build the step batch from the token store -> run it (whole or as
-microbatches) -> sample on the device -> commit sampled tokens to the token store on the device
-and, with one host transfer for the whole step, to the sequences -> finish what stopped.
+Per step: (speculative decoding: drafts proposed) -> schedule -> build the step batch from the token store
+-> run it (whole or as microbatches) -> sample on the device -> commit sampled tokens (verify rows: the
+accepted run, spec/acceptance.py) to the token store on the device and, with one host transfer for the whole
+step, to the sequences -> finish what stopped.
 """
 from __future__ import annotations
 
 import logging
 import numbers
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,12 +17,16 @@ import torch
 
 from ..engine.scheduler import MAX_WAITING, Scheduler, SchedulerConfig, SchedulerOutput
 from ..engine.sequence import Sequence
-from ..errors import InvalidRequest, OwnershipError, SliceError, StaticBufferError
+from ..errors import ConfigError, InvalidRequest, OwnershipError, SliceError, StaticBufferError
 from ..microbatch.plan import check_bounds
 from ..model.loader import LoadedModel
 from ..runner.model_runner import ModelRunner, RunnerConfig, StepOutput
 from ..runner.sampler import GREEDY_BELOW, Penalties, Sampler, SamplingBatch
 from ..sampling_params import SamplingParams
+from ..spec.acceptance import accepted_drafts
+from ..spec.config import SpeculativeConfig
+from ..spec.drafters import DraftRequest, Drafter, make_drafter
+from ..spec.planner import SpecPlanner
 from .threads import set_torch_threads
 
 log = logging.getLogger(__name__)
@@ -52,6 +58,11 @@ class EngineStats:
     preemptions: int = 0
     errors: int = 0  # requests ended with finish_reason "error"
     step_failures: int = 0  # steps whose forward raised (their offending rows ended, the rest re-run)
+    # speculative decoding, as vLLM counts it: verify rows, drafts verified, drafts accepted, accepted by position
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -61,17 +72,27 @@ class StepResult:
     output: StepOutput | None = None
     req_ids: list[str] = field(default_factory=list)  # request id of each row
     sampled: list[bool] = field(default_factory=list)  # whether each row's last token was sampled
+    # per row: its first tokens whose computation plain decoding also makes (a verify row: up to the last
+    # emitted token, or the row that ended the request with an error; every other row: all of them)
+    standing: list[int] = field(default_factory=list)
 
 
 class LLMEngine:
+    """The class attribute below is a protection that a test subclass turns off (a negative control)."""
+
+    penalties_see_earlier_drafts_only = True  # a verify row's position j counts drafts 1..j, never later ones
+
     def __init__(self, loaded: LoadedModel, cfg: RunnerConfig | None = None, enable_prefix_caching: bool = True,
                  runner_cls: type[ModelRunner] = ModelRunner, runner: ModelRunner | None = None,
-                 threads: int | None = None, seed: int | None = None, max_waiting: int | None = MAX_WAITING):
+                 threads: int | None = None, seed: int | None = None, max_waiting: int | None = MAX_WAITING,
+                 speculative: SpeculativeConfig | dict | str | None = None, drafter: Drafter | None = None):
         """`runner_cls`: a test may pass a subclass (negative controls). `runner`: a prepared runner over
         `loaded` with config `cfg` (tensor parallel: rank 0's ParallelModelRunner). `threads`: the C
         kernels' and torch's threads (engine/threads.py: default, the cores of the affinity mask); `seed`:
         seeds the draws of per-request seeds for requests that give none. `max_waiting`: requests the scheduler's
-        waiting queue holds before `add_request` refuses more (QueueFull); None = no bound."""
+        waiting queue holds before `add_request` refuses more (QueueFull); None = no bound. `speculative`: a
+        SpeculativeConfig (or its JSON) turns speculative decoding on, with `drafter` or the config's own
+        (spec/drafters.py `make_drafter`); it changes how many tokens a step gives, never which."""
         self.threads = set_torch_threads(threads)
         cfg = cfg or RunnerConfig()
         if cfg.max_model_len > loaded.config.max_position_embeddings:
@@ -91,6 +112,14 @@ class LLMEngine:
         self.num_token_ids = min(int(loaded.token_map.shape[0]), loaded.config.vocab_size)
         self._next_seed = np.random.default_rng(seed)
         self._scored: dict[str, Sequence] = {}  # requests whose prompt logprobs are complete, not yet delivered
+        self.spec = None if speculative is None else SpeculativeConfig.parse(speculative, getattr(loaded, "path", None))
+        self.drafter = None if self.spec is None else (drafter or make_drafter(self.spec, loaded))
+        self.spec_planner = None if self.spec is None else SpecPlanner(self.spec)
+        if self.spec is not None:
+            self.stats.spec_accepted_per_position = [0] * self.spec.num_speculative_tokens
+            if self.drafter.feature_layers:  # the hook a feature-reading drafter needs (StepOutput.features)
+                raise ConfigError(f"drafter feature_layers={tuple(self.drafter.feature_layers)}: this runner "
+                                  f"returns no per-token hidden features yet (StepOutput.features)")
 
     # ---- requests ---------------------------------------------------------------------------
     def validate(self, prompt_ids, params) -> list[int]:
@@ -200,6 +229,9 @@ class LLMEngine:
         request never ends its batch mates. If every row of a multi-row step fails even alone, the
         step itself is broken: the error is raised. Broken engine invariants (OwnershipError,
         SliceError, StaticBufferError) and malformed `bounds` (InvalidRequest) are raised at once."""
+        started = time.perf_counter()
+        if self.spec is not None:
+            self._propose()
         out = self.scheduler.schedule()
         events = [self._finish(s, s.finish_reason or "length") for s in out.finished if s.request_id in self.seqs]
         self.stats.preemptions += len(out.preempted)
@@ -207,6 +239,8 @@ class LLMEngine:
         for s in out.preempted:
             if s.slot is not None:
                 state.clear(s.slot)
+            if self.drafter is not None:
+                self.drafter.release(s.request_id)
         if not out.rows:
             return StepResult(events, out)
         rows = out.rows
@@ -215,12 +249,19 @@ class LLMEngine:
             if s.slot is None:  # first time scheduled: running + preempted <= max_num_seqs slots
                 s.slot = self.runner.store.add(s.token_ids, s.dead)
             state.sync(s.slot, s.block_ids)  # O(new blocks): usually nothing
+        verify = [r for r in rows if r.num_draft] if self.spec is not None else []
+        if verify:  # the drafts go where the step reads its input ids: past the committed tokens
+            self.runner.store.write(np.repeat([r.seq.slot for r in verify], [r.num_draft for r in verify]),
+                                    np.concatenate([np.arange(r.seq.num_tokens, r.seq.num_tokens + r.num_draft)
+                                                    for r in verify]),
+                                    np.concatenate([r.seq.draft_ids for r in verify]))
 
         def run(rows, sample, bounds=None, record=False) -> StepOutput:
             n = len(rows)
             slots = np.fromiter((r.seq.slot for r in rows), np.int64, n)
             computed = np.fromiter((r.num_computed for r in rows), np.int64, n)
             new, sampled = np.fromiter((r.num_new for r in rows), np.int64, n), np.fromiter(sample, bool, n)
+            drafts = np.fromiter((r.num_draft for r in rows), np.int64, n)
             score = [i for i, r in enumerate(rows) if r.seq.prompt_logprobs is not None
                      and r.num_computed < r.seq.num_prompt_tokens]
             if bounds is None and not score and (new == 1).all() and sampled.all():
@@ -229,7 +270,10 @@ class LLMEngine:
                 batch = self.runner.build(slots, computed, new, None, sampled)
             if bounds is not None:
                 check_bounds(bounds, batch.num_tokens, self.cfg.microbatch.num_microbatches)
-            return self.runner.execute(batch, bounds, record, score or None)
+            if not drafts.any():
+                return self.runner.execute(batch, bounds, record, score or None)
+            return self.runner.execute(batch, bounds, record, score or None,  # verify rows: every position read
+                                       reads=np.where(sampled, drafts + 1, 0))
 
         try:
             result = run(rows, sample, bounds, record)
@@ -250,21 +294,81 @@ class LLMEngine:
         if result.scored is not None:
             events += self._prompt_logprobs(rows, result.scored)
         sampled = [r.seq for r, flag in zip(rows, sample) if flag]
+        drafts = [r.num_draft for r, flag in zip(rows, sample) if flag]
         logits = result.logits
+
+        def keep_rows(keep: list[int]) -> None:  # the sampled rows `keep`, and their logits rows
+            nonlocal sampled, drafts, logits
+            first = np.cumsum([0] + [k + 1 for k in drafts])
+            logits = logits[np.concatenate([np.arange(first[i], first[i + 1]) for i in keep] or [[]]).astype(np.int64)]
+            sampled, drafts = [sampled[i] for i in keep], [drafts[i] for i in keep]
         if len(events) and any(s.request_id not in self.seqs for s in sampled):  # ended above: not sampled
-            keep = [i for i, s in enumerate(sampled) if s.request_id in self.seqs]
-            sampled, logits = [sampled[i] for i in keep], logits[keep]
+            keep_rows([i for i, s in enumerate(sampled) if s.request_id in self.seqs])
         if any(s.params.max_tokens == 0 for s in sampled):  # the prompt scored alone: nothing to sample
-            keep = [i for i, s in enumerate(sampled) if s.params.max_tokens]
             events += [self._finish(s, "length") for s in sampled if not s.params.max_tokens]
-            sampled, logits = [sampled[i] for i in keep], logits[keep]
-        if sampled:
+            keep_rows([i for i, s in enumerate(sampled) if s.params.max_tokens])
+        standing = {}
+        if sampled and any(drafts):
+            events += self._sample(sampled, logits, drafts, standing)
+        elif sampled:
             events += self._sample(sampled, logits)
+        if self.drafter is not None:
+            self._observe(rows, standing, result)
+            for r in rows:
+                r.seq.draft_ids = []
+            if all(sample) and all(r.num_new - r.num_draft == 1 for r in rows):  # a decode step: the planner's measure
+                self.spec_planner.record_step(len(rows), any(r.num_draft for r in rows),
+                                              (time.perf_counter() - started) * 1e3,
+                                              sum(ev.token is not None for ev in events))
         for ev in events:  # the prompt's logprobs ride on the request's first event
             seq = self._scored.pop(ev.request_id, None)
             if seq is not None:
                 ev.prompt_logprobs = seq.prompt_logprobs
-        return StepResult(events, out, result, [r.seq.request_id for r in rows], sample)
+        return StepResult(events, out, result, [r.seq.request_id for r in rows], sample,
+                          [standing.get(id(r.seq), r.num_new) for r in rows])
+
+    # ---- speculative decoding ---------------------------------------------------------------
+    def _propose(self) -> None:
+        """Drafts for the running decodes the planner lets speculate (`seq.draft_ids`); the scheduler trims them
+        to the step's budget and free blocks. A drafted id outside the tokenizer ends its proposal there."""
+        decodes = [s for s in self.scheduler.running if s.num_tokens - s.num_computed_tokens == 1]
+        for s in decodes:
+            s.draft_ids = []
+        ks = self.spec_planner.num_drafts(decodes, len(decodes))
+        asked = [(s, k) for s, k in zip(decodes, ks) if k]
+        if not asked:
+            return
+        reqs = [DraftRequest(s.request_id, s.token_ids, s.num_prompt_tokens, k) for s, k in asked]
+        for (seq, k), d in zip(asked, self.drafter.propose(reqs, self._pick([s for s, _ in asked]))):
+            d = np.asarray(d, dtype=np.int64)[:k]
+            bad = np.flatnonzero((d < 0) | (d >= self.num_token_ids))
+            seq.draft_ids = d[: bad[0] if len(bad) else len(d)].tolist()
+
+    def _pick(self, seqs: list[Sequence]):
+        """The drafters' `pick(j, z)` (spec/drafters.py `PickFn`) for these requests."""
+        p = [s.params for s in seqs]
+
+        def pick(j: int, z: torch.Tensor) -> torch.Tensor:
+            z = z[:, : self.num_token_ids].float()
+            if all(x.temperature < GREEDY_BELOW for x in p):
+                return self.sampler.greedy(z).tokens
+            batch = SamplingBatch.build(z.shape[1], [x.temperature for x in p], [x.top_k for x in p],
+                                        [x.top_p for x in p], [x.seed for x in p], [s.num_tokens + j for s in seqs],
+                                        [x.min_p for x in p], device=z.device)
+            return self.sampler.sample(z, batch).tokens
+        return pick
+
+    def _observe(self, rows, standing: dict, result: StepOutput) -> None:
+        """Tell the drafter which positions each live row computed from committed tokens (never a rejected
+        draft's), with the runner's features of those tokens when it captured any."""
+        t = 0
+        for r in rows:
+            seq, n = r.seq, standing.get(id(r.seq), r.num_new)
+            if seq.request_id in self.seqs:  # (an ended request was released)
+                feats = None if result.features is None else {i: f[t:t + n] for i, f in result.features.items()}
+                self.drafter.observe(seq.request_id, r.num_computed, seq.token_ids[r.num_computed:r.num_computed + n],
+                                     feats)
+            t += r.num_new
 
     def _prompt_logprobs(self, rows, scored: torch.Tensor) -> list[TokenEvent]:
         """Store the prompt logprobs of the scored rows (run's `score`, in row order): the logits at position p
@@ -333,21 +437,35 @@ class LLMEngine:
         self.stats.errors += len(rows)
         return [self._finish(r.seq, "error", message) for r in rows]
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
-        """Sample one token per sequence; one device-to-host transfer for the whole step."""
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[int] | None = None,
+                standing: dict | None = None) -> list[TokenEvent]:
+        """Sample one token per sequence; one device-to-host transfer for the whole step. `drafts` (a verify
+        step): sequence i has drafts[i] drafts and drafts[i] + 1 rows of logits; each row j is sampled as plain
+        decoding samples output position num_tokens + j, seeing the drafts before it as outputs."""
         dev = logits.device
         if logits.shape[1] > self.num_token_ids:
             logits = logits[:, : self.num_token_ids]  # ids outside the tokenizer are never sampled
         vocab = logits.shape[1]
+        groups, counts = seqs, None
+        if drafts is not None:  # one virtual row per position: the sequence, and j drafts before it
+            counts = np.asarray(drafts) + 1
+            seqs = [s for s, c in zip(groups, counts) for _ in range(c)]
+            j = (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)).tolist()
+        else:
+            j = [0] * len(seqs)
+        # drafts a row's penalties count: those before its position (the control: all of the row's)
+        seen = j if counts is None or self.penalties_see_earlier_drafts_only else np.repeat(counts - 1, counts).tolist()
         p = [s.params for s in seqs]
         if all(x.temperature < GREEDY_BELOW and x.logprobs is None and not x.logit_bias and not x.penalised
-               and not (x.min_tokens and s.num_output_tokens < x.min_tokens) for s, x in zip(seqs, p)):
-            return self._commit(seqs, self.sampler.greedy(logits), None)  # the common case: one argmax, no batch
+               and not (x.min_tokens and s.num_output_tokens + i < x.min_tokens) for s, x, i in zip(seqs, p, j)):
+            out, batch = self.sampler.greedy(logits), None  # the common case: one argmax, no batch
+            return self._commit(seqs, out, batch) if drafts is None else \
+                self._commit_verified(groups, drafts, out, batch, standing)
         # (`greedy` gives the tokens and finite flags that `sample` gives greedy rows)
         ban_rows, ban_tokens, bias_rows, bias_tokens, bias_values = [], [], [], [], []
         pen_rows = []
         for i, (s, x) in enumerate(zip(seqs, p)):  # host bookkeeping of the few rows that ask for extras
-            if x.min_tokens and s.num_output_tokens < x.min_tokens:
+            if x.min_tokens and s.num_output_tokens + j[i] < x.min_tokens:
                 stops = [t for t in x.stop_token_ids + ([] if x.ignore_eos or self.eos is None else [self.eos])
                          if t < vocab]
                 ban_rows += [i] * len(stops)
@@ -362,7 +480,7 @@ class LLMEngine:
         if pen_rows:
             ps = [seqs[i] for i in pen_rows]
             slots = torch.tensor([s.slot for s in ps], device=dev)
-            width = max(s.num_tokens for s in ps)
+            width = max(s.num_tokens + seen[i] for i, s in zip(pen_rows, ps))
             penalties = Penalties(
                 torch.tensor(pen_rows, device=dev),
                 torch.tensor([s.params.repetition_penalty for s in ps], dtype=torch.float32, device=dev),
@@ -370,21 +488,86 @@ class LLMEngine:
                 torch.tensor([s.params.presence_penalty for s in ps], dtype=torch.float32, device=dev),
                 self.runner.store.ids.index_select(0, slots)[:, :width],  # [P, L] each row's own tokens
                 torch.tensor([s.num_prompt_tokens for s in ps], device=dev),
-                torch.tensor([s.num_tokens for s in ps], device=dev))
+                torch.tensor([s.num_tokens + seen[i] for i, s in zip(pen_rows, ps)], device=dev))
         batch = SamplingBatch.build(
             vocab, [x.temperature for x in p], [x.top_k for x in p], [x.top_p for x in p], [x.seed for x in p],
-            [s.num_tokens for s in seqs], [x.min_p for x in p], device=dev,
+            [s.num_tokens + i for s, i in zip(seqs, j)], [x.min_p for x in p], device=dev,
             bias=(bias_rows, bias_tokens, bias_values) if bias_rows else None,
             ban=(ban_rows, ban_tokens) if ban_rows else None, penalties=penalties,
             logprobs=[x.logprobs for x in p])
-        return self._commit(seqs, self.sampler.sample(logits, batch), batch)
+        out = self.sampler.sample(logits, batch)
+        return self._commit(seqs, out, batch) if drafts is None else \
+            self._commit_verified(groups, drafts, out, batch, standing)
 
     def _commit(self, seqs: list[Sequence], out, batch: SamplingBatch | None) -> list[TokenEvent]:
         """Append the sampled tokens (SamplerOutput `out`) to their sequences; the step's token events.
         `batch` None: no row wants logprobs."""
-        dev = out.tokens.device
         slots = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
         self.runner.store.append(slots, out.tokens)  # on the device; rows that fail are freed below
+        toks, finite, host, n = self._to_host(out, batch, len(seqs))
+        events = []
+        for k, (seq, tok) in enumerate(zip(seqs, toks)):
+            if not finite[k]:
+                self.stats.errors += 1
+                events.append(self._finish(seq, "error", "non-finite logits (NaN or Inf) for this request"))
+                continue
+            events.append(self._emit(seq, tok, host, k, n))
+        self.stats.generated_tokens += sum(finite)  # the rows that got a token (True counts 1)
+        return events
+
+    def _commit_verified(self, seqs: list[Sequence], drafts: list[int], out, batch: SamplingBatch | None,
+                         standing: dict) -> list[TokenEvent]:
+        """`_commit` of a verify step: sequence i's rows are its drafts[i] + 1 positions (spec/acceptance.py).
+        It emits the tokens of its accepted run, each exactly as plain decoding emits it (a stop, EOS, max_tokens
+        or non-finite logits inside the run end the request there, with nothing after), then commits them to
+        the token store (the first rejected draft overwritten) and counts the accepted drafts computed.
+        `standing[id(seq)]`: the row's positions whose computation stands."""
+        toks, finite, host, n = self._to_host(out, batch, len(out.tokens))
+        k = np.asarray(drafts, dtype=np.int64)
+        flat = np.concatenate([s.draft_ids for s in seqs]).astype(np.int64) if k.any() else np.zeros(0, np.int64)
+        acc = accepted_drafts(np.asarray(toks), np.asarray(finite), flat, k).tolist()
+        events, first, st = [], 0, self.stats
+        commit_slots, commit_pos, commit_tok, live = [], [], [], []
+        for i, seq in enumerate(seqs):
+            start = seq.num_tokens
+            for j in range(acc[i] + 1):  # the accepted run: drafts 1..acc equal rows 0..acc-1, then row acc
+                row = first + j
+                if not finite[row]:
+                    st.errors += 1
+                    events.append(self._finish(seq, "error", "non-finite logits (NaN or Inf) for this request"))
+                    break
+                events.append(self._emit(seq, toks[row], host, row, n))
+                st.generated_tokens += 1
+                if seq.is_finished:
+                    break
+            standing[id(seq)] = j + 1
+            if k[i]:
+                st.spec_drafts += 1
+                st.spec_draft_tokens += int(k[i])
+                st.spec_accepted_tokens += acc[i]
+                per = st.spec_accepted_per_position
+                per += [0] * (int(k[i]) - len(per))
+                for pos in range(acc[i]):
+                    per[pos] += 1
+                self.spec_planner.record(seq.request_id, int(k[i]), acc[i])
+            if not seq.is_finished:
+                commit_slots += [seq.slot] * (acc[i] + 1)
+                commit_pos += range(start, start + acc[i] + 1)
+                commit_tok += toks[first:first + acc[i] + 1]
+                live.append((seq, acc[i]))
+            first += int(k[i]) + 1
+        if live:
+            store = self.runner.store
+            store.write(np.asarray(commit_slots), np.asarray(commit_pos), np.asarray(commit_tok))
+            store.set_lengths(np.asarray([s.slot for s, _ in live]), np.asarray([s.num_tokens for s, _ in live]))
+            for seq, a in live:
+                self.scheduler.accept(seq, a)
+        return events
+
+    def _to_host(self, out, batch: SamplingBatch | None, rows: int):
+        """(tokens, finite flags, the host array of logprob columns or None, top logprobs per row) of a
+        SamplerOutput, in one transfer."""
+        dev = out.tokens.device
         n = 0 if batch is None else batch.num_logprobs
         if dev.type == "cpu" and batch is None:  # no transfer: the tensors' own memory
             host, toks, finite = None, out.tokens.numpy().tolist(), out.finite.numpy().tolist()
@@ -393,27 +576,23 @@ class LLMEngine:
             if batch is not None and batch.logprob_rows is not None:
                 lp = torch.cat([out.logprob.double()[:, None], out.top_ids.double(), out.top_logprobs.double()], 1) \
                     if n else out.logprob.double()[:, None]  # [Q, 1 + 2n]
-                full = torch.full((len(seqs), lp.shape[1]), float("nan"), dtype=torch.float64, device=dev)
+                full = torch.full((rows, lp.shape[1]), float("nan"), dtype=torch.float64, device=dev)
                 packed = torch.cat([packed, full.index_copy_(0, batch.logprob_rows, lp)], dim=1)
             host = packed.cpu().numpy()  # the one transfer of the step
             toks, finite = host[:, 0].astype(np.int64).tolist(), (host[:, 1] != 0).tolist()  # two calls, not 2 a row
-        events = []
-        for k, (seq, tok) in enumerate(zip(seqs, toks)):
-            if not finite[k]:
-                self.stats.errors += 1
-                events.append(self._finish(seq, "error", "non-finite logits (NaN or Inf) for this request"))
-                continue
-            seq.append_token(tok)
-            want = seq.params.logprobs
-            reason = self._stop_reason(seq, tok)
-            ev = self._finish(seq, reason, token=tok) if reason else TokenEvent(seq.request_id, tok, False)
-            if want is not None:
-                row = host[k]
-                ev.logprob = float(row[2])
-                ev.top_logprobs = [(int(i), float(v)) for i, v in zip(row[3:3 + want], row[3 + n:3 + n + want])]
-            events.append(ev)
-        self.stats.generated_tokens += sum(finite)  # the rows that got a token (True counts 1)
-        return events
+        return toks, finite, host, n
+
+    def _emit(self, seq: Sequence, tok: int, host, k: int, n: int) -> TokenEvent:
+        """Append token `tok` (row k of the step's host array, `n` top logprobs a row) to `seq`: its event."""
+        seq.append_token(tok)
+        want = seq.params.logprobs
+        reason = self._stop_reason(seq, tok)
+        ev = self._finish(seq, reason, token=tok) if reason else TokenEvent(seq.request_id, tok, False)
+        if want is not None:
+            row = host[k]
+            ev.logprob = float(row[2])
+            ev.top_logprobs = [(int(i), float(v)) for i, v in zip(row[3:3 + want], row[3 + n:3 + n + want])]
+        return ev
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         params: SamplingParams = seq.params
@@ -428,6 +607,9 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
             self._free_slot(seq)
             del self.seqs[seq.request_id]
+            if self.drafter is not None:
+                self.drafter.release(seq.request_id)
+                self.spec_planner.release(seq.request_id)
         return TokenEvent(seq.request_id, token, True, reason, error)
 
     def _account(self, rows, result: StepOutput) -> None:

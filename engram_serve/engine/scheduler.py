@@ -65,18 +65,23 @@ class SchedulerConfig:
 class ScheduledRow:
     """One sequence's tokens in a step: absolute positions `num_computed .. num_computed+num_new-1`.
 
-    Invariants: `num_new >= 1`; `num_computed + num_new <= seq.num_tokens`;
-    `len(seq.block_ids) * block_size >= num_computed + num_new`.
+    `num_draft` > 0 (a verify row): the row is the sequence's last token followed by its `num_draft` drafts
+    (`seq.draft_ids`), at positions `seq.num_tokens .. seq.num_tokens + num_draft - 1`.
+
+    Invariants: `num_new >= 1`; `num_computed + num_new <= seq.num_tokens + num_draft`;
+    `len(seq.block_ids) * block_size >= num_computed + num_new`; `num_draft > 0` only when `num_new ==
+    num_draft + 1` and `num_computed + 1 == seq.num_tokens`.
     """
 
     seq: Sequence
     num_computed: int
     num_new: int
+    num_draft: int = 0
 
     @property
     def sample(self) -> bool:
         """True iff this row reaches the sequence's last token (prompt complete, or a decode)."""
-        return self.num_computed + self.num_new == self.seq.num_tokens
+        return self.num_computed + self.num_new == self.seq.num_tokens + self.num_draft
 
 
 @dataclass
@@ -190,12 +195,14 @@ class Scheduler:
             out.finished.append(seq)
         budget, scheduled = cfg.max_num_batched_tokens, set()
 
-        def add_row(seq: Sequence, n: int) -> None:
+        def add_row(seq: Sequence, n: int, drafts: int = 0) -> None:
             nonlocal budget
-            out.rows.append(ScheduledRow(seq, seq.num_computed_tokens, n))
+            out.rows.append(ScheduledRow(seq, seq.num_computed_tokens, n + drafts, drafts))
             scheduled.add(id(seq))
-            budget -= n
+            budget -= n + drafts
 
+        # drafts (speculative decoding) take only the budget that every running decode's own token leaves
+        spare = budget - sum(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
         # 1. running decodes, then 2. running partial prefills; both may preempt for a block.
         for decode in (True, False):
             for seq in list(self.running):
@@ -207,13 +214,21 @@ class Scheduler:
                 if budget == 0:
                     break
                 n = min(remaining, budget)
-                if len(seq.block_ids) * cfg.block_size >= seq.num_computed_tokens + n:
-                    add_row(seq, n)  # its blocks already hold the tokens (most decodes): nothing to allocate
-                    continue
-                n = self._fit_or_preempt(seq, n, scheduled, out)
-                if n:
+                if len(seq.block_ids) * cfg.block_size < seq.num_computed_tokens + n:
+                    n = self._fit_or_preempt(seq, n, scheduled, out)
+                    if not n:
+                        continue
                     bm.allocate(seq, seq.num_computed_tokens + n)
-                    add_row(seq, n)
+                drafts = 0
+                if decode and seq.draft_ids:  # lookahead slots: never preempts anyone, trimmed to what is free
+                    end = seq.num_computed_tokens + n
+                    drafts = max(0, min(len(seq.draft_ids), spare, budget - n, cfg.max_model_len - end,
+                                        bm.capacity(seq) - end))
+                    if drafts:
+                        bm.allocate(seq, end + drafts)
+                    spare -= drafts
+                seq.draft_ids = seq.draft_ids[:drafts]
+                add_row(seq, n, drafts)
         # 3. waiting sequences, FCFS; none after a preemption (that would undo it).
         while self.waiting and not out.preempted and budget and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
@@ -256,7 +271,7 @@ class Scheduler:
         """Recompute-style preemption: drop all blocks, back to the FRONT of the waiting queue."""
         self.running.remove(seq)
         self.block_manager.free(seq)
-        seq.num_computed_tokens, seq.status = 0, SequenceStatus.WAITING
+        seq.num_computed_tokens, seq.status, seq.draft_ids = 0, SequenceStatus.WAITING, []
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         self.num_preemptions += 1
@@ -264,7 +279,8 @@ class Scheduler:
     def update(self, output: SchedulerOutput) -> None:
         """Record that `output`'s step ran: advance computed counts, register newly full blocks.
 
-        Rows of sequences finished or aborted since `schedule()` are skipped.
+        Rows of sequences finished or aborted since `schedule()` are skipped. A verify row advances by its
+        committed token alone: its drafts count as computed only once accepted (`accept`).
         """
         for r in output.rows:
             seq = r.seq
@@ -273,8 +289,20 @@ class Scheduler:
             if seq.num_computed_tokens != r.num_computed:
                 raise ValueError(f"update: {seq.request_id!r} has num_computed_tokens={seq.num_computed_tokens}, "
                                  f"the row was scheduled at num_computed={r.num_computed} (stale output?)")
-            seq.num_computed_tokens += r.num_new
+            seq.num_computed_tokens += r.num_new - r.num_draft
             self.block_manager.register_full_blocks(seq)
+
+    def accept(self, seq: Sequence, num_accepted: int) -> None:
+        """After a verify step whose tokens are committed: its first `num_accepted` drafts were computed from
+        committed tokens, so their positions count as computed (and their full blocks may be cached). The
+        positions past them held rejected drafts: they stay uncomputed, and the next step overwrites them."""
+        if seq.status is not SequenceStatus.RUNNING or not num_accepted:
+            return
+        if seq.num_computed_tokens + num_accepted >= seq.num_tokens:
+            raise ValueError(f"accept: {seq.request_id!r} would count {seq.num_computed_tokens} + {num_accepted} "
+                             f"positions computed of its {seq.num_tokens} tokens (its last token is not computed)")
+        seq.num_computed_tokens += num_accepted
+        self.block_manager.register_full_blocks(seq)
 
     # ---- checking ------------------------------------------------------------------------
     def check_invariants(self) -> None:

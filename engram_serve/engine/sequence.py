@@ -34,6 +34,8 @@ class Sequence:
       hold no blocks (their count is kept for reporting only).
     - `dead`, when not None, has one flag per token (`len(dead) == num_tokens`).
     - `arrival` only orders sequences (earlier = smaller); it never changes.
+    - `draft_ids` (speculative decoding) are proposals, never part of `token_ids`: set by the engine before a
+      step is scheduled, trimmed by the scheduler to what the step verifies, cleared after the step.
 
     `slot`, `params` and `dead` are opaque here: the engine owns their meaning. `reuse_prefix` False:
     the request needs every prompt position computed (prompt logprobs), so no cached prefix is reused.
@@ -60,6 +62,7 @@ class Sequence:
         self.reuse_prefix = True
         self.prompt_logprobs: list | None = None  # the engine's, per prompt position (prompt logprobs)
         self.prompt_logprobs_sent = False
+        self.draft_ids: list[int] = []  # this step's proposals (speculative decoding)
 
     @property
     def num_tokens(self) -> int:

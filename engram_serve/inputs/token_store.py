@@ -2,7 +2,10 @@
 
 Memory: `max_slots * max_len * 5` bytes, preallocated: an int32 id (4 B) and a bool dead flag (1 B)
 per token position. Invariant: positions `< lengths[slot]` hold the request's committed tokens
-(prompt, then each sampled token once committed); everything at or past `lengths[slot]` is unread.
+(prompt, then each sampled token once committed); everything at or past `lengths[slot]` is unread, except a
+verify step's drafts (speculative decoding): `write` puts them there before the step, which alone reads them
+(its input ids, and the in-step history of its own later tokens). Committing a verify step's tokens
+overwrites the first rejected draft with the emitted token; the rejected ones after it lie past `lengths`.
 """
 from __future__ import annotations
 
@@ -62,6 +65,26 @@ class TokenStore:
         self.ids[slots, pos] = tokens.to(self.device, torch.int32)
         self.dead[slots, pos] = False
         self.lengths[slots] = pos + 1
+
+    def write(self, slots: np.ndarray, positions: np.ndarray, tokens: np.ndarray) -> None:
+        """ids[slots[i], positions[i]] = tokens[i], never dead (host arrays [S]; one indexing call each);
+        `lengths` unchanged (drafts; a commit then calls `set_lengths`)."""
+        slots, positions = np.asarray(slots, dtype=np.int64), np.asarray(positions, dtype=np.int64)
+        tokens = np.asarray(tokens, dtype=np.int32)
+        if self._host is not None:
+            ids, dead, _ = self._host
+            ids[slots, positions], dead[slots, positions] = tokens, False
+            return
+        at = (torch.from_numpy(slots).to(self.device), torch.from_numpy(positions).to(self.device))
+        self.ids[at], self.dead[at] = torch.from_numpy(tokens).to(self.device), False
+
+    def set_lengths(self, slots: np.ndarray, lengths: np.ndarray) -> None:
+        """lengths[slots[i]] = lengths[i] (distinct host slots)."""
+        if self._host is not None:
+            self._host[2][np.asarray(slots, dtype=np.int64)] = lengths
+            return
+        self.lengths[torch.as_tensor(np.asarray(slots, dtype=np.int64), device=self.device)] = \
+            torch.as_tensor(np.asarray(lengths, dtype=np.int64), device=self.device)
 
     def truncate(self, slot: int, length: int) -> None:
         """Drop tokens at positions >= length (e.g. rejected speculative tokens)."""

@@ -65,9 +65,9 @@ def serve_worker(group: ParallelGroup, loaded, ppid: int | None = None) -> None:
                 _, fn, args = msg
                 fn(group, *args)
             elif kind == "step":
-                _, packed, bounds, record, score_rows = msg  # the same rows as rank 0 (its keep)
+                _, packed, bounds, record, score_rows, reads = msg  # the same rows as rank 0 (its keep)
                 try:
-                    runner.execute(unpack_batch(packed, group.device), bounds, record, score_rows)
+                    runner.execute(unpack_batch(packed, group.device), bounds, record, score_rows, reads)
                 except ParallelError:
                     raise
                 except EngramServeError as e:  # deterministic: rank 0 raised the same error at the same point

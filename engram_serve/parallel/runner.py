@@ -76,7 +76,7 @@ class ParallelModelRunner(ModelRunner):
             self.cluster.close()
 
     def execute(self, batch: StepBatch, bounds: list[int] | None = None, record: bool = False,
-                score_rows: list[int] | None = None) -> StepOutput:
+                score_rows: list[int] | None = None, reads=None) -> StepOutput:
         if self.broken is not None:
             raise ParallelError(f"the tensor-parallel group is down: {self.broken}")
         try:
@@ -86,8 +86,9 @@ class ParallelModelRunner(ModelRunner):
                     dead = self.on_failure(check_only=True)
                     if dead:
                         raise ParallelError(dead)
-                self.group.broadcast_object(("step", pack_batch(batch), list(bounds), record, score_rows))
-            return super().execute(batch, bounds, record, score_rows)
+                self.group.broadcast_object(("step", pack_batch(batch), list(bounds), record, score_rows,
+                                             reads))
+            return super().execute(batch, bounds, record, score_rows, reads)
         except ParallelError as e:
             why = self.on_failure(wait_s=3.0) if self.on_failure is not None else None
             self.broken = why or str(e)

@@ -81,6 +81,21 @@ class StepOutput:
     scored: torch.Tensor | None = None  # [sum of the scored rows' tokens, V] float32: every token of `score_rows`
     hash_ids: torch.Tensor | None = None
     staged: torch.Tensor | None = None
+    # layer -> [T, hidden] per-token hidden features of the step's real tokens, for a drafter's `feature_layers`
+    # (spec/drafters.py); None: none captured (the forward captures none yet: the engine refuses such a drafter)
+    features: dict[int, torch.Tensor] | None = None
+
+
+def read_tokens(qsl: np.ndarray, reads: np.ndarray) -> np.ndarray:
+    """[sum(reads)] int64: the indices of each row's last reads[r] tokens, in order (no loop per row)."""
+    reads = np.asarray(reads, dtype=np.int64)
+    first = np.repeat(qsl[1:] - reads, reads)  # each read token's row's first read token
+    return first + np.arange(len(first)) - np.repeat(np.cumsum(reads) - reads, reads)
+
+
+def mine(read: np.ndarray, t0: int, t1: int) -> torch.Tensor:
+    """The read tokens inside microbatch [t0, t1), as indices into it."""
+    return torch.from_numpy(read[(read >= t0) & (read < t1)] - t0)
 
 
 class ModelRunner:
@@ -171,17 +186,19 @@ class ModelRunner:
 
     # ---- execution --------------------------------------------------------------------------
     def execute(self, batch: StepBatch, bounds: list[int] | None = None, record: bool = False,
-                score_rows: list[int] | None = None) -> StepOutput:
+                score_rows: list[int] | None = None, reads: np.ndarray | None = None) -> StepOutput:
         """Run one step cut at `bounds` (default: planned). Returns logits of the sampled rows and,
         with `record` (verification), copies of the hash ids and staged rows; `score_rows`: the logits
-        of every token of these rows too (prompt logprobs), in row order."""
+        of every token of these rows too (prompt logprobs), in row order. `reads` [R] (verify steps): the
+        logits of each row's last reads[r] tokens instead (0: none), in token order."""
         t_start = time.perf_counter()
         if bounds is None:
             bounds = self.plan(batch)
         else:
             check_bounds(bounds, batch.num_tokens, len(self.bufs))
+        read = None if reads is None else read_tokens(batch.qsl_host, reads)  # [S] host token indices
         if self.decode_inputs is not None and batch is self.decode_inputs.last and len(bounds) == 2 \
-                and not score_rows:
+                and not score_rows and read is None:
             return self._decode(batch, bounds, record, t_start)
         mbs = slice_microbatches(batch, bounds, self.rebuild_history)
         real = [u.num_tokens for u in mbs]
@@ -215,9 +232,10 @@ class ModelRunner:
             else:  # a short gather (a thread handoff would cost more than it hides), or a measuring step
                 futures.append(Future())
                 futures[-1].set_result(self._stage_rows(u.hash_ids, staging, real[k], ready, measure))
-            keep = u.logits_indices  # the tokens whose hidden the step reads (every one with score_rows)
+            keep = u.logits_indices if read is None else mine(read, bounds[k], bounds[k + 1])
+            keep = None if score_rows or len(keep) == u.num_tokens else keep  # (every token with score_rows)
             ctxs.append(ForwardContext(u, self.kv, bufs, self._rows_fn(futures[-1], staging), self.tracker,
-                                       keep=None if score_rows or len(keep) == u.num_tokens else keep))
+                                       keep=keep))
         try:
             with batch_invariant(self.cfg.exact):
                 hidden = self.forward(batch, ctxs, futures)  # the sampled tokens' alone, unless score_rows
@@ -226,7 +244,8 @@ class ModelRunner:
                     logits = self.model.compute_logits(hidden[0] if len(hidden) == 1 else torch.cat(hidden))
                 else:
                     merged = torch.cat([h[:n] for h, n in zip(hidden, real)])
-                    logits = self.model.compute_logits(merged[batch.logits_indices])
+                    at = batch.logits_indices if read is None else torch.from_numpy(read).to(merged.device)
+                    logits = self.model.compute_logits(merged[at])
                     q = batch.qsl_host
                     tok = np.concatenate([np.arange(q[r], q[r + 1]) for r in score_rows])
                     scored = self.model.compute_logits(merged[torch.from_numpy(tok).to(merged.device)])

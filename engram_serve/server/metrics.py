@@ -8,7 +8,10 @@ in the names, `_total` counters, one registry per server).
   `engram_prompt_tokens_total`, `engram_generation_tokens_total`, `engram_preemptions_total`,
   `engram_steps_total`, `engram_microbatched_steps_total`, `engram_straddling_rows_total`,
   `engram_step_failures_total`, `engram_requests_total` (accepted) and
-  `engram_requests_finished_total{finished_reason="stop"|"length"|"error"|"abort"}`.
+  `engram_requests_finished_total{finished_reason="stop"|"length"|"error"|"abort"}`; speculative decoding as
+  vLLM names it: `engram_spec_decode_num_drafts_total` (verify rows), `engram_spec_decode_num_draft_tokens_total`,
+  `engram_spec_decode_num_accepted_tokens_total` and
+  `engram_spec_decode_num_accepted_tokens_per_pos_total{position="0"|...}` (draft position, from 0).
 - Gauges: `engram_requests_running`, `engram_requests_waiting`, `engram_kv_cache_usage_ratio`,
   `engram_kv_blocks_used`, `engram_kv_blocks_total`, `engram_kernel_threads` (the C kernels' pool size at the
   engine's last step), `engram_cpu_graphs` and `engram_cpu_graph_bytes` (the CPU graphs kept and the memory their
@@ -38,6 +41,12 @@ _COUNTERS = (  # name (without _total), help, key in AsyncLLMEngine.metrics()
     ("engram_step_failures", "Steps whose forward raised; their offending rows ended with an error.",
      "step_failures_total"),
     ("engram_requests", "Requests accepted.", "requests_total"),
+    ("engram_spec_decode_num_drafts", "Speculative decoding: verify rows (requests that drafted in a step).",
+     "spec_decode_num_drafts_total"),
+    ("engram_spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
+     "spec_decode_num_draft_tokens_total"),
+    ("engram_spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+     "spec_decode_num_accepted_tokens_total"),
 )
 _GAUGES = (
     ("engram_requests_running", "Requests in the running batch.", "requests_running"),
@@ -65,6 +74,12 @@ class _EngineCollector:
         for reason in sorted(set(REASONS) | set(counts)):
             finished.add_metric([reason], int(counts.get(reason, 0)))
         yield finished
+        per_pos = CounterMetricFamily("engram_spec_decode_num_accepted_tokens_per_pos",
+                                      "Speculative decoding: draft tokens accepted, by draft position.",
+                                      labels=["position"])
+        for pos, n in enumerate(m.get("spec_decode_num_accepted_tokens_per_pos", [])):
+            per_pos.add_metric([str(pos)], int(n))
+        yield per_pos
         for name, help_, key in _GAUGES:
             yield GaugeMetricFamily(name, help_, value=float(m.get(key, 0)))
 

@@ -166,6 +166,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a("--max-body-bytes", type=positive_int, default=None, metavar="N",
       help="largest request body accepted, larger ones get 413 (default 4 MiB)")
     a("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info")
+    from ..spec.config import add_speculative_arg
+    add_speculative_arg(parser)
     from ..parallel.options import add_parallel_args
     add_parallel_args(parser)  # --tensor-parallel-size, --device, --dist-init
 
@@ -183,6 +185,8 @@ def run_serve(args: argparse.Namespace) -> int:
     options.update(engine_options(args))
     if args.enforce_eager:
         options["cpu_graphs"] = False
+    if args.speculative_config is not None:
+        options["speculative_config"] = args.speculative_config
     serve(args.model, args.host, args.port, model_name=args.model_name, log_level=args.log_level,
           enable_prefix_caching=not args.no_enable_prefix_caching, api_key=args.api_key or os.environ.get(API_KEY_ENV),
           chat_template=args.chat_template, max_body_bytes=args.max_body_bytes, threads=args.threads, seed=args.seed,

@@ -1,0 +1,169 @@
+"""The `Drafter` protocol and the drafters that need no model of their own.
+
+A drafter proposes up to k tokens to follow each decoding request's committed tokens; the engine verifies
+them in one step (docs/contract.md §13) and keeps a draft only where it equals the token plain decoding
+samples there. So a drafter changes how many tokens a step gives, never which: the adversarial drafters
+below (always wrong, always right, random, the noise token) are how the tests show it.
+
+Where the DSpark drafter plugs in: a drafter built from the checkpoint's `mtp.*` weights implements this
+protocol. It reads the target's hidden features of its `feature_layers` (the runner returns them per
+computed token, `StepOutput.features`), writes its own context in `observe` for the positions whose
+tokens are committed (never a rejected one), drafts in `propose`, and may draw each draft through
+`pick(j, z_j)`, the sampler's own choice at that output position (the same seed and Gumbel noise: coupled
+drafting, so a drafter close to the target proposes the token the target will sample).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+PickFn = Callable[[int, torch.Tensor], torch.Tensor]
+"""`pick(j, z)`: tokens [R] the sampler chooses from draft logits z [R, V] (row i: request i of `propose`) for
+draft j (0-based) of each request, i.e. output position `len(token_ids) + j`: greedy rows the argmax, sampling
+rows the Gumbel-max with the request's seed and that position's noise, under its temperature and top-k/p/min-p
+(no penalties or bias: a draft is only a proposal)."""
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One decoding request to draft for: its committed tokens (prompt, then outputs; the last one not yet
+    computed by the target) and how many drafts the engine will verify (`num_drafts` >= 1)."""
+
+    request_id: str
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+    num_drafts: int
+
+
+class Drafter(Protocol):
+    """What the engine calls. Every call is made from the engine's step loop, in this order per step:
+    `propose` (before the step is scheduled), then `observe` for every row that ran, then `release` for the
+    requests that ended. A proposal may hold fewer tokens than asked (none: the request decodes plainly)."""
+
+    feature_layers: tuple[int, ...]  # target layers whose per-token hidden features `observe` wants; () none
+
+    def propose(self, requests: Sequence[DraftRequest], pick: PickFn) -> list[list[int]]:
+        """Up to `num_drafts` token ids per request, in order."""
+        ...
+
+    def observe(self, request_id: str, start: int, token_ids: Sequence[int],
+                features: dict[int, torch.Tensor] | None) -> None:
+        """The target computed positions start .. start + len(token_ids) - 1 holding these committed tokens
+        (features: layer -> [len, hidden] of those positions, when `feature_layers` asks). Positions past
+        them that the step also computed held rejected drafts: they are never reported. A recompute after
+        preemption reports positions again from 0."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """The request ended or lost its state (finished, aborted, preempted): drop what is kept for it."""
+        ...
+
+
+class _Stateless:
+    feature_layers: tuple[int, ...] = ()
+
+    def observe(self, request_id, start, token_ids, features) -> None:
+        pass
+
+    def release(self, request_id) -> None:
+        pass
+
+
+class NgramDrafter(_Stateless):
+    """Prompt lookup (vLLM's "ngram" method): for n from `max_n` down to `min_n`, find the latest earlier
+    occurrence of the request's last n tokens in its own tokens and propose the tokens that followed it."""
+
+    def __init__(self, min_n: int = 1, max_n: int = 4):
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, requests, pick) -> list[list[int]]:
+        return [self.lookup(np.asarray(r.token_ids, dtype=np.int64), r.num_drafts) for r in requests]
+
+    def lookup(self, tokens: np.ndarray, k: int) -> list[int]:
+        n_tok = len(tokens)
+        for n in range(min(self.max_n, n_tok - 1), self.min_n - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)  # [L - n, n] earlier n-grams
+            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n  # the tokens after the latest match
+                return tokens[start:start + k].tolist()
+        return []
+
+
+class RandomDrafter(_Stateless):
+    """Uniform token ids in [0, vocab), seeded: nearly always wrong on a trained model."""
+
+    def __init__(self, vocab: int, seed: int = 0):
+        self.vocab, self.rng = vocab, np.random.default_rng(seed)
+
+    def propose(self, requests, pick) -> list[list[int]]:
+        return [self.rng.integers(0, self.vocab, r.num_drafts).tolist() for r in requests]
+
+
+class NoiseDrafter(_Stateless):
+    """Always the same id: the DSpark noise token (the placeholder DSpark's blocks start from), a token the
+    target rarely or never samples."""
+
+    def __init__(self, token_id: int):
+        self.token_id = int(token_id)
+
+    def propose(self, requests, pick) -> list[list[int]]:
+        return [[self.token_id] * r.num_drafts for r in requests]
+
+
+class OracleDrafter(_Stateless):
+    """Tests and `verify`: the outputs of a plain run (request id -> output tokens). `wrong` proposes every
+    token plus one (always rejected); `error_rate` replaces each proposed token, with that probability, by a
+    seeded random one (rejections at every draft position)."""
+
+    def __init__(self, outputs: dict[str, list[int]], vocab: int, wrong: bool = False, error_rate: float = 0.0,
+                 seed: int = 0):
+        self.outputs, self.vocab, self.wrong, self.error_rate = outputs, vocab, wrong, error_rate
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, requests, pick) -> list[list[int]]:
+        out = []
+        for r in requests:
+            done = len(r.token_ids) - r.num_prompt_tokens
+            truth = np.asarray(self.outputs.get(r.request_id, [])[done:done + r.num_drafts], dtype=np.int64)
+            if self.wrong:
+                truth = (truth + 1) % self.vocab
+            swap = self.rng.random(len(truth)) < self.error_rate
+            out.append(np.where(swap, self.rng.integers(0, self.vocab, len(truth)), truth).tolist())
+        return out
+
+
+class CoupledDrafter(_Stateless):
+    """Draws every draft through `pick` from fixed logits (a stand-in for a drafter's head: the target's
+    own bias towards token ids seen in the request): exercises the coupled path with the sampler's noise."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def propose(self, requests, pick) -> list[list[int]]:
+        k = max((r.num_drafts for r in requests), default=0)
+        z = torch.zeros(len(requests), self.vocab)
+        for i, r in enumerate(requests):
+            z[i, torch.as_tensor(list(r.token_ids[-8:]), dtype=torch.int64)] = 4.0
+        drafts = torch.stack([pick(j, z) for j in range(k)], 1) if k else torch.zeros(len(requests), 0)
+        return [drafts[i, :r.num_drafts].tolist() for i, r in enumerate(requests)]
+
+
+def make_drafter(cfg, loaded) -> Drafter:
+    """The drafter of `cfg` (SpeculativeConfig) for the model `loaded`."""
+    from ..errors import ConfigError
+    from .config import dspark_noise_token_id
+    vocab = min(int(loaded.token_map.shape[0]), loaded.config.vocab_size)
+    if cfg.method == "ngram":
+        return NgramDrafter(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+    if cfg.method == "random":
+        return RandomDrafter(vocab, cfg.seed)
+    if cfg.method == "noise":
+        noise = dspark_noise_token_id(getattr(loaded, "path", None))
+        return NoiseDrafter(noise if noise is not None and noise < vocab else vocab - 1)
+    raise ConfigError(f"speculative config field method={cfg.method!r}: the DSpark drafter is not part of this "
+                      f"build; pass a Drafter to the engine (engine/llm_engine.py `LLMEngine`)")

@@ -1,0 +1,86 @@
+"""`DSparkDrafter`: the checkpoint's DSpark drafter (model/dspark.py) behind the `Drafter` protocol.
+
+Its context keys live in a `DSparkState` addressed by the engine's own KV slots: the key of a request's position p
+sits at slot block_ids[p // block_size] * block_size + p % block_size of the target cache, so it needs no block
+table of its own, and a reused prefix (prefix caching, a recompute after preemption) finds the keys of the
+request that computed those blocks (a key depends on the tokens 0 .. p alone, as the target's KV does).
+
+Rollback: `observe` writes keys only for positions computed from committed tokens (the engine never reports a
+rejected draft's); a draft at position n reads the keys of n - W .. n - 1, all committed and written; a slot that
+held a rejected draft's position keeps whatever it held before, is never read, and is written when that position
+is committed. `release` has nothing to drop: the engine owns the blocks.
+
+It implements spec/drafters.py's `Drafter` (whose `make_drafter` builds it, hence no import of that module here:
+the annotations name its `DraftRequest`, `Observation` and `PickFn`). One `write_context` per step (every row's observed tokens at once) and one `draft` per step (every drafting
+request a row, each drawing its draft tokens through the engine's `pick`: coupled drafting); the draft always
+has the block's k tokens, a request gets its first `num_drafts`.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ..model.deepseek_v41 import DeepseekV41
+from ..model.dspark import DSpark, DSparkState
+
+
+def slots_of(observations: Sequence[Observation], block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(positions [T], slots [T]) int64 of every observed token, in order."""
+    pos, slots = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+    for o in observations:
+        p = np.arange(o.start, o.start + len(o.token_ids), dtype=np.int64)
+        pos.append(p)
+        slots.append(np.asarray(o.block_ids, dtype=np.int64)[p // block_size] * block_size + p % block_size)
+    return np.concatenate(pos), np.concatenate(slots)
+
+
+def block_tables(requests: Sequence[DraftRequest]) -> np.ndarray:
+    """[R, max blocks] int64: each request's KV blocks, -1 past its own."""
+    out = np.full((len(requests), max(len(r.block_ids) for r in requests)), -1, dtype=np.int64)
+    for i, r in enumerate(requests):
+        out[i, :len(r.block_ids)] = r.block_ids
+    return out
+
+
+class DSparkDrafter:
+    """Drafts with `drafter` for the target `target` served over a KV cache of num_blocks x block_size slots and
+    at most max_rows running requests (the rows of one draft call)."""
+
+    def __init__(self, drafter: DSpark, target: DeepseekV41, num_blocks: int, block_size: int, max_rows: int):
+        self.drafter, self.target, self.block_size = drafter, target, block_size
+        self.feature_layers = tuple(drafter.config.dspark.dspark_target_layer_ids)
+        w = target.embed.weight
+        self.state = DSparkState(drafter.config, num_blocks, block_size, max_rows, dtype=w.dtype, device=w.device)
+
+    @property
+    def block(self) -> int:
+        return self.drafter.block
+
+    def observe(self, observations: Sequence[Observation], features: torch.Tensor | None) -> None:
+        pos, slots = slots_of(observations, self.block_size)
+        if not len(pos):
+            return
+        if features is None or features.shape[0] != len(pos):
+            raise ValueError(f"DSparkDrafter.observe: {len(pos)} positions, features "
+                             f"{None if features is None else tuple(features.shape)}")
+        dev = self.state.window[0].device
+        with torch.no_grad():
+            self.drafter.write_context(self.state, features, torch.from_numpy(pos).to(dev),
+                                       torch.from_numpy(slots).to(dev))
+
+    def propose(self, requests: Sequence[DraftRequest], pick: PickFn) -> list[list[int]]:
+        if not requests:
+            return []
+        dev = self.state.window[0].device
+        last = torch.tensor([r.token_ids[-1] for r in requests], dtype=torch.int64, device=dev)
+        positions = torch.tensor([len(r.token_ids) - 1 for r in requests], dtype=torch.int64, device=dev)
+        tables = torch.from_numpy(block_tables(requests)).to(dev)
+        with torch.no_grad():
+            tokens = self.drafter.draft(self.target, self.state, last, positions, tables, self.block_size,
+                                        pick).tokens.tolist()  # [R, k]
+        return [t[:r.num_drafts] for t, r in zip(tokens, requests)]
+
+    def release(self, request_id: str) -> None:
+        pass  # the keys live at the engine's slots (module docstring)

@@ -78,9 +78,10 @@ class StepResult:
 
 
 class LLMEngine:
-    """The class attribute below is a protection that a test subclass turns off (a negative control)."""
+    """The class attributes below are protections that a test subclass turns off (a negative control)."""
 
     penalties_see_earlier_drafts_only = True  # a verify row's position j counts drafts 1..j, never later ones
+    report_ended_rows = True  # the drafter observes the rows of requests that ended in the step (cached blocks)
 
     def __init__(self, loaded: LoadedModel, cfg: RunnerConfig | None = None, enable_prefix_caching: bool = True,
                  runner_cls: type[ModelRunner] = ModelRunner, runner: ModelRunner | None = None,
@@ -391,13 +392,14 @@ class LLMEngine:
             n = standing.get(id(r.seq), r.num_new)
             if not blocks:  # (an empty prompt chunk never runs: no row without blocks)
                 raise AssertionError(f"row of {r.seq.request_id!r} computed {n} tokens without KV blocks")
-            obs.append(Observation(r.seq.request_id, r.num_computed,
-                                   r.seq.token_ids[r.num_computed:r.num_computed + n], blocks))
-            at.append((t, n))
+            if self.report_ended_rows or r.seq.request_id in self.seqs:
+                obs.append(Observation(r.seq.request_id, r.num_computed,
+                                       r.seq.token_ids[r.num_computed:r.num_computed + n], blocks))
+                at.append((t, n))
             t += r.num_new
         feats = result.features
         if feats is not None:
-            idx = np.concatenate([np.arange(a, a + n) for a, n in at]).astype(np.int64)
+            idx = np.concatenate([np.arange(a, a + n) for a, n in at] or [[]]).astype(np.int64)
             feats = feats[torch.from_numpy(idx).to(feats.device)] if len(idx) < feats.shape[0] else feats
         self.drafter.observe(obs, feats)
 
@@ -571,7 +573,8 @@ class LLMEngine:
                 st.generated_tokens += 1
                 if seq.is_finished:
                     break
-            standing[id(seq)] = j + 1
+            if k[i]:  # (a row without drafts, e.g. the last chunk of a prompt: every token stands)
+                standing[id(seq)] = j + 1
             if k[i]:
                 st.spec_drafts += 1
                 st.spec_draft_tokens += int(k[i])

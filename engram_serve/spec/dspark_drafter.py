@@ -53,6 +53,7 @@ class DSparkDrafter:
         self.feature_layers = tuple(drafter.config.dspark.dspark_target_layer_ids)
         w = target.embed.weight
         self.state = DSparkState(drafter.config, num_blocks, block_size, max_rows, dtype=w.dtype, device=w.device)
+        self.last = None  # the last `draft` call's Draft (tokens [R, k], logits [R, k, V]): for tests and benchmarks
 
     @property
     def block(self) -> int:
@@ -78,9 +79,8 @@ class DSparkDrafter:
         positions = torch.tensor([len(r.token_ids) - 1 for r in requests], dtype=torch.int64, device=dev)
         tables = torch.from_numpy(block_tables(requests)).to(dev)
         with torch.no_grad():
-            tokens = self.drafter.draft(self.target, self.state, last, positions, tables, self.block_size,
-                                        pick).tokens.tolist()  # [R, k]
-        return [t[:r.num_drafts] for t, r in zip(tokens, requests)]
+            self.last = self.drafter.draft(self.target, self.state, last, positions, tables, self.block_size, pick)
+        return [t[:r.num_drafts] for t, r in zip(self.last.tokens.tolist(), requests)]  # tokens [R, k]
 
     def release(self, request_id: str) -> None:
         pass  # the keys live at the engine's slots (module docstring)

@@ -307,6 +307,25 @@ def test_negative_control_a_request_ended_in_its_step_leaves_its_cached_blocks_w
     assert mismatches(tiny_module, drafter) > 0
 
 
+def test_dspark_steps_replay_as_cpu_graphs_with_the_eager_features(tiny_module):
+    """One request: its prompt, decodes and verify rows replay (the stream means are graph outputs), and every
+    proposal (logits included) equals the one of a run without graphs."""
+    logs, replays = [], []
+    for graphs in (False, True):
+        cfg = RunnerConfig(max_num_seqs=1, max_model_len=128, num_blocks=16, cpu_graphs=graphs)
+        drafter = RecordingDSpark(tiny_module.drafter, tiny_module.model, cfg.num_blocks, cfg.block_size, 1)
+        engine = LLMEngine(tiny_module, cfg, drafter=drafter,
+                           speculative=SpeculativeConfig("dspark", 3, when="always", block_size=5))
+        engine.add_request("a", list(range(40, 70)), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        logs.append(drafter.log)
+        replays.append(engine.runner.cpu_graphs.replays if graphs else 0)
+        engine.close()
+    assert replays[1] > len(logs[1]) // 2
+    assert len(logs[0]) == len(logs[1]) and all(a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in zip(*logs))
+
+
 def test_dspark_is_refused_where_the_checkpoint_has_no_drafter(tmp_path):
     lm = load_model(make_random_checkpoint(tmp_path, seed=1), drafter=False)
     with pytest.raises(ConfigError, match="has no DSpark drafter"):

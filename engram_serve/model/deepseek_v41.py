@@ -451,7 +451,7 @@ class EngramInputs:
 def stream_mean(x: torch.Tensor) -> torch.Tensor:
     """[T, D]: the mean of the streams x [T, hc, D], added in stream order, then divided by hc (a new tensor). In place
     on its own result (copy_, add_, div_: the operators a CPU graph replays, runner/cpu_graphs.py)."""
-    out = x.new_empty(x.shape[0], x.shape[2])
+    out = torch.empty(x.shape[0], x.shape[2], dtype=x.dtype, device=x.device)
     out.copy_(x[:, 0])
     for i in range(1, x.shape[1]):
         out.add_(x[:, i])

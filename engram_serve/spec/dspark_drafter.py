@@ -11,9 +11,13 @@ held a rejected draft's position keeps whatever it held before, is never read, a
 is committed. `release` has nothing to drop: the engine owns the blocks.
 
 It implements spec/drafters.py's `Drafter` (whose `make_drafter` builds it, hence no import of that module here:
-the annotations name its `DraftRequest`, `Observation` and `PickFn`). One `write_context` per step (every row's observed tokens at once) and one `draft` per step (every drafting
-request a row, each drawing its draft tokens through the engine's `pick`: coupled drafting); the draft always
-has the block's k tokens, a request gets its first `num_drafts`.
+the annotations name its `DraftRequest`, `Observation` and `PickFn`). `observe` keeps what it is told (positions, slots, features) and one `write_context` writes everything kept,
+in the order observed, before the next `draft` reads the state (or once PENDING_TOKENS are kept): the state a
+draft reads is the one writing at once would leave (a slot written twice, e.g. a freed block that another
+request then computed, holds the later write either way), and steps that do not draft (the planner's choice)
+cost no context write. One `draft` per drafting step (every drafting request a row, each drawing its draft
+tokens through the engine's `pick`: coupled drafting); the draft always has the block's k tokens, a request gets
+its first `num_drafts`.
 """
 from __future__ import annotations
 
@@ -46,7 +50,11 @@ def block_tables(requests: Sequence[DraftRequest]) -> np.ndarray:
 
 class DSparkDrafter:
     """Drafts with `drafter` for the target `target` served over a KV cache of num_blocks x block_size slots and
-    at most max_rows running requests (the rows of one draft call)."""
+    at most max_rows running requests (the rows of one draft call). Invariant: `_pending` holds (positions,
+    slots, features) in observation order, `_kept` their tokens; the state plus them, written in order, is the
+    context of every committed position observed."""
+
+    PENDING_TOKENS = 4096  # observed tokens kept before a write without a draft (bounds the memory kept)
 
     def __init__(self, drafter: DSpark, target: DeepseekV41, num_blocks: int, block_size: int, max_rows: int):
         self.drafter, self.target, self.block_size = drafter, target, block_size
@@ -54,6 +62,8 @@ class DSparkDrafter:
         w = target.embed.weight
         self.state = DSparkState(drafter.config, num_blocks, block_size, max_rows, dtype=w.dtype, device=w.device)
         self.last = None  # the last `draft` call's Draft (tokens [R, k], logits [R, k, V]): for tests and benchmarks
+        self._pending: list[tuple[np.ndarray, np.ndarray, torch.Tensor]] = []
+        self._kept = 0
 
     @property
     def block(self) -> int:
@@ -66,14 +76,30 @@ class DSparkDrafter:
         if features is None or features.shape[0] != len(pos):
             raise ValueError(f"DSparkDrafter.observe: {len(pos)} positions, features "
                              f"{None if features is None else tuple(features.shape)}")
+        self._pending.append((pos, slots, features))  # (the runner's features are a new tensor each step)
+        self._kept += len(pos)
+        if self._kept >= self.PENDING_TOKENS:
+            self.write()
+
+    def write(self) -> None:
+        """Write every kept observation's keys, in order, in one `write_context`."""
+        if not self._pending:
+            return
+        pos, slots, feats = zip(*self._pending)
+        self._pending, self._kept = [], 0
+        pos, slots, feats = np.concatenate(pos), np.concatenate(slots), torch.cat(feats) if len(feats) > 1 else feats[0]
+        last = len(slots) - 1 - np.unique(slots[::-1], return_index=True)[1]  # each slot's last write only
+        if len(last) < len(slots):
+            keep = np.sort(last)
+            pos, slots, feats = pos[keep], slots[keep], feats[torch.from_numpy(keep).to(feats.device)]
         dev = self.state.window[0].device
         with torch.no_grad():
-            self.drafter.write_context(self.state, features, torch.from_numpy(pos).to(dev),
-                                       torch.from_numpy(slots).to(dev))
+            self.drafter.write_context(self.state, feats, torch.from_numpy(pos).to(dev), torch.from_numpy(slots).to(dev))
 
     def propose(self, requests: Sequence[DraftRequest], pick: PickFn) -> list[list[int]]:
         if not requests:
             return []
+        self.write()
         dev = self.state.window[0].device
         last = torch.tensor([r.token_ids[-1] for r in requests], dtype=torch.int64, device=dev)
         positions = torch.tensor([len(r.token_ids) - 1 for r in requests], dtype=torch.int64, device=dev)

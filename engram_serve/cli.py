@@ -209,6 +209,9 @@ def add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speculative", type=lambda t: positive_int_list(t)[0], nargs="?", const=3, default=None,
                    metavar="N", help="every case decodes speculatively, N drafts a request (default 3) from the "
                                      "baseline's tokens with 30%% replaced at random, against the plain baseline")
+    p.add_argument("--drafter", choices=("oracle", "dspark"), default="oracle",
+                   help="with --speculative: the drafter (oracle: the baseline's tokens with errors, as above; dspark: "
+                        "the checkpoint's DSpark drafter)")
     p.add_argument("--threads", type=lambda t: positive_int_list(t)[0], default=None, metavar="N",
                    help="threads of the C kernels' pool the cases run on (the whole-step baseline runs on one; "
                         "default: the cores in this process's affinity mask)")
@@ -236,7 +239,7 @@ def run_verify(args: argparse.Namespace) -> int:
         else:
             res = verify(load_model(args.model, device=args.device), args.seed, args.num_requests,
                          args.gen_tokens, overrides=overrides, device=args.device, progress=progress,
-                         speculative=args.speculative)
+                         speculative=args.speculative, drafter="dspark" if args.drafter == "dspark" else None)
     if args.json:
         print(json.dumps(res))
     else:

@@ -308,8 +308,9 @@ def verify(loaded: LoadedModel, seed: int = 0, num_requests: int = 6, gen_tokens
 
     `speculative` N: every compared case decodes speculatively, N drafts a request, from `drafter` (default: the
     baseline's own tokens with 30% of them replaced by seeded random ones, so that drafts are accepted and
-    rejected at every draft position), against the plain baseline; the summary counts drafts, accepted drafts
-    and cuts inside draft blocks."""
+    rejected at every draft position; "dspark": the checkpoint's DSpark drafter, min(N, its block) drafts, built by
+    each case's engine), against the plain baseline; the summary counts drafts, accepted drafts and cuts inside
+    draft blocks."""
     work = Workload.seeded(seed, num_requests, loaded.config.vocab_size, gen_tokens,
                            long_prompt_len(loaded.config, gen_tokens))
     total = sum(map(len, work.prompts))
@@ -330,6 +331,9 @@ def verify(loaded: LoadedModel, seed: int = 0, num_requests: int = 6, gen_tokens
         from .spec.config import SpeculativeConfig
         from .spec.drafters import OracleDrafter
         spec = SpeculativeConfig("random", speculative, when="always")  # the config's own drafter is replaced below
+        if drafter == "dspark":  # each case's engine builds it over its own cache
+            block = loaded.config.dspark.dspark_block_size
+            spec, drafter = SpeculativeConfig("dspark", min(speculative, block), when="always", block_size=block), None
         outputs = {f"r{i}": t for i, t in enumerate(base.tokens)}
         vocab = min(int(loaded.token_map.shape[0]), loaded.config.vocab_size)
         make_drafter = (lambda: drafter) if drafter is not None else (
@@ -341,7 +345,7 @@ def verify(loaded: LoadedModel, seed: int = 0, num_requests: int = 6, gen_tokens
         cfg = dataclasses.replace(cfg, **(overrides or {}))
         rec = run_case(loaded, work, cfg, bounds, max_steps=1 if bounds else None, reuse_prefix=reuse,
                        runner_cls=runner_cls, make_runner=make_runner, speculative=spec,
-                       drafter=None if spec is None else make_drafter())
+                       drafter=None if spec is None or spec.method == "dspark" else make_drafter())
         straddling += rec.straddling_rows
         res = compare(base, rec, work, tokens=not bounds)
         rows.append({"case": name, "steps": rec.steps, "microbatched_steps": rec.microbatched_steps,

@@ -34,11 +34,12 @@ from engram_serve.sampling_params import SamplingParams
 from engram_serve.spec.acceptance import accepted_drafts, accepted_drafts_loop
 from engram_serve.spec.config import SpeculativeConfig
 from engram_serve.spec.drafters import (CoupledDrafter, NgramDrafter, NoiseDrafter, OracleDrafter, RandomDrafter)
+from engram_serve.spec.dspark_drafter import DSparkDrafter
 from engram_serve.verify import Workload, compare, run_case
 from test_exact import write_v41_checkpoint
 from v41_fixtures import v41_configs
 
-DRAFTERS = ("right", "wrong", "mixed", "random", "noise", "coupled", "ngram")
+DRAFTERS = ("right", "wrong", "mixed", "random", "noise", "coupled", "ngram", "dspark")
 SAMPLING = {
     "greedy": dict(temperature=0.0),
     "top-k/top-p, logprobs": dict(temperature=0.9, top_k=40, top_p=0.9, logprobs=3),
@@ -110,9 +111,14 @@ def plain_and_speculative(loaded, prompts, params, kind, k, seed, **cfg):
     longest = max(map(len, prompts)) + params.max_tokens
     base = run_case(loaded, work, config(len(prompts), longest), params=params)
     outputs = {f"r{i}": t for i, t in enumerate(base.tokens)}
-    spec = SpeculativeConfig("random", k, when="always")
+    spec, drafter = SpeculativeConfig("random", k, when="always"), None
+    if kind == "dspark":  # the checkpoint's drafter, built by the engine over its cache
+        block = loaded.config.dspark.dspark_block_size
+        spec = SpeculativeConfig("dspark", min(k, block), when="always", block_size=block)
+    else:
+        drafter = drafter_for(kind, loaded, outputs, seed)
     rec = run_case(loaded, work, config(len(prompts), longest, **{x: v for x, v in cfg.items() if x != "reuse"}),
-                   params=params, speculative=spec, drafter=drafter_for(kind, loaded, outputs, seed),
+                   params=params, speculative=spec, drafter=drafter,
                    reuse_prefix=cfg.get("reuse", False))
     return base, rec, work
 
@@ -168,6 +174,163 @@ def test_cuts_inside_draft_blocks_keep_every_bit(loaded):
     base, rec, work = plain_and_speculative(loaded, prompts, params, "mixed", 4, 1, microbatches=2)
     assert_same(base, rec, work)
     assert rec.coverage.draft_bounds > 0 and 0 < rec.spec["accepted_tokens"] < rec.spec["draft_tokens"]
+
+
+@pytest.mark.parametrize("sampling, microbatches, chunk, small_pool, reuse", [
+    ("greedy", 2, None, False, False), ("top-k/top-p, logprobs", 3, 3, False, True),
+    ("penalties, bias, min_tokens", 1, 17, True, False), ("stop token ids", 2, 17, True, True)])
+def test_dspark_drafts_never_change_a_result(loaded, sampling, microbatches, chunk, small_pool, reuse):
+    """The checkpoint's drafter (the built-in model's trained one, the random checkpoint's random one) under cuts
+    inside draft blocks, prefill chunks, preemption (a pool for one request) and prefix reuse."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(6, vocab_of(loaded), int(n)).tolist() for n in (30, 9, 21)]
+    prompts[1] = prompts[0][:16] + prompts[1]
+    extra = dict(SAMPLING[sampling])
+    if sampling == "stop token ids":
+        extra["stop_token_ids"] = [int(t) for t in rng.integers(6, vocab_of(loaded), 40)]
+    params = SamplingParams(max_tokens=14, seed=3, ignore_eos=sampling != "stop token ids", **extra)
+    base, rec, work = plain_and_speculative(loaded, prompts, params, "dspark", 5, 0, microbatches=microbatches,
+                                            chunk=chunk, small_pool=small_pool, reuse=reuse)
+    assert_same(base, rec, work)
+    assert rec.spec["drafts"] > 0
+    if small_pool:
+        assert rec.preemptions > 0
+
+
+# ---- the DSpark drafter in the engine drafts what DSpark.draft drafts on the committed context ------------------
+
+class RecordingDSpark(DSparkDrafter):
+    """Keeps every proposal: (the request's committed tokens, the draft's logits [k, V], its tokens [k]).
+    `shift` (a negative control): observes each token with the features of the token `shift` before it."""
+
+    shift = 0
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.log = []
+
+    def observe(self, observations, features):
+        if self.shift and features is not None:
+            features = torch.roll(features, self.shift, 0)
+        super().observe(observations, features)
+
+    def propose(self, requests, pick):
+        out = super().propose(requests, pick)
+        self.log += [(list(r.token_ids), self.last.logits[i].clone(), self.last.tokens[i].tolist())
+                     for i, r in enumerate(requests)]
+        return out
+
+
+class LeavesEndedRowsUnreported(LLMEngine):
+    report_ended_rows = False  # a request that ends in a step: its last rows' keys never written
+
+
+def direct_draft(lm, ids: list[int]):
+    """DSpark.draft run directly for committed tokens `ids` (the last one not computed): the target's features of
+    0 .. n - 1 from `forward_dense`, written in a fresh state, the draft at n with the engine's greedy pick."""
+    from engram_serve.bench.acceptance import target_pass
+    from engram_serve.model.dspark import DSparkState
+    from engram_serve.runner.sampler import Sampler
+    n, d, vocab = len(ids) - 1, lm.drafter, vocab_of(lm)
+    feats = target_pass(lm, ids[:-1])[1]
+    state = DSparkState(lm.config, 1, n + d.block, max_rows=1)
+    pos = torch.arange(n)
+    with torch.no_grad():
+        d.write_context(state, feats, pos, pos)
+        return d.draft(lm.model, state, torch.tensor([ids[-1]]), torch.tensor([n]), torch.zeros(1, 1, dtype=torch.int64),
+                       n + d.block, lambda j, z: Sampler().greedy(z[:, :vocab].float()).tokens)
+
+
+def engine_drafts(lm, prompts, shift=0, engine_cls=LLMEngine, drafter_cls=RecordingDSpark, gen=24):
+    """A warm request of prompts[0][:48] that ends in its prefill step (whose last chunk, 34 .. 47, completes a
+    block that stays cached), then every prompt at once, greedy, two microbatches cut by tokens, prefill chunks of 17: (the drafter, the engine's stats)."""
+    cfg = RunnerConfig(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=17, block_size=16, num_blocks=64,
+                       microbatch=MicrobatchConfig(2, "tokens", 0, 0, when="always"))
+    drafter = drafter_cls(lm.drafter, lm.model, cfg.num_blocks, cfg.block_size, cfg.max_num_seqs)
+    drafter.shift = shift
+    block = lm.config.dspark.dspark_block_size
+    engine = engine_cls(lm, cfg, speculative=SpeculativeConfig("dspark", block, when="always", block_size=block),
+                        drafter=drafter)
+    try:
+        engine.add_request("warm", prompts[0][:48], SamplingParams(max_tokens=1, temperature=0.0))
+        while engine.has_unfinished():
+            engine.step()
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        engine.close()
+    return drafter, engine.stats
+
+
+def mismatches(lm, drafter) -> int:
+    bad = 0
+    for ids, logits, tokens in drafter.log:
+        want = direct_draft(lm, ids)
+        bad += not (torch.equal(want.logits[0], logits) and want.tokens[0].tolist() == tokens)
+    return bad
+
+
+@pytest.fixture(scope="module")
+def code_prompts(tiny_module):
+    from engram_serve.bench.acceptance import heldout_prompts
+    prompts = heldout_prompts(tiny_module.tokenizer, count=3, length=56)
+    prompts[1] = prompts[0][:50] + prompts[1][:8]  # prefix-cache hits on the warm request's blocks (r0's too)
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def tiny_module():
+    return load_model()
+
+
+def test_the_engines_dspark_proposals_are_dspark_draft_on_the_committed_context(tiny_module, code_prompts):
+    lm = tiny_module
+    drafter, stats = engine_drafts(lm, code_prompts)
+    assert len(drafter.log) > 20 and mismatches(lm, drafter) == 0
+    vocab = vocab_of(lm)
+    random_rate = 1 / vocab  # a uniform draft is the target's token with this probability
+    assert stats.spec_accepted_per_position[0] / stats.spec_drafts > 50 * random_rate  # the trained drafter: ~0.5
+
+
+def test_negative_control_features_of_the_position_before_change_the_drafts(tiny_module, code_prompts):
+    drafter, _ = engine_drafts(tiny_module, code_prompts, shift=1, gen=8)
+    assert mismatches(tiny_module, drafter) > len(drafter.log) // 2
+
+
+def test_negative_control_a_request_ended_in_its_step_leaves_its_cached_blocks_without_keys(tiny_module,
+                                                                                            code_prompts):
+    """The warm request ends in its prefill step: unreported, its prompt's keys are never written, and the request
+    that reuses its cached blocks drafts from empty keys."""
+    drafter, _ = engine_drafts(tiny_module, code_prompts, engine_cls=LeavesEndedRowsUnreported, gen=8)
+    assert mismatches(tiny_module, drafter) > 0
+
+
+def test_dspark_steps_replay_as_cpu_graphs_with_the_eager_features(tiny_module):
+    """One request: its prompt, decodes and verify rows replay (the stream means are graph outputs), and every
+    proposal (logits included) equals the one of a run without graphs."""
+    logs, replays = [], []
+    for graphs in (False, True):
+        cfg = RunnerConfig(max_num_seqs=1, max_model_len=128, num_blocks=16, cpu_graphs=graphs)
+        drafter = RecordingDSpark(tiny_module.drafter, tiny_module.model, cfg.num_blocks, cfg.block_size, 1)
+        engine = LLMEngine(tiny_module, cfg, drafter=drafter,
+                           speculative=SpeculativeConfig("dspark", 3, when="always", block_size=5))
+        engine.add_request("a", list(range(40, 70)), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        logs.append(drafter.log)
+        replays.append(engine.runner.cpu_graphs.replays if graphs else 0)
+        engine.close()
+    assert replays[1] > len(logs[1]) // 2
+    assert len(logs[0]) == len(logs[1]) and all(a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in zip(*logs))
+
+
+def test_dspark_is_refused_where_the_checkpoint_has_no_drafter(tmp_path):
+    lm = load_model(make_random_checkpoint(tmp_path, seed=1), drafter=False)
+    with pytest.raises(ConfigError, match="has no DSpark drafter"):
+        LLMEngine(lm, RunnerConfig(max_num_seqs=2, max_model_len=64, num_blocks=16),
+                  speculative={"method": "dspark", "num_speculative_tokens": 2})
 
 
 def test_stop_strings_end_inside_an_accepted_run_where_plain_decoding_ends(loaded):

@@ -25,7 +25,7 @@ from ..runner.sampler import GREEDY_BELOW, Penalties, Sampler, SamplingBatch
 from ..sampling_params import SamplingParams
 from ..spec.acceptance import accepted_drafts
 from ..spec.config import SpeculativeConfig
-from ..spec.drafters import DraftRequest, Drafter, make_drafter
+from ..spec.drafters import DraftRequest, Drafter, Observation, make_drafter
 from ..spec.planner import SpecPlanner
 from .threads import set_torch_threads
 
@@ -78,9 +78,10 @@ class StepResult:
 
 
 class LLMEngine:
-    """The class attribute below is a protection that a test subclass turns off (a negative control)."""
+    """The class attributes below are protections that a test subclass turns off (a negative control)."""
 
     penalties_see_earlier_drafts_only = True  # a verify row's position j counts drafts 1..j, never later ones
+    report_ended_rows = True  # the drafter observes the rows of requests that ended in the step (cached blocks)
 
     def __init__(self, loaded: LoadedModel, cfg: RunnerConfig | None = None, enable_prefix_caching: bool = True,
                  runner_cls: type[ModelRunner] = ModelRunner, runner: ModelRunner | None = None,
@@ -113,13 +114,22 @@ class LLMEngine:
         self._next_seed = np.random.default_rng(seed)
         self._scored: dict[str, Sequence] = {}  # requests whose prompt logprobs are complete, not yet delivered
         self.spec = None if speculative is None else SpeculativeConfig.parse(speculative, getattr(loaded, "path", None))
-        self.drafter = None if self.spec is None else (drafter or make_drafter(self.spec, loaded))
+        world = getattr(getattr(self.runner, "group", None), "world", 1)
+        if self.spec is not None and self.spec.method == "dspark" and drafter is None and world > 1:
+            raise ConfigError(f"speculative config method='dspark': not served with tensor parallelism "
+                              f"(tensor_parallel_size={world}); use 1, or method 'ngram'")
+        self.drafter = None if self.spec is None else (drafter or make_drafter(self.spec, loaded, cfg))
         self.spec_planner = None if self.spec is None else SpecPlanner(self.spec)
+        self._ended: list[str] = []  # requests that ended in this step: released after `observe`
         if self.spec is not None:
             self.stats.spec_accepted_per_position = [0] * self.spec.num_speculative_tokens
-            if self.drafter.feature_layers:  # the hook a feature-reading drafter needs (StepOutput.features)
-                raise ConfigError(f"drafter feature_layers={tuple(self.drafter.feature_layers)}: this runner "
-                                  f"returns no per-token hidden features yet (StepOutput.features)")
+            layers = tuple(self.drafter.feature_layers)
+            if layers:  # the runner captures the stream means entering these layers (StepOutput.features)
+                want = tuple(loaded.config.dspark.dspark_target_layer_ids)
+                if layers != want or world > 1:
+                    raise ConfigError(f"drafter feature_layers={layers}: the runner captures the checkpoint's "
+                                      f"dspark_target_layer_ids={want}, on one process (tensor_parallel_size={world})")
+                self.runner.capture_features = True
 
     # ---- requests ---------------------------------------------------------------------------
     def validate(self, prompt_ids, params) -> list[int]:
@@ -209,6 +219,9 @@ class LLMEngine:
             return False
         self.scheduler.abort(request_id)
         self._free_slot(seq)
+        if self.drafter is not None:
+            self.drafter.release(request_id)
+            self.spec_planner.release(request_id)
         return True
 
     def _free_slot(self, seq: Sequence) -> None:
@@ -223,6 +236,17 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------------
     def step(self, bounds: list[int] | None = None, record: bool = False) -> StepResult:
         """One engine step; `bounds` forces the microbatch cut, `record` keeps hash ids and staged rows.
+        (The drafter's `release` of the requests that ended in it comes last, after its `observe`.)"""
+        try:
+            return self._step(bounds, record)
+        finally:
+            ended, self._ended = self._ended, []
+            for rid in ended:
+                self.drafter.release(rid)
+                self.spec_planner.release(rid)
+
+    def _step(self, bounds: list[int] | None, record: bool) -> StepResult:
+        """`step`.
 
         If the forward raises, the rows that make it raise (found by re-running halves) end with
         finish_reason "error", the failure is counted, and the step re-runs without them: one
@@ -289,6 +313,7 @@ class LLMEngine:
             if not rows:
                 return StepResult(events, out)
             result = run(rows, sample, None, record)
+        tables = [r.seq.block_ids for r in rows]  # (a request that ends below gets a new, empty list)
         self.scheduler.update(out)  # rows of sequences ended above are skipped
         self._account(rows, result)
         if result.scored is not None:
@@ -313,7 +338,7 @@ class LLMEngine:
         elif sampled:
             events += self._sample(sampled, logits)
         if self.drafter is not None:
-            self._observe(rows, standing, result)
+            self._observe(rows, tables, standing, result)
             for r in rows:
                 r.seq.draft_ids = []
             if all(sample) and all(r.num_new - r.num_draft == 1 for r in rows):  # a decode step: the planner's measure
@@ -338,7 +363,7 @@ class LLMEngine:
         asked = [(s, k) for s, k in zip(decodes, ks) if k]
         if not asked:
             return
-        reqs = [DraftRequest(s.request_id, s.token_ids, s.num_prompt_tokens, k) for s, k in asked]
+        reqs = [DraftRequest(s.request_id, s.token_ids, s.num_prompt_tokens, k, s.block_ids) for s, k in asked]
         for (seq, k), d in zip(asked, self.drafter.propose(reqs, self._pick([s for s, _ in asked]))):
             d = np.asarray(d, dtype=np.int64)[:k]
             bad = np.flatnonzero((d < 0) | (d >= self.num_token_ids))
@@ -358,17 +383,25 @@ class LLMEngine:
             return self.sampler.sample(z, batch).tokens
         return pick
 
-    def _observe(self, rows, standing: dict, result: StepOutput) -> None:
-        """Tell the drafter which positions each live row computed from committed tokens (never a rejected
-        draft's), with the runner's features of those tokens when it captured any."""
-        t = 0
-        for r in rows:
-            seq, n = r.seq, standing.get(id(r.seq), r.num_new)
-            if seq.request_id in self.seqs:  # (an ended request was released)
-                feats = None if result.features is None else {i: f[t:t + n] for i, f in result.features.items()}
-                self.drafter.observe(seq.request_id, r.num_computed, seq.token_ids[r.num_computed:r.num_computed + n],
-                                     feats)
+    def _observe(self, rows, tables: list, standing: dict, result: StepOutput) -> None:
+        """Tell the drafter, in one call, which positions each row computed from committed tokens (never a rejected
+        draft's), in its blocks `tables` (as scheduled: a request that ended in this step is reported too, since its
+        blocks may live on as a cached prefix), with the runner's features of those tokens when it captured any."""
+        obs, at, t = [], [], 0
+        for r, blocks in zip(rows, tables):
+            n = standing.get(id(r.seq), r.num_new)
+            if not blocks:  # (an empty prompt chunk never runs: no row without blocks)
+                raise AssertionError(f"row of {r.seq.request_id!r} computed {n} tokens without KV blocks")
+            if self.report_ended_rows or r.seq.request_id in self.seqs:
+                obs.append(Observation(r.seq.request_id, r.num_computed,
+                                       r.seq.token_ids[r.num_computed:r.num_computed + n], blocks))
+                at.append((t, n))
             t += r.num_new
+        feats = result.features
+        if feats is not None:
+            idx = np.concatenate([np.arange(a, a + n) for a, n in at] or [[]]).astype(np.int64)
+            feats = feats[torch.from_numpy(idx).to(feats.device)] if len(idx) < feats.shape[0] else feats
+        self.drafter.observe(obs, feats)
 
     def _prompt_logprobs(self, rows, scored: torch.Tensor) -> list[TokenEvent]:
         """Store the prompt logprobs of the scored rows (run's `score`, in row order): the logits at position p
@@ -540,7 +573,8 @@ class LLMEngine:
                 st.generated_tokens += 1
                 if seq.is_finished:
                     break
-            standing[id(seq)] = j + 1
+            if k[i]:  # (a row without drafts, e.g. the last chunk of a prompt: every token stands)
+                standing[id(seq)] = j + 1
             if k[i]:
                 st.spec_drafts += 1
                 st.spec_draft_tokens += int(k[i])
@@ -608,8 +642,7 @@ class LLMEngine:
             self._free_slot(seq)
             del self.seqs[seq.request_id]
             if self.drafter is not None:
-                self.drafter.release(seq.request_id)
-                self.spec_planner.release(seq.request_id)
+                self._ended.append(seq.request_id)  # released at the end of the step (`step`)
         return TokenEvent(seq.request_id, token, True, reason, error)
 
     def _account(self, rows, result: StepOutput) -> None:

@@ -449,11 +449,13 @@ class EngramInputs:
 
 
 def stream_mean(x: torch.Tensor) -> torch.Tensor:
-    """[T, D]: the mean of the streams x [T, hc, D], added in stream order, then divided by hc (a new tensor)."""
-    out = x[:, 0].clone()
+    """[T, D]: the mean of the streams x [T, hc, D], added in stream order, then divided by hc (a new tensor). In place
+    on its own result (copy_, add_, div_: the operators a CPU graph replays, runner/cpu_graphs.py)."""
+    out = torch.empty(x.shape[0], x.shape[2], dtype=x.dtype, device=x.device)
+    out.copy_(x[:, 0])
     for i in range(1, x.shape[1]):
-        out = out + x[:, i]
-    return out / x.shape[1]
+        out.add_(x[:, i])
+    return out.div_(x.shape[1])
 
 
 class Block(nn.Module):

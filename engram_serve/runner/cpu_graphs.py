@@ -58,7 +58,8 @@ aten = torch.ops.aten
 _ALLOC = {aten.empty.memory_format, aten.empty_strided.default}
 _ZEROS = {aten.zeros.default}  # replayed as a zero_ of the captured result
 _PURE = {aten.mm.default: torch.mm, aten.addmm.default: torch.addmm}  # replayed into the captured result (out=)
-_INPLACE = {aten.copy_.default, aten.zero_.default, aten.fill_.Scalar}  # replayed as they are
+_INPLACE = {aten.copy_.default, aten.zero_.default, aten.fill_.Scalar,  # replayed as they are
+            aten.add_.Tensor, aten.div_.Scalar, aten.div_.Tensor}  # (the drafter's features: `stream_mean`)
 MIN_BOUND = 64
 
 
@@ -186,7 +187,8 @@ _U64 = (1 << 64) - 1
 
 
 class _Graph:
-    """One captured forward: its calls, where to rebind per-step addresses, its output, what it keeps alive.
+    """One captured forward: its calls, where to rebind per-step addresses, its output (hidden, features by layer),
+    what it keeps alive.
     A call of a kernel with a raw entry replays from its argument struct (64-bit slots, one a field) (one array for the graph, its
     per-step addresses rewritten in place); the others through their Python form."""
 
@@ -282,8 +284,8 @@ class CpuGraphs:
 
     def key(self, ctx: ForwardContext, tensors: dict[str, torch.Tensor]) -> tuple:
         b, bufs, m = ctx.batch, ctx.bufs, self.model
-        return (bufs.microbatch, b.block_size, ctx.max_seq_len, self._layout(tensors), self._addresses(bufs, ctx.kv),
-                id(m), kernels.get("linear"), kernels.get("token"), exactness.rules_on(), torch.get_num_threads())
+        return (bufs.microbatch, b.block_size, ctx.max_seq_len, ctx.capture_features, self._layout(tensors),
+                self._addresses(bufs, ctx.kv), id(m), kernels.get("linear"), kernels.get("token"), exactness.rules_on(), torch.get_num_threads())
 
     def _layout(self, tensors: dict[str, torch.Tensor]) -> tuple:
         """(name, shape, strides, dtype) of every per-step tensor the forward reads; worked out again only when
@@ -308,9 +310,11 @@ class CpuGraphs:
 
     def forward(self, ctx: ForwardContext, planned: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] of one microbatch `takes` (its staged rows in place): replayed, captured
-        (the second time a key is seen) or run eagerly. The step's slot plan and rotary lookups are made by
+        (the second time a key is seen) or run eagerly. With `ctx.capture_features`, the drafter's features
+        [T, nL D] go to `ctx.features` (the per-layer stream means are the graph's outputs beside the hidden). The step's slot plan and rotary lookups are made by
         kernel calls inside the graph, from its rows and tables. `planned`: `plan_rows(ctx)` where the caller made
         it, with ctx.max_seq_len the `bound` of its positions."""
+        outer = ctx  # (which gets the features)
         if planned is None:
             b = ctx.batch
             ctx = dataclasses.replace(ctx, max_seq_len=bound(int(b.positions.max()) if b.num_tokens else 0,
@@ -323,17 +327,26 @@ class CpuGraphs:
         if graph is not None:
             self._graphs.move_to_end(key)
             self.replays += 1
-            return graph.replay(tensors, self.rebind)
-        layers = self._layers(ctx, rows, tables)
-        if key in self._refused or key not in self._seen:
-            self._seen.add(key)
-            return run_stages(layers)
-        return self._capture(key, layers, step_inputs(ctx, rows, tables))
+            hidden, features = graph.replay(tensors, self.rebind)
+        else:
+            layers = self._layers(ctx, rows, tables)
+            if key in self._refused or key not in self._seen:
+                self._seen.add(key)
+                hidden, features = run_stages(layers)
+            else:
+                hidden, features = self._capture(key, layers, step_inputs(ctx, rows, tables))
+        if ctx.capture_features:
+            outer.features = torch.cat([features[layer] for layer in self.model.config.dspark.dspark_target_layer_ids], 1)
+        return hidden
 
     def _layers(self, ctx: ForwardContext, rows: torch.Tensor, tables: torch.Tensor):
-        """The forward as stages; `prepare` runs when they start, so that a capture records its kernel calls."""
+        """The forward as stages -> (hidden, the captured features by layer); `prepare` runs when they start, so
+        that a capture records its kernel calls."""
         step = self.model.prepare(ctx, (rows, tables))
-        return (yield from self.model.forward_stages(ctx.batch.input_ids, ctx.batch.dead, step, ctx.engram_rows))
+        if ctx.capture_features:
+            step.capture, step.features = self.model.config.dspark.dspark_target_layer_ids, {}
+        hidden = yield from self.model.forward_stages(ctx.batch.input_ids, ctx.batch.dead, step, ctx.engram_rows)
+        return hidden, step.features
 
     def _capture(self, key: tuple, layers, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         tape: list = []
@@ -347,7 +360,7 @@ class CpuGraphs:
             graph = _Graph(tape, spans, out, watch.keep, sum(watch.allocated.values()))
         except Refused as why:
             self._refused.add(key)
-            log.info("CPU graph: a microbatch of %d tokens runs eagerly (%s)", out.shape[0], why)
+            log.info("CPU graph: a microbatch of %d tokens runs eagerly (%s)", out[0].shape[0], why)
             return out
         self._graphs[key] = graph
         self.captures += 1

@@ -81,9 +81,9 @@ class StepOutput:
     scored: torch.Tensor | None = None  # [sum of the scored rows' tokens, V] float32: every token of `score_rows`
     hash_ids: torch.Tensor | None = None
     staged: torch.Tensor | None = None
-    # layer -> [T, hidden] per-token hidden features of the step's real tokens, for a drafter's `feature_layers`
-    # (spec/drafters.py); None: none captured (the forward captures none yet: the engine refuses such a drafter)
-    features: dict[int, torch.Tensor] | None = None
+    # [T, nL D]: the DSpark drafter's features of every real token of the step, in token order (the stream means
+    # entering `dspark_target_layer_ids`, concatenated; model/deepseek_v41.py), with `capture_features`; else None
+    features: torch.Tensor | None = None
 
 
 def read_tokens(qsl: np.ndarray, reads: np.ndarray) -> np.ndarray:
@@ -104,6 +104,7 @@ class ModelRunner:
 
     rebuild_history = True  # per-microbatch history rebuilt for a straddling row's first token
     neutral_padding = True  # static-buffer padding rewritten every step
+    capture_features = False  # set by the engine for a drafter that reads the target's features (StepOutput.features)
 
     def __init__(self, loaded: LoadedModel, cfg: RunnerConfig):
         self.cfg, self.loaded = cfg, loaded
@@ -235,7 +236,7 @@ class ModelRunner:
             keep = u.logits_indices if read is None else mine(read, bounds[k], bounds[k + 1])
             keep = None if score_rows or len(keep) == u.num_tokens else keep  # (every token with score_rows)
             ctxs.append(ForwardContext(u, self.kv, bufs, self._rows_fn(futures[-1], staging), self.tracker,
-                                       keep=keep))
+                                       keep=keep, capture_features=self.capture_features))
         try:
             with batch_invariant(self.cfg.exact):
                 hidden = self.forward(batch, ctxs, futures)  # the sampled tokens' alone, unless score_rows
@@ -255,6 +256,8 @@ class ModelRunner:
         # cuts inside a row
         straddling = int(np.isin(bounds[1:-1], batch.qsl_host, invert=True).sum()) if len(bounds) > 2 else 0
         out = StepOutput(logits, bounds, straddling, scored)
+        if self.capture_features:  # every microbatch's real tokens, in token order
+            out.features = torch.cat([c.features[:n] for c, n in zip(ctxs, real)])
         if record:
             out.staged = torch.cat([self._staged(f)[:, :n] for f, n in zip(futures, real)], dim=1)
             out.hash_ids = torch.cat([u.hash_ids[:n] for u, n in zip(mbs, real)])
@@ -286,11 +289,12 @@ class ModelRunner:
         else:
             self._stage_rows(padded.hash_ids, staging, r, None, measure)
         self.gather_wait_ms = 0.0
-        ctx = ForwardContext(padded, self.kv, bufs, staging.__getitem__, max_seq_len=d.bound)
+        ctx = ForwardContext(padded, self.kv, bufs, staging.__getitem__, max_seq_len=d.bound,
+                             capture_features=self.capture_features)
         with batch_invariant(self.cfg.exact):
             hidden = self.cpu_graphs.forward(ctx, d.planned)
             logits = self.model.compute_logits(hidden[:r])
-        out = StepOutput(logits, bounds, 0)
+        out = StepOutput(logits, bounds, 0, features=None if ctx.features is None else ctx.features[:r])
         if record:
             out.staged, out.hash_ids = staging[:, :r].clone(), padded.hash_ids[:r].clone()
         self.planner.record_step((time.perf_counter() - t_start) * 1e3, r, False)

@@ -5,10 +5,9 @@ them in one step (docs/contract.md §13) and keeps a draft only where it equals 
 samples there. So a drafter changes how many tokens a step gives, never which: the adversarial drafters
 below (always wrong, always right, random, the noise token) are how the tests show it.
 
-Where the DSpark drafter plugs in: a drafter built from the checkpoint's `mtp.*` weights implements this
-protocol. It reads the target's hidden features of its `feature_layers` (the runner returns them per
-computed token, `StepOutput.features`), writes its own context in `observe` for the positions whose
-tokens are committed (never a rejected one), drafts in `propose`, and may draw each draft through
+A drafter that reads the target's features (`feature_layers`, the DSpark drafter of spec/dspark_drafter.py) gets
+them for every position the target computed from committed tokens (`StepOutput.features`, never a rejected
+draft's), writes its own context in `observe`, drafts in `propose`, and may draw each draft through
 `pick(j, z_j)`, the sampler's own choice at that output position (the same seed and Gumbel noise: coupled
 drafting, so a drafter close to the target proposes the token the target will sample).
 """
@@ -31,31 +30,48 @@ rows the Gumbel-max with the request's seed and that position's noise, under its
 @dataclass(frozen=True)
 class DraftRequest:
     """One decoding request to draft for: its committed tokens (prompt, then outputs; the last one not yet
-    computed by the target) and how many drafts the engine will verify (`num_drafts` >= 1)."""
+    computed by the target: positions 0 .. len - 2 are), how many drafts the engine will verify (`num_drafts` >= 1)
+    and its KV blocks (`block_ids`, the engine's: position p lives at slot block_ids[p // block_size] * block_size
+    + p % block_size)."""
 
     request_id: str
     token_ids: Sequence[int]
     num_prompt_tokens: int
     num_drafts: int
+    block_ids: Sequence[int] = ()
+
+
+@dataclass(frozen=True)
+class Observation:
+    """The target computed positions start .. start + len(token_ids) - 1 of a request, holding these committed
+    tokens, in KV blocks `block_ids` (as DraftRequest's)."""
+
+    request_id: str
+    start: int
+    token_ids: Sequence[int]
+    block_ids: Sequence[int]
 
 
 class Drafter(Protocol):
     """What the engine calls. Every call is made from the engine's step loop, in this order per step:
-    `propose` (before the step is scheduled), then `observe` for every row that ran, then `release` for the
-    requests that ended. A proposal may hold fewer tokens than asked (none: the request decodes plainly)."""
+    `propose` (before the step is scheduled), then `observe` once for the rows that ran (those of requests that
+    ended in this step too), then `release` for the requests that ended or were preempted. A proposal may hold
+    fewer tokens than asked (none: the request decodes plainly)."""
 
-    feature_layers: tuple[int, ...]  # target layers whose per-token hidden features `observe` wants; () none
+    # () or the checkpoint's `dspark_target_layer_ids`: the target layers whose stream means `observe` gets
+    # (StepOutput.features, model/deepseek_v41.py); the engine refuses any other
+    feature_layers: tuple[int, ...]
 
     def propose(self, requests: Sequence[DraftRequest], pick: PickFn) -> list[list[int]]:
         """Up to `num_drafts` token ids per request, in order."""
         ...
 
-    def observe(self, request_id: str, start: int, token_ids: Sequence[int],
-                features: dict[int, torch.Tensor] | None) -> None:
-        """The target computed positions start .. start + len(token_ids) - 1 holding these committed tokens
-        (features: layer -> [len, hidden] of those positions, when `feature_layers` asks). Positions past
-        them that the step also computed held rejected drafts: they are never reported. A recompute after
-        preemption reports positions again from 0."""
+    def observe(self, observations: Sequence[Observation], features: torch.Tensor | None) -> None:
+        """What the step computed from committed tokens, one Observation per row (features [sum of their
+        lengths, nL D], in the same order, when `feature_layers` asks: the concatenated stream means entering
+        each target layer). Positions past a row's that the step also computed held rejected drafts: they are
+        never reported. A recompute after preemption reports positions again (from 0, or from the end of a
+        reused prefix, whose positions another request reported)."""
         ...
 
     def release(self, request_id: str) -> None:
@@ -66,7 +82,7 @@ class Drafter(Protocol):
 class _Stateless:
     feature_layers: tuple[int, ...] = ()
 
-    def observe(self, request_id, start, token_ids, features) -> None:
+    def observe(self, observations, features) -> None:
         pass
 
     def release(self, request_id) -> None:
@@ -153,8 +169,9 @@ class CoupledDrafter(_Stateless):
         return [drafts[i, :r.num_drafts].tolist() for i, r in enumerate(requests)]
 
 
-def make_drafter(cfg, loaded) -> Drafter:
-    """The drafter of `cfg` (SpeculativeConfig) for the model `loaded`."""
+def make_drafter(cfg, loaded, runner_cfg=None) -> Drafter:
+    """The drafter of `cfg` (SpeculativeConfig) for the model `loaded`, served with `runner_cfg` (RunnerConfig: the
+    DSpark drafter's context lives at the KV cache's slots)."""
     from ..errors import ConfigError
     from .config import dspark_noise_token_id
     vocab = min(int(loaded.token_map.shape[0]), loaded.config.vocab_size)
@@ -165,5 +182,11 @@ def make_drafter(cfg, loaded) -> Drafter:
     if cfg.method == "noise":
         noise = dspark_noise_token_id(getattr(loaded, "path", None))
         return NoiseDrafter(noise if noise is not None and noise < vocab else vocab - 1)
-    raise ConfigError(f"speculative config field method={cfg.method!r}: the DSpark drafter is not part of this "
-                      f"build; pass a Drafter to the engine (engine/llm_engine.py `LLMEngine`)")
+    if getattr(loaded, "drafter", None) is None:
+        raise ConfigError(f"speculative config field method={cfg.method!r}: {getattr(loaded, 'path', 'the model')} "
+                          f"has no DSpark drafter (no `mtp.*` weights loaded)")
+    from .dspark_drafter import DSparkDrafter
+    if runner_cfg is None:
+        raise ConfigError("speculative config method='dspark': the drafter needs the runner's config (its KV cache)")
+    return DSparkDrafter(loaded.drafter, loaded.model, runner_cfg.num_blocks, runner_cfg.block_size,
+                         runner_cfg.max_num_seqs)

@@ -1,0 +1,112 @@
+"""`DSparkDrafter`: the checkpoint's DSpark drafter (model/dspark.py) behind the `Drafter` protocol.
+
+Its context keys live in a `DSparkState` addressed by the engine's own KV slots: the key of a request's position p
+sits at slot block_ids[p // block_size] * block_size + p % block_size of the target cache, so it needs no block
+table of its own, and a reused prefix (prefix caching, a recompute after preemption) finds the keys of the
+request that computed those blocks (a key depends on the tokens 0 .. p alone, as the target's KV does).
+
+Rollback: `observe` writes keys only for positions computed from committed tokens (the engine never reports a
+rejected draft's); a draft at position n reads the keys of n - W .. n - 1, all committed and written; a slot that
+held a rejected draft's position keeps whatever it held before, is never read, and is written when that position
+is committed. `release` has nothing to drop: the engine owns the blocks.
+
+It implements spec/drafters.py's `Drafter` (whose `make_drafter` builds it, hence no import of that module here:
+the annotations name its `DraftRequest`, `Observation` and `PickFn`). `observe` keeps what it is told (positions, slots, features) and one `write_context` writes everything kept,
+in the order observed, before the next `draft` reads the state (or once PENDING_TOKENS are kept): the state a
+draft reads is the one writing at once would leave (a slot written twice, e.g. a freed block that another
+request then computed, holds the later write either way), and steps that do not draft (the planner's choice)
+cost no context write. One `draft` per drafting step (every drafting request a row, each drawing its draft
+tokens through the engine's `pick`: coupled drafting); the draft always has the block's k tokens, a request gets
+its first `num_drafts`.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ..model.deepseek_v41 import DeepseekV41
+from ..model.dspark import DSpark, DSparkState
+
+
+def slots_of(observations: Sequence[Observation], block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(positions [T], slots [T]) int64 of every observed token, in order."""
+    pos, slots = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+    for o in observations:
+        p = np.arange(o.start, o.start + len(o.token_ids), dtype=np.int64)
+        pos.append(p)
+        slots.append(np.asarray(o.block_ids, dtype=np.int64)[p // block_size] * block_size + p % block_size)
+    return np.concatenate(pos), np.concatenate(slots)
+
+
+def block_tables(requests: Sequence[DraftRequest]) -> np.ndarray:
+    """[R, max blocks] int64: each request's KV blocks, -1 past its own."""
+    out = np.full((len(requests), max(len(r.block_ids) for r in requests)), -1, dtype=np.int64)
+    for i, r in enumerate(requests):
+        out[i, :len(r.block_ids)] = r.block_ids
+    return out
+
+
+class DSparkDrafter:
+    """Drafts with `drafter` for the target `target` served over a KV cache of num_blocks x block_size slots and
+    at most max_rows running requests (the rows of one draft call). Invariant: `_pending` holds (positions,
+    slots, features) in observation order, `_kept` their tokens; the state plus them, written in order, is the
+    context of every committed position observed."""
+
+    PENDING_TOKENS = 4096  # observed tokens kept before a write without a draft (bounds the memory kept)
+
+    def __init__(self, drafter: DSpark, target: DeepseekV41, num_blocks: int, block_size: int, max_rows: int):
+        self.drafter, self.target, self.block_size = drafter, target, block_size
+        self.feature_layers = tuple(drafter.config.dspark.dspark_target_layer_ids)
+        w = target.embed.weight
+        self.state = DSparkState(drafter.config, num_blocks, block_size, max_rows, dtype=w.dtype, device=w.device)
+        self.last = None  # the last `draft` call's Draft (tokens [R, k], logits [R, k, V]): for tests and benchmarks
+        self._pending: list[tuple[np.ndarray, np.ndarray, torch.Tensor]] = []
+        self._kept = 0
+
+    @property
+    def block(self) -> int:
+        return self.drafter.block
+
+    def observe(self, observations: Sequence[Observation], features: torch.Tensor | None) -> None:
+        pos, slots = slots_of(observations, self.block_size)
+        if not len(pos):
+            return
+        if features is None or features.shape[0] != len(pos):
+            raise ValueError(f"DSparkDrafter.observe: {len(pos)} positions, features "
+                             f"{None if features is None else tuple(features.shape)}")
+        self._pending.append((pos, slots, features))  # (the runner's features are a new tensor each step)
+        self._kept += len(pos)
+        if self._kept >= self.PENDING_TOKENS:
+            self.write()
+
+    def write(self) -> None:
+        """Write every kept observation's keys, in order, in one `write_context`."""
+        if not self._pending:
+            return
+        pos, slots, feats = zip(*self._pending)
+        self._pending, self._kept = [], 0
+        pos, slots, feats = np.concatenate(pos), np.concatenate(slots), torch.cat(feats) if len(feats) > 1 else feats[0]
+        last = len(slots) - 1 - np.unique(slots[::-1], return_index=True)[1]  # each slot's last write only
+        if len(last) < len(slots):
+            keep = np.sort(last)
+            pos, slots, feats = pos[keep], slots[keep], feats[torch.from_numpy(keep).to(feats.device)]
+        dev = self.state.window[0].device
+        with torch.no_grad():
+            self.drafter.write_context(self.state, feats, torch.from_numpy(pos).to(dev), torch.from_numpy(slots).to(dev))
+
+    def propose(self, requests: Sequence[DraftRequest], pick: PickFn) -> list[list[int]]:
+        if not requests:
+            return []
+        self.write()
+        dev = self.state.window[0].device
+        last = torch.tensor([r.token_ids[-1] for r in requests], dtype=torch.int64, device=dev)
+        positions = torch.tensor([len(r.token_ids) - 1 for r in requests], dtype=torch.int64, device=dev)
+        tables = torch.from_numpy(block_tables(requests)).to(dev)
+        with torch.no_grad():
+            self.last = self.drafter.draft(self.target, self.state, last, positions, tables, self.block_size, pick)
+        return [t[:r.num_drafts] for t, r in zip(self.last.tokens.tolist(), requests)]  # tokens [R, k]
+
+    def release(self, request_id: str) -> None:
+        pass  # the keys live at the engine's slots (module docstring)

@@ -115,3 +115,33 @@ def test_negative_control_an_unguarded_capture_misses_the_slot_plan(loaded, monk
         last, n, t = cases[2]
         assert not same(graphs.draft(state, last, n, t, BLOCK),
                         loaded.drafter.draft(loaded.model, state, last, n, t, BLOCK))
+
+
+def write_contexts(lm, graphs, eager: bool, calls: int = 4) -> list[torch.Tensor]:
+    """Each draft layer's window keys after `calls` writes of 3 tokens (other features, positions and slots each
+    time, one a padding slot), eager or through `graphs`."""
+    state, _ = setup_rows(lm, 1, seed=11)
+    g = torch.Generator().manual_seed(12)
+    width = len(lm.config.dspark.dspark_target_layer_ids) * lm.config.hidden_size
+    with torch.no_grad():
+        for i in range(calls):
+            feats = torch.randn(3, width, generator=g)
+            pos = torch.randint(0, 120, (3,), generator=g)
+            slots = torch.tensor([pos[0], -1, pos[2]])
+            if eager:
+                lm.drafter.write_context(state, feats, pos, slots)
+            else:
+                graphs.write_context(state, feats, pos, slots)
+    return state.window
+
+
+def test_replayed_context_writes_store_the_eager_keys(loaded):
+    graphs = DraftGraphs(loaded.drafter, loaded.model)
+    got = write_contexts(loaded, graphs, eager=False)
+    assert graphs.replays == 2 and all(torch.equal(a, b) for a, b in zip(got, write_contexts(loaded, None, True)))
+
+
+def test_negative_control_context_replays_without_reloading_store_the_capture_keys(loaded):
+    graphs = NoReload(loaded.drafter, loaded.model)
+    got = write_contexts(loaded, graphs, eager=False)
+    assert graphs.replays == 2 and not all(torch.equal(a, b) for a, b in zip(got, write_contexts(loaded, None, True)))

@@ -3,8 +3,8 @@
 For R rows (each with `--context` committed tokens, written by `write_context`), timed side by side: the target's
 decode step of R rows (`ModelRunner.execute` on a prepared step, CPU graphs as served; bench/step_workloads.py), the
 eager `DSpark.draft` (greedy), the replayed one (runner/draft_graphs.py: greedy, and with a pick of the caller's,
-the Markov chain then eager), and `write_context` of the R tokens a decode step commits. Medians of wall time and of
-the process's CPU time (less hit by other jobs' load). `same_bits`: the replayed draft's tokens, logits and
+the Markov chain then eager), and `write_context` of the R tokens a decode step commits (eager and replayed).
+Medians of wall time and of the process's CPU time (less hit by other jobs' load). `same_bits`: the replayed draft's tokens, logits and
 confidence equal the eager one's.
 """
 from __future__ import annotations
@@ -65,10 +65,12 @@ def run(args: argparse.Namespace) -> list[dict]:
             # a decode step's context: one token a row, at position n (never read by these drafts)
             slots = tables[torch.arange(r), n // BLOCK] * BLOCK + n % BLOCK  # [R]
             t_ctx = _time(lambda: d.write_context(state, new, n, slots), args)
+            t_ctx_graph = _time(lambda: graphs.write_context(state, new, n, slots), args)
         rows.append({"rows": r, "step_ms": step.median_ms, "step_cpu_ms": step.cpu_median_ms,
                      "eager_ms": t_eager.median_ms, "eager_cpu_ms": t_eager.cpu_median_ms,
                      "graph_ms": t_graph.median_ms, "graph_cpu_ms": t_graph.cpu_median_ms,
-                     "graph_pick_ms": t_pick.median_ms, "write_context_ms": t_ctx.median_ms,
+                     "graph_pick_ms": t_pick.median_ms,
+                     "write_context_ms": t_ctx.median_ms, "write_context_graph_ms": t_ctx_graph.median_ms,
                      "graph_over_step": t_graph.median_ms / step.median_ms,
                      "eager_over_graph": t_eager.median_ms / t_graph.median_ms, "same_bits": same,
                      "replays": graphs.replays})

@@ -216,12 +216,13 @@ class DSpark(nn.Module):
         return self.first.main_norm(linear(features, self.first.main_proj.w), ops)
 
     def write_context(self, state: DSparkState, features: torch.Tensor, positions: torch.Tensor,
-                      slots: torch.Tensor) -> None:
+                      slots: torch.Tensor, top: int | None = None) -> None:
         """Store each draft layer's window keys of tokens at `positions` [T] (their target features [T, nL D]) at
-        their cache `slots` [T] (the target step's slot mapping; < 0: padding, to the trash slot)."""
+        their cache `slots` [T] (the target step's slot mapping; < 0: padding, to the trash slot). `top`: a bound on
+        the positions + 1 (default: read from them on the host)."""
         ops = choose(features, self.first.attn_norm.weight)
         c = self.context(features, ops)
-        cos, sin = self.rope(positions)
+        cos, sin = self.rope(positions, top)
         for i, layer in enumerate(self.mtp):
             a = layer.attn
             kv = ops.rope(a.kv_norm(linear(c, a.wkv.w), ops), cos, sin, inverse=False, in_place=True)  # [T, hd]

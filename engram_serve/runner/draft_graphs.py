@@ -1,27 +1,28 @@
-"""CPU graphs of the DSpark drafter (model/dspark.py): a `draft` call recorded once per row count, then replayed.
+"""CPU graphs of the DSpark drafter (model/dspark.py): its `draft` and `write_context` calls recorded once per
+shape, then replayed.
 
 An eager draft of one row is mostly Python (~1.1 ms on an EPYC core for the built-in model's one draft layer, against
-~0.1 ms of kernels), more than a whole decode step of the target (runner/cpu_graphs.py). As there, a capture runs
-the draft once for real and records its C kernel calls and the few torch operators that compute or write (`_Watch`,
-plus the few operators of `_EXTRA`, replayed into their captured results); a
-replay makes the same calls on the same memory.
+~0.2 ms of kernels), more than a whole decode step of the target (runner/cpu_graphs.py). As there, a capture runs
+the call once for real and records its C kernel calls and the few torch operators that compute or write (`_Watch`,
+and the operators of `_EXTRA`, replayed into their captured results); a replay makes the same calls on the same
+memory.
 
-Inputs reach the graph through static buffers (CUDA graphs' way): the rows' last tokens, positions and block tables
-are copied into the graph's own tensors, and everything else is computed from them inside the graph, by recorded
-calls: the block's ids, its positions and rotary rows, and the context window's slots (`plan_window` at n - 1 for
-each query: slots of n - W .. n - 1, a slot ok where it is not the zero slot, which is where `context_slots` gives
-ok = False). So a replay computes what the eager `DSpark.draft` computes on the same inputs, bit for bit (the
-tests compare them, null blocks included).
+Inputs reach a graph through static buffers (CUDA graphs' way): a draft's last tokens, positions and block tables
+(`write_context`'s features, positions and slots) are copied into the graph's own tensors, and everything else is
+computed from them inside the graph by recorded calls: the block's ids, its positions and rotary rows, and the
+context window's slots (`plan_window` at n - 1 for each query: the slots of n - W .. n - 1, ok where a slot is not
+the zero slot, which is where `context_slots` says not ok). So a replay computes what the eager call computes on
+the same inputs, bit for bit (tests/test_draft_graphs.py, null blocks included).
 
 With the greedy pick (pick None) the Markov chain is in the graph too: a replay is the whole draft. With another
 pick (a sampler's, which reads its logits on the host), the graph stops at the head's logits and the chain runs
 eagerly (`DSpark.markov`).
 
-Key: the row count, the block tables' width, the block size, whether the pick is greedy, the state's sizes and
-addresses, the rope table's address, the loaded kernels, the exactness rules and the thread count. The first draft
+Key: the call, its inputs' shapes and dtypes, the block size, whether the pick is greedy, the state's sizes and
+addresses, the rope table's address, the loaded kernels, the exactness rules and the thread count. The first call
 of a key runs eagerly (plans and packed weights are made then), the second captures, later ones replay. A `Draft`
-returned by a replay holds the graph's buffers: valid until the next draft of the same key (copy what must outlive it). The
-drafter's and target's weights must not change while graphs exist.
+returned by a replay holds the graph's buffers: valid until the next draft of the same key (copy what must outlive
+it). The drafter's and target's weights must not change while graphs exist.
 """
 from __future__ import annotations
 
@@ -59,18 +60,27 @@ class _DraftWatch(_Watch):
         return out
 
 
-class _Static:
-    """One graph's input buffers: last [R] int64, positions [R] int64, tables [R, B] int64; and its constants:
-    rows [N] (each query's row), offsets [R, k] (0 .. k - 1), minus [R, k] (-1 .. k - 2), noise ids [N], the
-    first sublayer's stream mix [N, hc], bslots [N], eslots [N, k], picks [N, k] (DraftStep)."""
+class _Inputs:
+    """A graph's input buffers, copies of the capture's input tensors; `load` copies a call's inputs into them."""
 
-    def __init__(self, d: DSpark, state: DSparkState, r: int, width: int):
+    def __init__(self, *tensors: torch.Tensor):
+        self.bufs = [t.clone() for t in tensors]
+
+    def load(self, *tensors: torch.Tensor) -> None:
+        for b, t in zip(self.bufs, tensors):
+            b.copy_(t)
+
+
+class _Consts:
+    """A draft graph's constants for R rows of k: rows [N] (each query's row), offsets [R, k] (0 .. k - 1), minus
+    [R, k] (-1), the block's ids [R, k] (noise after the first), the first sublayer's stream mix [N, hc], and the
+    DraftStep's bslots [N], eslots [N, k], picks [N, k]."""
+
+    def __init__(self, d: DSpark, state: DSparkState, r: int):
         k = d.block
-        self.last, self.positions = torch.zeros(r, dtype=torch.int64), torch.zeros(r, dtype=torch.int64)
-        self.tables = torch.full((r, width), -1, dtype=torch.int64)
         self.rows = torch.arange(r).repeat_interleave(k)
         self.offsets = torch.arange(k).expand(r, k).contiguous()
-        self.minus = self.offsets - self.offsets - 1
+        self.minus = torch.full((r, k), -1, dtype=torch.int64)
         self.ids = torch.full((r, k), d.noise, dtype=torch.int64)
         self.mix = torch.zeros(r * k, d.config.hc_mult)
         self.mix[:, 0] = 1.0
@@ -78,90 +88,103 @@ class _Static:
         self.eslots = self.bslots.view(r, k).repeat_interleave(k, 0)
         self.picks = torch.arange(k).expand(r * k, k).contiguous()
 
-    def load(self, last: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> None:
-        self.last.copy_(last)
-        self.positions.copy_(positions)
-        self.tables.copy_(tables)
-
 
 class DraftGraphs:
-    """`draft` as `DSpark.draft` (same arguments but the target, given here; same bits), replayed from CPU graphs
-    (module docstring). Falls back to the eager draft where the kernels a graph needs are not loaded, or a capture
-    was refused."""
+    """`draft` and `write_context` as the drafter's (same arguments, the target given here; same bits), replayed
+    from CPU graphs (module docstring). Eager where the kernels a graph needs are not loaded, under autograd, or
+    where a capture was refused."""
 
-    CAPACITY = 32  # graphs kept, at most (the oldest go)
+    CAPACITY = 64  # graphs kept, at most (the oldest go)
     reload = True  # a protection a test subclass turns off (negative control): replays read the capture's inputs
 
     def __init__(self, drafter: DSpark, target):
         self.drafter, self.target = drafter, target
-        self._graphs: dict[tuple, tuple[_Graph, _Static]] = {}
+        self._graphs: dict[tuple, tuple[_Graph, _Inputs, object]] = {}
         self._seen: set[tuple] = set()
         self._refused: set[tuple] = set()
         self.replays = self.captures = 0
 
-    def key(self, state: DSparkState, r: int, tables: torch.Tensor, block_size: int, greedy_pick: bool) -> tuple:
-        rope = self.drafter.rope
-        return (r, tables.shape[1], block_size, greedy_pick, state.num_slots, state.max_rows,
-                tuple(w.data_ptr() for w in state.window),
-                rope.cos.data_ptr(), id(self.target), kernels.get("linear"), kernels.get("token"),
-                exactness.rules_on(), torch.get_num_threads())
+    def _key(self, state: DSparkState, tensors: tuple, *extra) -> tuple:
+        return (*extra, tuple((tuple(t.shape), t.dtype) for t in tensors), state.num_slots, state.max_rows,
+                tuple(w.data_ptr() for w in state.window), self.drafter.rope.cos.data_ptr(), id(self.target),
+                kernels.get("linear"), kernels.get("token"), exactness.rules_on(), torch.get_num_threads())
+
+    def _eager(self) -> bool:
+        return not CpuGraphs.available() or torch.is_grad_enabled()
 
     def draft(self, state: DSparkState, last_tokens: torch.Tensor, positions: torch.Tensor,
               block_tables: torch.Tensor, block_size: int, pick: Pick | None = None) -> Draft:
         d, r = self.drafter, last_tokens.shape[0]
         if r > state.max_rows:
             raise StaticBufferError(f"DSparkState holds the block keys of {state.max_rows} rows; the draft has {r}")
-        if not CpuGraphs.available() or torch.is_grad_enabled() or not r:
+        if self._eager() or not r:
             return d.draft(self.target, state, last_tokens, positions, block_tables, block_size, pick)
         d.rope.ensure(int(positions.max()) + d.block)  # (the graph reads the table in place: its address is keyed)
-        key = self.key(state, r, block_tables, block_size, pick is None)
-        hit = self._graphs.get(key)
-        if hit is None:
-            if key in self._refused or key not in self._seen:
-                self._seen.add(key)
-                return d.draft(self.target, state, last_tokens, positions, block_tables, block_size, pick)
-            return self._capture(key, state, last_tokens, positions, block_tables, block_size, pick)
-        graph, static = hit
-        self.replays += 1
-        if self.reload:
-            static.load(last_tokens, positions, block_tables)
-        out = graph.replay({}, rebind=False)
-        return out if pick is None else self._markov(out, static, pick)
-
-    def _markov(self, out: tuple[torch.Tensor, torch.Tensor], static: _Static, pick: Pick) -> Draft:
+        inputs = (last_tokens, positions, block_tables)
+        key = self._key(state, inputs, "draft", block_size, pick is None)
+        out, inputs = self._run(key, inputs, lambda: _Consts(d, state, r),
+                                lambda i, c: self._draft_body(state, i, c, block_size, pick is None),
+                                lambda: d.draft(self.target, state, last_tokens, positions, block_tables, block_size,
+                                                pick))
+        if inputs is None or pick is None:
+            return out
         u, h = out
-        return self.drafter.markov(u, h, static.last, ops_c, pick)
+        return d.markov(u, h, inputs.bufs[0], ops_c, pick)
 
-    def _body(self, state: DSparkState, s: _Static, block_size: int, greedy_pick: bool):
-        """The recorded draft: the step planned from the static inputs, the block, the chain if greedy."""
-        d, k = self.drafter, self.drafter.block
-        s.ids[:, 0].copy_(s.last)
-        pos = s.positions[:, None] + s.offsets  # [R, k]
-        last_ctx = s.positions[:, None] + s.minus  # [R, k]: n - 1 for every query
-        wslots, _, _ = ops_c.plan_window(last_ctx.view(-1), s.rows, s.tables, block_size, state.zero_slot, d.window)
+    def write_context(self, state: DSparkState, features: torch.Tensor, positions: torch.Tensor,
+                      slots: torch.Tensor) -> None:
+        d, t = self.drafter, features.shape[0]
+        if self._eager() or not t:
+            return d.write_context(state, features, positions, slots)
+        d.rope.ensure(int(positions.max()) + 1)
+        key = self._key(state, (features, positions, slots), "context")
+        top = d.rope.cos.shape[0]
+        self._run(key, (features, positions, slots), lambda: None,
+                  lambda i, c: d.write_context(state, *i.bufs, top=top),
+                  lambda: d.write_context(state, features, positions, slots))
+
+    def _draft_body(self, state: DSparkState, i: _Inputs, c: _Consts, block_size: int, greedy_pick: bool):
+        """The recorded draft: the step planned from the input buffers, the block, the chain if greedy."""
+        d = self.drafter
+        last, positions, tables = i.bufs
+        c.ids[:, 0].copy_(last)
+        pos = positions[:, None] + c.offsets  # [R, k]
+        wslots, _, _ = ops_c.plan_window((positions[:, None] + c.minus).view(-1), c.rows, tables, block_size,
+                                         state.zero_slot, d.window)  # at n - 1 for every query: n - W .. n - 1
         cos = ops_c.gather_rows(d.rope.cos, pos.view(-1))[:, 0]
         sin = ops_c.gather_rows(d.rope.sin, pos.view(-1))[:, 0]
-        step = DraftStep(ops_c, cos, sin, wslots, wslots != state.zero_slot, s.bslots, s.eslots, s.picks, state)
-        u, h = d.forward_block(self.target, step, s.ids.view(-1), s.mix)
-        return d.markov(u, h, s.last, ops_c, greedy(ops_c)) if greedy_pick else (u, h)
+        step = DraftStep(ops_c, cos, sin, wslots, wslots != state.zero_slot, c.bslots, c.eslots, c.picks, state)
+        u, h = d.forward_block(self.target, step, c.ids.view(-1), c.mix)
+        return d.markov(u, h, last, ops_c, greedy(ops_c)) if greedy_pick else (u, h)
 
-    def _capture(self, key: tuple, state, last_tokens, positions, block_tables, block_size, pick) -> Draft:
-        static = _Static(self.drafter, state, last_tokens.shape[0], block_tables.shape[1])
-        static.load(last_tokens, positions, block_tables)
+    def _run(self, key: tuple, tensors: tuple, consts, body, eager):
+        """(the output, the graph's inputs or None where it ran eagerly): replayed, captured (the second time a key
+        is seen: `body(inputs, consts())` recorded) or `eager()`."""
+        hit = self._graphs.get(key)
+        if hit is not None:
+            graph, inputs, _ = hit
+            self.replays += 1
+            if self.reload:
+                inputs.load(*tensors)
+            return graph.replay({}, rebind=False), inputs
+        if key in self._refused or key not in self._seen:
+            self._seen.add(key)
+            return eager(), None
+        inputs, c = _Inputs(*tensors), consts()
         tape: list = []
         watch = _DraftWatch(tape, {})
         with capture.recording(tape), watch:
-            out = self._body(state, static, block_size, pick is None)
+            out = body(inputs, c)
         try:
             if watch.refused is not None:
                 raise Refused(watch.refused)
-            graph = _Graph(tape, {}, out, [*watch.keep, static], sum(watch.allocated.values()))
+            graph = _Graph(tape, {}, out, watch.keep, sum(watch.allocated.values()))
         except Refused as why:
             self._refused.add(key)
-            log.info("draft graph: %d rows draft eagerly (%s)", last_tokens.shape[0], why)
-            return out if pick is None else self._markov(out, static, pick)
-        self._graphs[key] = (graph, static)
+            log.info("draft graph: %s runs eagerly (%s)", key[:2], why)
+            return out, inputs
+        self._graphs[key] = (graph, inputs, c)
         self.captures += 1
         while len(self._graphs) > self.CAPACITY:
             self._graphs.pop(next(iter(self._graphs)))
-        return out if pick is None else self._markov(out, static, pick)
+        return out, inputs

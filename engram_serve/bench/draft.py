@@ -4,8 +4,8 @@ For R rows (each with `--context` committed tokens, written by `write_context`),
 decode step of R rows (`ModelRunner.execute` on a prepared step, CPU graphs as served; bench/step_workloads.py), the
 eager `DSpark.draft` (greedy), the replayed one (runner/draft_graphs.py: greedy, and with a pick of the caller's,
 the Markov chain then eager), and `write_context` of the R tokens a decode step commits (eager and replayed).
-Medians of wall time and of the process's CPU time (less hit by other jobs' load). `same_bits`: the replayed draft's tokens, logits and
-confidence equal the eager one's.
+Medians of wall time and of the process's CPU time (less hit by other jobs' load). `same_bits`: the replayed
+draft's tokens, logits and confidence equal the eager one's.
 """
 from __future__ import annotations
 

@@ -272,17 +272,15 @@ class DSpark(nn.Module):
         mh, conf = self.last.markov_head, self.last.confidence_head
         r, k, v = u.shape
         tokens = torch.empty(r, k, dtype=torch.int64, device=u.device)  # written in place (a CPU graph records it)
-        es, zs = [], []
+        zs, cs = [], []
         for j in range(k):  # sequential: each step reads the token chosen at the step before
-            es.append(ops.gather_rows(mh.embed.weight, prev)[:, 0])  # [R, r]
-            zs.append(u[:, j] + linear(es[-1], mh.head.w).float())  # [R, V]
+            e = ops.gather_rows(mh.embed.weight, prev)[:, 0]  # [R, r]
+            zs.append(u[:, j] + linear(e, mh.head.w).float())  # [R, V]
+            if conf is not None:  # (one product a position: training's gradients sum as they always have)
+                cs.append(linear(ops.cat_cols([h[:, j], e]), conf.proj.w).float())  # [R, 1]
             prev = pick(j, zs[-1])
             tokens[:, j].copy_(prev)
-        confidence = None
-        if conf is not None:  # every position's in one product (a row's bits do not depend on the others)
-            e = ops.cat_cols(es).view(r * k, -1)  # [R k, r]
-            confidence = linear(ops.cat_cols([h.reshape(r * k, -1), e]), conf.proj.w).view(r, k).float()
-        return Draft(tokens, ops.cat_cols(zs).view(r, k, v), confidence)
+        return Draft(tokens, ops.cat_cols(zs).view(r, k, v), ops.cat_cols(cs) if cs else None)
 
     def _first_mix(self, n: int, device: torch.device) -> torch.Tensor:
         """[n, hc] rows (1, 0, .., 0), a view of one constant grown on demand."""

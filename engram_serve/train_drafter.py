@@ -340,7 +340,7 @@ def train_drafter(out_dir: str | Path, s: DrafterSettings | None = None, *, targ
 
 
 def report_markdown(rep: DrafterReport) -> str:
-    """docs/DRAFTER.md: the run, the held-out terms, the acceptance on held-out code."""
+    """docs/drafter.md: the run, the held-out terms, the acceptance on held-out code."""
     s, last = rep.settings, rep.evals[-1]
     k = len(last["accept"])
     lines = ["# Training the built-in model's DSpark drafter", "",
@@ -379,7 +379,7 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--max-files", type=int, default=None, help="only the first N stdlib files (smoke runs)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     ap.add_argument("--no-measure", action="store_true", help="skip the acceptance measurement")
-    ap.add_argument("--report-dir", default=None, help="write DRAFTER.md here")
+    ap.add_argument("--report-dir", default=None, help="write drafter.md here")
     ap.add_argument("--install", action="store_true", help="copy the result over the built-in model")
     ap.add_argument("--no-progress", action="store_true")
     return ap
@@ -395,7 +395,7 @@ def run_args(args: argparse.Namespace, command: str = "") -> int:
                         progress=not args.no_progress, command=command)
     if args.report_dir:
         Path(args.report_dir).mkdir(parents=True, exist_ok=True)
-        (Path(args.report_dir) / "DRAFTER.md").write_text(report_markdown(rep))
+        (Path(args.report_dir) / "drafter.md").write_text(report_markdown(rep))
     if args.install:
         print(f"installed {install(rep.out_dir)}")
     return 0

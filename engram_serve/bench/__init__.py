@@ -12,8 +12,8 @@ from types import ModuleType
 def registry() -> dict[str, ModuleType]:
     """Subcommand name -> benchmark module. Bench modules import torch and the engine inside their
     functions, so building the command-line parser stays cheap."""
-    from . import acceptance, attention, ops, peers, prep, sampler, serve, spec, step, tables, threads
+    from . import acceptance, attention, draft, ops, peers, prep, sampler, serve, spec, step, tables, threads
     from . import hash as hash_bench
     return {"hash": hash_bench, "prep": prep, "step": step, "attention": attention, "serve": serve, "ops": ops,
             "peers": peers, "tables": tables, "sampler": sampler, "threads": threads, "acceptance": acceptance,
-            "spec": spec}
+            "spec": spec, "draft": draft}

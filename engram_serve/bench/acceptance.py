@@ -17,8 +17,8 @@ bonus token fit in the completion.
 
 Reported per temperature: `mean_len` (mean of accepted + 1), `rate@j` (the fraction of verify steps whose first j
 drafts were all accepted: vLLM's per-position acceptance rate), steps, prompts; and what a draft costs beside a
-decode step (`step_costs`: `draft_ms`, one row's `draft` call over a written context (greedy pick);
-`decode_ms`, a greedy B = 1 engine step).
+decode step (`step_costs`: `draft_ms`, one row's draft over a written context, greedy, replayed from a CPU graph
+(runner/draft_graphs.py); `decode_ms`, a greedy B = 1 engine step).
 """
 from __future__ import annotations
 
@@ -153,8 +153,9 @@ def measure(lm, prompts: list[list[int]], tokens: int = 256, temperatures=(0.0, 
 
 
 def step_costs(lm, prompt: list[int], tokens: int = 64, repeats: int = 20) -> dict:
-    """{"draft_ms": one row's draft of k tokens (greedy; median of `repeats`), "decode_ms": a greedy B = 1 decode step
-    of the engine (its wall time over `tokens` tokens, prefill included)}: what a draft costs against a step."""
+    """{"draft_ms": one row's draft of k tokens (greedy, replayed: runner/draft_graphs.py; median of `repeats`),
+    "decode_ms": a greedy B = 1 decode step of the engine (its wall time over `tokens` tokens, prefill included)}:
+    what a draft costs against a step."""
     import statistics
     import time
 
@@ -171,17 +172,18 @@ def step_costs(lm, prompt: list[int], tokens: int = 64, repeats: int = 20) -> di
     finally:
         llm.close()
     from ..model.dspark import DSparkState
+    from ..runner.draft_graphs import DraftGraphs
     d, seq = lm.drafter, len(ids)
     feats = target_pass(lm, ids)[1]
     state = DSparkState(lm.config, 1, seq + d.block, max_rows=1)
     pos = torch.arange(seq)
-    times = []
+    times, graphs = [], DraftGraphs(d, lm.model)
     with torch.no_grad():
         d.write_context(state, feats, pos, pos)
         last, n, table = torch.tensor([ids[-1]]), torch.tensor([seq - 1]), torch.zeros(1, 1, dtype=torch.int64)
-        for _ in range(repeats + 2):
+        for _ in range(repeats + 2):  # (eager, capture, then replays)
             t0 = time.perf_counter()
-            d.draft(lm.model, state, last, n, table, seq + d.block)
+            graphs.draft(state, last, n, table, seq + d.block)
             times.append(time.perf_counter() - t0)
     return {"draft_ms": statistics.median(times[2:]) * 1e3, "decode_ms": decode * 1e3}
 

@@ -216,12 +216,13 @@ class DSpark(nn.Module):
         return self.first.main_norm(linear(features, self.first.main_proj.w), ops)
 
     def write_context(self, state: DSparkState, features: torch.Tensor, positions: torch.Tensor,
-                      slots: torch.Tensor) -> None:
+                      slots: torch.Tensor, top: int | None = None) -> None:
         """Store each draft layer's window keys of tokens at `positions` [T] (their target features [T, nL D]) at
-        their cache `slots` [T] (the target step's slot mapping; < 0: padding, to the trash slot)."""
+        their cache `slots` [T] (the target step's slot mapping; < 0: padding, to the trash slot). `top`: a bound on
+        the positions + 1 (default: read from them on the host)."""
         ops = choose(features, self.first.attn_norm.weight)
         c = self.context(features, ops)
-        cos, sin = self.rope(positions)
+        cos, sin = self.rope(positions, top)
         for i, layer in enumerate(self.mtp):
             a = layer.attn
             kv = ops.rope(a.kv_norm(linear(c, a.wkv.w), ops), cos, sin, inverse=False, in_place=True)  # [T, hd]
@@ -246,13 +247,20 @@ class DSpark(nn.Module):
         step = DraftStep(ops, *self.rope(pos), wslots.repeat_interleave(k, 0), wok.repeat_interleave(k, 0), bslots,
                          bslots.view(r, k).repeat_interleave(k, 0),
                          torch.arange(k, device=dev).expand(r * k, k).contiguous(), state)
+        u, h = self.forward_block(target, step, ids, self._first_mix(r * k, dev))
+        return self.markov(u, h, last_tokens, ops, pick or greedy(ops))
+
+    def forward_block(self, target: DeepseekV41, step: DraftStep, ids: torch.Tensor, pre: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks ids [N = R k] through the draft layers -> (u [R, k, V] the head's logits, h [R, k, D] the
+        normed hidden); `pre` [N, hc] rows (1, 0, .., 0): the first sublayer reads stream 0 alone (NeMo's pre_mix)."""
+        ops, k = step.ops, self.block
         x = self.streams(target, ids, ops)  # [N, hc, D]
-        pre = self._first_mix(r * k, dev)  # the first sublayer reads stream 0 alone (NeMo's pre_mix (1, 0, ..))
         for i, layer in enumerate(self.mtp):
             x, pre = layer(x, pre, step, i)
         h = self.last.norm(ops.collapse(x, pre), ops)  # [N, D]
-        return self.markov(target.compute_logits(h).view(r, k, -1), h.view(r, k, -1), last_tokens, ops,
-                           pick or greedy(ops))
+        r = ids.shape[0] // k
+        return target.compute_logits(h).view(r, k, -1), h.view(r, k, -1)
 
     def streams(self, target: DeepseekV41, ids: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         """[N, hc, D]: the target's embedding of ids [N] on every stream."""
@@ -262,17 +270,17 @@ class DSpark(nn.Module):
         """The Markov chain over the k positions: u [R, k, V] the head's logits, h [R, k, D] the normed hidden,
         prev [R] the last sampled token."""
         mh, conf = self.last.markov_head, self.last.confidence_head
-        tokens, logits, confidence = [], [], []
-        for j in range(u.shape[1]):  # sequential: each step reads the token chosen at the step before
+        r, k, v = u.shape
+        tokens = torch.empty(r, k, dtype=torch.int64, device=u.device)  # written in place (a CPU graph records it)
+        zs, cs = [], []
+        for j in range(k):  # sequential: each step reads the token chosen at the step before
             e = ops.gather_rows(mh.embed.weight, prev)[:, 0]  # [R, r]
-            z = u[:, j] + linear(e, mh.head.w).float()  # [R, V]
-            if conf is not None:
-                confidence.append(linear(ops.cat_cols([h[:, j], e]), conf.proj.w)[:, 0].float())
-            prev = pick(j, z)
-            tokens.append(prev)
-            logits.append(z)
-        return Draft(torch.stack(tokens, 1), torch.stack(logits, 1),
-                     torch.stack(confidence, 1) if confidence else None)
+            zs.append(u[:, j] + linear(e, mh.head.w).float())  # [R, V]
+            if conf is not None:  # (one product a position: training's gradients sum as they always have)
+                cs.append(linear(ops.cat_cols([h[:, j], e]), conf.proj.w).float())  # [R, 1]
+            prev = pick(j, zs[-1])
+            tokens[:, j].copy_(prev)
+        return Draft(tokens, ops.cat_cols(zs).view(r, k, v), ops.cat_cols(cs) if cs else None)
 
     def _first_mix(self, n: int, device: torch.device) -> torch.Tensor:
         """[n, hc] rows (1, 0, .., 0), a view of one constant grown on demand."""

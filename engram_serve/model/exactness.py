@@ -271,7 +271,10 @@ def stored_kc_fits(fmt: int, k: int, kc: int) -> bool:
 def shape_only(out: int, k: int) -> torch.Tensor:
     """A float32 CPU view of shape [out, k] laid out input-major over `out` floats (every input alike): what the
     probes of `small_call_kc` and `min_rows` read of a weight (its shape, layout and dtype, never its values)."""
-    return _shape_views.setdefault((out, k), torch.zeros(out).as_strided((out, k), (1, 0)))
+    view = _shape_views.get((out, k))
+    if view is None:  # (made once: a CPU graph would otherwise record a zeros per product)
+        view = _shape_views[(out, k)] = torch.zeros(out).as_strided((out, k), (1, 0))
+    return view
 
 
 _shape_views: dict[tuple[int, int], torch.Tensor] = {}

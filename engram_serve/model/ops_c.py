@@ -89,7 +89,8 @@ def argmax_finite(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return ops_torch.argmax_finite(x)
     x = x.contiguous()
     out, finite = torch.empty(x.shape[0], dtype=torch.int64), torch.empty(x.shape[0], dtype=torch.bool)
-    _kernel().argmax_rows(x=x.data_ptr(), rows=x.shape[0], v=x.shape[1], out=out.data_ptr(), finite=finite.data_ptr())
+    capture.call(_kernel().argmax_rows, x=x.data_ptr(), rows=x.shape[0], v=x.shape[1], out=out.data_ptr(),
+                 finite=finite.data_ptr())
     return out, finite
 
 

@@ -373,14 +373,17 @@ class LLMEngine:
         """The drafters' `pick(j, z)` (spec/drafters.py `PickFn`) for these requests."""
         p = [s.params for s in seqs]
 
+        greedy = all(x.temperature < GREEDY_BELOW for x in p)
+
         def pick(j: int, z: torch.Tensor) -> torch.Tensor:
             z = z[:, : self.num_token_ids].float()
-            if all(x.temperature < GREEDY_BELOW for x in p):
+            if greedy:
                 return self.sampler.greedy(z).tokens
             batch = SamplingBatch.build(z.shape[1], [x.temperature for x in p], [x.top_k for x in p],
                                         [x.top_p for x in p], [x.seed for x in p], [s.num_tokens + j for s in seqs],
                                         [x.min_p for x in p], device=z.device)
             return self.sampler.sample(z, batch).tokens
+        pick.greedy = greedy  # every row greedy: a drafter may take its own greedy choice (the same argmax)
         return pick
 
     def _observe(self, rows, tables: list, standing: dict, result: StepOutput) -> None:

@@ -189,4 +189,4 @@ def make_drafter(cfg, loaded, runner_cfg=None) -> Drafter:
     if runner_cfg is None:
         raise ConfigError("speculative config method='dspark': the drafter needs the runner's config (its KV cache)")
     return DSparkDrafter(loaded.drafter, loaded.model, runner_cfg.num_blocks, runner_cfg.block_size,
-                         runner_cfg.max_num_seqs)
+                         runner_cfg.max_num_seqs, graphs=runner_cfg.cpu_graphs)

@@ -28,6 +28,21 @@ import torch
 
 from ..model.deepseek_v41 import DeepseekV41
 from ..model.dspark import DSpark, DSparkState
+from ..runner.cpu_graphs import CpuGraphs
+from ..runner.draft_graphs import DraftGraphs
+
+
+class _Eager:
+    """DraftGraphs' two calls, run eagerly (CPU graphs off or unavailable)."""
+
+    def __init__(self, drafter: DSpark, target: DeepseekV41):
+        self.drafter, self.target = drafter, target
+
+    def draft(self, state, last_tokens, positions, block_tables, block_size, pick=None):
+        return self.drafter.draft(self.target, state, last_tokens, positions, block_tables, block_size, pick)
+
+    def write_context(self, state, features, positions, slots) -> None:
+        self.drafter.write_context(state, features, positions, slots)
 
 
 def slots_of(observations: Sequence[Observation], block_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -41,8 +56,10 @@ def slots_of(observations: Sequence[Observation], block_size: int) -> tuple[np.n
 
 
 def block_tables(requests: Sequence[DraftRequest]) -> np.ndarray:
-    """[R, max blocks] int64: each request's KV blocks, -1 past its own."""
-    out = np.full((len(requests), max(len(r.block_ids) for r in requests)), -1, dtype=np.int64)
+    """[R, B] int64: each request's KV blocks, -1 past its own; B the most blocks of a request rounded up to a power of
+    two, so that a replayed draft's shape (runner/draft_graphs.py keys its captures by it) changes rarely"""
+    width = 1 << (max(len(r.block_ids) for r in requests) - 1).bit_length()
+    out = np.full((len(requests), width), -1, dtype=np.int64)
     for i, r in enumerate(requests):
         out[i, :len(r.block_ids)] = r.block_ids
     return out
@@ -56,8 +73,12 @@ class DSparkDrafter:
 
     PENDING_TOKENS = 4096  # observed tokens kept before a write without a draft (bounds the memory kept)
 
-    def __init__(self, drafter: DSpark, target: DeepseekV41, num_blocks: int, block_size: int, max_rows: int):
+    def __init__(self, drafter: DSpark, target: DeepseekV41, num_blocks: int, block_size: int, max_rows: int,
+                 graphs: bool = True):
         self.drafter, self.target, self.block_size = drafter, target, block_size
+        # drafts and context writes replayed from CPU graphs where they can be (the same bits; runner/draft_graphs.py)
+        self.run = DraftGraphs(drafter, target) if graphs and CpuGraphs.available() and \
+            target.embed.weight.device.type == "cpu" else _Eager(drafter, target)
         self.feature_layers = tuple(drafter.config.dspark.dspark_target_layer_ids)
         w = target.embed.weight
         self.state = DSparkState(drafter.config, num_blocks, block_size, max_rows, dtype=w.dtype, device=w.device)
@@ -94,7 +115,7 @@ class DSparkDrafter:
             pos, slots, feats = pos[keep], slots[keep], feats[torch.from_numpy(keep).to(feats.device)]
         dev = self.state.window[0].device
         with torch.no_grad():
-            self.drafter.write_context(self.state, feats, torch.from_numpy(pos).to(dev), torch.from_numpy(slots).to(dev))
+            self.run.write_context(self.state, feats, torch.from_numpy(pos).to(dev), torch.from_numpy(slots).to(dev))
 
     def propose(self, requests: Sequence[DraftRequest], pick: PickFn) -> list[list[int]]:
         if not requests:
@@ -105,7 +126,9 @@ class DSparkDrafter:
         positions = torch.tensor([len(r.token_ids) - 1 for r in requests], dtype=torch.int64, device=dev)
         tables = torch.from_numpy(block_tables(requests)).to(dev)
         with torch.no_grad():
-            self.last = self.drafter.draft(self.target, self.state, last, positions, tables, self.block_size, pick)
+            # an all-greedy pick is the drafter's own greedy choice: the whole draft, chain included, replays
+            self.last = self.run.draft(self.state, last, positions, tables, self.block_size,
+                                       None if getattr(pick, "greedy", False) else pick)
         return [t[:r.num_drafts] for t, r in zip(self.last.tokens.tolist(), requests)]  # tokens [R, k]
 
     def release(self, request_id: str) -> None:

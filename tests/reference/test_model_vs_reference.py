@@ -22,7 +22,7 @@ from engram_serve.model.loader import model_state_from_official
 from reference_v41 import reference_forward
 from v41_fixtures import FIXED, engram_hash_ids, random_v41_weights, v41_configs
 
-TOL = 1e-5
+TOL = 1e-4  # the acceptance (as against NeMo): float32 sums over random configs reach ~1.5e-5
 TAINTED: list[int] = []  # positions excluded for near ties, over the sweep (reported by the last test)
 
 

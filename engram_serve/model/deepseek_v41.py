@@ -534,6 +534,34 @@ class Block(nn.Module):
         return Streams(x, pre, mix, h)
 
 
+class FirstMix:
+    """`(t, device)` -> [t, hc] rows (1, 0, .., 0), the collapse of a first sublayer that reads stream 0 alone: a
+    view of one constant grown on demand, so no operator per forward (a CPU graph replays none)."""
+
+    def __init__(self, hc: int):
+        self.rows = torch.zeros(0, hc)
+
+    def __call__(self, t: int, device: torch.device) -> torch.Tensor:
+        if self.rows.shape[0] < t or self.rows.device != device:
+            self.rows = torch.zeros(max(t, 2 * self.rows.shape[0]), self.rows.shape[1], device=device)
+            self.rows[:, 0] = 1.0
+        return self.rows[:t]
+
+
+def block_matmul_params(model: nn.Module, block: type):
+    """(module, parameter name, input dims) of every weight `linear` multiplies by in `model` whose blocks (the
+    owners of the mHC's `hc_attn_fn` / `hc_ffn_fn`) are of type `block`: weights as stored are laid out as stored."""
+    for m in model.modules():
+        if isinstance(m, Linear) and m.stored is None:
+            yield m, "weight", 1
+        elif isinstance(m, MoE) and m.stored is None:
+            yield m, "w13", 1
+            yield m, "w2", 1
+        elif isinstance(m, block):
+            yield m, "hc_attn_fn", 1
+            yield m, "hc_ffn_fn", 1
+
+
 class DeepseekV41(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -546,7 +574,7 @@ class DeepseekV41(nn.Module):
         self.rope_plain = RopeTable(cfg.qk_rope_head_dim, cfg.rope_theta, None)
         self.rope_comp = RopeTable(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling,
                                    shifts=sorted({r - 1 for r in cfg.ratios if r > 1}))
-        self._stream0 = torch.zeros(0, cfg.hc_mult)  # rows (1, 0, .., 0): layer 0's attention reads stream 0 alone
+        self._first_mix = FirstMix(cfg.hc_mult)  # layer 0's attention reads stream 0 alone
 
     def stages(self, ctx) -> Generator[str, None, torch.Tensor]:
         """The serving forward of one microbatch (a ForwardContext: its StepBatch slice, the cache, its own
@@ -602,14 +630,6 @@ class DeepseekV41(nn.Module):
                                         keep if next_block is last else None)
         return self.norm(ops.collapse(s.x, s.pre), ops)
 
-    def _first_mix(self, t: int, device: torch.device) -> torch.Tensor:
-        """[t, hc] rows (1, 0, .., 0), a view of one constant grown on demand: no operator per forward (a CPU
-        graph replays none)."""
-        if self._stream0.shape[0] < t or self._stream0.device != device:
-            self._stream0 = torch.zeros(max(t, 2 * self._stream0.shape[0]), self.config.hc_mult, device=device)
-            self._stream0[:, 0] = 1.0
-        return self._stream0[:t]
-
     def ensure_positions(self, n: int, device: torch.device | str = "cpu") -> None:
         """Rope tables for positions 0 .. n - 1 on `device` (grown once, before serving)."""
         self.rope_plain.ensure(n, device)
@@ -617,15 +637,7 @@ class DeepseekV41(nn.Module):
 
     def matmul_params(self):
         """(module, parameter name, input dims) of every weight `linear` multiplies by (layers.layout_weights_)."""
-        for m in self.modules():
-            if isinstance(m, Linear) and m.stored is None:  # (weights as stored: laid out as stored)
-                yield m, "weight", 1
-            elif isinstance(m, MoE) and m.stored is None:
-                yield m, "w13", 1
-                yield m, "w2", 1
-            elif isinstance(m, Block):
-                yield m, "hc_attn_fn", 1
-                yield m, "hc_ffn_fn", 1
+        return block_matmul_params(self, Block)
 
     def matmul_weights(self) -> list[torch.Tensor]:
         """The 2-D weights `linear` multiplies by, as the forward views them (layers.pad_rows)."""

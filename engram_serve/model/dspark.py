@@ -31,7 +31,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import StaticBufferError
-from .deepseek_v41 import Attention, DeepseekV41, LayerRole, MoE, RopeTable, run_stages
+from .deepseek_v41 import Attention, DeepseekV41, FirstMix, LayerRole, MoE, RopeTable, block_matmul_params, run_stages
 from .layers import Linear, RMSNorm, linear
 from .ops import choose
 
@@ -197,7 +197,7 @@ class DSpark(nn.Module):
         self.block, self.noise, self.window = ds.dspark_block_size, ds.dspark_noise_token_id, cfg.sliding_window
         self.mtp = nn.ModuleList(DraftLayer(cfg, i) for i in range(ds.num_layers))
         self.rope = RopeTable(cfg.qk_rope_head_dim, cfg.rope_theta, None)  # the window layers' rope: no YaRN
-        self._stream0 = torch.zeros(0, cfg.hc_mult)
+        self._first_mix = FirstMix(cfg.hc_mult)  # the first sublayer reads stream 0 alone
 
     @property
     def first(self) -> DraftLayer:
@@ -282,21 +282,6 @@ class DSpark(nn.Module):
             tokens[:, j].copy_(prev)
         return Draft(tokens, ops.cat_cols(zs).view(r, k, v), ops.cat_cols(cs) if cs else None)
 
-    def _first_mix(self, n: int, device: torch.device) -> torch.Tensor:
-        """[n, hc] rows (1, 0, .., 0), a view of one constant grown on demand."""
-        if self._stream0.shape[0] < n or self._stream0.device != device:
-            self._stream0 = torch.zeros(max(n, 2 * self._stream0.shape[0]), self.config.hc_mult, device=device)
-            self._stream0[:, 0] = 1.0
-        return self._stream0[:n]
-
     def matmul_params(self):
         """(module, parameter name, input dims) of every weight `linear` multiplies by (layers.layout_weights_)."""
-        for m in self.modules():
-            if isinstance(m, Linear) and m.stored is None:
-                yield m, "weight", 1
-            elif isinstance(m, MoE) and m.stored is None:
-                yield m, "w13", 1
-                yield m, "w2", 1
-            elif isinstance(m, DraftLayer):
-                yield m, "hc_attn_fn", 1
-                yield m, "hc_ffn_fn", 1
+        return block_matmul_params(self, DraftLayer)

@@ -458,6 +458,17 @@ def stream_mean(x: torch.Tensor) -> torch.Tensor:
     return out.div_(x.shape[1])
 
 
+def add_mhc_params(block: nn.Module, cfg: ModelConfig) -> None:
+    """A block's mHC parameters for its two sublayers, official names: `hc_{attn,ffn}_fn` [(2 + hc) hc, hc D],
+    `hc_{attn,ffn}_base` [(2 + hc) hc], `hc_{attn,ffn}_scale` [3]."""
+    hc, d = cfg.hc_mult, cfg.hidden_size
+    mix = (2 + hc) * hc
+    for s in ("attn", "ffn"):
+        block.register_parameter(f"hc_{s}_fn", nn.Parameter(torch.zeros(mix, hc * d)))
+        block.register_parameter(f"hc_{s}_base", nn.Parameter(torch.zeros(mix)))
+        block.register_parameter(f"hc_{s}_scale", nn.Parameter(torch.ones(3)))
+
+
 class Block(nn.Module):
     """One V4.1 layer: an Engram gate (on Engram layers), then attention and MoE, each read from the hc residual
     streams through an mHC collapse and written back through an mHC expand."""
@@ -470,11 +481,7 @@ class Block(nn.Module):
         self.engram_index = e.engram_layer_ids.index(role.layer) if role.layer in e.engram_layer_ids else None
         self.engram = (EngramGate(d, hc, e.num_columns, e.engram_head_dim, cfg.rms_norm_eps)
                        if self.engram_index is not None else None)
-        mix = (2 + hc) * hc
-        for s in ("attn", "ffn"):
-            self.register_parameter(f"hc_{s}_fn", nn.Parameter(torch.zeros(mix, hc * d)))
-            self.register_parameter(f"hc_{s}_base", nn.Parameter(torch.zeros(mix)))
-            self.register_parameter(f"hc_{s}_scale", nn.Parameter(torch.ones(3)))
+        add_mhc_params(self, cfg)
         self.attn_norm, self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
         self.attn = Attention(cfg, role)
         self.ffn = MoE(cfg)

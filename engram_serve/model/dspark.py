@@ -31,7 +31,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import StaticBufferError
-from .deepseek_v41 import Attention, DeepseekV41, FirstMix, LayerRole, MoE, RopeTable, block_matmul_params, run_stages
+from .deepseek_v41 import (Attention, DeepseekV41, FirstMix, LayerRole, MoE, RopeTable, add_mhc_params,
+                           block_matmul_params, run_stages)
 from .layers import Linear, RMSNorm, linear
 from .ops import choose
 
@@ -128,13 +129,9 @@ class DraftLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
-        ds, hc, d = cfg.dspark, cfg.hc_mult, cfg.hidden_size
+        ds, d = cfg.dspark, cfg.hidden_size
         self.cfg = cfg
-        mix = (2 + hc) * hc
-        for s in ("attn", "ffn"):
-            self.register_parameter(f"hc_{s}_fn", nn.Parameter(torch.zeros(mix, hc * d)))
-            self.register_parameter(f"hc_{s}_base", nn.Parameter(torch.zeros(mix)))
-            self.register_parameter(f"hc_{s}_scale", nn.Parameter(torch.ones(3)))
+        add_mhc_params(self, cfg)
         self.attn_norm, self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
         # layer num_hidden_layers + index of NeMo's schedule: window attention only (ratio 0, no YaRN)
         self.attn = Attention(cfg, LayerRole(cfg.num_hidden_layers + index, 0, None, None, False, False, False, False))

@@ -533,11 +533,16 @@ wide_avx512(const int fmt, const int mr, const int np, const float *restrict x, 
             int pre = fmt == WF_FP8;
             if (pre) {
                 te = te - t > XS ? t + XS : te;
+                unsigned last = 0; /* a panel of the previous panel's scale shares its inputs */
                 for (int q = 0, d = 0; q < np && pre; q++) {
                     const unsigned e = ((const uint8_t *)b[q].scale)[t / b[q].group];
-                    xp[q] = q && e == ((const uint8_t *)b[q - 1].scale)[t / b[q - 1].group] ? xp[q - 1] : xsb + d++ * mr * XS;
-                    if (xp[q] != (q ? xp[q - 1] : NULL))
-                        for (int r = 0; r < mr && pre; r++) pre = fp8_prescale(x + r * ldx + t, te - t, e, (float *)xp[q] + r * XS);
+                    if (q && e == last) {
+                        xp[q] = xp[q - 1];
+                        continue;
+                    }
+                    float *xs = xsb + d++ * mr * XS;
+                    for (int r = 0; r < mr && pre; r++) pre = fp8_prescale(x + r * ldx + t, te - t, e, xs + r * XS);
+                    xp[q] = xs, last = e;
                 }
             }
             while (gather_inputs(fmt) && t < te) { /* stored rows: 4 gathers' worth by plain loads where it can */

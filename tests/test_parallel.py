@@ -290,11 +290,14 @@ def test_parallel_options_refuse_bad_values_with_one_line(argv, message, capsys)
     assert message in err and "Traceback" not in err
 
 
-def test_verify_tp2_speculative_decoding_keeps_every_bit(cluster):
+@pytest.mark.parametrize("drafter", [None, "dspark"])
+def test_verify_tp2_speculative_decoding_keeps_every_bit(cluster, drafter):
     """Verify steps at TP=2: every rank gets the step's read tokens (every position of a verify row) with the
-    step, so the last layer's collectives match; drafts accepted and rejected, cuts inside draft blocks."""
+    step, so the last layer's collectives match; drafts accepted and rejected, cuts inside draft blocks. The
+    DSpark drafter runs whole on rank 0, on the features rank 0's forward captures (the residual streams are
+    whole on every rank)."""
     res = verify(cluster.loaded, seed=2, num_requests=3, gen_tokens=8, make_runner=cluster.make_runner, speculative=3,
-                 only=("whole steps", "2 microbatches, tokens", "chunk 17", "preemption"))
+                 drafter=drafter, only=("whole steps", "2 microbatches, tokens", "chunk 17", "preemption"))
     spec = res["speculative"]
     assert res["passed"] and res["logit_mismatches"] == 0 and res["hash_mismatches"] == 0, res
     assert 0 < spec["accepted_tokens"] < spec["draft_tokens"] and spec["draft_bounds"] > 0, spec

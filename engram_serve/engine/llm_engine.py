@@ -115,9 +115,6 @@ class LLMEngine:
         self._scored: dict[str, Sequence] = {}  # requests whose prompt logprobs are complete, not yet delivered
         self.spec = None if speculative is None else SpeculativeConfig.parse(speculative, getattr(loaded, "path", None))
         world = getattr(getattr(self.runner, "group", None), "world", 1)
-        if self.spec is not None and self.spec.method == "dspark" and drafter is None and world > 1:
-            raise ConfigError(f"speculative config method='dspark': not served with tensor parallelism "
-                              f"(tensor_parallel_size={world}); use 1, or method 'ngram'")
         self.drafter = None if self.spec is None else (drafter or make_drafter(self.spec, loaded, cfg))
         self.spec_planner = None if self.spec is None else SpecPlanner(self.spec)
         self._ended: list[str] = []  # requests that ended in this step: released after `observe`
@@ -126,9 +123,9 @@ class LLMEngine:
             layers = tuple(self.drafter.feature_layers)
             if layers:  # the runner captures the stream means entering these layers (StepOutput.features)
                 want = tuple(loaded.config.dspark.dspark_target_layer_ids)
-                if layers != want or world > 1:
+                if layers != want:
                     raise ConfigError(f"drafter feature_layers={layers}: the runner captures the checkpoint's "
-                                      f"dspark_target_layer_ids={want}, on one process (tensor_parallel_size={world})")
+                                      f"dspark_target_layer_ids={want}")
                 self.runner.capture_features = True
 
     # ---- requests ---------------------------------------------------------------------------

@@ -209,10 +209,10 @@ class RecordingDSpark(DSparkDrafter):
         super().__init__(*a)
         self.log = []
 
-    def observe(self, observations, features):
+    def observe(self, positions, slots, features):
         if self.shift and features is not None:
             features = torch.roll(features, self.shift, 0)
-        super().observe(observations, features)
+        super().observe(positions, slots, features)
 
     def propose(self, requests, pick):
         out = super().propose(requests, pick)
@@ -305,6 +305,32 @@ def test_negative_control_a_request_ended_in_its_step_leaves_its_cached_blocks_w
     that reuses its cached blocks drafts from empty keys."""
     drafter, _ = engine_drafts(tiny_module, code_prompts, engine_cls=LeavesEndedRowsUnreported, gen=8)
     assert mismatches(tiny_module, drafter) > 0
+
+
+def test_a_slot_observed_twice_before_a_write_holds_the_later_keys(tiny_module):
+    """Positions observed again (a recompute, a freed block reused) before one deferred write: each slot ends with
+    the keys of its later observation, as writing at once would leave it."""
+    lm = tiny_module
+    width = len(lm.config.dspark.dspark_target_layer_ids) * lm.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    first, later = torch.randn(6, width, generator=g), torch.randn(4, width, generator=g)
+    pos, slots = torch.arange(6), torch.tensor([3, 9, 4, 5, 6, 7])
+
+    def state_after(observations):
+        d = DSparkDrafter(lm.drafter, lm.model, 1, 16, 1, graphs=False)
+        for p, s, f in observations:
+            d.observe(p, s, f)
+        d.write()
+        return d.state.window
+
+    deferred = state_after([(pos, slots, first), (pos[2:], slots[[0, 1, 4, 5]], later)])
+    at_once = state_after([(pos, slots, first)])
+    d = DSparkDrafter(lm.drafter, lm.model, 1, 16, 1, graphs=False)
+    d.state.window = at_once
+    d.observe(pos[2:], slots[[0, 1, 4, 5]], later)
+    d.write()
+    assert all(torch.equal(a, b) for a, b in zip(deferred, d.state.window))
+    assert not all(torch.equal(a, b) for a, b in zip(deferred, state_after([(pos, slots, first)])))
 
 
 def test_dspark_steps_replay_as_cpu_graphs_with_the_eager_features(tiny_module):
@@ -633,6 +659,7 @@ def test_the_server_serves_speculatively_with_vllms_counters(tiny):
 
 def test_the_planner_drafts_at_a_batch_size_only_where_it_measured_less_time_per_token():
     from engram_serve.spec.planner import SpecPlanner
+    first = SpecPlanner.FIRST_TRIAL
     for drafted_ms, want in ((2.0, True), (9.0, False)):  # ms per token with drafts; plain steps: 5
         p = SpecPlanner(SpeculativeConfig("ngram", 3))
         choices = []
@@ -640,7 +667,15 @@ def test_the_planner_drafts_at_a_batch_size_only_where_it_measured_less_time_per
             on = p.speculate(8)
             choices.append(on)
             p.record_step(8, on, drafted_ms * 3 if on else 5.0, 3 if on else 1)
-        assert choices[:8].count(True) == 4  # warm-up: both forms measured
-        late = choices[8:]
-        assert late.count(want) > 0.9 * len(late) and late.count(not want) > 0  # the faster, explored now and then
+        assert not any(choices[:first - 1]) and choices[first - 1]  # plain, until one step tries drafting
+        late = choices[first:]
+        assert late.count(want) > 0.9 * len(late)  # then the faster form
         assert p.speculate(1) in (True, False) and p.size(3) == p.size(4) != p.size(5)  # sizes bucketed
+    for drafted_ms, most in ((30.0, 5), (6.0, 12)):  # a drafted step costs 6x (1.2x) a plain one, emits as much
+        p = SpecPlanner(SpeculativeConfig("ngram", 3))
+        trials = 0
+        for i in range(4096):
+            on = p.speculate(32)
+            trials += on
+            p.record_step(32, on, drafted_ms if on else 5.0, 1)
+        assert 0 < trials <= most  # tried ever more rarely, the dearer the more so

@@ -20,12 +20,13 @@ from ..engine.sequence import Sequence
 from ..errors import ConfigError, InvalidRequest, OwnershipError, SliceError, StaticBufferError
 from ..microbatch.plan import check_bounds
 from ..model.loader import LoadedModel
+from ..inputs.batch import StepBatch
 from ..runner.model_runner import ModelRunner, RunnerConfig, StepOutput
 from ..runner.sampler import GREEDY_BELOW, Penalties, Sampler, SamplingBatch
 from ..sampling_params import SamplingParams
 from ..spec.acceptance import accepted_drafts
 from ..spec.config import SpeculativeConfig
-from ..spec.drafters import DraftRequest, Drafter, Observation, make_drafter
+from ..spec.drafters import DraftRequest, Drafter, make_drafter
 from ..spec.planner import SpecPlanner
 from .threads import set_torch_threads
 
@@ -277,7 +278,7 @@ class LLMEngine:
                                                     for r in verify]),
                                     np.concatenate([r.seq.draft_ids for r in verify]))
 
-        def run(rows, sample, bounds=None, record=False) -> StepOutput:
+        def run(rows, sample, bounds=None, record=False) -> tuple[StepOutput, StepBatch]:
             n = len(rows)
             slots = np.fromiter((r.seq.slot for r in rows), np.int64, n)
             computed = np.fromiter((r.num_computed for r in rows), np.int64, n)
@@ -292,12 +293,12 @@ class LLMEngine:
             if bounds is not None:
                 check_bounds(bounds, batch.num_tokens, self.cfg.microbatch.num_microbatches)
             if not drafts.any():
-                return self.runner.execute(batch, bounds, record, score or None)
+                return self.runner.execute(batch, bounds, record, score or None), batch
             return self.runner.execute(batch, bounds, record, score or None,  # verify rows: every position read
-                                       reads=np.where(sampled, drafts + 1, 0))
+                                       reads=np.where(sampled, drafts + 1, 0)), batch
 
         try:
-            result = run(rows, sample, bounds, record)
+            result, batch = run(rows, sample, bounds, record)
         except (InvalidRequest, OwnershipError, SliceError, StaticBufferError):
             raise  # malformed bounds, or a broken engine invariant (debug checks): not a row's fault
         except Exception as e:
@@ -309,8 +310,7 @@ class LLMEngine:
             rows, sample = [rows[i] for i in keep], [sample[i] for i in keep]
             if not rows:
                 return StepResult(events, out)
-            result = run(rows, sample, None, record)
-        tables = [r.seq.block_ids for r in rows]  # (a request that ends below gets a new, empty list)
+            result, batch = run(rows, sample, None, record)
         self.scheduler.update(out)  # rows of sequences ended above are skipped
         self._account(rows, result)
         if result.scored is not None:
@@ -335,7 +335,7 @@ class LLMEngine:
         elif sampled:
             events += self._sample(sampled, logits)
         if self.drafter is not None:
-            self._observe(rows, tables, standing, result)
+            self._observe(rows, batch, standing, result)
             for r in rows:
                 r.seq.draft_ids = []
             if all(sample) and all(r.num_new - r.num_draft == 1 for r in rows):  # a decode step: the planner's measure
@@ -383,25 +383,23 @@ class LLMEngine:
         pick.greedy = greedy  # every row greedy: a drafter may take its own greedy choice (the same argmax)
         return pick
 
-    def _observe(self, rows, tables: list, standing: dict, result: StepOutput) -> None:
-        """Tell the drafter, in one call, which positions each row computed from committed tokens (never a rejected
-        draft's), in its blocks `tables` (as scheduled: a request that ended in this step is reported too, since its
-        blocks may live on as a cached prefix), with the runner's features of those tokens when it captured any."""
-        obs, at, t = [], [], 0
-        for r, blocks in zip(rows, tables):
-            n = standing.get(id(r.seq), r.num_new)
-            if not blocks:  # (an empty prompt chunk never runs: no row without blocks)
-                raise AssertionError(f"row of {r.seq.request_id!r} computed {n} tokens without KV blocks")
-            if self.report_ended_rows or r.seq.request_id in self.seqs:
-                obs.append(Observation(r.seq.request_id, r.num_computed,
-                                       r.seq.token_ids[r.num_computed:r.num_computed + n], blocks))
-                at.append((t, n))
-            t += r.num_new
-        feats = result.features
-        if feats is not None:
-            idx = np.concatenate([np.arange(a, a + n) for a, n in at] or [[]]).astype(np.int64)
-            feats = feats[torch.from_numpy(idx).to(feats.device)] if len(idx) < feats.shape[0] else feats
-        self.drafter.observe(obs, feats)
+    def _observe(self, rows, batch: StepBatch, standing: dict, result: StepOutput) -> None:
+        """Tell the drafter, in one call, the positions each row computed from committed tokens (never a rejected
+        draft's: a verify row's first `standing` tokens), their KV slots (the step's `slot_mapping`) and the runner's
+        features of those tokens when it captured any. A request that ended in this step is reported too: its
+        blocks may live on as a cached prefix. No loop per token."""
+        positions, slots, feats = batch.positions, batch.slot_mapping, result.features
+        if standing or not self.report_ended_rows:  # the first kept[r] of each row's new[r] tokens
+            n = len(rows)
+            new = np.fromiter((r.num_new for r in rows), np.int64, n)
+            kept = np.fromiter((standing.get(id(r.seq), r.num_new) if self.report_ended_rows or r.seq.request_id in
+                                self.seqs else 0 for r in rows), np.int64, n)
+            idx = np.repeat(np.cumsum(new) - new, kept) + np.arange(kept.sum()) - np.repeat(np.cumsum(kept) - kept, kept)
+            idx = torch.from_numpy(idx).to(positions.device)
+            positions, slots = positions[idx], slots[idx]
+            feats = feats[idx.to(feats.device)] if feats is not None else None
+        kept = torch.stack((positions, slots))  # (a copy: a decode step's inputs are rewritten in place)
+        self.drafter.observe(kept[0], kept[1], feats)
 
     def _prompt_logprobs(self, rows, scored: torch.Tensor) -> list[TokenEvent]:
         """Store the prompt logprobs of the scored rows (run's `score`, in row order): the logits at position p

@@ -20,6 +20,9 @@
  *     + hc_eps, then columns c * (1 / (sum_a c + hc_eps)); iters - 1 times rows c * (1 / (sum_b c + hc_eps)) then
  *     columns (one division per row or column).
  *   collapse(x, mix, n, hc, dim, out): out [n, dim] = mix_0 x_0 + mix_1 x_1 + ... (streams in order).
+ *   stream_mean(x, n, hc, dim, out, ldo): out [n, dim] (rows ldo floats apart) = (x_0 + x_1 + ...) / hc (added in
+ *     stream order, then divided):
+ *     the DSpark drafter's features, the bits of torch's copy_, add_ and div_.
  *   expand(o, x, post, comb, n, hc, dim, out): out [n, hc, dim], stream b = post_b o + comb[0][b] x_0
  *     + comb[1][b] x_1 + ... (added left to right). out may be x (every stream's values at a dim are read before
  *     any is written), as in hc_next.
@@ -1171,6 +1174,46 @@ KERNEL_PY(collapse) {
     Py_RETURN_NONE;
 }
 
+#define STREAM_MEAN_FIELDS(X)                                                                                  \
+    X(ADDR, x, "[n, hc * dim] float32: the streams")                                                           \
+    X(SIZE, n, "tokens")                                                                                       \
+    X(SIZE, hc, "streams")                                                                                     \
+    X(SIZE, dim, "values of a stream")                                                                         \
+    X(ADDR, out, "[n, dim] float32, rows ldo floats apart, written")                                           \
+    X(SIZE, ldo, "floats between two rows of out (>= dim)")
+KERNEL_ARGS(stream_mean, STREAM_MEAN_FIELDS, "out = (x_0 + x_1 + ...) / hc (streams in order).")
+static void stream_mean_range(const struct stream_mean_args *a, int64_t b, int64_t e) {
+    const Py_ssize_t hc = a->hc, dim = a->dim;
+    const float div = (float)hc;
+    for (int64_t t = b; t < e; t++) {
+        const float *xt = CF(a->x) + t * hc * dim;
+        float *ot = F(a->out) + t * a->ldo;
+        Py_ssize_t d = 0;
+        for (; d + HC_D <= dim; d += HC_D) {
+            v16 acc = V16_AT(xt + d);
+            for (Py_ssize_t i = 1; i < hc; i++) acc = acc + V16_AT(xt + i * dim + d);
+            acc = acc / div;
+            memcpy(ot + d, &acc, sizeof acc);
+        }
+        for (; d < dim; d++) {
+            float acc = xt[d];
+            for (Py_ssize_t i = 1; i < hc; i++) acc = acc + xt[i * dim + d];
+            ot[d] = acc / div;
+        }
+    }
+}
+TOKEN_JOB(stream_mean, n, a->n * a->hc * a->dim)
+RAW_ENTRY(stream_mean)
+KERNEL_PY(stream_mean) {
+    PARSE(stream_mean);
+    if (a.n < 0 || a.hc < 1 || a.dim < 1 || a.ldo < a.dim || (a.n && (!a.x || !a.out)))
+        return misfit("stream_mean", "n >= 0, hc, dim >= 1, ldo >= dim");
+    Py_BEGIN_ALLOW_THREADS
+    run_stream_mean(&a);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 #define EXPAND_FIELDS(X)                                                                                       \
     X(ADDR, o, "[n, dim] float32: the sublayer's output")                                                      \
     X(ADDR, x, "[n, hc * dim] float32: the streams")                                                           \
@@ -1903,14 +1946,15 @@ static const struct {
     const struct arg_spec *spec;
     raw_fn fn;
 } RAW[] = {
-    {&hc_mix_spec, raw_hc_mix}, {&collapse_spec, raw_collapse}, {&expand_spec, raw_expand},
+    {&hc_mix_spec, raw_hc_mix}, {&collapse_spec, raw_collapse}, {&stream_mean_spec, raw_stream_mean},
+    {&expand_spec, raw_expand},
     {&hc_next_spec, raw_hc_next}, {&rms_norm_spec, raw_rms_norm}, {&rope_spec, raw_rope},
     {&pool_pair_spec, raw_pool_pair}, {&swiglu_spec, raw_swiglu}, {&engram_gate_spec, raw_engram_gate},
 };
 
 /* every kernel with an argument list (concat_cols, variadic, has none) */
 static const struct arg_spec *const SPECS[] = {
-    &hc_mix_spec, &collapse_spec, &expand_spec, &hc_next_spec, &rms_norm_spec, &rope_spec, &plan_window_spec,
+    &hc_mix_spec, &collapse_spec, &stream_mean_spec, &expand_spec, &hc_next_spec, &rms_norm_spec, &rope_spec, &plan_window_spec,
     &plan_entries_spec, &store_rows_spec, &attend_paged_spec, &pool_pair_spec, &topk_rows_spec, &index_scores_spec,
     &candidate_blocks_spec, &moe_route_spec, &moe_group_spec, &moe_combine_spec, &swiglu_spec, &engram_gate_spec,
     &gather_rows_spec, &argmax_rows_spec,
@@ -2046,6 +2090,7 @@ static PyMethodDef methods[] = {
      "flag); each takes them by position or by name."},
     KERNEL_METHOD(hc_mix),
     KERNEL_METHOD(collapse),
+    KERNEL_METHOD(stream_mean),
     KERNEL_METHOD(hc_next),
     KERNEL_METHOD(expand),
     KERNEL_METHOD(rms_norm),

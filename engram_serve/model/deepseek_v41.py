@@ -137,8 +137,9 @@ class V41Step:
     `candidates` [T, candidate_topk_blocks] int64 (block ids, -1 none), owned by this microbatch alone
     (docs/contract.md §5). `touch(name, t)` reports a buffer use to the debug ownership check. `ops`: the form
     every layer of this forward runs its token-wise steps in (`DeepseekV41.forward_stages` chooses it). With
-    `capture` (layer ids), `features[l]` [T, D] is the mean over the hc streams entering layer l, after its Engram
-    gate and for every token (before a `keep`): the DSpark drafter's features (`DeepseekV41.features`)."""
+    `capture` (layer ids), `features` [T, nL D] holds, in the columns of capture[i], the mean over the hc streams
+    entering layer capture[i], after its Engram gate and for every token (before a `keep`): the DSpark drafter's
+    features, written in place by each of those layers."""
 
     cache: PagedState
     plan: SlotPlan
@@ -149,7 +150,7 @@ class V41Step:
     rotary: dict = None  # "plain", "comp": (cos, sin) [T, rd / 2] at the positions; ratio r: at each token's entry
     ops: ModuleType = None  # the form of the token-wise steps, ops_c or ops_torch (model/ops.py), chosen per forward
     capture: tuple[int, ...] = ()  # layers whose input streams the forward keeps (the drafter's features); () none
-    features: dict = None  # layer -> [T, D]: the mean over the streams entering it, after its Engram gate
+    features: torch.Tensor | None = None  # [T, nL D]: the stream means entering the `capture` layers, side by side
 
 
 class Compressor(nn.Module):
@@ -448,16 +449,6 @@ class EngramInputs:
     dead: torch.Tensor | None
 
 
-def stream_mean(x: torch.Tensor) -> torch.Tensor:
-    """[T, D]: the mean of the streams x [T, hc, D], added in stream order, then divided by hc (a new tensor). In place
-    on its own result (copy_, add_, div_: the operators a CPU graph replays, runner/cpu_graphs.py)."""
-    out = torch.empty(x.shape[0], x.shape[2], dtype=x.dtype, device=x.device)
-    out.copy_(x[:, 0])
-    for i in range(1, x.shape[1]):
-        out.add_(x[:, i])
-    return out.div_(x.shape[1])
-
-
 def add_mhc_params(block: nn.Module, cfg: ModelConfig) -> None:
     """A block's mHC parameters for its two sublayers, official names: `hc_{attn,ffn}_fn` [(2 + hc) hc, hc D],
     `hc_{attn,ffn}_base` [(2 + hc) hc], `hc_{attn,ffn}_scale` [3]."""
@@ -497,7 +488,10 @@ class Block(nn.Module):
         if self.engram is not None:
             x = yield from self.gate(x, step, engram)
         if self.role.layer in step.capture:  # (the drafter's features: after the Engram gate, as NeMo's)
-            step.features[self.role.layer] = stream_mean(x)
+            i, d = step.capture.index(self.role.layer), x.shape[2]
+            if step.features is None:
+                step.features = torch.empty(x.shape[0], len(step.capture) * d, dtype=x.dtype, device=x.device)
+            ops.stream_mean(x, out=step.features[:, i * d:(i + 1) * d])
         if s.mix is None:  # the attention's mHC collapse and mix
             h = self.attn_norm(ops.collapse(x, s.pre), ops)  # [T, D]
             if keep is not None:
@@ -589,10 +583,10 @@ class DeepseekV41(nn.Module):
         points. With `ctx.capture_features`, the drafter's features of every token go to `ctx.features`."""
         step = self.prepare(ctx)
         if ctx.capture_features:
-            step.capture, step.features = self.config.dspark.dspark_target_layer_ids, {}
+            step.capture = tuple(self.config.dspark.dspark_target_layer_ids)
         hidden = yield from self.forward_stages(ctx.batch.input_ids, ctx.batch.dead, step, ctx.engram_rows, ctx.keep)
         if ctx.capture_features:
-            ctx.features = self.features(step)
+            ctx.features = step.features
         return hidden
 
     def prepare(self, ctx, rows_tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> V41Step:
@@ -673,11 +667,6 @@ class DeepseekV41(nn.Module):
         w = self.embed.weight if self.head is None else self.head.w
         return linear(hidden, w).float()
 
-    def features(self, step: V41Step) -> torch.Tensor:
-        """The drafter's features [T, nL D] of a forward that captured them: concat over L in
-        `dspark_target_layer_ids` order of the stream mean entering layer L (`V41Step.capture`)."""
-        return torch.cat([step.features[layer] for layer in self.config.dspark.dspark_target_layer_ids], 1)
-
     def forward_dense(self, input_ids: torch.Tensor, engram_rows: list[torch.Tensor] | None,
                       dead: torch.Tensor | None = None, features: bool = False
                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -694,10 +683,10 @@ class DeepseekV41(nn.Module):
                               rows * s + positions)
         fn = None if engram_rows is None else (lambda i: engram_rows[i].reshape(b * s, *engram_rows[i].shape[2:]))
         if features:
-            step.capture, step.features = self.config.dspark.dspark_target_layer_ids, {}
+            step.capture = tuple(self.config.dspark.dspark_target_layer_ids)
         gen = self.forward_stages(input_ids.reshape(-1), None if dead is None else dead.reshape(-1), step, fn)
         logits = self.compute_logits(run_stages(gen)).view(b, s, -1)
-        return (logits, self.features(step).view(b, s, -1)) if features else logits
+        return (logits, step.features.view(b, s, -1)) if features else logits
 
     def make_step(self, cache: PagedState, positions: torch.Tensor, rows: torch.Tensor, block_tables: torch.Tensor,
                   block_size: int, slots: torch.Tensor, topk: torch.Tensor | None = None,

@@ -172,6 +172,19 @@ def collapse(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def stream_mean(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, D]: the mean of the streams x [N, hc, D], added in stream order, then divided by hc; into `out` (rows of
+    unit stride, e.g. columns of a wider buffer) if given."""
+    n, hc, d = x.shape
+    x = _c(x)
+    out = torch.empty(n, d) if out is None else out
+    if out.shape != (n, d) or out.dtype != torch.float32 or (n > 1 and out.stride(1) != 1):
+        raise ValueError(f"stream_mean: out {tuple(out.shape)} {out.dtype} strides {out.stride()}, want ({n}, {d}) "
+                         f"float32 with unit column stride")
+    capture.call(_kernel().stream_mean, x=x.data_ptr(), n=n, hc=hc, dim=d, out=out.data_ptr(), ldo=out.stride(0))
+    return out
+
+
 def expand(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, in_place: bool = False
            ) -> torch.Tensor:
     """[N, hc, D]: stream b = post[:, b] o + sum_a comb[:, a, b] x[:, a], added left to right; `in_place`: written

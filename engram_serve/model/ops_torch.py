@@ -149,6 +149,16 @@ def collapse(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def stream_mean(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, D]: the mean of the streams x [N, hc, D], added in stream order, then divided by hc (into `out` if
+    given)."""
+    mean = x[:, 0]
+    for i in range(1, x.shape[1]):
+        mean = mean + x[:, i]
+    mean = mean / x.shape[1]
+    return mean if out is None else out.copy_(mean)
+
+
 def expand(o: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, in_place: bool = False
            ) -> torch.Tensor:
     """x'[b] = post[b] * o + sum_a comb[a, b] * x[a] for o [N, D], x [N, hc, D]: [N, hc, D]. (`in_place` allows

@@ -58,8 +58,7 @@ aten = torch.ops.aten
 _ALLOC = {aten.empty.memory_format, aten.empty_strided.default}
 _ZEROS = {aten.zeros.default}  # replayed as a zero_ of the captured result
 _PURE = {aten.mm.default: torch.mm, aten.addmm.default: torch.addmm}  # replayed into the captured result (out=)
-_INPLACE = {aten.copy_.default, aten.zero_.default, aten.fill_.Scalar,  # replayed as they are
-            aten.add_.Tensor, aten.div_.Scalar, aten.div_.Tensor}  # (the drafter's features: `stream_mean`)
+_INPLACE = {aten.copy_.default, aten.zero_.default, aten.fill_.Scalar}  # replayed as they are
 MIN_BOUND = 64
 
 
@@ -336,7 +335,7 @@ class CpuGraphs:
             else:
                 hidden, features = self._capture(key, layers, step_inputs(ctx, rows, tables))
         if ctx.capture_features:
-            outer.features = torch.cat([features[layer] for layer in self.model.config.dspark.dspark_target_layer_ids], 1)
+            outer.features = features.clone()  # (a replay writes the graph's own buffer again)
         return hidden
 
     def _layers(self, ctx: ForwardContext, rows: torch.Tensor, tables: torch.Tensor):
@@ -344,7 +343,7 @@ class CpuGraphs:
         that a capture records its kernel calls."""
         step = self.model.prepare(ctx, (rows, tables))
         if ctx.capture_features:
-            step.capture, step.features = self.model.config.dspark.dspark_target_layer_ids, {}
+            step.capture = tuple(self.model.config.dspark.dspark_target_layer_ids)
         hidden = yield from self.model.forward_stages(ctx.batch.input_ids, ctx.batch.dead, step, ctx.engram_rows)
         return hidden, step.features
 

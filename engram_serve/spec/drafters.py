@@ -41,17 +41,6 @@ class DraftRequest:
     block_ids: Sequence[int] = ()
 
 
-@dataclass(frozen=True)
-class Observation:
-    """The target computed positions start .. start + len(token_ids) - 1 of a request, holding these committed
-    tokens, in KV blocks `block_ids` (as DraftRequest's)."""
-
-    request_id: str
-    start: int
-    token_ids: Sequence[int]
-    block_ids: Sequence[int]
-
-
 class Drafter(Protocol):
     """What the engine calls. Every call is made from the engine's step loop, in this order per step:
     `propose` (before the step is scheduled), then `observe` once for the rows that ran (those of requests that
@@ -66,12 +55,12 @@ class Drafter(Protocol):
         """Up to `num_drafts` token ids per request, in order."""
         ...
 
-    def observe(self, observations: Sequence[Observation], features: torch.Tensor | None) -> None:
-        """What the step computed from committed tokens, one Observation per row (features [sum of their
-        lengths, nL D], in the same order, when `feature_layers` asks: the concatenated stream means entering
-        each target layer). Positions past a row's that the step also computed held rejected drafts: they are
-        never reported. A recompute after preemption reports positions again (from 0, or from the end of a
-        reused prefix, whose positions another request reported)."""
+    def observe(self, positions: torch.Tensor, slots: torch.Tensor, features: torch.Tensor | None) -> None:
+        """What the step computed from committed tokens, in token order: positions [T] int64, their KV slots [T]
+        int64 (DraftRequest's `block_ids` rule) and, when `feature_layers` asks, features [T, nL D] (the
+        concatenated stream means entering each target layer). Positions past a row's that the step also
+        computed held rejected drafts: they are never reported. A recompute after preemption reports positions
+        again (from 0, or from the end of a reused prefix, whose positions another request reported)."""
         ...
 
     def release(self, request_id: str) -> None:
@@ -82,7 +71,7 @@ class Drafter(Protocol):
 class _Stateless:
     feature_layers: tuple[int, ...] = ()
 
-    def observe(self, observations, features) -> None:
+    def observe(self, positions, slots, features) -> None:
         pass
 
     def release(self, request_id) -> None:

@@ -11,8 +11,8 @@ held a rejected draft's position keeps whatever it held before, is never read, a
 is committed. `release` has nothing to drop: the engine owns the blocks.
 
 It implements spec/drafters.py's `Drafter` (whose `make_drafter` builds it, hence no import of that module here:
-the annotations name its `DraftRequest`, `Observation` and `PickFn`). `observe` keeps what it is told (positions, slots, features) and one `write_context` writes everything kept,
-in the order observed, before the next `draft` reads the state (or once PENDING_TOKENS are kept): the state a
+the annotations name its `DraftRequest` and `PickFn`). `observe` keeps what it is told (positions, slots, features)
+and one `write_context` writes everything kept, in the order observed, before the next `draft` reads the state (or once PENDING_TOKENS are kept): the state a
 draft reads is the one writing at once would leave (a slot written twice, e.g. a freed block that another
 request then computed, holds the later write either way), and steps that do not draft (the planner's choice)
 cost no context write. One `draft` per drafting step (every drafting request a row, each drawing its draft
@@ -43,16 +43,6 @@ class _Eager:
 
     def write_context(self, state, features, positions, slots) -> None:
         self.drafter.write_context(state, features, positions, slots)
-
-
-def slots_of(observations: Sequence[Observation], block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(positions [T], slots [T]) int64 of every observed token, in order."""
-    pos, slots = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-    for o in observations:
-        p = np.arange(o.start, o.start + len(o.token_ids), dtype=np.int64)
-        pos.append(p)
-        slots.append(np.asarray(o.block_ids, dtype=np.int64)[p // block_size] * block_size + p % block_size)
-    return np.concatenate(pos), np.concatenate(slots)
 
 
 def block_tables(requests: Sequence[DraftRequest]) -> np.ndarray:
@@ -90,15 +80,15 @@ class DSparkDrafter:
     def block(self) -> int:
         return self.drafter.block
 
-    def observe(self, observations: Sequence[Observation], features: torch.Tensor | None) -> None:
-        pos, slots = slots_of(observations, self.block_size)
-        if not len(pos):
+    def observe(self, positions: torch.Tensor, slots: torch.Tensor, features: torch.Tensor | None) -> None:
+        t = positions.shape[0]
+        if not t:
             return
-        if features is None or features.shape[0] != len(pos):
-            raise ValueError(f"DSparkDrafter.observe: {len(pos)} positions, features "
+        if features is None or features.shape[0] != t:
+            raise ValueError(f"DSparkDrafter.observe: {t} positions, features "
                              f"{None if features is None else tuple(features.shape)}")
-        self._pending.append((pos, slots, features))  # (the runner's features are a new tensor each step)
-        self._kept += len(pos)
+        self._pending.append((positions, slots, features))  # (the engine's copies: new tensors each step)
+        self._kept += t
         if self._kept >= self.PENDING_TOKENS:
             self.write()
 
@@ -106,16 +96,17 @@ class DSparkDrafter:
         """Write every kept observation's keys, in order, in one `write_context`."""
         if not self._pending:
             return
-        pos, slots, feats = zip(*self._pending)
+        pos, slots, feats = (torch.cat(x) if len(x) > 1 else x[0] for x in zip(*self._pending))
         self._pending, self._kept = [], 0
-        pos, slots, feats = np.concatenate(pos), np.concatenate(slots), torch.cat(feats) if len(feats) > 1 else feats[0]
-        last = len(slots) - 1 - np.unique(slots[::-1], return_index=True)[1]  # each slot's last write only
-        if len(last) < len(slots):
-            keep = np.sort(last)
-            pos, slots, feats = pos[keep], slots[keep], feats[torch.from_numpy(keep).to(feats.device)]
+        ordered, order = torch.sort(slots, stable=True)  # each slot's writes together, in observation order
+        earlier = order[:-1][ordered[1:] == ordered[:-1]]  # writes a later one to the same slot replaces
+        if len(earlier):
+            keep = torch.ones(len(slots), dtype=torch.bool, device=slots.device)
+            keep[earlier] = False
+            pos, slots, feats = pos[keep], slots[keep], feats[keep.to(feats.device)]
         dev = self.state.window[0].device
         with torch.no_grad():
-            self.run.write_context(self.state, feats, torch.from_numpy(pos).to(dev), torch.from_numpy(slots).to(dev))
+            self.run.write_context(self.state, feats, pos.to(dev), slots.to(dev))
 
     def propose(self, requests: Sequence[DraftRequest], pick: PickFn) -> list[list[int]]:
         if not requests:

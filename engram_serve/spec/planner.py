@@ -2,12 +2,14 @@
 
 A verify row of 1 + k tokens costs more than a decode of one, and pays only by the drafts it keeps. The
 planner turns speculation off for a whole step when more decodes run than `disable_by_batch_size` (a large
-batch already fills the step's matmuls) or, with `when="pays"`, when decode steps of this batch size
-measured more time per emitted token with drafts than without (as the microbatch planner weighs cuts: both
-forms are warmed up, then the faster one is taken, the other once in EXPLORE_EVERY decisions); and for one
-request whose measured acceptance fell below `min_acceptance` (it probes again every PROBE_EVERY of its
-steps). None of this changes a token: only how many a step gives. The class attributes are tuning constants,
-not protections.
+batch already fills the step's matmuls) or, with `when="pays"`, unless decode steps of this batch size measured
+less time per emitted token with drafts than without (as the microbatch planner weighs cuts). A batch size starts
+plain; after FIRST_TRIAL decisions one step tries drafting, and from then on the form that measured faster is
+taken and the other is tried again in one step later, at least twice as many decisions later each time and so
+rarely that trials cost about TRIAL_SHARE of the time at most (a drafted step that costs six plain ones is tried
+once in 1,000 steps or fewer). For one request whose measured acceptance fell below `min_acceptance`, it stops
+drafting (it probes again every PROBE_EVERY of its steps). None of this changes a token: only how many a step
+gives. The class attributes are tuning constants, not protections.
 """
 from __future__ import annotations
 
@@ -15,17 +17,20 @@ from .config import SpeculativeConfig
 
 
 class SpecPlanner:
-    WARMUP = 4  # proposals of a request before its acceptance is trusted; measured steps of each form per size
+    WARMUP = 4  # proposals of a request before its acceptance is trusted
     PROBE_EVERY = 8  # a request whose acceptance is too low drafts again once in this many steps
-    DECAY = 0.7  # weight of the past in a running acceptance or time per token
-    EXPLORE_EVERY = 16  # one decision in this many per batch size takes the form the measurements did not choose
+    DECAY = 0.7  # weight of the past in a running acceptance or time
+    FIRST_TRIAL = 16  # decisions at a batch size before it first tries drafting
+    TRIAL_SHARE = 0.005  # the time trials of the slower form may cost, as a share of the time at that size
 
     def __init__(self, cfg: SpeculativeConfig):
         self.cfg = cfg
         self._rate: dict[str, tuple[float, int]] = {}  # request id -> (running acceptance, proposals)
         self._skipped: dict[str, int] = {}
-        self._cost: dict[tuple[int, bool], tuple[float, int]] = {}  # (size, drafted) -> (ms per token, steps)
+        self._cost: dict[tuple[int, bool], tuple[float, float]] = {}  # (size, drafted) -> (ms per token, per step)
         self._decisions: dict[int, int] = {}
+        self._trial: dict[int, tuple[int, int]] = {}  # size -> (the decision of its next trial, the interval)
+        # (a trial is due from that decision on, until a step of the form not chosen runs)
 
     @staticmethod
     def size(num_decodes: int) -> int:
@@ -39,19 +44,30 @@ class SpecPlanner:
         if cfg.when == "always":
             return True
         size = self.size(num_decodes)
-        (on, n_on), (off, n_off) = (self._cost.get((size, f), (0.0, 0)) for f in (True, False))
         n = self._decisions[size] = self._decisions.get(size, 0) + 1
-        if min(n_on, n_off) < self.WARMUP:
-            return n_on <= n_off  # warm-up: the form with fewer measurements
-        return (on < off) != (n % self.EXPLORE_EVERY == 0)
+        return self._best(size) != (n >= self._trial.get(size, (self.FIRST_TRIAL, 0))[0])  # the other form: a trial
+
+    def _best(self, size: int) -> bool:
+        """Whether drafting measured less time per token than plain decoding at this batch size."""
+        on, off = self._cost.get((size, True)), self._cost.get((size, False))
+        return on is not None and off is not None and on[0] < off[0]
 
     def record_step(self, num_decodes: int, drafted: bool, ms: float, tokens: int) -> None:
-        """A decode step (no prefill in it) ran in `ms` and emitted `tokens`."""
-        if tokens:
-            key = (self.size(num_decodes), drafted)
-            cost, n = self._cost.get(key, (0.0, 0))
-            now = ms / tokens
-            self._cost[key] = (now if n == 0 else self.DECAY * cost + (1 - self.DECAY) * now, n + 1)
+        """A decode step (no prefill in it) ran in `ms` and emitted `tokens`. A step of the form not chosen (a trial,
+        one that drafted something) puts the next trial later: by twice the interval at least, and so that a trial's
+        extra cost, in steps of the chosen form, stays about TRIAL_SHARE of the steps between two trials."""
+        if not tokens:
+            return
+        size = self.size(num_decodes)
+        trial = drafted != self._best(size)
+        now, past = (ms / tokens, ms), self._cost.get((size, drafted))
+        self._cost[(size, drafted)] = now if past is None else tuple(
+            self.DECAY * a + (1 - self.DECAY) * b for a, b in zip(past, now))
+        if trial:
+            slow, fast = self._cost[(size, drafted)], self._cost.get((size, not drafted))
+            extra = slow[1] / fast[1] - 1 if fast is not None else 0.0
+            every = max(2 * self._trial.get(size, (0, self.FIRST_TRIAL))[1], int(extra / self.TRIAL_SHARE))
+            self._trial[size] = (self._decisions.get(size, 0) + every, every)
 
     def num_drafts(self, seqs: list, num_decodes: int) -> list[int]:
         """Drafts per request: N, at most the tokens it may still emit after this step's first one (so that no

@@ -104,6 +104,27 @@ def test_mhc_mix_collapse_and_expand_match_their_definition_and_a_token_alone(n,
     assert alone_bits(ops_c.expand, o, x, post, comb) == []
 
 
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 41), hc=st.sampled_from([1, 2, 3, 4, 5]), dim=st.sampled_from([8, 16, 24, 130]),
+       seed=st.integers(0, 2**31))
+def test_stream_mean_is_the_torch_forms_sum_in_stream_order_then_division(n, hc, dim, seed):
+    """The drafter's features: the bits of the streams added in order, then divided by hc, over every float32
+    exponent (a sum that rounds, overflows or falls subnormal), a token's bits its own."""
+    g = gen(seed)
+    x = torch.randn(n, hc, dim, generator=g) * torch.exp2(torch.randint(-149, 128, (n, hc, dim), generator=g).float())
+    got = ops_c.stream_mean(x)
+    want = x[:, 0].clone()
+    for i in range(1, hc):
+        want = want + x[:, i]
+    for other in (want / hc, ops_torch.stream_mean(x)):  # (a NaN, from inf - inf, counts as equal to a NaN)
+        torch.testing.assert_close(got, other, rtol=0, atol=0, equal_nan=True)
+    assert alone_bits(ops_c.stream_mean, x) == []
+    wide = torch.full((n, 3 * dim), 7.0)  # into the middle columns of a wider buffer: the others untouched
+    ops_c.stream_mean(x, out=wide[:, dim:2 * dim])
+    torch.testing.assert_close(wide[:, dim:2 * dim], got, rtol=0, atol=0, equal_nan=True)
+    assert (wide[:, :dim] == 7).all() and (wide[:, 2 * dim:] == 7).all()
+
+
 @settings(max_examples=12, deadline=None)
 @given(n=st.sampled_from([1, 7, 127, 128, 129, 300]), hc=st.sampled_from([1, 4]), dim=st.sampled_from([16, 64]),
        seed=st.integers(0, 2**31), bf16=st.booleans())

@@ -186,7 +186,7 @@ _U64 = (1 << 64) - 1
 
 
 class _Graph:
-    """One captured forward: its calls, where to rebind per-step addresses, its output (hidden, features by layer),
+    """One captured forward: its calls, where to rebind per-step addresses, its output (hidden, the features buffer or None),
     what it keeps alive.
     A call of a kernel with a raw entry replays from its argument struct (64-bit slots, one a field) (one array for the graph, its
     per-step addresses rewritten in place); the others through their Python form."""
@@ -310,9 +310,9 @@ class CpuGraphs:
     def forward(self, ctx: ForwardContext, planned: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] of one microbatch `takes` (its staged rows in place): replayed, captured
         (the second time a key is seen) or run eagerly. With `ctx.capture_features`, the drafter's features
-        [T, nL D] go to `ctx.features` (the per-layer stream means are the graph's outputs beside the hidden). The step's slot plan and rotary lookups are made by
-        kernel calls inside the graph, from its rows and tables. `planned`: `plan_rows(ctx)` where the caller made
-        it, with ctx.max_seq_len the `bound` of its positions."""
+        [T, nL D] go to `ctx.features` (a copy of the graph's features buffer, an output beside the hidden). The
+        step's slot plan and rotary lookups are made by kernel calls inside the graph, from its rows and tables.
+        `planned`: `plan_rows(ctx)` where the caller made it, with ctx.max_seq_len the `bound` of its positions."""
         outer = ctx  # (which gets the features)
         if planned is None:
             b = ctx.batch
@@ -339,7 +339,7 @@ class CpuGraphs:
         return hidden
 
     def _layers(self, ctx: ForwardContext, rows: torch.Tensor, tables: torch.Tensor):
-        """The forward as stages -> (hidden, the captured features by layer); `prepare` runs when they start, so
+        """The forward as stages -> (hidden, the features [T, nL D] or None); `prepare` runs when they start, so
         that a capture records its kernel calls."""
         step = self.model.prepare(ctx, (rows, tables))
         if ctx.capture_features:

@@ -4,14 +4,18 @@ A verify row of 1 + k tokens costs more than a decode of one, and pays only by t
 planner turns speculation off for a whole step when more decodes run than `disable_by_batch_size` (a large
 batch already fills the step's matmuls) or, with `when="pays"`, unless decode steps of this batch size measured
 less time per emitted token with drafts than without (as the microbatch planner weighs cuts). A batch size starts
-plain; after FIRST_TRIAL decisions one step tries drafting, and from then on the form that measured faster is
-taken and the other is tried again in one step later, at least twice as many decisions later each time and so
-rarely that trials cost about TRIAL_SHARE of the time at most (a drafted step that costs six plain ones is tried
-once in 1,000 steps or fewer). For one request whose measured acceptance fell below `min_acceptance`, it stops
+plain; after FIRST_TRIAL decisions a trial of TRIAL_STEPS steps drafts (enough for the graphs of a new shape to
+be captured and replayed), and from then on the form that measured faster is taken and the other is tried again
+in a trial, at least twice as many decisions later each time and so rarely that trials cost about TRIAL_SHARE of
+the time (a drafted step that costs six plain ones is tried in 3 steps of 3,000 or fewer). A form's cost is the
+least time per token among its last WINDOW steps: the warmed-up cost, which a stall, a capture or a collection
+pause in one step cannot inflate. For one request whose measured acceptance fell below `min_acceptance`, it stops
 drafting (it probes again every PROBE_EVERY of its steps). None of this changes a token: only how many a step
 gives. The class attributes are tuning constants, not protections.
 """
 from __future__ import annotations
+
+from collections import deque
 
 from .config import SpeculativeConfig
 
@@ -19,18 +23,20 @@ from .config import SpeculativeConfig
 class SpecPlanner:
     WARMUP = 4  # proposals of a request before its acceptance is trusted
     PROBE_EVERY = 8  # a request whose acceptance is too low drafts again once in this many steps
-    DECAY = 0.7  # weight of the past in a running acceptance or time
+    DECAY = 0.7  # weight of the past in a running acceptance
     FIRST_TRIAL = 16  # decisions at a batch size before it first tries drafting
+    TRIAL_STEPS = 3  # steps of a trial: a new shape runs eagerly, is captured, then replays
     TRIAL_SHARE = 0.005  # the time trials of the slower form may cost, as a share of the time at that size
+    WINDOW = 8  # a form's recent steps whose least time per token is its cost
 
     def __init__(self, cfg: SpeculativeConfig):
         self.cfg = cfg
         self._rate: dict[str, tuple[float, int]] = {}  # request id -> (running acceptance, proposals)
         self._skipped: dict[str, int] = {}
-        self._cost: dict[tuple[int, bool], tuple[float, float]] = {}  # (size, drafted) -> (ms per token, per step)
+        self._steps: dict[tuple[int, bool], deque] = {}  # (size, drafted) -> its last (ms per token, ms) steps
         self._decisions: dict[int, int] = {}
-        self._trial: dict[int, tuple[int, int]] = {}  # size -> (the decision of its next trial, the interval)
-        # (a trial is due from that decision on, until a step of the form not chosen runs)
+        # size -> (the decision from which a trial is due, the interval, the trial's steps still to run)
+        self._trial: dict[int, tuple[int, int, int]] = {}
 
     @staticmethod
     def size(num_decodes: int) -> int:
@@ -45,29 +51,38 @@ class SpecPlanner:
             return True
         size = self.size(num_decodes)
         n = self._decisions[size] = self._decisions.get(size, 0) + 1
-        return self._best(size) != (n >= self._trial.get(size, (self.FIRST_TRIAL, 0))[0])  # the other form: a trial
+        return self._best(size) != (n >= self._trial.get(size, (self.FIRST_TRIAL,))[0])  # the other form: a trial
+
+    def _cost(self, size: int, drafted: bool) -> tuple[float, float] | None:
+        """(ms per token, ms) of the form's cheapest recent step per token, or None if it never ran."""
+        steps = self._steps.get((size, drafted))
+        return min(steps) if steps else None
 
     def _best(self, size: int) -> bool:
         """Whether drafting measured less time per token than plain decoding at this batch size."""
-        on, off = self._cost.get((size, True)), self._cost.get((size, False))
+        on, off = self._cost(size, True), self._cost(size, False)
         return on is not None and off is not None and on[0] < off[0]
 
     def record_step(self, num_decodes: int, drafted: bool, ms: float, tokens: int) -> None:
-        """A decode step (no prefill in it) ran in `ms` and emitted `tokens`. A step of the form not chosen (a trial,
-        one that drafted something) puts the next trial later: by twice the interval at least, and so that a trial's
-        extra cost, in steps of the chosen form, stays about TRIAL_SHARE of the steps between two trials."""
+        """A decode step (no prefill in it) ran in `ms` and emitted `tokens`. The last step of a trial (of the form
+        not chosen, one that drafted something if it is drafting) puts the next trial later: by twice the interval
+        at least, and so that a trial's extra cost, in steps of the chosen form, stays about TRIAL_SHARE of the
+        steps between two trials."""
         if not tokens:
             return
         size = self.size(num_decodes)
         trial = drafted != self._best(size)
-        now, past = (ms / tokens, ms), self._cost.get((size, drafted))
-        self._cost[(size, drafted)] = now if past is None else tuple(
-            self.DECAY * a + (1 - self.DECAY) * b for a, b in zip(past, now))
-        if trial:
-            slow, fast = self._cost[(size, drafted)], self._cost.get((size, not drafted))
-            extra = slow[1] / fast[1] - 1 if fast is not None else 0.0
-            every = max(2 * self._trial.get(size, (0, self.FIRST_TRIAL))[1], int(extra / self.TRIAL_SHARE))
-            self._trial[size] = (self._decisions.get(size, 0) + every, every)
+        self._steps.setdefault((size, drafted), deque(maxlen=self.WINDOW)).append((ms / tokens, ms))
+        if not trial:
+            return
+        due, every, left = self._trial.get(size, (self.FIRST_TRIAL, self.FIRST_TRIAL, self.TRIAL_STEPS))
+        if left > 1:
+            self._trial[size] = (due, every, left - 1)
+            return
+        slow, fast = self._cost(size, drafted), self._cost(size, not drafted)
+        extra = slow[1] / fast[1] - 1 if fast is not None else 0.0
+        every = max(2 * every, int(self.TRIAL_STEPS * extra / self.TRIAL_SHARE))
+        self._trial[size] = (self._decisions.get(size, 0) + every, every, self.TRIAL_STEPS)
 
     def num_drafts(self, seqs: list, num_decodes: int) -> list[int]:
         """Drafts per request: N, at most the tokens it may still emit after this step's first one (so that no

@@ -9,7 +9,8 @@ N = `--k`, drafting in every decode step) and "pays" (the same, the planner's de
 steps measured cheaper per token). Each run's tokens must equal the plain run's, or the benchmark raises.
 
 Per row: the medians over rounds of the process CPU time and the wall time per run, tokens/s (from the CPU
-time: less hit by other jobs), each speculative form's ratio to plain, and the "always" engine's mean acceptance
+time: less hit by other jobs), each speculative form's ratio to plain (the median over rounds of the round's
+ratio of CPU times: runs side by side, so that the machine's drift cancels), and the "always" engine's mean acceptance
 length (tokens a verify row emits: 1 + accepted drafts per verify row) and acceptance rate per draft position.
 """
 from __future__ import annotations
@@ -96,8 +97,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                     row[f"{mode}_cpu_s"] = statistics.median(cpu[mode])
                     row[f"{mode}_wall_s"] = statistics.median(wall[mode])
                     row[f"{mode}_tok_s"] = n / row[f"{mode}_cpu_s"]
-                for mode in ("always", "pays"):
-                    row[f"{mode}_ratio"] = row[f"{mode}_tok_s"] / row["plain_tok_s"]
+                for mode in ("always", "pays"):  # each round's runs side by side: the machine's drift cancels
+                    row[f"{mode}_ratio"] = statistics.median(p / c for p, c in zip(cpu["plain"], cpu[mode]))
                 rows.append(row)
         finally:
             for e in engines.values():

@@ -18,9 +18,9 @@ import torch
 from ..engine.scheduler import MAX_WAITING, Scheduler, SchedulerConfig, SchedulerOutput
 from ..engine.sequence import Sequence
 from ..errors import ConfigError, InvalidRequest, OwnershipError, SliceError, StaticBufferError
+from ..inputs.batch import StepBatch
 from ..microbatch.plan import check_bounds
 from ..model.loader import LoadedModel
-from ..inputs.batch import StepBatch
 from ..runner.model_runner import ModelRunner, RunnerConfig, StepOutput
 from ..runner.sampler import GREEDY_BELOW, Penalties, Sampler, SamplingBatch
 from ..sampling_params import SamplingParams
@@ -115,7 +115,6 @@ class LLMEngine:
         self._next_seed = np.random.default_rng(seed)
         self._scored: dict[str, Sequence] = {}  # requests whose prompt logprobs are complete, not yet delivered
         self.spec = None if speculative is None else SpeculativeConfig.parse(speculative, getattr(loaded, "path", None))
-        world = getattr(getattr(self.runner, "group", None), "world", 1)
         self.drafter = None if self.spec is None else (drafter or make_drafter(self.spec, loaded, cfg))
         self.spec_planner = None if self.spec is None else SpecPlanner(self.spec)
         self._ended: list[str] = []  # requests that ended in this step: released after `observe`

@@ -20,9 +20,8 @@
  *     + hc_eps, then columns c * (1 / (sum_a c + hc_eps)); iters - 1 times rows c * (1 / (sum_b c + hc_eps)) then
  *     columns (one division per row or column).
  *   collapse(x, mix, n, hc, dim, out): out [n, dim] = mix_0 x_0 + mix_1 x_1 + ... (streams in order).
- *   stream_mean(x, n, hc, dim, out, ldo): out [n, dim] (rows ldo floats apart) = (x_0 + x_1 + ...) / hc (added in
- *     stream order, then divided):
- *     the DSpark drafter's features, the bits of torch's copy_, add_ and div_.
+ *   stream_mean(x, n, hc, dim, out, ldo): out [n, dim] (rows ldo floats apart) = (x_0 + x_1 + ...) / hc, added in
+ *     stream order, then divided (the bits of those torch operators): the DSpark drafter's features.
  *   expand(o, x, post, comb, n, hc, dim, out): out [n, hc, dim], stream b = post_b o + comb[0][b] x_0
  *     + comb[1][b] x_1 + ... (added left to right). out may be x (every stream's values at a dim are read before
  *     any is written), as in hc_next.
@@ -1947,17 +1946,17 @@ static const struct {
     raw_fn fn;
 } RAW[] = {
     {&hc_mix_spec, raw_hc_mix}, {&collapse_spec, raw_collapse}, {&stream_mean_spec, raw_stream_mean},
-    {&expand_spec, raw_expand},
-    {&hc_next_spec, raw_hc_next}, {&rms_norm_spec, raw_rms_norm}, {&rope_spec, raw_rope},
-    {&pool_pair_spec, raw_pool_pair}, {&swiglu_spec, raw_swiglu}, {&engram_gate_spec, raw_engram_gate},
+    {&expand_spec, raw_expand}, {&hc_next_spec, raw_hc_next}, {&rms_norm_spec, raw_rms_norm},
+    {&rope_spec, raw_rope}, {&pool_pair_spec, raw_pool_pair}, {&swiglu_spec, raw_swiglu},
+    {&engram_gate_spec, raw_engram_gate},
 };
 
 /* every kernel with an argument list (concat_cols, variadic, has none) */
 static const struct arg_spec *const SPECS[] = {
-    &hc_mix_spec, &collapse_spec, &stream_mean_spec, &expand_spec, &hc_next_spec, &rms_norm_spec, &rope_spec, &plan_window_spec,
-    &plan_entries_spec, &store_rows_spec, &attend_paged_spec, &pool_pair_spec, &topk_rows_spec, &index_scores_spec,
-    &candidate_blocks_spec, &moe_route_spec, &moe_group_spec, &moe_combine_spec, &swiglu_spec, &engram_gate_spec,
-    &gather_rows_spec, &argmax_rows_spec,
+    &hc_mix_spec, &collapse_spec, &stream_mean_spec, &expand_spec, &hc_next_spec, &rms_norm_spec, &rope_spec,
+    &plan_window_spec, &plan_entries_spec, &store_rows_spec, &attend_paged_spec, &pool_pair_spec, &topk_rows_spec,
+    &index_scores_spec, &candidate_blocks_spec, &moe_route_spec, &moe_group_spec, &moe_combine_spec, &swiglu_spec,
+    &engram_gate_spec, &gather_rows_spec, &argmax_rows_spec,
 };
 
 static PyObject *py_raw_kernels(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {

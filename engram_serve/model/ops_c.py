@@ -178,7 +178,7 @@ def stream_mean(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     n, hc, d = x.shape
     x = _c(x)
     out = torch.empty(n, d) if out is None else out
-    if out.shape != (n, d) or out.dtype != torch.float32 or (n > 1 and out.stride(1) != 1):
+    if out.shape != (n, d) or out.dtype != torch.float32 or (d > 1 and out.stride(1) != 1):
         raise ValueError(f"stream_mean: out {tuple(out.shape)} {out.dtype} strides {out.stride()}, want ({n}, {d}) "
                          f"float32 with unit column stride")
     capture.call(_kernel().stream_mean, x=x.data_ptr(), n=n, hc=hc, dim=d, out=out.data_ptr(), ldo=out.stride(0))

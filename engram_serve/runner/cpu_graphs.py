@@ -186,8 +186,8 @@ _U64 = (1 << 64) - 1
 
 
 class _Graph:
-    """One captured forward: its calls, where to rebind per-step addresses, its output (hidden, the features buffer or None),
-    what it keeps alive.
+    """One captured forward: its calls, where to rebind per-step addresses, its output (hidden, the features buffer
+    or None), what it keeps alive.
     A call of a kernel with a raw entry replays from its argument struct (64-bit slots, one a field) (one array for the graph, its
     per-step addresses rewritten in place); the others through their Python form."""
 

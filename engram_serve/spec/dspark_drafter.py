@@ -11,11 +11,11 @@ held a rejected draft's position keeps whatever it held before, is never read, a
 is committed. `release` has nothing to drop: the engine owns the blocks.
 
 It implements spec/drafters.py's `Drafter` (whose `make_drafter` builds it, hence no import of that module here:
-the annotations name its `DraftRequest` and `PickFn`). `observe` keeps what it is told (positions, slots, features)
-and one `write_context` writes everything kept, in the order observed, before the next `draft` reads the state (or once PENDING_TOKENS are kept): the state a
-draft reads is the one writing at once would leave (a slot written twice, e.g. a freed block that another
-request then computed, holds the later write either way), and steps that do not draft (the planner's choice)
-cost no context write. One `draft` per drafting step (every drafting request a row, each drawing its draft
+the annotations name its `DraftRequest` and `PickFn`). `observe` keeps what it is told (positions, slots,
+features) and one `write_context` writes everything kept, in the order observed, before the next `draft` reads the
+state (or once PENDING_TOKENS are kept): the state a draft reads is the one writing at once would leave (a slot
+written twice, e.g. a freed block that another request then computed, holds the later write either way), and
+steps that do not draft (the planner's choice) cost no context write. One `draft` per drafting step (every drafting request a row, each drawing its draft
 tokens through the engine's `pick`: coupled drafting); the draft always has the block's k tokens, a request gets
 its first `num_drafts`.
 """

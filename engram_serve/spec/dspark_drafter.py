@@ -61,7 +61,9 @@ class DSparkDrafter:
     slots, features) in observation order, `_kept` their tokens; the state plus them, written in order, is the
     context of every committed position observed."""
 
-    PENDING_TOKENS = 4096  # observed tokens kept before a write without a draft (bounds the memory kept)
+    # observed tokens kept before a write without a draft: bounds the features kept (they stay in cache), and a
+    # steady batch of decodes writes the same number of rows each time (a shape its CPU graph replays)
+    PENDING_TOKENS = 256
 
     def __init__(self, drafter: DSpark, target: DeepseekV41, num_blocks: int, block_size: int, max_rows: int,
                  graphs: bool = True):

@@ -397,8 +397,7 @@ class LLMEngine:
             idx = torch.from_numpy(idx).to(positions.device)
             positions, slots = positions[idx], slots[idx]
             feats = feats[idx.to(feats.device)] if feats is not None else None
-        kept = torch.stack((positions, slots))  # (a copy: a decode step's inputs are rewritten in place)
-        self.drafter.observe(kept[0], kept[1], feats)
+        self.drafter.observe(positions, slots, feats)  # (the step's own buffers: the drafter copies what it keeps)
 
     def _prompt_logprobs(self, rows, scored: torch.Tensor) -> list[TokenEvent]:
         """Store the prompt logprobs of the scored rows (run's `score`, in row order): the logits at position p

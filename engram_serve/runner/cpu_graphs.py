@@ -310,7 +310,7 @@ class CpuGraphs:
     def forward(self, ctx: ForwardContext, planned: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] of one microbatch `takes` (its staged rows in place): replayed, captured
         (the second time a key is seen) or run eagerly. With `ctx.capture_features`, the drafter's features
-        [T, nL D] go to `ctx.features` (a copy of the graph's features buffer, an output beside the hidden). The
+        [T, nL D] go to `ctx.features` (a replay's: the graph's own buffer, an output beside the hidden). The
         step's slot plan and rotary lookups are made by kernel calls inside the graph, from its rows and tables.
         `planned`: `plan_rows(ctx)` where the caller made it, with ctx.max_seq_len the `bound` of its positions."""
         outer = ctx  # (which gets the features)
@@ -335,7 +335,7 @@ class CpuGraphs:
             else:
                 hidden, features = self._capture(key, layers, step_inputs(ctx, rows, tables))
         if ctx.capture_features:
-            outer.features = features.clone()  # (a replay writes the graph's own buffer again)
+            outer.features = features  # (the graph's own buffer: valid until the next replay)
         return hidden
 
     def _layers(self, ctx: ForwardContext, rows: torch.Tensor, tables: torch.Tensor):

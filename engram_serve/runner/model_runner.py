@@ -82,7 +82,8 @@ class StepOutput:
     hash_ids: torch.Tensor | None = None
     staged: torch.Tensor | None = None
     # [T, nL D]: the DSpark drafter's features of every real token of the step, in token order (the stream means
-    # entering `dspark_target_layer_ids`, concatenated; model/deepseek_v41.py), with `capture_features`; else None
+    # entering `dspark_target_layer_ids`, concatenated; model/deepseek_v41.py), with `capture_features`; else None.
+    # Valid until the next step (a replayed graph's own buffer)
     features: torch.Tensor | None = None
 
 

@@ -57,13 +57,14 @@ def block_tables(requests: Sequence[DraftRequest]) -> np.ndarray:
 
 class DSparkDrafter:
     """Drafts with `drafter` for the target `target` served over a KV cache of num_blocks x block_size slots and
-    at most max_rows running requests (the rows of one draft call). Invariant: `_pending` holds (positions,
-    slots, features) in observation order, `_kept` their tokens; the state plus them, written in order, is the
-    context of every committed position observed."""
+    at most max_rows running requests (the rows of one draft call). Invariant: the first `_kept` rows of the
+    pending buffers (positions, slots, features) are the observations not yet written, in observation order; the
+    state plus them, written in order, is the context of every committed position observed."""
 
-    # observed tokens kept before a write without a draft: bounds the features kept (they stay in cache), and a
-    # steady batch of decodes writes the same number of rows each time (a shape its CPU graph replays)
-    PENDING_TOKENS = 256
+    # observed tokens kept before a write without a draft: bounds the features kept (a Flash-size drafter's are
+    # 48 KiB a token), and a steady batch of decodes writes the same number of rows each time (a shape its CPU
+    # graph replays)
+    PENDING_TOKENS = 512
 
     def __init__(self, drafter: DSpark, target: DeepseekV41, num_blocks: int, block_size: int, max_rows: int,
                  graphs: bool = True):
@@ -75,7 +76,10 @@ class DSparkDrafter:
         w = target.embed.weight
         self.state = DSparkState(drafter.config, num_blocks, block_size, max_rows, dtype=w.dtype, device=w.device)
         self.last = None  # the last `draft` call's Draft (tokens [R, k], logits [R, k, V]): for tests and benchmarks
-        self._pending: list[tuple[np.ndarray, np.ndarray, torch.Tensor]] = []
+        n, width = self.PENDING_TOKENS, len(self.feature_layers) * drafter.config.hidden_size
+        self._pos = torch.empty(n, dtype=torch.int64, device=w.device)
+        self._slots = torch.empty(n, dtype=torch.int64, device=w.device)
+        self._feats = torch.empty(n, width, dtype=w.dtype, device=w.device)
         self._kept = 0
 
     @property
@@ -83,23 +87,31 @@ class DSparkDrafter:
         return self.drafter.block
 
     def observe(self, positions: torch.Tensor, slots: torch.Tensor, features: torch.Tensor | None) -> None:
+        """Keeps copies (the arguments may be the step's own buffers, rewritten by the next step)."""
         t = positions.shape[0]
         if not t:
             return
-        if features is None or features.shape[0] != t:
+        if features is None or features.shape != (t, self._feats.shape[1]):
             raise ValueError(f"DSparkDrafter.observe: {t} positions, features "
-                             f"{None if features is None else tuple(features.shape)}")
-        self._pending.append((positions, slots, features))  # (the engine's copies: new tensors each step)
-        self._kept += t
-        if self._kept >= self.PENDING_TOKENS:
+                             f"{None if features is None else tuple(features.shape)}, want ({t}, "
+                             f"{self._feats.shape[1]})")
+        if self._kept + t > self.PENDING_TOKENS:
             self.write()
+        if t > self.PENDING_TOKENS:  # (a long prompt chunk: written at once)
+            self._write(positions, slots, features)
+            return
+        k, self._kept = self._kept, self._kept + t
+        self._pos[k:k + t].copy_(positions)
+        self._slots[k:k + t].copy_(slots)
+        self._feats[k:k + t].copy_(features)
 
     def write(self) -> None:
         """Write every kept observation's keys, in order, in one `write_context`."""
-        if not self._pending:
-            return
-        pos, slots, feats = (torch.cat(x) if len(x) > 1 else x[0] for x in zip(*self._pending))
-        self._pending, self._kept = [], 0
+        k, self._kept = self._kept, 0
+        if k:
+            self._write(self._pos[:k], self._slots[:k], self._feats[:k])
+
+    def _write(self, pos: torch.Tensor, slots: torch.Tensor, feats: torch.Tensor) -> None:
         ordered, order = torch.sort(slots, stable=True)  # each slot's writes together, in observation order
         earlier = order[:-1][ordered[1:] == ordered[:-1]]  # writes a later one to the same slot replaces
         if len(earlier):

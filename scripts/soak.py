@@ -29,7 +29,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,9 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # (the checkout's package, as the server it starts runs it)
+from engram_serve.server.run import start_serve_process  # noqa: E402
+
 WORDS = ("def return import class self for while if else the of a river stone light number list value "
          "print open file data result error index").split()
 STOPS = ["\n\n", " the", ")", "return"]
@@ -104,31 +106,10 @@ def rss_rule(samples: list[tuple[float, ...]], warmup_s: float, growth_pct: floa
 
 # ---- the server -------------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(serve_args: list[str], log, timeout_s: float) -> tuple[subprocess.Popen, str]:
-    import httpx
-    port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-m", "engram_serve.cli", "serve", "--port", str(port),
-                             "--log-level", "warning", *serve_args], stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            raise RuntimeError(f"serve did not start within {timeout_s:.0f} s (exit code {proc.returncode})")
-        time.sleep(0.25)
+    return start_serve_process(["--log-level", "warning", *serve_args], timeout_s, stdout=log,
+                               stderr=subprocess.STDOUT, env=env)
 
 
 def stop_server(proc: subprocess.Popen) -> int | None:

@@ -10,6 +10,8 @@ import errno
 import logging
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,6 +22,32 @@ from ..errors import ConfigError
 
 API_KEY_ENV = "ENGRAM_SERVE_API_KEY"
 log = logging.getLogger("engram_serve.server")
+
+
+def start_serve_process(args: list[str], timeout_s: float, **popen) -> tuple[subprocess.Popen, str]:
+    """`engram-serve serve --port P *args` in a child process on a free loopback port P (popen: stdout, stderr,
+    env...), returned with its base URL once /health answers 200 (scripts/soak.py, the tests that need a real
+    server). If it exits or does not answer within timeout_s it is killed: RuntimeError naming its exit code and
+    the tail of its output where that was piped."""
+    import httpx
+
+    from ..parallel.group import free_port
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "engram_serve.cli", "serve", "--port", str(port), *args], **popen)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            out = b"".join(x if isinstance(x, bytes) else x.encode() for x in proc.communicate() if x)
+            raise RuntimeError(f"serve did not start within {timeout_s:.0f} s (exit code {proc.returncode}): "
+                               f"{out.decode(errors='replace')[-2000:]}")
+        time.sleep(0.2)
 
 
 class BackgroundServer:

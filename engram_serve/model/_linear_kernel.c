@@ -109,8 +109,8 @@
  *
  * Every accumulation loop below takes its format as a constant first argument (the loops are always inlined
  * into one function per format and tile shape, so the format's test folds away): WF_F32 reads a row of a float
- * panel, WF_MXFP4 and WF_FP8_PANELS from the rows of a weight as stored, WF_FP8_PANELS from E4M3 bytes and a power of two. The
- * decode gives the very float32 weights of the float panels of the dequantized weight (an exact decoder), and
+ * panel, WF_MXFP4, WF_FP8 and WF_BF16 from the rows of a weight as stored, WF_FP8_PANELS from E4M3 bytes and a power
+ * of two. The decode gives the very float32 weights of the float panels of the dequantized weight (an exact decoder), and
  * the fused multiply-adds and adds that follow are one code for all formats: so the same bits.
  *
  *   WF_F32        panel [k][16] float32 (pack_panels)
@@ -345,6 +345,31 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void rows8x2x4(
     }
 }
 
+/* Stored rows: the bits of 4 gathers' worth of inputs from t by plain loads where the panel is full (`full`) and they
+ * lie before te, else of one gather; how many (4 or 1) */
+__attribute__((target("avx512f,avx2"), always_inline)) static inline int load_rows16(const int fmt, panel_ref b,
+                                                                                     Py_ssize_t t, Py_ssize_t te,
+                                                                                     int full, __m512i *g) {
+    if (full && te - t >= 4 * gather_inputs(fmt)) {
+        rows16x4(fmt, b, t, g);
+        return 4;
+    }
+    g[0] = gather16(fmt, b, t);
+    return 1;
+}
+
+/* load_rows16 in AVX2: g0 rows 0-7, g1 rows 8-15 */
+__attribute__((target("avx2,fma"), always_inline)) static inline int load_rows8x2(const int fmt, panel_ref b,
+                                                                                 Py_ssize_t t, Py_ssize_t te, int full,
+                                                                                 __m256i *g0, __m256i *g1) {
+    if (full && te - t >= 4 * gather_inputs(fmt)) {
+        rows8x2x4(fmt, b, t, g0, g1);
+        return 4;
+    }
+    gather8x2(fmt, b, t, &g0[0], &g1[0]);
+    return 1;
+}
+
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256 lane8(const int fmt, __m256i g, int u,
                                                                                    __m256 scale) {
     if (fmt == WF_MXFP4) return _mm256_mul_ps(e2m1_8_lanes(_mm256_srli_epi32(g, 4 * u)), scale);
@@ -367,12 +392,9 @@ tile_avx2(const int fmt, const int mr, const float *restrict x, Py_ssize_t ldx, 
             __m256 s0, s1;
             scale8x2(fmt, bp, t, &s0, &s1);
             while (gather_inputs(fmt) && t < te) { /* stored rows: as wide_avx512's */
-                const int gi = gather_inputs(fmt), cols = bp.rows == NR && te - t >= 4 * gi ? 4 : 1;
+                const int gi = gather_inputs(fmt);
                 __m256i g0[4], g1[4];
-                if (cols == 4)
-                    rows8x2x4(fmt, bp, t, g0, g1);
-                else
-                    gather8x2(fmt, bp, t, &g0[0], &g1[0]);
+                const int cols = load_rows8x2(fmt, bp, t, te, bp.rows == NR, g0, g1);
                 for (int j = 0; j < cols; j++)
 #pragma GCC unroll 8
                     for (int u = 0; u < gi; u++, t++) {
@@ -426,13 +448,10 @@ wide_avx2(const int fmt, const int mr, const int np, const float *restrict x, Py
             __m256 s[4][2];
             for (int q = 0; q < np; q++) scale8x2(fmt, b[q], t, &s[q][0], &s[q][1]);
             while (gather_inputs(fmt) && t < te) { /* stored rows: as wide_avx512's */
-                const int gi = gather_inputs(fmt), cols = full && te - t >= 4 * gi ? 4 : 1;
+                const int gi = gather_inputs(fmt);
                 __m256i g[4][2][4];
-                for (int q = 0; q < np; q++)
-                    if (cols == 4)
-                        rows8x2x4(fmt, b[q], t, g[q][0], g[q][1]);
-                    else
-                        gather8x2(fmt, b[q], t, &g[q][0][0], &g[q][1][0]);
+                int cols = 1;
+                for (int q = 0; q < np; q++) cols = load_rows8x2(fmt, b[q], t, te, full, g[q][0], g[q][1]);
                 for (int j = 0; j < cols; j++)
 #pragma GCC unroll 8
                     for (int u = 0; u < gi; u++, t++) {
@@ -546,13 +565,10 @@ wide_avx512(const int fmt, const int mr, const int np, const float *restrict x, 
                 }
             }
             while (gather_inputs(fmt) && t < te) { /* stored rows: 4 gathers' worth by plain loads where it can */
-                const int gi = gather_inputs(fmt), cols = full && te - t >= 4 * gi ? 4 : 1;
+                const int gi = gather_inputs(fmt);
                 __m512i g[8][4];
-                for (int q = 0; q < np; q++)
-                    if (cols == 4)
-                        rows16x4(fmt, b[q], t, g[q]);
-                    else
-                        g[q][0] = gather16(fmt, b[q], t);
+                int cols = 1;
+                for (int q = 0; q < np; q++) cols = load_rows16(fmt, b[q], t, te, full, g[q]);
                 if (pf && !(t % ROW_PF_EVERY))
                     for (int q = 0; q < np; q++)
                         for (int r = 0; r < b[q].rows; r++)
@@ -748,12 +764,8 @@ __attribute__((target("avx512f,avx2"), always_inline)) static inline void decode
         const Py_ssize_t te = group_end(fmt, b, t, k);
         const __m512 s = scale16(fmt, b, t);
         while (t < te) {
-            const int cols = b.rows == NR && te - t >= 4 * gi ? 4 : 1;
             __m512i g[4];
-            if (cols == 4)
-                rows16x4(fmt, b, t, g);
-            else
-                g[0] = gather16(fmt, b, t);
+            const int cols = load_rows16(fmt, b, t, te, b.rows == NR, g);
             for (int j = 0; j < cols; j++)
 #pragma GCC unroll 8
                 for (int u = 0; u < gi; u++, t++) _mm512_storeu_ps(dst + t * NR, lane16(fmt, g[j], u, s));
@@ -769,12 +781,8 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void decod
         __m256 s0, s1;
         scale8x2(fmt, b, t, &s0, &s1);
         while (t < te) {
-            const int cols = b.rows == NR && te - t >= 4 * gi ? 4 : 1;
             __m256i g0[4], g1[4];
-            if (cols == 4)
-                rows8x2x4(fmt, b, t, g0, g1);
-            else
-                gather8x2(fmt, b, t, &g0[0], &g1[0]);
+            const int cols = load_rows8x2(fmt, b, t, te, b.rows == NR, g0, g1);
             for (int j = 0; j < cols; j++)
 #pragma GCC unroll 8
                 for (int u = 0; u < gi; u++, t++) {

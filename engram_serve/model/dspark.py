@@ -240,12 +240,18 @@ class DSpark(nn.Module):
         ids = torch.cat([last_tokens[:, None], last_tokens.new_full((r, k - 1), self.noise)], 1).reshape(-1)  # [N]
         pos = (positions[:, None] + torch.arange(k, device=dev)).reshape(-1)  # [N]
         wslots, wok = context_slots(positions, block_tables, block_size, state.zero_slot, self.window)  # [R, W]
-        bslots = state.scratch + torch.arange(r * k, device=dev)  # [N]
-        step = DraftStep(ops, *self.rope(pos), wslots.repeat_interleave(k, 0), wok.repeat_interleave(k, 0), bslots,
-                         bslots.view(r, k).repeat_interleave(k, 0),
-                         torch.arange(k, device=dev).expand(r * k, k).contiguous(), state)
+        step = DraftStep(ops, *self.rope(pos), wslots.repeat_interleave(k, 0), wok.repeat_interleave(k, 0),
+                         *self.block_keys(state, r, dev), state)
         u, h = self.forward_block(target, step, ids, self._first_mix(r * k, dev))
         return self.markov(u, h, last_tokens, ops, pick or greedy(ops))
+
+    def block_keys(self, state: DSparkState, r: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """DraftStep's (bslots [N], eslots [N, k], picks [N, k]) for R rows of k queries: each query's own key in a
+        scratch row, and its block's k keys in block order."""
+        k = self.block
+        bslots = state.scratch + torch.arange(r * k, device=device)
+        picks = torch.arange(k, device=device).expand(r * k, k).contiguous()
+        return bslots, bslots.view(r, k).repeat_interleave(k, 0), picks
 
     def forward_block(self, target: DeepseekV41, step: DraftStep, ids: torch.Tensor, pre: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -74,7 +74,7 @@ class _Inputs:
 class _Consts:
     """A draft graph's constants for R rows of k: rows [N] (each query's row), offsets [R, k] (0 .. k - 1), minus
     [R, k] (-1), the block's ids [R, k] (noise after the first), the first sublayer's stream mix [N, hc], and the
-    DraftStep's bslots [N], eslots [N, k], picks [N, k]."""
+    DraftStep's block keys (`DSpark.block_keys`)."""
 
     def __init__(self, d: DSpark, state: DSparkState, r: int):
         k = d.block
@@ -84,9 +84,7 @@ class _Consts:
         self.ids = torch.full((r, k), d.noise, dtype=torch.int64)
         self.mix = torch.zeros(r * k, d.config.hc_mult)
         self.mix[:, 0] = 1.0
-        self.bslots = state.scratch + torch.arange(r * k)
-        self.eslots = self.bslots.view(r, k).repeat_interleave(k, 0)
-        self.picks = torch.arange(k).expand(r * k, k).contiguous()
+        self.keys = d.block_keys(state, r, "cpu")  # (bslots, eslots, picks)
 
 
 class DraftGraphs:
@@ -153,7 +151,7 @@ class DraftGraphs:
                                          state.zero_slot, d.window)  # at n - 1 for every query: n - W .. n - 1
         cos = ops_c.gather_rows(d.rope.cos, pos.view(-1))[:, 0]
         sin = ops_c.gather_rows(d.rope.sin, pos.view(-1))[:, 0]
-        step = DraftStep(ops_c, cos, sin, wslots, wslots != state.zero_slot, c.bslots, c.eslots, c.picks, state)
+        step = DraftStep(ops_c, cos, sin, wslots, wslots != state.zero_slot, *c.keys, state)
         u, h = d.forward_block(self.target, step, c.ids.view(-1), c.mix)
         return d.markov(u, h, last, ops_c, greedy(ops_c)) if greedy_pick else (u, h)
 

@@ -76,6 +76,7 @@ STORED = ("F8_E4M3", "BF16")  # the formats a Linear's weight stays in (model/lo
 
 
 AS_STORED = Copy("as stored, mapped", None, 1, True)
+WORDS = Copy("FP8 rows panel-major", 1, PANEL)  # its mapped rows' pages let go (weights.py `panel_major`)
 
 
 def held_copies(role: str, stored: str, outputs: int, m: Machine, tp: int = 1) -> tuple[Copy, ...]:
@@ -83,9 +84,11 @@ def held_copies(role: str, stored: str, outputs: int, m: Machine, tp: int = 1) -
     it with them; tests/test_memory_plan.py compares it with a loaded model's tensors):
 
       model/loader.py    at tensor-parallel size 1 where the linear kernel is loaded: MXFP4 routed experts
-                         (weights.py `Mxfp4Experts`) and FP8 block-scaled or BF16 weights of Linear modules
-                         (`StoredWeight`) kept as stored, views of the read-only memory map (file-backed: resident
-                         as steps touch their pages); F32 weights mapped; other FP8 and BF16/F16 weights (the
+                         (weights.py `Mxfp4Experts`) and BF16 weights of Linear modules (`StoredWeight`) kept as
+                         stored, views of the read-only memory map (file-backed: resident as steps touch their
+                         pages); FP8 block-scaled ones repacked panel-major in RAM where the kernel multiplies them
+                         as stored (`StoredWeight.panel_major`: the same bytes, rows padded to 16), their scales
+                         mapped; F32 weights mapped; other FP8 and BF16/F16 weights (the
                          embedding, the mHC's hc_*_fn) dequantized or cast ONCE to float32; scales used up at load
       model/exactness.py `stored_kc`: a weight as stored is multiplied in place where the float plan of its shape
                          is the float panels, i.e. no AMX and a probed block size (none for fewer than 16
@@ -110,6 +113,8 @@ def held_copies(role: str, stored: str, outputs: int, m: Machine, tp: int = 1) -
     if role in ("vector", "embed"):
         return (Copy("float32, mapped", 4, 1, True),) if stored == "F32" else (Copy("float32 (cast)", 4),)
     in_place = m.kernel and not m.amx and tp == 1 and outputs >= PANEL
+    if in_place and role.endswith("linear") and stored == "F8_E4M3":
+        return (WORDS,)
     if in_place and (role == "expert" and stored in MXFP4_CODES or role.endswith("linear") and stored in STORED):
         return (AS_STORED,)
     if not m.kernel or outputs < PANEL:
@@ -312,7 +317,8 @@ def held_weights(specs: dict, cfg: ModelConfig, tp: int, m: Machine,
         if role == "scale" and owner in specs:  # held as stored with its weight (else used up at load)
             oshape = specs[owner][1]
             outputs = oshape[0] if len(oshape) > 1 else 1
-            copies = (AS_STORED,) if AS_STORED in held_copies(role_of(owner, matmul), wdtype, outputs, m, tp) else ()
+            held = held_copies(role_of(owner, matmul), wdtype, outputs, m, tp)
+            copies = (AS_STORED,) if AS_STORED in held or WORDS in held else ()
         key = "tables" if role == "table" else FORMATS.get(wdtype, wdtype)
         w = out.setdefault(key, Weights())
         w.stored += ITEMSIZE[dtype] * math.prod(shp)

@@ -95,9 +95,12 @@ def held_tensors(model) -> dict[str, int]:
         return t.untyped_storage().nbytes()
 
     stored = [m.stored for m in model.modules() if getattr(m, "stored", None) is not None]
-    views = [t for s in stored for t in (s.parts and [x for d, sc, _ in s.parts for x in (d, sc) if x is not None]
-                                         if isinstance(s, StoredWeight) else
-                                         [x for w in (s.w1, s.w3, s.w2) for pair in w for x in pair])]
+    linears = [s for s in stored if isinstance(s, StoredWeight)]
+    # a part repacked panel-major holds its words in RAM; its mapped rows' pages are let go (not held)
+    views = [x for s in linears for (d, sc, _), w in zip(s.parts, s.words) for x in (d if w is None else None, sc)
+             if x is not None]
+    views += [x for s in stored if not isinstance(s, StoredWeight) for w in (s.w1, s.w3, s.w2) for pair in w
+              for x in pair]
     dense = [s._dense for s in stored if isinstance(s, StoredWeight) and s._dense is not None]
     params = sum(size(p) for p in model.parameters()) + sum(size(t) for t in dense)
     mine = {p.untyped_storage().data_ptr() for p in [*model.parameters(), *dense]}
@@ -107,6 +110,7 @@ def held_tensors(model) -> dict[str, int]:
     plans = [p for p in products._plans.values() if p.weight.untyped_storage().data_ptr() in ours]
     return {"parameters": params, "stacked": sum(size(t) for t in stacks),
             "as stored": sum(t.numel() * t.element_size() for t in views),
+            "words": sum(size(w) for s in linears for w in s.words if w is not None),
             "panels": sum(size(p.kernel_weight) for p in plans if p.kernel_weight is not None),
             "fp8": sum(size(p.fp8[0]) + size(p.fp8[1]) for p in plans if getattr(p, "fp8", None) is not None)}
 
@@ -125,7 +129,7 @@ def test_the_rule_counts_the_tensors_a_loaded_model_holds(checkpoints):
             copies[what] = copies.get(what, 0) + n
     expect = {"parameters": copies["float32 (input-major)"] + copies["float32 (cast)"] + copies["float32, mapped"],
               "stacked": copies.get("stacked float32 copy", 0), "as stored": copies["as stored, mapped"],
-              "panels": copies["float panels"], "fp8": 0}
+              "panels": copies["float panels"], "fp8": 0, "words": copies["FP8 rows panel-major"]}
     assert Machine.local().kernel  # the C kernels are built: weights stay as stored, float ones get panels
     for kind, n in expect.items():
         assert abs(got[kind] - n) <= 0.01 * n + 4096, (kind, got[kind], n)

@@ -46,7 +46,9 @@
  *       format 2 MXFP4 (E2M1 codes [n, k / 2], E8M0 scales [n, k / 32]), 4 FP8 (E4M3 [n, k], E8M0 scales per
  *       block x block tile), decoded exactly in registers (_formats.h) inside the very accumulation loops of the
  *       float panels (instantiated per format, the section "weight formats" below): the bits of linear_packed over
- *       the dequantized weight.
+ *       the dequantized weight. Format 12: FP8 rows repacked panel-major at load (fp8_words: a permutation of the
+ *       bytes, so that 16 rows' word at an input is one load), the same bits.
+ *   fp8_words(data, words, n, k) -> bool: that repack, in one pass; False where a code is NaN.
  *   decode_formats(format, data, y, n, simd[, scales]) -> level: the decoders of _formats.h, for their test.
  *   moe_experts(xs, rows, counts, e, d, inter, panels13, kc13, panels2, kc2, limit, h, g, ys, simd[, format,
  *               scales13, scales2, tiles]) -> None
@@ -125,6 +127,14 @@
  * for the stored rows their strides): struct panel_ref; a weight is its format, addresses and shape: weight_ref. */
 enum weight_format { WF_F32 = 0, WF_TILES = 1, WF_MXFP4 = 2, WF_FP8_PANELS = 3, WF_FP8 = 4, WF_BF16 = 5 };
 
+/* A flag of a stored format: its rows repacked panel-major, [panels][words][16][4 bytes] (each row's 32-bit words
+ * intact, a panel's 16 rows side by side, zero rows beyond n: a permutation of the stored bytes), so that the 16 rows'
+ * word at an input is one 64-byte load, not a transpose of 16 rows (load_rows16). The scales stay as stored. FP8
+ * only (WF_FP8 | WF_WORDS) is instantiated, and its codes are never NaN (the caller's repack checks). */
+#define WF_WORDS 8
+#define BASE(fmt) ((fmt) & 7)
+static inline int words_of(const int fmt) { return fmt & WF_WORDS; }
+
 #define MX_G 32 /* inputs of an E8M0 scale of an MXFP4 panel */
 #define SB 64   /* input rows of a scale block of an FP8 panel */
 
@@ -146,10 +156,14 @@ typedef struct {
     int decoded;      /* WF_F32: panels decode_panel just wrote (in L2) */
 } weight_ref;
 
-static inline int stored_rows(const int fmt) { return fmt == WF_MXFP4 || fmt == WF_FP8 || fmt == WF_BF16; }
+static inline int stored_rows(const int fmt) {
+    return BASE(fmt) == WF_MXFP4 || BASE(fmt) == WF_FP8 || BASE(fmt) == WF_BF16;
+}
 
 /* the byte of input t in a stored row */
-static inline Py_ssize_t row_byte(const int fmt, Py_ssize_t t) { return fmt == WF_MXFP4 ? t / 2 : fmt == WF_BF16 ? 2 * t : t; }
+static inline Py_ssize_t row_byte(const int fmt, Py_ssize_t t) {
+    return BASE(fmt) == WF_MXFP4 ? t / 2 : BASE(fmt) == WF_BF16 ? 2 * t : t;
+}
 
 /* panel p of weight w: its data and scales */
 static inline panel_ref panel_at(const weight_ref *w, Py_ssize_t p) {
@@ -160,14 +174,14 @@ static inline panel_ref panel_at(const weight_ref *w, Py_ssize_t p) {
         r.data = (const uint8_t *)w->data + p * k * NR;
         r.scale = (const float *)w->scales + p * ((k + SB - 1) / SB);
     } else if (stored_rows(fmt)) {
-        const int mx = fmt == WF_MXFP4;
-        r.ld = row_byte(fmt, k);
+        const int mx = BASE(fmt) == WF_MXFP4;
+        r.ld = row_byte(fmt, k); /* (words: a panel takes the same bytes, its rows padded) */
         r.data = (const uint8_t *)w->data + p * NR * r.ld;
         r.rows = w->n - p * NR < NR ? (int)(w->n - p * NR) : NR;
         if (mx) {
             r.sld = k / MX_G;
             r.scale = (const uint8_t *)w->scales + p * NR * r.sld;
-        } else if (fmt == WF_FP8) {
+        } else if (BASE(fmt) == WF_FP8) {
             r.group = (int)w->block;
             r.scale = (const uint8_t *)w->scales + ((w->row0 + p * NR) / w->block) * ((k + w->block - 1) / w->block);
         }
@@ -179,16 +193,16 @@ static inline panel_ref panel_at(const weight_ref *w, Py_ssize_t p) {
 
 /* the bytes of one panel (for the L2 grouping and the prefetch decision) */
 static inline size_t panel_bytes(const int fmt, Py_ssize_t k) {
-    return fmt == WF_MXFP4 ? (size_t)k * NR / 2 + (size_t)k / MX_G * NR
-           : fmt == WF_FP8_PANELS || fmt == WF_FP8 ? (size_t)k * NR
-           : fmt == WF_BF16                        ? (size_t)k * NR * 2
+    return BASE(fmt) == WF_MXFP4 ? (size_t)k * NR / 2 + (size_t)k / MX_G * NR
+           : fmt == WF_FP8_PANELS || BASE(fmt) == WF_FP8 ? (size_t)k * NR
+           : BASE(fmt) == WF_BF16                        ? (size_t)k * NR * 2
                                                    : (size_t)k * NR * 4;
 }
 
 /* the end of input t's scale group (inputs that share one scale), within [t, ke): all of them for float panels */
 static inline Py_ssize_t group_end(const int fmt, panel_ref b, Py_ssize_t t, Py_ssize_t ke) {
-    const Py_ssize_t g = fmt == WF_MXFP4 ? MX_G : fmt == WF_FP8_PANELS ? SB
-                         : fmt == WF_FP8                   ? b.group
+    const Py_ssize_t g = BASE(fmt) == WF_MXFP4 ? MX_G : fmt == WF_FP8_PANELS ? SB
+                         : BASE(fmt) == WF_FP8             ? b.group
                                                                 : 0;
     if (!g) return ke;
     const Py_ssize_t e = (t / g + 1) * g;
@@ -196,18 +210,29 @@ static inline Py_ssize_t group_end(const int fmt, panel_ref b, Py_ssize_t t, Py_
 }
 
 /* the inputs one gather of stored rows covers (0: not stored rows) */
-static inline int gather_inputs(const int fmt) { return fmt == WF_MXFP4 ? 8 : fmt == WF_FP8 ? 4 : fmt == WF_BF16 ? 2 : 0; }
+static inline int gather_inputs(const int fmt) {
+    return BASE(fmt) == WF_MXFP4 ? 8 : BASE(fmt) == WF_FP8 ? 4 : BASE(fmt) == WF_BF16 ? 2 : 0;
+}
+
+/* stored rows: the address of the word holding input t of a panel's rows (words only: its 16 rows' 64 bytes) */
+static inline const uint8_t *word_at(const int fmt, panel_ref b, Py_ssize_t t) {
+    return (const uint8_t *)b.data + row_byte(fmt, t) / 4 * 64;
+}
+
+/* stored rows: the address of the byte holding input t of the panel's row j */
+static inline const uint8_t *byte_at(const int fmt, panel_ref b, Py_ssize_t t, int j) {
+    const Py_ssize_t rb = row_byte(fmt, t);
+    return words_of(fmt) ? word_at(fmt, b, t) + j * 4 + rb % 4 : (const uint8_t *)b.data + j * b.ld + rb;
+}
 
 /* the scalar weight at input t, column j of a panel (the portable tile's decode) */
 static inline float weight_at(const int fmt, panel_ref b, Py_ssize_t t, int j) {
     if (stored_rows(fmt) && j >= b.rows) return 0.0f;
-    if (fmt == WF_MXFP4)
-        return mxfp4_value(nibble((const uint8_t *)b.data + j * b.ld, t),
-                           ((const uint8_t *)b.scale)[j * b.sld + t / MX_G]);
-    if (fmt == WF_FP8)
-        return e4m3_value(((const uint8_t *)b.data)[j * b.ld + t]) *
-               e8m0_value(((const uint8_t *)b.scale)[t / b.group]);
-    if (fmt == WF_BF16) return bf16_value(((const uint16_t *)(const void *)((const uint8_t *)b.data + j * b.ld))[t]);
+    if (BASE(fmt) == WF_MXFP4)
+        return mxfp4_value((*byte_at(fmt, b, t, j) >> (t & 1) * 4) & 15, ((const uint8_t *)b.scale)[j * b.sld + t / MX_G]);
+    if (BASE(fmt) == WF_FP8)
+        return e4m3_value(*byte_at(fmt, b, t, j)) * e8m0_value(((const uint8_t *)b.scale)[t / b.group]);
+    if (BASE(fmt) == WF_BF16) return bf16_value(*(const uint16_t *)(const void *)byte_at(fmt, b, t, j));
     if (fmt == WF_FP8_PANELS) /* 2^(s + 8) / 2^8: exact */
         return e4m3_value(((const uint8_t *)b.data)[t * NR + j]) * (((const float *)b.scale)[t / SB] * 0.00390625f);
     return ((const float *)b.data)[t * NR + j];
@@ -224,6 +249,7 @@ static inline void row_scales(panel_ref b, Py_ssize_t t, uint8_t *e) {
  * of input t + u of such a gather (u < gather_inputs) times the scales */
 __attribute__((target("avx512f,avx2"), always_inline)) static inline __m512i gather16(const int fmt, panel_ref b,
                                                                                       Py_ssize_t t) {
+    if (words_of(fmt)) return _mm512_loadu_si512((const void *)word_at(fmt, b, t));
     const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32((int)b.ld));
     const uint8_t *p = (const uint8_t *)b.data + row_byte(fmt, t);
@@ -235,6 +261,10 @@ __attribute__((target("avx512f,avx2"), always_inline)) static inline __m512i gat
  * is gather16's at input t + j * gather_inputs */
 __attribute__((target("avx512f,avx2"), always_inline)) static inline void rows16x4(const int fmt, panel_ref b,
                                                                                   Py_ssize_t t, __m512i *g) {
+    if (words_of(fmt)) {
+        for (int j = 0; j < 4; j++) g[j] = _mm512_loadu_si512((const void *)(word_at(fmt, b, t) + 64 * j));
+        return;
+    }
     const uint8_t *p = (const uint8_t *)b.data + row_byte(fmt, t);
     __m512i z[4];
     for (int i = 0; i < 4; i++) { /* lane L: row 4L + i */
@@ -251,8 +281,8 @@ __attribute__((target("avx512f,avx2"), always_inline)) static inline void rows16
 
 __attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 lane16(const int fmt, __m512i g, int u,
                                                                                    __m512 scale) {
-    if (fmt == WF_MXFP4) return _mm512_mul_ps(e2m1_16_lanes(_mm512_srli_epi32(g, 4 * u)), scale);
-    if (fmt == WF_BF16) /* input t (u 0): the lower half of the word; t + 1: the upper */
+    if (BASE(fmt) == WF_MXFP4) return _mm512_mul_ps(e2m1_16_lanes(_mm512_srli_epi32(g, 4 * u)), scale);
+    if (BASE(fmt) == WF_BF16) /* input t (u 0): the lower half of the word; t + 1: the upper */
         return _mm512_castsi512_ps(u ? _mm512_and_si512(g, _mm512_set1_epi32((int)0xFFFF0000)) : _mm512_slli_epi32(g, 16));
     return _mm512_mul_ps(e4m3_16_byte(g, u), scale);
 }
@@ -275,13 +305,13 @@ __attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 mx_s
 /* AVX-512: the scale vector of input t's group, and the row of 16 weights at input t */
 __attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 scale16(const int fmt, panel_ref b,
                                                                                     Py_ssize_t t) {
-    if (fmt == WF_MXFP4) {
+    if (BASE(fmt) == WF_MXFP4) {
         if (t / MX_G + 4 <= b.sld) return mx_scale16(mx_words16(b, t), 0);
         uint8_t e[NR];
         row_scales(b, t, e);
         return e8m0_16(_mm_loadu_si128((const __m128i *)e));
     }
-    if (fmt == WF_FP8) return _mm512_set1_ps(e8m0_value(((const uint8_t *)b.scale)[t / b.group]));
+    if (BASE(fmt) == WF_FP8) return _mm512_set1_ps(e8m0_value(((const uint8_t *)b.scale)[t / b.group]));
     if (fmt == WF_FP8_PANELS) return _mm512_set1_ps(((const float *)b.scale)[t / SB]);
     return _mm512_setzero_ps(); /* unused */
 }
@@ -296,12 +326,12 @@ __attribute__((target("avx512f,avx2"), always_inline)) static inline __m512 row1
 /* AVX2: the two scale vectors of input t's group (columns 0-7, 8-15), the row's two halves */
 __attribute__((target("avx2,fma"), always_inline)) static inline void scale8x2(const int fmt, panel_ref b, Py_ssize_t t,
                                                                               __m256 *s0, __m256 *s1) {
-    if (fmt == WF_MXFP4) {
+    if (BASE(fmt) == WF_MXFP4) {
         uint8_t rs[NR];
         row_scales(b, t, rs);
         const __m128i e = _mm_loadu_si128((const __m128i *)rs);
         *s0 = e8m0_8(e), *s1 = e8m0_8(_mm_srli_si128(e, 8));
-    } else if (fmt == WF_FP8) {
+    } else if (BASE(fmt) == WF_FP8) {
         *s0 = *s1 = _mm256_set1_ps(e8m0_value(((const uint8_t *)b.scale)[t / b.group]));
     } else {
         *s0 = *s1 = _mm256_setzero_ps(); /* unused (no AVX2 FP8 path) */
@@ -319,6 +349,11 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void row8x2(con
 __attribute__((target("avx2,fma"), always_inline)) static inline void gather8x2(const int fmt, panel_ref b,
                                                                                Py_ssize_t t, __m256i *g0,
                                                                                __m256i *g1) {
+    if (words_of(fmt)) {
+        *g0 = _mm256_loadu_si256((const __m256i *)(const void *)word_at(fmt, b, t));
+        *g1 = _mm256_loadu_si256((const __m256i *)(const void *)(word_at(fmt, b, t) + 32));
+        return;
+    }
     const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)b.ld));
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const uint8_t *p = (const uint8_t *)b.data + row_byte(fmt, t);
@@ -332,6 +367,13 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void gather8x2(
 __attribute__((target("avx2,fma"), always_inline)) static inline void rows8x2x4(const int fmt, panel_ref b,
                                                                                Py_ssize_t t, __m256i *g0,
                                                                                __m256i *g1) {
+    if (words_of(fmt)) {
+        for (int j = 0; j < 4; j++) {
+            g0[j] = _mm256_loadu_si256((const __m256i *)(const void *)(word_at(fmt, b, t) + 64 * j));
+            g1[j] = _mm256_loadu_si256((const __m256i *)(const void *)(word_at(fmt, b, t) + 64 * j + 32));
+        }
+        return;
+    }
     const uint8_t *p = (const uint8_t *)b.data + row_byte(fmt, t);
     for (int h = 0; h < 2; h++) {
         __m256i z[4], *g = h ? g1 : g0;
@@ -350,7 +392,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void rows8x2x4(
 __attribute__((target("avx512f,avx2"), always_inline)) static inline int load_rows16(const int fmt, panel_ref b,
                                                                                      Py_ssize_t t, Py_ssize_t te,
                                                                                      int full, __m512i *g) {
-    if (full && te - t >= 4 * gather_inputs(fmt)) {
+    if ((full || words_of(fmt)) && te - t >= 4 * gather_inputs(fmt)) {
         rows16x4(fmt, b, t, g);
         return 4;
     }
@@ -362,7 +404,7 @@ __attribute__((target("avx512f,avx2"), always_inline)) static inline int load_ro
 __attribute__((target("avx2,fma"), always_inline)) static inline int load_rows8x2(const int fmt, panel_ref b,
                                                                                  Py_ssize_t t, Py_ssize_t te, int full,
                                                                                  __m256i *g0, __m256i *g1) {
-    if (full && te - t >= 4 * gather_inputs(fmt)) {
+    if ((full || words_of(fmt)) && te - t >= 4 * gather_inputs(fmt)) {
         rows8x2x4(fmt, b, t, g0, g1);
         return 4;
     }
@@ -372,8 +414,8 @@ __attribute__((target("avx2,fma"), always_inline)) static inline int load_rows8x
 
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256 lane8(const int fmt, __m256i g, int u,
                                                                                    __m256 scale) {
-    if (fmt == WF_MXFP4) return _mm256_mul_ps(e2m1_8_lanes(_mm256_srli_epi32(g, 4 * u)), scale);
-    if (fmt == WF_BF16)
+    if (BASE(fmt) == WF_MXFP4) return _mm256_mul_ps(e2m1_8_lanes(_mm256_srli_epi32(g, 4 * u)), scale);
+    if (BASE(fmt) == WF_BF16)
         return _mm256_castsi256_ps(u ? _mm256_and_si256(g, _mm256_set1_epi32((int)0xFFFF0000)) : _mm256_slli_epi32(g, 16));
     return _mm256_mul_ps(e4m3_8_byte(g, u), scale);
 }
@@ -538,7 +580,7 @@ wide_avx512(const int fmt, const int mr, const int np, const float *restrict x, 
         for (Py_ssize_t t = k0; t < ke;) {
             Py_ssize_t te = group_end(fmt, b[0], t, ke);
             __m512 s[8];
-            if (fmt == WF_MXFP4 && t / MX_G + 4 <= b[0].sld) { /* one gather of scales every 4 groups */
+            if (BASE(fmt) == WF_MXFP4 && t / MX_G + 4 <= b[0].sld) { /* one gather of scales every 4 groups */
                 if (t / MX_G < mw_at || t / MX_G >= mw_at + 4)
                     for (int q = 0; q < np; q++) mw[q] = mx_words16(b[q], t), mw_at = t / MX_G;
                 for (int q = 0; q < np; q++) s[q] = mx_scale16(mw[q], (int)(t / MX_G - mw_at));
@@ -549,7 +591,7 @@ wide_avx512(const int fmt, const int mr, const int np, const float *restrict x, 
             const float *xp[8];
             float xsb[FEW_ROWS * XS];
             const Py_ssize_t ts = t;
-            int pre = fmt == WF_FP8;
+            int pre = BASE(fmt) == WF_FP8;
             if (pre) {
                 te = te - t > XS ? t + XS : te;
                 unsigned last = 0; /* a panel of the previous panel's scale shares its inputs */
@@ -569,14 +611,17 @@ wide_avx512(const int fmt, const int mr, const int np, const float *restrict x, 
                 __m512i g[8][4];
                 int cols = 1;
                 for (int q = 0; q < np; q++) cols = load_rows16(fmt, b[q], t, te, full, g[q]);
-                if (pf && !(t % ROW_PF_EVERY))
+                if (pf && words_of(fmt)) /* the lines of the 4 words 4 KiB on */
+                    for (int q = 0; q < np; q++)
+                        for (int j = 0; j < 4; j++) _mm_prefetch((const char *)word_at(fmt, b[q], t) + 4096 + 64 * j, _MM_HINT_T0);
+                else if (pf && !(t % ROW_PF_EVERY))
                     for (int q = 0; q < np; q++)
                         for (int r = 0; r < b[q].rows; r++)
                             _mm_prefetch((const char *)b[q].data + r * b[q].ld +
                                              (t + ROW_PF_AHEAD) * (Py_ssize_t)panel_bytes(fmt, 1) / NR,
                                          _MM_HINT_T0);
                 int clean = pre; /* no NaN code in these bytes: e4m3_16_tiny leaves its NaN test out */
-                for (int q = 0; q < np && clean; q++)
+                for (int q = 0; q < np && clean && !words_of(fmt); q++) /* (words: never one) */
                     for (int j = 0; j < cols; j++) clean &= !e4m3_16_nan(g[q][j]);
                 for (int j = 0; j < cols; j++)
 #pragma GCC unroll 8
@@ -679,6 +724,7 @@ static inline int wide_panels(int level, int mr) {
 TILES_OF(f32, WF_F32)
 TILES_OF(mxfp4, WF_MXFP4)
 TILES_OF(fp8, WF_FP8)
+TILES_OF(fp8w, WF_FP8 | WF_WORDS)
 TILES_OF(bf16, WF_BF16)
 #undef FEW
 #endif
@@ -721,6 +767,11 @@ static void tile_plain_fp8(int mr, const float *x, Py_ssize_t ldx, panel_ref bp,
     tile_plain(WF_FP8, mr, x, ldx, bp, k, kc, out, ldo);
 }
 
+static void tile_plain_fp8w(int mr, const float *x, Py_ssize_t ldx, panel_ref bp, Py_ssize_t k, Py_ssize_t kc,
+                            float *out, Py_ssize_t ldo) {
+    tile_plain(WF_FP8 | WF_WORDS, mr, x, ldx, bp, k, kc, out, ldo);
+}
+
 /* The tiles of each panel format (WF_F32 and the stored rows): the portable one, and on x86 AVX2's
  * (one panel, and wide) and AVX-512's (wide) */
 typedef struct {
@@ -738,8 +789,9 @@ typedef struct {
 #endif
 static const format_tiles *tiles_of(const int fmt) {
     static const format_tiles f32 = FORMAT_TILES(f32), mxfp4 = FORMAT_TILES(mxfp4), fp8 = FORMAT_TILES(fp8),
-                              bf16 = FORMAT_TILES(bf16);
-    return fmt == WF_MXFP4 ? &mxfp4 : fmt == WF_FP8 ? &fp8 : fmt == WF_BF16 ? &bf16 : &f32;
+                              fp8w = FORMAT_TILES(fp8w), bf16 = FORMAT_TILES(bf16);
+    return fmt == WF_MXFP4 ? &mxfp4 : fmt == WF_FP8 ? &fp8 : fmt == (WF_FP8 | WF_WORDS) ? &fp8w
+         : fmt == WF_BF16 ? &bf16 : &f32;
 }
 #undef FORMAT_TILES
 
@@ -793,39 +845,36 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void decod
     }
 }
 
+#endif
+
+/* each stored format's decode_panel at every level (portable, AVX2, AVX-512) */
+typedef void (*decode_fn)(panel_ref, Py_ssize_t, float *);
+#if HAVE_X86_AVX2
 #define DECODE_PANEL(NAME, FMT)                                                                                    \
+    static void decode_plain_##NAME(panel_ref b, Py_ssize_t k, float *d) { decode_panel_plain(FMT, b, k, d); }       \
+    __attribute__((target("avx2,fma,f16c"))) static void decode256_##NAME(panel_ref b, Py_ssize_t k, float *d) {   \
+        decode_panel_avx2(FMT, b, k, d);                                                                           \
+    }                                                                                                              \
     __attribute__((target("avx512f,avx2"))) static void decode512_##NAME(panel_ref b, Py_ssize_t k, float *d) {     \
         decode_panel_avx512(FMT, b, k, d);                                                                         \
     }                                                                                                              \
-    __attribute__((target("avx2,fma,f16c"))) static void decode256_##NAME(panel_ref b, Py_ssize_t k, float *d) {   \
-        decode_panel_avx2(FMT, b, k, d);                                                                           \
-    }
+    static const decode_fn decoders_##NAME[3] = {decode_plain_##NAME, decode256_##NAME, decode512_##NAME};
+#else
+#define DECODE_PANEL(NAME, FMT)                                                                                    \
+    static void decode_plain_##NAME(panel_ref b, Py_ssize_t k, float *d) { decode_panel_plain(FMT, b, k, d); }       \
+    static const decode_fn decoders_##NAME[3] = {decode_plain_##NAME, decode_plain_##NAME, decode_plain_##NAME};
+#endif
 DECODE_PANEL(mxfp4, WF_MXFP4)
 DECODE_PANEL(fp8, WF_FP8)
+DECODE_PANEL(fp8w, WF_FP8 | WF_WORDS)
 DECODE_PANEL(bf16, WF_BF16)
 #undef DECODE_PANEL
-#endif
 
 static void decode_panel(const weight_ref *w, Py_ssize_t p, int level, float *dst) {
     const int fmt = w->fmt;
-    const panel_ref b = panel_at(w, p);
-#if HAVE_X86_AVX2
-    if (level >= 1) {
-        typedef void (*decode_fn)(panel_ref, Py_ssize_t, float *);
-        const decode_fn f = level == 2 ? (fmt == WF_MXFP4 ? decode512_mxfp4 : fmt == WF_FP8 ? decode512_fp8 : decode512_bf16)
-                                       : (fmt == WF_MXFP4 ? decode256_mxfp4 : fmt == WF_FP8 ? decode256_fp8 : decode256_bf16);
-        f(b, w->k, dst);
-        return;
-    }
-#else
-    (void)level;
-#endif
-    if (fmt == WF_MXFP4)
-        decode_panel_plain(WF_MXFP4, b, w->k, dst);
-    else if (fmt == WF_FP8)
-        decode_panel_plain(WF_FP8, b, w->k, dst);
-    else
-        decode_panel_plain(WF_BF16, b, w->k, dst);
+    const decode_fn *f = fmt == WF_MXFP4 ? decoders_mxfp4 : fmt == WF_FP8 ? decoders_fp8
+                         : fmt == (WF_FP8 | WF_WORDS) ? decoders_fp8w : decoders_bf16;
+    f[level](panel_at(w, p), w->k, dst);
 }
 
 static __thread float *panel_buf; /* each pool thread's decoded panels (grown, kept) */
@@ -1078,7 +1127,9 @@ KERNEL_PY(linear_packed) {
     X(ADDR, x, "[m, k] float32, rows ldx floats apart")                                                        \
     X(SIZE, ldx, "floats between two rows of x (>= k)")                                                        \
     X(SIZE, format, "2 MXFP4 (E2M1 codes [n, k / 2], the even input the lower nibble; E8M0 scales [n, k / 32]), " \
-                    "4 FP8 (E4M3 [n, k]; E8M0 scales [ceil(n / block), ceil(k / block)]), 5 BF16 ([n, k])")                   \
+                    "4 FP8 (E4M3 [n, k]; E8M0 scales [ceil(n / block), ceil(k / block)]), 5 BF16 ([n, k]), "     \
+                    "12 FP8 panel-major (4 | WF_WORDS: E4M3 [ceil(n / 16), k / 4, 16, 4], the rows' 4-byte words "  \
+                    "side by side; the scales as 4's)")                                                       \
     X(ADDR, data, "the weight's codes as stored (e.g. in its checkpoint's memory map)")                        \
     X(ADDR, scales, "its E8M0 scales as stored (MXFP4, FP8; BF16: 0)")                                                               \
     X(ADDR, y, "[m, n] float32, rows ldy floats apart, written")                                               \
@@ -1104,11 +1155,13 @@ RAW_ENTRY(linear_stored)
 static int stored_misfit(const char *fn, Py_ssize_t format, Py_ssize_t k, Py_ssize_t kc, Py_ssize_t block) {
     const int mx = format == WF_MXFP4;
     if ((mx && k >= MX_G && k % MX_G == 0 && kc >= 8 && kc % 8 == 0) ||
-        (format == WF_FP8 && k >= 4 && k % 4 == 0 && kc >= 4 && kc % 4 == 0 && block >= NR && block % NR == 0) ||
+        ((format == WF_FP8 || format == (WF_FP8 | WF_WORDS)) && k >= 4 && k % 4 == 0 && kc >= 4 && kc % 4 == 0 &&
+         block >= NR && block % NR == 0) ||
         (format == WF_BF16 && k >= 2 && k % 2 == 0 && kc >= 2 && kc % 2 == 0))
         return 0;
     PyErr_Format(PyExc_ValueError, "%s: format %zd, k %zd, kc %zd, block %zd do not fit (format 2: MXFP4, k a multiple "
-                 "of 32, kc of 8; format 4: FP8, k and kc multiples of 4, block of 16; format 5: BF16, k and kc even)",
+                 "of 32, kc of 8; format 4 or 12: FP8, k and kc multiples of 4, block of 16; format 5: BF16, k and kc "
+                 "even)",
                  fn, format, k, kc, block);
     return 1;
 }
@@ -1116,7 +1169,7 @@ static int stored_misfit(const char *fn, Py_ssize_t format, Py_ssize_t k, Py_ssi
 KERNEL_PY(linear_stored) {
     PARSE(linear_stored);
     if (stored_misfit("linear_stored", a.format, a.k, a.kc, a.block)) return NULL;
-    if (a.row0 < 0 || a.row0 % NR || (a.format == WF_FP8 && a.row0 >= a.block))
+    if (a.row0 < 0 || a.row0 % NR || (BASE(a.format) == WF_FP8 && a.row0 >= a.block))
         return misfit("linear_stored", "row0 a multiple of 16 below the block");
     if (a.m < 0 || a.n < 0 || a.ldx < a.k || a.ldy < a.n ||
         (a.m && a.n && (!a.x || !a.data || !a.y || (a.format != WF_BF16 && !a.scales))))
@@ -1125,6 +1178,46 @@ KERNEL_PY(linear_stored) {
     run_linear_stored(&a);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
+}
+
+/* ---- FP8 rows repacked panel-major (WF_FP8 | WF_WORDS), once at load ------------------------------------------ */
+
+#define FP8_WORDS_FIELDS(X)                                                                                    \
+    X(ADDR, data, "E4M3 [n, k] uint8, rows k bytes apart (e.g. a checkpoint's memory map)")                   \
+    X(ADDR, words, "[ceil(n / 16), k / 4, 16, 4] uint8, written: word w of row 16 p + r at words[p][w][r]")   \
+    X(SIZE, n, "rows")                                                                                         \
+    X(SIZE, k, "bytes a row (a multiple of 4)")
+KERNEL_ARGS(fp8_words, FP8_WORDS_FIELDS,
+            "Repacks FP8 rows panel-major for linear_stored's format 12 (a permutation of the bytes, zero rows "
+            "beyond n); returns False, words partly written, where a code is NaN (S.1111.111: that format's decode "
+            "leaves its NaN test out), else True. One pass, without the GIL.")
+KERNEL_PY(fp8_words) {
+    PARSE(fp8_words);
+    if (a.n < 0 || a.k < 0 || a.k % 4 || (a.n && a.k && (!a.data || !a.words)))
+        return misfit("fp8_words", "n >= 0, k a multiple of 4, non-null addresses");
+    const Py_ssize_t n = a.n, kw = a.k / 4, panels = (n + NR - 1) / NR;
+    const uint8_t *src = U8(a.data);
+    uint8_t *dst = (uint8_t *)(uintptr_t)a.words;
+    uint32_t nan = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t p = 0; p < panels; p++)
+        for (int r = 0; r < NR; r++) {
+            const Py_ssize_t row = p * NR + r;
+            uint8_t *o = dst + (p * kw * NR + r) * 4;
+            if (row >= n) {
+                for (Py_ssize_t w = 0; w < kw; w++) memset(o + w * NR * 4, 0, 4);
+                continue;
+            }
+            const uint8_t *i = src + row * a.k;
+            for (Py_ssize_t w = 0; w < kw; w++) {
+                uint32_t v;
+                memcpy(&v, i + 4 * w, 4);
+                nan |= ((v & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u; /* a byte's low 7 bits all ones */
+                memcpy(o + w * NR * 4, &v, 4);
+            }
+        }
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(!nan);
 }
 
 /* ---- the decoders of _formats.h, for their test: every code through each form ------------------------------- */
@@ -1825,7 +1918,7 @@ KERNEL_PY(moe_experts) {
 
 static const struct arg_spec *const SPECS[] = {&linear_packed_spec, &linear_stored_spec,
                                                &linear_fp8_spec,    &linear_bf16_spec,  &blas_mm_spec,
-                                               &moe_experts_spec,   &decode_formats_spec};
+                                               &moe_experts_spec,   &decode_formats_spec, &fp8_words_spec};
 
 static PyObject *py_raw_kernels(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
     PyObject *out = PyDict_New();
@@ -1876,6 +1969,7 @@ static PyMethodDef methods[] = {
     KERNEL_METHOD(linear_packed),
     KERNEL_METHOD(linear_stored),
     KERNEL_METHOD(decode_formats),
+    KERNEL_METHOD(fp8_words),
     KERNEL_METHOD(linear_fp8),
     KERNEL_METHOD(linear_bf16),
     {"amx_supported", py_amx_supported, METH_NOARGS,

@@ -39,8 +39,8 @@ def stacked(*weights: torch.Tensor | StoredWeight) -> torch.Tensor | StoredWeigh
     if all(isinstance(w, StoredWeight) for w in weights) and len({(w.fmt, w.block) for w in weights}) == 1:
         key = tuple(id(p[0]) for w in weights for p in w.parts)
         if key not in _stacks:
-            _stacks[key] = (StoredWeight(weights[0].fmt, [p for w in weights for p in w.parts], weights[0].block),
-                            weights)
+            _stacks[key] = (StoredWeight(weights[0].fmt, [p for w in weights for p in w.parts], weights[0].block,
+                                         [q for w in weights for q in w.words]), weights)
         return _stacks[key][0]
     weights = tuple(w.dense() if isinstance(w, StoredWeight) else w for w in weights)
     if torch.is_grad_enabled() and any(w.requires_grad for w in weights):

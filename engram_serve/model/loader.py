@@ -190,7 +190,9 @@ def read_stored(files: CheckpointFiles, name: str, like: torch.Tensor) -> tuple[
     if block % 16:
         return None
     data, scales = files.tensor(name, writable=False), files.tensor(sname, writable=False)
-    return StoredWeight(STORED_FP8, [(data, scales, 0)], block), [name, sname]
+    weight = StoredWeight(STORED_FP8, [(data, scales, 0)], block)
+    weight.panel_major()
+    return weight, [name, sname]
 
 
 def read_fp4(files: CheckpointFiles, name: str, shape: list[int]) -> torch.Tensor:

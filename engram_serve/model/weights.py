@@ -26,7 +26,8 @@ from torch import nn
 
 from ..engram.quantized import dequantize_blocks, dequantize_fp4
 from . import exactness
-from .exactness import STORED_BF16, in_major
+from .checkpoint import drop_pages
+from .exactness import STORED_BF16, STORED_FP8, in_major
 
 Stored = tuple[torch.Tensor, torch.Tensor]  # (packed E2M1 codes [rows, cols / 2], E8M0 scales [rows, cols / 32])
 
@@ -84,26 +85,41 @@ class Mxfp4Experts:
 class StoredWeight:
     """A linear's weights as stored, stacked by rows: `fmt` exactness.STORED_FP8 (E4M3 with one E8M0 scale per
     `block` x `block` tile) or STORED_BF16; `parts` [(data [out_i, in] uint8 (BF16: bfloat16), E8M0 scales [blocks
-    of rows, ceil(in / block)] uint8 (BF16: None), row0: the first row's place in its block of scales)]; `shape`
-    (sum of out_i, in); `dtype` the one its products compute in."""
+    of rows, ceil(in / block)] uint8 (BF16: None), row0: the first row's place in its block of scales)]; `words` a
+    part's FP8 rows repacked panel-major (`panel_major`), or None; `shape` (sum of out_i, in); `dtype` the one its
+    products compute in."""
 
     dtype = torch.float32
 
-    def __init__(self, fmt: int, parts: list[tuple[torch.Tensor, torch.Tensor | None, int]], block: int = 0):
+    def __init__(self, fmt: int, parts: list[tuple[torch.Tensor, torch.Tensor | None, int]], block: int = 0,
+                 words: list[torch.Tensor | None] | None = None):
         self.fmt, self.parts, self.block = fmt, parts, block
+        self.words = words or [None] * len(parts)
         self.shape = torch.Size((sum(d.shape[0] for d, _, _ in parts), parts[0][0].shape[1]))
         self._dense = None
+
+    def panel_major(self) -> None:
+        """Repacks each FP8 part panel-major for the kernel (`exactness.fp8_words`: a permutation of its bytes, the
+        same products; where no code is NaN) if the kernel multiplies this weight as stored, and lets the map's pages
+        of its stored rows go (`drop_pages`: they stay the weight for `dequantize`, read from the file again)."""
+        if self.fmt != STORED_FP8 or self.kc() is None:
+            return
+        for i, (data, _, _) in enumerate(self.parts):
+            if self.words[i] is None and (words := exactness.fp8_words(data)) is not None:
+                self.words[i] = words
+                drop_pages(data)
 
     def rows(self, r0: int, r1: int) -> StoredWeight | None:
         """Rows [r0, r1) of a one-part weight as stored, or None where r0 is not a multiple of 16 (a panel's rows
         share their block of scales)."""
-        (data, scales, row0), b = self.parts[0], self.block
+        (data, scales, row0), words, b = self.parts[0], self.words[0], self.block
         if len(self.parts) > 1 or r0 % 16:
             return None
         if scales is None:
             return StoredWeight(self.fmt, [(data[r0:r1], None, 0)])
         first = row0 + r0
-        return StoredWeight(self.fmt, [(data[r0:r1], scales[first // b:-(-(row0 + r1) // b)], first % b)], b)
+        return StoredWeight(self.fmt, [(data[r0:r1], scales[first // b:-(-(row0 + r1) // b)], first % b)], b,
+                            [None if words is None else words[r0 // 16:-(-r1 // 16)]])
 
     def dequantize(self) -> torch.Tensor:
         """The float32 [out, in] weight: exactly `dequantize_blocks` of each FP8 part (a BF16 one cast)."""
@@ -134,9 +150,9 @@ class StoredWeight:
             from . import products  # (products plans float weights; it does not know this module)
             return products.plan(self.dense()).run(x2, self.dense())
         y, at = torch.empty(x2.shape[0], self.shape[0]), 0
-        for data, scales, row0 in self.parts:
-            exactness.matmul_stored(x2, self.fmt, data, scales, data.shape[0], kc, self.block, out=y[:, at:],
-                                    row0=row0)
+        for (data, scales, row0), words in zip(self.parts, self.words):
+            fmt, stored = (self.fmt, data) if words is None else (exactness.STORED_FP8_WORDS, words)
+            exactness.matmul_stored(x2, fmt, stored, scales, data.shape[0], kc, self.block, out=y[:, at:], row0=row0)
             at += data.shape[0]
         return y
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from engram_serve import kernels
 from engram_serve.engram.quantized import FP4_VALUES, SCALE_COLS, dequantize_blocks, dequantize_fp4
 from engram_serve.model import exactness
-from engram_serve.model.exactness import STORED_BF16, STORED_FP8, STORED_MXFP4
+from engram_serve.model.exactness import STORED_BF16, STORED_FP8, STORED_FP8_WORDS, STORED_MXFP4
 from engram_serve.model.weights import StoredWeight
 
 lin = kernels.get("linear")
@@ -90,11 +90,13 @@ def test_stored_fp8_gives_the_float_panels_bits(m, k, n, block, kc, seed, wide):
         special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan")])
         x = torch.where(torch.rand(m, k, generator=g) < 0.02, special[torch.randint(0, 5, (m, k), generator=g)], x)
     want = float_product(x, fp8_float(q, s, block), kc, LEVELS[-1])
+    words = exactness.fp8_words(q)
     for simd in LEVELS:
-        got = exactness.matmul_stored(x, STORED_FP8, q, s, n, kc, block=block, simd=simd)
-        # a NaN's sign and payload follow which NaN an instruction form propagates first: any NaN is the same here
-        assert torch.equal(bits(got.nan_to_num(nan=1.5)), bits(want.nan_to_num(nan=1.5))), simd
-        assert torch.equal(got.isnan(), want.isnan()), simd
+        for got in (exactness.matmul_stored(x, STORED_FP8, q, s, n, kc, block=block, simd=simd),
+                    exactness.matmul_stored(x, STORED_FP8_WORDS, words, s, n, kc, block=block, simd=simd)):
+            # a NaN's sign and payload follow which NaN an instruction form propagates first: any NaN is the same
+            assert torch.equal(bits(got.nan_to_num(nan=1.5)), bits(want.nan_to_num(nan=1.5))), simd
+            assert torch.equal(got.isnan(), want.isnan()), simd
 
 
 @settings(max_examples=30, deadline=None)
@@ -168,11 +170,38 @@ def test_moe_experts_as_stored_equal_them_on_float_panels(d, inter, experts):
 @pytest.mark.parametrize("r0,r1", [(16, 48), (32, 70), (48, 53), (0, 5)])
 def test_rows_of_a_stored_fp8_weight_give_their_bits(r0, r1):
     """rows r0.. of a weight as stored (model/weights.py `StoredWeight.rows`: a group of a block-diagonal weight): its
-    scales from block row r0 // block, `row0` = r0 % block"""
+    scales from block row r0 // block, `row0` = r0 % block; from the rows as stored and from their panel-major words"""
     q, s = fp8_weight(70, 64, 32, 3)
-    (d, sc, row0), = StoredWeight(STORED_FP8, [(q, s, 0)], 32).rows(r0, r1).parts
+    part = StoredWeight(STORED_FP8, [(q, s, 0)], 32, [exactness.fp8_words(q)]).rows(r0, r1)
+    ((d, sc, row0),), (words,) = part.parts, part.words
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(r0))
     want = float_product(x, fp8_float(q, s, 32)[r0:r1], 16, LEVELS[-1])
     for simd in LEVELS:
-        got = exactness.matmul_stored(x, STORED_FP8, d, sc, r1 - r0, 16, block=32, simd=simd, row0=row0)
-        assert torch.equal(bits(got), bits(want)), simd
+        for fmt, data in ((STORED_FP8, d), (STORED_FP8_WORDS, words)):
+            got = exactness.matmul_stored(x, fmt, data, sc, r1 - r0, 16, block=32, simd=simd, row0=row0)
+            assert torch.equal(bits(got), bits(want)), (simd, fmt)
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 70), k=st.sampled_from([4, 8, 36, 200]), seed=st.integers(0, 2**16))
+def test_fp8_words_are_the_rows_bytes_panel_major(n, k, seed):
+    """`fp8_words`: word w of row 16 p + r at [p][w][r], zero rows beyond n: a permutation of the bytes; None where
+    a code is NaN"""
+    q, _ = fp8_weight(n, k, 16, seed)
+    words = exactness.fp8_words(q)
+    padded = torch.cat([q, torch.zeros(words.shape[0] * 16 - n, k, dtype=torch.uint8)])
+    assert torch.equal(words, padded.view(-1, 16, k // 4, 4).transpose(1, 2))
+    q[seed % n, seed % k] = 0x7F | (seed & 0x80)
+    assert exactness.fp8_words(q) is None
+
+
+def test_fp8_words_in_another_order_give_other_bits():
+    """Negative control: the kernel reads words as laid out; two rows of a panel swapped give other outputs"""
+    q, s = fp8_weight(32, 64, 32, 9)
+    words = exactness.fp8_words(q)
+    x = torch.randn(3, 64)
+    want = exactness.matmul_stored(x, STORED_FP8, q, s, 32, 16, block=32)
+    assert torch.equal(bits(exactness.matmul_stored(x, STORED_FP8_WORDS, words, s, 32, 16, block=32)), bits(want))
+    swapped = words.clone()
+    swapped[0, :, [1, 2]] = words[0, :, [2, 1]]
+    assert not torch.equal(bits(exactness.matmul_stored(x, STORED_FP8_WORDS, swapped, s, 32, 16, block=32)), bits(want))

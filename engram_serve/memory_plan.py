@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -49,6 +49,7 @@ class Machine:
 
     kernel: bool
     amx: bool = False
+    expert_words: bool = False  # the routed experts repacked into RAM (`experts_fit`)
 
     @classmethod
     def local(cls) -> Machine:
@@ -76,7 +77,9 @@ STORED = ("F8_E4M3", "BF16")  # the formats a Linear's weight stays in (model/lo
 
 
 AS_STORED = Copy("as stored, mapped", None, 1, True)
-WORDS = Copy("FP8 rows panel-major", 1, PANEL)  # its mapped rows' pages let go (weights.py `panel_major`)
+WORDS = Copy("rows panel-major", None, PANEL)  # the mapped rows' pages let go (weights.py `panel_major`) ...
+EDGES = Copy("the repacked rows' edge pages, mapped", None, 1, True)  # ... but the two a neighbour shares
+PAGE = 4096
 
 
 def held_copies(role: str, stored: str, outputs: int, m: Machine, tp: int = 1) -> tuple[Copy, ...]:
@@ -113,8 +116,9 @@ def held_copies(role: str, stored: str, outputs: int, m: Machine, tp: int = 1) -
     if role in ("vector", "embed"):
         return (Copy("float32, mapped", 4, 1, True),) if stored == "F32" else (Copy("float32 (cast)", 4),)
     in_place = m.kernel and not m.amx and tp == 1 and outputs >= PANEL
-    if in_place and role.endswith("linear") and stored == "F8_E4M3":
-        return (WORDS,)
+    if in_place and (role.endswith("linear") and stored == "F8_E4M3" or
+                     role == "expert" and stored in MXFP4_CODES and m.expert_words):
+        return (WORDS, EDGES)
     if in_place and (role == "expert" and stored in MXFP4_CODES or role.endswith("linear") and stored in STORED):
         return (AS_STORED,)
     if not m.kernel or outputs < PANEL:
@@ -260,7 +264,12 @@ def memory_plan(model: str | Path, tensor_parallel_size: int = 1, max_model_len:
     max_model_len = max_model_len or min(d.max_model_len, cfg.max_position_embeddings)
     max_num_seqs = max_num_seqs or d.max_num_seqs
     max_num_batched_tokens = max_num_batched_tokens or d.max_num_batched_tokens
-    m = machine or Machine.local()
+    mem_source = "--memory"
+    if memory is None:
+        memory, mem_source = mem_total(), "MemTotal of /proc/meminfo"
+    experts = sum(ITEMSIZE[t] * math.prod(shape) for n, (t, shape) in specs.items() if ROUTED.search(n))
+    from .model.weights import experts_fit
+    m = replace(machine or Machine.local(), expert_words=experts_fit(experts, memory))
     weights, one_layer_experts = held_weights(specs, cfg, tp, m)
     tables = weights.pop("tables", Weights())
     per_token = state_per_token(cfg)
@@ -273,9 +282,6 @@ def memory_plan(model: str | Path, tensor_parallel_size: int = 1, max_model_len:
         loaded = ram(held_weights(specs, cfg, 1, m, products=False)[0])
         shard = ram(held_weights(specs, cfg, tp, m, products=False)[0])
         load_peak = max(loaded, shard) + one_layer_experts
-    mem_source = "--memory"
-    if memory is None:
-        memory, mem_source = mem_total(), "MemTotal of /proc/meminfo"
     return MemoryPlan(source, tp, max_model_len, max_num_seqs, max_num_batched_tokens, asdict(m), weights, tables,
                       per_token, state, buffers, load_peak, memory, mem_source)
 
@@ -333,7 +339,11 @@ def held_weights(specs: dict, cfg: ModelConfig, tp: int, m: Machine,
                 continue
             rows = -(-logical[0] // c.pad) * c.pad if len(logical) > 1 else logical[0]
             n = rows * math.prod(logical[1:])
-            w.add(c, ITEMSIZE[dtype] * math.prod(shp) if c.per_param is None else math.ceil(c.per_param * n))
+            stored_bytes = ITEMSIZE[dtype] * math.prod(shp)
+            if c is EDGES:
+                w.add(c, min(stored_bytes, 2 * PAGE))
+            else:
+                w.add(c, stored_bytes * rows // logical[0] if c.per_param is None else math.ceil(c.per_param * n))
     one_layer = 4 * max(expert_params.values(), default=0) * (tp if tp > 1 else 1)
     return out, one_layer
 
@@ -359,10 +369,14 @@ def runtime_buffers(cfg: ModelConfig, max_model_len: int, tokens: int, microbatc
 
 
 def mem_total() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1]) * 1024
-    raise ConfigError("/proc/meminfo has no MemTotal: give --memory")
+    from .model.checkpoint import meminfo
+    total = meminfo("MemTotal")
+    if total is None:
+        raise ConfigError("/proc/meminfo has no MemTotal: give --memory")
+    return total
+
+
+ROUTED = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.(weight|scale)$")  # a routed expert's codes and scales
 
 
 def parse_bytes(text: str) -> int:

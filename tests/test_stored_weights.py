@@ -132,7 +132,9 @@ def _decode_one_code_wrong(experts: Mxfp4Experts, code: int = 1, wrong: int = 2)
         return lo | (hi << 4)
     for w in (experts.w1, experts.w3, experts.w2):
         w[:] = [(wrong_codes(c), s) for c, s in w]
-    experts._addresses = None
+    repacked, experts.words, experts._addresses = experts.words is not None, None, None
+    if repacked:  # the kernel reads the codes' panel-major words: made again from the wrong codes
+        assert experts.panel_major()
 
 
 def mapping_of(address: int) -> tuple[str, str]:

@@ -46,9 +46,9 @@
  *       format 2 MXFP4 (E2M1 codes [n, k / 2], E8M0 scales [n, k / 32]), 4 FP8 (E4M3 [n, k], E8M0 scales per
  *       block x block tile), decoded exactly in registers (_formats.h) inside the very accumulation loops of the
  *       float panels (instantiated per format, the section "weight formats" below): the bits of linear_packed over
- *       the dequantized weight. Format 12: FP8 rows repacked panel-major at load (fp8_words: a permutation of the
+ *       the dequantized weight. Format 12: FP8 rows repacked panel-major at load (panel_words: a permutation of the
  *       bytes, so that 16 rows' word at an input is one load), the same bits.
- *   fp8_words(data, words, n, k) -> bool: that repack, in one pass; False where a code is NaN.
+ *   panel_words(data, words, n, k, fp8) -> bool: that repack, in one pass (False where fp8 and a code is NaN).
  *   decode_formats(format, data, y, n, simd[, scales]) -> level: the decoders of _formats.h, for their test.
  *   moe_experts(xs, rows, counts, e, d, inter, panels13, kc13, panels2, kc2, limit, h, g, ys, simd[, format,
  *               scales13, scales2, tiles]) -> None
@@ -60,7 +60,8 @@
  *       of the counts (a decode step's CPU graph replays it). simd as linear_packed's (0, 1 or 2). format 1
  *       (or tiles=True): the addresses are of bfloat16 tiles, multiplied by linear_bf16 (kc13, kc2 and simd
  *       unused); format 2: of MXFP4 panels' codes, with scales13 / scales2 their scales' addresses
- *       (linear_stored's product: the same bits as format 0 over the dequantized weights).
+ *       (linear_stored's product: the same bits as format 0 over the dequantized weights); format 10: those codes
+ *       repacked panel-major (panel_words), the same bits.
  *   linear_bf16(x, ldx, w, y, m, k, n) -> None, amx_supported() -> bool
  *       y [m, n] = x @ w on the AMX tile unit, w every value a bfloat16, packed as tiles (the section below):
  *       the inputs split exactly in three bfloat16 pieces, the products exact, the sums in float32; where
@@ -130,7 +131,8 @@ enum weight_format { WF_F32 = 0, WF_TILES = 1, WF_MXFP4 = 2, WF_FP8_PANELS = 3, 
 /* A flag of a stored format: its rows repacked panel-major, [panels][words][16][4 bytes] (each row's 32-bit words
  * intact, a panel's 16 rows side by side, zero rows beyond n: a permutation of the stored bytes), so that the 16 rows'
  * word at an input is one 64-byte load, not a transpose of 16 rows (load_rows16). The scales stay as stored. FP8
- * only (WF_FP8 | WF_WORDS) is instantiated, and its codes are never NaN (the caller's repack checks). */
+ * and MXFP4 are instantiated (linear_stored's format 12, moe_experts' 10); FP8 words never hold a NaN code (the
+ * repack checks). */
 #define WF_WORDS 8
 #define BASE(fmt) ((fmt) & 7)
 static inline int words_of(const int fmt) { return fmt & WF_WORDS; }
@@ -392,7 +394,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void rows8x2x4(
 __attribute__((target("avx512f,avx2"), always_inline)) static inline int load_rows16(const int fmt, panel_ref b,
                                                                                      Py_ssize_t t, Py_ssize_t te,
                                                                                      int full, __m512i *g) {
-    if ((full || words_of(fmt)) && te - t >= 4 * gather_inputs(fmt)) {
+    if (full && !words_of(fmt) && te - t >= 4 * gather_inputs(fmt)) { /* (words: one load each, fewer registers) */
         rows16x4(fmt, b, t, g);
         return 4;
     }
@@ -725,6 +727,7 @@ TILES_OF(f32, WF_F32)
 TILES_OF(mxfp4, WF_MXFP4)
 TILES_OF(fp8, WF_FP8)
 TILES_OF(fp8w, WF_FP8 | WF_WORDS)
+TILES_OF(mxfp4w, WF_MXFP4 | WF_WORDS)
 TILES_OF(bf16, WF_BF16)
 #undef FEW
 #endif
@@ -767,6 +770,11 @@ static void tile_plain_fp8(int mr, const float *x, Py_ssize_t ldx, panel_ref bp,
     tile_plain(WF_FP8, mr, x, ldx, bp, k, kc, out, ldo);
 }
 
+static void tile_plain_mxfp4w(int mr, const float *x, Py_ssize_t ldx, panel_ref bp, Py_ssize_t k, Py_ssize_t kc,
+                            float *out, Py_ssize_t ldo) {
+    tile_plain(WF_MXFP4 | WF_WORDS, mr, x, ldx, bp, k, kc, out, ldo);
+}
+
 static void tile_plain_fp8w(int mr, const float *x, Py_ssize_t ldx, panel_ref bp, Py_ssize_t k, Py_ssize_t kc,
                             float *out, Py_ssize_t ldo) {
     tile_plain(WF_FP8 | WF_WORDS, mr, x, ldx, bp, k, kc, out, ldo);
@@ -789,8 +797,8 @@ typedef struct {
 #endif
 static const format_tiles *tiles_of(const int fmt) {
     static const format_tiles f32 = FORMAT_TILES(f32), mxfp4 = FORMAT_TILES(mxfp4), fp8 = FORMAT_TILES(fp8),
-                              fp8w = FORMAT_TILES(fp8w), bf16 = FORMAT_TILES(bf16);
-    return fmt == WF_MXFP4 ? &mxfp4 : fmt == WF_FP8 ? &fp8 : fmt == (WF_FP8 | WF_WORDS) ? &fp8w
+                              fp8w = FORMAT_TILES(fp8w), mxfp4w = FORMAT_TILES(mxfp4w), bf16 = FORMAT_TILES(bf16);
+    return fmt == WF_MXFP4 ? &mxfp4 : fmt == WF_FP8 ? &fp8 : fmt == (WF_FP8 | WF_WORDS) ? &fp8w : fmt == (WF_MXFP4 | WF_WORDS) ? &mxfp4w
          : fmt == WF_BF16 ? &bf16 : &f32;
 }
 #undef FORMAT_TILES
@@ -867,13 +875,14 @@ typedef void (*decode_fn)(panel_ref, Py_ssize_t, float *);
 DECODE_PANEL(mxfp4, WF_MXFP4)
 DECODE_PANEL(fp8, WF_FP8)
 DECODE_PANEL(fp8w, WF_FP8 | WF_WORDS)
+DECODE_PANEL(mxfp4w, WF_MXFP4 | WF_WORDS)
 DECODE_PANEL(bf16, WF_BF16)
 #undef DECODE_PANEL
 
 static void decode_panel(const weight_ref *w, Py_ssize_t p, int level, float *dst) {
     const int fmt = w->fmt;
     const decode_fn *f = fmt == WF_MXFP4 ? decoders_mxfp4 : fmt == WF_FP8 ? decoders_fp8
-                         : fmt == (WF_FP8 | WF_WORDS) ? decoders_fp8w : decoders_bf16;
+                         : fmt == (WF_FP8 | WF_WORDS) ? decoders_fp8w : fmt == (WF_MXFP4 | WF_WORDS) ? decoders_mxfp4w : decoders_bf16;
     f[level](panel_at(w, p), w->k, dst);
 }
 
@@ -1153,7 +1162,7 @@ RAW_ENTRY(linear_stored)
 
 /* whether a stored weight's shape, block and kc fit its format; 0 if so, else a ValueError set */
 static int stored_misfit(const char *fn, Py_ssize_t format, Py_ssize_t k, Py_ssize_t kc, Py_ssize_t block) {
-    const int mx = format == WF_MXFP4;
+    const int mx = BASE(format) == WF_MXFP4;
     if ((mx && k >= MX_G && k % MX_G == 0 && kc >= 8 && kc % 8 == 0) ||
         ((format == WF_FP8 || format == (WF_FP8 | WF_WORDS)) && k >= 4 && k % 4 == 0 && kc >= 4 && kc % 4 == 0 &&
          block >= NR && block % NR == 0) ||
@@ -1180,21 +1189,22 @@ KERNEL_PY(linear_stored) {
     Py_RETURN_NONE;
 }
 
-/* ---- FP8 rows repacked panel-major (WF_FP8 | WF_WORDS), once at load ------------------------------------------ */
+/* ---- stored rows repacked panel-major (WF_WORDS), once at load ------------------------------------------------ */
 
-#define FP8_WORDS_FIELDS(X)                                                                                    \
-    X(ADDR, data, "E4M3 [n, k] uint8, rows k bytes apart (e.g. a checkpoint's memory map)")                   \
+#define PANEL_WORDS_FIELDS(X)                                                                                  \
+    X(ADDR, data, "the rows as stored [n, k] uint8, k bytes apart (e.g. a checkpoint's memory map)")          \
     X(ADDR, words, "[ceil(n / 16), k / 4, 16, 4] uint8, written: word w of row 16 p + r at words[p][w][r]")   \
     X(SIZE, n, "rows")                                                                                         \
-    X(SIZE, k, "bytes a row (a multiple of 4)")
-KERNEL_ARGS(fp8_words, FP8_WORDS_FIELDS,
-            "Repacks FP8 rows panel-major for linear_stored's format 12 (a permutation of the bytes, zero rows "
-            "beyond n); returns False, words partly written, where a code is NaN (S.1111.111: that format's decode "
-            "leaves its NaN test out), else True. One pass, without the GIL.")
-KERNEL_PY(fp8_words) {
-    PARSE(fp8_words);
+    X(SIZE, k, "bytes a row (a multiple of 4)")                                                                \
+    X(SIZE, fp8, "1: the bytes are E4M3 codes, checked for NaN ones")
+KERNEL_ARGS(panel_words, PANEL_WORDS_FIELDS,
+            "Repacks stored rows panel-major for the WF_WORDS formats (linear_stored's 12, moe_experts' 10): a "
+            "permutation of the bytes, zero rows beyond n. Returns False, words partly written, where fp8 and a code "
+            "is NaN (S.1111.111: format 12's decode leaves its NaN test out), else True. One pass, without the GIL.")
+KERNEL_PY(panel_words) {
+    PARSE(panel_words);
     if (a.n < 0 || a.k < 0 || a.k % 4 || (a.n && a.k && (!a.data || !a.words)))
-        return misfit("fp8_words", "n >= 0, k a multiple of 4, non-null addresses");
+        return misfit("panel_words", "n >= 0, k a multiple of 4, non-null addresses");
     const Py_ssize_t n = a.n, kw = a.k / 4, panels = (n + NR - 1) / NR;
     const uint8_t *src = U8(a.data);
     uint8_t *dst = (uint8_t *)(uintptr_t)a.words;
@@ -1217,7 +1227,7 @@ KERNEL_PY(fp8_words) {
             }
         }
     Py_END_ALLOW_THREADS
-    return PyBool_FromLong(!nan);
+    return PyBool_FromLong(!(a.fp8 && nan));
 }
 
 /* ---- the decoders of _formats.h, for their test: every code through each form ------------------------------- */
@@ -1856,7 +1866,8 @@ static int moe_experts(const int fmt, const float *xs, Py_ssize_t rows, const in
     X(ADDR, g, "[rows, inter] float32 scratch")                                                                \
     X(ADDR, ys, "[rows, d] float32, written")                                                                  \
     X(SIZE, simd, "linear_packed's simd: 0, 1 or 2 (unused with tiles)")                                       \
-    X(OPTSIZE, format, "0 float32 panels, 1 bfloat16 tiles (as tiles=True), 2 MXFP4 as stored")  \
+    X(OPTSIZE, format, "0 float32 panels, 1 bfloat16 tiles (as tiles=True), 2 MXFP4 as stored, 10 its codes "       \
+                       "panel-major (panel_words)")                                                            \
     X(OPTADDR, scales13, "MXFP4: [e] int64, each expert's w1/w3 E8M0 scales' address (panels13: its codes)")       \
     X(OPTADDR, scales2, "MXFP4: [e] int64, each expert's w2 E8M0 scales' address")                             \
     X(OPTADDR, w3, "MXFP4 as stored: [e] int64, each expert's w3 codes' address (panels13: w1's, both [inter, d / 2])")\
@@ -1879,9 +1890,9 @@ KERNEL_PY(moe_experts) {
         return NULL;
     }
     const int fmt = a.tiles ? WF_TILES : (int)a.format;
-    if (fmt != WF_F32 && fmt != WF_TILES && fmt != WF_MXFP4) {
-        PyErr_Format(PyExc_ValueError, "moe_experts: format %zd is not 0 (float panels), 1 (tiles) or 2 (MXFP4 as "
-                     "stored)", (Py_ssize_t)a.format);
+    if (fmt != WF_F32 && fmt != WF_TILES && BASE(fmt) != WF_MXFP4) {
+        PyErr_Format(PyExc_ValueError, "moe_experts: format %zd is not 0 (float panels), 1 (tiles), 2 (MXFP4 as "
+                     "stored) or 10 (MXFP4 panel-major)", (Py_ssize_t)a.format);
         return NULL;
     }
     if (fmt == WF_TILES && !amx_supported()) {
@@ -1889,12 +1900,12 @@ KERNEL_PY(moe_experts) {
                         "amx_supported()");
         return NULL;
     }
-    if (fmt == WF_MXFP4 && (!a.w3 || !a.scales3 || stored_misfit("moe_experts", fmt, a.d, a.kc13, 0) ||
+    if (BASE(fmt) == WF_MXFP4 && (!a.w3 || !a.scales3 || stored_misfit("moe_experts", fmt, a.d, a.kc13, 0) ||
                                  stored_misfit("moe_experts", fmt, a.inter, a.kc2, 0))) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "moe_experts: MXFP4 as stored needs w3 and scales3");
         return NULL;
     }
-    if ((fmt == WF_MXFP4) && (!a.scales13 || !a.scales2 || a.d % MX_G || a.inter % MX_G)) {
+    if (BASE(fmt) == WF_MXFP4 && (!a.scales13 || !a.scales2 || a.d % MX_G || a.inter % MX_G)) {
         PyErr_Format(PyExc_ValueError, "moe_experts: MXFP4 panels need scales13 and scales2, and d %zd and inter %zd "
                      "multiples of 32", (Py_ssize_t)a.d, (Py_ssize_t)a.inter);
         return NULL;
@@ -1918,7 +1929,7 @@ KERNEL_PY(moe_experts) {
 
 static const struct arg_spec *const SPECS[] = {&linear_packed_spec, &linear_stored_spec,
                                                &linear_fp8_spec,    &linear_bf16_spec,  &blas_mm_spec,
-                                               &moe_experts_spec,   &decode_formats_spec, &fp8_words_spec};
+                                               &moe_experts_spec,   &decode_formats_spec, &panel_words_spec};
 
 static PyObject *py_raw_kernels(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
     PyObject *out = PyDict_New();
@@ -1969,7 +1980,7 @@ static PyMethodDef methods[] = {
     KERNEL_METHOD(linear_packed),
     KERNEL_METHOD(linear_stored),
     KERNEL_METHOD(decode_formats),
-    KERNEL_METHOD(fp8_words),
+    KERNEL_METHOD(panel_words),
     KERNEL_METHOD(linear_fp8),
     KERNEL_METHOD(linear_bf16),
     {"amx_supported", py_amx_supported, METH_NOARGS,

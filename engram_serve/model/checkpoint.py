@@ -44,6 +44,15 @@ DTYPES = {
 PAGE = mmap.PAGESIZE
 
 
+def meminfo(key: str) -> int | None:
+    """A /proc/meminfo figure in bytes (MemTotal, MemAvailable), or None where there is none."""
+    path = Path("/proc/meminfo")
+    for line in path.read_text().splitlines() if path.is_file() else ():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
 def drop_pages(t: torch.Tensor) -> None:
     """madvise(MADV_DONTNEED) over the whole pages inside a tensor that is a view of a shard's map and was read
     once (converted at load): the map lets them go, and they no longer count in the process's resident memory

@@ -308,6 +308,7 @@ class ExpertPanels(NamedTuple):
     tiles: bool
     stored: tuple | None = None  # MXFP4 as stored (`Mxfp4Experts`): w13 / w2 address w1's / w2's codes; the
     # addresses of w1's scales, w3's codes and scales, w2's scales
+    words: bool = False  # those codes panel-major (`Mxfp4Experts.panel_major`)
 
 
 class MoE(HoldsStored):
@@ -358,7 +359,7 @@ class MoE(HoldsStored):
         panels = self._expert_panels(xs, counts, ops)
         if panels is not None:
             return exactness.moe_experts(xs, counts, panels.w13, panels.kc13, panels.w2, panels.kc2, self.inter,
-                                         self.cfg.swiglu_limit, panels.tiles, panels.stored)
+                                         self.cfg.swiglu_limit, panels.tiles, panels.stored, panels.words)
         capture.refuse("the MoE reads its expert counts on the host")
         parts, start = [], 0
         for e, c in enumerate(counts.tolist()):  # one host read
@@ -404,7 +405,8 @@ class MoE(HoldsStored):
             kcs, panels = self.stored.kcs(), None
             if kcs is not None:
                 codes1, scales1, codes3, scales3, codes2, scales2 = self.stored.addresses()
-                panels = ExpertPanels(codes1, kcs[0], codes2, kcs[1], [], False, (scales1, codes3, scales3, scales2))
+                panels = ExpertPanels(codes1, kcs[0], codes2, kcs[1], [], False, (scales1, codes3, scales3, scales2),
+                                      self.stored.words is not None)
             self._panels = cached = (key, panels)
         return cached[1]
 

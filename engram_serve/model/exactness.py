@@ -258,20 +258,22 @@ def pack_fp8(wt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 MX_BLOCK = 32  # inputs per E8M0 scale of an MXFP4 weight
 STORED_MXFP4, STORED_FP8, STORED_BF16 = 2, 4, 5  # the linear kernel's `linear_stored` formats (moe_experts': MXFP4)
-STORED_FP8_WORDS = STORED_FP8 | 8  # FP8 rows repacked panel-major (`fp8_words`)
+WORDS = 8  # the flag of a stored format whose rows are repacked panel-major (`panel_words`)
+STORED_FP8_WORDS = STORED_FP8 | WORDS
 
 
-def fp8_words(data: torch.Tensor) -> torch.Tensor | None:
-    """E4M3 rows [n, k] (uint8, contiguous) repacked panel-major for `matmul_stored` format STORED_FP8_WORDS:
-    [ceil(n / 16), k / 4, 16, 4] uint8, each row's 4-byte words intact and a panel's 16 rows side by side, zero rows
-    beyond n. A permutation of the bytes (so the same products, bit for bit) from which the kernel reads the 16 rows'
-    word at an input with one load instead of a transpose. None where k is not a multiple of 4, a code is NaN (that
-    format's decode leaves the NaN test out) or the kernel is not built. One pass in C."""
+def panel_words(data: torch.Tensor, fp8: bool) -> torch.Tensor | None:
+    """Stored rows [n, k] (uint8, contiguous: FP8 codes, or MXFP4's packed E2M1) repacked panel-major for the
+    kernel's WORDS formats (`matmul_stored` STORED_FP8_WORDS, `moe_experts` words=True): [ceil(n / 16), k / 4, 16, 4]
+    uint8, each row's 4-byte words intact and a panel's 16 rows side by side, zero rows beyond n. A permutation of
+    the bytes (so the same products, bit for bit) from which the kernel reads the 16 rows' word at an input with one
+    load instead of a transpose. None where k is not a multiple of 4, `fp8` and a code is NaN (that format's decode
+    leaves the NaN test out), or the kernel is not built. One pass in C."""
     lin, (n, k) = kernels.get("linear"), data.shape
     if lin is None or k % 4 or not data.is_contiguous():
         return None
     words = torch.empty(-(-n // PANEL), k // 4, PANEL, 4, dtype=torch.uint8)
-    return words if lin.fp8_words(data=data.data_ptr(), words=words.data_ptr(), n=n, k=k) else None
+    return words if lin.panel_words(data=data.data_ptr(), words=words.data_ptr(), n=n, k=k, fp8=fp8) else None
 
 
 def stored_kc_fits(fmt: int, k: int, kc: int) -> bool:
@@ -308,7 +310,7 @@ def matmul_stored(x: torch.Tensor, fmt: int, data: torch.Tensor, scales: torch.T
                   block: int = 0, simd: int = 2, out: torch.Tensor | None = None, row0: int = 0) -> torch.Tensor:
     """`matmul_kernel(x, panels, n, kc, simd)` from the weight as its checkpoint stores it (`fmt` STORED_MXFP4: codes
     [n, k / 2], E8M0 scales [n, k / 32]; STORED_FP8: E4M3 [n, k], E8M0 scales per block x block tile;
-    STORED_FP8_WORDS: those rows as `fp8_words`, the scales as stored; STORED_BF16: [n, k], scales None), read in
+    STORED_FP8_WORDS: those rows as `panel_words`, the scales as stored; STORED_BF16: [n, k], scales None), read in
     place: the same bits as the float panels of the dequantized weight (`stored_kc_fits` and the same caller
     guarantees as `matmul_kernel`). `out`: written instead of a new [m, n] (its first n columns; rows with unit
     stride). row0: FP8 rows r0.. of a weight (data from row r0, scales from block row r0 // block), r0 % block."""
@@ -382,7 +384,8 @@ MOE_FLOAT, MOE_TILES, MOE_MXFP4 = 0, 1, STORED_MXFP4  # the linear kernel's moe_
 
 
 def moe_experts(xs: torch.Tensor, counts: torch.Tensor, panels13: torch.Tensor, kc13: int, panels2: torch.Tensor,
-                kc2: int, inter: int, limit: float, tiles: bool = False, stored: tuple | None = None) -> torch.Tensor:
+                kc2: int, inter: int, limit: float, tiles: bool = False, stored: tuple | None = None,
+                words: bool = False) -> torch.Tensor:
     """V4.1's routed experts in one linear-kernel call (loaded: the caller checked): xs [P, D] the pairs grouped
     by expert, counts [E] int64 their rows per expert, panels13 / panels2 [E] int64 the addresses of each
     expert's packed w13 [2I, D] / w2 [D, I] (kc13, kc2 their probed block sizes) -> ys [P, D], the rows of
@@ -390,14 +393,16 @@ def moe_experts(xs: torch.Tensor, counts: torch.Tensor, panels13: torch.Tensor, 
     the same bits as those calls, without a host read of the counts. tiles: the addresses are of `pack_bf16` tiles,
     multiplied by `linear_bf16` (kc13 and kc2 unused). stored: the experts as their checkpoint stores them in MXFP4,
     [E] int64 addresses (scales13, w3, scales3, scales2), panels13 / panels2 those of the w1 / w2 codes: decoded
-    exactly where they lie (the same bits as the float panels of the dequantized weights)."""
+    exactly where they lie (the same bits as the float panels of the dequantized weights); `words`: the codes'
+    addresses are of their `panel_words` (the same bits)."""
     p, d = xs.shape
     h, g, ys = torch.empty(p, 2 * inter), torch.empty(p, inter), torch.empty(p, d)
     s13, w3, s3, s2 = (t.data_ptr() for t in stored) if stored is not None else (0, 0, 0, 0)
     capture.call(kernels.get("linear").moe_experts, xs=xs.data_ptr(), rows=p, counts=counts.data_ptr(),
                  e=counts.shape[0], d=d, inter=inter, panels13=panels13.data_ptr(), kc13=kc13,
                  panels2=panels2.data_ptr(), kc2=kc2, limit=limit, h=h.data_ptr(), g=g.data_ptr(), ys=ys.data_ptr(),
-                 simd=2, format=MOE_TILES if tiles else MOE_MXFP4 if stored is not None else MOE_FLOAT,
+                 simd=2, format=MOE_TILES if tiles else MOE_MXFP4 | (WORDS if words else 0) if stored is not None
+                 else MOE_FLOAT,
                  scales13=s13, scales2=s2, w3=w3, scales3=s3)
     return ys
 

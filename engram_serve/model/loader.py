@@ -44,11 +44,12 @@ from ..engram.quantized import SCALE_COLS, Fp8Table, advise_random, block_size_o
 from ..engram.tables import EngramTables, scale_key, table_key
 from ..engram.token_map import build_token_map, load_tokenizer
 from ..errors import CheckpointMismatch, ConfigError, EngramServeError
-from .checkpoint import CONFIG_FILE, INDEX_FILE, TINY_DIR, TOKENIZER_FILE, WEIGHTS_FILE, CheckpointFiles, drop_pages
+from .checkpoint import (CONFIG_FILE, INDEX_FILE, TINY_DIR, TOKENIZER_FILE, WEIGHTS_FILE, CheckpointFiles, drop_pages,
+                         meminfo)
 from .deepseek_v41 import DeepseekV41
 from .dspark import DSpark
 from .exactness import STORED_BF16, STORED_FP8
-from .weights import Mxfp4Experts, StoredWeight
+from .weights import Mxfp4Experts, StoredWeight, experts_fit
 from .layers import Linear, layout_weights_
 
 log = logging.getLogger(__name__)
@@ -167,7 +168,7 @@ def fp8_scales(files: CheckpointFiles, name: str, shape: list[int]) -> tuple[str
     return sname, block
 
 
-def converted(out: torch.Tensor, *sources: torch.Tensor) -> torch.Tensor:
+def converted(out, *sources: torch.Tensor):
     """`out`, made from `sources` (views of a shard's map), whose pages the map then lets go (checkpoint.py
     `drop_pages`): a converted tensor's stored bytes are not kept resident."""
     for t in sources:
@@ -191,7 +192,7 @@ def read_stored(files: CheckpointFiles, name: str, like: torch.Tensor) -> tuple[
         return None
     data, scales = files.tensor(name, writable=False), files.tensor(sname, writable=False)
     weight = StoredWeight(STORED_FP8, [(data, scales, 0)], block)
-    weight.panel_major()
+    converted(weight, *weight.panel_major())  # the rows repacked let their pages of the map go
     return weight, [name, sname]
 
 
@@ -366,6 +367,11 @@ def _load(root: Path, device, pin_tables, progress: Progress | None, dedup: bool
         draft.load_state_dict(draft_state, strict=True, assign=True)
         layout_weights_(draft)
         draft.requires_grad_(False).eval()
+    experts = [m.stored for net in (model, draft) if net is not None for m in net.modules()
+               if isinstance(getattr(m, "stored", None), Mxfp4Experts)]
+    if experts_fit(sum(e.nbytes() for e in experts), meminfo("MemAvailable")):
+        for e in experts:
+            converted(e, *e.panel_major())
     left_out = sorted(k for k in files.keys() if k not in used and not_text_forward(k)
                       and not (draft is not None and k.startswith("mtp.")))  # (a loaded drafter's are all used)
     unexpected = sorted(set(files.keys()) - used - set(left_out))

@@ -26,10 +26,18 @@ from torch import nn
 
 from ..engram.quantized import dequantize_blocks, dequantize_fp4
 from . import exactness
-from .checkpoint import drop_pages
 from .exactness import STORED_BF16, STORED_FP8, in_major
 
 Stored = tuple[torch.Tensor, torch.Tensor]  # (packed E2M1 codes [rows, cols / 2], E8M0 scales [rows, cols / 32])
+EXPERTS_IN_RAM = 0.5  # the share of the memory under which routed experts are repacked into RAM (`experts_fit`)
+
+
+def experts_fit(expert_bytes: int, memory: int | None) -> bool:
+    """THE RULE of where MXFP4 routed experts are read from: repacked panel-major into RAM (`Mxfp4Experts.panel_major`,
+    the faster product) where all of them take at most EXPERTS_IN_RAM of `memory` (the loader: MemAvailable at
+    load; memory_plan.py: the memory it compares with), else in place from the memory map, paged in as steps touch
+    them (a checkpoint larger than RAM)."""
+    return memory is not None and expert_bytes <= EXPERTS_IN_RAM * memory
 
 
 class Mxfp4Experts:
@@ -40,7 +48,22 @@ class Mxfp4Experts:
         self.w1, self.w3, self.w2 = w1, w3, w2
         (i, half), d = w1[0][0].shape, w2[0][0].shape[0]
         self.shape13, self.shape2 = (2 * i, 2 * half), (d, i)
+        self.words = None  # (w1, w3, w2): each expert's codes panel-major, once `panel_major` made them
         self._addresses = None
+
+    def panel_major(self) -> list[torch.Tensor]:
+        """Repacks every expert's codes panel-major in RAM (`exactness.panel_words`: a permutation of the bytes, the
+        same products) for `moe_experts` to read with one load per 16 rows, if the kernel multiplies them as stored;
+        returns the codes repacked (which stay the weights for `dequantize`: the loader lets their pages of the map
+        go). The loader calls it where the experts fit in memory (`experts_fit`); else they are read
+        in place, paged from the file."""
+        if self.words is not None or self.kcs() is None:
+            return []
+        words = tuple([exactness.panel_words(codes, fp8=False) for codes, _ in w] for w in (self.w1, self.w3, self.w2))
+        if any(x is None for w in words for x in w):
+            return []
+        self.words, self._addresses = words, None
+        return [codes for w in (self.w1, self.w3, self.w2) for codes, _ in w]
 
     @property
     def num_experts(self) -> int:
@@ -60,10 +83,12 @@ class Mxfp4Experts:
 
     def addresses(self) -> tuple[torch.Tensor, ...]:
         """[E] int64 addresses of each expert's w1 codes, w1 scales, w3 codes, w3 scales, w2 codes, w2 scales (what
-        `exactness.moe_experts` reads)."""
+        `exactness.moe_experts` reads; the codes' `words` where made)."""
         if self._addresses is None:
-            self._addresses = tuple(torch.tensor([pair[j].data_ptr() for pair in w], dtype=torch.int64)
-                                    for w in (self.w1, self.w3, self.w2) for j in (0, 1))
+            codes = self.words or tuple([c for c, _ in w] for w in (self.w1, self.w3, self.w2))
+            self._addresses = tuple(torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)
+                                    for w, c in zip((self.w1, self.w3, self.w2), codes)
+                                    for ts in (c, [s for _, s in w]))
         return self._addresses
 
     def kcs(self) -> tuple[int, int] | None:
@@ -98,16 +123,18 @@ class StoredWeight:
         self.shape = torch.Size((sum(d.shape[0] for d, _, _ in parts), parts[0][0].shape[1]))
         self._dense = None
 
-    def panel_major(self) -> None:
-        """Repacks each FP8 part panel-major for the kernel (`exactness.fp8_words`: a permutation of its bytes, the
-        same products; where no code is NaN) if the kernel multiplies this weight as stored, and lets the map's pages
-        of its stored rows go (`drop_pages`: they stay the weight for `dequantize`, read from the file again)."""
+    def panel_major(self) -> list[torch.Tensor]:
+        """Repacks each FP8 part panel-major for the kernel (`exactness.panel_words`: a permutation of its bytes, the
+        same products; where no code is NaN) if the kernel multiplies this weight as stored; returns the rows
+        repacked (which stay the weight for `dequantize`: the loader lets their pages of the map go)."""
         if self.fmt != STORED_FP8 or self.kc() is None:
-            return
+            return []
+        done = []
         for i, (data, _, _) in enumerate(self.parts):
-            if self.words[i] is None and (words := exactness.fp8_words(data)) is not None:
+            if self.words[i] is None and (words := exactness.panel_words(data, fp8=True)) is not None:
                 self.words[i] = words
-                drop_pages(data)
+                done.append(data)
+        return done
 
     def rows(self, r0: int, r1: int) -> StoredWeight | None:
         """Rows [r0, r1) of a one-part weight as stored, or None where r0 is not a multiple of 16 (a panel's rows

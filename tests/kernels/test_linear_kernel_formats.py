@@ -68,10 +68,13 @@ def test_stored_mxfp4_gives_the_float_panels_bits(m, k, n, kc, seed):
     codes, scales = mxfp4_weight(n, k, seed)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1))
     want = float_product(x, mxfp4_float(codes, scales), kc, LEVELS[-1])
+    words = exactness.panel_words(codes, fp8=False)
     for simd in LEVELS:
         assert torch.equal(bits(float_product(x, mxfp4_float(codes, scales), kc, simd)), bits(want))
         assert torch.equal(bits(exactness.matmul_stored(x, STORED_MXFP4, codes, scales, n, kc, simd=simd)),
                            bits(want)), simd
+        assert torch.equal(bits(exactness.matmul_stored(x, STORED_MXFP4 | exactness.WORDS, words, scales, n, kc,
+                                                        simd=simd)), bits(want)), simd
 
 
 @settings(max_examples=40, deadline=None)
@@ -90,7 +93,7 @@ def test_stored_fp8_gives_the_float_panels_bits(m, k, n, block, kc, seed, wide):
         special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan")])
         x = torch.where(torch.rand(m, k, generator=g) < 0.02, special[torch.randint(0, 5, (m, k), generator=g)], x)
     want = float_product(x, fp8_float(q, s, block), kc, LEVELS[-1])
-    words = exactness.fp8_words(q)
+    words = exactness.panel_words(q, fp8=True)
     for simd in LEVELS:
         for got in (exactness.matmul_stored(x, STORED_FP8, q, s, n, kc, block=block, simd=simd),
                     exactness.matmul_stored(x, STORED_FP8_WORDS, words, s, n, kc, block=block, simd=simd)):
@@ -165,6 +168,11 @@ def test_moe_experts_as_stored_equal_them_on_float_panels(d, inter, experts):
     got = exactness.moe_experts(xs, counts, addr([c for c, _ in w1]), 32, addr([c for c, _ in w2]), 48, inter, 7.0,
                                 stored=stored)
     assert torch.equal(bits(got), bits(want))
+    words = [[exactness.panel_words(c, fp8=False) for c, _ in w] for w in (w1, w3, w2)]
+    stored = (stored[0], addr(words[1]), stored[2], stored[3])
+    got = exactness.moe_experts(xs, counts, addr(words[0]), 32, addr(words[2]), 48, inter, 7.0, stored=stored,
+                                words=True)
+    assert torch.equal(bits(got), bits(want))
 
 
 @pytest.mark.parametrize("r0,r1", [(16, 48), (32, 70), (48, 53), (0, 5)])
@@ -172,7 +180,7 @@ def test_rows_of_a_stored_fp8_weight_give_their_bits(r0, r1):
     """rows r0.. of a weight as stored (model/weights.py `StoredWeight.rows`: a group of a block-diagonal weight): its
     scales from block row r0 // block, `row0` = r0 % block; from the rows as stored and from their panel-major words"""
     q, s = fp8_weight(70, 64, 32, 3)
-    part = StoredWeight(STORED_FP8, [(q, s, 0)], 32, [exactness.fp8_words(q)]).rows(r0, r1)
+    part = StoredWeight(STORED_FP8, [(q, s, 0)], 32, [exactness.panel_words(q, fp8=True)]).rows(r0, r1)
     ((d, sc, row0),), (words,) = part.parts, part.words
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(r0))
     want = float_product(x, fp8_float(q, s, 32)[r0:r1], 16, LEVELS[-1])
@@ -185,20 +193,20 @@ def test_rows_of_a_stored_fp8_weight_give_their_bits(r0, r1):
 @settings(max_examples=20, deadline=None)
 @given(n=st.integers(1, 70), k=st.sampled_from([4, 8, 36, 200]), seed=st.integers(0, 2**16))
 def test_fp8_words_are_the_rows_bytes_panel_major(n, k, seed):
-    """`fp8_words`: word w of row 16 p + r at [p][w][r], zero rows beyond n: a permutation of the bytes; None where
+    """`panel_words`: word w of row 16 p + r at [p][w][r], zero rows beyond n: a permutation of the bytes; None where
     a code is NaN"""
     q, _ = fp8_weight(n, k, 16, seed)
-    words = exactness.fp8_words(q)
+    words = exactness.panel_words(q, fp8=True)
     padded = torch.cat([q, torch.zeros(words.shape[0] * 16 - n, k, dtype=torch.uint8)])
     assert torch.equal(words, padded.view(-1, 16, k // 4, 4).transpose(1, 2))
     q[seed % n, seed % k] = 0x7F | (seed & 0x80)
-    assert exactness.fp8_words(q) is None
+    assert exactness.panel_words(q, fp8=True) is None
 
 
 def test_fp8_words_in_another_order_give_other_bits():
     """Negative control: the kernel reads words as laid out; two rows of a panel swapped give other outputs"""
     q, s = fp8_weight(32, 64, 32, 9)
-    words = exactness.fp8_words(q)
+    words = exactness.panel_words(q, fp8=True)
     x = torch.randn(3, 64)
     want = exactness.matmul_stored(x, STORED_FP8, q, s, 32, 16, block=32)
     assert torch.equal(bits(exactness.matmul_stored(x, STORED_FP8_WORDS, words, s, 32, 16, block=32)), bits(want))

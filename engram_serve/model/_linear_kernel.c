@@ -1191,6 +1191,33 @@ KERNEL_PY(linear_stored) {
 
 /* ---- stored rows repacked panel-major (WF_WORDS), once at load ------------------------------------------------ */
 
+/* panel_words' words of 16 full rows (k bytes apart) 4 at a time where the CPU has AVX-512 (rows16x4's loads and
+ * transposes), written from o on; the words done (the rest: the caller's loop). *nan gets the NaN-code test's bits. */
+#if HAVE_X86_AVX2
+__attribute__((target("avx512f,avx2"))) static Py_ssize_t words16x4_avx512(const uint8_t *rows, Py_ssize_t k,
+                                                                         uint8_t *o, uint32_t *nan) {
+    const panel_ref b = {.data = rows, .ld = k, .rows = NR};
+    Py_ssize_t t = 0;
+    for (; t + 16 <= k; t += 16) {
+        __m512i g[4];
+        rows16x4(WF_FP8, b, t, g);
+        for (int j = 0; j < 4; j++, o += 64) {
+            *nan |= e4m3_16_nan(g[j]);
+            _mm512_storeu_si512((void *)o, g[j]);
+        }
+    }
+    return t / 4;
+}
+#endif
+
+static Py_ssize_t words16x4(const uint8_t *rows, Py_ssize_t k, uint8_t *o, uint32_t *nan) {
+#if HAVE_X86_AVX2
+    if (__builtin_cpu_supports("avx512f")) return words16x4_avx512(rows, k, o, nan);
+#endif
+    (void)rows, (void)k, (void)o, (void)nan;
+    return 0;
+}
+
 #define PANEL_WORDS_FIELDS(X)                                                                                  \
     X(ADDR, data, "the rows as stored [n, k] uint8, k bytes apart (e.g. a checkpoint's memory map)")          \
     X(ADDR, words, "[ceil(n / 16), k / 4, 16, 4] uint8, written: word w of row 16 p + r at words[p][w][r]")   \
@@ -1210,22 +1237,18 @@ KERNEL_PY(panel_words) {
     uint8_t *dst = (uint8_t *)(uintptr_t)a.words;
     uint32_t nan = 0;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t p = 0; p < panels; p++)
-        for (int r = 0; r < NR; r++) {
-            const Py_ssize_t row = p * NR + r;
-            uint8_t *o = dst + (p * kw * NR + r) * 4;
-            if (row >= n) {
-                for (Py_ssize_t w = 0; w < kw; w++) memset(o + w * NR * 4, 0, 4);
-                continue;
-            }
-            const uint8_t *i = src + row * a.k;
-            for (Py_ssize_t w = 0; w < kw; w++) {
-                uint32_t v;
-                memcpy(&v, i + 4 * w, 4);
-                nan |= ((v & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u; /* a byte's low 7 bits all ones */
-                memcpy(o + w * NR * 4, &v, 4);
-            }
+    for (Py_ssize_t p = 0; p < panels; p++) { /* each word of the panel's 16 rows in turn: the writes in order */
+        const Py_ssize_t rows = n - p * NR < NR ? n - p * NR : NR;
+        const uint8_t *i = src + p * NR * a.k;
+        uint8_t *o = dst + p * kw * NR * 4;
+        Py_ssize_t w = rows == NR ? words16x4(i, a.k, o, &nan) : 0;
+        for (o += w * NR * 4; w < kw; w++, o += NR * 4) {
+            uint32_t v[NR] = {0};
+            for (Py_ssize_t r = 0; r < rows; r++) memcpy(&v[r], i + r * a.k + 4 * w, 4);
+            for (int r = 0; r < NR; r++) nan |= ((v[r] & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u; /* low 7 bits all ones */
+            memcpy(o, v, sizeof v);
         }
+    }
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(!(a.fp8 && nan));
 }

@@ -38,7 +38,7 @@ from ..engram.layer import EngramGate
 from ..errors import StaticBufferError
 from .. import kernels
 from . import capture, exactness, ops_c, products
-from .layers import Linear, RMSNorm, linear, stacked
+from .layers import Linear, RMSNorm, embedding, linear, stacked
 from .ops import choose
 from .ops_torch import KEY_CHUNK
 from .paged_state import SlotPlan, PagedState
@@ -570,7 +570,7 @@ class DeepseekV41(nn.Module):
         super().__init__()
         self.config = cfg
         self.roles = layer_roles(cfg)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, role) for role in self.roles)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)

@@ -33,7 +33,7 @@ from ..config import ModelConfig
 from ..errors import StaticBufferError
 from .deepseek_v41 import (Attention, DeepseekV41, FirstMix, LayerRole, MoE, RopeTable, add_mhc_params,
                            block_matmul_params, run_stages)
-from .layers import Linear, RMSNorm, linear
+from .layers import Linear, RMSNorm, embedding, linear
 from .ops import choose
 
 Pick = Callable[[int, torch.Tensor], torch.Tensor]  # (j, z_j [R, V] float32) -> the draft tokens [R] int64
@@ -110,7 +110,7 @@ class MarkovHead(nn.Module):
 
     def __init__(self, vocab: int, rank: int):
         super().__init__()
-        self.embed = nn.Embedding(vocab, rank)
+        self.embed = embedding(vocab, rank)
         self.head = Linear(rank, vocab)
 
 

@@ -82,6 +82,16 @@ def matmul_weights(module: nn.Module) -> list[torch.Tensor]:
     return [m.w.probe() if m.stored is not None else m.weight for m in module.modules() if isinstance(m, Linear)]
 
 
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding(num, dim) with torch's own initialisation (N(0, 1), the same draws), but on the meta device (the
+    loader builds there), where torch's `normal_` would import torch._dynamo: ~1.3 s of every load."""
+    e = nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    if not e.weight.is_meta:
+        with torch.no_grad():
+            e.weight.normal_()
+    return e
+
+
 class Linear(HoldsStored, nn.Linear):
     """nn.Linear without bias whose forward is the batch-invariant `linear`. Its weight may be held as stored
     (`use_stored(StoredWeight)`: model/weights.py); `w` is what `linear` takes, `rows(r0, r1)` a slice of it."""

@@ -87,11 +87,11 @@ def held_copies(role: str, stored: str, outputs: int, m: Machine, tp: int = 1) -
     it with them; tests/test_memory_plan.py compares it with a loaded model's tensors):
 
       model/loader.py    at tensor-parallel size 1 where the linear kernel is loaded: MXFP4 routed experts
-                         (weights.py `Mxfp4Experts`) and BF16 weights of Linear modules (`StoredWeight`) kept as
-                         stored, views of the read-only memory map (file-backed: resident as steps touch their
-                         pages); FP8 block-scaled ones repacked panel-major in RAM where the kernel multiplies them
-                         as stored (`StoredWeight.panel_major`: the same bytes, rows padded to 16), their scales
-                         mapped; F32 weights mapped; other FP8 and BF16/F16 weights (the
+                         (weights.py `Mxfp4Experts`) kept as stored, views of the read-only memory map
+                         (file-backed: resident as steps touch their pages), or repacked panel-major in RAM where
+                         they fit (`experts_fit`); FP8 block-scaled and BF16 weights of Linear modules
+                         (`StoredWeight`) repacked panel-major in RAM where the kernel multiplies them as stored
+                         (`panel_major`: the same bytes, rows padded to 16), FP8 scales mapped; F32 weights mapped; other FP8 and BF16/F16 weights (the
                          embedding, the mHC's hc_*_fn) dequantized or cast ONCE to float32; scales used up at load
       model/exactness.py `stored_kc`: a weight as stored is multiplied in place where the float plan of its shape
                          is the float panels, i.e. no AMX and a probed block size (none for fewer than 16
@@ -116,10 +116,10 @@ def held_copies(role: str, stored: str, outputs: int, m: Machine, tp: int = 1) -
     if role in ("vector", "embed"):
         return (Copy("float32, mapped", 4, 1, True),) if stored == "F32" else (Copy("float32 (cast)", 4),)
     in_place = m.kernel and not m.amx and tp == 1 and outputs >= PANEL
-    if in_place and (role.endswith("linear") and stored == "F8_E4M3" or
+    if in_place and (role.endswith("linear") and stored in STORED or
                      role == "expert" and stored in MXFP4_CODES and m.expert_words):
         return (WORDS, EDGES)
-    if in_place and (role == "expert" and stored in MXFP4_CODES or role.endswith("linear") and stored in STORED):
+    if in_place and role == "expert" and stored in MXFP4_CODES:
         return (AS_STORED,)
     if not m.kernel or outputs < PANEL:
         return (FLOAT32,)

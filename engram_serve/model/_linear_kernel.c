@@ -130,9 +130,9 @@ enum weight_format { WF_F32 = 0, WF_TILES = 1, WF_MXFP4 = 2, WF_FP8_PANELS = 3, 
 
 /* A flag of a stored format: its rows repacked panel-major, [panels][words][16][4 bytes] (each row's 32-bit words
  * intact, a panel's 16 rows side by side, zero rows beyond n: a permutation of the stored bytes), so that the 16 rows'
- * word at an input is one 64-byte load, not a transpose of 16 rows (load_rows16). The scales stay as stored. FP8
- * and MXFP4 are instantiated (linear_stored's format 12, moe_experts' 10); FP8 words never hold a NaN code (the
- * repack checks). */
+ * word at an input is one 64-byte load, not a transpose of 16 rows (load_rows16). The scales stay as stored. Every
+ * stored format has its words form (FORMAT | WF_WORDS: linear_stored's 10, 12 and 13, moe_experts' 10); FP8 words
+ * never hold a NaN code (the repack checks). */
 #define WF_WORDS 8
 #define BASE(fmt) ((fmt) & 7)
 static inline int words_of(const int fmt) { return fmt & WF_WORDS; }
@@ -728,6 +728,7 @@ TILES_OF(mxfp4, WF_MXFP4)
 TILES_OF(fp8, WF_FP8)
 TILES_OF(fp8w, WF_FP8 | WF_WORDS)
 TILES_OF(mxfp4w, WF_MXFP4 | WF_WORDS)
+TILES_OF(bf16w, WF_BF16 | WF_WORDS)
 TILES_OF(bf16, WF_BF16)
 #undef FEW
 #endif
@@ -770,6 +771,11 @@ static void tile_plain_fp8(int mr, const float *x, Py_ssize_t ldx, panel_ref bp,
     tile_plain(WF_FP8, mr, x, ldx, bp, k, kc, out, ldo);
 }
 
+static void tile_plain_bf16w(int mr, const float *x, Py_ssize_t ldx, panel_ref bp, Py_ssize_t k, Py_ssize_t kc,
+                             float *out, Py_ssize_t ldo) {
+    tile_plain(WF_BF16 | WF_WORDS, mr, x, ldx, bp, k, kc, out, ldo);
+}
+
 static void tile_plain_mxfp4w(int mr, const float *x, Py_ssize_t ldx, panel_ref bp, Py_ssize_t k, Py_ssize_t kc,
                             float *out, Py_ssize_t ldo) {
     tile_plain(WF_MXFP4 | WF_WORDS, mr, x, ldx, bp, k, kc, out, ldo);
@@ -797,8 +803,9 @@ typedef struct {
 #endif
 static const format_tiles *tiles_of(const int fmt) {
     static const format_tiles f32 = FORMAT_TILES(f32), mxfp4 = FORMAT_TILES(mxfp4), fp8 = FORMAT_TILES(fp8),
-                              fp8w = FORMAT_TILES(fp8w), mxfp4w = FORMAT_TILES(mxfp4w), bf16 = FORMAT_TILES(bf16);
+                              fp8w = FORMAT_TILES(fp8w), mxfp4w = FORMAT_TILES(mxfp4w), bf16w = FORMAT_TILES(bf16w), bf16 = FORMAT_TILES(bf16);
     return fmt == WF_MXFP4 ? &mxfp4 : fmt == WF_FP8 ? &fp8 : fmt == (WF_FP8 | WF_WORDS) ? &fp8w : fmt == (WF_MXFP4 | WF_WORDS) ? &mxfp4w
+         : fmt == (WF_BF16 | WF_WORDS) ? &bf16w
          : fmt == WF_BF16 ? &bf16 : &f32;
 }
 #undef FORMAT_TILES
@@ -876,13 +883,15 @@ DECODE_PANEL(mxfp4, WF_MXFP4)
 DECODE_PANEL(fp8, WF_FP8)
 DECODE_PANEL(fp8w, WF_FP8 | WF_WORDS)
 DECODE_PANEL(mxfp4w, WF_MXFP4 | WF_WORDS)
+DECODE_PANEL(bf16w, WF_BF16 | WF_WORDS)
 DECODE_PANEL(bf16, WF_BF16)
 #undef DECODE_PANEL
 
 static void decode_panel(const weight_ref *w, Py_ssize_t p, int level, float *dst) {
     const int fmt = w->fmt;
     const decode_fn *f = fmt == WF_MXFP4 ? decoders_mxfp4 : fmt == WF_FP8 ? decoders_fp8
-                         : fmt == (WF_FP8 | WF_WORDS) ? decoders_fp8w : fmt == (WF_MXFP4 | WF_WORDS) ? decoders_mxfp4w : decoders_bf16;
+                         : fmt == (WF_FP8 | WF_WORDS) ? decoders_fp8w : fmt == (WF_MXFP4 | WF_WORDS) ? decoders_mxfp4w
+                         : fmt == (WF_BF16 | WF_WORDS) ? decoders_bf16w : decoders_bf16;
     f[level](panel_at(w, p), w->k, dst);
 }
 
@@ -1137,8 +1146,9 @@ KERNEL_PY(linear_packed) {
     X(SIZE, ldx, "floats between two rows of x (>= k)")                                                        \
     X(SIZE, format, "2 MXFP4 (E2M1 codes [n, k / 2], the even input the lower nibble; E8M0 scales [n, k / 32]), " \
                     "4 FP8 (E4M3 [n, k]; E8M0 scales [ceil(n / block), ceil(k / block)]), 5 BF16 ([n, k]), "     \
-                    "12 FP8 panel-major (4 | WF_WORDS: E4M3 [ceil(n / 16), k / 4, 16, 4], the rows' 4-byte words "  \
-                    "side by side; the scales as 4's)")                                                       \
+                    "or one of them | 8, its rows repacked panel-major (panel_words: [ceil(n / 16), k' / 4, 16, 4] " \
+                    "bytes of rows of k' bytes, the rows' 4-byte words side by side, no NaN code for FP8; the "     \
+                    "scales as stored)")                                                                    \
     X(ADDR, data, "the weight's codes as stored (e.g. in its checkpoint's memory map)")                        \
     X(ADDR, scales, "its E8M0 scales as stored (MXFP4, FP8; BF16: 0)")                                                               \
     X(ADDR, y, "[m, n] float32, rows ldy floats apart, written")                                               \
@@ -1162,15 +1172,14 @@ RAW_ENTRY(linear_stored)
 
 /* whether a stored weight's shape, block and kc fit its format; 0 if so, else a ValueError set */
 static int stored_misfit(const char *fn, Py_ssize_t format, Py_ssize_t k, Py_ssize_t kc, Py_ssize_t block) {
-    const int mx = BASE(format) == WF_MXFP4;
-    if ((mx && k >= MX_G && k % MX_G == 0 && kc >= 8 && kc % 8 == 0) ||
-        ((format == WF_FP8 || format == (WF_FP8 | WF_WORDS)) && k >= 4 && k % 4 == 0 && kc >= 4 && kc % 4 == 0 &&
-         block >= NR && block % NR == 0) ||
-        (format == WF_BF16 && k >= 2 && k % 2 == 0 && kc >= 2 && kc % 2 == 0))
+    const int base = format >= 0 && format <= (WF_BF16 | WF_WORDS) ? BASE((int)format) : -1; /* (no other flag) */
+    if ((base == WF_MXFP4 && k >= MX_G && k % MX_G == 0 && kc >= 8 && kc % 8 == 0) ||
+        (base == WF_FP8 && k >= 4 && k % 4 == 0 && kc >= 4 && kc % 4 == 0 && block >= NR && block % NR == 0) ||
+        (base == WF_BF16 && k >= 2 && k % 2 == 0 && kc >= 2 && kc % 2 == 0))
         return 0;
     PyErr_Format(PyExc_ValueError, "%s: format %zd, k %zd, kc %zd, block %zd do not fit (format 2: MXFP4, k a multiple "
-                 "of 32, kc of 8; format 4 or 12: FP8, k and kc multiples of 4, block of 16; format 5: BF16, k and kc "
-                 "even)",
+                 "of 32, kc of 8; format 4: FP8, k and kc multiples of 4, block of 16; format 5: BF16, k and kc even; "
+                 "each of them + 8: its rows panel-major)",
                  fn, format, k, kc, block);
     return 1;
 }
@@ -1181,7 +1190,7 @@ KERNEL_PY(linear_stored) {
     if (a.row0 < 0 || a.row0 % NR || (BASE(a.format) == WF_FP8 && a.row0 >= a.block))
         return misfit("linear_stored", "row0 a multiple of 16 below the block");
     if (a.m < 0 || a.n < 0 || a.ldx < a.k || a.ldy < a.n ||
-        (a.m && a.n && (!a.x || !a.data || !a.y || (a.format != WF_BF16 && !a.scales))))
+        (a.m && a.n && (!a.x || !a.data || !a.y || (BASE(a.format) != WF_BF16 && !a.scales))))
         return misfit("linear_stored", "m, n >= 0, ldx >= k, ldy >= n, non-null addresses (scales but for BF16)");
     Py_BEGIN_ALLOW_THREADS
     run_linear_stored(&a);

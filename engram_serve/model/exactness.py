@@ -259,12 +259,11 @@ def pack_fp8(wt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 MX_BLOCK = 32  # inputs per E8M0 scale of an MXFP4 weight
 STORED_MXFP4, STORED_FP8, STORED_BF16 = 2, 4, 5  # the linear kernel's `linear_stored` formats (moe_experts': MXFP4)
 WORDS = 8  # the flag of a stored format whose rows are repacked panel-major (`panel_words`)
-STORED_FP8_WORDS = STORED_FP8 | WORDS
 
 
 def panel_words(data: torch.Tensor, fp8: bool) -> torch.Tensor | None:
-    """Stored rows [n, k] (uint8, contiguous: FP8 codes, or MXFP4's packed E2M1) repacked panel-major for the
-    kernel's WORDS formats (`matmul_stored` STORED_FP8_WORDS, `moe_experts` words=True): [ceil(n / 16), k / 4, 16, 4]
+    """Stored rows [n, k] (uint8, contiguous: FP8 codes, MXFP4's packed E2M1, BF16's bytes) repacked panel-major for
+    the kernel's WORDS formats (`matmul_stored` fmt | WORDS, `moe_experts` words=True): [ceil(n / 16), k / 4, 16, 4]
     uint8, each row's 4-byte words intact and a panel's 16 rows side by side, zero rows beyond n. A permutation of
     the bytes (so the same products, bit for bit) from which the kernel reads the 16 rows' word at an input with one
     load instead of a transpose. None where k is not a multiple of 4, `fp8` and a code is NaN (that format's decode
@@ -279,9 +278,10 @@ def panel_words(data: torch.Tensor, fp8: bool) -> torch.Tensor | None:
 def stored_kc_fits(fmt: int, k: int, kc: int) -> bool:
     """Whether `linear_stored` takes a weight of k inputs of this format at block size kc (MXFP4: k a multiple of
     32, kc of 8; FP8: both of 4; BF16: both even)."""
+    fmt &= ~WORDS  # (the rows panel-major: the same)
     if fmt == STORED_MXFP4:
         return k % MX_BLOCK == 0 and kc % 8 == 0
-    return k % 4 == 0 and kc % 4 == 0 if fmt in (STORED_FP8, STORED_FP8_WORDS) else k % 2 == 0 and kc % 2 == 0
+    return k % 4 == 0 and kc % 4 == 0 if fmt == STORED_FP8 else k % 2 == 0 and kc % 2 == 0
 
 
 def shape_only(out: int, k: int) -> torch.Tensor:
@@ -310,7 +310,7 @@ def matmul_stored(x: torch.Tensor, fmt: int, data: torch.Tensor, scales: torch.T
                   block: int = 0, simd: int = 2, out: torch.Tensor | None = None, row0: int = 0) -> torch.Tensor:
     """`matmul_kernel(x, panels, n, kc, simd)` from the weight as its checkpoint stores it (`fmt` STORED_MXFP4: codes
     [n, k / 2], E8M0 scales [n, k / 32]; STORED_FP8: E4M3 [n, k], E8M0 scales per block x block tile;
-    STORED_FP8_WORDS: those rows as `panel_words`, the scales as stored; STORED_BF16: [n, k], scales None), read in
+    STORED_BF16: [n, k], scales None; any of them | WORDS: its rows as `panel_words`, the scales as stored), read in
     place: the same bits as the float panels of the dequantized weight (`stored_kc_fits` and the same caller
     guarantees as `matmul_kernel`). `out`: written instead of a new [m, n] (its first n columns; rows with unit
     stride). row0: FP8 rows r0.. of a weight (data from row r0, scales from block row r0 // block), r0 % block."""

@@ -168,7 +168,7 @@ def fp8_scales(files: CheckpointFiles, name: str, shape: list[int]) -> tuple[str
     return sname, block
 
 
-def converted(out, *sources: torch.Tensor):
+def converted(out: torch.Tensor, *sources: torch.Tensor) -> torch.Tensor:
     """`out`, made from `sources` (views of a shard's map), whose pages the map then lets go (checkpoint.py
     `drop_pages`): a converted tensor's stored bytes are not kept resident."""
     for t in sources:
@@ -186,14 +186,16 @@ def read_stored(files: CheckpointFiles, name: str, like: torch.Tensor) -> tuple[
         raise CheckpointMismatch(f"{files.file_of(name)}: tensor {name!r}: checkpoint shape {files.info(name)[1]}, "
                                  f"the config needs {list(like.shape)}")
     if files.info(name)[0] == "BF16":
-        return StoredWeight(STORED_BF16, [(files.tensor(name, writable=False), None, 0)]), [name]
-    sname, block = fp8_scales(files, name, list(like.shape))
-    if block % 16:
-        return None
-    data, scales = files.tensor(name, writable=False), files.tensor(sname, writable=False)
-    weight = StoredWeight(STORED_FP8, [(data, scales, 0)], block)
-    converted(weight, *weight.panel_major())  # the rows repacked let their pages of the map go
-    return weight, [name, sname]
+        weight, names = StoredWeight(STORED_BF16, [(files.tensor(name, writable=False), None, 0)]), [name]
+    else:
+        sname, block = fp8_scales(files, name, list(like.shape))
+        if block % 16:
+            return None
+        data, scales = files.tensor(name, writable=False), files.tensor(sname, writable=False)
+        weight, names = StoredWeight(STORED_FP8, [(data, scales, 0)], block), [name, sname]
+    for rows in weight.panel_major():  # the rows repacked let their pages of the map go
+        drop_pages(rows)
+    return weight, names
 
 
 def read_fp4(files: CheckpointFiles, name: str, shape: list[int]) -> torch.Tensor:
@@ -370,8 +372,8 @@ def _load(root: Path, device, pin_tables, progress: Progress | None, dedup: bool
     experts = [m.stored for net in (model, draft) if net is not None for m in net.modules()
                if isinstance(getattr(m, "stored", None), Mxfp4Experts)]
     if experts_fit(sum(e.nbytes() for e in experts), meminfo("MemAvailable")):
-        for e in experts:
-            converted(e, *e.panel_major())
+        for rows in (r for e in experts for r in e.panel_major()):
+            drop_pages(rows)
     left_out = sorted(k for k in files.keys() if k not in used and not_text_forward(k)
                       and not (draft is not None and k.startswith("mtp.")))  # (a loaded drafter's are all used)
     unexpected = sorted(set(files.keys()) - used - set(left_out))

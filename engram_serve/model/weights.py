@@ -111,7 +111,7 @@ class StoredWeight:
     """A linear's weights as stored, stacked by rows: `fmt` exactness.STORED_FP8 (E4M3 with one E8M0 scale per
     `block` x `block` tile) or STORED_BF16; `parts` [(data [out_i, in] uint8 (BF16: bfloat16), E8M0 scales [blocks
     of rows, ceil(in / block)] uint8 (BF16: None), row0: the first row's place in its block of scales)]; `words` a
-    part's FP8 rows repacked panel-major (`panel_major`), or None; `shape` (sum of out_i, in); `dtype` the one its
+    part's rows repacked panel-major (`panel_major`), or None; `shape` (sum of out_i, in); `dtype` the one its
     products compute in."""
 
     dtype = torch.float32
@@ -124,14 +124,15 @@ class StoredWeight:
         self._dense = None
 
     def panel_major(self) -> list[torch.Tensor]:
-        """Repacks each FP8 part panel-major for the kernel (`exactness.panel_words`: a permutation of its bytes, the
-        same products; where no code is NaN) if the kernel multiplies this weight as stored; returns the rows
+        """Repacks each part panel-major for the kernel (`exactness.panel_words`: a permutation of its bytes, the
+        same products; FP8 where no code is NaN) if the kernel multiplies this weight as stored; returns the rows
         repacked (which stay the weight for `dequantize`: the loader lets their pages of the map go)."""
-        if self.fmt != STORED_FP8 or self.kc() is None:
+        if self.kc() is None:
             return []
         done = []
         for i, (data, _, _) in enumerate(self.parts):
-            if self.words[i] is None and (words := exactness.panel_words(data, fp8=True)) is not None:
+            rows = data.view(torch.uint8)  # (BF16: two bytes an input)
+            if self.words[i] is None and (words := exactness.panel_words(rows, self.fmt == STORED_FP8)) is not None:
                 self.words[i] = words
                 done.append(data)
         return done
@@ -142,11 +143,11 @@ class StoredWeight:
         (data, scales, row0), words, b = self.parts[0], self.words[0], self.block
         if len(self.parts) > 1 or r0 % 16:
             return None
+        words = None if words is None else words[r0 // 16:-(-r1 // 16)]
         if scales is None:
-            return StoredWeight(self.fmt, [(data[r0:r1], None, 0)])
+            return StoredWeight(self.fmt, [(data[r0:r1], None, 0)], words=[words])
         first = row0 + r0
-        return StoredWeight(self.fmt, [(data[r0:r1], scales[first // b:-(-(row0 + r1) // b)], first % b)], b,
-                            [None if words is None else words[r0 // 16:-(-r1 // 16)]])
+        return StoredWeight(self.fmt, [(data[r0:r1], scales[first // b:-(-(row0 + r1) // b)], first % b)], b, [words])
 
     def dequantize(self) -> torch.Tensor:
         """The float32 [out, in] weight: exactly `dequantize_blocks` of each FP8 part (a BF16 one cast)."""
@@ -178,7 +179,7 @@ class StoredWeight:
             return products.plan(self.dense()).run(x2, self.dense())
         y, at = torch.empty(x2.shape[0], self.shape[0]), 0
         for (data, scales, row0), words in zip(self.parts, self.words):
-            fmt, stored = (self.fmt, data) if words is None else (exactness.STORED_FP8_WORDS, words)
+            fmt, stored = (self.fmt, data) if words is None else (self.fmt | exactness.WORDS, words)
             exactness.matmul_stored(x2, fmt, stored, scales, data.shape[0], kc, self.block, out=y[:, at:], row0=row0)
             at += data.shape[0]
         return y

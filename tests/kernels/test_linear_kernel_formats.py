@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from engram_serve import kernels
 from engram_serve.engram.quantized import FP4_VALUES, SCALE_COLS, dequantize_blocks, dequantize_fp4
 from engram_serve.model import exactness
-from engram_serve.model.exactness import STORED_BF16, STORED_FP8, STORED_FP8_WORDS, STORED_MXFP4
+from engram_serve.model.exactness import STORED_BF16, STORED_FP8, STORED_MXFP4, WORDS
 from engram_serve.model.weights import StoredWeight
 
 lin = kernels.get("linear")
@@ -73,7 +73,7 @@ def test_stored_mxfp4_gives_the_float_panels_bits(m, k, n, kc, seed):
         assert torch.equal(bits(float_product(x, mxfp4_float(codes, scales), kc, simd)), bits(want))
         assert torch.equal(bits(exactness.matmul_stored(x, STORED_MXFP4, codes, scales, n, kc, simd=simd)),
                            bits(want)), simd
-        assert torch.equal(bits(exactness.matmul_stored(x, STORED_MXFP4 | exactness.WORDS, words, scales, n, kc,
+        assert torch.equal(bits(exactness.matmul_stored(x, STORED_MXFP4 | WORDS, words, scales, n, kc,
                                                         simd=simd)), bits(want)), simd
 
 
@@ -96,7 +96,7 @@ def test_stored_fp8_gives_the_float_panels_bits(m, k, n, block, kc, seed, wide):
     words = exactness.panel_words(q, fp8=True)
     for simd in LEVELS:
         for got in (exactness.matmul_stored(x, STORED_FP8, q, s, n, kc, block=block, simd=simd),
-                    exactness.matmul_stored(x, STORED_FP8_WORDS, words, s, n, kc, block=block, simd=simd)):
+                    exactness.matmul_stored(x, STORED_FP8 | WORDS, words, s, n, kc, block=block, simd=simd)):
             # a NaN's sign and payload follow which NaN an instruction form propagates first: any NaN is the same
             assert torch.equal(bits(got.nan_to_num(nan=1.5)), bits(want.nan_to_num(nan=1.5))), simd
             assert torch.equal(got.isnan(), want.isnan()), simd
@@ -110,8 +110,11 @@ def test_stored_bf16_gives_the_float_panels_bits(m, k, n, kc, seed):
     w = (torch.randn(n, k, generator=g) * torch.exp2(torch.randint(-60, 60, (n, k), generator=g).float())).bfloat16()
     x = torch.randn(m, k, generator=g)
     want = float_product(x, w.float(), kc, LEVELS[-1])
+    words = exactness.panel_words(w.view(torch.uint8), fp8=False)
     for simd in LEVELS:
         assert torch.equal(bits(exactness.matmul_stored(x, STORED_BF16, w, None, n, kc, simd=simd)), bits(want)), simd
+        assert torch.equal(bits(exactness.matmul_stored(x, STORED_BF16 | WORDS, words, None, n, kc, simd=simd)),
+                           bits(want)), simd
 
 
 @pytest.mark.parametrize("m", [1, 2, 7, 16, 40])
@@ -185,7 +188,7 @@ def test_rows_of_a_stored_fp8_weight_give_their_bits(r0, r1):
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(r0))
     want = float_product(x, fp8_float(q, s, 32)[r0:r1], 16, LEVELS[-1])
     for simd in LEVELS:
-        for fmt, data in ((STORED_FP8, d), (STORED_FP8_WORDS, words)):
+        for fmt, data in ((STORED_FP8, d), (STORED_FP8 | WORDS, words)):
             got = exactness.matmul_stored(x, fmt, data, sc, r1 - r0, 16, block=32, simd=simd, row0=row0)
             assert torch.equal(bits(got), bits(want)), (simd, fmt)
 
@@ -209,7 +212,7 @@ def test_fp8_words_in_another_order_give_other_bits():
     words = exactness.panel_words(q, fp8=True)
     x = torch.randn(3, 64)
     want = exactness.matmul_stored(x, STORED_FP8, q, s, 32, 16, block=32)
-    assert torch.equal(bits(exactness.matmul_stored(x, STORED_FP8_WORDS, words, s, 32, 16, block=32)), bits(want))
+    assert torch.equal(bits(exactness.matmul_stored(x, STORED_FP8 | WORDS, words, s, 32, 16, block=32)), bits(want))
     swapped = words.clone()
     swapped[0, :, [1, 2]] = words[0, :, [2, 1]]
-    assert not torch.equal(bits(exactness.matmul_stored(x, STORED_FP8_WORDS, swapped, s, 32, 16, block=32)), bits(want))
+    assert not torch.equal(bits(exactness.matmul_stored(x, STORED_FP8 | WORDS, swapped, s, 32, 16, block=32)), bits(want))

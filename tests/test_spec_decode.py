@@ -138,13 +138,14 @@ def test_speculation_never_changes_a_token_logprob_or_logit(loaded, seed, mates,
     if sampling == "stop token ids":  # stop ids the plain run samples: the stop falls inside accepted runs
         free = run_case(loaded, Workload(prompts, 12), config(len(prompts), max(map(len, prompts)) + 12),
                         params=SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-        extra["stop_token_ids"] = sorted({t[len(t) // 2] for t in free.tokens if t})
+        late = ({x for i, x in enumerate(t) if i >= len(t) // 2 and x not in t[:i]} for t in free.tokens)
+        extra["stop_token_ids"] = sorted({min(ids) for ids in late if ids})  # first sampled in the second half
     params = SamplingParams(max_tokens=12, seed=seed, ignore_eos=sampling != "stop token ids", **extra)
     base, rec, work = plain_and_speculative(loaded, prompts, params, kind, k, seed, microbatches=microbatches,
                                             chunk=chunk, small_pool=small_pool and mates > 0, reuse=reuse,
                                             block=block)
     assert_same(base, rec, work)
-    if kind == "right" and chunk is None and not small_pool:
+    if kind == "right" and chunk is None and not small_pool and max(map(len, base.tokens)) >= 3:
         assert rec.spec["accepted_tokens"] > 0 and rec.steps < base.steps  # the point of it: fewer steps
     if kind == "wrong":
         assert rec.spec["accepted_tokens"] == 0

@@ -261,6 +261,15 @@ STORED_MXFP4, STORED_FP8, STORED_BF16 = 2, 4, 5  # the linear kernel's `linear_s
 WORDS = 8  # the flag of a stored format whose rows are repacked panel-major (`panel_words`)
 
 
+def repacks(outputs: int) -> bool:
+    """Whether the loader repacks a stored weight of `outputs` rows (`panel_words`): where the linear kernel would
+    multiply it as stored by its shape alone (no AMX: there the float plan is the bfloat16 tiles; at least a
+    panel's 16 outputs), as memory_plan.py counts it, without the probes of `stored_kc` (which decides each call;
+    a weight it turns down keeps its words unused)."""
+    lin = kernels.get("linear")
+    return lin is not None and not amx_supported(lin) and outputs >= PANEL
+
+
 def panel_words(data: torch.Tensor, fp8: bool) -> torch.Tensor | None:
     """Stored rows [n, k] (uint8, contiguous: FP8 codes, MXFP4's packed E2M1, BF16's bytes) repacked panel-major for
     the kernel's WORDS formats (`matmul_stored` fmt | WORDS, `moe_experts` words=True): [ceil(n / 16), k / 4, 16, 4]

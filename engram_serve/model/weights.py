@@ -53,11 +53,11 @@ class Mxfp4Experts:
 
     def panel_major(self) -> list[torch.Tensor]:
         """Repacks every expert's codes panel-major in RAM (`exactness.panel_words`: a permutation of the bytes, the
-        same products) for `moe_experts` to read with one load per 16 rows, if the kernel multiplies them as stored;
+        same products) for `moe_experts` to read with one load per 16 rows, where `exactness.repacks` them;
         returns the codes repacked (which stay the weights for `dequantize`: the loader lets their pages of the map
         go). The loader calls it where the experts fit in memory (`experts_fit`); else they are read
         in place, paged from the file."""
-        if self.words is not None or self.kcs() is None:
+        if self.words is not None or not exactness.repacks(min(self.shape13[0], self.shape2[0])):
             return []
         words = tuple([exactness.panel_words(codes, fp8=False) for codes, _ in w] for w in (self.w1, self.w3, self.w2))
         if any(x is None for w in words for x in w):
@@ -125,9 +125,9 @@ class StoredWeight:
 
     def panel_major(self) -> list[torch.Tensor]:
         """Repacks each part panel-major for the kernel (`exactness.panel_words`: a permutation of its bytes, the
-        same products; FP8 where no code is NaN) if the kernel multiplies this weight as stored; returns the rows
+        same products; FP8 where no code is NaN) where `exactness.repacks` it; returns the rows
         repacked (which stay the weight for `dequantize`: the loader lets their pages of the map go)."""
-        if self.kc() is None:
+        if not exactness.repacks(self.shape[0]):
             return []
         done = []
         for i, (data, _, _) in enumerate(self.parts):

@@ -1234,9 +1234,10 @@ static Py_ssize_t words16x4(const uint8_t *rows, Py_ssize_t k, uint8_t *o, uint3
     X(SIZE, k, "bytes a row (a multiple of 4)")                                                                \
     X(SIZE, fp8, "1: the bytes are E4M3 codes, checked for NaN ones")
 KERNEL_ARGS(panel_words, PANEL_WORDS_FIELDS,
-            "Repacks stored rows panel-major for the WF_WORDS formats (linear_stored's 12, moe_experts' 10): a "
-            "permutation of the bytes, zero rows beyond n. Returns False, words partly written, where fp8 and a code "
-            "is NaN (S.1111.111: format 12's decode leaves its NaN test out), else True. One pass, without the GIL.")
+            "Repacks stored rows panel-major for the WF_WORDS formats (linear_stored's 10, 12 and 13, moe_experts' "
+            "10): a permutation of the bytes, zero rows beyond n. Returns False, words partly written, where fp8 and "
+            "a code is NaN (S.1111.111: format 12's decode leaves its NaN test out), else True. One pass, without "
+            "the GIL.")
 KERNEL_PY(panel_words) {
     PARSE(panel_words);
     if (a.n < 0 || a.k < 0 || a.k % 4 || (a.n && a.k && (!a.data || !a.words)))

@@ -137,6 +137,13 @@ enum weight_format { WF_F32 = 0, WF_TILES = 1, WF_MXFP4 = 2, WF_FP8_PANELS = 3, 
 #define BASE(fmt) ((fmt) & 7)
 static inline int words_of(const int fmt) { return fmt & WF_WORDS; }
 
+/* every panel format, X(name, format): each gets its tiles (TILES_OF, tile_plain_NAME), the stored ones their
+ * decode_panel (DECODE_PANEL) */
+#define STORED_FORMATS(X)                                                                                          \
+    X(mxfp4, WF_MXFP4) X(fp8, WF_FP8) X(bf16, WF_BF16) X(mxfp4w, WF_MXFP4 | WF_WORDS) X(fp8w, WF_FP8 | WF_WORDS)     \
+    X(bf16w, WF_BF16 | WF_WORDS)
+#define PANEL_FORMATS(X) X(f32, WF_F32) STORED_FORMATS(X)
+
 #define MX_G 32 /* inputs of an E8M0 scale of an MXFP4 panel */
 #define SB 64   /* input rows of a scale block of an FP8 panel */
 
@@ -263,10 +270,6 @@ __attribute__((target("avx512f,avx2"), always_inline)) static inline __m512i gat
  * is gather16's at input t + j * gather_inputs */
 __attribute__((target("avx512f,avx2"), always_inline)) static inline void rows16x4(const int fmt, panel_ref b,
                                                                                   Py_ssize_t t, __m512i *g) {
-    if (words_of(fmt)) {
-        for (int j = 0; j < 4; j++) g[j] = _mm512_loadu_si512((const void *)(word_at(fmt, b, t) + 64 * j));
-        return;
-    }
     const uint8_t *p = (const uint8_t *)b.data + row_byte(fmt, t);
     __m512i z[4];
     for (int i = 0; i < 4; i++) { /* lane L: row 4L + i */
@@ -369,13 +372,6 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void gather8x2(
 __attribute__((target("avx2,fma"), always_inline)) static inline void rows8x2x4(const int fmt, panel_ref b,
                                                                                Py_ssize_t t, __m256i *g0,
                                                                                __m256i *g1) {
-    if (words_of(fmt)) {
-        for (int j = 0; j < 4; j++) {
-            g0[j] = _mm256_loadu_si256((const __m256i *)(const void *)(word_at(fmt, b, t) + 64 * j));
-            g1[j] = _mm256_loadu_si256((const __m256i *)(const void *)(word_at(fmt, b, t) + 64 * j + 32));
-        }
-        return;
-    }
     const uint8_t *p = (const uint8_t *)b.data + row_byte(fmt, t);
     for (int h = 0; h < 2; h++) {
         __m256i z[4], *g = h ? g1 : g0;
@@ -406,7 +402,7 @@ __attribute__((target("avx512f,avx2"), always_inline)) static inline int load_ro
 __attribute__((target("avx2,fma"), always_inline)) static inline int load_rows8x2(const int fmt, panel_ref b,
                                                                                  Py_ssize_t t, Py_ssize_t te, int full,
                                                                                  __m256i *g0, __m256i *g1) {
-    if ((full || words_of(fmt)) && te - t >= 4 * gather_inputs(fmt)) {
+    if (full && !words_of(fmt) && te - t >= 4 * gather_inputs(fmt)) { /* (as load_rows16) */
         rows8x2x4(fmt, b, t, g0, g1);
         return 4;
     }
@@ -613,9 +609,8 @@ wide_avx512(const int fmt, const int mr, const int np, const float *restrict x, 
                 __m512i g[8][4];
                 int cols = 1;
                 for (int q = 0; q < np; q++) cols = load_rows16(fmt, b[q], t, te, full, g[q]);
-                if (pf && words_of(fmt)) /* the lines of the 4 words 4 KiB on */
-                    for (int q = 0; q < np; q++)
-                        for (int j = 0; j < 4; j++) _mm_prefetch((const char *)word_at(fmt, b[q], t) + 4096 + 64 * j, _MM_HINT_T0);
+                if (pf && words_of(fmt)) /* the line of the word 4 KiB on */
+                    for (int q = 0; q < np; q++) _mm_prefetch((const char *)word_at(fmt, b[q], t) + 4096, _MM_HINT_T0);
                 else if (pf && !(t % ROW_PF_EVERY))
                     for (int q = 0; q < np; q++)
                         for (int r = 0; r < b[q].rows; r++)
@@ -723,13 +718,7 @@ static inline int wide_panels(int level, int mr) {
         default: wide_avx512(FMT, 1, 2, x, ldx, b, k, kc, o, ldo, ldl, pf); break;                                 \
         }                                                                                                          \
     }
-TILES_OF(f32, WF_F32)
-TILES_OF(mxfp4, WF_MXFP4)
-TILES_OF(fp8, WF_FP8)
-TILES_OF(fp8w, WF_FP8 | WF_WORDS)
-TILES_OF(mxfp4w, WF_MXFP4 | WF_WORDS)
-TILES_OF(bf16w, WF_BF16 | WF_WORDS)
-TILES_OF(bf16, WF_BF16)
+PANEL_FORMATS(TILES_OF)
 #undef FEW
 #endif
 
@@ -751,40 +740,13 @@ static inline __attribute__((always_inline)) void tile_plain(const int fmt, int 
         }
 }
 
-static void tile_plain_f32(int mr, const float *x, Py_ssize_t ldx, panel_ref bp, Py_ssize_t k, Py_ssize_t kc,
-                           float *out, Py_ssize_t ldo) {
-    tile_plain(WF_F32, mr, x, ldx, bp, k, kc, out, ldo);
-}
-
-static void tile_plain_mxfp4(int mr, const float *x, Py_ssize_t ldx, panel_ref bp, Py_ssize_t k, Py_ssize_t kc,
-                                  float *out, Py_ssize_t ldo) {
-    tile_plain(WF_MXFP4, mr, x, ldx, bp, k, kc, out, ldo);
-}
-
-static void tile_plain_bf16(int mr, const float *x, Py_ssize_t ldx, panel_ref bp, Py_ssize_t k, Py_ssize_t kc,
-                            float *out, Py_ssize_t ldo) {
-    tile_plain(WF_BF16, mr, x, ldx, bp, k, kc, out, ldo);
-}
-
-static void tile_plain_fp8(int mr, const float *x, Py_ssize_t ldx, panel_ref bp, Py_ssize_t k, Py_ssize_t kc,
-                                float *out, Py_ssize_t ldo) {
-    tile_plain(WF_FP8, mr, x, ldx, bp, k, kc, out, ldo);
-}
-
-static void tile_plain_bf16w(int mr, const float *x, Py_ssize_t ldx, panel_ref bp, Py_ssize_t k, Py_ssize_t kc,
-                             float *out, Py_ssize_t ldo) {
-    tile_plain(WF_BF16 | WF_WORDS, mr, x, ldx, bp, k, kc, out, ldo);
-}
-
-static void tile_plain_mxfp4w(int mr, const float *x, Py_ssize_t ldx, panel_ref bp, Py_ssize_t k, Py_ssize_t kc,
-                            float *out, Py_ssize_t ldo) {
-    tile_plain(WF_MXFP4 | WF_WORDS, mr, x, ldx, bp, k, kc, out, ldo);
-}
-
-static void tile_plain_fp8w(int mr, const float *x, Py_ssize_t ldx, panel_ref bp, Py_ssize_t k, Py_ssize_t kc,
-                            float *out, Py_ssize_t ldo) {
-    tile_plain(WF_FP8 | WF_WORDS, mr, x, ldx, bp, k, kc, out, ldo);
-}
+#define PLAIN_TILE(NAME, FMT)                                                                                      \
+    static void tile_plain_##NAME(int mr, const float *x, Py_ssize_t ldx, panel_ref bp, Py_ssize_t k, Py_ssize_t kc, \
+                                  float *out, Py_ssize_t ldo) {                                                    \
+        tile_plain(FMT, mr, x, ldx, bp, k, kc, out, ldo);                                                          \
+    }
+PANEL_FORMATS(PLAIN_TILE)
+#undef PLAIN_TILE
 
 /* The tiles of each panel format (WF_F32 and the stored rows): the portable one, and on x86 AVX2's
  * (one panel, and wide) and AVX-512's (wide) */
@@ -802,11 +764,15 @@ typedef struct {
 #define FORMAT_TILES(NAME) {tile_plain_##NAME}
 #endif
 static const format_tiles *tiles_of(const int fmt) {
-    static const format_tiles f32 = FORMAT_TILES(f32), mxfp4 = FORMAT_TILES(mxfp4), fp8 = FORMAT_TILES(fp8),
-                              fp8w = FORMAT_TILES(fp8w), mxfp4w = FORMAT_TILES(mxfp4w), bf16w = FORMAT_TILES(bf16w), bf16 = FORMAT_TILES(bf16);
-    return fmt == WF_MXFP4 ? &mxfp4 : fmt == WF_FP8 ? &fp8 : fmt == (WF_FP8 | WF_WORDS) ? &fp8w : fmt == (WF_MXFP4 | WF_WORDS) ? &mxfp4w
-         : fmt == (WF_BF16 | WF_WORDS) ? &bf16w
-         : fmt == WF_BF16 ? &bf16 : &f32;
+#define TILES_CASE(NAME, FMT)                                                                                      \
+    case FMT: {                                                                                                    \
+        static const format_tiles t = FORMAT_TILES(NAME);                                                          \
+        return &t;                                                                                                 \
+    }
+    switch (fmt) { STORED_FORMATS(TILES_CASE) }
+#undef TILES_CASE
+    static const format_tiles f32 = FORMAT_TILES(f32);
+    return &f32;
 }
 #undef FORMAT_TILES
 
@@ -879,20 +845,14 @@ typedef void (*decode_fn)(panel_ref, Py_ssize_t, float *);
     static void decode_plain_##NAME(panel_ref b, Py_ssize_t k, float *d) { decode_panel_plain(FMT, b, k, d); }       \
     static const decode_fn decoders_##NAME[3] = {decode_plain_##NAME, decode_plain_##NAME, decode_plain_##NAME};
 #endif
-DECODE_PANEL(mxfp4, WF_MXFP4)
-DECODE_PANEL(fp8, WF_FP8)
-DECODE_PANEL(fp8w, WF_FP8 | WF_WORDS)
-DECODE_PANEL(mxfp4w, WF_MXFP4 | WF_WORDS)
-DECODE_PANEL(bf16w, WF_BF16 | WF_WORDS)
-DECODE_PANEL(bf16, WF_BF16)
+STORED_FORMATS(DECODE_PANEL)
 #undef DECODE_PANEL
 
 static void decode_panel(const weight_ref *w, Py_ssize_t p, int level, float *dst) {
-    const int fmt = w->fmt;
-    const decode_fn *f = fmt == WF_MXFP4 ? decoders_mxfp4 : fmt == WF_FP8 ? decoders_fp8
-                         : fmt == (WF_FP8 | WF_WORDS) ? decoders_fp8w : fmt == (WF_MXFP4 | WF_WORDS) ? decoders_mxfp4w
-                         : fmt == (WF_BF16 | WF_WORDS) ? decoders_bf16w : decoders_bf16;
-    f[level](panel_at(w, p), w->k, dst);
+#define DECODE_CASE(NAME, FMT)                                                                                     \
+    case FMT: decoders_##NAME[level](panel_at(w, p), w->k, dst); return;
+    switch (w->fmt) { STORED_FORMATS(DECODE_CASE) }
+#undef DECODE_CASE
 }
 
 static __thread float *panel_buf; /* each pool thread's decoded panels (grown, kept) */

@@ -138,6 +138,23 @@ def _decode_one_code_wrong(experts: Mxfp4Experts, code: int = 1, wrong: int = 2)
         assert experts.panel_major()
 
 
+def test_experts_beyond_half_the_free_memory_stay_in_the_map(ckpt, reference_weights, monkeypatch):
+    """The rule of `weights.experts_fit`: experts that fit are repacked panel-major into RAM, others are read where
+    the map has them (a checkpoint larger than RAM); both give the same logits, bit for bit."""
+    from engram_serve.model import loader
+    fit = load_model(ckpt, pin_tables=False).model
+    monkeypatch.setattr(loader, "meminfo", lambda key: 0)  # no memory free: every expert stays mapped
+    mapped = load_model(ckpt, pin_tables=False).model
+    if not takes_panels(moes(fit)[0]):
+        pytest.skip("this CPU's plan for the experts' shape is not the float panels: the MoE dequantizes")
+    assert all(m.stored.words is not None for m in moes(fit))
+    assert all(m.stored.words is None for m in moes(mapped))
+    for a, b in zip(moes(fit), moes(mapped)):  # the kernel's addresses: the words in RAM, the codes in the map
+        assert not mapping_of(int(a.stored.addresses()[0][0]))[1].endswith(".safetensors")
+        assert mapping_of(int(b.stored.addresses()[0][0]))[1].endswith(".safetensors")
+    assert torch.equal(logprobs(fit, reference_weights, PROMPT), logprobs(mapped, reference_weights, PROMPT))
+
+
 def mapping_of(address: int) -> tuple[str, str]:
     """(permissions, path) of the mapping of this process that holds `address` (/proc/self/maps)."""
     with open("/proc/self/maps") as f:

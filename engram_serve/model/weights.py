@@ -174,9 +174,9 @@ class StoredWeight:
         """x2 [N, in] @ weight.T -> [N, out]: in place where the kernel takes it (`exactness.stored_kc`), else over
         `dense()`."""
         kc = self.kc()
-        if kc is None and exactness.rules_on():  # the kernel turns this shape down: its words would stay unused
-            self.words = [None] * len(self.parts)
         if kc is None or not exactness.kernel_takes(x2, exactness.shape_only(*self.shape), kc):
+            if kc is None and exactness.rules_on():  # the kernel turns this shape down: its words would stay unused
+                self.words = [None] * len(self.parts)
             from . import products  # (products plans float weights; it does not know this module)
             return products.plan(self.dense()).run(x2, self.dense())
         y, at = torch.empty(x2.shape[0], self.shape[0]), 0

@@ -203,3 +203,28 @@ def test_raw_replays_read_the_per_step_tensor_at_its_new_address():
                           kc=32, simd=2)
         y.zero_()
         assert torch.equal(graph.replay({"rows": step}, rebind).clone(), want)
+
+
+def test_no_module_is_imported_inside_the_first_requests():
+    """A fresh process: building an engine imports what its steps will (a capture's dispatch mode imports
+    torch._dynamo at first use, ~1 s), so that the first requests, a greedy one and a sampled one with logprobs,
+    whose steps capture and replay graphs, import no module. Red if `CpuGraphs` does not import it up front."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = """
+import sys
+from engram_serve.engine.factory import build_engine
+from engram_serve.sampling_params import SamplingParams
+engine = build_engine(None, threads=1)
+before = set(sys.modules)
+engine.add_request("a", list(range(10, 40)), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+engine.add_request("b", list(range(10, 30)), SamplingParams(max_tokens=8, temperature=0.7, seed=1, logprobs=2))
+while engine.has_unfinished():
+    engine.step()
+assert engine.runner.cpu_graphs.captures, "no graph was captured"
+print(sorted(set(sys.modules) - before))
+"""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=root)
+    assert out.stdout.strip() == "[]", f"modules imported inside the first requests' steps: {out.stdout[:500]}"

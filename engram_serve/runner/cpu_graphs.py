@@ -273,6 +273,9 @@ class CpuGraphs:
         self.replays = self.captures = self.nbytes = 0
         self._owners, self._static = None, ()  # what `_addresses` last worked out, and from which objects
         self._last_inputs: tuple = ((), ())  # what `_layout` last worked out, and from which tensors
+        # A capture's TorchDispatchMode imports torch._dynamo at its first use, ~1 s: here, as the engine starts,
+        # not inside the first request's steps (docs/benchmarks.md, "the first request").
+        import torch._dynamo  # noqa: F401
 
     def takes(self, batch, microbatches: int) -> bool:
         """Whether a step cut into `microbatches` runs through graphs: a decode step (one token a row), or one

@@ -44,10 +44,10 @@
  *   linear_stored(x, ldx, format, data, scales, y, ldy, m, k, n, kc, simd[, block]) -> None
  *       linear_packed's product of a weight as its checkpoint stores it, read in place (a memory map: no copy):
  *       format 2 MXFP4 (E2M1 codes [n, k / 2], E8M0 scales [n, k / 32]), 4 FP8 (E4M3 [n, k], E8M0 scales per
- *       block x block tile), decoded exactly in registers (_formats.h) inside the very accumulation loops of the
+ *       block x block tile), 5 BF16 ([n, k]), decoded exactly in registers (_formats.h) inside the very accumulation loops of the
  *       float panels (instantiated per format, the section "weight formats" below): the bits of linear_packed over
- *       the dequantized weight. Format 12: FP8 rows repacked panel-major at load (panel_words: a permutation of the
- *       bytes, so that 16 rows' word at an input is one load), the same bits.
+ *       the dequantized weight. Formats 10, 12 and 13: MXFP4, FP8 and BF16 rows repacked panel-major at load
+ *       (panel_words: a permutation of the bytes, so that 16 rows' word at an input is one load), the same bits.
  *   panel_words(data, words, n, k, fp8) -> bool: that repack, in one pass (False where fp8 and a code is NaN).
  *   decode_formats(format, data, y, n, simd[, scales]) -> level: the decoders of _formats.h, for their test.
  *   moe_experts(xs, rows, counts, e, d, inter, panels13, kc13, panels2, kc2, limit, h, g, ys, simd[, format,

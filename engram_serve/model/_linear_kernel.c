@@ -103,8 +103,6 @@
 #define PF_BYTES (1 << 20) /* weights of at least this many bytes stream from memory: prefetched */
 #define ROW_PF_EVERY 64   /* stored rows: inputs between two prefetches of each row (a cache line of FP8) */
 #define ROW_PF_AHEAD 512  /* stored rows: inputs ahead that a row is prefetched */
-#define WORD_PF_AHEAD 8192 /* panel-major words: bytes ahead that a panel's stream is prefetched (into L2: a weight
-                            * of a B = 1 token streams from memory whatever its size; measured on Zen 4) */
 #define MR 6  /* rows of a tile: 6 x 16 accumulators fill 12 of AVX2's 16 vector registers */
 #define FEW_ROWS 16 /* the most rows of AVX-512's one-panel tile (16 accumulators of its 32 registers) */
 #define DECODE_ROWS 12 /* calls of more rows decode stored panels once (decode_panel; measured on Zen 4) */
@@ -611,9 +609,9 @@ wide_avx512(const int fmt, const int mr, const int np, const float *restrict x, 
                 __m512i g[8][4];
                 int cols = 1;
                 for (int q = 0; q < np; q++) cols = load_rows16(fmt, b[q], t, te, full, g[q]);
-                if (pf && words_of(fmt)) /* the line WORD_PF_AHEAD on in the panel's stream */
+                if (pf && words_of(fmt)) /* the same line of the next tile's panel (np panels on, in L2) */
                     for (int q = 0; q < np; q++)
-                        _mm_prefetch((const char *)word_at(fmt, b[q], t) + WORD_PF_AHEAD, _MM_HINT_T1);
+                        _mm_prefetch((const char *)word_at(fmt, b[q], t) + np * NR * b[q].ld, _MM_HINT_T1);
                 else if (pf && !(t % ROW_PF_EVERY))
                     for (int q = 0; q < np; q++)
                         for (int r = 0; r < b[q].rows; r++)
@@ -931,7 +929,8 @@ static void linear_panels_range(const weight_ref *w, const float *xp, Py_ssize_t
                         panel_ref b[8];
                         float *o[8];
                         for (int q = 0; q < np; q++) b[q] = panel_at(w, p + q), o[q] = q < full ? out + q * NR : part;
-                        wide(mr, np, xp + i * ldx, ldx, b, k, kc, o, ldy, np > full ? NR : ldy, pf);
+                        wide(mr, np, xp + i * ldx, ldx, b, k, kc, o, ldy, np > full ? NR : ldy,
+                             pf && p + 2 * np <= p_end); /* (the next tile's panels are this range's) */
                         if (np > full)
                             for (int r = 0; r < mr; r++)
                                 memcpy(out + r * ldy + full * NR, part + r * NR, (n - j - full * NR) * sizeof(float));

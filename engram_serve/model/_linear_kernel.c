@@ -469,14 +469,21 @@ tile_avx2(const int fmt, const int mr, const float *restrict x, Py_ssize_t ldx, 
     }
 }
 
+/* What the caller of a wide tile knows: whether to prefetch the next tile's panels (words), and for MXFP4 the
+ * greatest exponent field of the tile's inputs (mx_inputs; -1: not read). */
+typedef struct {
+    int pf, xe;
+} tile_hints;
+#define NO_HINTS ((tile_hints){0, -1})
+
 /* np panels at once in AVX2 for a tile of one or two rows: o[q] [r][0..16) (rows ldo apart) from the panel b[q],
  * two 8-lane accumulators per row and panel, so that such a tile has 4 or 8 independent chains (tile_avx2 of one
  * row: 2, each latency-bound, which left a matrix-vector product at about half the memory bandwidth). The panels
  * need not be adjacent (the SwiGLU's gate and up panels). Each output's chain is tile_avx2's operations in the
- * same order: the same bits. (pf, the AVX-512 tiles' prefetch, is not used here.) */
+ * same order: the same bits. (h, the AVX-512 tiles' hints, is not used here.) */
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
 wide_avx2(const int fmt, const int mr, const int np, const float *restrict x, Py_ssize_t ldx, const panel_ref *b,
-          Py_ssize_t k, Py_ssize_t kc, float *const *o, Py_ssize_t ldo, Py_ssize_t ldl, int pf) {
+          Py_ssize_t k, Py_ssize_t kc, float *const *o, Py_ssize_t ldo, Py_ssize_t ldl, tile_hints h) {
     int full = 1; /* as wide_avx512's */
     for (int q = 0; q < np; q++) full &= b[q].rows == NR;
     for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
@@ -560,13 +567,159 @@ __attribute__((target("avx512f,avx2"), always_inline)) static inline int fp8_pre
     return !bad;
 }
 
+/* MXFP4, AVX-512: scaled accumulators. A chain of fused multiply-adds c += (v s_g) x (v an E2M1 value, s_g = 2^E_g
+ * the scale of input group g) gives the same bits kept as c' = c / (s_g 2^MX_B): the products (v 2^-MX_B) x (a table
+ * of the values times 2^-MX_B), c' multiplied by s_g / s_g+1 as the group changes and by s_g 2^MX_B at the block's
+ * end: one multiply a group instead of one a weight. Rounding to nearest commutes with a power of two wherever both
+ * results are normal floats; with every E_g >= -MX_B, c' is no larger than c, so where c' is normal so is c, and
+ * where c' is below the normal range, rounded exactly, so is c. Where a result of c's chain overflows, or c' rounds
+ * below the normal range (the underflow flag), the tile computes the block again with each weight times its scale.
+ * The block is proven where no result underflowed and every scale met has -MX_B <= E_g <= 126 - MX_B (each ratio
+ * and factor a normal power of two, no scale a subnormal or NaN) and E_g <= 249 - hi - lk, so that no sum of c's
+ * chain, at most 2 * 6 * 2^E_g * 2^lk * 2^(hi - 126) (hi: the greatest exponent field of the inputs, mx_inputs,
+ * below 255: none infinite or NaN; 2^lk > the block's inputs), overflows (mx_scale_bounds). */
+#define MX_B 32
+static int mx_proof = 1; /* 0 (set_mx_proof, a negative control): every scaled block taken unproven */
+static const float E2M1_TINY[16] = {0.0f,  0x1p-33f,  0x1p-32f,  0x1.8p-32f,  0x1p-31f,  0x1.8p-31f,  0x1p-30f,
+                                    0x1.8p-30f, -0.0f, -0x1p-33f, -0x1p-32f, -0x1.8p-32f, -0x1p-31f, -0x1.8p-31f,
+                                    -0x1p-30f, -0x1.8p-30f};
+
+/* the greatest exponent field of mr rows of k inputs */
+__attribute__((target("avx512f,avx2"))) static int mx_inputs(const float *x, Py_ssize_t ldx, int mr, Py_ssize_t k) {
+    __m512i mx = _mm512_setzero_si512();
+    for (int r = 0; r < mr; r++)
+        for (Py_ssize_t i = 0; i < k; i += 16) {
+            const __mmask16 m = k - i >= 16 ? 0xFFFF : (__mmask16)((1u << (k - i)) - 1);
+            const __m512i v = _mm512_maskz_loadu_epi32(m, x + r * ldx + i);
+            mx = _mm512_max_epu32(mx, _mm512_srli_epi32(_mm512_slli_epi32(v, 1), 24)); /* the sign shifted out */
+        }
+    return (int)_mm512_reduce_max_epu32(mx);
+}
+
+/* The float32 bits of the least and greatest scale a block of `inputs` inputs whose greatest exponent field is hi
+ * may meet for scaled accumulators (see above), into lohi; 0 where none may. */
+static inline int mx_scale_bounds(int hi, Py_ssize_t inputs, uint32_t *lohi) {
+    int lk = 0;
+    while (((Py_ssize_t)1 << lk) <= inputs) lk++;
+    const int e_hi = 249 - hi - lk < 126 - MX_B ? 249 - hi - lk : 126 - MX_B;
+    if (hi >= 255 || e_hi < -MX_B) return 0;
+    lohi[0] = (uint32_t)(127 - MX_B) << 23, lohi[1] = (uint32_t)(127 + e_hi) << 23;
+    return 1;
+}
+
+/* One block [k0, ke) of wide_avx512's tile into its accumulators c (zeroed here); sc: MXFP4's scaled accumulators
+ * (each panel's last scales into last, a scale outside bounds into bad). */
+__attribute__((target("avx512f,avx2"), always_inline)) static inline void
+wide_block(const int fmt, const int mr, const int np, const float *restrict x, Py_ssize_t ldx, const panel_ref *b,
+           Py_ssize_t k0, Py_ssize_t ke, int full, __m512i *mw, Py_ssize_t *mw_at, const tile_hints h, const int sc,
+           __m512 *c, float *last, const uint32_t *bounds, int *bad) {
+    for (int i = 0; i < mr * np; i++) c[i] = _mm512_setzero_ps();
+    const __m512 tiny = _mm512_loadu_ps(E2M1_TINY);
+    for (Py_ssize_t t = k0; t < ke;) {
+        Py_ssize_t te = group_end(fmt, b[0], t, ke);
+        __m512 s[8];
+        if (BASE(fmt) == WF_MXFP4 && t / MX_G + 4 <= b[0].sld) { /* one gather of scales every 4 groups */
+            if (t / MX_G < *mw_at || t / MX_G >= *mw_at + 4)
+                for (int q = 0; q < np; q++) mw[q] = mx_words16(b[q], t), *mw_at = t / MX_G;
+            for (int q = 0; q < np; q++) s[q] = mx_scale16(mw[q], (int)(t / MX_G - *mw_at));
+        } else {
+            for (int q = 0; q < np; q++) s[q] = scale16(fmt, b[q], t);
+        }
+        if (sc) /* the accumulators from the last group's scale to this one's: times last / s (1 / s: its
+                 * float32 bits (254 << 23) - s's) */
+            for (int q = 0; q < np; q++) {
+                const __m512i sb = _mm512_castps_si512(s[q]);
+                *bad |= _mm512_cmplt_epu32_mask(sb, _mm512_set1_epi32((int)bounds[0])) |
+                        _mm512_cmpgt_epu32_mask(sb, _mm512_set1_epi32((int)bounds[1]));
+                if (t > k0) {
+                    const __m512 ratio = _mm512_mul_ps(
+                        _mm512_load_ps(last + q * NR),
+                        _mm512_castsi512_ps(_mm512_sub_epi32(_mm512_set1_epi32(254 << 23), sb)));
+                    for (int r = 0; r < mr; r++) c[r * np + q] = _mm512_mul_ps(c[r * np + q], ratio);
+                }
+                _mm512_store_ps(last + q * NR, s[q]);
+            }
+        /* FP8 stored rows: the inputs times each panel's scale (fp8_prescale, panels of one scale share them) */
+        const float *xp[8];
+        float xsb[FEW_ROWS * XS];
+        const Py_ssize_t ts = t;
+        int pre = BASE(fmt) == WF_FP8;
+        if (pre) {
+            te = te - t > XS ? t + XS : te;
+            unsigned prev = 0; /* a panel of the previous panel's scale shares its inputs */
+            for (int q = 0, d = 0; q < np && pre; q++) {
+                const unsigned e = ((const uint8_t *)b[q].scale)[t / b[q].group];
+                if (q && e == prev) {
+                    xp[q] = xp[q - 1];
+                    continue;
+                }
+                float *xs = xsb + d++ * mr * XS;
+                for (int r = 0; r < mr && pre; r++) pre = fp8_prescale(x + r * ldx + t, te - t, e, xs + r * XS);
+                xp[q] = xs, prev = e;
+            }
+        }
+        while (gather_inputs(fmt) && t < te) { /* stored rows: 4 gathers' worth by plain loads where it can */
+            const int gi = gather_inputs(fmt);
+            __m512i g[8][4];
+            int cols = 1;
+            for (int q = 0; q < np; q++) cols = load_rows16(fmt, b[q], t, te, full, g[q]);
+            if (h.pf && words_of(fmt)) /* the same line of the next tile's panel (np panels on, in L2) */
+                for (int q = 0; q < np; q++)
+                    _mm_prefetch((const char *)word_at(fmt, b[q], t) + np * NR * b[q].ld, _MM_HINT_T1);
+            else if (h.pf && !(t % ROW_PF_EVERY))
+                for (int q = 0; q < np; q++)
+                    for (int r = 0; r < b[q].rows; r++)
+                        _mm_prefetch((const char *)b[q].data + r * b[q].ld +
+                                         (t + ROW_PF_AHEAD) * (Py_ssize_t)panel_bytes(fmt, 1) / NR,
+                                     _MM_HINT_T0);
+            int clean = pre; /* no NaN code in these bytes: e4m3_16_tiny leaves its NaN test out */
+            for (int q = 0; q < np && clean && !words_of(fmt); q++) /* (words: never one) */
+                for (int j = 0; j < cols; j++) clean &= !e4m3_16_nan(g[q][j]);
+            for (int j = 0; j < cols; j++)
+#pragma GCC unroll 8
+                for (int u = 0; u < gi; u++, t++) {
+                    __m512 w[8];
+                    if (pre) {
+                        for (int q = 0; q < np; q++)
+                            w[q] = clean ? e4m3_16_tiny(g[q][j], u, 1) : e4m3_16_tiny(g[q][j], u, 0);
+                        for (int r = 0; r < mr; r++)
+                            for (int q = 0; q < np; q++)
+                                c[r * np + q] = _mm512_fmadd_ps(_mm512_set1_ps(xp[q][r * XS + t - ts]), w[q],
+                                                                c[r * np + q]);
+                        continue;
+                    }
+                    for (int q = 0; q < np; q++)
+                        w[q] = sc ? _mm512_permutexvar_ps(_mm512_srli_epi32(g[q][j], 4 * u), tiny)
+                                  : lane16(fmt, g[q][j], u, s[q]);
+                    for (int r = 0; r < mr; r++) {
+                        const __m512 a = _mm512_set1_ps(x[r * ldx + t]);
+                        for (int q = 0; q < np; q++) c[r * np + q] = _mm512_fmadd_ps(a, w[q], c[r * np + q]);
+                    }
+                }
+        }
+#pragma GCC unroll 2
+        for (; t < te; t++) {
+            __m512 w[8];
+            for (int q = 0; q < np; q++) w[q] = row16(fmt, b[q], t, s[q]);
+            if (h.pf) /* (a loop-invariant test; a prefetch past the panel's end does not fault) */
+                for (int q = 0; q < np; q++)
+                    _mm_prefetch((const char *)b[q].data + (t + PF_AHEAD) * (Py_ssize_t)panel_bytes(fmt, 1),
+                                 _MM_HINT_T0);
+            for (int r = 0; r < mr; r++) {
+                const __m512 a = _mm512_set1_ps(x[r * ldx + t]);
+                for (int q = 0; q < np; q++) c[r * np + q] = _mm512_fmadd_ps(a, w[q], c[r * np + q]);
+            }
+        }
+    }
+}
+
 /* np panels at once in AVX-512 (where the CPU has it): o[q] [r][0..16) from the panel b[q], with one 16-lane
  * accumulator per row and panel, so each broadcast of x feeds np 16-lane fused multiply-adds (AVX2's tile: two
  * 8-lane ones), and a tile of few rows still has 8 or more independent chains (a chain is latency-bound). Each
  * output's chain is the same operations in the same order as tile_avx2's: the same bits. */
 __attribute__((target("avx512f,avx2"), always_inline)) static inline void
 wide_avx512(const int fmt, const int mr, const int np, const float *restrict x, Py_ssize_t ldx, const panel_ref *b,
-            Py_ssize_t k, Py_ssize_t kc, float *const *o, Py_ssize_t ldo, Py_ssize_t ldl, const int pf) {
+            Py_ssize_t k, Py_ssize_t kc, float *const *o, Py_ssize_t ldo, Py_ssize_t ldl, const tile_hints h) {
     int full = 1; /* stored rows: every panel has its 16 rows (else only masked gathers read them) */
     for (int q = 0; q < np; q++) full &= b[q].rows == NR;
     __m512i mw[8] = {0}; /* MXFP4: each panel's scale words of groups mw_at .. mw_at + 3 (mx_words16) */
@@ -574,86 +727,29 @@ wide_avx512(const int fmt, const int mr, const int np, const float *restrict x, 
     for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
         const Py_ssize_t ke = k - k0 < kc ? k : k0 + kc;
         __m512 c[FEW_ROWS]; /* mr * np <= 16 */
-        for (int i = 0; i < mr * np; i++) c[i] = _mm512_setzero_ps();
-        for (Py_ssize_t t = k0; t < ke;) {
-            Py_ssize_t te = group_end(fmt, b[0], t, ke);
-            __m512 s[8];
-            if (BASE(fmt) == WF_MXFP4 && t / MX_G + 4 <= b[0].sld) { /* one gather of scales every 4 groups */
-                if (t / MX_G < mw_at || t / MX_G >= mw_at + 4)
-                    for (int q = 0; q < np; q++) mw[q] = mx_words16(b[q], t), mw_at = t / MX_G;
-                for (int q = 0; q < np; q++) s[q] = mx_scale16(mw[q], (int)(t / MX_G - mw_at));
-            } else {
-                for (int q = 0; q < np; q++) s[q] = scale16(fmt, b[q], t);
-            }
-            /* FP8 stored rows: the inputs times each panel's scale (fp8_prescale, panels of one scale share them) */
-            const float *xp[8];
-            float xsb[FEW_ROWS * XS];
-            const Py_ssize_t ts = t;
-            int pre = BASE(fmt) == WF_FP8;
-            if (pre) {
-                te = te - t > XS ? t + XS : te;
-                unsigned last = 0; /* a panel of the previous panel's scale shares its inputs */
-                for (int q = 0, d = 0; q < np && pre; q++) {
-                    const unsigned e = ((const uint8_t *)b[q].scale)[t / b[q].group];
-                    if (q && e == last) {
-                        xp[q] = xp[q - 1];
-                        continue;
-                    }
-                    float *xs = xsb + d++ * mr * XS;
-                    for (int r = 0; r < mr && pre; r++) pre = fp8_prescale(x + r * ldx + t, te - t, e, xs + r * XS);
-                    xp[q] = xs, last = e;
+        float last[8 * NR] __attribute__((aligned(64))) = {0}; /* MXFP4 scaled: each panel's last scales */
+        uint32_t bounds[2] = {0, 0};
+        int bad = 0;
+        if (BASE(fmt) == WF_MXFP4 && h.xe >= 0 && (mx_scale_bounds(h.xe, ke - k0, bounds) || !mx_proof)) {
+            const unsigned csr = _mm_getcsr();
+            _mm_setcsr(csr & ~_MM_EXCEPT_UNDERFLOW);
+            __asm__ volatile("" ::: "memory"); /* the block's loads (and so its arithmetic) after the clear */
+            wide_block(fmt, mr, np, x, ldx, b, k0, ke, full, mw, &mw_at, h, 1, c, last, bounds, &bad);
+            for (int i = 0; i < mr * np; i++) __asm__ volatile("" : "+v"(c[i])); /* its arithmetic done */
+            const int underflow = (_mm_getcsr() & _MM_EXCEPT_UNDERFLOW) != 0;
+            _mm_setcsr(csr);
+            if ((!underflow && !bad) || !mx_proof)
+                for (int q = 0; q < np; q++) { /* times s_g 2^MX_B: its bits plus MX_B << 23 */
+                    const __m512i sb = _mm512_castps_si512(_mm512_load_ps(last + q * NR));
+                    const __m512 f = _mm512_castsi512_ps(_mm512_add_epi32(sb, _mm512_set1_epi32(MX_B << 23)));
+                    for (int r = 0; r < mr; r++) c[r * np + q] = _mm512_mul_ps(c[r * np + q], f);
                 }
+            else { /* not proven: the block again, each weight times its scale */
+                mw_at = -8;
+                wide_block(fmt, mr, np, x, ldx, b, k0, ke, full, mw, &mw_at, h, 0, c, last, bounds, &bad);
             }
-            while (gather_inputs(fmt) && t < te) { /* stored rows: 4 gathers' worth by plain loads where it can */
-                const int gi = gather_inputs(fmt);
-                __m512i g[8][4];
-                int cols = 1;
-                for (int q = 0; q < np; q++) cols = load_rows16(fmt, b[q], t, te, full, g[q]);
-                if (pf && words_of(fmt)) /* the same line of the next tile's panel (np panels on, in L2) */
-                    for (int q = 0; q < np; q++)
-                        _mm_prefetch((const char *)word_at(fmt, b[q], t) + np * NR * b[q].ld, _MM_HINT_T1);
-                else if (pf && !(t % ROW_PF_EVERY))
-                    for (int q = 0; q < np; q++)
-                        for (int r = 0; r < b[q].rows; r++)
-                            _mm_prefetch((const char *)b[q].data + r * b[q].ld +
-                                             (t + ROW_PF_AHEAD) * (Py_ssize_t)panel_bytes(fmt, 1) / NR,
-                                         _MM_HINT_T0);
-                int clean = pre; /* no NaN code in these bytes: e4m3_16_tiny leaves its NaN test out */
-                for (int q = 0; q < np && clean && !words_of(fmt); q++) /* (words: never one) */
-                    for (int j = 0; j < cols; j++) clean &= !e4m3_16_nan(g[q][j]);
-                for (int j = 0; j < cols; j++)
-#pragma GCC unroll 8
-                    for (int u = 0; u < gi; u++, t++) {
-                        __m512 w[8];
-                        if (pre) {
-                            for (int q = 0; q < np; q++)
-                                w[q] = clean ? e4m3_16_tiny(g[q][j], u, 1) : e4m3_16_tiny(g[q][j], u, 0);
-                            for (int r = 0; r < mr; r++)
-                                for (int q = 0; q < np; q++)
-                                    c[r * np + q] = _mm512_fmadd_ps(_mm512_set1_ps(xp[q][r * XS + t - ts]), w[q],
-                                                                    c[r * np + q]);
-                            continue;
-                        }
-                        for (int q = 0; q < np; q++) w[q] = lane16(fmt, g[q][j], u, s[q]);
-                        for (int r = 0; r < mr; r++) {
-                            const __m512 a = _mm512_set1_ps(x[r * ldx + t]);
-                            for (int q = 0; q < np; q++) c[r * np + q] = _mm512_fmadd_ps(a, w[q], c[r * np + q]);
-                        }
-                    }
-            }
-#pragma GCC unroll 2
-            for (; t < te; t++) {
-                __m512 w[8];
-                for (int q = 0; q < np; q++) w[q] = row16(fmt, b[q], t, s[q]);
-                if (pf) /* (a loop-invariant test; a prefetch past the panel's end does not fault) */
-                    for (int q = 0; q < np; q++)
-                        _mm_prefetch((const char *)b[q].data + (t + PF_AHEAD) * (Py_ssize_t)panel_bytes(fmt, 1),
-                                     _MM_HINT_T0);
-                for (int r = 0; r < mr; r++) {
-                    const __m512 a = _mm512_set1_ps(x[r * ldx + t]);
-                    for (int q = 0; q < np; q++) c[r * np + q] = _mm512_fmadd_ps(a, w[q], c[r * np + q]);
-                }
-            }
+        } else {
+            wide_block(fmt, mr, np, x, ldx, b, k0, ke, full, mw, &mw_at, h, 0, c, last, bounds, &bad);
         }
         for (int r = 0; r < mr; r++)
             for (int q = 0; q < np; q++) {
@@ -674,7 +770,7 @@ static inline int wide_panels(int level, int mr) {
 /* The tiles of one format, each of constant rows and panels (its accumulators stay in registers): tile_x86_FMT
  * (AVX2, one panel), wide2_x86_FMT (AVX2's wide tiles: one row of 2 or 4 panels, two rows of 2; three or more
  * rows already have 6 or more chains in tile_avx2), wide_x86_FMT (AVX-512). */
-#define FEW(F, r) case r * 16 + 1: wide_avx512(F, r, 1, x, ldx, b, k, kc, o, ldo, ldl, pf); break;
+#define FEW(F, r) case r * 16 + 1: wide_avx512(F, r, 1, x, ldx, b, k, kc, o, ldo, ldl, h); break;
 #define TILES_OF(NAME, FMT)                                                                                        \
     __attribute__((target("avx2,fma,f16c"))) static void tile_x86_##NAME(int mr, const float *x, Py_ssize_t ldx,       \
                                                                     panel_ref bp, Py_ssize_t k, Py_ssize_t kc,     \
@@ -691,32 +787,32 @@ static inline int wide_panels(int level, int mr) {
     __attribute__((target("avx2,fma,f16c"))) static void wide2_x86_##NAME(int mr, int np, const float *x,              \
                                                                      Py_ssize_t ldx, const panel_ref *b,           \
                                                                      Py_ssize_t k, Py_ssize_t kc, float *const *o, \
-                                                                     Py_ssize_t ldo, Py_ssize_t ldl, int pf) {     \
+                                                                     Py_ssize_t ldo, Py_ssize_t ldl, tile_hints h) {\
         if (mr == 2)                                                                                               \
-            wide_avx2(FMT, 2, 2, x, ldx, b, k, kc, o, ldo, ldl, pf);                                               \
+            wide_avx2(FMT, 2, 2, x, ldx, b, k, kc, o, ldo, ldl, h);                                               \
         else if (np == 2)                                                                                          \
-            wide_avx2(FMT, 1, 2, x, ldx, b, k, kc, o, ldo, ldl, pf);                                               \
+            wide_avx2(FMT, 1, 2, x, ldx, b, k, kc, o, ldo, ldl, h);                                               \
         else                                                                                                       \
-            wide_avx2(FMT, 1, 4, x, ldx, b, k, kc, o, ldo, ldl, pf);                                               \
+            wide_avx2(FMT, 1, 4, x, ldx, b, k, kc, o, ldo, ldl, h);                                               \
     }                                                                                                              \
     __attribute__((target("avx512f,avx2"))) static void wide_x86_##NAME(int mr, int np, const float *x,           \
                                                                         Py_ssize_t ldx, const panel_ref *b,        \
                                                                         Py_ssize_t k, Py_ssize_t kc,               \
                                                                         float *const *o, Py_ssize_t ldo,           \
-                                                                        Py_ssize_t ldl, int pf) {                  \
+                                                                        Py_ssize_t ldl, tile_hints h) {           \
         switch (mr * 16 + np) {                                                                                    \
         FEW(FMT, 16) FEW(FMT, 15) FEW(FMT, 14) FEW(FMT, 13) FEW(FMT, 12) FEW(FMT, 11) FEW(FMT, 10) FEW(FMT, 9)     \
         FEW(FMT, 8) FEW(FMT, 7)                                                                                    \
-        case 6 * 16 + 2: wide_avx512(FMT, 6, 2, x, ldx, b, k, kc, o, ldo, ldl, pf); break;                        \
-        case 5 * 16 + 2: wide_avx512(FMT, 5, 2, x, ldx, b, k, kc, o, ldo, ldl, pf); break;                        \
-        case 4 * 16 + 2: wide_avx512(FMT, 4, 2, x, ldx, b, k, kc, o, ldo, ldl, pf); break;                        \
-        case 3 * 16 + 2: wide_avx512(FMT, 3, 2, x, ldx, b, k, kc, o, ldo, ldl, pf); break;                        \
-        case 2 * 16 + 4: wide_avx512(FMT, 2, 4, x, ldx, b, k, kc, o, ldo, ldl, pf); break;                        \
-        case 2 * 16 + 2: wide_avx512(FMT, 2, 2, x, ldx, b, k, kc, o, ldo, ldl, pf); break;                        \
-        case 1 * 16 + 8: wide_avx512(FMT, 1, 8, x, ldx, b, k, kc, o, ldo, ldl, pf); break;                        \
-        case 1 * 16 + 4: wide_avx512(FMT, 1, 4, x, ldx, b, k, kc, o, ldo, ldl, pf); break;                        \
-        case 1 * 16 + 1: wide_avx512(FMT, 1, 1, x, ldx, b, k, kc, o, ldo, ldl, pf); break;                        \
-        default: wide_avx512(FMT, 1, 2, x, ldx, b, k, kc, o, ldo, ldl, pf); break;                                 \
+        case 6 * 16 + 2: wide_avx512(FMT, 6, 2, x, ldx, b, k, kc, o, ldo, ldl, h); break;                        \
+        case 5 * 16 + 2: wide_avx512(FMT, 5, 2, x, ldx, b, k, kc, o, ldo, ldl, h); break;                        \
+        case 4 * 16 + 2: wide_avx512(FMT, 4, 2, x, ldx, b, k, kc, o, ldo, ldl, h); break;                        \
+        case 3 * 16 + 2: wide_avx512(FMT, 3, 2, x, ldx, b, k, kc, o, ldo, ldl, h); break;                        \
+        case 2 * 16 + 4: wide_avx512(FMT, 2, 4, x, ldx, b, k, kc, o, ldo, ldl, h); break;                        \
+        case 2 * 16 + 2: wide_avx512(FMT, 2, 2, x, ldx, b, k, kc, o, ldo, ldl, h); break;                        \
+        case 1 * 16 + 8: wide_avx512(FMT, 1, 8, x, ldx, b, k, kc, o, ldo, ldl, h); break;                        \
+        case 1 * 16 + 4: wide_avx512(FMT, 1, 4, x, ldx, b, k, kc, o, ldo, ldl, h); break;                        \
+        case 1 * 16 + 1: wide_avx512(FMT, 1, 1, x, ldx, b, k, kc, o, ldo, ldl, h); break;                        \
+        default: wide_avx512(FMT, 1, 2, x, ldx, b, k, kc, o, ldo, ldl, h); break;                                 \
         }                                                                                                          \
     }
 PANEL_FORMATS(TILES_OF)
@@ -725,7 +821,7 @@ PANEL_FORMATS(TILES_OF)
 
 typedef void (*tile_fn)(int, const float *, Py_ssize_t, panel_ref, Py_ssize_t, Py_ssize_t, float *, Py_ssize_t);
 typedef void (*wide_fn)(int, int, const float *, Py_ssize_t, const panel_ref *, Py_ssize_t, Py_ssize_t,
-                        float *const *, Py_ssize_t, Py_ssize_t, int);
+                        float *const *, Py_ssize_t, Py_ssize_t, tile_hints);
 
 /* The same tile in portable C (fmaf: one rounding, as the vector fused multiply-add; the scalar decoders). */
 static inline __attribute__((always_inline)) void tile_plain(const int fmt, int mr, const float *restrict x,
@@ -918,6 +1014,10 @@ static void linear_panels_range(const weight_ref *w, const float *xp, Py_ssize_t
         const Py_ssize_t p1 = p0 + group < p_end ? p0 + group : p_end;
         for (Py_ssize_t i = 0; i < m; i += rows) {
             const int mr = m - i < rows ? (int)(m - i) : rows;
+            int xe = -1;
+#if HAVE_X86_AVX2
+            if (level == 2 && BASE(fmt) == WF_MXFP4) xe = mx_inputs(xp + i * ldx, ldx, mr, k);
+#endif
             for (Py_ssize_t p = p0; p < p1; p++) {
                 const Py_ssize_t j = p * NR, nv = n - j < NR ? n - j : NR;
                 float *out = yp + i * ldy + j;
@@ -929,8 +1029,8 @@ static void linear_panels_range(const weight_ref *w, const float *xp, Py_ssize_t
                         panel_ref b[8];
                         float *o[8];
                         for (int q = 0; q < np; q++) b[q] = panel_at(w, p + q), o[q] = q < full ? out + q * NR : part;
-                        wide(mr, np, xp + i * ldx, ldx, b, k, kc, o, ldy, np > full ? NR : ldy,
-                             pf && p + 2 * np <= p_end); /* (the next tile's panels are this range's) */
+                        const tile_hints th = {pf && p + 2 * np <= p_end, xe}; /* (the next tile's: this range's) */
+                        wide(mr, np, xp + i * ldx, ldx, b, k, kc, o, ldy, np > full ? NR : ldy, th);
                         if (np > full)
                             for (int r = 0; r < mr; r++)
                                 memcpy(out + r * ldy + full * NR, part + r * NR, (n - j - full * NR) * sizeof(float));
@@ -1360,10 +1460,10 @@ KERNEL_PY(blas_mm) {
 __attribute__((target("avx512f,avx2"))) static void wide_fp8_x86(int np, const float *x, const panel_ref *b,
                                                                  Py_ssize_t k, Py_ssize_t kc, float *const *o) {
     switch (np) { /* constant panels: the accumulators stay in registers */
-    case 8: wide_avx512(WF_FP8_PANELS, 1, 8, x, k, b, k, kc, o, NR, NR, 0); break;
-    case 4: wide_avx512(WF_FP8_PANELS, 1, 4, x, k, b, k, kc, o, NR, NR, 0); break;
-    case 2: wide_avx512(WF_FP8_PANELS, 1, 2, x, k, b, k, kc, o, NR, NR, 0); break;
-    default: wide_avx512(WF_FP8_PANELS, 1, 1, x, k, b, k, kc, o, NR, NR, 0); break;
+    case 8: wide_avx512(WF_FP8_PANELS, 1, 8, x, k, b, k, kc, o, NR, NR, NO_HINTS); break;
+    case 4: wide_avx512(WF_FP8_PANELS, 1, 4, x, k, b, k, kc, o, NR, NR, NO_HINTS); break;
+    case 2: wide_avx512(WF_FP8_PANELS, 1, 2, x, k, b, k, kc, o, NR, NR, NO_HINTS); break;
+    default: wide_avx512(WF_FP8_PANELS, 1, 1, x, k, b, k, kc, o, NR, NR, NO_HINTS); break;
     }
 }
 
@@ -1717,6 +1817,13 @@ KERNEL_PY(linear_bf16) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_set_mx_proof(PyObject *Py_UNUSED(self), PyObject *on) {
+    const int was = mx_proof, v = PyObject_IsTrue(on);
+    if (v < 0) return NULL;
+    mx_proof = v;
+    return PyBool_FromLong(was);
+}
+
 static PyObject *py_amx_supported(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
     return PyBool_FromLong(amx_supported());
 }
@@ -1980,6 +2087,9 @@ static PyMethodDef methods[] = {
     KERNEL_METHOD(linear_bf16),
     {"amx_supported", py_amx_supported, METH_NOARGS,
      "amx_supported() -> whether linear_bf16 runs here (AMX-BF16, AVX-512, the tile data granted by the kernel)."},
+    {"set_mx_proof", py_set_mx_proof, METH_O,
+     "set_mx_proof(on) -> the previous setting: whether MXFP4's scaled accumulators are taken only where proven "
+     "exact (on, the default; off is a negative control for tests)."},
     {"fp8_supported", py_fp8_supported, METH_NOARGS, "fp8_supported() -> whether linear_fp8 runs on this CPU."},
     {"raw_kernels", py_raw_kernels, METH_NOARGS,
      "raw_kernels() -> {name: (((field, kind), ...), raw entry address)}: the kernels a CPU graph's replay runs from "

@@ -44,6 +44,22 @@ def fp8_weight(n: int, k: int, block: int, seed: int, nan: bool = False) -> tupl
     return q, torch.randint(100, 140, (-(-n // block), -(-k // block)), generator=g, dtype=torch.uint8)
 
 
+def wide_inputs(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """x's rows at every float32 exponent (each row its own, +-8 about it), with zeros, infinities and NaNs"""
+    m, k = x.shape
+    x = x * torch.exp2(torch.randint(-149, 128, (m, 1), generator=g).float() +
+                       torch.randint(-8, 9, (m, k), generator=g).float())
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan")])
+    return torch.where(torch.rand(m, k, generator=g) < 0.02, special[torch.randint(0, 5, (m, k), generator=g)], x)
+
+
+def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """equal bits, any NaN the same (a NaN's sign and payload follow which NaN an instruction form propagates
+    first)"""
+    return torch.equal(bits(got.nan_to_num(nan=1.5)), bits(want.nan_to_num(nan=1.5))) and \
+        torch.equal(got.isnan(), want.isnan())
+
+
 def float_product(x, w, kc, simd):
     return exactness.matmul_kernel(x, exactness.pack_panels(w.t()), w.shape[0], kc, simd)
 
@@ -61,20 +77,44 @@ def fp8_float(q, s, block):
     return dequantize_blocks(q.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), block)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(m=st.integers(1, 70), k=st.sampled_from([32, 64, 96, 160, 256, 512]), n=st.integers(1, 70),
-       kc=st.sampled_from([8, 16, 48, 64, 256, 4096]), seed=st.integers(0, 2**16))
-def test_stored_mxfp4_gives_the_float_panels_bits(m, k, n, kc, seed):
+       kc=st.sampled_from([8, 16, 48, 64, 256, 4096]), seed=st.integers(0, 2**16), wide=st.booleans())
+def test_stored_mxfp4_gives_the_float_panels_bits(m, k, n, kc, seed, wide):
+    """`wide`: inputs of every float32 exponent, zeros, infinities and NaNs, so that the AVX-512 form's scaled
+    accumulators underflow, could overflow or are proven exact, block by block"""
     codes, scales = mxfp4_weight(n, k, seed)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1))
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=g)
+    if wide:
+        x = wide_inputs(x, g)
     want = float_product(x, mxfp4_float(codes, scales), kc, LEVELS[-1])
     words = exactness.panel_words(codes, fp8=False)
     for simd in LEVELS:
-        assert torch.equal(bits(float_product(x, mxfp4_float(codes, scales), kc, simd)), bits(want))
-        assert torch.equal(bits(exactness.matmul_stored(x, STORED_MXFP4, codes, scales, n, kc, simd=simd)),
-                           bits(want)), simd
-        assert torch.equal(bits(exactness.matmul_stored(x, STORED_MXFP4 | WORDS, words, scales, n, kc,
-                                                        simd=simd)), bits(want)), simd
+        assert same_bits(float_product(x, mxfp4_float(codes, scales), kc, simd), want)
+        assert same_bits(exactness.matmul_stored(x, STORED_MXFP4, codes, scales, n, kc, simd=simd), want), simd
+        assert same_bits(exactness.matmul_stored(x, STORED_MXFP4 | WORDS, words, scales, n, kc, simd=simd), want), simd
+
+
+@pytest.mark.skipif(not LEVELS or LEVELS[-1] < 2, reason="MXFP4's scaled accumulators are AVX-512's")
+def test_mxfp4_scaled_accumulators_are_taken_only_where_proven():
+    """Negative control: rows of inputs near 2^-100 round below the normal range in the scaled chain (c / (s 2^32))
+    and not in the plain one; unproven blocks taken anyway (set_mx_proof(False)) give other bits"""
+    n, k = 64, 256
+    codes, scales = mxfp4_weight(n, k, 3)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, k, generator=g) * 2.0 ** -100
+    want = float_product(x, mxfp4_float(codes, scales), 64, 2)
+    words = exactness.panel_words(codes, fp8=False)
+    run = lambda: exactness.matmul_stored(x, STORED_MXFP4 | WORDS, words, scales, n, 64, simd=2)
+    assert torch.equal(bits(run()), bits(want))
+    was = lin.set_mx_proof(False)
+    try:
+        unproven = run()
+    finally:
+        lin.set_mx_proof(was)
+    assert not torch.equal(bits(unproven), bits(want))
+    assert torch.equal(bits(run()), bits(want))
 
 
 @settings(max_examples=40, deadline=None)
@@ -88,18 +128,13 @@ def test_stored_fp8_gives_the_float_panels_bits(m, k, n, block, kc, seed, wide):
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(m, k, generator=g)
     if wide:
-        x = x * torch.exp2(torch.randint(-149, 128, (m, 1), generator=g).float() +
-                           torch.randint(-8, 9, (m, k), generator=g).float())
-        special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan")])
-        x = torch.where(torch.rand(m, k, generator=g) < 0.02, special[torch.randint(0, 5, (m, k), generator=g)], x)
+        x = wide_inputs(x, g)
     want = float_product(x, fp8_float(q, s, block), kc, LEVELS[-1])
     words = exactness.panel_words(q, fp8=True)
     for simd in LEVELS:
         for got in (exactness.matmul_stored(x, STORED_FP8, q, s, n, kc, block=block, simd=simd),
                     exactness.matmul_stored(x, STORED_FP8 | WORDS, words, s, n, kc, block=block, simd=simd)):
-            # a NaN's sign and payload follow which NaN an instruction form propagates first: any NaN is the same
-            assert torch.equal(bits(got.nan_to_num(nan=1.5)), bits(want.nan_to_num(nan=1.5))), simd
-            assert torch.equal(got.isnan(), want.isnan()), simd
+            assert same_bits(got, want), simd
 
 
 @settings(max_examples=30, deadline=None)

@@ -584,6 +584,14 @@ static const float E2M1_TINY[16] = {0.0f,  0x1p-33f,  0x1p-32f,  0x1.8p-32f,  0x
                                     0x1.8p-30f, -0.0f, -0x1p-33f, -0x1p-32f, -0x1.8p-32f, -0x1p-31f, -0x1.8p-31f,
                                     -0x1p-30f, -0x1.8p-30f};
 
+/* A block's scaled accumulators: each panel's scales of the last group, the float32 bits of the least and greatest
+ * scale the block may meet (mx_scale_bounds), whether it met one outside them */
+typedef struct {
+    float last[8 * NR] __attribute__((aligned(64)));
+    uint32_t lo, hi;
+    int bad;
+} mx_state;
+
 /* the greatest exponent field of mr rows of k inputs */
 __attribute__((target("avx512f,avx2"))) static int mx_inputs(const float *x, Py_ssize_t ldx, int mr, Py_ssize_t k) {
     __m512i mx = _mm512_setzero_si512();
@@ -597,22 +605,22 @@ __attribute__((target("avx512f,avx2"))) static int mx_inputs(const float *x, Py_
 }
 
 /* The float32 bits of the least and greatest scale a block of `inputs` inputs whose greatest exponent field is hi
- * may meet for scaled accumulators (see above), into lohi; 0 where none may. */
-static inline int mx_scale_bounds(int hi, Py_ssize_t inputs, uint32_t *lohi) {
+ * may meet for scaled accumulators (see above), into ms; 0 where none may. */
+static inline int mx_scale_bounds(int hi, Py_ssize_t inputs, mx_state *ms) {
     int lk = 0;
     while (((Py_ssize_t)1 << lk) <= inputs) lk++;
     const int e_hi = 249 - hi - lk < 126 - MX_B ? 249 - hi - lk : 126 - MX_B;
     if (hi >= 255 || e_hi < -MX_B) return 0;
-    lohi[0] = (uint32_t)(127 - MX_B) << 23, lohi[1] = (uint32_t)(127 + e_hi) << 23;
+    ms->lo = (uint32_t)(127 - MX_B) << 23, ms->hi = (uint32_t)(127 + e_hi) << 23;
     return 1;
 }
 
-/* One block [k0, ke) of wide_avx512's tile into its accumulators c (zeroed here); sc: MXFP4's scaled accumulators
- * (each panel's last scales into last, a scale outside bounds into bad). */
+/* One block [k0, ke) of wide_avx512's tile into its accumulators c (zeroed here); sc: MXFP4's scaled accumulators,
+ * their state in ms. */
 __attribute__((target("avx512f,avx2"), always_inline)) static inline void
 wide_block(const int fmt, const int mr, const int np, const float *restrict x, Py_ssize_t ldx, const panel_ref *b,
            Py_ssize_t k0, Py_ssize_t ke, int full, __m512i *mw, Py_ssize_t *mw_at, const tile_hints h, const int sc,
-           __m512 *c, float *last, const uint32_t *bounds, int *bad) {
+           __m512 *c, mx_state *ms) {
     for (int i = 0; i < mr * np; i++) c[i] = _mm512_setzero_ps();
     const __m512 tiny = _mm512_loadu_ps(E2M1_TINY);
     for (Py_ssize_t t = k0; t < ke;) {
@@ -629,15 +637,15 @@ wide_block(const int fmt, const int mr, const int np, const float *restrict x, P
                  * float32 bits (254 << 23) - s's) */
             for (int q = 0; q < np; q++) {
                 const __m512i sb = _mm512_castps_si512(s[q]);
-                *bad |= _mm512_cmplt_epu32_mask(sb, _mm512_set1_epi32((int)bounds[0])) |
-                        _mm512_cmpgt_epu32_mask(sb, _mm512_set1_epi32((int)bounds[1]));
+                ms->bad |= _mm512_cmplt_epu32_mask(sb, _mm512_set1_epi32((int)ms->lo)) |
+                           _mm512_cmpgt_epu32_mask(sb, _mm512_set1_epi32((int)ms->hi));
                 if (t > k0) {
                     const __m512 ratio = _mm512_mul_ps(
-                        _mm512_load_ps(last + q * NR),
+                        _mm512_load_ps(ms->last + q * NR),
                         _mm512_castsi512_ps(_mm512_sub_epi32(_mm512_set1_epi32(254 << 23), sb)));
                     for (int r = 0; r < mr; r++) c[r * np + q] = _mm512_mul_ps(c[r * np + q], ratio);
                 }
-                _mm512_store_ps(last + q * NR, s[q]);
+                _mm512_store_ps(ms->last + q * NR, s[q]);
             }
         /* FP8 stored rows: the inputs times each panel's scale (fp8_prescale, panels of one scale share them) */
         const float *xp[8];
@@ -727,30 +735,26 @@ wide_avx512(const int fmt, const int mr, const int np, const float *restrict x, 
     for (Py_ssize_t k0 = 0; k0 < k; k0 += kc) {
         const Py_ssize_t ke = k - k0 < kc ? k : k0 + kc;
         __m512 c[FEW_ROWS]; /* mr * np <= 16 */
-        float last[8 * NR] __attribute__((aligned(64))) = {0}; /* MXFP4 scaled: each panel's last scales */
-        uint32_t bounds[2] = {0, 0};
-        int bad = 0;
-        if (BASE(fmt) == WF_MXFP4 && h.xe >= 0 && (mx_scale_bounds(h.xe, ke - k0, bounds) || !mx_proof)) {
+        mx_state ms = {.bad = 0};
+        int done = 0;
+        if (BASE(fmt) == WF_MXFP4 && h.xe >= 0 && (mx_scale_bounds(h.xe, ke - k0, &ms) || !mx_proof)) {
             const unsigned csr = _mm_getcsr();
             _mm_setcsr(csr & ~_MM_EXCEPT_UNDERFLOW);
             __asm__ volatile("" ::: "memory"); /* the block's loads (and so its arithmetic) after the clear */
-            wide_block(fmt, mr, np, x, ldx, b, k0, ke, full, mw, &mw_at, h, 1, c, last, bounds, &bad);
+            wide_block(fmt, mr, np, x, ldx, b, k0, ke, full, mw, &mw_at, h, 1, c, &ms);
             for (int i = 0; i < mr * np; i++) __asm__ volatile("" : "+v"(c[i])); /* its arithmetic done */
-            const int underflow = (_mm_getcsr() & _MM_EXCEPT_UNDERFLOW) != 0;
+            done = (!(_mm_getcsr() & _MM_EXCEPT_UNDERFLOW) && !ms.bad) || !mx_proof;
             _mm_setcsr(csr);
-            if ((!underflow && !bad) || !mx_proof)
+            if (done)
                 for (int q = 0; q < np; q++) { /* times s_g 2^MX_B: its bits plus MX_B << 23 */
-                    const __m512i sb = _mm512_castps_si512(_mm512_load_ps(last + q * NR));
+                    const __m512i sb = _mm512_castps_si512(_mm512_load_ps(ms.last + q * NR));
                     const __m512 f = _mm512_castsi512_ps(_mm512_add_epi32(sb, _mm512_set1_epi32(MX_B << 23)));
                     for (int r = 0; r < mr; r++) c[r * np + q] = _mm512_mul_ps(c[r * np + q], f);
                 }
-            else { /* not proven: the block again, each weight times its scale */
-                mw_at = -8;
-                wide_block(fmt, mr, np, x, ldx, b, k0, ke, full, mw, &mw_at, h, 0, c, last, bounds, &bad);
-            }
-        } else {
-            wide_block(fmt, mr, np, x, ldx, b, k0, ke, full, mw, &mw_at, h, 0, c, last, bounds, &bad);
+            else
+                mw_at = -8; /* not proven: the block again, each weight times its scale */
         }
+        if (!done) wide_block(fmt, mr, np, x, ldx, b, k0, ke, full, mw, &mw_at, h, 0, c, &ms);
         for (int r = 0; r < mr; r++)
             for (int q = 0; q < np; q++) {
                 float *d = o[q] + r * (q == np - 1 ? ldl : ldo);
@@ -1007,6 +1011,14 @@ static void linear_panels_range(const weight_ref *w, const float *xp, Py_ssize_t
         }
     }
     const int pf = level == 2 && (words_of(fmt) || (size_t)panels * pb >= PF_BYTES);
+    int xes[FEW_ROWS]; /* MXFP4, AVX-512: each tile of rows' inputs' greatest exponent (mx_inputs), -1: not read */
+    for (Py_ssize_t i = 0; i < m && i / rows < FEW_ROWS; i += rows) {
+        xes[i / rows] = -1;
+#if HAVE_X86_AVX2
+        if (level == 2 && BASE(fmt) == WF_MXFP4 && m <= FEW_ROWS)
+            xes[i / rows] = mx_inputs(xp + i * ldx, ldx, m - i < rows ? (int)(m - i) : rows, k);
+#endif
+    }
     if (rows > MR) wide_rows = rows;
     float part[FEW_ROWS * NR]; /* a partial panel's tile */
     if (p_end > panels) p_end = panels;
@@ -1014,10 +1026,7 @@ static void linear_panels_range(const weight_ref *w, const float *xp, Py_ssize_t
         const Py_ssize_t p1 = p0 + group < p_end ? p0 + group : p_end;
         for (Py_ssize_t i = 0; i < m; i += rows) {
             const int mr = m - i < rows ? (int)(m - i) : rows;
-            int xe = -1;
-#if HAVE_X86_AVX2
-            if (level == 2 && BASE(fmt) == WF_MXFP4) xe = mx_inputs(xp + i * ldx, ldx, mr, k);
-#endif
+            const int xe = i / rows < FEW_ROWS ? xes[i / rows] : -1;
             for (Py_ssize_t p = p0; p < p1; p++) {
                 const Py_ssize_t j = p * NR, nv = n - j < NR ? n - j : NR;
                 float *out = yp + i * ldy + j;

@@ -93,15 +93,17 @@ def held_copies(role: str, stored: str, outputs: int, m: Machine, tp: int = 1) -
                          (`StoredWeight`) repacked panel-major in RAM where the kernel multiplies them as stored
                          (`panel_major`: the same bytes, rows padded to 16), FP8 scales mapped; F32 weights mapped; other FP8 and BF16/F16 weights (the
                          embedding, the mHC's hc_*_fn) dequantized or cast ONCE to float32; scales used up at load
-      model/exactness.py `stored_kc`: a weight as stored is multiplied in place where the float plan of its shape
-                         is the float panels, i.e. no AMX and a probed block size (none for fewer than 16
-                         outputs); else a float32 copy (`dense`, input-major) and its plan, at the first forward
+      model/exactness.py `stored_kc`, `tiles_admit`: a weight as stored is multiplied in place where the float
+                         plan of its shape is the float panels (no AMX, a probed block size) or, on an AMX CPU, the
+                         bfloat16 tiles (scales that keep every value a normal bfloat16: not read here), at least
+                         16 outputs either way; else a float32 copy (`dense`, input-major) and its plan, at the
+                         first forward
       model/layers.py    `layout_weights_`: the float matmul weights copied once, input-major; `stacked`: one more
                          float32 copy of float weights that share an input (weights as stored stay so)
       model/products.py  `plan`, made at the first forward: a float matmul weight's float panels (4 bytes), plus
                          its FP8 panels where every value is an E4M3 times one power of two per 64 inputs x 16
                          outputs (`pack_fp8`; not counted: see below), or instead its bfloat16 tiles on an AMX CPU
-                         where every value is a bfloat16; none for fewer than 16 outputs (BLAS or padded torch)
+                         where every value is a bfloat16 (any outputs); else none for fewer than 16 outputs (BLAS or padded torch)
       parallel/          at size > 1 the weights are sliced as floats (the stored ones made float first), the
                          routed experts densified to float32 (`ExpertParallelMoE`) and each rank's Engram rows
                          copied (`ShardedEngramTables`)
@@ -115,15 +117,16 @@ def held_copies(role: str, stored: str, outputs: int, m: Machine, tp: int = 1) -
         return (Copy("as stored, mapped" if tp == 1 else "the rank's rows, copied", None, 1, tp == 1),)
     if role in ("vector", "embed"):
         return (Copy("float32, mapped", 4, 1, True),) if stored == "F32" else (Copy("float32 (cast)", 4),)
-    in_place = m.kernel and not m.amx and tp == 1 and outputs >= PANEL
+    in_place = m.kernel and tp == 1 and outputs >= PANEL
     if in_place and (role.endswith("linear") and stored in STORED or
                      role == "expert" and stored in MXFP4_CODES and m.expert_words):
         return (WORDS, EDGES)
     if in_place and role == "expert" and stored in MXFP4_CODES:
         return (AS_STORED,)
-    if not m.kernel or outputs < PANEL:
+    tiles = m.amx and stored != "F32"  # (every FP8, MXFP4, BF16 value a bfloat16: tiles for any outputs)
+    if not m.kernel or (outputs < PANEL and not tiles):
         return (FLOAT32,)
-    products = (TILES,) if m.amx and stored != "F32" else (PANELS,)  # (every FP8, MXFP4, BF16 value a bfloat16)
+    products = (TILES,) if tiles else (PANELS,)
     return ((FLOAT32, STACK) if role.startswith("stacked") else (FLOAT32,)) + products
 
 

@@ -134,6 +134,9 @@ enum weight_format { WF_F32 = 0, WF_TILES = 1, WF_MXFP4 = 2, WF_FP8_PANELS = 3, 
  * stored format has its words form (FORMAT | WF_WORDS: linear_stored's 10, 12 and 13, moe_experts' 10); FP8 words
  * never hold a NaN code (the repack checks). */
 #define WF_WORDS 8
+/* A flag of a stored format: multiplied on the AMX tiles, each block of 32 inputs of a pair of panels decoded into
+ * the bfloat16 tiles that pack_bf16 would make of the dequantized weight (the section "bf16 tiles" below). */
+#define WF_AMX 16
 #define BASE(fmt) ((fmt) & 7)
 static inline int words_of(const int fmt) { return fmt & WF_WORDS; }
 
@@ -1212,6 +1215,12 @@ KERNEL_PY(linear_packed) {
 
 /* ---- weights as a checkpoint stores them (WF_MXFP4, WF_FP8), read in place ------------------------ */
 
+static int amx_supported(void);
+#if HAVE_X86_AVX2 && defined(__linux__)
+static int linear_bf16(const float *xp, Py_ssize_t ldx, const uint16_t *wp, const weight_ref *src, float *yp,
+                       Py_ssize_t ldy, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n);
+#endif
+
 #define LINEAR_STORED_FIELDS(X)                                                                                \
     X(ADDR, x, "[m, k] float32, rows ldx floats apart")                                                        \
     X(SIZE, ldx, "floats between two rows of x (>= k)")                                                        \
@@ -1235,14 +1244,31 @@ KERNEL_PY(linear_packed) {
 KERNEL_ARGS(linear_stored, LINEAR_STORED_FIELDS,
             "linear_packed's product of a weight as its checkpoint stores it (MXFP4 or block-scaled FP8 rows), "
             "decoded exactly in registers: the bits of linear_packed over the dequantized weight's panels.")
-static void run_linear_stored(const struct linear_stored_args *a) {
+static void run_linear_stored(const struct linear_stored_args *a) { /* (tiles with no buffer: y all NaN) */
     const weight_ref w = {(int)a->format, U8(a->data), U8(a->scales), a->k, a->n, a->block, a->row0};
+#if HAVE_X86_AVX2 && defined(__linux__)
+    if ((w.fmt & WF_AMX) && a->m && a->n) {
+        if (pool_k_halves() && pool_parts(2, INFINITY) >= 2) { /* the negative control (tests only) */
+            const weight_ref plain = {w.fmt & ~WF_AMX, w.data, w.scales, w.k, w.n, w.block, w.row0};
+            k_halves_product(&plain, CF(a->x), a->ldx, F(a->y), a->ldy, a->m);
+        } else if (linear_bf16(CF(a->x), a->ldx, NULL, &w, F(a->y), a->ldy, a->m, a->k, a->n))
+            for (Py_ssize_t i = 0; i < a->m; i++)
+                for (Py_ssize_t c = 0; c < a->n; c++) F(a->y)[i * a->ldy + c] = NAN;
+        return;
+    }
+#endif
     linear_panels(&w, CF(a->x), a->ldx, F(a->y), a->ldy, a->m, a->kc, (int)a->simd);
 }
 RAW_ENTRY(linear_stored)
 
 /* whether a stored weight's shape, block and kc fit its format; 0 if so, else a ValueError set */
 static int stored_misfit(const char *fn, Py_ssize_t format, Py_ssize_t k, Py_ssize_t kc, Py_ssize_t block) {
+    const int amx = format >= 0 && (format & WF_AMX); /* (kc unused) */
+    if (amx && !amx_supported()) {
+        PyErr_Format(PyExc_RuntimeError, "%s: format %zd (+ 16: on the AMX tiles) needs amx_supported()", fn, format);
+        return 1;
+    }
+    if (amx) format &= ~WF_AMX, kc = 8;
     const int base = format >= 0 && format <= (WF_BF16 | WF_WORDS) ? BASE((int)format) : -1; /* (no other flag) */
     if ((base == WF_MXFP4 && k >= MX_G && k % MX_G == 0 && kc >= 8 && kc % 8 == 0) ||
         (base == WF_FP8 && k >= 4 && k % 4 == 0 && kc >= 4 && kc % 4 == 0 && block >= NR && block % NR == 0) ||
@@ -1250,7 +1276,7 @@ static int stored_misfit(const char *fn, Py_ssize_t format, Py_ssize_t k, Py_ssi
         return 0;
     PyErr_Format(PyExc_ValueError, "%s: format %zd, k %zd, kc %zd, block %zd do not fit (format 2: MXFP4, k a multiple "
                  "of 32, kc of 8; format 4: FP8, k and kc multiples of 4, block of 16; format 5: BF16, k and kc even; "
-                 "each of them + 8: its rows panel-major)",
+                 "each of them + 8: its rows panel-major; + 16: on the AMX tiles)",
                  fn, format, k, kc, block);
     return 1;
 }
@@ -1655,6 +1681,193 @@ __attribute__((target("avx512f"))) static void split3(const float *x, Py_ssize_t
     }
 }
 
+/* Stored rows on the tiles (WF_AMX): the B tile of panel b (16 columns) for inputs [k0, k0 + 32), laid out as
+ * pack_bf16 lays out the dequantized weight's: [16 pairs][16 columns][2] bfloat16, pair p holding inputs k0 + p and
+ * k0 + 16 + p, zero beyond k. Each weight is lane16's exact float32 (the float panels' value), and its top 16 bits
+ * are its bfloat16 where the weight is one: the caller admits only weights whose every value is (exactness.py
+ * `tiles_admit`, by their scales), so the tiles hold the very bits of pack_bf16's, and so do the products. */
+#define AMX_TILE 512 /* bfloat16 values of a tile: 16 pairs x 16 columns x 2 */
+__attribute__((target("avx512f,avx2"), always_inline)) static inline void
+bf16_tile_avx512(const int fmt, panel_ref b, Py_ssize_t k0, Py_ssize_t k, uint16_t *dst) {
+    __m512 f[AMX_K];
+    const int gi = gather_inputs(fmt);
+    const Py_ssize_t ke = k0 + AMX_K < k ? k0 + AMX_K : k;
+    Py_ssize_t t = k0;
+    while (t < ke) {
+        const Py_ssize_t te = group_end(fmt, b, t, ke);
+        const __m512 s = scale16(fmt, b, t);
+        while (t < te) {
+            __m512i g[4];
+            const int cols = load_rows16(fmt, b, t, te, b.rows == NR, g);
+            for (int j = 0; j < cols; j++)
+#pragma GCC unroll 8
+                for (int u = 0; u < gi; u++, t++) f[t - k0] = lane16(fmt, g[j], u, s);
+        }
+    }
+    for (; t < k0 + AMX_K; t++) f[t - k0] = _mm512_setzero_ps();
+    const __m512i top = _mm512_set1_epi32((int)0xffff0000);
+    for (int p = 0; p < AMX_K / 2; p++) /* (top & input p + 16) | input p >> 16: both bfloat16 in one lane */
+        _mm512_store_si512((void *)(dst + p * 32),
+                           _mm512_ternarylogic_epi32(top, _mm512_castps_si512(f[p + 16]),
+                                                     _mm512_srli_epi32(_mm512_castps_si512(f[p]), 16), 0xEA));
+}
+
+/* The words' fast forms (FP8 and MXFP4 rows panel-major, a whole block of 32 inputs): the codes of a tile's rows are
+ * picked from the 16 rows' words at inputs t and t + 16 by one byte permutation, and turned into bfloat16 bits by
+ * table lookups and integer operations alone (no float32 multiply: Intel cores take a slow assist for each vector
+ * holding a subnormal, which E4M3's small codes make before their scale). A value's bfloat16 is its magnitude's, its
+ * scale 2^(s - 127) added to the exponent field (the admitted scales keep every nonzero value normal and finite),
+ * and its sign. */
+#define PAIR_AT(o, j) ((o) % 32 / 2 * 4 + (j) + (o) / 32 + (o) % 2 * 64)
+/* the tile rows' elements e = 0..31 of row j (PAIR_AT's o = e, byte j of the words) as 16-bit lanes: byte 2e the code
+ * (a maskz permutation zeroes byte 2e + 1) */
+#define WORD_AT(o, j) PAIR_AT((o) / 2, j)
+/* FP8: two rows' codes laid out so that unpacking bytes (low with high) gives each row's words in order: byte p of
+ * the 64 is element 8 (p / 16) + p % 8 of row (p % 16) / 8, rows j and j + 1 */
+#define LANE_AT(p, j) PAIR_AT((p) / 16 * 8 + (p) % 8 + 32 * ((p) % 16 / 8), j)
+#define IDX8(M, o, j) M(o, j), M(o + 1, j), M(o + 2, j), M(o + 3, j), M(o + 4, j), M(o + 5, j), M(o + 6, j), M(o + 7, j)
+#define IDX64(M, j) IDX8(M, 0, j), IDX8(M, 8, j), IDX8(M, 16, j), IDX8(M, 24, j), IDX8(M, 32, j), IDX8(M, 40, j),       \
+                    IDX8(M, 48, j), IDX8(M, 56, j)
+/* for _mm512_permutex2var_epi8(a, INDEX[j], b), a and b 16 rows' 4-byte words (a row's byte j at lane 4 c + j) */
+static const uint8_t LANE_INDEX[2][64] __attribute__((aligned(64))) = {{IDX64(LANE_AT, 0)}, {IDX64(LANE_AT, 2)}};
+static const uint8_t WORD_INDEX[4][64] __attribute__((aligned(64))) = {
+    {IDX64(WORD_AT, 0)}, {IDX64(WORD_AT, 1)}, {IDX64(WORD_AT, 2)}, {IDX64(WORD_AT, 3)}};
+#undef IDX64
+#undef IDX8
+#undef LANE_AT
+#undef WORD_AT
+#undef PAIR_AT
+/* the bfloat16 bits of the E4M3 magnitudes 0..127: 2^(e - 7) (1 + m / 8), subnormal (e = 0) m 2^-9 (127, a NaN code,
+ * never in words) */
+#define E4M3_BF(em) ((em) >= 8 ? ((em) << 4) + 0x3C00 : (em) == 0 ? 0 : (em) == 1 ? 0x3B00                         \
+                     : (em) < 4 ? 0x3B80 + ((em) - 2) * 0x40 : 0x3C00 + ((em) - 4) * 0x20)
+#define E4M3_BF8(o) E4M3_BF(o), E4M3_BF(o + 1), E4M3_BF(o + 2), E4M3_BF(o + 3), E4M3_BF(o + 4), E4M3_BF(o + 5),       \
+                    E4M3_BF(o + 6), E4M3_BF(o + 7)
+#define E4M3_BF32(o) E4M3_BF8(o), E4M3_BF8(o + 8), E4M3_BF8(o + 16), E4M3_BF8(o + 24)
+static const uint16_t E4M3_BF16[128] __attribute__((aligned(64))) = {E4M3_BF32(0), E4M3_BF32(32), E4M3_BF32(64),
+                                                                      E4M3_BF32(96)};
+#undef E4M3_BF32
+#undef E4M3_BF8
+#undef E4M3_BF
+/* the bfloat16 bits of the 16 E2M1 codes (the sign bit 3; code 8 is -0) */
+static const uint16_t E2M1_BF16[32] __attribute__((aligned(64))) = {
+    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+
+/* s - 127 in a bfloat16's exponent field (bits 7..14) */
+static inline uint16_t scale_add(unsigned s) { return (uint16_t)(((int)s - 127) * 128); }
+
+/* FP8: the low and high bytes of each magnitude's bfloat16 times 2^(s - 127) (zero stays zero), magnitudes 0..63 in
+ * [0], 64..127 in [1], for the scale s a thread last asked (a panel's blocks of 32 inputs share one, ~4 of them) */
+typedef struct {
+    __m512i lo[2], hi[2];
+    int s;
+} fp8_tables;
+static __thread fp8_tables fp8_tab = {.s = -1};
+
+__attribute__((target("avx512f,avx512bw,avx2"))) static const fp8_tables *fp8_tables_for(unsigned s) {
+    if (fp8_tab.s != (int)s) {
+        const __m512i add = _mm512_set1_epi16((short)scale_add(s));
+        for (int h = 0; h < 2; h++) {
+            __m512i w[2];
+            for (int i = 0; i < 2; i++) {
+                const __m512i v = _mm512_load_si512((const void *)(E4M3_BF16 + 64 * h + 32 * i));
+                w[i] = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(v, v), v, add);
+            }
+            fp8_tab.lo[h] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(w[0])),
+                                               _mm512_cvtepi16_epi8(w[1]), 1);
+            fp8_tab.hi[h] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srli_epi16(w[0], 8))),
+                                               _mm512_cvtepi16_epi8(_mm512_srli_epi16(w[1], 8)), 1);
+        }
+        fp8_tab.s = (int)s;
+    }
+    return &fp8_tab;
+}
+
+/* bf16_tile of FP8 words, a whole block [k0, k0 + 32) (k0 + 32 <= k) with one scale (else 0: nothing written): for
+ * each two rows, one permutation picks their 64 codes, two lookups give their bfloat16s' low and high bytes (the
+ * high with the code's sign bit), and unpacking them gives the two rows */
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2"))) static int bf16_tile_fp8_words(panel_ref b, Py_ssize_t k0,
+                                                                                         uint16_t *dst) {
+    const uint8_t *sc = b.scale;
+    const unsigned s = sc[k0 / b.group];
+    if (s != sc[(k0 + 16) / b.group]) return 0;
+    const fp8_tables *t = fp8_tables_for(s);
+    const __m512i sign = _mm512_set1_epi8((char)0x80);
+    for (int i = 0; i < 4; i++) {
+        const __m512i a = _mm512_loadu_si512((const void *)word_at(WF_FP8 | WF_WORDS, b, k0 + 4 * i));
+        const __m512i c = _mm512_loadu_si512((const void *)word_at(WF_FP8 | WF_WORDS, b, k0 + 16 + 4 * i));
+        for (int h = 0; h < 2; h++) { /* rows 4i + 2h and 4i + 2h + 1 */
+            const __m512i x = _mm512_permutex2var_epi8(a, _mm512_load_si512((const void *)LANE_INDEX[h]), c);
+            const __m512i lo = _mm512_permutex2var_epi8(t->lo[0], x, t->lo[1]);
+            const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t->hi[0], x, t->hi[1]), x, sign, 0xF8);
+            _mm512_store_si512((void *)(dst + (4 * i + 2 * h) * 32), _mm512_unpacklo_epi8(lo, hi));
+            _mm512_store_si512((void *)(dst + (4 * i + 2 * h + 1) * 32), _mm512_unpackhi_epi8(lo, hi));
+        }
+    }
+    return 1;
+}
+
+/* bf16_tile of MXFP4 words (a block is one scale group): each row's codes picked as 16-bit lanes by one permutation
+ * of the nibbles, E2M1_BF16 looked up, each column's scale added to the nonzero ones */
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2"))) static void bf16_tile_mxfp4_words(panel_ref b,
+                                                                                            Py_ssize_t k0,
+                                                                                            uint16_t *dst) {
+    uint16_t adds[2 * NR] __attribute__((aligned(64)));
+    for (int r = 0; r < NR; r++)
+        adds[2 * r] = adds[2 * r + 1] = scale_add(r < b.rows ? ((const uint8_t *)b.scale)[r * b.sld + k0 / MX_G] : 127);
+    const __m512i add = _mm512_load_si512((const void *)adds), table = _mm512_load_si512((const void *)E2M1_BF16);
+    const __m512i low = _mm512_set1_epi8(15), seven = _mm512_set1_epi16(7);
+    const __mmask64 even = 0x5555555555555555ull;
+    for (int q = 0; q < 2; q++) { /* rows 8q .. 8q + 7: inputs k0 + 8q + p and k0 + 16 + 8q + p */
+        const __m512i a = _mm512_loadu_si512((const void *)word_at(WF_MXFP4 | WF_WORDS, b, k0 + 8 * q));
+        const __m512i c = _mm512_loadu_si512((const void *)word_at(WF_MXFP4 | WF_WORDS, b, k0 + 16 + 8 * q));
+        for (int odd = 0; odd < 2; odd++) { /* byte j's lower nibble is input 2j, its upper 2j + 1 */
+            const __m512i na = _mm512_and_si512(odd ? _mm512_srli_epi16(a, 4) : a, low);
+            const __m512i nc = _mm512_and_si512(odd ? _mm512_srli_epi16(c, 4) : c, low);
+            for (int j = 0; j < 4; j++) { /* row 8q + 2j + odd */
+                const __m512i x = _mm512_maskz_permutex2var_epi8(even, na,
+                                                                 _mm512_load_si512((const void *)WORD_INDEX[j]), nc);
+                const __m512i v = _mm512_permutexvar_epi16(x, table);
+                _mm512_store_si512((void *)(dst + (8 * q + 2 * j + odd) * 32),
+                                   _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(x, seven), v, add));
+            }
+        }
+    }
+}
+
+typedef void (*tile_decode_fn)(panel_ref, Py_ssize_t, Py_ssize_t, uint16_t *);
+#define TILE_DECODER(NAME, FMT)                                                                                    \
+    __attribute__((target("avx512f,avx2"))) static void bf16_tile_##NAME(panel_ref b, Py_ssize_t k0, Py_ssize_t k,  \
+                                                                         uint16_t *d) {                            \
+        bf16_tile_avx512(FMT, b, k0, k, d);                                                                        \
+    }
+STORED_FORMATS(TILE_DECODER)
+#undef TILE_DECODER
+
+/* the two B tiles of the column pair from column n0 (its two panels; zero past n) for inputs [k0, k0 + 32) into t6
+ * and t7 (AMX_TILE values each), from stored rows w (a format of STORED_FORMATS, | WF_AMX) */
+static void stored_pair(const weight_ref *w, Py_ssize_t n0, Py_ssize_t k0, uint16_t *t6, uint16_t *t7) {
+    tile_decode_fn dec = NULL;
+#define DECODER_CASE(NAME, FMT)                                                                                    \
+    case FMT: dec = bf16_tile_##NAME; break;
+    switch (w->fmt & ~WF_AMX) { STORED_FORMATS(DECODER_CASE) }
+#undef DECODER_CASE
+    const int fast = k0 + AMX_K <= w->k && (w->fmt & ~WF_AMX) == (WF_FP8 | WF_WORDS) ? 1
+                     : (w->fmt & ~WF_AMX) == (WF_MXFP4 | WF_WORDS)                  ? 2
+                                                                                     : 0;
+    for (int h = 0; h < 2; h++) {
+        uint16_t *d = h ? t7 : t6;
+        if (n0 + h * NR >= w->n) {
+            memset(d, 0, AMX_TILE * sizeof(uint16_t));
+            continue;
+        }
+        const panel_ref b = panel_at(w, n0 / NR + h);
+        if (fast == 2) bf16_tile_mxfp4_words(b, k0, d);
+        else if (!fast || !bf16_tile_fp8_words(b, k0, d)) dec(b, k0, w->k, d);
+    }
+}
+
 /* One block of r <= 32 rows x (ldx apart) times the packed weight's column pairs [c0, c1) (columns 32 c0 to
  * min(n, 32 c1)): y rows ldy apart, n columns. two: whether r > 16 (a second row tile: constant tile numbers need two
  * loops). The rows are split into buf: all their inputs first where the block has several column pairs (each pair
@@ -1663,7 +1876,8 @@ __attribute__((target("avx512f"))) static void split3(const float *x, Py_ssize_t
  * order. Tile config set by the caller. */
 __attribute__((target("amx-tile,amx-bf16"), always_inline)) static inline void
 amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py_ssize_t kp, uint16_t *buf,
-          const uint16_t *wp, float *y, Py_ssize_t ldy, Py_ssize_t n, Py_ssize_t c0, Py_ssize_t c1) {
+          const uint16_t *wp, const weight_ref *src, uint16_t *blk, float *y, Py_ssize_t ldy, Py_ssize_t n,
+          Py_ssize_t c0, Py_ssize_t c1) {
     const int narrow = c1 - c0 == 1;
     const Py_ssize_t bk = narrow ? AMX_K : kp; /* inputs of a piece of a row in buf */
     const Py_ssize_t lda = 3 * bk * 2, second = (Py_ssize_t)AMX_ROWS * 3 * bk;
@@ -1680,9 +1894,13 @@ amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py
         }
         if (narrow) split3(x, ldx, r, k < AMX_K ? k : AMX_K, AMX_K, buf);
         for (Py_ssize_t k0 = 0; k0 < kp; k0 += AMX_K) {
-            const uint16_t *a = narrow ? buf + k0 / AMX_K % 2 * half : buf + k0;
-            _tile_loadd(6, b0 + k0 * 16, 64);
-            _tile_loadd(7, b1 + k0 * 16, 64);
+            const uint16_t *a = narrow ? buf + k0 / AMX_K % 2 * half : buf + k0, *t6 = b0 + k0 * 16, *t7 = b1 + k0 * 16;
+            if (src) { /* stored rows: this block's two tiles decoded into blk */
+                t6 = blk, t7 = blk + AMX_TILE;
+                stored_pair(src, n0, k0, blk, blk + AMX_TILE);
+            }
+            _tile_loadd(6, t6, 64);
+            _tile_loadd(7, t7, 64);
             for (int p = 0; p < 3; p++) {
                 _tile_loadd(4, a + p * bk, lda);
                 if (two) _tile_loadd(5, a + second + p * bk, lda);
@@ -1711,30 +1929,31 @@ amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py
     }
 }
 
-static __thread uint16_t *split_buf;
-static __thread size_t split_cap;
+static __thread uint16_t *split_buf, *pair_buf;
+static __thread size_t split_cap, pair_cap;
+static __thread uint16_t tile_blk[2 * AMX_TILE] __attribute__((aligned(64))); /* a stored block's two tiles */
 
-/* y = x @ w for the column pairs [c0, c1) (columns 32 c0 to min(n, 32 c1)), w packed as above (checked arguments,
- * amx_supported()), y's rows ldy apart; runs without the GIL, on the calling thread (its own tile configuration
- * and split buffer). Returns 1 if the split rows' buffer cannot be had (nothing computed). */
-__attribute__((target("amx-tile,amx-bf16"))) static int linear_bf16_range(const float *xp, Py_ssize_t ldx,
-                                                                         const uint16_t *wp, float *yp, Py_ssize_t ldy,
-                                                                         Py_ssize_t m, Py_ssize_t k, Py_ssize_t n,
-                                                                         Py_ssize_t c0, Py_ssize_t c1) {
-    const Py_ssize_t kp = (k + AMX_K - 1) / AMX_K * AMX_K;
-    /* all the rows' inputs (several column pairs), or two blocks of them (one pair) */
-    const size_t need = (size_t)AMX_BLOCK * 3 * (kp > 2 * AMX_K ? kp : 2 * AMX_K) * sizeof(uint16_t);
-    if (need > split_cap) {
-        free(split_buf);
-        split_buf = aligned_alloc(64, need); /* whole lines: each tile row and each split store one line (malloc's 16
-                                              * bytes made tile loads of A up to 1.5x slower) */
-        split_cap = split_buf ? need : 0;
-        if (!split_buf) return 1;
+/* *buf with at least `need` bytes (64-byte aligned, whole lines: each tile row and each split store one line;
+ * malloc's 16 bytes made tile loads of A up to 1.5x slower), grown and kept; 0 if it cannot be had */
+static int thread_buffer(uint16_t **buf, size_t *cap, size_t need) {
+    if (need > *cap) {
+        free(*buf);
+        *buf = aligned_alloc(64, (need + 63) / 64 * 64);
+        *cap = *buf ? need : 0;
     }
-    int shape = -1; /* the rows of the configured block */
+    return *buf != NULL;
+}
+
+/* the row blocks of x (ldx apart) times the column pairs [c0, c1) of the packed tiles wp or of the stored rows src,
+ * y's rows ldy apart; the tile configuration of the block shape *shape set here where it changes */
+__attribute__((target("amx-tile,amx-bf16"))) static void amx_rows(const float *xp, Py_ssize_t ldx, const uint16_t *wp,
+                                                                 const weight_ref *src, float *yp, Py_ssize_t ldy,
+                                                                 Py_ssize_t m, Py_ssize_t k, Py_ssize_t kp,
+                                                                 Py_ssize_t n, Py_ssize_t c0, Py_ssize_t c1,
+                                                                 int *shape) {
     for (Py_ssize_t i = 0; i < m; i += AMX_BLOCK) {
         const int r = m - i < AMX_BLOCK ? (int)(m - i) : AMX_BLOCK;
-        if (r != shape) {
+        if (r != *shape) {
             tile_config c;
             memset(&c, 0, sizeof c);
             c.palette = 1;
@@ -1744,12 +1963,41 @@ __attribute__((target("amx-tile,amx-bf16"))) static int linear_bf16_range(const 
             c.rows[6] = c.rows[7] = AMX_K / 2; /* B: pairs of inputs */
             for (int t = 0; t < 8; t++) c.colsb[t] = 64;
             _tile_loadconfig(&c);
-            shape = r;
+            *shape = r;
         }
         if (r > AMX_ROWS)
-            amx_block(1, r, xp + i * ldx, ldx, k, kp, split_buf, wp, yp + i * ldy, ldy, n, c0, c1);
+            amx_block(1, r, xp + i * ldx, ldx, k, kp, split_buf, wp, src, tile_blk, yp + i * ldy, ldy, n, c0, c1);
         else
-            amx_block(0, r, xp + i * ldx, ldx, k, kp, split_buf, wp, yp + i * ldy, ldy, n, c0, c1);
+            amx_block(0, r, xp + i * ldx, ldx, k, kp, split_buf, wp, src, tile_blk, yp + i * ldy, ldy, n, c0, c1);
+    }
+}
+
+/* y = x @ w for the column pairs [c0, c1) (columns 32 c0 to min(n, 32 c1)), w the packed tiles wp or, where src is
+ * not NULL, stored rows decoded into the same tiles (checked arguments, amx_supported()), y's rows ldy apart; runs
+ * without the GIL, on the calling thread (its own tile configuration and buffers). Stored rows are decoded block by
+ * block inside the products for one block of rows (a decode step's), and pair by pair into pair_buf, once for all
+ * the blocks, for more. Returns 1 if a buffer cannot be had (nothing computed). */
+__attribute__((target("amx-tile,amx-bf16"))) static int linear_bf16_range(const float *xp, Py_ssize_t ldx,
+                                                                         const uint16_t *wp, const weight_ref *src,
+                                                                         float *yp, Py_ssize_t ldy, Py_ssize_t m,
+                                                                         Py_ssize_t k, Py_ssize_t n, Py_ssize_t c0,
+                                                                         Py_ssize_t c1) {
+    const Py_ssize_t kp = (k + AMX_K - 1) / AMX_K * AMX_K;
+    /* all the rows' inputs (several column pairs), or two blocks of them (one pair) */
+    if (!thread_buffer(&split_buf, &split_cap,
+                       (size_t)AMX_BLOCK * 3 * (kp > 2 * AMX_K ? kp : 2 * AMX_K) * sizeof(uint16_t)))
+        return 1;
+    int shape = -1; /* the rows of the configured block */
+    if (src && m > AMX_BLOCK) {
+        if (!thread_buffer(&pair_buf, &pair_cap, (size_t)kp * 32 * sizeof(uint16_t))) return 1;
+        for (Py_ssize_t c = c0; c < c1; c++) {
+            for (Py_ssize_t k0 = 0; k0 < kp; k0 += AMX_K) /* [2][kp / 2][16][2]: pack_bf16's pair */
+                stored_pair(src, 32 * c, k0, pair_buf + k0 * 16, pair_buf + kp * 16 + k0 * 16);
+            amx_rows(xp, ldx, pair_buf, NULL, yp + 32 * c, ldy, m, k, kp, n - 32 * c < 32 ? n - 32 * c : 32, 0, 1,
+                     &shape);
+        }
+    } else {
+        amx_rows(xp, ldx, wp, src, yp, ldy, m, k, kp, n, c0, c1, &shape);
     }
     _tile_release();
     return 0;
@@ -1757,29 +2005,32 @@ __attribute__((target("amx-tile,amx-bf16"))) static int linear_bf16_range(const 
 
 typedef struct {
     const float *x;
-    Py_ssize_t ldx, m, k, n;
+    Py_ssize_t ldx, ldy, m, k, n;
     const uint16_t *w;
+    const weight_ref *src;
     float *y;
     grid g;
-    int bad; /* a part could not have its split buffer */
+    int bad; /* a part could not have its buffers */
 } bf16_job;
 
 static void bf16_part(void *c, int64_t b, int64_t e) {
     bf16_job *j = c;
     Py_ssize_t r0, mr, u0, u1;
     while (grid_next(&j->g, j->m, &b, e, &r0, &mr, &u0, &u1))
-        if (linear_bf16_range(j->x + r0 * j->ldx, j->ldx, j->w, j->y + r0 * j->n, j->n, mr, j->k, j->n, u0, u1))
+        if (linear_bf16_range(j->x + r0 * j->ldx, j->ldx, j->w, j->src, j->y + r0 * j->ldy, j->ldy, mr, j->k, j->n, u0,
+                              u1))
             j->bad = 1;
 }
 
-/* y [m, n] = x @ w: linear_bf16_range over every column pair (rows in chunks of AMX_BLOCK where the pairs are few),
- * on the kernels' pool where the product is big enough; 1 if a split buffer could not be had. */
-static int linear_bf16(const float *xp, Py_ssize_t ldx, const uint16_t *wp, float *yp, Py_ssize_t m, Py_ssize_t k,
-                       Py_ssize_t n) {
+/* y [m, n] = x @ w (the packed tiles wp, or the stored rows src): linear_bf16_range over every column pair (rows in
+ * chunks of AMX_BLOCK where the pairs are few), on the kernels' pool where the product is big enough; y's rows ldy
+ * apart; 1 if a buffer could not be had. */
+static int linear_bf16(const float *xp, Py_ssize_t ldx, const uint16_t *wp, const weight_ref *src, float *yp,
+                       Py_ssize_t ldy, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n) {
     const Py_ssize_t pairs = (n + 31) / 32;
     const grid g = grid_of(m, pairs, (double)m * (double)k * (double)n, AMX_BLOCK);
-    if (g.parts <= 1) return linear_bf16_range(xp, ldx, wp, yp, n, m, k, n, 0, pairs);
-    bf16_job j = {xp, ldx, m, k, n, wp, yp, g, 0};
+    if (g.parts <= 1) return linear_bf16_range(xp, ldx, wp, src, yp, ldy, m, k, n, 0, pairs);
+    bf16_job j = {xp, ldx, ldy, m, k, n, wp, src, yp, g, 0};
     parallel_run(g.items, g.parts, bf16_part, &j);
     return j.bad;
 }
@@ -1798,7 +2049,7 @@ KERNEL_ARGS(linear_bf16, LINEAR_BF16_FIELDS,
             "CPUs only).")
 #if HAVE_X86_AVX2 && defined(__linux__)
 static void run_linear_bf16(const struct linear_bf16_args *a) { /* no buffer (out of memory): y all NaN */
-    if (linear_bf16(CF(a->x), a->ldx, (const uint16_t *)(uintptr_t)a->w, F(a->y), a->m, a->k, a->n))
+    if (linear_bf16(CF(a->x), a->ldx, (const uint16_t *)(uintptr_t)a->w, NULL, F(a->y), a->n, a->m, a->k, a->n))
         for (Py_ssize_t i = 0; i < a->m * a->n; i++) F(a->y)[i] = NAN;
 }
 RAW_ENTRY(linear_bf16)
@@ -1819,7 +2070,7 @@ KERNEL_PY(linear_bf16) {
 #if HAVE_X86_AVX2 && defined(__linux__)
     Py_BEGIN_ALLOW_THREADS
     if (a.m && a.n)
-        bad = linear_bf16(CF(a.x), a.ldx, (const uint16_t *)(uintptr_t)a.w, F(a.y), a.m, a.k, a.n);
+        bad = linear_bf16(CF(a.x), a.ldx, (const uint16_t *)(uintptr_t)a.w, NULL, F(a.y), a.n, a.m, a.k, a.n);
     Py_END_ALLOW_THREADS
 #endif
     if (bad) return PyErr_NoMemory();
@@ -1852,9 +2103,12 @@ CLONES static void swiglu_rows(const float *restrict h, Py_ssize_t rows, Py_ssiz
 static int product_range(const int fmt, const float *x, int64_t w, int64_t s, float *y, Py_ssize_t ldy, Py_ssize_t m,
                          Py_ssize_t k, Py_ssize_t n, Py_ssize_t kc, int simd, Py_ssize_t u0, Py_ssize_t u1) {
 #if HAVE_X86_AVX2 && defined(__linux__)
-    if (fmt == WF_TILES) return linear_bf16_range(x, k, (const uint16_t *)(uintptr_t)w, y, ldy, m, k, n, u0, u1);
+    if (fmt == WF_TILES) return linear_bf16_range(x, k, (const uint16_t *)(uintptr_t)w, NULL, y, ldy, m, k, n, u0, u1);
 #endif
     const weight_ref wr = {fmt, (const void *)(uintptr_t)w, (const void *)(uintptr_t)s, k, n, 0, 0};
+#if HAVE_X86_AVX2 && defined(__linux__)
+    if (fmt & WF_AMX) return linear_bf16_range(x, k, NULL, &wr, y, ldy, m, k, n, u0, u1);
+#endif
     linear_panels_range(&wr, x, k, y, ldy, m, kc, simd, u0, u1);
     return 0;
 }
@@ -1891,12 +2145,12 @@ static void experts_part(void *c, int64_t b, int64_t e) {
                 j->bad = 1;
         } else { /* w1's units, then w3's (into the second half of y's columns) */
             const Py_ssize_t h = j->half, n2 = j->n / 2;
-            if (u0 < h)
-                product_range(j->fmt, xa, j->w[x], j->s[x], ya, j->n, rows, j->k, n2, j->kc, j->simd, u0,
-                              u1 < h ? u1 : h);
-            if (u1 > h)
-                product_range(j->fmt, xa, j->w3[x], j->s3[x], ya + n2, j->n, rows, j->k, n2, j->kc, j->simd,
-                              (u0 > h ? u0 : h) - h, u1 - h);
+            if (u0 < h && product_range(j->fmt, xa, j->w[x], j->s[x], ya, j->n, rows, j->k, n2, j->kc, j->simd, u0,
+                                        u1 < h ? u1 : h))
+                j->bad = 1;
+            if (u1 > h && product_range(j->fmt, xa, j->w3[x], j->s3[x], ya + n2, j->n, rows, j->k, n2, j->kc, j->simd,
+                                        (u0 > h ? u0 : h) - h, u1 - h))
+                j->bad = 1;
         }
         it += u1 - u0;
     }
@@ -1947,7 +2201,7 @@ static int moe_experts(const int fmt, const float *xs, Py_ssize_t rows, const in
     start[0] = 0;
     for (Py_ssize_t x = 0; x < e; x++)
         if (counts[x]) ex[na] = x, start[na + 1] = start[na] + (Py_ssize_t)counts[x], na++;
-    const Py_ssize_t unit = fmt == WF_TILES ? 32 : NR, half = stored_rows(fmt) ? (inter + NR - 1) / NR : 0;
+    const Py_ssize_t unit = fmt == WF_TILES || (fmt & WF_AMX) ? 32 : NR, half = stored_rows(fmt) ? (inter + unit - 1) / unit : 0;
     experts_job j13 = {fmt, simd, 0, xs, d, 2 * inter, kc13, half ? 2 * half : (2 * inter + unit - 1) / unit, p13,
                        s13, h, ex, start, p3, s3, half};
     int bad = experts_product(&j13, na);
@@ -2001,9 +2255,9 @@ KERNEL_PY(moe_experts) {
         return NULL;
     }
     const int fmt = a.tiles ? WF_TILES : (int)a.format;
-    if (fmt != WF_F32 && fmt != WF_TILES && BASE(fmt) != WF_MXFP4) {
+    if (fmt != WF_F32 && fmt != WF_TILES && (BASE(fmt) != WF_MXFP4 || (fmt & ~(WF_WORDS | WF_AMX)) != WF_MXFP4)) {
         PyErr_Format(PyExc_ValueError, "moe_experts: format %zd is not 0 (float panels), 1 (tiles), 2 (MXFP4 as "
-                     "stored) or 10 (MXFP4 panel-major)", (Py_ssize_t)a.format);
+                     "stored) or 10 (MXFP4 panel-major), the last two + 16 on the AMX tiles", (Py_ssize_t)a.format);
         return NULL;
     }
     if (fmt == WF_TILES && !amx_supported()) {

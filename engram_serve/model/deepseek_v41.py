@@ -309,6 +309,7 @@ class ExpertPanels(NamedTuple):
     stored: tuple | None = None  # MXFP4 as stored (`Mxfp4Experts`): w13 / w2 address w1's / w2's codes; the
     # addresses of w1's scales, w3's codes and scales, w2's scales
     words: bool = False  # those codes panel-major (`Mxfp4Experts.panel_major`)
+    stored_tiles: bool = False  # those codes on the AMX tiles (`Mxfp4Experts.on_tiles`)
 
 
 class MoE(HoldsStored):
@@ -359,7 +360,8 @@ class MoE(HoldsStored):
         panels = self._expert_panels(xs, counts, ops)
         if panels is not None:
             return exactness.moe_experts(xs, counts, panels.w13, panels.kc13, panels.w2, panels.kc2, self.inter,
-                                         self.cfg.swiglu_limit, panels.tiles, panels.stored, panels.words)
+                                         self.cfg.swiglu_limit, panels.tiles, panels.stored, panels.words,
+                                         panels.stored_tiles)
         capture.refuse("the MoE reads its expert counts on the host")
         parts, start = [], 0
         for e, c in enumerate(counts.tolist()):  # one host read
@@ -372,7 +374,8 @@ class MoE(HoldsStored):
         """The `ExpertPanels` of the experts where the C matmul takes every expert's product (model/exactness.py: the
         rules on, every expert's bfloat16 tiles or a probed kc, float32 CPU rows, no autograd) and the SwiGLU takes
         its C form, else None. Cached per weight version. With the experts as stored: their MXFP4 panels where the
-        plan of an expert's float weight takes float panels (then the same bits), else `dense_` and as today."""
+        plan of an expert's float weight takes float panels or the AMX tiles (then the same bits), else `dense_` and
+        as today."""
         if not (exactness.rules_on() and ops is ops_c and xs.is_contiguous() and counts.is_cpu):
             return None  # (the token kernel's SwiGLU is the one inside: with the token kernel on only)
         if self.stored is not None:
@@ -397,16 +400,18 @@ class MoE(HoldsStored):
 
     def _stored_panels(self) -> ExpertPanels | None:
         """The `ExpertPanels` of the experts as stored (MXFP4, read in place) at the block sizes of the float path
-        (`Mxfp4Experts.kcs`: every expert of a shape has the same plan); else None. Cached per kernel and thread
-        count."""
+        (`Mxfp4Experts.kcs`: every expert of a shape has the same plan) or on the AMX tiles (`on_tiles`); else None.
+        Cached per kernel and thread count."""
         key = (kernels.get("linear"), torch.get_num_threads())
         cached = getattr(self, "_panels", None)
         if cached is None or cached[0] != key:
             kcs, panels = self.stored.kcs(), None
-            if kcs is not None:
+            tiles = kcs is None and self.stored.on_tiles()
+            if kcs is not None or tiles:
                 codes1, scales1, codes3, scales3, codes2, scales2 = self.stored.addresses()
+                kcs = kcs or (8, 8)  # (unused on the tiles)
                 panels = ExpertPanels(codes1, kcs[0], codes2, kcs[1], [], False, (scales1, codes3, scales3, scales2),
-                                      self.stored.words is not None)
+                                      self.stored.words is not None, tiles)
             self._panels = cached = (key, panels)
         return cached[1]
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Iterable
 from contextlib import contextmanager
 
 import torch
@@ -259,15 +260,38 @@ def pack_fp8(wt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 MX_BLOCK = 32  # inputs per E8M0 scale of an MXFP4 weight
 STORED_MXFP4, STORED_FP8, STORED_BF16 = 2, 4, 5  # the linear kernel's `linear_stored` formats (moe_experts': MXFP4)
 WORDS = 8  # the flag of a stored format whose rows are repacked panel-major (`panel_words`)
+AMX = 16  # the flag of a stored format multiplied on the AMX tiles (`tiles_admit`)
+# the E8M0 scales (inclusive) that keep every nonzero value of a format times its scale a normal, finite bfloat16
+TILE_SCALES = {STORED_MXFP4: (2, 252), STORED_FP8: (10, 246)}
+
+
+def tiles_admit(fmt: int, outputs: int, scales: Iterable[torch.Tensor], words: bool) -> bool:
+    """Whether a stored weight is multiplied on an AMX CPU's bfloat16 tiles as stored (`matmul_stored` format | AMX):
+    the kernel decodes each block of 32 inputs of 32 outputs into the very tiles `pack_bf16` makes of the dequantized
+    weight (so the same bits as the float plan there, the bfloat16 tiles), adding each E8M0 scale to the values'
+    exponent field. So every scale must keep the values normal and finite (`TILE_SCALES`; BF16 has none), an FP8
+    weight comes from its words (no NaN code), and, as with the float panels, it has at least a panel's 16 outputs.
+    The caller asks where `amx_supported` and the rules are on."""
+    if outputs < PANEL or (fmt == STORED_FP8 and not words):
+        return False
+    if fmt == STORED_BF16:
+        return True
+    lo, hi = TILE_SCALES[fmt]
+    return all(s.numel() == 0 or (lo <= int((u := s.view(torch.uint8)).min()) and int(u.max()) <= hi)
+               for s in scales)
+
+
+def on_tiles() -> bool:
+    """Whether stored weights go to the AMX tiles here (`tiles_admit`): an AMX CPU, the rules on."""
+    return rules_on() and amx_supported(kernels.get("linear"))
 
 
 def repacks(outputs: int) -> bool:
     """Whether the loader repacks a stored weight of `outputs` rows (`panel_words`): where the linear kernel would
-    multiply it as stored by its shape alone (no AMX: there the float plan is the bfloat16 tiles; at least a
-    panel's 16 outputs), as memory_plan.py counts it, without the probes of `stored_kc` (which decides each call;
-    a weight it turns down keeps its words unused)."""
-    lin = kernels.get("linear")
-    return lin is not None and not amx_supported(lin) and outputs >= PANEL
+    multiply it as stored by its shape alone (the float panels, or an AMX CPU's tiles; at least a panel's 16
+    outputs), as memory_plan.py counts it, without the probes of `stored_kc` or the scales of `tiles_admit` (which
+    decide; a weight they turn down keeps its words unused)."""
+    return kernels.get("linear") is not None and outputs >= PANEL
 
 
 def panel_words(data: torch.Tensor, fp8: bool) -> torch.Tensor | None:
@@ -321,7 +345,7 @@ def matmul_stored(x: torch.Tensor, fmt: int, data: torch.Tensor, scales: torch.T
     [n, k / 2], E8M0 scales [n, k / 32]; STORED_FP8: E4M3 [n, k], E8M0 scales per block x block tile;
     STORED_BF16: [n, k], scales None; any of them | WORDS: its rows as `panel_words`, the scales as stored), read in
     place: the same bits as the float panels of the dequantized weight (`stored_kc_fits` and the same caller
-    guarantees as `matmul_kernel`). `out`: written instead of a new [m, n] (its first n columns; rows with unit
+    guarantees as `matmul_kernel`); | AMX: as `matmul_bf16` over its `pack_bf16` tiles (`tiles_admit`; kc unused). `out`: written instead of a new [m, n] (its first n columns; rows with unit
     stride). row0: FP8 rows r0.. of a weight (data from row r0, scales from block row r0 // block), r0 % block."""
     m, k = x.shape
     y = torch.empty(m, n) if out is None else out
@@ -394,7 +418,7 @@ MOE_FLOAT, MOE_TILES, MOE_MXFP4 = 0, 1, STORED_MXFP4  # the linear kernel's moe_
 
 def moe_experts(xs: torch.Tensor, counts: torch.Tensor, panels13: torch.Tensor, kc13: int, panels2: torch.Tensor,
                 kc2: int, inter: int, limit: float, tiles: bool = False, stored: tuple | None = None,
-                words: bool = False) -> torch.Tensor:
+                words: bool = False, stored_tiles: bool = False) -> torch.Tensor:
     """V4.1's routed experts in one linear-kernel call (loaded: the caller checked): xs [P, D] the pairs grouped
     by expert, counts [E] int64 their rows per expert, panels13 / panels2 [E] int64 the addresses of each
     expert's packed w13 [2I, D] / w2 [D, I] (kc13, kc2 their probed block sizes) -> ys [P, D], the rows of
@@ -403,15 +427,16 @@ def moe_experts(xs: torch.Tensor, counts: torch.Tensor, panels13: torch.Tensor, 
     multiplied by `linear_bf16` (kc13 and kc2 unused). stored: the experts as their checkpoint stores them in MXFP4,
     [E] int64 addresses (scales13, w3, scales3, scales2), panels13 / panels2 those of the w1 / w2 codes: decoded
     exactly where they lie (the same bits as the float panels of the dequantized weights); `words`: the codes'
-    addresses are of their `panel_words` (the same bits)."""
+    addresses are of their `panel_words` (the same bits); `stored_tiles`: those multiplied on the AMX tiles
+    (`tiles_admit`: the bits of `tiles` over the dequantized weights; kc13 and kc2 unused)."""
     p, d = xs.shape
     h, g, ys = torch.empty(p, 2 * inter), torch.empty(p, inter), torch.empty(p, d)
     s13, w3, s3, s2 = (t.data_ptr() for t in stored) if stored is not None else (0, 0, 0, 0)
     capture.call(kernels.get("linear").moe_experts, xs=xs.data_ptr(), rows=p, counts=counts.data_ptr(),
                  e=counts.shape[0], d=d, inter=inter, panels13=panels13.data_ptr(), kc13=kc13,
                  panels2=panels2.data_ptr(), kc2=kc2, limit=limit, h=h.data_ptr(), g=g.data_ptr(), ys=ys.data_ptr(),
-                 simd=2, format=MOE_TILES if tiles else MOE_MXFP4 | (WORDS if words else 0) if stored is not None
-                 else MOE_FLOAT,
+                 simd=2, format=MOE_TILES if tiles else MOE_MXFP4 | (WORDS if words else 0) | (AMX if stored_tiles else 0)
+                 if stored is not None else MOE_FLOAT,
                  scales13=s13, scales2=s2, w3=w3, scales3=s3)
     return ys
 

@@ -162,8 +162,8 @@ def _make_plan(weight: torch.Tensor) -> Product:
     return fallback
 
 
-def pad_rows(weights: Iterable[torch.Tensor]) -> int:
+def pad_rows(weights: Iterable[torch.Tensor | None]) -> int:
     """The token count a microbatch is padded to so that no matmul by these weights (layers.py
-    `matmul_weights` of a model) pads its call."""
-    return max((1 if exactness.small_call_kc(w) or (exactness.rules_on() and plan(w).is_tiles)
+    `matmul_weights` of a model; None: a weight as stored on the AMX tiles, which take any rows) pads its call."""
+    return max((1 if w is None or exactness.small_call_kc(w) or (exactness.rules_on() and plan(w).is_tiles)
                 else exactness.min_rows(w) for w in weights), default=exactness.MIN_ROWS)

@@ -49,7 +49,7 @@ class Mxfp4Experts:
         (i, half), d = w1[0][0].shape, w2[0][0].shape[0]
         self.shape13, self.shape2 = (2 * i, 2 * half), (d, i)
         self.words = None  # (w1, w3, w2): each expert's codes panel-major, once `panel_major` made them
-        self._addresses = None
+        self._addresses = self._admitted = None
 
     def panel_major(self) -> list[torch.Tensor]:
         """Repacks every expert's codes panel-major in RAM (`exactness.panel_words`: a permutation of the bytes, the
@@ -93,15 +93,28 @@ class Mxfp4Experts:
 
     def kcs(self) -> tuple[int, int] | None:
         """The block sizes at which `moe_experts` multiplies w13 and w2 as stored with the float path's bits
-        (`exactness.stored_kc`), or None (then the MoE dequantizes once)."""
+        (`exactness.stored_kc`), or None (then on the AMX tiles where `on_tiles`, else the MoE dequantizes once)."""
         kcs = tuple(exactness.stored_kc(exactness.STORED_MXFP4, *shape) for shape in (self.shape13, self.shape2))
         return None if None in kcs else kcs
 
-    def probes(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def on_tiles(self) -> bool:
+        """Whether `moe_experts` multiplies them on the AMX tiles as stored (`exactness.tiles_admit` of every
+        expert's scales, read once)."""
+        if not exactness.on_tiles():
+            return False
+        if self._admitted is None:
+            self._admitted = exactness.tiles_admit(exactness.STORED_MXFP4, min(self.shape13[0] // 2, self.shape2[0]),
+                                                   [s for w in (self.w1, self.w3, self.w2) for _, s in w], True)
+        return self._admitted
+
+    def probes(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """What `products.pad_rows` reads of w13 and w2: views of their shapes alone (`exactness.shape_only`) where
-        they are multiplied as stored, else expert 0's float weights (input-major)."""
+        they are multiplied as stored on the float panels, None on the tiles, else expert 0's float weights
+        (input-major)."""
         if self.kcs() is not None:
             return exactness.shape_only(*self.shape13), exactness.shape_only(*self.shape2)
+        if self.on_tiles():
+            return None, None
         return tuple(in_major(w) for w in self.dequantize(0))
 
 
@@ -121,7 +134,7 @@ class StoredWeight:
         self.fmt, self.parts, self.block = fmt, parts, block
         self.words = words or [None] * len(parts)
         self.shape = torch.Size((sum(d.shape[0] for d, _, _ in parts), parts[0][0].shape[1]))
-        self._dense = None
+        self._dense = self._admitted = None
 
     def panel_major(self) -> list[torch.Tensor]:
         """Repacks each part panel-major for the kernel (`exactness.panel_words`: a permutation of its bytes, the
@@ -145,9 +158,14 @@ class StoredWeight:
             return None
         words = None if words is None else words[r0 // 16:-(-r1 // 16)]
         if scales is None:
-            return StoredWeight(self.fmt, [(data[r0:r1], None, 0)], words=[words])
-        first = row0 + r0
-        return StoredWeight(self.fmt, [(data[r0:r1], scales[first // b:-(-(row0 + r1) // b)], first % b)], b, [words])
+            part = StoredWeight(self.fmt, [(data[r0:r1], None, 0)], words=[words])
+        else:
+            first = row0 + r0
+            part = StoredWeight(self.fmt, [(data[r0:r1], scales[first // b:-(-(row0 + r1) // b)], first % b)], b,
+                                [words])
+        if exactness.on_tiles():  # (a step's slice: its scales not read again, e.g. in a CPU graph's capture)
+            part._admitted = self.on_tiles()
+        return part
 
     def dequantize(self) -> torch.Tensor:
         """The float32 [out, in] weight: exactly `dequantize_blocks` of each FP8 part (a BF16 one cast)."""
@@ -165,15 +183,26 @@ class StoredWeight:
     def kc(self) -> int | None:
         return exactness.stored_kc(self.fmt, *self.shape) if exactness.rules_on() else None
 
-    def probe(self) -> torch.Tensor:
+    def on_tiles(self) -> bool:
+        """Whether it is multiplied on the AMX tiles as stored (`exactness.tiles_admit`; its scales read once)."""
+        if not exactness.on_tiles():
+            return False
+        if self._admitted is None:
+            self._admitted = exactness.tiles_admit(self.fmt, self.shape[0], [s for _, s, _ in self.parts if s is not None],
+                                                   all(w is not None for w in self.words))
+        return self._admitted
+
+    def probe(self) -> torch.Tensor | None:
         """What `products.pad_rows` reads of it: a view of its shape alone (`exactness.shape_only`) where it is
-        multiplied as stored, else its float copy."""
-        return exactness.shape_only(*self.shape) if self.kc() else self.dense()
+        multiplied as stored on the float panels, None on the tiles (any rows), else its float copy."""
+        return exactness.shape_only(*self.shape) if self.kc() else None if self.on_tiles() else self.dense()
 
     def run(self, x2: torch.Tensor) -> torch.Tensor:
-        """x2 [N, in] @ weight.T -> [N, out]: in place where the kernel takes it (`exactness.stored_kc`), else over
-        `dense()`."""
-        kc = self.kc()
+        """x2 [N, in] @ weight.T -> [N, out]: in place where the kernel takes it (`exactness.stored_kc` on the float
+        panels, `on_tiles` on the AMX tiles), else over `dense()`."""
+        kc, flag = self.kc(), 0
+        if kc is None and self.on_tiles():
+            kc, flag = 8, exactness.AMX  # (kc unused)
         if kc is None or not exactness.kernel_takes(x2, exactness.shape_only(*self.shape), kc):
             if kc is None and exactness.rules_on():  # the kernel turns this shape down: its words would stay unused
                 self.words = [None] * len(self.parts)
@@ -182,7 +211,8 @@ class StoredWeight:
         y, at = torch.empty(x2.shape[0], self.shape[0]), 0
         for (data, scales, row0), words in zip(self.parts, self.words):
             fmt, stored = (self.fmt, data) if words is None else (self.fmt | exactness.WORDS, words)
-            exactness.matmul_stored(x2, fmt, stored, scales, data.shape[0], kc, self.block, out=y[:, at:], row0=row0)
+            exactness.matmul_stored(x2, fmt | flag, stored, scales, data.shape[0], kc, self.block, out=y[:, at:],
+                                    row0=row0)
             at += data.shape[0]
         return y
 

@@ -1808,29 +1808,43 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2"))) static int bf16_tile
     return 1;
 }
 
-/* bf16_tile of MXFP4 words (a block is one scale group): each row's codes picked as 16-bit lanes by one permutation
- * of the nibbles, E2M1_BF16 looked up, each column's scale added to the nonzero ones */
+/* bf16_tile of MXFP4 words for nb blocks from k0 (a block is one scale group; block i's tile at dst + i AMX_TILE):
+ * each row's codes picked as 16-bit lanes by one permutation of the nibbles, E2M1_BF16 looked up, each row's scale
+ * added to the nonzero ones (each 4 blocks' scales read by one gather where the rows have them) */
 __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2"))) static void bf16_tile_mxfp4_words(panel_ref b,
-                                                                                            Py_ssize_t k0,
+                                                                                            Py_ssize_t k0, int nb,
                                                                                             uint16_t *dst) {
-    uint16_t adds[2 * NR] __attribute__((aligned(64)));
-    for (int r = 0; r < NR; r++)
-        adds[2 * r] = adds[2 * r + 1] = scale_add(r < b.rows ? ((const uint8_t *)b.scale)[r * b.sld + k0 / MX_G] : 127);
-    const __m512i add = _mm512_load_si512((const void *)adds), table = _mm512_load_si512((const void *)E2M1_BF16);
+    const __m512i table = _mm512_load_si512((const void *)E2M1_BF16);
     const __m512i low = _mm512_set1_epi8(15), seven = _mm512_set1_epi16(7);
     const __mmask64 even = 0x5555555555555555ull;
-    for (int q = 0; q < 2; q++) { /* rows 8q .. 8q + 7: inputs k0 + 8q + p and k0 + 16 + 8q + p */
-        const __m512i a = _mm512_loadu_si512((const void *)word_at(WF_MXFP4 | WF_WORDS, b, k0 + 8 * q));
-        const __m512i c = _mm512_loadu_si512((const void *)word_at(WF_MXFP4 | WF_WORDS, b, k0 + 16 + 8 * q));
-        for (int odd = 0; odd < 2; odd++) { /* byte j's lower nibble is input 2j, its upper 2j + 1 */
-            const __m512i na = _mm512_and_si512(odd ? _mm512_srli_epi16(a, 4) : a, low);
-            const __m512i nc = _mm512_and_si512(odd ? _mm512_srli_epi16(c, 4) : c, low);
-            for (int j = 0; j < 4; j++) { /* row 8q + 2j + odd */
-                const __m512i x = _mm512_maskz_permutex2var_epi8(even, na,
-                                                                 _mm512_load_si512((const void *)WORD_INDEX[j]), nc);
-                const __m512i v = _mm512_permutexvar_epi16(x, table);
-                _mm512_store_si512((void *)(dst + (8 * q + 2 * j + odd) * 32),
-                                   _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(x, seven), v, add));
+    Py_ssize_t base = -8; /* the first group of the 4 whose scales `scales` holds (a 32-bit word a row) */
+    __m512i scales = _mm512_setzero_si512();
+    for (int i = 0; i < nb; i++, k0 += AMX_K, dst += AMX_TILE) {
+        const Py_ssize_t g = k0 / MX_G;
+        if ((g < base || g >= base + 4) && g + 4 <= b.sld) scales = mx_words16(b, k0), base = g;
+        __m512i e; /* row r's E8M0 scale in 32-bit lane r */
+        if (g >= base && g < base + 4) {
+            e = _mm512_and_si512(_mm512_srl_epi32(scales, _mm_cvtsi32_si128(8 * (int)(g - base))), _mm512_set1_epi32(255));
+        } else {
+            uint8_t rs[NR];
+            row_scales(b, k0, rs);
+            e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)rs));
+        }
+        const __m512i s = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(127)), 7);
+        const __m512i add = _mm512_or_si512(_mm512_and_si512(s, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(s, 16));
+        for (int q = 0; q < 2; q++) { /* rows 8q .. 8q + 7: inputs k0 + 8q + p and k0 + 16 + 8q + p */
+            const __m512i a = _mm512_loadu_si512((const void *)word_at(WF_MXFP4 | WF_WORDS, b, k0 + 8 * q));
+            const __m512i c = _mm512_loadu_si512((const void *)word_at(WF_MXFP4 | WF_WORDS, b, k0 + 16 + 8 * q));
+            for (int odd = 0; odd < 2; odd++) { /* byte j's lower nibble is input 2j, its upper 2j + 1 */
+                const __m512i na = _mm512_and_si512(odd ? _mm512_srli_epi16(a, 4) : a, low);
+                const __m512i nc = _mm512_and_si512(odd ? _mm512_srli_epi16(c, 4) : c, low);
+                for (int j = 0; j < 4; j++) { /* row 8q + 2j + odd */
+                    const __m512i x = _mm512_maskz_permutex2var_epi8(
+                        even, na, _mm512_load_si512((const void *)WORD_INDEX[j]), nc);
+                    const __m512i v = _mm512_permutexvar_epi16(x, table);
+                    _mm512_store_si512((void *)(dst + (8 * q + 2 * j + odd) * 32),
+                                       _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(x, seven), v, add));
+                }
             }
         }
     }
@@ -1845,26 +1859,32 @@ typedef void (*tile_decode_fn)(panel_ref, Py_ssize_t, Py_ssize_t, uint16_t *);
 STORED_FORMATS(TILE_DECODER)
 #undef TILE_DECODER
 
-/* the two B tiles of the column pair from column n0 (its two panels; zero past n) for inputs [k0, k0 + 32) into t6
- * and t7 (AMX_TILE values each), from stored rows w (a format of STORED_FORMATS, | WF_AMX) */
-static void stored_pair(const weight_ref *w, Py_ssize_t n0, Py_ssize_t k0, uint16_t *t6, uint16_t *t7) {
+/* the two B tiles of the column pair from column n0 (its two panels; zero past n) for the nb blocks of 32 inputs
+ * from k0 into t6 and t7 (block i's at + i AMX_TILE), from stored rows w (a format of STORED_FORMATS, | WF_AMX):
+ * one block for a call of few rows, right before its products (in L1), every block for more */
+static void stored_pair(const weight_ref *w, Py_ssize_t n0, Py_ssize_t k0, int nb, uint16_t *t6, uint16_t *t7) {
     tile_decode_fn dec = NULL;
 #define DECODER_CASE(NAME, FMT)                                                                                    \
     case FMT: dec = bf16_tile_##NAME; break;
     switch (w->fmt & ~WF_AMX) { STORED_FORMATS(DECODER_CASE) }
 #undef DECODER_CASE
-    const int fast = k0 + AMX_K <= w->k && (w->fmt & ~WF_AMX) == (WF_FP8 | WF_WORDS) ? 1
-                     : (w->fmt & ~WF_AMX) == (WF_MXFP4 | WF_WORDS)                  ? 2
-                                                                                     : 0;
+    const int fmt = w->fmt & ~WF_AMX;
     for (int h = 0; h < 2; h++) {
         uint16_t *d = h ? t7 : t6;
         if (n0 + h * NR >= w->n) {
-            memset(d, 0, AMX_TILE * sizeof(uint16_t));
+            memset(d, 0, (size_t)nb * AMX_TILE * sizeof(uint16_t));
             continue;
         }
         const panel_ref b = panel_at(w, n0 / NR + h);
-        if (fast == 2) bf16_tile_mxfp4_words(b, k0, d);
-        else if (!fast || !bf16_tile_fp8_words(b, k0, d)) dec(b, k0, w->k, d);
+        if (fmt == (WF_MXFP4 | WF_WORDS)) {
+            bf16_tile_mxfp4_words(b, k0, nb, d);
+            continue;
+        }
+        for (int i = 0; i < nb; i++) {
+            const Py_ssize_t t = k0 + (Py_ssize_t)i * AMX_K;
+            if (fmt != (WF_FP8 | WF_WORDS) || t + AMX_K > w->k || !bf16_tile_fp8_words(b, t, d + i * AMX_TILE))
+                dec(b, t, w->k, d + i * AMX_TILE);
+        }
     }
 }
 
@@ -1895,9 +1915,9 @@ amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py
         if (narrow) split3(x, ldx, r, k < AMX_K ? k : AMX_K, AMX_K, buf);
         for (Py_ssize_t k0 = 0; k0 < kp; k0 += AMX_K) {
             const uint16_t *a = narrow ? buf + k0 / AMX_K % 2 * half : buf + k0, *t6 = b0 + k0 * 16, *t7 = b1 + k0 * 16;
-            if (src) { /* stored rows: this block's two tiles decoded into blk */
+            if (src) { /* stored rows: this block's two tiles, decoded into blk */
                 t6 = blk, t7 = blk + AMX_TILE;
-                stored_pair(src, n0, k0, blk, blk + AMX_TILE);
+                stored_pair(src, n0, k0, 1, t6, t7);
             }
             _tile_loadd(6, t6, 64);
             _tile_loadd(7, t7, 64);
@@ -1991,8 +2011,7 @@ __attribute__((target("amx-tile,amx-bf16"))) static int linear_bf16_range(const 
     if (src && m > AMX_BLOCK) {
         if (!thread_buffer(&pair_buf, &pair_cap, (size_t)kp * 32 * sizeof(uint16_t))) return 1;
         for (Py_ssize_t c = c0; c < c1; c++) {
-            for (Py_ssize_t k0 = 0; k0 < kp; k0 += AMX_K) /* [2][kp / 2][16][2]: pack_bf16's pair */
-                stored_pair(src, 32 * c, k0, pair_buf + k0 * 16, pair_buf + kp * 16 + k0 * 16);
+            stored_pair(src, 32 * c, 0, (int)(kp / AMX_K), pair_buf, pair_buf + kp * 16); /* pack_bf16's pair */
             amx_rows(xp, ldx, pair_buf, NULL, yp + 32 * c, ldy, m, k, kp, n - 32 * c < 32 ? n - 32 * c : 32, 0, 1,
                      &shape);
         }

@@ -1758,41 +1758,37 @@ static const uint16_t E2M1_BF16[32] __attribute__((aligned(64))) = {
 static inline uint16_t scale_add(unsigned s) { return (uint16_t)(((int)s - 127) * 128); }
 
 /* FP8: the low and high bytes of each magnitude's bfloat16 times 2^(s - 127) (zero stays zero), magnitudes 0..63 in
- * [0], 64..127 in [1], for the scale s a thread last asked (a panel's blocks of 32 inputs share one, ~4 of them) */
+ * [0], 64..127 in [1], for the scale s last asked (-1: none; a panel's blocks of 32 inputs share one, ~4 of them) */
 typedef struct {
     __m512i lo[2], hi[2];
     int s;
 } fp8_tables;
-static __thread fp8_tables fp8_tab = {.s = -1};
 
-__attribute__((target("avx512f,avx512bw,avx2"))) static const fp8_tables *fp8_tables_for(unsigned s) {
-    if (fp8_tab.s != (int)s) {
-        const __m512i add = _mm512_set1_epi16((short)scale_add(s));
-        for (int h = 0; h < 2; h++) {
-            __m512i w[2];
-            for (int i = 0; i < 2; i++) {
-                const __m512i v = _mm512_load_si512((const void *)(E4M3_BF16 + 64 * h + 32 * i));
-                w[i] = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(v, v), v, add);
-            }
-            fp8_tab.lo[h] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(w[0])),
-                                               _mm512_cvtepi16_epi8(w[1]), 1);
-            fp8_tab.hi[h] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srli_epi16(w[0], 8))),
-                                               _mm512_cvtepi16_epi8(_mm512_srli_epi16(w[1], 8)), 1);
+__attribute__((target("avx512f,avx512bw,avx2"))) static void fp8_tables_for(fp8_tables *t, unsigned s) {
+    if (t->s == (int)s) return;
+    const __m512i add = _mm512_set1_epi16((short)scale_add(s));
+    for (int h = 0; h < 2; h++) {
+        __m512i w[2];
+        for (int i = 0; i < 2; i++) {
+            const __m512i v = _mm512_load_si512((const void *)(E4M3_BF16 + 64 * h + 32 * i));
+            w[i] = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(v, v), v, add);
         }
-        fp8_tab.s = (int)s;
+        t->lo[h] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(w[0])), _mm512_cvtepi16_epi8(w[1]), 1);
+        t->hi[h] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srli_epi16(w[0], 8))),
+                                      _mm512_cvtepi16_epi8(_mm512_srli_epi16(w[1], 8)), 1);
     }
-    return &fp8_tab;
+    t->s = (int)s;
 }
 
 /* bf16_tile of FP8 words, a whole block [k0, k0 + 32) (k0 + 32 <= k) with one scale (else 0: nothing written): for
  * each two rows, one permutation picks their 64 codes, two lookups give their bfloat16s' low and high bytes (the
  * high with the code's sign bit), and unpacking them gives the two rows */
 __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2"))) static int bf16_tile_fp8_words(panel_ref b, Py_ssize_t k0,
-                                                                                         uint16_t *dst) {
+                                                                                         fp8_tables *t, uint16_t *dst) {
     const uint8_t *sc = b.scale;
     const unsigned s = sc[k0 / b.group];
     if (s != sc[(k0 + 16) / b.group]) return 0;
-    const fp8_tables *t = fp8_tables_for(s);
+    fp8_tables_for(t, s);
     const __m512i sign = _mm512_set1_epi8((char)0x80);
     for (int i = 0; i < 4; i++) {
         const __m512i a = _mm512_loadu_si512((const void *)word_at(WF_FP8 | WF_WORDS, b, k0 + 4 * i));
@@ -1859,31 +1855,49 @@ typedef void (*tile_decode_fn)(panel_ref, Py_ssize_t, Py_ssize_t, uint16_t *);
 STORED_FORMATS(TILE_DECODER)
 #undef TILE_DECODER
 
-/* the two B tiles of the column pair from column n0 (its two panels; zero past n) for the nb blocks of 32 inputs
- * from k0 into t6 and t7 (block i's at + i AMX_TILE), from stored rows w (a format of STORED_FORMATS, | WF_AMX):
- * one block for a call of few rows, right before its products (in L1), every block for more */
-static void stored_pair(const weight_ref *w, Py_ssize_t n0, Py_ssize_t k0, int nb, uint16_t *t6, uint16_t *t7) {
-    tile_decode_fn dec = NULL;
+/* What the tile loops read of stored rows (WF_AMX): the weight, its format's float decode, the FP8 tables of the last
+ * scale, and the two tiles of the block being multiplied (one per call of linear_bf16_range, on its stack) */
+typedef struct {
+    const weight_ref *w;
+    tile_decode_fn dec;
+    fp8_tables fp8;
+    uint16_t blk[2 * AMX_TILE] __attribute__((aligned(64)));
+} tile_source;
+
+static void tile_source_of(tile_source *ts, const weight_ref *w) {
+    ts->w = w, ts->dec = NULL, ts->fp8.s = -1;
 #define DECODER_CASE(NAME, FMT)                                                                                    \
-    case FMT: dec = bf16_tile_##NAME; break;
+    case FMT: ts->dec = bf16_tile_##NAME; break;
     switch (w->fmt & ~WF_AMX) { STORED_FORMATS(DECODER_CASE) }
 #undef DECODER_CASE
-    const int fmt = w->fmt & ~WF_AMX;
+}
+
+/* the panels of the column pair from column n0 (pr[0], pr[1]; rows 0 past n) */
+static inline void pair_panels(const weight_ref *w, Py_ssize_t n0, panel_ref *pr) {
+    for (int h = 0; h < 2; h++) {
+        if (n0 + h * NR < w->n) pr[h] = panel_at(w, n0 / NR + h);
+        else pr[h].rows = 0;
+    }
+}
+
+/* the two B tiles of the column pair of panels pr (pair_panels) for the nb blocks of 32 inputs from k0 into t6 and
+ * t7 (block i's at + i AMX_TILE): one block for a call of few rows, right before its products (in L1), every block
+ * for more */
+static void stored_pair(tile_source *ts, const panel_ref *pr, Py_ssize_t k0, int nb, uint16_t *t6, uint16_t *t7) {
+    const int fmt = ts->w->fmt & ~WF_AMX;
+    const Py_ssize_t k = ts->w->k;
     for (int h = 0; h < 2; h++) {
         uint16_t *d = h ? t7 : t6;
-        if (n0 + h * NR >= w->n) {
+        if (!pr[h].rows) {
             memset(d, 0, (size_t)nb * AMX_TILE * sizeof(uint16_t));
-            continue;
-        }
-        const panel_ref b = panel_at(w, n0 / NR + h);
-        if (fmt == (WF_MXFP4 | WF_WORDS)) {
-            bf16_tile_mxfp4_words(b, k0, nb, d);
-            continue;
-        }
-        for (int i = 0; i < nb; i++) {
-            const Py_ssize_t t = k0 + (Py_ssize_t)i * AMX_K;
-            if (fmt != (WF_FP8 | WF_WORDS) || t + AMX_K > w->k || !bf16_tile_fp8_words(b, t, d + i * AMX_TILE))
-                dec(b, t, w->k, d + i * AMX_TILE);
+        } else if (fmt == (WF_MXFP4 | WF_WORDS)) {
+            bf16_tile_mxfp4_words(pr[h], k0, nb, d);
+        } else {
+            for (int i = 0; i < nb; i++) {
+                const Py_ssize_t t = k0 + (Py_ssize_t)i * AMX_K;
+                if (fmt != (WF_FP8 | WF_WORDS) || t + AMX_K > k || !bf16_tile_fp8_words(pr[h], t, &ts->fp8, d + i * AMX_TILE))
+                    ts->dec(pr[h], t, k, d + i * AMX_TILE);
+            }
         }
     }
 }
@@ -1896,8 +1910,7 @@ static void stored_pair(const weight_ref *w, Py_ssize_t n0, Py_ssize_t k0, int n
  * order. Tile config set by the caller. */
 __attribute__((target("amx-tile,amx-bf16"), always_inline)) static inline void
 amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py_ssize_t kp, uint16_t *buf,
-          const uint16_t *wp, const weight_ref *src, uint16_t *blk, float *y, Py_ssize_t ldy, Py_ssize_t n,
-          Py_ssize_t c0, Py_ssize_t c1) {
+          const uint16_t *wp, tile_source *src, float *y, Py_ssize_t ldy, Py_ssize_t n, Py_ssize_t c0, Py_ssize_t c1) {
     const int narrow = c1 - c0 == 1;
     const Py_ssize_t bk = narrow ? AMX_K : kp; /* inputs of a piece of a row in buf */
     const Py_ssize_t lda = 3 * bk * 2, second = (Py_ssize_t)AMX_ROWS * 3 * bk;
@@ -1906,6 +1919,8 @@ amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py
     if (!narrow) split3(x, ldx, r, k, kp, buf);
     for (Py_ssize_t n0 = c0 * 32; n0 < n && n0 < c1 * 32; n0 += 32) {
         const uint16_t *b0 = wp + (n0 / 16) * kp * 16, *b1 = b0 + kp * 16;
+        panel_ref pr[2];
+        if (src) pair_panels(src->w, n0, pr);
         _tile_zero(0);
         _tile_zero(1);
         if (two) {
@@ -1915,21 +1930,31 @@ amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py
         if (narrow) split3(x, ldx, r, k < AMX_K ? k : AMX_K, AMX_K, buf);
         for (Py_ssize_t k0 = 0; k0 < kp; k0 += AMX_K) {
             const uint16_t *a = narrow ? buf + k0 / AMX_K % 2 * half : buf + k0, *t6 = b0 + k0 * 16, *t7 = b1 + k0 * 16;
-            if (src) { /* stored rows: this block's two tiles, decoded into blk */
-                t6 = blk, t7 = blk + AMX_TILE;
-                stored_pair(src, n0, k0, 1, t6, t7);
+            if (src) { /* stored rows: this block's two tiles, decoded into src->blk */
+                t6 = src->blk, t7 = src->blk + AMX_TILE;
+                stored_pair(src, pr, k0, 1, (uint16_t *)t6, (uint16_t *)t7);
             }
             _tile_loadd(6, t6, 64);
             _tile_loadd(7, t7, 64);
-            for (int p = 0; p < 3; p++) {
-                _tile_loadd(4, a + p * bk, lda);
-                if (two) _tile_loadd(5, a + second + p * bk, lda);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                if (two) {
+            if (two) {
+                for (int p = 0; p < 3; p++) {
+                    _tile_loadd(4, a + p * bk, lda);
+                    _tile_loadd(5, a + second + p * bk, lda);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
                     _tile_dpbf16ps(2, 5, 6);
                     _tile_dpbf16ps(3, 5, 7);
                 }
+            } else { /* one row tile: the three pieces in tiles 4, 5 and 3 (free), no load waiting on a product */
+                _tile_loadd(4, a, lda);
+                _tile_loadd(5, a + bk, lda);
+                _tile_loadd(3, a + 2 * bk, lda);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(0, 5, 6);
+                _tile_dpbf16ps(1, 5, 7);
+                _tile_dpbf16ps(0, 3, 6);
+                _tile_dpbf16ps(1, 3, 7);
             }
             if (narrow && k0 + AMX_K < kp) /* the next block of inputs into the other half, while these products run */
                 split3(x + k0 + AMX_K, ldx, r, k - k0 - AMX_K < AMX_K ? k - k0 - AMX_K : AMX_K, AMX_K,
@@ -1951,7 +1976,6 @@ amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py
 
 static __thread uint16_t *split_buf, *pair_buf;
 static __thread size_t split_cap, pair_cap;
-static __thread uint16_t tile_blk[2 * AMX_TILE] __attribute__((aligned(64))); /* a stored block's two tiles */
 
 /* *buf with at least `need` bytes (64-byte aligned, whole lines: each tile row and each split store one line;
  * malloc's 16 bytes made tile loads of A up to 1.5x slower), grown and kept; 0 if it cannot be had */
@@ -1967,7 +1991,7 @@ static int thread_buffer(uint16_t **buf, size_t *cap, size_t need) {
 /* the row blocks of x (ldx apart) times the column pairs [c0, c1) of the packed tiles wp or of the stored rows src,
  * y's rows ldy apart; the tile configuration of the block shape *shape set here where it changes */
 __attribute__((target("amx-tile,amx-bf16"))) static void amx_rows(const float *xp, Py_ssize_t ldx, const uint16_t *wp,
-                                                                 const weight_ref *src, float *yp, Py_ssize_t ldy,
+                                                                 tile_source *src, float *yp, Py_ssize_t ldy,
                                                                  Py_ssize_t m, Py_ssize_t k, Py_ssize_t kp,
                                                                  Py_ssize_t n, Py_ssize_t c0, Py_ssize_t c1,
                                                                  int *shape) {
@@ -1980,15 +2004,16 @@ __attribute__((target("amx-tile,amx-bf16"))) static void amx_rows(const float *x
             const int r0 = r < AMX_ROWS ? r : AMX_ROWS, r1 = r - r0;
             c.rows[0] = c.rows[1] = c.rows[4] = (uint8_t)r0; /* C of the first row tile, its A */
             c.rows[2] = c.rows[3] = c.rows[5] = (uint8_t)(r1 ? r1 : 1);
+            if (!r1) c.rows[3] = c.rows[5] = (uint8_t)r0; /* one row tile: 3 and 5 hold its A's other pieces */
             c.rows[6] = c.rows[7] = AMX_K / 2; /* B: pairs of inputs */
             for (int t = 0; t < 8; t++) c.colsb[t] = 64;
             _tile_loadconfig(&c);
             *shape = r;
         }
         if (r > AMX_ROWS)
-            amx_block(1, r, xp + i * ldx, ldx, k, kp, split_buf, wp, src, tile_blk, yp + i * ldy, ldy, n, c0, c1);
+            amx_block(1, r, xp + i * ldx, ldx, k, kp, split_buf, wp, src, yp + i * ldy, ldy, n, c0, c1);
         else
-            amx_block(0, r, xp + i * ldx, ldx, k, kp, split_buf, wp, src, tile_blk, yp + i * ldy, ldy, n, c0, c1);
+            amx_block(0, r, xp + i * ldx, ldx, k, kp, split_buf, wp, src, yp + i * ldy, ldy, n, c0, c1);
     }
 }
 
@@ -2008,15 +2033,19 @@ __attribute__((target("amx-tile,amx-bf16"))) static int linear_bf16_range(const 
                        (size_t)AMX_BLOCK * 3 * (kp > 2 * AMX_K ? kp : 2 * AMX_K) * sizeof(uint16_t)))
         return 1;
     int shape = -1; /* the rows of the configured block */
+    tile_source ts;
+    if (src) tile_source_of(&ts, src);
     if (src && m > AMX_BLOCK) {
         if (!thread_buffer(&pair_buf, &pair_cap, (size_t)kp * 32 * sizeof(uint16_t))) return 1;
         for (Py_ssize_t c = c0; c < c1; c++) {
-            stored_pair(src, 32 * c, 0, (int)(kp / AMX_K), pair_buf, pair_buf + kp * 16); /* pack_bf16's pair */
+            panel_ref pr[2];
+            pair_panels(src, 32 * c, pr);
+            stored_pair(&ts, pr, 0, (int)(kp / AMX_K), pair_buf, pair_buf + kp * 16); /* pack_bf16's pair */
             amx_rows(xp, ldx, pair_buf, NULL, yp + 32 * c, ldy, m, k, kp, n - 32 * c < 32 ? n - 32 * c : 32, 0, 1,
                      &shape);
         }
     } else {
-        amx_rows(xp, ldx, wp, src, yp, ldy, m, k, kp, n, c0, c1, &shape);
+        amx_rows(xp, ldx, wp, src ? &ts : NULL, yp, ldy, m, k, kp, n, c0, c1, &shape);
     }
     _tile_release();
     return 0;

@@ -893,11 +893,12 @@ static inline __attribute__((always_inline)) void decode_panel_plain(const int f
 }
 
 #if HAVE_X86_AVX2
+/* the panel's inputs [t, k) decoded into dst [k - t][16] (t a multiple of the format's gather) */
 __attribute__((target("avx512f,avx2"), always_inline)) static inline void decode_panel_avx512(const int fmt,
-                                                                                           panel_ref b, Py_ssize_t k,
-                                                                                           float *dst) {
+                                                                                           panel_ref b, Py_ssize_t t,
+                                                                                           Py_ssize_t k, float *dst) {
     const int gi = gather_inputs(fmt);
-    for (Py_ssize_t t = 0; t < k;) {
+    for (const Py_ssize_t t0 = t; t < k;) {
         const Py_ssize_t te = group_end(fmt, b, t, k);
         const __m512 s = scale16(fmt, b, t);
         while (t < te) {
@@ -905,7 +906,7 @@ __attribute__((target("avx512f,avx2"), always_inline)) static inline void decode
             const int cols = load_rows16(fmt, b, t, te, b.rows == NR, g);
             for (int j = 0; j < cols; j++)
 #pragma GCC unroll 8
-                for (int u = 0; u < gi; u++, t++) _mm512_storeu_ps(dst + t * NR, lane16(fmt, g[j], u, s));
+                for (int u = 0; u < gi; u++, t++) _mm512_storeu_ps(dst + (t - t0) * NR, lane16(fmt, g[j], u, s));
         }
     }
 }
@@ -941,7 +942,7 @@ typedef void (*decode_fn)(panel_ref, Py_ssize_t, float *);
         decode_panel_avx2(FMT, b, k, d);                                                                           \
     }                                                                                                              \
     __attribute__((target("avx512f,avx2"))) static void decode512_##NAME(panel_ref b, Py_ssize_t k, float *d) {     \
-        decode_panel_avx512(FMT, b, k, d);                                                                         \
+        decode_panel_avx512(FMT, b, 0, k, d);                                                                      \
     }                                                                                                              \
     static const decode_fn decoders_##NAME[3] = {decode_plain_##NAME, decode256_##NAME, decode512_##NAME};
 #else
@@ -1689,27 +1690,16 @@ __attribute__((target("avx512f"))) static void split3(const float *x, Py_ssize_t
 #define AMX_TILE 512 /* bfloat16 values of a tile: 16 pairs x 16 columns x 2 */
 __attribute__((target("avx512f,avx2"), always_inline)) static inline void
 bf16_tile_avx512(const int fmt, panel_ref b, Py_ssize_t k0, Py_ssize_t k, uint16_t *dst) {
-    __m512 f[AMX_K];
-    const int gi = gather_inputs(fmt);
+    float f[AMX_K * NR] __attribute__((aligned(64))); /* [32 inputs][16 columns] */
     const Py_ssize_t ke = k0 + AMX_K < k ? k0 + AMX_K : k;
-    Py_ssize_t t = k0;
-    while (t < ke) {
-        const Py_ssize_t te = group_end(fmt, b, t, ke);
-        const __m512 s = scale16(fmt, b, t);
-        while (t < te) {
-            __m512i g[4];
-            const int cols = load_rows16(fmt, b, t, te, b.rows == NR, g);
-            for (int j = 0; j < cols; j++)
-#pragma GCC unroll 8
-                for (int u = 0; u < gi; u++, t++) f[t - k0] = lane16(fmt, g[j], u, s);
-        }
-    }
-    for (; t < k0 + AMX_K; t++) f[t - k0] = _mm512_setzero_ps();
+    decode_panel_avx512(fmt, b, k0, ke, f);
+    memset(f + (ke - k0) * NR, 0, (size_t)(k0 + AMX_K - ke) * NR * sizeof(float));
     const __m512i top = _mm512_set1_epi32((int)0xffff0000);
     for (int p = 0; p < AMX_K / 2; p++) /* (top & input p + 16) | input p >> 16: both bfloat16 in one lane */
         _mm512_store_si512((void *)(dst + p * 32),
-                           _mm512_ternarylogic_epi32(top, _mm512_castps_si512(f[p + 16]),
-                                                     _mm512_srli_epi32(_mm512_castps_si512(f[p]), 16), 0xEA));
+                           _mm512_ternarylogic_epi32(top, _mm512_load_si512((const void *)(f + (p + 16) * NR)),
+                                                     _mm512_srli_epi32(_mm512_load_si512((const void *)(f + p * NR)), 16),
+                                                     0xEA));
 }
 
 /* The words' fast forms (FP8 and MXFP4 rows panel-major, a whole block of 32 inputs): the codes of a tile's rows are

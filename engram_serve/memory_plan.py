@@ -103,7 +103,8 @@ def held_copies(role: str, stored: str, outputs: int, m: Machine, tp: int = 1) -
       model/products.py  `plan`, made at the first forward: a float matmul weight's float panels (4 bytes), plus
                          its FP8 panels where every value is an E4M3 times one power of two per 64 inputs x 16
                          outputs (`pack_fp8`; not counted: see below), or instead its bfloat16 tiles on an AMX CPU
-                         where every value is a bfloat16 (any outputs); else none for fewer than 16 outputs (BLAS or padded torch)
+                         where every value is a bfloat16 (any outputs); else none for fewer than 16 outputs (BLAS
+                         or padded torch)
       parallel/          at size > 1 the weights are sliced as floats (the stored ones made float first), the
                          routed experts densified to float32 (`ExpertParallelMoE`) and each rank's Engram rows
                          copied (`ShardedEngramTables`)

@@ -48,6 +48,8 @@
  *       float panels (instantiated per format, the section "weight formats" below): the bits of linear_packed over
  *       the dequantized weight. Formats 10, 12 and 13: MXFP4, FP8 and BF16 rows repacked panel-major at load
  *       (panel_words: a permutation of the bytes, so that 16 rows' word at an input is one load), the same bits.
+ *       Any of them + 16 (WF_AMX, AMX CPUs): decoded block by block into the bfloat16 tiles linear_bf16 would take
+ *       of the dequantized weight, and multiplied so: linear_bf16's bits (kc unused).
  *   panel_words(data, words, n, k, fp8) -> bool: that repack, in one pass (False where fp8 and a code is NaN).
  *   decode_formats(format, data, y, n, simd[, scales]) -> level: the decoders of _formats.h, for their test.
  *   moe_experts(xs, rows, counts, e, d, inter, panels13, kc13, panels2, kc2, limit, h, g, ys, simd[, format,
@@ -61,7 +63,8 @@
  *       (or tiles=True): the addresses are of bfloat16 tiles, multiplied by linear_bf16 (kc13, kc2 and simd
  *       unused); format 2: of MXFP4 panels' codes, with scales13 / scales2 their scales' addresses
  *       (linear_stored's product: the same bits as format 0 over the dequantized weights); format 10: those codes
- *       repacked panel-major (panel_words), the same bits.
+ *       repacked panel-major (panel_words), the same bits; formats 18 and 26: those on the AMX tiles (format 1's
+ *       bits over the dequantized weights).
  *   linear_bf16(x, ldx, w, y, m, k, n) -> None, amx_supported() -> bool
  *       y [m, n] = x @ w on the AMX tile unit, w every value a bfloat16, packed as tiles (the section below):
  *       the inputs split exactly in three bfloat16 pieces, the products exact, the sums in float32; where
@@ -1695,11 +1698,11 @@ bf16_tile_avx512(const int fmt, panel_ref b, Py_ssize_t k0, Py_ssize_t k, uint16
     decode_panel_avx512(fmt, b, k0, ke, f);
     memset(f + (ke - k0) * NR, 0, (size_t)(k0 + AMX_K - ke) * NR * sizeof(float));
     const __m512i top = _mm512_set1_epi32((int)0xffff0000);
-    for (int p = 0; p < AMX_K / 2; p++) /* (top & input p + 16) | input p >> 16: both bfloat16 in one lane */
-        _mm512_store_si512((void *)(dst + p * 32),
-                           _mm512_ternarylogic_epi32(top, _mm512_load_si512((const void *)(f + (p + 16) * NR)),
-                                                     _mm512_srli_epi32(_mm512_load_si512((const void *)(f + p * NR)), 16),
-                                                     0xEA));
+    for (int p = 0; p < AMX_K / 2; p++) { /* (top & input p + 16) | input p >> 16: both bfloat16 in one lane */
+        const __m512i lo = _mm512_load_si512((const void *)(f + p * NR));
+        const __m512i hi = _mm512_load_si512((const void *)(f + (p + 16) * NR));
+        _mm512_store_si512((void *)(dst + p * 32), _mm512_ternarylogic_epi32(top, hi, _mm512_srli_epi32(lo, 16), 0xEA));
+    }
 }
 
 /* The words' fast forms (FP8 and MXFP4 rows panel-major, a whole block of 32 inputs): the codes of a tile's rows are
@@ -1810,7 +1813,8 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2"))) static void bf16_til
         if ((g < base || g >= base + 4) && g + 4 <= b.sld) scales = mx_words16(b, k0), base = g;
         __m512i e; /* row r's E8M0 scale in 32-bit lane r */
         if (g >= base && g < base + 4) {
-            e = _mm512_and_si512(_mm512_srl_epi32(scales, _mm_cvtsi32_si128(8 * (int)(g - base))), _mm512_set1_epi32(255));
+            e = _mm512_and_si512(_mm512_srl_epi32(scales, _mm_cvtsi32_si128(8 * (int)(g - base))),
+                                 _mm512_set1_epi32(255));
         } else {
             uint8_t rs[NR];
             row_scales(b, k0, rs);
@@ -1885,8 +1889,9 @@ static void stored_pair(tile_source *ts, const panel_ref *pr, Py_ssize_t k0, int
         } else {
             for (int i = 0; i < nb; i++) {
                 const Py_ssize_t t = k0 + (Py_ssize_t)i * AMX_K;
-                if (fmt != (WF_FP8 | WF_WORDS) || t + AMX_K > k || !bf16_tile_fp8_words(pr[h], t, &ts->fp8, d + i * AMX_TILE))
-                    ts->dec(pr[h], t, k, d + i * AMX_TILE);
+                uint16_t *o = d + i * AMX_TILE;
+                if (fmt != (WF_FP8 | WF_WORDS) || t + AMX_K > k || !bf16_tile_fp8_words(pr[h], t, &ts->fp8, o))
+                    ts->dec(pr[h], t, k, o);
             }
         }
     }
@@ -2239,7 +2244,8 @@ static int moe_experts(const int fmt, const float *xs, Py_ssize_t rows, const in
     start[0] = 0;
     for (Py_ssize_t x = 0; x < e; x++)
         if (counts[x]) ex[na] = x, start[na + 1] = start[na] + (Py_ssize_t)counts[x], na++;
-    const Py_ssize_t unit = fmt == WF_TILES || (fmt & WF_AMX) ? 32 : NR, half = stored_rows(fmt) ? (inter + unit - 1) / unit : 0;
+    const Py_ssize_t unit = fmt == WF_TILES || (fmt & WF_AMX) ? 32 : NR; /* a pair of the tiles, a panel */
+    const Py_ssize_t half = stored_rows(fmt) ? (inter + unit - 1) / unit : 0;
     experts_job j13 = {fmt, simd, 0, xs, d, 2 * inter, kc13, half ? 2 * half : (2 * inter + unit - 1) / unit, p13,
                        s13, h, ex, start, p3, s3, half};
     int bad = experts_product(&j13, na);

@@ -345,8 +345,9 @@ def matmul_stored(x: torch.Tensor, fmt: int, data: torch.Tensor, scales: torch.T
     [n, k / 2], E8M0 scales [n, k / 32]; STORED_FP8: E4M3 [n, k], E8M0 scales per block x block tile;
     STORED_BF16: [n, k], scales None; any of them | WORDS: its rows as `panel_words`, the scales as stored), read in
     place: the same bits as the float panels of the dequantized weight (`stored_kc_fits` and the same caller
-    guarantees as `matmul_kernel`); | AMX: as `matmul_bf16` over its `pack_bf16` tiles (`tiles_admit`; kc unused). `out`: written instead of a new [m, n] (its first n columns; rows with unit
-    stride). row0: FP8 rows r0.. of a weight (data from row r0, scales from block row r0 // block), r0 % block."""
+    guarantees as `matmul_kernel`); | AMX: as `matmul_bf16` over its `pack_bf16` tiles (`tiles_admit`; kc unused).
+    `out`: written instead of a new [m, n] (its first n columns; rows with unit stride). row0: FP8 rows r0.. of a
+    weight (data from row r0, scales from block row r0 // block), r0 % block."""
     m, k = x.shape
     y = torch.empty(m, n) if out is None else out
     capture.call(kernels.get("linear").linear_stored, x=x.data_ptr(), ldx=x.stride(0) if m > 1 else k, format=fmt,
@@ -435,8 +436,8 @@ def moe_experts(xs: torch.Tensor, counts: torch.Tensor, panels13: torch.Tensor, 
     capture.call(kernels.get("linear").moe_experts, xs=xs.data_ptr(), rows=p, counts=counts.data_ptr(),
                  e=counts.shape[0], d=d, inter=inter, panels13=panels13.data_ptr(), kc13=kc13,
                  panels2=panels2.data_ptr(), kc2=kc2, limit=limit, h=h.data_ptr(), g=g.data_ptr(), ys=ys.data_ptr(),
-                 simd=2, format=MOE_TILES if tiles else MOE_MXFP4 | (WORDS if words else 0) | (AMX if stored_tiles else 0)
-                 if stored is not None else MOE_FLOAT,
+                 simd=2, format=MOE_TILES if tiles else MOE_FLOAT if stored is None
+                 else MOE_MXFP4 | (WORDS if words else 0) | (AMX if stored_tiles else 0),
                  scales13=s13, scales2=s2, w3=w3, scales3=s3)
     return ys
 

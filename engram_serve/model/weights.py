@@ -188,8 +188,8 @@ class StoredWeight:
         if not exactness.on_tiles():
             return False
         if self._admitted is None:
-            self._admitted = exactness.tiles_admit(self.fmt, self.shape[0], [s for _, s, _ in self.parts if s is not None],
-                                                   all(w is not None for w in self.words))
+            scales = [s for _, s, _ in self.parts if s is not None]
+            self._admitted = exactness.tiles_admit(self.fmt, self.shape[0], scales, None not in self.words)
         return self._admitted
 
     def probe(self) -> torch.Tensor | None:

@@ -1712,9 +1712,9 @@ bf16_tile_avx512(const int fmt, panel_ref b, Py_ssize_t k0, Py_ssize_t k, uint16
  * scale 2^(s - 127) added to the exponent field (the admitted scales keep every nonzero value normal and finite),
  * and its sign. */
 #define PAIR_AT(o, j) ((o) % 32 / 2 * 4 + (j) + (o) / 32 + (o) % 2 * 64)
-/* the tile rows' elements e = 0..31 of row j (PAIR_AT's o = e, byte j of the words) as 16-bit lanes: byte 2e the code
- * (a maskz permutation zeroes byte 2e + 1) */
-#define WORD_AT(o, j) PAIR_AT((o) / 2, j)
+/* MXFP4: a tile row's codes from the 16 rows' bytes j (a byte holding both of a column's codes): byte 2e (element
+ * e's 16-bit lane) is column e / 2's byte j */
+#define BOTH_AT(o, j) ((o) / 4 * 4 + (j))
 /* FP8: two rows' codes laid out so that unpacking bytes (low with high) gives each row's words in order: byte p of
  * the 64 is element 8 (p / 16) + p % 8 of row (p % 16) / 8, rows j and j + 1 */
 #define LANE_AT(p, j) PAIR_AT((p) / 16 * 8 + (p) % 8 + 32 * ((p) % 16 / 8), j)
@@ -1723,12 +1723,12 @@ bf16_tile_avx512(const int fmt, panel_ref b, Py_ssize_t k0, Py_ssize_t k, uint16
                     IDX8(M, 48, j), IDX8(M, 56, j)
 /* for _mm512_permutex2var_epi8(a, INDEX[j], b), a and b 16 rows' 4-byte words (a row's byte j at lane 4 c + j) */
 static const uint8_t LANE_INDEX[2][64] __attribute__((aligned(64))) = {{IDX64(LANE_AT, 0)}, {IDX64(LANE_AT, 2)}};
-static const uint8_t WORD_INDEX[4][64] __attribute__((aligned(64))) = {
-    {IDX64(WORD_AT, 0)}, {IDX64(WORD_AT, 1)}, {IDX64(WORD_AT, 2)}, {IDX64(WORD_AT, 3)}};
+static const uint8_t BOTH_INDEX[4][64] __attribute__((aligned(64))) = {
+    {IDX64(BOTH_AT, 0)}, {IDX64(BOTH_AT, 1)}, {IDX64(BOTH_AT, 2)}, {IDX64(BOTH_AT, 3)}};
 #undef IDX64
 #undef IDX8
 #undef LANE_AT
-#undef WORD_AT
+#undef BOTH_AT
 #undef PAIR_AT
 /* the bfloat16 bits of the E4M3 magnitudes 0..127: 2^(e - 7) (1 + m / 8), subnormal (e = 0) m 2^-9 (127, a NaN code,
  * never in words) */
@@ -1742,10 +1742,11 @@ static const uint16_t E4M3_BF16[128] __attribute__((aligned(64))) = {E4M3_BF32(0
 #undef E4M3_BF32
 #undef E4M3_BF8
 #undef E4M3_BF
-/* the bfloat16 bits of the 16 E2M1 codes (the sign bit 3; code 8 is -0) */
-static const uint16_t E2M1_BF16[32] __attribute__((aligned(64))) = {
-    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
-    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+/* the bfloat16 bits of the 16 E2M1 codes (the sign bit 3; code 8 is -0), twice: an index's bit 4 is not the code's */
+#define E2M1_BF 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,                                        \
+                0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0
+static const uint16_t E2M1_BF16[32] __attribute__((aligned(64))) = {E2M1_BF, E2M1_BF};
+#undef E2M1_BF
 
 /* s - 127 in a bfloat16's exponent field (bits 7..14) */
 static inline uint16_t scale_add(unsigned s) { return (uint16_t)(((int)s - 127) * 128); }
@@ -1798,13 +1799,14 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2"))) static int bf16_tile
 }
 
 /* bf16_tile of MXFP4 words for nb blocks from k0 (a block is one scale group; block i's tile at dst + i AMX_TILE):
- * each row's codes picked as 16-bit lanes by one permutation of the nibbles, E2M1_BF16 looked up, each row's scale
- * added to the nonzero ones (each 4 blocks' scales read by one gather where the rows have them) */
+ * the codes of inputs t and t + 16 put side by side in one byte a column, each row's codes picked as 16-bit lanes
+ * by one permutation of those bytes (the second code shifted down), E2M1_BF16 looked up, each row's scale added to
+ * the nonzero ones (each 4 blocks' scales read by one gather where the rows have them) */
 __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2"))) static void bf16_tile_mxfp4_words(panel_ref b,
                                                                                             Py_ssize_t k0, int nb,
                                                                                             uint16_t *dst) {
     const __m512i table = _mm512_load_si512((const void *)E2M1_BF16);
-    const __m512i low = _mm512_set1_epi8(15), seven = _mm512_set1_epi16(7);
+    const __m512i low = _mm512_set1_epi8(15), seven = _mm512_set1_epi16(7), down = _mm512_set1_epi32(4 << 16);
     const __mmask64 even = 0x5555555555555555ull;
     Py_ssize_t base = -8; /* the first group of the 4 whose scales `scales` holds (a 32-bit word a row) */
     __m512i scales = _mm512_setzero_si512();
@@ -1826,11 +1828,11 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2"))) static void bf16_til
             const __m512i a = _mm512_loadu_si512((const void *)word_at(WF_MXFP4 | WF_WORDS, b, k0 + 8 * q));
             const __m512i c = _mm512_loadu_si512((const void *)word_at(WF_MXFP4 | WF_WORDS, b, k0 + 16 + 8 * q));
             for (int odd = 0; odd < 2; odd++) { /* byte j's lower nibble is input 2j, its upper 2j + 1 */
-                const __m512i na = _mm512_and_si512(odd ? _mm512_srli_epi16(a, 4) : a, low);
-                const __m512i nc = _mm512_and_si512(odd ? _mm512_srli_epi16(c, 4) : c, low);
+                const __m512i both = odd ? _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(a, 4), c, 0xCA)
+                                         : _mm512_ternarylogic_epi32(low, a, _mm512_slli_epi16(c, 4), 0xCA);
                 for (int j = 0; j < 4; j++) { /* row 8q + 2j + odd */
-                    const __m512i x = _mm512_maskz_permutex2var_epi8(
-                        even, na, _mm512_load_si512((const void *)WORD_INDEX[j]), nc);
+                    const __m512i x = _mm512_srlv_epi16(
+                        _mm512_maskz_permutexvar_epi8(even, _mm512_load_si512((const void *)BOTH_INDEX[j]), both), down);
                     const __m512i v = _mm512_permutexvar_epi16(x, table);
                     _mm512_store_si512((void *)(dst + (8 * q + 2 * j + odd) * 32),
                                        _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(x, seven), v, add));

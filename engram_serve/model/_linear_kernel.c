@@ -1842,6 +1842,20 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2"))) static void bf16_til
     }
 }
 
+/* bf16_tile of BF16 words, a whole block [k0, k0 + 32) (k0 + 32 <= k): a word holds a column's inputs 2g and 2g + 1,
+ * so tile rows 2g and 2g + 1 are the lower and the upper halves of the words at inputs k0 + 2g and k0 + 16 + 2g
+ * put side by side (no decode: the values are their bfloat16s) */
+__attribute__((target("avx512f,avx2"))) static void bf16_tile_bf16_words(panel_ref b, Py_ssize_t k0, uint16_t *dst) {
+    const __m512i low = _mm512_set1_epi32(0xFFFF);
+    for (int g = 0; g < 8; g++) {
+        const __m512i a = _mm512_loadu_si512((const void *)word_at(WF_BF16 | WF_WORDS, b, k0 + 2 * g));
+        const __m512i c = _mm512_loadu_si512((const void *)word_at(WF_BF16 | WF_WORDS, b, k0 + 16 + 2 * g));
+        _mm512_store_si512((void *)(dst + 2 * g * 32), _mm512_ternarylogic_epi32(low, a, _mm512_slli_epi32(c, 16), 0xCA));
+        _mm512_store_si512((void *)(dst + (2 * g + 1) * 32),
+                           _mm512_ternarylogic_epi32(low, _mm512_srli_epi32(a, 16), c, 0xCA));
+    }
+}
+
 typedef void (*tile_decode_fn)(panel_ref, Py_ssize_t, Py_ssize_t, uint16_t *);
 #define TILE_DECODER(NAME, FMT)                                                                                    \
     __attribute__((target("avx512f,avx2"))) static void bf16_tile_##NAME(panel_ref b, Py_ssize_t k0, Py_ssize_t k,  \
@@ -1892,7 +1906,9 @@ static void stored_pair(tile_source *ts, const panel_ref *pr, Py_ssize_t k0, int
             for (int i = 0; i < nb; i++) {
                 const Py_ssize_t t = k0 + (Py_ssize_t)i * AMX_K;
                 uint16_t *o = d + i * AMX_TILE;
-                if (fmt != (WF_FP8 | WF_WORDS) || t + AMX_K > k || !bf16_tile_fp8_words(pr[h], t, &ts->fp8, o))
+                if (fmt == (WF_BF16 | WF_WORDS) && t + AMX_K <= k)
+                    bf16_tile_bf16_words(pr[h], t, o);
+                else if (fmt != (WF_FP8 | WF_WORDS) || t + AMX_K > k || !bf16_tile_fp8_words(pr[h], t, &ts->fp8, o))
                     ts->dec(pr[h], t, k, o);
             }
         }

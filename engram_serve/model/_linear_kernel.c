@@ -1721,7 +1721,8 @@ bf16_tile_avx512(const int fmt, panel_ref b, Py_ssize_t k0, Py_ssize_t k, uint16
 #define IDX8(M, o, j) M(o, j), M(o + 1, j), M(o + 2, j), M(o + 3, j), M(o + 4, j), M(o + 5, j), M(o + 6, j), M(o + 7, j)
 #define IDX64(M, j) IDX8(M, 0, j), IDX8(M, 8, j), IDX8(M, 16, j), IDX8(M, 24, j), IDX8(M, 32, j), IDX8(M, 40, j),       \
                     IDX8(M, 48, j), IDX8(M, 56, j)
-/* for _mm512_permutex2var_epi8(a, INDEX[j], b), a and b 16 rows' 4-byte words (a row's byte j at lane 4 c + j) */
+/* for _mm512_permutex2var_epi8(a, LANE_INDEX[h], b), a and b 16 rows' 4-byte words (a row's byte j at lane 4 c + j),
+ * and for _mm512_maskz_permutexvar_epi8(even bytes, BOTH_INDEX[j], such words) */
 static const uint8_t LANE_INDEX[2][64] __attribute__((aligned(64))) = {{IDX64(LANE_AT, 0)}, {IDX64(LANE_AT, 2)}};
 static const uint8_t BOTH_INDEX[4][64] __attribute__((aligned(64))) = {
     {IDX64(BOTH_AT, 0)}, {IDX64(BOTH_AT, 1)}, {IDX64(BOTH_AT, 2)}, {IDX64(BOTH_AT, 3)}};
@@ -1915,8 +1916,8 @@ static void stored_pair(tile_source *ts, const panel_ref *pr, Py_ssize_t k0, int
     }
 }
 
-/* One block of r <= 32 rows x (ldx apart) times the packed weight's column pairs [c0, c1) (columns 32 c0 to
- * min(n, 32 c1)): y rows ldy apart, n columns. two: whether r > 16 (a second row tile: constant tile numbers need two
+/* One block of r <= 32 rows x (ldx apart) times the column pairs [c0, c1) (columns 32 c0 to min(n, 32 c1)) of the
+ * packed tiles wp, or of the stored rows src decoded block by block: y rows ldy apart, n columns. two: whether r > 16 (a second row tile: constant tile numbers need two
  * loops). The rows are split into buf: all their inputs first where the block has several column pairs (each pair
  * reuses the split), or, for one pair, each block of 32 inputs into one half of buf while the products of the block
  * before run on the other (buf stays in L1). Either way every output gets the same tile operations in the same

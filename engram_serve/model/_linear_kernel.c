@@ -963,17 +963,22 @@ static void decode_panel(const weight_ref *w, Py_ssize_t p, int level, float *ds
 #undef DECODE_CASE
 }
 
-static __thread float *panel_buf; /* each pool thread's decoded panels (grown, kept) */
+/* *buf with at least `bytes` bytes, a pool thread's own buffer (grown, kept): 64-byte aligned, whole lines (for the
+ * tiles, each tile row and each split store one line: malloc's 16 bytes made tile loads of A up to 1.5x slower);
+ * NULL if it cannot be had */
+static void *thread_buffer(void **buf, size_t *cap, size_t bytes) {
+    if (bytes > *cap) {
+        free(*buf);
+        *buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        *cap = *buf ? bytes : 0;
+    }
+    return *buf;
+}
+
+static __thread void *panel_buf; /* each pool thread's decoded panels */
 static __thread size_t panel_cap;
 
-static float *decoded_panels(size_t floats) {
-    if (floats > panel_cap) {
-        free(panel_buf);
-        panel_buf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
-        panel_cap = panel_buf ? floats : 0;
-    }
-    return panel_buf;
-}
+static float *decoded_panels(size_t floats) { return thread_buffer(&panel_buf, &panel_cap, floats * sizeof(float)); }
 
 /* The product (see the header) of checked arguments for all m rows and the output panels [p_begin, p_end) only
  * (columns 16 p_begin .. min(n, 16 p_end)), y = x @ the weight w, a panel format (WF_F32, the stored rows), y's
@@ -1988,19 +1993,8 @@ amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py
     }
 }
 
-static __thread uint16_t *split_buf, *pair_buf;
+static __thread void *split_buf, *pair_buf; /* thread_buffer's: the split rows, a column pair's decoded tiles */
 static __thread size_t split_cap, pair_cap;
-
-/* *buf with at least `need` bytes (64-byte aligned, whole lines: each tile row and each split store one line;
- * malloc's 16 bytes made tile loads of A up to 1.5x slower), grown and kept; 0 if it cannot be had */
-static int thread_buffer(uint16_t **buf, size_t *cap, size_t need) {
-    if (need > *cap) {
-        free(*buf);
-        *buf = aligned_alloc(64, (need + 63) / 64 * 64);
-        *cap = *buf ? need : 0;
-    }
-    return *buf != NULL;
-}
 
 /* the row blocks of x (ldx apart) times the column pairs [c0, c1) of the packed tiles wp or of the stored rows src,
  * y's rows ldy apart; the tile configuration of the block shape *shape set here where it changes */
@@ -2025,9 +2019,9 @@ __attribute__((target("amx-tile,amx-bf16"))) static void amx_rows(const float *x
             *shape = r;
         }
         if (r > AMX_ROWS)
-            amx_block(1, r, xp + i * ldx, ldx, k, kp, split_buf, wp, src, yp + i * ldy, ldy, n, c0, c1);
+            amx_block(1, r, xp + i * ldx, ldx, k, kp, (uint16_t *)split_buf, wp, src, yp + i * ldy, ldy, n, c0, c1);
         else
-            amx_block(0, r, xp + i * ldx, ldx, k, kp, split_buf, wp, src, yp + i * ldy, ldy, n, c0, c1);
+            amx_block(0, r, xp + i * ldx, ldx, k, kp, (uint16_t *)split_buf, wp, src, yp + i * ldy, ldy, n, c0, c1);
     }
 }
 
@@ -2050,12 +2044,13 @@ __attribute__((target("amx-tile,amx-bf16"))) static int linear_bf16_range(const 
     tile_source ts;
     if (src) tile_source_of(&ts, src);
     if (src && m > AMX_BLOCK) {
-        if (!thread_buffer(&pair_buf, &pair_cap, (size_t)kp * 32 * sizeof(uint16_t))) return 1;
+        uint16_t *pairs = thread_buffer(&pair_buf, &pair_cap, (size_t)kp * 32 * sizeof(uint16_t));
+        if (!pairs) return 1;
         for (Py_ssize_t c = c0; c < c1; c++) {
             panel_ref pr[2];
             pair_panels(src, 32 * c, pr);
-            stored_pair(&ts, pr, 0, (int)(kp / AMX_K), pair_buf, pair_buf + kp * 16); /* pack_bf16's pair */
-            amx_rows(xp, ldx, pair_buf, NULL, yp + 32 * c, ldy, m, k, kp, n - 32 * c < 32 ? n - 32 * c : 32, 0, 1,
+            stored_pair(&ts, pr, 0, (int)(kp / AMX_K), pairs, pairs + kp * 16); /* pack_bf16's pair */
+            amx_rows(xp, ldx, pairs, NULL, yp + 32 * c, ldy, m, k, kp, n - 32 * c < 32 ? n - 32 * c : 32, 0, 1,
                      &shape);
         }
     } else {

@@ -1635,6 +1635,7 @@ static PyObject *py_fp8_supported(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED
 #define AMX_K 32       /* inputs of a tile's row: 16 pairs */
 #define AMX_ROWS 16    /* rows of a tile */
 #define AMX_BLOCK 32   /* rows split and computed together (two row tiles) */
+#define AMX_SPLIT (768 * 1024) /* bytes of split rows that the stored rows' column pairs reuse (in L2) */
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -1922,20 +1923,22 @@ static void stored_pair(tile_source *ts, const panel_ref *pr, Py_ssize_t k0, int
 }
 
 /* One block of r <= 32 rows x (ldx apart) times the column pairs [c0, c1) (columns 32 c0 to min(n, 32 c1)) of the
- * packed tiles wp, or of the stored rows src decoded block by block: y rows ldy apart, n columns. two: whether r > 16 (a second row tile: constant tile numbers need two
- * loops). The rows are split into buf: all their inputs first where the block has several column pairs (each pair
+ * packed tiles wp, or of the stored rows src decoded block by block: y rows ldy apart, n columns. two: whether r > 16
+ * (a second row tile: constant tile numbers need two loops). The rows' three pieces are in buf as split3 writes them
+ * (presplit), or are split into it here: all their inputs first where the block has several column pairs (each pair
  * reuses the split), or, for one pair, each block of 32 inputs into one half of buf while the products of the block
- * before run on the other (buf stays in L1). Either way every output gets the same tile operations in the same
- * order. Tile config set by the caller. */
+ * before run on the other (buf stays in L1). Every output gets the same tile operations in the same order. Tile
+ * config set by the caller. */
 __attribute__((target("amx-tile,amx-bf16"), always_inline)) static inline void
 amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py_ssize_t kp, uint16_t *buf,
-          const uint16_t *wp, tile_source *src, float *y, Py_ssize_t ldy, Py_ssize_t n, Py_ssize_t c0, Py_ssize_t c1) {
-    const int narrow = c1 - c0 == 1;
+          int presplit, const uint16_t *wp, tile_source *src, float *y, Py_ssize_t ldy, Py_ssize_t n, Py_ssize_t c0,
+          Py_ssize_t c1) {
+    const int narrow = !presplit && c1 - c0 == 1;
     const Py_ssize_t bk = narrow ? AMX_K : kp; /* inputs of a piece of a row in buf */
     const Py_ssize_t lda = 3 * bk * 2, second = (Py_ssize_t)AMX_ROWS * 3 * bk;
     const Py_ssize_t half = AMX_BLOCK * 3 * AMX_K; /* one block of inputs of the rows, split (one column pair) */
     float part[AMX_BLOCK * 32];
-    if (!narrow) split3(x, ldx, r, k, kp, buf);
+    if (!narrow && !presplit) split3(x, ldx, r, k, kp, buf);
     for (Py_ssize_t n0 = c0 * 32; n0 < n && n0 < c1 * 32; n0 += 32) {
         const uint16_t *b0 = wp + (n0 / 16) * kp * 16, *b1 = b0 + kp * 16;
         panel_ref pr[2];
@@ -1996,13 +1999,14 @@ amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py
 static __thread void *split_buf, *pair_buf; /* thread_buffer's: the split rows, a column pair's decoded tiles */
 static __thread size_t split_cap, pair_cap;
 
-/* the row blocks of x (ldx apart) times the column pairs [c0, c1) of the packed tiles wp or of the stored rows src,
- * y's rows ldy apart; the tile configuration of the block shape *shape set here where it changes */
-__attribute__((target("amx-tile,amx-bf16"))) static void amx_rows(const float *xp, Py_ssize_t ldx, const uint16_t *wp,
-                                                                 tile_source *src, float *yp, Py_ssize_t ldy,
-                                                                 Py_ssize_t m, Py_ssize_t k, Py_ssize_t kp,
-                                                                 Py_ssize_t n, Py_ssize_t c0, Py_ssize_t c1,
-                                                                 int *shape) {
+/* the row blocks of x (ldx apart; presplit: split_buf holds their pieces already) times the column pairs [c0, c1) of
+ * the packed tiles wp or of the stored rows src, y's rows ldy apart; the tile configuration of the block shape *shape
+ * set here where it changes */
+__attribute__((target("amx-tile,amx-bf16"))) static void amx_rows(const float *xp, Py_ssize_t ldx, int presplit,
+                                                                 const uint16_t *wp, tile_source *src, float *yp,
+                                                                 Py_ssize_t ldy, Py_ssize_t m, Py_ssize_t k,
+                                                                 Py_ssize_t kp, Py_ssize_t n, Py_ssize_t c0,
+                                                                 Py_ssize_t c1, int *shape) {
     for (Py_ssize_t i = 0; i < m; i += AMX_BLOCK) {
         const int r = m - i < AMX_BLOCK ? (int)(m - i) : AMX_BLOCK;
         if (r != *shape) {
@@ -2018,43 +2022,54 @@ __attribute__((target("amx-tile,amx-bf16"))) static void amx_rows(const float *x
             _tile_loadconfig(&c);
             *shape = r;
         }
+        uint16_t *buf = (uint16_t *)split_buf + (presplit ? i * 3 * kp : 0);
         if (r > AMX_ROWS)
-            amx_block(1, r, xp + i * ldx, ldx, k, kp, (uint16_t *)split_buf, wp, src, yp + i * ldy, ldy, n, c0, c1);
+            amx_block(1, r, xp + i * ldx, ldx, k, kp, buf, presplit, wp, src, yp + i * ldy, ldy, n, c0, c1);
         else
-            amx_block(0, r, xp + i * ldx, ldx, k, kp, (uint16_t *)split_buf, wp, src, yp + i * ldy, ldy, n, c0, c1);
+            amx_block(0, r, xp + i * ldx, ldx, k, kp, buf, presplit, wp, src, yp + i * ldy, ldy, n, c0, c1);
     }
 }
 
 /* y = x @ w for the column pairs [c0, c1) (columns 32 c0 to min(n, 32 c1)), w the packed tiles wp or, where src is
  * not NULL, stored rows decoded into the same tiles (checked arguments, amx_supported()), y's rows ldy apart; runs
  * without the GIL, on the calling thread (its own tile configuration and buffers). Stored rows are decoded block by
- * block inside the products for one block of rows (a decode step's), and pair by pair into pair_buf, once for all
- * the blocks, for more. Returns 1 if a buffer cannot be had (nothing computed). */
+ * block inside the products for one block of rows (a decode step's); for more, the rows are split once a group that
+ * stays in L2 (AMX_SPLIT), and each column pair decoded once a group into pair_buf. Returns 1 if a buffer cannot be
+ * had (nothing computed). */
 __attribute__((target("amx-tile,amx-bf16"))) static int linear_bf16_range(const float *xp, Py_ssize_t ldx,
                                                                          const uint16_t *wp, const weight_ref *src,
                                                                          float *yp, Py_ssize_t ldy, Py_ssize_t m,
                                                                          Py_ssize_t k, Py_ssize_t n, Py_ssize_t c0,
                                                                          Py_ssize_t c1) {
-    const Py_ssize_t kp = (k + AMX_K - 1) / AMX_K * AMX_K;
-    /* all the rows' inputs (several column pairs), or two blocks of them (one pair) */
+    const Py_ssize_t kp = (k + AMX_K - 1) / AMX_K * AMX_K, piece_row = 3 * kp * (Py_ssize_t)sizeof(uint16_t);
+    const int grouped = src && m > AMX_BLOCK;
+    /* rows split a group at a time (grouped: a multiple of AMX_BLOCK), else a block's inputs (several column pairs)
+     * or two blocks of 32 of them (one pair) */
+    const Py_ssize_t group = AMX_SPLIT / piece_row / AMX_BLOCK * AMX_BLOCK > AMX_BLOCK
+                                 ? AMX_SPLIT / piece_row / AMX_BLOCK * AMX_BLOCK : AMX_BLOCK;
+    const Py_ssize_t split_rows = grouped ? (m < group ? m : group) : AMX_BLOCK;
     if (!thread_buffer(&split_buf, &split_cap,
-                       (size_t)AMX_BLOCK * 3 * (kp > 2 * AMX_K ? kp : 2 * AMX_K) * sizeof(uint16_t)))
+                       (size_t)split_rows * 3 * (kp > 2 * AMX_K ? kp : 2 * AMX_K) * sizeof(uint16_t)))
         return 1;
     int shape = -1; /* the rows of the configured block */
     tile_source ts;
     if (src) tile_source_of(&ts, src);
-    if (src && m > AMX_BLOCK) {
+    if (grouped) {
         uint16_t *pairs = thread_buffer(&pair_buf, &pair_cap, (size_t)kp * 32 * sizeof(uint16_t));
         if (!pairs) return 1;
-        for (Py_ssize_t c = c0; c < c1; c++) {
-            panel_ref pr[2];
-            pair_panels(src, 32 * c, pr);
-            stored_pair(&ts, pr, 0, (int)(kp / AMX_K), pairs, pairs + kp * 16); /* pack_bf16's pair */
-            amx_rows(xp, ldx, pairs, NULL, yp + 32 * c, ldy, m, k, kp, n - 32 * c < 32 ? n - 32 * c : 32, 0, 1,
-                     &shape);
+        for (Py_ssize_t i = 0; i < m; i += group) {
+            const Py_ssize_t mg = m - i < group ? m - i : group;
+            split3(xp + i * ldx, ldx, (int)mg, k, kp, (uint16_t *)split_buf);
+            for (Py_ssize_t c = c0; c < c1; c++) {
+                panel_ref pr[2];
+                pair_panels(src, 32 * c, pr);
+                stored_pair(&ts, pr, 0, (int)(kp / AMX_K), pairs, pairs + kp * 16); /* pack_bf16's pair */
+                amx_rows(xp + i * ldx, ldx, 1, pairs, NULL, yp + i * ldy + 32 * c, ldy, mg, k, kp,
+                         n - 32 * c < 32 ? n - 32 * c : 32, 0, 1, &shape);
+            }
         }
     } else {
-        amx_rows(xp, ldx, wp, src ? &ts : NULL, yp, ldy, m, k, kp, n, c0, c1, &shape);
+        amx_rows(xp, ldx, 0, wp, src ? &ts : NULL, yp, ldy, m, k, kp, n, c0, c1, &shape);
     }
     _tile_release();
     return 0;

@@ -76,6 +76,20 @@ def test_stored_bf16_on_the_tiles_gives_the_bfloat16_tiles_bits(m, k, n, seed):
     assert same_bits(exactness.matmul_stored(x, STORED_BF16 | WORDS | AMX, words, None, n, 8), want)
 
 
+@pytest.mark.parametrize("m,k", [(33, 4096), (100, 4096), (300, 512)])
+def test_rows_split_a_group_at_a_time_give_the_bfloat16_tiles_bits(m, k):
+    """More rows than one L2 group of split rows (a group: 32 rows at 4,096 inputs, 256 at 512): each column pair
+    decoded once a group, every group's products the same bits"""
+    q, s = fp8_weight(40, k, 128, m)
+    codes, scales = mxfp4_weight(40, k, m)
+    x = inputs(m, k, m, wide=True)
+    for fmt, data, sc, w in ((STORED_FP8, q, s, fp8_float(q, s, 128)),
+                             (STORED_MXFP4, codes, scales, mxfp4_float(codes, scales))):
+        words = exactness.panel_words(data, fp8=fmt == STORED_FP8)
+        got = exactness.matmul_stored(x, fmt | WORDS | AMX, words, sc, 40, 8, block=128)
+        assert same_bits(got, tiles_product(x, w))
+
+
 @pytest.mark.parametrize("r0,r1", [(16, 48), (32, 70), (48, 53)])
 def test_rows_of_a_stored_fp8_weight_on_the_tiles_give_their_bits(r0, r1):
     q, s = fp8_weight(70, 64, 32, 3)

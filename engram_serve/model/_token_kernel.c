@@ -1075,13 +1075,10 @@ static void argmax_rows(const float *restrict x, Py_ssize_t rows, Py_ssize_t v, 
     }
 }
 
-static Py_ssize_t gather_rows(const float *restrict src, Py_ssize_t rows, Py_ssize_t width, const int64_t *restrict ids,
-                              Py_ssize_t n, Py_ssize_t copies, float *restrict out) {
+/* the first of the n ids outside [0, rows), or -1 */
+static Py_ssize_t id_outside(const int64_t *restrict ids, Py_ssize_t n, Py_ssize_t rows) {
     for (Py_ssize_t t = 0; t < n; t++)
         if (ids[t] < 0 || ids[t] >= rows) return t;
-    for (Py_ssize_t t = 0; t < n; t++)
-        for (Py_ssize_t c = 0; c < copies; c++)
-            memcpy(out + (t * copies + c) * width, src + ids[t] * width, (size_t)width * sizeof(float));
     return -1;
 }
 
@@ -1379,32 +1376,43 @@ KERNEL_PY(rope) {
 
 #define MAX_PARTS 16
 
+typedef struct {
+    unsigned long long out, pa[MAX_PARTS];
+    Py_ssize_t width, parts, pw[MAX_PARTS];
+} concat_job;
+
+static void concat_part(void *c, int64_t b, int64_t e) {
+    const concat_job *j = c;
+    for (Py_ssize_t t = b; t < e; t++) {
+        float *o = F(j->out) + t * j->width;
+        for (Py_ssize_t i = 0; i < j->parts; i++) {
+            memcpy(o, CF(j->pa[i]) + t * j->pw[i], (size_t)j->pw[i] * sizeof(float));
+            o += j->pw[i];
+        }
+    }
+}
+
 /* concat_cols takes a variable number of parts: positional only (no struct, no raw entry) */
 static PyObject *py_concat_cols(PyObject *Py_UNUSED(self), PyObject *args) {
     const Py_ssize_t nargs = PyTuple_GET_SIZE(args);
     if (nargs < 3 || (nargs - 3) % 2 || (nargs - 3) / 2 > MAX_PARTS)
         return misfit("concat_cols", "out, n, width, then 1 to 16 (address, width) pairs");
-    unsigned long long oa = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args, 0));
-    const Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 1)), width = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 2));
-    const Py_ssize_t parts = (nargs - 3) / 2;
-    unsigned long long pa[MAX_PARTS];
-    Py_ssize_t pw[MAX_PARTS], sum = 0;
-    for (Py_ssize_t i = 0; i < parts; i++) {
-        pa[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args, 3 + 2 * i));
-        pw[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 4 + 2 * i));
-        sum += pw[i];
-        if (pw[i] < 0 || (n && pw[i] && !pa[i])) return misfit("concat_cols", "a part of negative width or a null address");
+    concat_job j = {.out = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args, 0)),
+                    .width = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 2)), .parts = (nargs - 3) / 2};
+    const Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 1));
+    Py_ssize_t sum = 0;
+    for (Py_ssize_t i = 0; i < j.parts; i++) {
+        j.pa[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args, 3 + 2 * i));
+        j.pw[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 4 + 2 * i));
+        sum += j.pw[i];
+        if (j.pw[i] < 0 || (n && j.pw[i] && !j.pa[i]))
+            return misfit("concat_cols", "a part of negative width or a null address");
     }
     if (PyErr_Occurred()) return NULL;
-    if (n < 0 || sum != width || (n && width && !oa)) return misfit("concat_cols", "n >= 0, the parts' widths adding up to width");
+    if (n < 0 || sum != j.width || (n && j.width && !j.out))
+        return misfit("concat_cols", "n >= 0, the parts' widths adding up to width");
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t t = 0; t < n; t++) {
-        float *o = F(oa) + t * width;
-        for (Py_ssize_t i = 0; i < parts; i++) {
-            memcpy(o, CF(pa[i]) + t * pw[i], (size_t)pw[i] * sizeof(float));
-            o += pw[i];
-        }
-    }
+    parallel_for_cost(n, (double)n * (double)j.width, concat_part, &j);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1748,18 +1756,33 @@ KERNEL_PY(candidate_blocks) {
     X(ADDR, ids, "[n, k] int64, written")                                                                      \
     X(ADDR, w, "[n, k] float32, written")
 KERNEL_ARGS(moe_route, MOE_ROUTE_FIELDS, "sqrt-softplus router.")
+typedef struct {
+    const struct moe_route_args *a;
+    int bad; /* a part could not have its scratch */
+} moe_route_job;
+
+static void moe_route_part(void *c, int64_t b, int64_t e) {
+    moe_route_job *j = c;
+    const struct moe_route_args *a = j->a;
+    float *buf = scratch(sizeof(float) * (size_t)(2 * a->e + a->k));
+    if (!buf) {
+        j->bad = 1;
+        return;
+    }
+    moe_route_rows(CF(a->z) + b * a->e, CF(a->bias), e - b, a->e, a->k, (int)a->norm, (float)a->scale,
+                   I64(a->ids) + b * a->k, F(a->w) + b * a->k, buf, buf + a->e, buf + 2 * a->e);
+    free(buf);
+}
+
 KERNEL_PY(moe_route) {
     PARSE(moe_route);
-    const Py_ssize_t e = a.e, k = a.k;
-    if (a.n < 0 || e < 1 || k < 1 || k > e || (a.n && (!a.z || !a.bias || !a.ids || !a.w)))
+    if (a.n < 0 || a.e < 1 || a.k < 1 || a.k > a.e || (a.n && (!a.z || !a.bias || !a.ids || !a.w)))
         return misfit("moe_route", "n >= 0, 1 <= k <= e");
-    float *buf = scratch(sizeof(float) * (size_t)(2 * e + k));
-    if (!buf) return PyErr_NoMemory();
+    moe_route_job j = {&a, 0};
     Py_BEGIN_ALLOW_THREADS
-    moe_route_rows(CF(a.z), CF(a.bias), a.n, e, k, (int)a.norm, (float)a.scale, I64(a.ids), F(a.w), buf, buf + e,
-                   buf + 2 * e);
+    parallel_for_cost(a.n, (double)a.n * (double)a.e * 40.0, moe_route_part, &j);
     Py_END_ALLOW_THREADS
-    free(buf);
+    if (j.bad) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -1890,6 +1913,13 @@ KERNEL_PY(engram_gate) {
     X(SIZE, copies, "copies of each row")                                                                      \
     X(ADDR, out, "[n, copies, width] float32, written")
 KERNEL_ARGS(gather_rows, GATHER_ROWS_FIELDS, "out[t, c] = src[ids[t]] (ValueError: an id out of range).")
+static void gather_rows_range(const struct gather_rows_args *a, int64_t b, int64_t e) {
+    const size_t bytes = (size_t)a->width * sizeof(float);
+    for (Py_ssize_t t = b; t < e; t++)
+        for (Py_ssize_t c = 0; c < a->copies; c++)
+            memcpy(F(a->out) + (t * a->copies + c) * a->width, CF(a->src) + CI64(a->ids)[t] * a->width, bytes);
+}
+TOKEN_JOB(gather_rows, n, a->n * a->copies * a->width)
 KERNEL_PY(gather_rows) {
     PARSE(gather_rows);
     if (a.rows < 0 || a.width < 1 || a.n < 0 || a.copies < 1 || (a.n && (!a.src || !a.ids || !a.out))) {
@@ -1899,7 +1929,8 @@ KERNEL_PY(gather_rows) {
     }
     Py_ssize_t bad;
     Py_BEGIN_ALLOW_THREADS
-    bad = gather_rows(CF(a.src), a.rows, a.width, CI64(a.ids), a.n, a.copies, F(a.out));
+    bad = id_outside(CI64(a.ids), a.n, a.rows);
+    if (bad < 0) run_gather_rows(&a);
     Py_END_ALLOW_THREADS
     if (bad >= 0) {
         PyErr_Format(PyExc_ValueError, "gather_rows: index %lld at entry %zd is outside the %zd rows",

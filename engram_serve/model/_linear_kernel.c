@@ -1996,14 +1996,13 @@ amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py
     }
 }
 
-/* thread_buffer's: the split rows, a column pair's decoded tiles, the rows split for every part of a job */
-static __thread void *split_buf, *pair_buf, *shared_buf;
-static __thread size_t split_cap, pair_cap, shared_cap;
+static __thread void *split_buf, *pair_buf; /* thread_buffer's: the split rows, a column pair's decoded tiles */
+static __thread size_t split_cap, pair_cap;
 
-/* the row blocks of x (ldx apart; split: their pieces as split3 writes them, or NULL: split here into split_buf)
- * times the column pairs [c0, c1) of the packed tiles wp or of the stored rows src, y's rows ldy apart; the tile
- * configuration of the block shape *shape set here where it changes */
-__attribute__((target("amx-tile,amx-bf16"))) static void amx_rows(const float *xp, Py_ssize_t ldx, const uint16_t *split,
+/* the row blocks of x (ldx apart; presplit: split_buf holds their pieces already) times the column pairs [c0, c1) of
+ * the packed tiles wp or of the stored rows src, y's rows ldy apart; the tile configuration of the block shape *shape
+ * set here where it changes */
+__attribute__((target("amx-tile,amx-bf16"))) static void amx_rows(const float *xp, Py_ssize_t ldx, int presplit,
                                                                  const uint16_t *wp, tile_source *src, float *yp,
                                                                  Py_ssize_t ldy, Py_ssize_t m, Py_ssize_t k,
                                                                  Py_ssize_t kp, Py_ssize_t n, Py_ssize_t c0,
@@ -2023,11 +2022,11 @@ __attribute__((target("amx-tile,amx-bf16"))) static void amx_rows(const float *x
             _tile_loadconfig(&c);
             *shape = r;
         }
-        uint16_t *buf = split ? (uint16_t *)(uintptr_t)(split + i * 3 * kp) : (uint16_t *)split_buf;
+        uint16_t *buf = (uint16_t *)split_buf + (presplit ? i * 3 * kp : 0);
         if (r > AMX_ROWS)
-            amx_block(1, r, xp + i * ldx, ldx, k, kp, buf, split != NULL, wp, src, yp + i * ldy, ldy, n, c0, c1);
+            amx_block(1, r, xp + i * ldx, ldx, k, kp, buf, presplit, wp, src, yp + i * ldy, ldy, n, c0, c1);
         else
-            amx_block(0, r, xp + i * ldx, ldx, k, kp, buf, split != NULL, wp, src, yp + i * ldy, ldy, n, c0, c1);
+            amx_block(0, r, xp + i * ldx, ldx, k, kp, buf, presplit, wp, src, yp + i * ldy, ldy, n, c0, c1);
     }
 }
 
@@ -2035,22 +2034,22 @@ __attribute__((target("amx-tile,amx-bf16"))) static void amx_rows(const float *x
  * not NULL, stored rows decoded into the same tiles (checked arguments, amx_supported()), y's rows ldy apart; runs
  * without the GIL, on the calling thread (its own tile configuration and buffers). Stored rows are decoded block by
  * block inside the products for one block of rows (a decode step's); for more, the rows are split once a group that
- * stays in L2 (AMX_SPLIT), and each column pair decoded once a group into pair_buf. split: the m rows' pieces split
- * already (split3's layout: one group), or NULL. Returns 1 if a buffer cannot be had (nothing computed). */
+ * stays in L2 (AMX_SPLIT), and each column pair decoded once a group into pair_buf. Returns 1 if a buffer cannot be
+ * had (nothing computed). */
 __attribute__((target("amx-tile,amx-bf16"))) static int linear_bf16_range(const float *xp, Py_ssize_t ldx,
                                                                          const uint16_t *wp, const weight_ref *src,
                                                                          float *yp, Py_ssize_t ldy, Py_ssize_t m,
                                                                          Py_ssize_t k, Py_ssize_t n, Py_ssize_t c0,
-                                                                         Py_ssize_t c1, const uint16_t *split) {
+                                                                         Py_ssize_t c1) {
     const Py_ssize_t kp = (k + AMX_K - 1) / AMX_K * AMX_K, piece_row = 3 * kp * (Py_ssize_t)sizeof(uint16_t);
     const int grouped = src && m > AMX_BLOCK;
     /* rows split a group at a time (grouped: a multiple of AMX_BLOCK), else a block's inputs (several column pairs)
      * or two blocks of 32 of them (one pair) */
-    const Py_ssize_t group = split ? m : AMX_SPLIT / piece_row / AMX_BLOCK * AMX_BLOCK > AMX_BLOCK
-                                             ? AMX_SPLIT / piece_row / AMX_BLOCK * AMX_BLOCK : AMX_BLOCK;
+    const Py_ssize_t group = AMX_SPLIT / piece_row / AMX_BLOCK * AMX_BLOCK > AMX_BLOCK
+                                 ? AMX_SPLIT / piece_row / AMX_BLOCK * AMX_BLOCK : AMX_BLOCK;
     const Py_ssize_t split_rows = grouped ? (m < group ? m : group) : AMX_BLOCK;
-    if (!split && !thread_buffer(&split_buf, &split_cap,
-                                 (size_t)split_rows * 3 * (kp > 2 * AMX_K ? kp : 2 * AMX_K) * sizeof(uint16_t)))
+    if (!thread_buffer(&split_buf, &split_cap,
+                       (size_t)split_rows * 3 * (kp > 2 * AMX_K ? kp : 2 * AMX_K) * sizeof(uint16_t)))
         return 1;
     int shape = -1; /* the rows of the configured block */
     tile_source ts;
@@ -2060,17 +2059,17 @@ __attribute__((target("amx-tile,amx-bf16"))) static int linear_bf16_range(const 
         if (!pairs) return 1;
         for (Py_ssize_t i = 0; i < m; i += group) {
             const Py_ssize_t mg = m - i < group ? m - i : group;
-            if (!split) split3(xp + i * ldx, ldx, (int)mg, k, kp, (uint16_t *)split_buf);
+            split3(xp + i * ldx, ldx, (int)mg, k, kp, (uint16_t *)split_buf);
             for (Py_ssize_t c = c0; c < c1; c++) {
                 panel_ref pr[2];
                 pair_panels(src, 32 * c, pr);
                 stored_pair(&ts, pr, 0, (int)(kp / AMX_K), pairs, pairs + kp * 16); /* pack_bf16's pair */
-                amx_rows(xp + i * ldx, ldx, split ? split : split_buf, pairs, NULL, yp + i * ldy + 32 * c, ldy, mg,
-                         k, kp, n - 32 * c < 32 ? n - 32 * c : 32, 0, 1, &shape);
+                amx_rows(xp + i * ldx, ldx, 1, pairs, NULL, yp + i * ldy + 32 * c, ldy, mg, k, kp,
+                         n - 32 * c < 32 ? n - 32 * c : 32, 0, 1, &shape);
             }
         }
     } else {
-        amx_rows(xp, ldx, split, wp, src ? &ts : NULL, yp, ldy, m, k, kp, n, c0, c1, &shape);
+        amx_rows(xp, ldx, 0, wp, src ? &ts : NULL, yp, ldy, m, k, kp, n, c0, c1, &shape);
     }
     _tile_release();
     return 0;
@@ -2083,8 +2082,7 @@ typedef struct {
     const weight_ref *src;
     float *y;
     grid g;
-    const uint16_t *split; /* every row's pieces, split once for all the parts (or NULL: each part splits its own) */
-    int bad;               /* a part could not have its buffers */
+    int bad; /* a part could not have its buffers */
 } bf16_job;
 
 static void bf16_part(void *c, int64_t b, int64_t e) {
@@ -2092,29 +2090,19 @@ static void bf16_part(void *c, int64_t b, int64_t e) {
     Py_ssize_t r0, mr, u0, u1;
     while (grid_next(&j->g, j->m, &b, e, &r0, &mr, &u0, &u1))
         if (linear_bf16_range(j->x + r0 * j->ldx, j->ldx, j->w, j->src, j->y + r0 * j->ldy, j->ldy, mr, j->k, j->n, u0,
-                              u1, j->split ? j->split + r0 * 3 * ((j->k + AMX_K - 1) / AMX_K * AMX_K) : NULL))
+                              u1))
             j->bad = 1;
-}
-
-static void split_part(void *c, int64_t b, int64_t e) { /* rows [b, e) of a bf16_job's x into its split */
-    const bf16_job *j = c;
-    const Py_ssize_t kp = (j->k + AMX_K - 1) / AMX_K * AMX_K;
-    split3(j->x + b * j->ldx, j->ldx, (int)(e - b), j->k, kp, (uint16_t *)(uintptr_t)j->split + b * 3 * kp);
 }
 
 /* y [m, n] = x @ w (the packed tiles wp, or the stored rows src): linear_bf16_range over every column pair (rows in
  * chunks of AMX_BLOCK where the pairs are few), on the kernels' pool where the product is big enough; y's rows ldy
- * apart; 1 if a buffer could not be had. Where the parts share their rows and the rows' pieces fit AMX_SPLIT, the
- * rows are split once (on the pool) for all the parts, not once a part. */
+ * apart; 1 if a buffer could not be had. */
 static int linear_bf16(const float *xp, Py_ssize_t ldx, const uint16_t *wp, const weight_ref *src, float *yp,
                        Py_ssize_t ldy, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n) {
-    const Py_ssize_t pairs = (n + 31) / 32, kp = (k + AMX_K - 1) / AMX_K * AMX_K;
+    const Py_ssize_t pairs = (n + 31) / 32;
     const grid g = grid_of(m, pairs, (double)m * (double)k * (double)n, AMX_BLOCK);
-    if (g.parts <= 1) return linear_bf16_range(xp, ldx, wp, src, yp, ldy, m, k, n, 0, pairs, NULL);
-    const size_t split_bytes = (size_t)m * 3 * (size_t)kp * sizeof(uint16_t);
-    bf16_job j = {xp, ldx, ldy, m, k, n, wp, src, yp, g, NULL, 0};
-    if (g.row_chunks == 1 && split_bytes <= AMX_SPLIT && (j.split = thread_buffer(&shared_buf, &shared_cap, split_bytes)))
-        parallel_for_cost(m, (double)m * (double)k * 8.0, split_part, &j);
+    if (g.parts <= 1) return linear_bf16_range(xp, ldx, wp, src, yp, ldy, m, k, n, 0, pairs);
+    bf16_job j = {xp, ldx, ldy, m, k, n, wp, src, yp, g, 0};
     parallel_run(g.items, g.parts, bf16_part, &j);
     return j.bad;
 }
@@ -2187,12 +2175,11 @@ CLONES static void swiglu_rows(const float *restrict h, Py_ssize_t rows, Py_ssiz
 static int product_range(const int fmt, const float *x, int64_t w, int64_t s, float *y, Py_ssize_t ldy, Py_ssize_t m,
                          Py_ssize_t k, Py_ssize_t n, Py_ssize_t kc, int simd, Py_ssize_t u0, Py_ssize_t u1) {
 #if HAVE_X86_AVX2 && defined(__linux__)
-    if (fmt == WF_TILES)
-        return linear_bf16_range(x, k, (const uint16_t *)(uintptr_t)w, NULL, y, ldy, m, k, n, u0, u1, NULL);
+    if (fmt == WF_TILES) return linear_bf16_range(x, k, (const uint16_t *)(uintptr_t)w, NULL, y, ldy, m, k, n, u0, u1);
 #endif
     const weight_ref wr = {fmt, (const void *)(uintptr_t)w, (const void *)(uintptr_t)s, k, n, 0, 0};
 #if HAVE_X86_AVX2 && defined(__linux__)
-    if (fmt & WF_AMX) return linear_bf16_range(x, k, NULL, &wr, y, ldy, m, k, n, u0, u1, NULL);
+    if (fmt & WF_AMX) return linear_bf16_range(x, k, NULL, &wr, y, ldy, m, k, n, u0, u1);
 #endif
     linear_panels_range(&wr, x, k, y, ldy, m, kc, simd, u0, u1);
     return 0;

@@ -72,8 +72,8 @@ def mid_size_calls(seed: int) -> list[torch.Tensor]:
     """The kernels at the mid-size model's shapes, where their jobs split at the default costs: attention of 5
     tokens x 16 heads of 128 over a window with masked keys and picks; the indexer's scores of 3 tokens over 700
     entries (three items of entries a token) with candidate blocks; products of one row (many panels), of 70 rows
-    of a 24-column weight (2 panels: rows chunked too), FP8 panels of one row, MXFP4 and FP8 as stored of 16 and 3 rows;
-    a 64-token prompt's embedding (4 copies), router and column concatenation."""
+    of a 24-column weight (2 panels: rows chunked too), FP8 panels of one row, MXFP4 and FP8 as stored of 16 and 3 rows
+    (and on the tiles, 64 and 5 rows); a 64-token prompt's embedding (4 copies), router and column concatenation."""
     g = torch.Generator().manual_seed(seed)
     r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
     out = []
@@ -95,6 +95,9 @@ def mid_size_calls(seed: int) -> list[torch.Tensor]:
     out.append(exactness.matmul_stored(r(16, 1024), exactness.STORED_MXFP4, codes, scales, 96, 256))
     fp8 = torch.randint(0, 120, (96, 1024), generator=g, dtype=torch.uint8)
     out.append(exactness.matmul_stored(r(3, 1024), exactness.STORED_FP8, fp8, scales[:, :8], 96, 256, block=128))
+    if exactness.amx_supported(kernels.get("linear")):  # the tiles: 64 rows (their pairs decoded once), 5 rows
+        for m in (64, 5):
+            out.append(exactness.matmul_stored(r(m, 1024), exactness.STORED_MXFP4 | exactness.AMX, codes, scales, 96, 8))
     out.append(ops_c.gather_rows(r(512, 1024), torch.randint(0, 512, (64,), generator=g), 4))
     ids, w = ops_c.moe_route(r(64, 256), r(256), 8, True, 2.5)
     out.append(torch.cat([ids.view(torch.float32), w], 1))  # one job: the bits of its ids and weights

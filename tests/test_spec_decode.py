@@ -35,6 +35,7 @@ from engram_serve.spec.acceptance import accepted_drafts, accepted_drafts_loop
 from engram_serve.spec.config import SpeculativeConfig
 from engram_serve.spec.drafters import (CoupledDrafter, NgramDrafter, NoiseDrafter, OracleDrafter, RandomDrafter)
 from engram_serve.spec.dspark_drafter import DSparkDrafter
+from engram_serve.spec.planner import SpecPlanner
 from engram_serve.verify import Workload, compare, run_case
 from test_exact import write_v41_checkpoint
 from v41_fixtures import v41_configs
@@ -208,22 +209,45 @@ class RecordingDSpark(DSparkDrafter):
 
     def __init__(self, *a):
         super().__init__(*a)
-        self.log = []
+        self.log, self.asked = [], 0
 
-    def observe(self, positions, slots, features):
+    def observe(self, positions, slots, features, keep=True):
         if self.shift and features is not None:
             features = torch.roll(features, self.shift, 0)
-        super().observe(positions, slots, features)
+        super().observe(positions, slots, features, keep)
 
     def propose(self, requests, pick):
+        self.asked += len(requests)
         out = super().propose(requests, pick)
         self.log += [(list(r.token_ids), self.last.logits[i].clone(), self.last.tokens[i].tolist())
-                     for i, r in enumerate(requests)]
+                     for i, r in enumerate(self.drafted)]
         return out
+
+
+class ReadsStaleSlots(RecordingDSpark):
+    check_ready = False  # drafts for a request whose window holds slots never written, or dropped
 
 
 class LeavesEndedRowsUnreported(LLMEngine):
     report_ended_rows = False  # a request that ends in a step: its last rows' keys never written
+
+
+class DropsContext(SpecPlanner):
+    """Drafts in every decode step but those of `off` (decode steps counted from 0), in which it lets the drafter
+    drop its context."""
+
+    off = range(2, 10)
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.decode_step = -1
+
+    def speculate(self, num_decodes: int) -> bool:
+        self.decode_step += num_decodes > 0
+        return not num_decodes or self.decode_step not in self.off
+
+    def needs_context(self, num_decodes: int, lead: int) -> bool:
+        return not num_decodes or self.decode_step not in self.off
 
 
 def direct_draft(lm, ids: list[int]):
@@ -242,7 +266,7 @@ def direct_draft(lm, ids: list[int]):
                        n + d.block, lambda j, z: Sampler().greedy(z[:, :vocab].float()).tokens)
 
 
-def engine_drafts(lm, prompts, shift=0, engine_cls=LLMEngine, drafter_cls=RecordingDSpark, gen=24):
+def engine_drafts(lm, prompts, shift=0, engine_cls=LLMEngine, drafter_cls=RecordingDSpark, gen=24, planner=None):
     """A warm request of prompts[0][:48] that ends in its prefill step (whose last chunk, 34 .. 47, completes a
     block that stays cached), then every prompt at once, greedy, two microbatches cut by tokens, prefill chunks of 17: (the drafter, the engine's stats)."""
     cfg = RunnerConfig(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=17, block_size=16, num_blocks=64,
@@ -252,6 +276,8 @@ def engine_drafts(lm, prompts, shift=0, engine_cls=LLMEngine, drafter_cls=Record
     block = lm.config.dspark.dspark_block_size
     engine = engine_cls(lm, cfg, speculative=SpeculativeConfig("dspark", block, when="always", block_size=block),
                         drafter=drafter)
+    if planner is not None:
+        engine.spec_planner = planner(engine.spec)
     try:
         engine.add_request("warm", prompts[0][:48], SamplingParams(max_tokens=1, temperature=0.0))
         while engine.has_unfinished():
@@ -304,8 +330,29 @@ def test_negative_control_a_request_ended_in_its_step_leaves_its_cached_blocks_w
                                                                                             code_prompts):
     """The warm request ends in its prefill step: unreported, its prompt's keys are never written, and the request
     that reuses its cached blocks drafts from empty keys."""
-    drafter, _ = engine_drafts(tiny_module, code_prompts, engine_cls=LeavesEndedRowsUnreported, gen=8)
+    drafter, _ = engine_drafts(tiny_module, code_prompts, engine_cls=LeavesEndedRowsUnreported, gen=8,
+                               drafter_cls=ReadsStaleSlots)
     assert mismatches(tiny_module, drafter) > 0
+
+
+def test_slots_never_written_are_not_read_their_request_drafts_later(tiny_module, code_prompts):
+    """The same run with the drafter's own check: the request on the unwritten blocks gets no draft until its
+    window leaves them, and every draft made is the one on the committed context."""
+    drafter, _ = engine_drafts(tiny_module, code_prompts, engine_cls=LeavesEndedRowsUnreported, gen=8)
+    assert drafter.asked > len(drafter.log) > 0 and mismatches(tiny_module, drafter) == 0
+
+
+@pytest.mark.parametrize("drafter_cls", [RecordingDSpark, ReadsStaleSlots])
+def test_context_dropped_while_not_drafting_is_never_read(tiny_module, code_prompts, drafter_cls):
+    """Decode steps 2 .. 9 do not draft and drop the drafter's context of their tokens: each request drafts again
+    only once its window (64 positions) holds none of them, and every draft is the one on the committed context.
+    Negative control: drafting from the window at once (stale keys) gives other drafts."""
+    drafter, _ = engine_drafts(tiny_module, code_prompts, gen=100, planner=DropsContext, drafter_cls=drafter_cls)
+    late = [ids for ids, _, _ in drafter.log if len(ids) > len(code_prompts[0]) + 64]
+    if drafter_cls is ReadsStaleSlots:
+        assert mismatches(tiny_module, drafter) > 0
+    else:
+        assert late and drafter.asked > len(drafter.log) and mismatches(tiny_module, drafter) == 0
 
 
 def test_a_slot_observed_twice_before_a_write_holds_the_later_keys(tiny_module):
@@ -659,7 +706,6 @@ def test_the_server_serves_speculatively_with_vllms_counters(tiny):
 
 
 def test_the_planner_drafts_at_a_batch_size_only_where_it_measured_less_time_per_token():
-    from engram_serve.spec.planner import SpecPlanner
     first, steps = SpecPlanner.FIRST_TRIAL, SpecPlanner.TRIAL_STEPS
     for drafted_ms, want in ((2.0, True), (9.0, False)):  # ms per token with drafts; plain steps: 5
         p = SpecPlanner(SpeculativeConfig("ngram", 3))
@@ -682,10 +728,20 @@ def test_the_planner_drafts_at_a_batch_size_only_where_it_measured_less_time_per
         assert steps <= trials <= most  # tried ever more rarely, the dearer the more so
 
 
+def test_the_planner_lets_the_drafter_drop_its_context_only_far_from_a_drafting_step():
+    lead, p, keep, drafted = 64, SpecPlanner(SpeculativeConfig("ngram", 3)), [], []
+    for _ in range(4096):
+        drafted.append(p.speculate(32))
+        keep.append(p.needs_context(32, lead))
+        p.record_step(32, drafted[-1], 30.0 if drafted[-1] else 5.0, 1)  # a drafted step costs 6 plain ones
+    assert all(all(keep[max(i - lead, 0):i + 1]) for i, on in enumerate(drafted) if on)
+    assert keep.count(False) > 0.8 * len(keep) and p.needs_context(0, lead)  # (a step of prompts keeps it)
+    assert SpecPlanner(SpeculativeConfig("ngram", 3, when="always")).needs_context(32, lead)
+
+
 def test_one_slow_step_does_not_turn_the_planner_to_the_slower_form():
     """A form's cost is its cheapest recent step per token: one stall (a capture, a collection) in a plain step
     right after a trial does not make drafting, three times dearer per token, look cheaper."""
-    from engram_serve.spec.planner import SpecPlanner
     p = SpecPlanner(SpeculativeConfig("ngram", 3))
     choices = []
     for i in range(400):

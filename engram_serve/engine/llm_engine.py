@@ -118,6 +118,8 @@ class LLMEngine:
         self.drafter = None if self.spec is None else (drafter or make_drafter(self.spec, loaded, cfg))
         self.spec_planner = None if self.spec is None else SpecPlanner(self.spec)
         self._ended: list[str] = []  # requests that ended in this step: released after `observe`
+        self._drafted: list[Sequence] = []  # the requests given drafts by the last `_propose`
+        self._keep_context = True  # whether the drafter keeps its context of this step's tokens (the planner's)
         if self.spec is not None:
             self.stats.spec_accepted_per_position = [0] * self.spec.num_speculative_tokens
             layers = tuple(self.drafter.feature_layers)
@@ -335,8 +337,6 @@ class LLMEngine:
             events += self._sample(sampled, logits)
         if self.drafter is not None:
             self._observe(rows, batch, standing, result)
-            for r in rows:
-                r.seq.draft_ids = []
             if all(sample) and all(r.num_new - r.num_draft == 1 for r in rows):  # a decode step: the planner's measure
                 self.spec_planner.record_step(len(rows), any(r.num_draft for r in rows),
                                               (time.perf_counter() - started) * 1e3,
@@ -352,11 +352,13 @@ class LLMEngine:
     def _propose(self) -> None:
         """Drafts for the running decodes the planner lets speculate (`seq.draft_ids`); the scheduler trims them
         to the step's budget and free blocks. A drafted id outside the tokenizer ends its proposal there."""
-        decodes = [s for s in self.scheduler.running if s.num_tokens - s.num_computed_tokens == 1]
-        for s in decodes:
+        for s in self._drafted:  # the last step's proposals (kept by a request that was not scheduled)
             s.draft_ids = []
+        decodes = [s for s in self.scheduler.running if s.num_tokens - s.num_computed_tokens == 1]
         ks = self.spec_planner.num_drafts(decodes, len(decodes))
-        asked = [(s, k) for s, k in zip(decodes, ks) if k]
+        self._keep_context = self.spec_planner.needs_context(len(decodes), self.drafter.window)
+        asked = [(s, k) for s, k in zip(decodes, ks) if k] if any(ks) else []
+        self._drafted = [s for s, _ in asked]
         if not asked:
             return
         reqs = [DraftRequest(s.request_id, s.token_ids, s.num_prompt_tokens, k, s.block_ids) for s, k in asked]
@@ -397,7 +399,8 @@ class LLMEngine:
             idx = torch.from_numpy(idx).to(positions.device)
             positions, slots = positions[idx], slots[idx]
             feats = feats[idx.to(feats.device)] if feats is not None else None
-        self.drafter.observe(positions, slots, feats)  # (the step's own buffers: the drafter copies what it keeps)
+        # (the step's own buffers: the drafter copies what it keeps)
+        self.drafter.observe(positions, slots, feats, self._keep_context)
 
     def _prompt_logprobs(self, rows, scored: torch.Tensor) -> list[TokenEvent]:
         """Store the prompt logprobs of the scored rows (run's `score`, in row order): the logits at position p

@@ -50,17 +50,22 @@ class Drafter(Protocol):
     # () or the checkpoint's `dspark_target_layer_ids`: the target layers whose stream means `observe` gets
     # (StepOutput.features, model/deepseek_v41.py); the engine refuses any other
     feature_layers: tuple[int, ...]
+    # the committed positions before a draft's first that its context reads (0: none): after `observe(keep=False)` a
+    # drafter may propose nothing for a request until it has observed that many positions with keep
+    window: int
 
     def propose(self, requests: Sequence[DraftRequest], pick: PickFn) -> list[list[int]]:
         """Up to `num_drafts` token ids per request, in order."""
         ...
 
-    def observe(self, positions: torch.Tensor, slots: torch.Tensor, features: torch.Tensor | None) -> None:
+    def observe(self, positions: torch.Tensor, slots: torch.Tensor, features: torch.Tensor | None,
+                keep: bool = True) -> None:
         """What the step computed from committed tokens, in token order: positions [T] int64, their KV slots [T]
         int64 (DraftRequest's `block_ids` rule) and, when `feature_layers` asks, features [T, nL D] (the
         concatenated stream means entering each target layer). Positions past a row's that the step also
         computed held rejected drafts: they are never reported. A recompute after preemption reports positions
-        again (from 0, or from the end of a reused prefix, whose positions another request reported)."""
+        again (from 0, or from the end of a reused prefix, whose positions another request reported). keep=False:
+        no draft is asked for `window` steps or more (the planner's choice), so what is kept for them may go."""
         ...
 
     def release(self, request_id: str) -> None:
@@ -70,8 +75,9 @@ class Drafter(Protocol):
 
 class _Stateless:
     feature_layers: tuple[int, ...] = ()
+    window = 0
 
-    def observe(self, positions, slots, features) -> None:
+    def observe(self, positions, slots, features, keep=True) -> None:
         pass
 
     def release(self, request_id) -> None:

@@ -14,10 +14,14 @@ It implements spec/drafters.py's `Drafter` (whose `make_drafter` builds it, henc
 the annotations name its `DraftRequest` and `PickFn`). `observe` keeps what it is told (positions, slots,
 features) and one `write_context` writes everything kept, in the order observed, before the next `draft` reads the
 state (or once PENDING_TOKENS are kept): the state a draft reads is the one writing at once would leave (a slot
-written twice, e.g. a freed block that another request then computed, holds the later write either way), and
-steps that do not draft (the planner's choice) cost no context write. One `draft` per drafting step (every drafting request a row, each drawing its draft
-tokens through the engine's `pick`: coupled drafting); the draft always has the block's k tokens, a request gets
-its first `num_drafts`.
+written twice, e.g. a freed block that another request then computed, holds the later write either way). One
+`draft` per drafting step (every drafting request a row, each drawing its draft tokens through the engine's `pick`:
+coupled drafting); the draft always has the block's k tokens, a request gets its first `num_drafts`.
+
+Steps the planner will not draft after (`observe(..., keep=False)`) cost no context write: their observations, and
+those kept before them, are dropped. Their slots are then stale (`fresh`) until observed again with keep, and a
+request whose window holds a stale slot gets no draft (`ready`), so that a draft still reads only keys of its own
+committed positions; it drafts again after W steps observed with keep.
 """
 from __future__ import annotations
 
@@ -55,6 +59,18 @@ def block_tables(requests: Sequence[DraftRequest]) -> np.ndarray:
     return out
 
 
+def picked_rows(pick: PickFn, rows: np.ndarray, n: int) -> PickFn:
+    """`pick` of n requests, for a draft of its requests `rows` alone (the others' logits zero, their picks unused)."""
+    index = torch.from_numpy(rows)
+
+    def sub(j: int, z: torch.Tensor) -> torch.Tensor:
+        full = z.new_zeros(n, z.shape[1])
+        full[index.to(z.device)] = z
+        return pick(j, full)[index.to(z.device)]
+    sub.greedy = getattr(pick, "greedy", False)
+    return sub
+
+
 class DSparkDrafter:
     """Drafts with `drafter` for the target `target` served over a KV cache of num_blocks x block_size slots and
     at most max_rows running requests (the rows of one draft call). Invariant: the first `_kept` rows of the
@@ -65,6 +81,7 @@ class DSparkDrafter:
     # 48 KiB a token), and a steady batch of decodes writes the same number of rows each time (a shape its CPU
     # graph replays)
     PENDING_TOKENS = 512
+    check_ready = True  # a protection a test subclass turns off (negative control): drafts read stale slots too
 
     def __init__(self, drafter: DSpark, target: DeepseekV41, num_blocks: int, block_size: int, max_rows: int,
                  graphs: bool = True):
@@ -75,19 +92,27 @@ class DSparkDrafter:
         self.feature_layers = tuple(drafter.config.dspark.dspark_target_layer_ids)
         w = target.embed.weight
         self.state = DSparkState(drafter.config, num_blocks, block_size, max_rows, dtype=w.dtype, device=w.device)
-        self.last = None  # the last `draft` call's Draft (tokens [R, k], logits [R, k, V]): for tests and benchmarks
+        # the last `draft` call's requests and its Draft (tokens [R, k], logits [R, k, V]): for tests and benchmarks
+        self.drafted, self.last = [], None
         n, width = self.PENDING_TOKENS, len(self.feature_layers) * drafter.config.hidden_size
         self._pos = torch.empty(n, dtype=torch.int64, device=w.device)
         self._slots = torch.empty(n, dtype=torch.int64, device=w.device)
         self._feats = torch.empty(n, width, dtype=w.dtype, device=w.device)
         self._kept = 0
+        self.fresh = np.zeros(self.state.num_slots, dtype=bool)  # see `_mark`
 
     @property
     def block(self) -> int:
         return self.drafter.block
 
-    def observe(self, positions: torch.Tensor, slots: torch.Tensor, features: torch.Tensor | None) -> None:
-        """Keeps copies (the arguments may be the step's own buffers, rewritten by the next step)."""
+    @property
+    def window(self) -> int:
+        return self.drafter.window
+
+    def observe(self, positions: torch.Tensor, slots: torch.Tensor, features: torch.Tensor | None,
+                keep: bool = True) -> None:
+        """Keeps copies (the arguments may be the step's own buffers, rewritten by the next step). keep=False: drops
+        these observations and the kept ones instead (their slots stale until observed again with keep)."""
         t = positions.shape[0]
         if not t:
             return
@@ -95,6 +120,13 @@ class DSparkDrafter:
             raise ValueError(f"DSparkDrafter.observe: {t} positions, features "
                              f"{None if features is None else tuple(features.shape)}, want ({t}, "
                              f"{self._feats.shape[1]})")
+        if not keep:
+            if self._kept:
+                self._mark(self._slots[:self._kept], False)
+                self._kept = 0
+            self._mark(slots, False)
+            return
+        self._mark(slots, True)
         if self._kept + t > self.PENDING_TOKENS:
             self.write()
         if t > self.PENDING_TOKENS:  # (a long prompt chunk: written at once)
@@ -104,6 +136,22 @@ class DSparkDrafter:
         self._pos[k:k + t].copy_(positions)
         self._slots[k:k + t].copy_(slots)
         self._feats[k:k + t].copy_(features)
+
+    def _mark(self, slots: torch.Tensor, fresh: bool) -> None:
+        """Whether the keys of these slots' last observations are (or will be, by the next write) in the state."""
+        s = slots.cpu().numpy()
+        self.fresh[s[s >= 0]] = fresh
+
+    def ready(self, positions: np.ndarray, tables: np.ndarray) -> np.ndarray:
+        """[R] bool: whether every slot that a draft at positions [R] (DSpark.draft's n) reads through the block tables
+        [R, B] (-1: null) holds its position's keys (a slot before position 0 or in a null block is read as empty)."""
+        w, bs = self.drafter.window, self.block_size
+        wpos = positions[:, None] - w + np.arange(w)
+        col = wpos // bs
+        ok = (wpos >= 0) & (col < tables.shape[1])
+        block = np.take_along_axis(tables, np.where(ok, col, 0), 1)
+        ok &= block >= 0
+        return (~ok | self.fresh[np.where(ok, block * bs + wpos % bs, 0)]).all(1)
 
     def write(self) -> None:
         """Write every kept observation's keys, in order, in one `write_context`."""
@@ -123,18 +171,26 @@ class DSparkDrafter:
             self.run.write_context(self.state, feats, pos.to(dev), slots.to(dev))
 
     def propose(self, requests: Sequence[DraftRequest], pick: PickFn) -> list[list[int]]:
-        if not requests:
-            return []
+        """Drafts for the requests whose windows are `ready`, nothing for the others."""
+        positions = np.array([len(r.token_ids) - 1 for r in requests], dtype=np.int64)
+        tables = block_tables(requests) if requests else None
+        ready = self.ready(positions, tables) if requests and self.check_ready else np.ones(len(requests), bool)
+        self.drafted = [r for r, ok in zip(requests, ready) if ok]
+        if not self.drafted:
+            return [[] for _ in requests]
+        if not ready.all():
+            rows = np.flatnonzero(ready)
+            positions, tables, pick = positions[rows], block_tables(self.drafted), picked_rows(pick, rows, len(requests))
         self.write()
         dev = self.state.window[0].device
-        last = torch.tensor([r.token_ids[-1] for r in requests], dtype=torch.int64, device=dev)
-        positions = torch.tensor([len(r.token_ids) - 1 for r in requests], dtype=torch.int64, device=dev)
-        tables = torch.from_numpy(block_tables(requests)).to(dev)
+        last = torch.tensor([r.token_ids[-1] for r in self.drafted], dtype=torch.int64, device=dev)
         with torch.no_grad():
             # an all-greedy pick is the drafter's own greedy choice: the whole draft, chain included, replays
-            self.last = self.run.draft(self.state, last, positions, tables, self.block_size,
+            self.last = self.run.draft(self.state, last, torch.from_numpy(positions).to(dev),
+                                       torch.from_numpy(tables).to(dev), self.block_size,
                                        None if getattr(pick, "greedy", False) else pick)
-        return [t[:r.num_drafts] for t, r in zip(self.last.tokens.tolist(), requests)]  # tokens [R, k]
+        drafts = iter(self.last.tokens.tolist())  # tokens [R, k]
+        return [next(drafts)[:r.num_drafts] if ok else [] for r, ok in zip(requests, ready)]
 
     def release(self, request_id: str) -> None:
         pass  # the keys live at the engine's slots (module docstring)

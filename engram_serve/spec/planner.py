@@ -10,8 +10,8 @@ in a trial, at least twice as many decisions later each time and so rarely that 
 the time (a drafted step that costs six plain ones is tried in 3 steps of 3,000 or fewer). A form's cost is the
 least time per token among its last WINDOW steps: the warmed-up cost, which a stall, a capture or a collection
 pause in one step cannot inflate. For one request whose measured acceptance fell below `min_acceptance`, it stops
-drafting (it probes again every PROBE_EVERY of its steps). None of this changes a token: only how many a step
-gives. The class attributes are tuning constants, not protections.
+drafting (it probes again every PROBE_EVERY of its steps). Far from a drafting step (`needs_context`) the drafter
+may drop its context of a step's tokens. None of this changes a token: only how many a step gives. The class attributes are tuning constants, not protections.
 """
 from __future__ import annotations
 
@@ -52,6 +52,19 @@ class SpecPlanner:
         size = self.size(num_decodes)
         n = self._decisions[size] = self._decisions.get(size, 0) + 1
         return self._best(size) != (n >= self._trial.get(size, (self.FIRST_TRIAL,))[0])  # the other form: a trial
+
+    def needs_context(self, num_decodes: int, lead: int) -> bool:
+        """Whether the drafter must keep its context of this step's tokens (after `speculate` decided the step):
+        a step of no decodes (prompts), drafting chosen at this size, or a trial of it due within `lead`
+        decisions (a drafter reads `lead` committed positions before a draft's). Else it may drop them: it then
+        drafts for a request again only once that request's window holds none of them, which changes no token."""
+        if self.cfg.when == "always" or not num_decodes:
+            return True
+        if self.cfg.disable_by_batch_size is not None and num_decodes > self.cfg.disable_by_batch_size:
+            return False
+        size = self.size(num_decodes)
+        due = self._trial.get(size, (self.FIRST_TRIAL,))[0]
+        return self._best(size) or self._decisions.get(size, 0) + lead >= due
 
     def _cost(self, size: int, drafted: bool) -> tuple[float, float] | None:
         """(ms per token, ms) of the form's cheapest recent step per token, or None if it never ran."""

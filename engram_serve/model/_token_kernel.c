@@ -86,7 +86,8 @@
  *     token p / k's pick p % k) -> counts [e], order [pairs] the pairs sorted by expert, ascending pair index
  *     inside an expert (a stable counting sort), tok [pairs] = order / k; ValueError if an id is outside [0, e).
  *   moe_combine(ys, order, w, pairs, n, k, dim, shared, out): ys [pairs, dim] the expert outputs in `order`,
- *     w [n * k] -> out [n, dim] = (0 + w y of the token's pairs, in order: ascending expert) + shared [n, dim].
+ *     w [n * k] -> out [n, dim] = (0 + w y of the token's pairs, in order: ascending expert) + shared [n, dim];
+ *     ValueError if `order` lists a pair twice.
  *   swiglu(gu, n, inter, limit, out): gu [n, 2 inter] (g, u) -> out [n, inter] = silu(min(g, L)) *
  *     clamp(u, -L, L), L = limit (no clamp when L <= 0); silu(x) = x / (1 + exp(-x)).
  * Copies:
@@ -112,8 +113,8 @@
  * IEEE one written, in every clone. Scratch memory is allocated per call (per part of a call on the pool), sized
  * by the call's shape parameters that do not depend on the token count. The GIL is released during the
  * arithmetic, which runs on the kernels' pool (_thread_pool.h): the tokens (rows) of a call in contiguous ranges,
- * attention's (token, group of 4 heads) items, the indexer's (token, 256 entries) items, moe_combine's columns;
- * each token (entry, column) computed whole on one thread, so its bits do not depend on the thread count (the
+ * attention's (token, group of 4 heads) items, the indexer's (token, 256 entries) items; each token (entry)
+ * computed whole on one thread, so its bits do not depend on the thread count (the
  * section "threads" below).
  */
 #define PY_SSIZE_T_CLEAN
@@ -960,21 +961,36 @@ static Py_ssize_t moe_group(const int64_t *restrict ids, Py_ssize_t pairs, Py_ss
     return -1;
 }
 
-/* the columns [d0, d1) of every token's sum (each element's additions in pair order whatever the columns) */
-CLONES static void moe_combine_rows(const float *restrict ys, const int64_t *restrict order, const float *restrict w,
-                                    Py_ssize_t pairs, Py_ssize_t n, Py_ssize_t k, Py_ssize_t dim,
-                                    const float *restrict shared, float *restrict out, Py_ssize_t d0, Py_ssize_t d1) {
-    for (Py_ssize_t t = 0; t < n; t++)
-        for (Py_ssize_t d = d0; d < d1; d++) out[t * dim + d] = 0.0f;
-    for (Py_ssize_t p = 0; p < pairs; p++) {
-        const float wp = w[order[p]];
-        const float *yp = ys + p * dim;
-        float *ot = out + (order[p] / k) * dim;
-        for (Py_ssize_t d = d0; d < d1; d++) ot[d] = ot[d] + yp[d] * wp;
+#define COMBINE_CHUNK 64 /* outputs of a token summed in registers at a time */
+
+/* the tokens [t0, t1) of moe_combine (the header), at [n * k] the row of ys of each (token, pick), -1 for none: a
+ * token's pairs in ascending row (the pairs' order), each output summed in a register from 0 and written once */
+CLONES static void moe_combine_rows(const float *restrict ys, const int64_t *restrict at, const float *restrict w,
+                                    Py_ssize_t t0, Py_ssize_t t1, Py_ssize_t k, Py_ssize_t dim,
+                                    const float *restrict shared, float *restrict out) {
+    int64_t rows[k];
+    float wr[k];
+    for (Py_ssize_t t = t0; t < t1; t++) {
+        Py_ssize_t np = 0;
+        for (Py_ssize_t j = 0; j < k; j++) { /* insertion: ascending row */
+            const int64_t r = at[t * k + j];
+            if (r < 0) continue;
+            Py_ssize_t i = np++;
+            for (; i > 0 && rows[i - 1] > r; i--) rows[i] = rows[i - 1], wr[i] = wr[i - 1];
+            rows[i] = r, wr[i] = w[t * k + j];
+        }
+        for (Py_ssize_t d0 = 0; d0 < dim; d0 += COMBINE_CHUNK) {
+            const Py_ssize_t m = dim - d0 < COMBINE_CHUNK ? dim - d0 : COMBINE_CHUNK;
+            float acc[COMBINE_CHUNK] = {0.0f};
+            for (Py_ssize_t i = 0; i < np; i++) {
+                const float *y = ys + rows[i] * dim + d0, wi = wr[i];
+                for (Py_ssize_t d = 0; d < m; d++) acc[d] = acc[d] + y[d] * wi;
+            }
+            if (shared)
+                for (Py_ssize_t d = 0; d < m; d++) acc[d] = acc[d] + shared[t * dim + d0 + d];
+            memcpy(out + t * dim + d0, acc, (size_t)m * sizeof(float));
+        }
     }
-    if (shared)
-        for (Py_ssize_t t = 0; t < n; t++)
-            for (Py_ssize_t d = d0; d < d1; d++) out[t * dim + d] = out[t * dim + d] + shared[t * dim + d];
 }
 
 CLONES static void swiglu_rows(const float *restrict gu, Py_ssize_t n, Py_ssize_t inter, float limit,
@@ -1100,8 +1116,7 @@ static int has_avx512(void) {
 static void *scratch(size_t bytes) { return aligned_alloc(64, bytes ? (bytes + 63) / 64 * 64 : 64); }
 
 /* ---- threads ---------------------------------------------------------------------------------------------------
- * A kernel's tokens (or rows; the columns of moe_combine, whose output is a sum over rows; the (token, head group)
- * items of attend_paged) run in contiguous ranges across the kernels' pool (_thread_pool.h): each token is computed
+ * A kernel's tokens (or rows; the (token, head group) items of attend_paged) run in contiguous ranges across the kernels' pool (_thread_pool.h): each token is computed
  * whole by one thread, by the same operations as alone (every kernel here computes a token alone already), so its
  * bits do not depend on the thread count. A call whose work (COST, about one unit an element's operation) is
  * small stays on the calling thread. Scratch is a part's own (allocated per part). */
@@ -1826,27 +1841,40 @@ KERNEL_PY(moe_group) {
     X(ADDR, out, "[n, dim] float32, written")
 KERNEL_ARGS(moe_combine, MOE_COMBINE_FIELDS, "weighted expert outputs per token, then the shared one.")
 
-/* moe_combine_rows over the column blocks [b, e) of 16 (a token's output is a sum over its pairs: its columns are
- * what is independent) */
-static void moe_combine_part(void *c, int64_t b, int64_t e) {
-    const struct moe_combine_args *a = c;
-    moe_combine_rows(CF(a->ys), CI64(a->order), CF(a->w), a->pairs, a->n, a->k, a->dim, CF(a->shared), F(a->out),
-                     (Py_ssize_t)b * 16, e * 16 < a->dim ? (Py_ssize_t)e * 16 : a->dim);
+typedef struct {
+    const struct moe_combine_args *a;
+    const int64_t *at;
+} combine_job;
+
+static void moe_combine_part(void *c, int64_t b, int64_t e) { /* tokens [b, e): each token's sum is its own */
+    const combine_job *j = c;
+    const struct moe_combine_args *a = j->a;
+    moe_combine_rows(CF(a->ys), j->at, CF(a->w), b, e, a->k, a->dim, CF(a->shared), F(a->out));
 }
 KERNEL_PY(moe_combine) {
     PARSE(moe_combine);
     const Py_ssize_t pairs = a.pairs, n = a.n, k = a.k;
-    if (pairs < 0 || n < 0 || k < 1 || a.dim < 1 || pairs > n * k || (n && !a.out) || (pairs && (!a.ys || !a.order || !a.w)))
-        return misfit("moe_combine", "0 <= pairs <= n k, k, dim >= 1");
-    for (Py_ssize_t p = 0; p < pairs; p++)
-        if (CI64(a.order)[p] < 0 || CI64(a.order)[p] >= n * k) {
-            PyErr_Format(PyExc_ValueError, "moe_combine: pair %lld at %zd is outside [0, %zd)",
-                         (long long)CI64(a.order)[p], p, n * k);
+    if (pairs < 0 || n < 0 || k < 1 || k > 4096 || a.dim < 1 || pairs > n * k || (n && !a.out) ||
+        (pairs && (!a.ys || !a.order || !a.w)))
+        return misfit("moe_combine", "0 <= pairs <= n k, 1 <= k <= 4096, dim >= 1");
+    int64_t *at = malloc(sizeof(int64_t) * (size_t)(n * k > 0 ? n * k : 1));
+    if (!at) return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n * k; i++) at[i] = -1;
+    for (Py_ssize_t p = 0; p < pairs; p++) {
+        const int64_t q = CI64(a.order)[p];
+        if (q < 0 || q >= n * k || at[q] >= 0) {
+            free(at);
+            PyErr_Format(PyExc_ValueError, "moe_combine: pair %lld at %zd is outside [0, %zd) or listed twice",
+                         (long long)q, p, n * k);
             return NULL;
         }
+        at[q] = p;
+    }
+    combine_job j = {&a, at};
     Py_BEGIN_ALLOW_THREADS
-    parallel_for_cost((a.dim + 15) / 16, (double)(pairs + 2 * n) * (double)a.dim * 2.0, moe_combine_part, &a);
+    parallel_for_cost(n, (double)(pairs + 2 * n) * (double)a.dim * 2.0, moe_combine_part, &j);
     Py_END_ALLOW_THREADS
+    free(at);
     Py_RETURN_NONE;
 }
 

@@ -447,6 +447,24 @@ def test_router_grouping_and_combine_match_their_definition(n, e, data, norm, se
         ops_c.moe_group(torch.tensor([[0, e]]), e)
 
 
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 9), k=st.integers(1, 6), dim=st.sampled_from([1, 5, 64, 130]), drop=st.integers(0, 3),
+       seed=st.integers(0, 2**31))
+def test_combine_adds_each_tokens_pairs_in_their_order(n, k, dim, drop, seed):
+    """A token's outputs: 0 plus w y of its pairs in the order they are listed (some (token, pick) without one),
+    then the shared expert's; a pair listed twice is refused."""
+    g = gen(seed)
+    order = torch.randperm(n * k, generator=g)[:max(n * k - drop, 0)]
+    ys, w, shared = torch.randn(len(order), dim, generator=g), torch.rand(n, k, generator=g), torch.randn(n, dim, generator=g)
+    want = torch.zeros(n, dim)
+    for p, q in enumerate(order.tolist()):
+        want[q // k] = want[q // k] + ys[p] * w.reshape(-1)[q]
+    assert torch.equal(ops_c.moe_combine(ys, order, w, lambda: shared), want + shared)
+    if len(order) > 1:
+        with pytest.raises(ValueError, match="listed twice"):
+            ops_c.moe_combine(ys, torch.cat([order[:-1], order[:1]]), w, None)
+
+
 # ---- Engram, embedding, sampling ------------------------------------------------------------------------
 @settings(max_examples=20, deadline=None)
 @given(n=st.integers(1, 12), hc=st.sampled_from([1, 2, 4]), dim=st.sampled_from([16, 40, 2048, 4096]),

@@ -1072,10 +1072,15 @@ static void linear_panels_range(const weight_ref *w, const float *xp, Py_ssize_t
  * The items of a product are rectangles: row chunk r (rows [r rc, (r + 1) rc), rc a multiple of the tiles' MR) x
  * one output unit u (a panel of 16 columns; a pair of 32 for the bfloat16 tiles), item r * units + u; a part of
  * the pool (_thread_pool.h) takes a contiguous range of items, runs as one range call per row chunk. Rows are
- * chunked only where the units are too few for the threads (the mHC's mix product: 2 panels), so a weight is
- * mostly read by one thread alone. Every output is computed whole, in its own order, by the thread of its item. */
+ * chunked only where the units are too few for the threads (the mHC's mix product: 2 panels; on the tiles, fewer
+ * than TILE_UNITS_A_THREAD pairs a thread), so a weight is mostly read by one thread alone. Every output is computed
+ * whole, in its own order, by the thread of its item. */
 
 #define UNITS_A_THREAD 4 /* units a thread at least, before rows are chunked too */
+/* the same on the bfloat16 tiles (the Xeon, a 64-token prompt's products of 4 to 16 column pairs, two threads):
+ * split by columns, each thread splits every row into its pieces and reads every row, 1.47-1.68x one thread; split
+ * by rows, each decodes every pair, 1.69-1.88x */
+#define TILE_UNITS_A_THREAD 16
 
 typedef struct {
     Py_ssize_t units, rows_per, row_chunks, items;
@@ -1083,13 +1088,13 @@ typedef struct {
 } grid;
 
 /* The items of a product of m rows and `units` output units costing `cost` (multiply-adds), for the pool's parts */
-static grid grid_of(Py_ssize_t m, Py_ssize_t units, double cost, Py_ssize_t row_step) {
+static grid grid_of(Py_ssize_t m, Py_ssize_t units, double cost, Py_ssize_t row_step, Py_ssize_t per_thread) {
     grid g = {units, m, 1, units, 1};
     if (m < 1 || units < 1) return g;
     const int t = pool_parts(units * ((m + row_step - 1) / row_step), cost);
     if (t <= 1) return g;
-    if (units < (Py_ssize_t)t * UNITS_A_THREAD && m > row_step) {
-        Py_ssize_t want = ((Py_ssize_t)t * UNITS_A_THREAD + units - 1) / units, most = (m + row_step - 1) / row_step;
+    if (units < (Py_ssize_t)t * per_thread && m > row_step) {
+        Py_ssize_t want = ((Py_ssize_t)t * per_thread + units - 1) / units, most = (m + row_step - 1) / row_step;
         if (want > most) want = most;
         g.rows_per = ((m + want - 1) / want + row_step - 1) / row_step * row_step;
         g.row_chunks = (m + g.rows_per - 1) / g.rows_per;
@@ -1140,7 +1145,7 @@ static void linear_panels(const weight_ref *w, const float *xp, Py_ssize_t ldx, 
         k_halves_product(w, xp, ldx, yp, ldy, m);
         return;
     }
-    const grid g = grid_of(m, panels, (double)m * (double)k * (double)n, MR);
+    const grid g = grid_of(m, panels, (double)m * (double)k * (double)n, MR, UNITS_A_THREAD);
     if (g.parts <= 1) {
         linear_panels_range(w, xp, ldx, yp, ldy, m, kc, simd, 0, panels);
         return;
@@ -1558,7 +1563,7 @@ static void linear_fp8(const float *xp, Py_ssize_t ldx, const uint8_t *qp, const
         k_halves_product(&w, xp, ldx, yp, n, m);
         return;
     }
-    const grid g = grid_of(m, panels, (double)m * (double)k * (double)n, 1);
+    const grid g = grid_of(m, panels, (double)m * (double)k * (double)n, 1, UNITS_A_THREAD);
     if (g.parts <= 1) {
         linear_fp8_range(xp, ldx, qp, sp, yp, n, m, k, n, kc, 0, panels);
         return;
@@ -2100,7 +2105,7 @@ static void bf16_part(void *c, int64_t b, int64_t e) {
 static int linear_bf16(const float *xp, Py_ssize_t ldx, const uint16_t *wp, const weight_ref *src, float *yp,
                        Py_ssize_t ldy, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n) {
     const Py_ssize_t pairs = (n + 31) / 32;
-    const grid g = grid_of(m, pairs, (double)m * (double)k * (double)n, AMX_BLOCK);
+    const grid g = grid_of(m, pairs, (double)m * (double)k * (double)n, AMX_BLOCK, TILE_UNITS_A_THREAD);
     if (g.parts <= 1) return linear_bf16_range(xp, ldx, wp, src, yp, ldy, m, k, n, 0, pairs);
     bf16_job j = {xp, ldx, ldy, m, k, n, wp, src, yp, g, 0};
     parallel_run(g.items, g.parts, bf16_part, &j);

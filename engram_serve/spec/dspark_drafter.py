@@ -145,7 +145,7 @@ class DSparkDrafter:
     def ready(self, positions: np.ndarray, tables: np.ndarray) -> np.ndarray:
         """[R] bool: whether every slot that a draft at positions [R] (DSpark.draft's n) reads through the block tables
         [R, B] (-1: null) holds its position's keys (a slot before position 0 or in a null block is read as empty)."""
-        w, bs = self.drafter.window, self.block_size
+        w, bs = self.window, self.block_size
         wpos = positions[:, None] - w + np.arange(w)
         col = wpos // bs
         ok = (wpos >= 0) & (col < tables.shape[1])
@@ -180,7 +180,8 @@ class DSparkDrafter:
             return [[] for _ in requests]
         if not ready.all():
             rows = np.flatnonzero(ready)
-            positions, tables, pick = positions[rows], block_tables(self.drafted), picked_rows(pick, rows, len(requests))
+            positions, tables = positions[rows], block_tables(self.drafted)
+            pick = picked_rows(pick, rows, len(requests))
         self.write()
         dev = self.state.window[0].device
         last = torch.tensor([r.token_ids[-1] for r in self.drafted], dtype=torch.int64, device=dev)

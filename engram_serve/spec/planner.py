@@ -11,7 +11,8 @@ the time (a drafted step that costs six plain ones is tried in 3 steps of 3,000 
 least time per token among its last WINDOW steps: the warmed-up cost, which a stall, a capture or a collection
 pause in one step cannot inflate. For one request whose measured acceptance fell below `min_acceptance`, it stops
 drafting (it probes again every PROBE_EVERY of its steps). Far from a drafting step (`needs_context`) the drafter
-may drop its context of a step's tokens. None of this changes a token: only how many a step gives. The class attributes are tuning constants, not protections.
+may drop its context of a step's tokens. None of this changes a token: only how many a step gives. The class
+attributes are tuning constants, not protections.
 """
 from __future__ import annotations
 

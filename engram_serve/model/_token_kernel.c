@@ -114,8 +114,7 @@
  * by the call's shape parameters that do not depend on the token count. The GIL is released during the
  * arithmetic, which runs on the kernels' pool (_thread_pool.h): the tokens (rows) of a call in contiguous ranges,
  * attention's (token, group of 4 heads) items, the indexer's (token, 256 entries) items; each token (entry)
- * computed whole on one thread, so its bits do not depend on the thread count (the
- * section "threads" below).
+ * computed whole on one thread, so its bits do not depend on the thread count (the section "threads" below).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -1117,8 +1116,8 @@ static void *scratch(size_t bytes) { return aligned_alloc(64, bytes ? (bytes + 6
 
 /* ---- threads ---------------------------------------------------------------------------------------------------
  * A kernel's tokens (or rows; the (token, head group) items of attend_paged) run in contiguous ranges across the
- * kernels' pool (_thread_pool.h): each token is computed whole by one thread, by the same operations as alone (every kernel here computes a token alone already), so its
- * bits do not depend on the thread count. A call whose work (COST, about one unit an element's operation) is
+ * kernels' pool (_thread_pool.h): each token is computed whole by one thread, by the same operations as alone
+ * (every kernel here computes a token alone already), so its bits do not depend on the thread count. A call whose work (COST, about one unit an element's operation) is
  * small stays on the calling thread. Scratch is a part's own (allocated per part). */
 
 /* run_NAME: NAME_range(a, begin, end) over the items [0, a->N) on the pool */

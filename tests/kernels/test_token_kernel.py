@@ -455,7 +455,8 @@ def test_combine_adds_each_tokens_pairs_in_their_order(n, k, dim, drop, seed):
     then the shared expert's; a pair listed twice is refused."""
     g = gen(seed)
     order = torch.randperm(n * k, generator=g)[:max(n * k - drop, 0)]
-    ys, w, shared = torch.randn(len(order), dim, generator=g), torch.rand(n, k, generator=g), torch.randn(n, dim, generator=g)
+    ys, w = torch.randn(len(order), dim, generator=g), torch.rand(n, k, generator=g)
+    shared = torch.randn(n, dim, generator=g)
     want = torch.zeros(n, dim)
     for p, q in enumerate(order.tolist()):
         want[q // k] = want[q // k] + ys[p] * w.reshape(-1)[q]

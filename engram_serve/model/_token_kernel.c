@@ -1117,8 +1117,9 @@ static void *scratch(size_t bytes) { return aligned_alloc(64, bytes ? (bytes + 6
 /* ---- threads ---------------------------------------------------------------------------------------------------
  * A kernel's tokens (or rows; the (token, head group) items of attend_paged) run in contiguous ranges across the
  * kernels' pool (_thread_pool.h): each token is computed whole by one thread, by the same operations as alone
- * (every kernel here computes a token alone already), so its bits do not depend on the thread count. A call whose work (COST, about one unit an element's operation) is
- * small stays on the calling thread. Scratch is a part's own (allocated per part). */
+ * (every kernel here computes a token alone already), so its bits do not depend on the thread count. A call whose
+ * work (COST, about one unit an element's operation) is small stays on the calling thread. Scratch is a part's own
+ * (allocated per part). */
 
 /* run_NAME: NAME_range(a, begin, end) over the items [0, a->N) on the pool */
 #define TOKEN_JOB(NAME, N, COST)                                                                                   \

@@ -1077,10 +1077,11 @@ static void linear_panels_range(const weight_ref *w, const float *xp, Py_ssize_t
  * whole, in its own order, by the thread of its item. */
 
 #define UNITS_A_THREAD 4 /* units a thread at least, before rows are chunked too */
-/* the same on the bfloat16 tiles (the Xeon, a 64-token prompt's products of 4 to 16 column pairs, two threads):
- * split by columns, each thread splits every row into its pieces and reads every row, 1.47-1.68x one thread; split
- * by rows, each decodes every pair, 1.69-1.88x */
-#define TILE_UNITS_A_THREAD 16
+/* the same on the bfloat16 tiles (the Xeon, a 64-token prompt's products of 4 to 32 column pairs, two threads):
+ * split by columns, each thread splits every row into its pieces and reads every row, 1.47-1.80x one thread; split
+ * by rows, each decodes every pair, 1.69-2.0x; a 64-token prompt 1.89-1.91x at 32 a thread, 1.78-1.79x at 16,
+ * 1.80-1.89x at 64 */
+#define TILE_UNITS_A_THREAD 32
 
 typedef struct {
     Py_ssize_t units, rows_per, row_chunks, items;

@@ -357,7 +357,7 @@ class LLMEngine:
         decodes = [s for s in self.scheduler.running if s.num_tokens - s.num_computed_tokens == 1]
         ks = self.spec_planner.num_drafts(decodes, len(decodes))
         self._keep_context = self.spec_planner.needs_context(len(decodes), self.drafter.window)
-        asked = [(s, k) for s, k in zip(decodes, ks) if k] if any(ks) else []
+        asked = [(s, k) for s, k in zip(decodes, ks) if k]
         self._drafted = [s for s, _ in asked]
         if not asked:
             return

@@ -172,9 +172,11 @@ class DSparkDrafter:
 
     def propose(self, requests: Sequence[DraftRequest], pick: PickFn) -> list[list[int]]:
         """Drafts for the requests whose windows are `ready`, nothing for the others."""
+        if not requests:
+            return []
         positions = np.array([len(r.token_ids) - 1 for r in requests], dtype=np.int64)
-        tables = block_tables(requests) if requests else None
-        ready = self.ready(positions, tables) if requests and self.check_ready else np.ones(len(requests), bool)
+        tables = block_tables(requests)
+        ready = self.ready(positions, tables) if self.check_ready else np.ones(len(requests), bool)
         self.drafted = [r for r, ok in zip(requests, ready) if ok]
         if not self.drafted:
             return [[] for _ in requests]

@@ -768,16 +768,21 @@ static Py_ssize_t topk_row(const float *restrict x, Py_ssize_t v, Py_ssize_t k, 
     return cnt;
 }
 
-#define TOPK_RANK_MAX 96 /* a row of at most this many values is ranked whole (topk_rank16) */
+#define TOPK_RANK_MAX 2048 /* a row of at most this many values may be ranked whole (topk_rank16) */
+
+/* whether topk_rank16 takes a row of v values (every value ranked against every other, ~v^2 / 16 vector steps), not
+ * topk_row (an insertion into the picks, ~v min(k, v) scalar steps): measured faster up to 96 values whatever k,
+ * and up to 4 k values (one thread, Xeon: v 128, k 64 1.6 us a row against 3.5; v 512, k 512 17 against 71) */
+static int topk_ranks(Py_ssize_t v, Py_ssize_t k) { return v <= TOPK_RANK_MAX && (v <= 96 || v <= 4 * k); }
 
 #if HAVE_X86_AVX2
 /* topk_row for v <= TOPK_RANK_MAX with AVX-512, the same picks: a value's place is the number of values that rank
  * before it, counted 16 at a time on keys that order as ranks_before does (an int32 a value: -0 as +0, every NaN
- * above +inf; an equal key ranks before when its index is lower) */
-__attribute__((target("avx512f,popcnt"))) static Py_ssize_t topk_rank16(const float *restrict x, Py_ssize_t v,
-                                                                        Py_ssize_t k, int64_t *restrict out,
-                                                                        float *restrict vals) {
-    int32_t key[TOPK_RANK_MAX];
+ * above +inf; an equal key ranks before when its index is lower). key [v], kv and valid [v / 16 rounded up]: the
+ * caller's scratch (on its stack: a frame sized for 2,048 values made rows of 64 values 1.25x slower) */
+__attribute__((target("avx512f,popcnt"), always_inline)) static inline Py_ssize_t
+topk_rank16(const float *restrict x, Py_ssize_t v, Py_ssize_t k, int64_t *restrict out, float *restrict vals,
+            int32_t *restrict key, __m512i *restrict kv, __mmask16 *restrict valid) {
     for (Py_ssize_t j = 0; j < v; j++) {
         const float y = x[j] + 0.0f; /* -0 -> +0 */
         int32_t b;
@@ -785,8 +790,6 @@ __attribute__((target("avx512f,popcnt"))) static Py_ssize_t topk_rank16(const fl
         key[j] = y != y ? INT32_MAX : (b < 0 ? b ^ INT32_MAX : b); /* a negative value: its magnitude bits flipped */
     }
     const Py_ssize_t chunks = (v + 15) / 16;
-    __m512i kv[TOPK_RANK_MAX / 16];
-    __mmask16 valid[TOPK_RANK_MAX / 16];
     for (Py_ssize_t c = 0; c < chunks; c++) {
         valid[c] = v - c * 16 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (v - c * 16)) - 1);
         kv[c] = _mm512_maskz_loadu_epi32(valid[c], key + c * 16);
@@ -804,19 +807,32 @@ __attribute__((target("avx512f,popcnt"))) static Py_ssize_t topk_rank16(const fl
     }
     return v < k ? v : k;
 }
+
+/* topk_rank16 with scratch for up to N values */
+#define TOPK_RANK_UPTO(N)                                                                                          \
+    __attribute__((target("avx512f,popcnt"))) static Py_ssize_t topk_rank_##N(                                     \
+        const float *restrict x, Py_ssize_t v, Py_ssize_t k, int64_t *restrict out, float *restrict vals) {        \
+        int32_t key[N];                                                                                            \
+        __m512i kv[N / 16];                                                                                        \
+        __mmask16 valid[N / 16];                                                                                   \
+        return topk_rank16(x, v, k, out, vals, key, kv, valid);                                                    \
+    }
+TOPK_RANK_UPTO(96)
+TOPK_RANK_UPTO(2048) /* TOPK_RANK_MAX */
+#undef TOPK_RANK_UPTO
 #endif
 
 static void topk_rows(const float *restrict x, Py_ssize_t rows, Py_ssize_t v, Py_ssize_t k, int64_t *restrict out,
                       float *restrict vals) {
 #if HAVE_X86_AVX2
-    const int rank = v <= TOPK_RANK_MAX && __builtin_cpu_supports("avx512f");
+    const int rank = topk_ranks(v, k) && __builtin_cpu_supports("avx512f");
 #endif
     for (Py_ssize_t r = 0; r < rows; r++) {
         int64_t *o = out + r * k;
         Py_ssize_t cnt;
 #if HAVE_X86_AVX2
         if (rank)
-            cnt = topk_rank16(x + r * v, v, k, o, vals);
+            cnt = v <= 96 ? topk_rank_96(x + r * v, v, k, o, vals) : topk_rank_2048(x + r * v, v, k, o, vals);
         else
 #endif
             cnt = topk_row(x + r * v, v, k, o, vals);
@@ -1654,7 +1670,8 @@ KERNEL_PY(topk_rows) {
     if (a.rows < 0 || a.v < 0 || a.k < 1 || (a.rows && (!a.out || (a.v && !a.x))))
         return misfit("topk_rows", "rows, v >= 0, k >= 1");
     Py_BEGIN_ALLOW_THREADS
-    parallel_for_cost(a.rows, (double)a.rows * (double)(a.v + a.k) * 4.0, topk_rows_part, &a);
+    const double v = (double)a.v, row = topk_ranks(a.v, a.k) ? v * v / 2.0 : 3.0 * v * (double)(a.k < a.v ? a.k : a.v);
+    parallel_for_cost(a.rows, (double)a.rows * (row + 4.0 * (v + (double)a.k)), topk_rows_part, &a);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1795,7 +1812,8 @@ KERNEL_PY(moe_route) {
         return misfit("moe_route", "n >= 0, 1 <= k <= e");
     moe_route_job j = {&a, 0};
     Py_BEGIN_ALLOW_THREADS
-    parallel_for_cost(a.n, (double)a.n * (double)a.e * 40.0, moe_route_part, &j);
+    /* ~36 ns an expert of a token (libm's log1pf, exp_fixed, the square root; measured on the Xeon) */
+    parallel_for_cost(a.n, (double)a.n * (double)a.e * 300.0, moe_route_part, &j);
     Py_END_ALLOW_THREADS
     if (j.bad) return PyErr_NoMemory();
     Py_RETURN_NONE;

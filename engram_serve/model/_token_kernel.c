@@ -768,12 +768,15 @@ static Py_ssize_t topk_row(const float *restrict x, Py_ssize_t v, Py_ssize_t k, 
     return cnt;
 }
 
-#define TOPK_RANK_MAX 2048 /* a row of at most this many values may be ranked whole (topk_rank16) */
+#define TOPK_RANK_SMALL 96  /* a row of at most this many values is ranked whole (topk_rank16) whatever k */
+#define TOPK_RANK_MAX 2048 /* a row of at most this many values may be ranked whole */
 
 /* whether topk_rank16 takes a row of v values (every value ranked against every other, ~v^2 / 16 vector steps), not
  * topk_row (an insertion into the picks, ~v min(k, v) scalar steps): measured faster up to 96 values whatever k,
  * and up to 4 k values (one thread, Xeon: v 128, k 64 1.6 us a row against 3.5; v 512, k 512 17 against 71) */
-static int topk_ranks(Py_ssize_t v, Py_ssize_t k) { return v <= TOPK_RANK_MAX && (v <= 96 || v <= 4 * k); }
+static int topk_ranks(Py_ssize_t v, Py_ssize_t k) {
+    return v <= TOPK_RANK_MAX && (v <= TOPK_RANK_SMALL || v <= 4 * k);
+}
 
 #if HAVE_X86_AVX2
 /* topk_row for v <= TOPK_RANK_MAX with AVX-512, the same picks: a value's place is the number of values that rank
@@ -809,16 +812,16 @@ topk_rank16(const float *restrict x, Py_ssize_t v, Py_ssize_t k, int64_t *restri
 }
 
 /* topk_rank16 with scratch for up to N values */
-#define TOPK_RANK_UPTO(N)                                                                                          \
-    __attribute__((target("avx512f,popcnt"))) static Py_ssize_t topk_rank_##N(                                     \
+#define TOPK_RANK_UPTO(NAME, N)                                                                                    \
+    __attribute__((target("avx512f,popcnt"))) static Py_ssize_t NAME(                                              \
         const float *restrict x, Py_ssize_t v, Py_ssize_t k, int64_t *restrict out, float *restrict vals) {        \
         int32_t key[N];                                                                                            \
         __m512i kv[N / 16];                                                                                        \
         __mmask16 valid[N / 16];                                                                                   \
         return topk_rank16(x, v, k, out, vals, key, kv, valid);                                                    \
     }
-TOPK_RANK_UPTO(96)
-TOPK_RANK_UPTO(2048) /* TOPK_RANK_MAX */
+TOPK_RANK_UPTO(topk_rank_small, TOPK_RANK_SMALL)
+TOPK_RANK_UPTO(topk_rank_large, TOPK_RANK_MAX)
 #undef TOPK_RANK_UPTO
 #endif
 
@@ -832,7 +835,8 @@ static void topk_rows(const float *restrict x, Py_ssize_t rows, Py_ssize_t v, Py
         Py_ssize_t cnt;
 #if HAVE_X86_AVX2
         if (rank)
-            cnt = v <= 96 ? topk_rank_96(x + r * v, v, k, o, vals) : topk_rank_2048(x + r * v, v, k, o, vals);
+            cnt = v <= TOPK_RANK_SMALL ? topk_rank_small(x + r * v, v, k, o, vals)
+                                       : topk_rank_large(x + r * v, v, k, o, vals);
         else
 #endif
             cnt = topk_row(x + r * v, v, k, o, vals);

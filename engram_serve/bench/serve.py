@@ -8,18 +8,18 @@ and the microbatching-on server, the order flipping every wave, until --budget-s
 least one, at most --max-waves). Reported per setting: tokens/s (all clients' tokens / wall time of
 the waves), p50/p99 time to first token and inter-token latency (nearest rank, over every token of
 every client), and the share of engine steps cut into microbatches; and the on/off ratio of each pair of
-waves run back to back (median, min, max). Clients share the process (and
-the GIL) with the server: absolute numbers are pessimistic, the on/off ratio is the point.
+waves run back to back (median, min, max). The clients run in a process of their own (`_clients`, spawned), as
+a server's clients would: they do not share the servers' interpreter lock, only the machine's cores.
 Steps are cut only above the MicrobatchConfig thresholds (32 decode tokens, 128 with prefill), so
 below ~32 clients both settings run the same whole steps.
 
 `--compare threads` duels the kernels' thread pool instead (default clients 1,16): `default`, the server as `serve`
 runs it without --threads (the pool at $ENGRAM_SERVE_THREADS, else the cores of the affinity mask, engine/threads.py
 `default_threads`), against `t1`, the same server at --threads 1; both microbatch as `serve` does (2). The pool is
-one per process, so before each wave the bench sets it to that wave's server's size (`_set_pool`; the other
-server's engine thread sleeps on its command queue, and a wave ends only after its last step). Each row gives both
-sizes and `*_pool_threads`, the size the engine's own snapshot saw at its last step (AsyncLLMEngine.metrics
-`kernel_threads`); the ratios are default over t1.
+one per process, so before each wave the client process asks the bench to set it to that wave's server's size
+(`_set_pool`; the other server's engine thread sleeps on its command queue, and a wave ends only after its last
+step). Each row gives both sizes and `*_pool_threads`, the size the engine's own snapshot saw at its last step
+(AsyncLLMEngine.metrics `kernel_threads`); the ratios are default over t1.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import asyncio
 import functools
 import json
 import math
+import multiprocessing
 import os
 import random
 import resource
@@ -122,6 +123,32 @@ async def _duel(urls: dict[str, str], clients: int, args, seed: int, max_waves: 
             for n, st in stats.items()}
 
 
+def _clients(conn, urls: dict[str, str], args: argparse.Namespace) -> None:
+    """The client process: for each ("duel", clients, seed, max_waves) it receives, `_duel` over `urls`, asking
+    the server process ("before", name; it answers when done) before each wave, then sends ("done", result)."""
+    def before(name: str) -> None:
+        conn.send(("before", name))
+        conn.recv()
+    while (job := conn.recv()) is not None:
+        _, clients, seed, max_waves = job
+        try:
+            conn.send(("done", asyncio.run(_duel(urls, clients, args, seed, max_waves, before))))
+        except Exception as e:  # (a failed request): the server process raises it
+            conn.send(("failed", f"{type(e).__name__}: {e}"))
+
+
+def _duel_elsewhere(conn, clients: int, seed: int, max_waves: int | None, before) -> dict:
+    """`_duel` in the client process, running `before(name)` here when it asks (EOFError if that process died)."""
+    conn.send(("duel", clients, seed, max_waves))
+    while (msg := conn.recv())[0] == "before":
+        if before is not None:
+            before(msg[1])
+        conn.send("ok")
+    if msg[0] == "failed":
+        raise RuntimeError(f"bench serve's clients: {msg[1]}")
+    return msg[1]
+
+
 def _set_pool(sizes: dict[str, int], name: str) -> None:
     """The kernels' pool at `name`'s size: called between waves, while no engine steps."""
     from .. import thread_pool
@@ -161,7 +188,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         os.environ["ENGRAM_SERVE_THREADS"] = str(args.threads)  # engines built below keep it
     loaded = load_model(args.model)
     most = max(clients_list)
-    servers = {}
+    servers, proc = {}, None
     try:
         for name, (microbatch, threads) in settings.items():
             cfg = RunnerConfig(max_num_seqs=most, max_model_len=min(2048, loaded.config.max_position_embeddings),
@@ -169,12 +196,18 @@ def run(args: argparse.Namespace) -> list[dict]:
             engine = AsyncLLMEngine(LLMEngine(loaded, cfg, threads=threads))
             servers[name] = (engine, BackgroundServer(build_app(engine, "bench")).start())
         urls = {name: server.base_url for name, (_, server) in servers.items()}
-        warm = argparse.Namespace(**{**vars(args), "budget_s": 0})
-        asyncio.run(_duel(urls, 2, warm, seed=0, max_waves=1, before=before))  # warm-up
+        spawn = multiprocessing.get_context("spawn")
+        conn, theirs = spawn.Pipe()
+        wave = argparse.Namespace(**{k: getattr(args, k) for k in ("budget_s", "max_waves", "max_tokens",
+                                                                   "prompt_words")})  # (what _duel reads)
+        proc = spawn.Process(target=_clients, args=(theirs, urls, wave), daemon=True)
+        proc.start()
+        theirs.close()  # (so that recv sees the client process end)
+        _duel_elsewhere(conn, 2, 0, 1, before)  # warm-up
         rows = []
         for clients in clients_list:
             before_m = {name: engine.metrics() for name, (engine, _) in servers.items()}
-            res = asyncio.run(_duel(urls, clients, args, seed=clients, before=before))
+            res = _duel_elsewhere(conn, clients, clients, None, before)
             for name, (engine, _) in servers.items():
                 after = engine.metrics()
                 steps = after["steps_total"] - before_m[name]["steps_total"]
@@ -196,6 +229,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                 row["threads"] = args.threads
             rows.append(row)
     finally:
+        if proc is not None and proc.is_alive():
+            conn.send(None)
+            proc.join(10)
         for engine, server in servers.values():
             server.stop()
             engine.shutdown()

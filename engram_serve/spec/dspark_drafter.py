@@ -64,9 +64,10 @@ def picked_rows(pick: PickFn, rows: np.ndarray, n: int) -> PickFn:
     index = torch.from_numpy(rows)
 
     def sub(j: int, z: torch.Tensor) -> torch.Tensor:
+        at = index.to(z.device)
         full = z.new_zeros(n, z.shape[1])
-        full[index.to(z.device)] = z
-        return pick(j, full)[index.to(z.device)]
+        full[at] = z
+        return pick(j, full)[at]
     sub.greedy = getattr(pick, "greedy", False)
     return sub
 
@@ -182,7 +183,7 @@ class DSparkDrafter:
             return [[] for _ in requests]
         if not ready.all():
             rows = np.flatnonzero(ready)
-            positions, tables = positions[rows], block_tables(self.drafted)
+            positions, tables = positions[rows], tables[rows]
             pick = picked_rows(pick, rows, len(requests))
         self.write()
         dev = self.state.window[0].device

@@ -169,7 +169,20 @@ typedef struct {
     Py_ssize_t block; /* WF_FP8: the scales' block */
     Py_ssize_t row0;  /* WF_FP8: the first row's place in its block of scales (a slice of rows; a multiple of 16) */
     int decoded;      /* WF_F32: panels decode_panel just wrote (in L2) */
+    Py_ssize_t gn;    /* groups (a block-diagonal weight, e.g. V4.1's grouped wo_a): outputs a group (0: one group),
+                       * group g's outputs reading x's inputs from g gx on */
+    Py_ssize_t gx;
 } weight_ref;
+
+/* the inputs' offset in a row of x of the group of output column c */
+static inline Py_ssize_t group_x(const weight_ref *w, Py_ssize_t c) { return w->gn ? c / w->gn * w->gx : 0; }
+
+/* the end of the run of output units (of `cols` columns) from u (before u1) in u's group */
+static inline Py_ssize_t units_end(const weight_ref *w, Py_ssize_t u, Py_ssize_t u1, int cols) {
+    if (!w->gn) return u1;
+    const Py_ssize_t e = (u * cols / w->gn + 1) * w->gn / cols;
+    return e < u1 ? e : u1;
+}
 
 static inline int stored_rows(const int fmt) {
     return BASE(fmt) == WF_MXFP4 || BASE(fmt) == WF_FP8 || BASE(fmt) == WF_BF16;
@@ -1127,11 +1140,20 @@ typedef struct {
     grid g;
 } panels_job;
 
+/* linear_panels_range for the panels [u0, u1), a run a group */
+static void panels_units(const weight_ref *w, const float *xp, Py_ssize_t ldx, float *yp, Py_ssize_t ldy,
+                         Py_ssize_t m, Py_ssize_t kc, int simd, Py_ssize_t u0, Py_ssize_t u1) {
+    for (Py_ssize_t e; u0 < u1; u0 = e) {
+        e = units_end(w, u0, u1, NR);
+        linear_panels_range(w, xp + group_x(w, u0 * NR), ldx, yp, ldy, m, kc, simd, u0, e);
+    }
+}
+
 static void panels_part(void *c, int64_t b, int64_t e) {
     const panels_job *j = c;
     Py_ssize_t r0, mr, u0, u1;
     while (grid_next(&j->g, j->m, &b, e, &r0, &mr, &u0, &u1))
-        linear_panels_range(&j->w, j->x + r0 * j->ldx, j->ldx, j->y + r0 * j->ldy, j->ldy, mr, j->kc, j->simd, u0, u1);
+        panels_units(&j->w, j->x + r0 * j->ldx, j->ldx, j->y + r0 * j->ldy, j->ldy, mr, j->kc, j->simd, u0, u1);
 }
 
 static void k_halves_product(const weight_ref *w, const float *xp, Py_ssize_t ldx, float *yp, Py_ssize_t ldy,
@@ -1148,7 +1170,7 @@ static void linear_panels(const weight_ref *w, const float *xp, Py_ssize_t ldx, 
     }
     const grid g = grid_of(m, panels, (double)m * (double)k * (double)n, MR, UNITS_A_THREAD);
     if (g.parts <= 1) {
-        linear_panels_range(w, xp, ldx, yp, ldy, m, kc, simd, 0, panels);
+        panels_units(w, xp, ldx, yp, ldy, m, kc, simd, 0, panels);
         return;
     }
     panels_job j = {*w, simd, xp, ldx, ldy, m, kc, yp, g};
@@ -1175,7 +1197,8 @@ static void halves_part(void *c, int64_t b, int64_t e) {
             for (Py_ssize_t c = 0; c < n; c++) {
                 const panel_ref pr = panel_at(&j->w, c / NR);
                 float acc = 0.0f;
-                for (Py_ssize_t t = t0; t < t1; t++) acc = fmaf(j->x[i * j->ldx + t], weight_at(j->w.fmt, pr, t, c % NR), acc);
+                const float *x = j->x + i * j->ldx + group_x(&j->w, c);
+                for (Py_ssize_t t = t0; t < t1; t++) acc = fmaf(x[t], weight_at(j->w.fmt, pr, t, c % NR), acc);
                 if (half) j->other[i * n + c] = acc;
                 else j->y[i * j->ldy + c] = acc;
             }
@@ -1255,16 +1278,20 @@ static int linear_bf16(const float *xp, Py_ssize_t ldx, const uint16_t *wp, cons
     X(SIZE, simd, "0 the portable tile, 1 AVX2 at most, 2 AVX-512 where the CPU has it (the same bits)")      \
     X(OPTSIZE, block, "FP8: the scales' block (a multiple of 16)")                                             \
     X(OPTSIZE, row0, "FP8: rows r0.. of a weight (data from row r0, scales from block row r0 / block): r0 % block, "  \
-                     "a multiple of 16")
+                     "a multiple of 16")                                                                     \
+    X(OPTSIZE, groups, "a block-diagonal weight of G groups (0 or 1: one): the n outputs in G groups of n / G (a "    \
+                       "multiple of 32), group g's reading x's inputs [g k, (g + 1) k) (ldx >= G k)")
 KERNEL_ARGS(linear_stored, LINEAR_STORED_FIELDS,
             "linear_packed's product of a weight as its checkpoint stores it (MXFP4 or block-scaled FP8 rows), "
             "decoded exactly in registers: the bits of linear_packed over the dequantized weight's panels.")
 static void run_linear_stored(const struct linear_stored_args *a) { /* (tiles with no buffer: y all NaN) */
-    const weight_ref w = {(int)a->format, U8(a->data), U8(a->scales), a->k, a->n, a->block, a->row0};
+    const weight_ref w = {(int)a->format, U8(a->data), U8(a->scales), a->k, a->n, a->block, a->row0, 0,
+                          a->groups > 1 ? a->n / a->groups : 0, a->k};
 #if HAVE_X86_AVX2 && defined(__linux__)
     if ((w.fmt & WF_AMX) && a->m && a->n) {
         if (pool_k_halves() && pool_parts(2, INFINITY) >= 2) { /* the negative control (tests only) */
-            const weight_ref plain = {w.fmt & ~WF_AMX, w.data, w.scales, w.k, w.n, w.block, w.row0};
+            weight_ref plain = w;
+            plain.fmt &= ~WF_AMX;
             k_halves_product(&plain, CF(a->x), a->ldx, F(a->y), a->ldy, a->m);
         } else if (linear_bf16(CF(a->x), a->ldx, NULL, &w, F(a->y), a->ldy, a->m, a->k, a->n))
             for (Py_ssize_t i = 0; i < a->m; i++)
@@ -1301,9 +1328,12 @@ KERNEL_PY(linear_stored) {
     if (stored_misfit("linear_stored", a.format, a.k, a.kc, a.block)) return NULL;
     if (a.row0 < 0 || a.row0 % NR || (BASE(a.format) == WF_FP8 && a.row0 >= a.block))
         return misfit("linear_stored", "row0 a multiple of 16 below the block");
-    if (a.m < 0 || a.n < 0 || a.ldx < a.k || a.ldy < a.n ||
+    const Py_ssize_t groups = a.groups > 1 ? a.groups : 1;
+    if (a.groups < 0 || a.n % groups || (groups > 1 && a.n / groups % 32))
+        return misfit("linear_stored", "groups >= 0, n a multiple of 32 groups");
+    if (a.m < 0 || a.n < 0 || a.ldx < groups * a.k || a.ldy < a.n ||
         (a.m && a.n && (!a.x || !a.data || !a.y || (BASE(a.format) != WF_BF16 && !a.scales))))
-        return misfit("linear_stored", "m, n >= 0, ldx >= k, ldy >= n, non-null addresses (scales but for BF16)");
+        return misfit("linear_stored", "m, n >= 0, ldx >= groups k, ldy >= n, non-null addresses (scales but for BF16)");
     Py_BEGIN_ALLOW_THREADS
     run_linear_stored(&a);
     Py_END_ALLOW_THREADS
@@ -2091,12 +2121,22 @@ typedef struct {
     int bad; /* a part could not have its buffers */
 } bf16_job;
 
+/* linear_bf16_range for the column pairs [u0, u1), a run a group of stored rows */
+static int bf16_units(const float *xp, Py_ssize_t ldx, const uint16_t *wp, const weight_ref *src, float *yp,
+                      Py_ssize_t ldy, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t u0, Py_ssize_t u1) {
+    int bad = 0;
+    for (Py_ssize_t e; u0 < u1; u0 = e) {
+        e = src ? units_end(src, u0, u1, 32) : u1;
+        bad |= linear_bf16_range(xp + (src ? group_x(src, u0 * 32) : 0), ldx, wp, src, yp, ldy, m, k, n, u0, e);
+    }
+    return bad;
+}
+
 static void bf16_part(void *c, int64_t b, int64_t e) {
     bf16_job *j = c;
     Py_ssize_t r0, mr, u0, u1;
     while (grid_next(&j->g, j->m, &b, e, &r0, &mr, &u0, &u1))
-        if (linear_bf16_range(j->x + r0 * j->ldx, j->ldx, j->w, j->src, j->y + r0 * j->ldy, j->ldy, mr, j->k, j->n, u0,
-                              u1))
+        if (bf16_units(j->x + r0 * j->ldx, j->ldx, j->w, j->src, j->y + r0 * j->ldy, j->ldy, mr, j->k, j->n, u0, u1))
             j->bad = 1;
 }
 
@@ -2107,7 +2147,7 @@ static int linear_bf16(const float *xp, Py_ssize_t ldx, const uint16_t *wp, cons
                        Py_ssize_t ldy, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n) {
     const Py_ssize_t pairs = (n + 31) / 32;
     const grid g = grid_of(m, pairs, (double)m * (double)k * (double)n, AMX_BLOCK, TILE_UNITS_A_THREAD);
-    if (g.parts <= 1) return linear_bf16_range(xp, ldx, wp, src, yp, ldy, m, k, n, 0, pairs);
+    if (g.parts <= 1) return bf16_units(xp, ldx, wp, src, yp, ldy, m, k, n, 0, pairs);
     bf16_job j = {xp, ldx, ldy, m, k, n, wp, src, yp, g, 0};
     parallel_run(g.items, g.parts, bf16_part, &j);
     return j.bad;

@@ -38,7 +38,7 @@ from ..engram.layer import EngramGate
 from ..errors import StaticBufferError
 from .. import kernels
 from . import capture, exactness, ops_c, products
-from .layers import Linear, RMSNorm, embedding, linear, stacked
+from .layers import Linear, RMSNorm, embedding, linear, linear_groups, stacked
 from .ops import choose
 from .ops_torch import KEY_CHUNK
 from .paged_state import SlotPlan, PagedState
@@ -263,10 +263,8 @@ class Attention(nn.Module):
 
     def project(self, o: torch.Tensor, rope_cs: tuple[torch.Tensor, torch.Tensor], ops: ModuleType) -> torch.Tensor:
         """The heads' outputs o [T, H, hd] -> [T, D]: the inverse RoPE, the grouped `wo_a`, then `wo_b`."""
-        t, h, hd, ol = o.shape[0], self.heads, self.cfg.head_dim, self.cfg.o_lora_rank
-        o = ops.rope(o, *rope_cs, inverse=True, in_place=True).reshape(t, self.groups, h * hd // self.groups)
-        u = ops.cat_cols([linear(o[:, g], self.wo_a.rows(g * ol, (g + 1) * ol)) for g in range(self.groups)])
-        return linear(u, self.wo_b.w)
+        o = ops.rope(o, *rope_cs, inverse=True, in_place=True).reshape(o.shape[0], self.groups, -1)
+        return linear(linear_groups(o, self.wo_a, ops), self.wo_b.w)
 
     def _compress(self, x: torch.Tensor, step: V41Step, entry_cs) -> None:
         """Store the entries (and index keys) completed by this microbatch's tokens."""

@@ -340,19 +340,23 @@ def stored_kc(fmt: int, out: int, k: int) -> int | None:
 
 
 def matmul_stored(x: torch.Tensor, fmt: int, data: torch.Tensor, scales: torch.Tensor, n: int, kc: int,
-                  block: int = 0, simd: int = 2, out: torch.Tensor | None = None, row0: int = 0) -> torch.Tensor:
+                  block: int = 0, simd: int = 2, out: torch.Tensor | None = None, row0: int = 0,
+                  groups: int = 1) -> torch.Tensor:
     """`matmul_kernel(x, panels, n, kc, simd)` from the weight as its checkpoint stores it (`fmt` STORED_MXFP4: codes
     [n, k / 2], E8M0 scales [n, k / 32]; STORED_FP8: E4M3 [n, k], E8M0 scales per block x block tile;
     STORED_BF16: [n, k], scales None; any of them | WORDS: its rows as `panel_words`, the scales as stored), read in
     place: the same bits as the float panels of the dequantized weight (`stored_kc_fits` and the same caller
     guarantees as `matmul_kernel`); | AMX: as `matmul_bf16` over its `pack_bf16` tiles (`tiles_admit`; kc unused).
     `out`: written instead of a new [m, n] (its first n columns; rows with unit stride). row0: FP8 rows r0.. of a
-    weight (data from row r0, scales from block row r0 // block), r0 % block."""
-    m, k = x.shape
+    weight (data from row r0, scales from block row r0 // block), r0 % block. groups: a block-diagonal weight, its
+    n outputs in `groups` groups (n / groups a multiple of 32), group g's reading x's inputs [g k, (g + 1) k) (x
+    [m, groups k]): one call, the bits of a call a group."""
+    m, width = x.shape
     y = torch.empty(m, n) if out is None else out
-    capture.call(kernels.get("linear").linear_stored, x=x.data_ptr(), ldx=x.stride(0) if m > 1 else k, format=fmt,
-                 data=data.data_ptr(), scales=0 if scales is None else scales.data_ptr(), y=y.data_ptr(), ldy=y.stride(0) if m > 1 else n,
-                 m=m, k=k, n=n, kc=kc, simd=simd, block=block, row0=row0)
+    capture.call(kernels.get("linear").linear_stored, x=x.data_ptr(), ldx=x.stride(0) if m > 1 else width,
+                 format=fmt, data=data.data_ptr(), scales=0 if scales is None else scales.data_ptr(), y=y.data_ptr(),
+                 ldy=y.stride(0) if m > 1 else n, m=m, k=width // groups, n=n, kc=kc, simd=simd, block=block,
+                 row0=row0, groups=groups)
     return y
 
 

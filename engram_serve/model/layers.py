@@ -27,6 +27,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor | StoredWeight) -> torch.Tensor
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 
 
+def linear_groups(x: torch.Tensor, lin: "Linear", ops: ModuleType) -> torch.Tensor:
+    """x [T, G, in] through `lin`'s block-diagonal weight [G * out, in] (group g's rows g out .. (g + 1) out multiply
+    x[:, g]) -> [T, G * out]: one kernel call where the weight is stored (`StoredWeight.run_groups`, one job for the
+    kernels' pool), else a `linear` a group."""
+    t, g = x.shape[:2]
+    if lin.stored is not None and x.is_contiguous() and (
+            y := lin.stored.run_groups(x.view(t, -1), g)) is not None:
+        return y
+    out = lin.w.shape[0] // g
+    return ops.cat_cols([linear(x[:, i], lin.rows(i * out, (i + 1) * out)) for i in range(g)])
+
+
 _stacks: dict[tuple, tuple] = {}
 
 

@@ -197,23 +197,43 @@ class StoredWeight:
         multiplied as stored on the float panels, None on the tiles (any rows), else its float copy."""
         return exactness.shape_only(*self.shape) if self.kc() else None if self.on_tiles() else self.dense()
 
+    def _call(self) -> tuple[int | None, int]:
+        """(kc, format flag) of its kernel call: kc None where the kernel does not take it."""
+        kc = self.kc()
+        return (8, exactness.AMX) if kc is None and self.on_tiles() else (kc, 0)  # (the tiles: kc unused)
+
+    def _multiply(self, x2: torch.Tensor, i: int, kc: int, flag: int, out: torch.Tensor, groups: int = 1) -> None:
+        (data, scales, row0), words = self.parts[i], self.words[i]
+        fmt, stored = (self.fmt, data) if words is None else (self.fmt | exactness.WORDS, words)
+        exactness.matmul_stored(x2, fmt | flag, stored, scales, data.shape[0], kc, self.block, out=out, row0=row0,
+                                groups=groups)
+
     def run(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 [N, in] @ weight.T -> [N, out]: in place where the kernel takes it (`exactness.stored_kc` on the float
         panels, `on_tiles` on the AMX tiles), else over `dense()`."""
-        kc, flag = self.kc(), 0
-        if kc is None and self.on_tiles():
-            kc, flag = 8, exactness.AMX  # (kc unused)
+        kc, flag = self._call()
         if kc is None or not exactness.kernel_takes(x2, exactness.shape_only(*self.shape), kc):
             if kc is None and exactness.rules_on():  # the kernel turns this shape down: its words would stay unused
                 self.words = [None] * len(self.parts)
             from . import products  # (products plans float weights; it does not know this module)
             return products.plan(self.dense()).run(x2, self.dense())
         y, at = torch.empty(x2.shape[0], self.shape[0]), 0
-        for (data, scales, row0), words in zip(self.parts, self.words):
-            fmt, stored = (self.fmt, data) if words is None else (self.fmt | exactness.WORDS, words)
-            exactness.matmul_stored(x2, fmt | flag, stored, scales, data.shape[0], kc, self.block, out=y[:, at:],
-                                    row0=row0)
+        for i, (data, _, _) in enumerate(self.parts):
+            self._multiply(x2, i, kc, flag, y[:, at:])
             at += data.shape[0]
+        return y
+
+    def run_groups(self, x2: torch.Tensor, groups: int) -> torch.Tensor | None:
+        """x2 [N, groups * in] times a block-diagonal weight (group g's out / groups rows multiply x2's inputs
+        [g in, (g + 1) in)) -> [N, out], in one kernel call: the bits of `rows(...).run` a group (each output's sum is
+        its own), or None where the kernel would not take a group's call that way."""
+        (n, k), ol = self.shape, self.shape[0] // groups
+        first = self.rows(0, ol) if n % (32 * groups) == 0 else None
+        kc, flag = first._call() if first is not None else (None, 0)  # (a group's plan)
+        if kc is None or not exactness.kernel_takes(x2, exactness.shape_only(n, groups * k), kc):
+            return None
+        y = torch.empty(x2.shape[0], n)
+        self._multiply(x2, 0, kc, flag, y, groups)
         return y
 
 

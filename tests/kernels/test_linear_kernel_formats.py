@@ -251,3 +251,43 @@ def test_fp8_words_in_another_order_give_other_bits():
     swapped = words.clone()
     swapped[0, :, [1, 2]] = words[0, :, [2, 1]]
     assert not torch.equal(bits(exactness.matmul_stored(x, STORED_FP8 | WORDS, swapped, s, 32, 16, block=32)), bits(want))
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 70), groups=st.integers(1, 4), out=st.sampled_from([32, 64]), k=st.sampled_from([32, 96, 128]),
+       bf16=st.booleans(), words=st.booleans(), seed=st.integers(0, 2**16))
+def test_a_block_diagonal_weight_in_one_call_gives_each_groups_bits(m, groups, out, k, bf16, words, seed):
+    """`linear_stored` with `groups` (V4.1's grouped wo_a, `StoredWeight.run_groups`): output group g reads x's inputs
+    [g k, (g + 1) k) in one call, one job for the pool, and every output gets the bits of a call a group (a group's
+    rows, `rows`), at every SIMD level of the float panels and on the AMX tiles where the CPU has them"""
+    g = torch.Generator().manual_seed(seed)
+    n = groups * out
+    if bf16:
+        data, scales, fmt = torch.randn(n, k, generator=g).bfloat16(), None, STORED_BF16
+    else:
+        (data, scales), fmt = fp8_weight(n, k, 32, seed), STORED_FP8
+    w = StoredWeight(fmt, [(data, scales, 0)], 0 if bf16 else 32,
+                     [exactness.panel_words(data.view(torch.uint8), not bf16)] if words else None)
+    x = torch.randn(m, groups * k, generator=g)
+    parts = [w.rows(i * out, (i + 1) * out) for i in range(groups)]
+    flags = [0] + ([exactness.AMX] if exactness.on_tiles() else [])
+    for flag in flags:
+        for simd in LEVELS if not flag else [2]:
+            want = torch.cat([exactness.matmul_stored(x[:, i * k:(i + 1) * k].contiguous(),
+                                                      fmt | (WORDS if words else 0) | flag,
+                                                      p.words[0] if words else p.parts[0][0], p.parts[0][1], out, 16,
+                                                      p.block, simd, row0=p.parts[0][2]) for i, p in enumerate(parts)], 1)
+            got = exactness.matmul_stored(x, fmt | (WORDS if words else 0) | flag, w.words[0] if words else data, scales,
+                                          n, 16, w.block, simd, groups=groups)
+            assert torch.equal(bits(got), bits(want)), (flag, simd)
+    run = w.run_groups(x, groups)  # None exactly where a group's `run` is not the kernel's (it runs a float copy)
+    assert (run is None) == (parts[0]._call()[0] is None)
+    if run is not None:
+        assert torch.equal(bits(run), bits(torch.cat([p.run(x[:, i * k:(i + 1) * k]) for i, p in enumerate(parts)], 1)))
+
+
+def test_groups_that_do_not_split_the_outputs_in_32s_are_refused():
+    q, s = fp8_weight(96, 32, 32, 1)
+    with pytest.raises(ValueError, match="groups"):
+        exactness.matmul_stored(torch.randn(2, 64), STORED_FP8, q, s, 96, 16, 32, groups=2)
+    assert StoredWeight(STORED_FP8, [(q, s, 0)], 32).run_groups(torch.randn(2, 96), 3) is None

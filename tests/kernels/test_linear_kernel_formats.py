@@ -286,6 +286,25 @@ def test_a_block_diagonal_weight_in_one_call_gives_each_groups_bits(m, groups, o
         assert torch.equal(bits(run), bits(torch.cat([p.run(x[:, i * k:(i + 1) * k]) for i, p in enumerate(parts)], 1)))
 
 
+@pytest.mark.parametrize("m,groups", [(1, 4), (7, 2), (40, 3)])
+def test_mxfp4_groups_in_one_call_give_each_groups_bits(m, groups):
+    """the same for MXFP4 rows (as stored and panel-major), whose scales are a row's own"""
+    k, out = 64, 32
+    codes, scales = mxfp4_weight(groups * out, k, m)
+    x = torch.randn(m, groups * k, generator=torch.Generator().manual_seed(m))
+    for flag in [0] + ([exactness.AMX] if exactness.on_tiles() else []):
+        for words in (False, True):
+            fmt = STORED_MXFP4 | (WORDS if words else 0) | flag
+            data = lambda c: exactness.panel_words(c, fp8=False) if words else c  # noqa: E731
+            for simd in LEVELS if not flag else [2]:
+                want = torch.cat([exactness.matmul_stored(x[:, i * k:(i + 1) * k].contiguous(), fmt,
+                                                          data(codes[i * out:(i + 1) * out].contiguous()),
+                                                          scales[i * out:(i + 1) * out], out, 16, simd=simd)
+                                  for i in range(groups)], 1)
+                got = exactness.matmul_stored(x, fmt, data(codes), scales, groups * out, 16, simd=simd, groups=groups)
+                assert torch.equal(bits(got), bits(want)), (flag, words, simd)
+
+
 def test_groups_that_do_not_split_the_outputs_in_32s_are_refused():
     q, s = fp8_weight(96, 32, 32, 1)
     with pytest.raises(ValueError, match="groups"):

@@ -2,7 +2,7 @@
 
 What replays (`takes`): decode steps (one token a row), and a step of one row of at most MAX_PROMPT_TOKENS
 tokens run whole (a lone prompt, or a chunk of one). Other steps vary too much from one to the next to
-replay often.
+replay often. A decode step's graph ends with the head (`forward(..., logits=r)`): its logits are the graph's.
 
 On the CPU a decode forward is mostly Python (modules, checks, plans, tensor wrappers): ~8 ms at batch 1
 around ~1.5 ms of kernels for the built-in model. Like a CUDA graph, a capture runs the layers once for real
@@ -310,12 +310,15 @@ class CpuGraphs:
             self._owners, self._static = owners, tuple(t.data_ptr() for t in static)
         return self._static
 
-    def forward(self, ctx: ForwardContext, planned: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, ctx: ForwardContext, planned: tuple[torch.Tensor, torch.Tensor] | None = None,
+                logits: int | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] of one microbatch `takes` (its staged rows in place): replayed, captured
         (the second time a key is seen) or run eagerly. With `ctx.capture_features`, the drafter's features
         [T, nL D] go to `ctx.features` (a replay's: the graph's own buffer, an output beside the hidden). The
         step's slot plan and rotary lookups are made by kernel calls inside the graph, from its rows and tables.
-        `planned`: `plan_rows(ctx)` where the caller made it, with ctx.max_seq_len the `bound` of its positions."""
+        `planned`: `plan_rows(ctx)` where the caller made it, with ctx.max_seq_len the `bound` of its positions.
+        `logits` = r: the logits [r, vocab] of the first r tokens instead (the model's `compute_logits`, its
+        kernel call inside the graph; a replay's: the graph's own buffer, valid until its next replay)."""
         outer = ctx  # (which gets the features)
         if planned is None:
             b = ctx.batch
@@ -324,14 +327,14 @@ class CpuGraphs:
             planned = plan_rows(ctx)
         rows, tables = planned
         tensors = forward_inputs(ctx, rows, tables)
-        key = self.key(ctx, tensors)
+        key = (self.key(ctx, tensors), logits)
         graph = self._graphs.get(key)
         if graph is not None:
             self._graphs.move_to_end(key)
             self.replays += 1
             hidden, features = graph.replay(tensors, self.rebind)
         else:
-            layers = self._layers(ctx, rows, tables)
+            layers = self._layers(ctx, rows, tables, logits)
             if key in self._refused or key not in self._seen:
                 self._seen.add(key)
                 hidden, features = run_stages(layers)
@@ -341,14 +344,14 @@ class CpuGraphs:
             outer.features = features  # (the graph's own buffer: valid until the next replay)
         return hidden
 
-    def _layers(self, ctx: ForwardContext, rows: torch.Tensor, tables: torch.Tensor):
-        """The forward as stages -> (hidden, the features [T, nL D] or None); `prepare` runs when they start, so
-        that a capture records its kernel calls."""
+    def _layers(self, ctx: ForwardContext, rows: torch.Tensor, tables: torch.Tensor, logits: int | None):
+        """The forward as stages -> (hidden or the first `logits` tokens' logits, the features [T, nL D] or None);
+        `prepare` runs when they start, so that a capture records its kernel calls."""
         step = self.model.prepare(ctx, (rows, tables))
         if ctx.capture_features:
             step.capture = tuple(self.model.config.dspark.dspark_target_layer_ids)
         hidden = yield from self.model.forward_stages(ctx.batch.input_ids, ctx.batch.dead, step, ctx.engram_rows)
-        return hidden, step.features
+        return (hidden if logits is None else self.model.compute_logits(hidden[:logits])), step.features
 
     def _capture(self, key: tuple, layers, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         tape: list = []

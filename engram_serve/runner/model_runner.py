@@ -72,8 +72,9 @@ class RunnerConfig:
 
 @dataclass
 class StepOutput:
-    """logits [S, V] of the sampled rows (in row order); the token boundaries of the microbatches;
-    with `record`, copies of the real tokens' hash_ids [T, L, C] and staged rows [L, T, C, hd]."""
+    """logits [S, V] of the sampled rows (in row order; a replayed decode step's are its graph's own buffer, valid
+    until the next step); the token boundaries of the microbatches; with `record`, copies of the real tokens'
+    hash_ids [T, L, C] and staged rows [L, T, C, hd]."""
 
     logits: torch.Tensor
     bounds: list[int]
@@ -280,21 +281,21 @@ class ModelRunner:
                 d.input_ids[:n], d.qsl[:r + 1], d.history[:r], d.dead[:n], self.layout, self.token_map, self.pad_id,
                 hash_ids.numpy()))
         _, padded.hash_ids, staging, stager, hash_args = prep
-        hash_step_host(*hash_args)
-        t0 = time.perf_counter()
-        if stager is not None and stager():  # `_stage_rows`, without its per-step views
-            if r < n:
-                staging[:, r:].zero_()
-            if measure:
-                self.planner.record_gather((time.perf_counter() - t0) * 1e3, r)
-        else:
-            self._stage_rows(padded.hash_ids, staging, r, None, measure)
+        if self.loaded.tables.num_layers:  # (none: no hash ids, no rows to stage, as [T, 0, C] and [0, T, C, hd])
+            hash_step_host(*hash_args)
+            t0 = time.perf_counter()
+            if stager is not None and stager():  # `_stage_rows`, without its per-step views
+                if r < n:
+                    staging[:, r:].zero_()
+                if measure:
+                    self.planner.record_gather((time.perf_counter() - t0) * 1e3, r)
+            else:
+                self._stage_rows(padded.hash_ids, staging, r, None, measure)
         self.gather_wait_ms = 0.0
         ctx = ForwardContext(padded, self.kv, bufs, staging.__getitem__, max_seq_len=d.bound,
                              capture_features=self.capture_features)
         with batch_invariant(self.cfg.exact):
-            hidden = self.cpu_graphs.forward(ctx, d.planned)
-            logits = self.model.compute_logits(hidden[:r])
+            logits = self.cpu_graphs.forward(ctx, d.planned, logits=r)
         out = StepOutput(logits, bounds, 0, features=None if ctx.features is None else ctx.features[:r])
         if record:
             out.staged, out.hash_ids = staging[:, :r].clone(), padded.hash_ids[:r].clone()

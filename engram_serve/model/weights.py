@@ -142,10 +142,10 @@ class StoredWeight:
         repacked (which stay the weight for `dequantize`: the loader lets their pages of the map go)."""
         if not exactness.repacks(self.shape[0]):
             return []
-        done = []
+        done, fp8, tiled = [], self.fmt == STORED_FP8, exactness.tiled_words(self.fmt, self.shape[1], self.block)
         for i, (data, _, _) in enumerate(self.parts):
             rows = data.view(torch.uint8)  # (BF16: two bytes an input)
-            if self.words[i] is None and (words := exactness.panel_words(rows, self.fmt == STORED_FP8)) is not None:
+            if self.words[i] is None and (words := exactness.panel_words(rows, fp8, tiled)) is not None:
                 self.words[i] = words
                 done.append(data)
         return done
@@ -205,6 +205,8 @@ class StoredWeight:
     def _multiply(self, x2: torch.Tensor, i: int, kc: int, flag: int, out: torch.Tensor, groups: int = 1) -> None:
         (data, scales, row0), words = self.parts[i], self.words[i]
         fmt, stored = (self.fmt, data) if words is None else (self.fmt | exactness.WORDS, words)
+        if words is not None and flag and exactness.tiled_words(self.fmt, self.shape[1], self.block):
+            fmt |= exactness.TILED
         exactness.matmul_stored(x2, fmt | flag, stored, scales, data.shape[0], kc, self.block, out=out, row0=row0,
                                 groups=groups)
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from engram_serve import kernels
 from engram_serve.engram.quantized import FP4_VALUES
 from engram_serve.model import exactness
-from engram_serve.model.exactness import AMX, STORED_BF16, STORED_FP8, STORED_MXFP4, TILE_SCALES, WORDS
+from engram_serve.model.exactness import AMX, STORED_BF16, STORED_FP8, STORED_MXFP4, TILE_SCALES, TILED, WORDS
 from engram_serve.model.weights import StoredWeight
 
 from test_linear_kernel_formats import (bits, fp8_float, fp8_weight, mxfp4_float, mxfp4_weight, same_bits,
@@ -61,6 +61,37 @@ def test_stored_fp8_on_the_tiles_gives_the_bfloat16_tiles_bits(m, k, n, block, s
     words = exactness.panel_words(q, fp8=True)
     assert same_bits(exactness.matmul_stored(x, STORED_FP8 | WORDS | AMX, words, s, n, 8, block=block), want)
     assert same_bits(exactness.matmul_stored(x, STORED_FP8 | AMX, q, s, n, 8, block=block), want)
+    if exactness.tiled_words(STORED_FP8, k, block):  # the model's form here: the words in the tiles' order
+        tiled = exactness.panel_words(q, fp8=True, tiled=True)
+        assert same_bits(exactness.matmul_stored(x, STORED_FP8 | WORDS | AMX | TILED, tiled, s, n, 8, block=block), want)
+
+
+def test_tiled_words_put_each_code_where_the_tiles_decode_it():
+    """the layout `WF_TILED` names, written out: in each panel's block of 32 inputs, 64-byte load q holds tile rows 2q
+    and 2q + 1 (row v pairs inputs v and v + 16), byte p of it element 8 (p // 16) + p % 8 of row 2q + p % 16 // 8, and
+    element e of a row is column e // 2's input v (e even) or v + 16 (e odd)"""
+    n, k = 40, 96
+    q = torch.randint(0, 127, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    tiled = exactness.panel_words(q, fp8=True, tiled=True).view(-1, k // 32, 8, 64)
+    words = exactness.panel_words(q, fp8=True)
+    assert torch.equal(tiled.view(-1).sort().values, words.view(-1).sort().values)  # a permutation
+    for p in range(tiled.shape[0]):
+        for b in range(k // 32):
+            for load in range(8):
+                for byte in range(64):
+                    row, e = 2 * load + byte % 16 // 8, 8 * (byte // 16) + byte % 8
+                    col, t = 16 * p + e // 2, 32 * b + row + 16 * (e % 2)
+                    assert tiled[p, b, load, byte] == (q[col, t] if col < n else 0)
+
+
+def test_tiled_words_are_refused_where_a_block_of_the_tiles_is_not_one_scale():
+    q, s = fp8_weight(32, 64, 16, 0)
+    tiled = exactness.panel_words(q, fp8=True, tiled=True)
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="32: FP8 tiled words"):
+        exactness.matmul_stored(x, STORED_FP8 | WORDS | AMX | TILED, tiled, s, 32, 8, block=16)
+    with pytest.raises(ValueError, match="tiled"):
+        exactness.panel_words(torch.zeros(16, 48, dtype=torch.uint8), fp8=True, tiled=True)
 
 
 @settings(max_examples=30, deadline=None)
@@ -97,7 +128,12 @@ def test_rows_of_a_stored_fp8_weight_on_the_tiles_give_their_bits(r0, r1):
     ((_, sc, row0),), (words,) = part.parts, part.words
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(r0))
     got = exactness.matmul_stored(x, STORED_FP8 | WORDS | AMX, words, sc, r1 - r0, 8, block=32, row0=row0)
-    assert torch.equal(bits(got), bits(tiles_product(x, fp8_float(q, s, 32)[r0:r1])))
+    want = tiles_product(x, fp8_float(q, s, 32)[r0:r1])
+    assert torch.equal(bits(got), bits(want))
+    tiled = StoredWeight(STORED_FP8, [(q, s, 0)], 32, [exactness.panel_words(q, fp8=True, tiled=True)]).rows(r0, r1)
+    got = exactness.matmul_stored(x, STORED_FP8 | WORDS | AMX | TILED, tiled.words[0], sc, r1 - r0, 8, block=32,
+                                  row0=row0)
+    assert torch.equal(bits(got), bits(want))
 
 
 @pytest.mark.parametrize("d,inter,experts,words", [(64, 32, 3, False), (96, 64, 4, True)])

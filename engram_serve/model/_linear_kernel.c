@@ -140,10 +140,12 @@ enum weight_format { WF_F32 = 0, WF_TILES = 1, WF_MXFP4 = 2, WF_FP8_PANELS = 3, 
 /* A flag of a stored format: multiplied on the AMX tiles, each block of 32 inputs of a pair of panels decoded into
  * the bfloat16 tiles that pack_bf16 would make of the dequantized weight (the section "bf16 tiles" below). */
 #define WF_AMX 16
-/* A flag of FP8 words on the tiles (FP8 | WORDS | AMX, k and the block multiples of 32): each panel's 512 bytes of a
- * block of 32 inputs put in the order its bfloat16 tile rows are decoded in (panel_words' `tiled`): load q (64
- * bytes) holds the codes of tile rows 2q and 2q + 1, as the table lookups and byte unpacks of fp8_tiled_block take
- * them. A permutation of the words within each block (tiled_at), so the same products. */
+/* A flag of FP8 or MXFP4 words on the tiles (FP8 | WORDS | AMX, k and the block multiples of 32; MXFP4 | WORDS | AMX):
+ * each panel's bytes of a block of 32 inputs put in the order its bfloat16 tile rows are decoded in (panel_words'
+ * `tiled`): FP8's load q (64 bytes) holds the codes of tile rows 2q and 2q + 1 as the table lookups and byte unpacks
+ * of fp8_tiled_block take them; MXFP4's load q (32 bytes) holds in byte e row 2q's code of element e (the lower
+ * nibble) and row 2q + 1's (mxfp4_tiled_block). A permutation of the words within each block (tiled_at), so the
+ * same products. */
 #define WF_TILED 32
 #define AMX_K 32 /* inputs of a tile's row: 16 pairs */
 #define BASE(fmt) ((fmt) & 7)
@@ -253,17 +255,19 @@ static inline const uint8_t *word_at(const int fmt, panel_ref b, Py_ssize_t t) {
     return (const uint8_t *)b.data + row_byte(fmt, t) / 4 * 64;
 }
 
-/* FP8 tiled words (WF_TILED): the offset of input t of row j within its panel. In the block of t, a word's load q
- * holds tile rows 2q and 2q + 1; tile row v (v = t % 16) pairs inputs v and v + 16 of each row, and byte p of a load
- * is element 8 (p / 16) + p % 8 of tile row 2q + p % 16 / 8 (LANE_AT below). */
-static inline Py_ssize_t tiled_at(Py_ssize_t t, int j) {
-    const int u = (int)(t % 32), v = u % 16, o = 32 * (v % 2) + 2 * j + u / 16; /* o: the element of the row pair */
-    return t / 32 * 512 + 64 * (v / 2) + 16 * (o % 32 / 8) + 8 * (o / 32) + o % 8;
+/* Tiled words (WF_TILED): the offset of the byte holding input t of row j within its panel. Tile row v = t % 16 of
+ * t's block pairs inputs v and v + 16 of each row: element e = 2 j + (t % 32 >= 16). FP8: byte p of load v / 2 (64
+ * bytes) is element 8 (p / 16) + p % 8 of tile row 2 (v / 2) + p % 16 / 8 (LANE_AT below); MXFP4: byte e of load
+ * v / 2 (32 bytes), t's the nibble t % 2. */
+static inline Py_ssize_t tiled_at(const int fmt, Py_ssize_t t, int j) {
+    const int u = (int)(t % 32), v = u % 16, e = 2 * j + u / 16;
+    if (BASE(fmt) == WF_MXFP4) return t / 32 * 256 + 32 * (v / 2) + e;
+    return t / 32 * 512 + 64 * (v / 2) + 16 * (e / 8) + 8 * (v % 2) + e % 8;
 }
 
 /* stored rows: the address of the byte holding input t of the panel's row j */
 static inline const uint8_t *byte_at(const int fmt, panel_ref b, Py_ssize_t t, int j) {
-    if (fmt & WF_TILED) return (const uint8_t *)b.data + tiled_at(t, j);
+    if (fmt & WF_TILED) return (const uint8_t *)b.data + tiled_at(fmt, t, j);
     const Py_ssize_t rb = row_byte(fmt, t);
     return words_of(fmt) ? word_at(fmt, b, t) + j * 4 + rb % 4 : (const uint8_t *)b.data + j * b.ld + rb;
 }
@@ -1328,9 +1332,10 @@ static int stored_misfit(const char *fn, Py_ssize_t format, Py_ssize_t k, Py_ssi
     }
     if (amx) format &= ~WF_AMX, kc = 8;
     if (format >= 0 && (format & WF_TILED)) { /* FP8 words on the tiles, blocks of 32 inputs of one scale */
-        if (!amx || format != (WF_FP8 | WF_WORDS | WF_TILED) || k % AMX_K || block % AMX_K) {
-            PyErr_Format(PyExc_ValueError, "%s: format %zd (+ 32: FP8 tiled words) needs format 4 + 8 + 16 + 32, k and "
-                         "block multiples of 32 (k %zd, block %zd)", fn, format, k, block);
+        if (!amx || (format != (WF_FP8 | WF_WORDS | WF_TILED) && format != (WF_MXFP4 | WF_WORDS | WF_TILED)) ||
+            k % AMX_K || (BASE((int)format) == WF_FP8 && block % AMX_K)) {
+            PyErr_Format(PyExc_ValueError, "%s: format %zd (+ 32: tiled words) needs FP8 or MXFP4 + 8 + 16 + 32, k (and "
+                         "FP8's block) multiples of 32 (k %zd, block %zd)", fn, format, k, block);
             return 1;
         }
         format &= ~WF_TILED;
@@ -1366,7 +1371,7 @@ KERNEL_PY(linear_stored) {
 
 /* ---- stored rows repacked panel-major (WF_WORDS), once at load ------------------------------------------------ */
 #if HAVE_X86_AVX2 && defined(__linux__)
-static void tile_order(uint8_t *words, Py_ssize_t np, Py_ssize_t k);
+static void tile_order(uint8_t *words, Py_ssize_t np, Py_ssize_t k, int fp8);
 #endif
 
 /* panel_words' words of 16 full rows (k bytes apart) 4 at a time where the CPU has AVX-512 (rows16x4's loads and
@@ -1402,8 +1407,8 @@ static Py_ssize_t words16x4(const uint8_t *rows, Py_ssize_t k, uint8_t *o, uint3
     X(SIZE, n, "rows")                                                                                         \
     X(SIZE, k, "bytes a row (a multiple of 4)")                                                                \
     X(SIZE, fp8, "1: the bytes are E4M3 codes, checked for NaN ones")                                        \
-    X(OPTFLAG, tiled, "1 (fp8, k a multiple of 32, an AMX CPU): each block of 32 inputs in the tiles' order "     \
-                      "(linear_stored's format + 32)")
+    X(OPTFLAG, tiled, "1 (an AMX CPU): each block of 32 inputs in the tiles' order (linear_stored's format + 32): "\
+                      "FP8's (fp8; k a multiple of 32), else MXFP4's (k a multiple of 16 bytes)")
 KERNEL_ARGS(panel_words, PANEL_WORDS_FIELDS,
             "Repacks stored rows panel-major for the WF_WORDS formats (linear_stored's 10, 12 and 13, moe_experts' "
             "10): a permutation of the bytes, zero rows beyond n. Returns False, words partly written, where fp8 and "
@@ -1413,8 +1418,8 @@ KERNEL_PY(panel_words) {
     PARSE(panel_words);
     if (a.n < 0 || a.k < 0 || a.k % 4 || (a.n && a.k && (!a.data || !a.words)))
         return misfit("panel_words", "n >= 0, k a multiple of 4, non-null addresses");
-    if (a.tiled && (!a.fp8 || a.k % AMX_K || !amx_supported()))
-        return misfit("panel_words", "tiled: fp8, k a multiple of 32, an AMX CPU (amx_supported())");
+    if (a.tiled && (a.k % (a.fp8 ? AMX_K : AMX_K / 2) || !amx_supported()))
+        return misfit("panel_words", "tiled: k a multiple of 32 (FP8) or 16 (MXFP4), an AMX CPU (amx_supported())");
     const Py_ssize_t n = a.n, kw = a.k / 4, panels = (n + NR - 1) / NR;
     const uint8_t *src = U8(a.data);
     uint8_t *dst = (uint8_t *)(uintptr_t)a.words;
@@ -1433,7 +1438,7 @@ KERNEL_PY(panel_words) {
         }
     }
 #if HAVE_X86_AVX2 && defined(__linux__)
-    if (a.tiled) tile_order(dst, panels, a.k);
+    if (a.tiled) tile_order(dst, panels, a.k, (int)a.fp8);
 #endif
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(!(a.fp8 && nan));
@@ -1905,55 +1910,82 @@ fp8_tiled_block(panel_ref b, Py_ssize_t k0, uint16_t *dst) {
     }
 }
 
-/* panel_words' tiled form: each block of 32 inputs of the words of np panels (k inputs, a multiple of 32) put in
- * place in the tiles' order (WF_TILED): load q = 2 i + h is bf16_tile_fp8_words' pick of rows 4 i + 2 h, + 1 */
+/* MXFP4 tiled words: 64 bytes (loads 2 i + h and 2 i + h + 1, h = i % 2) = _mm512_permutex2var_epi8(the words of
+ * pairs of inputs c, MX_PICK[h], those of c + 8), c = i / 2 * 4: byte p's element e = p % 32 is column e / 2's input
+ * pair c % 4 + 2 h + p / 32 (+ 8 where e is odd) */
+#define MX_AT(p, h) ((p) % 32 % 2 * 64 + (p) % 32 / 2 * 4 + 2 * (h) + (p) / 32)
+#define IDX8(o, h) MX_AT(o, h), MX_AT(o + 1, h), MX_AT(o + 2, h), MX_AT(o + 3, h), MX_AT(o + 4, h), MX_AT(o + 5, h),  \
+                   MX_AT(o + 6, h), MX_AT(o + 7, h)
+#define IDX64(h) IDX8(0, h), IDX8(8, h), IDX8(16, h), IDX8(24, h), IDX8(32, h), IDX8(40, h), IDX8(48, h), IDX8(56, h)
+static const uint8_t MX_PICK[2][64] __attribute__((aligned(64))) = {{IDX64(0)}, {IDX64(1)}};
+#undef IDX64
+#undef IDX8
+#undef MX_AT
+
+/* panel_words' tiled form: each block of 32 inputs of the words of np panels (k bytes a row) put in place in the
+ * tiles' order (WF_TILED). FP8: load q = 2 i + h is bf16_tile_fp8_words' pick of rows 4 i + 2 h, + 1; MXFP4: the
+ * words of input pairs i and i + 8 of a column are already the bytes of tile rows 2 i and 2 i + 1 (MX_PICK) */
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) static void tile_order(uint8_t *words, Py_ssize_t np,
-                                                                              Py_ssize_t k) {
-    const __m512i pick0 = _mm512_load_si512((const void *)LANE_INDEX[0]);
-    const __m512i pick1 = _mm512_load_si512((const void *)LANE_INDEX[1]);
-    for (uint8_t *b = words, *end = words + np * k * NR; b < end; b += AMX_K * NR) {
+                                                                              Py_ssize_t k, int fp8) {
+    const uint8_t(*pick)[64] = fp8 ? LANE_INDEX : MX_PICK;
+    const __m512i pick0 = _mm512_load_si512((const void *)pick[0]), pick1 = _mm512_load_si512((const void *)pick[1]);
+    const Py_ssize_t block = fp8 ? AMX_K * NR : AMX_K * NR / 2;
+    for (uint8_t *b = words, *end = words + np * k * NR; b < end; b += block) {
         __m512i q[8];
         for (int i = 0; i < 4; i++) {
-            const __m512i a = _mm512_loadu_si512((const void *)(b + 64 * i));
-            const __m512i c = _mm512_loadu_si512((const void *)(b + 256 + 64 * i));
-            q[2 * i] = _mm512_permutex2var_epi8(a, pick0, c);
-            q[2 * i + 1] = _mm512_permutex2var_epi8(a, pick1, c);
+            const Py_ssize_t w = fp8 ? i : i / 2; /* the first source word: the other block / 2 bytes on */
+            const __m512i a = _mm512_loadu_si512((const void *)(b + 64 * w));
+            const __m512i c = _mm512_loadu_si512((const void *)(b + block / 2 + 64 * w));
+            if (fp8) {
+                q[2 * i] = _mm512_permutex2var_epi8(a, pick0, c);
+                q[2 * i + 1] = _mm512_permutex2var_epi8(a, pick1, c);
+            } else {
+                q[i] = _mm512_permutex2var_epi8(a, i % 2 ? pick1 : pick0, c);
+            }
         }
-        for (int i = 0; i < 8; i++) _mm512_storeu_si512((void *)(b + 64 * i), q[i]);
+        for (int i = 0; i < block / 64; i++) _mm512_storeu_si512((void *)(b + 64 * i), q[i]);
     }
 }
 
-/* bf16_tile of MXFP4 words for nb blocks from k0 (a block is one scale group; block i's tile at dst + i AMX_TILE):
- * the codes of inputs t and t + 16 put side by side in one byte a column, each row's codes picked as 16-bit lanes
- * by one permutation of those bytes (the second code shifted down), E2M1_BF16 looked up, each row's scale added to
- * the nonzero ones (each 4 blocks' scales read by one gather where the rows have them, kept in *st from call to
- * call: st->base -8 at a panel's first) */
+/* MXFP4: the scales of a panel's 16 rows for 4 groups, read by one gather where the rows have them, kept from block
+ * to block (base -8 at a panel's first) */
 typedef struct {
     __m512i scales;  /* a 32-bit word a row: its scales of groups base .. base + 3 */
     Py_ssize_t base;
 } mx_scales;
 
-__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2"))) static inline void
-bf16_tile_mxfp4_words(panel_ref b, Py_ssize_t k0, int nb, uint16_t *dst, mx_scales *st) {
+/* each row's E8M0 scale of the group at input k0 added to a bfloat16's exponent field, in both halves of the row's
+ * 32-bit lane (a tile row's element pair) */
+__attribute__((target("avx512f,avx2"), always_inline)) static inline __m512i mx_block_add(panel_ref b, Py_ssize_t k0,
+                                                                                         mx_scales *st) {
+    const Py_ssize_t g = k0 / MX_G;
+    if ((g < st->base || g >= st->base + 4) && g + 4 <= b.sld) st->scales = mx_words16(b, k0), st->base = g;
+    __m512i e; /* row r's E8M0 scale in 32-bit lane r */
+    if (g >= st->base && g < st->base + 4) {
+        e = _mm512_and_si512(_mm512_srl_epi32(st->scales, _mm_cvtsi32_si128(8 * (int)(g - st->base))),
+                             _mm512_set1_epi32(255));
+    } else {
+        uint8_t rs[NR];
+        row_scales(b, k0, rs);
+        e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)rs));
+    }
+    const __m512i s = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(127)), 7);
+    return _mm512_or_si512(_mm512_and_si512(s, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(s, 16));
+}
+
+/* bf16_tile of MXFP4 words for nb blocks from k0 (a block is one scale group; block i's tile at dst + i AMX_TILE):
+ * the codes of inputs t and t + 16 put side by side in one byte a column, each row's codes picked as 16-bit lanes
+ * by one permutation of those bytes (the second code shifted down), E2M1_BF16 looked up, each row's scale added to
+ * the nonzero ones */
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2"))) static void bf16_tile_mxfp4_words(panel_ref b,
+                                                                                            Py_ssize_t k0, int nb,
+                                                                                            uint16_t *dst) {
     const __m512i table = _mm512_load_si512((const void *)E2M1_BF16);
     const __m512i low = _mm512_set1_epi8(15), seven = _mm512_set1_epi16(7), down = _mm512_set1_epi32(4 << 16);
     const __mmask64 even = 0x5555555555555555ull;
+    mx_scales st = {.base = -8};
     for (int i = 0; i < nb; i++, k0 += AMX_K, dst += AMX_TILE) {
-        const Py_ssize_t g = k0 / MX_G;
-        if ((g < st->base || g >= st->base + 4) && g + 4 <= b.sld) st->scales = mx_words16(b, k0), st->base = g;
-        const __m512i scales = st->scales;
-        const Py_ssize_t base = st->base;
-        __m512i e; /* row r's E8M0 scale in 32-bit lane r */
-        if (g >= base && g < base + 4) {
-            e = _mm512_and_si512(_mm512_srl_epi32(scales, _mm_cvtsi32_si128(8 * (int)(g - base))),
-                                 _mm512_set1_epi32(255));
-        } else {
-            uint8_t rs[NR];
-            row_scales(b, k0, rs);
-            e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)rs));
-        }
-        const __m512i s = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(127)), 7);
-        const __m512i add = _mm512_or_si512(_mm512_and_si512(s, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(s, 16));
+        const __m512i add = mx_block_add(b, k0, &st);
         for (int q = 0; q < 2; q++) { /* rows 8q .. 8q + 7: inputs k0 + 8q + p and k0 + 16 + 8q + p */
             const __m512i a = _mm512_loadu_si512((const void *)word_at(WF_MXFP4 | WF_WORDS, b, k0 + 8 * q));
             const __m512i c = _mm512_loadu_si512((const void *)word_at(WF_MXFP4 | WF_WORDS, b, k0 + 16 + 8 * q));
@@ -1969,6 +2001,23 @@ bf16_tile_mxfp4_words(panel_ref b, Py_ssize_t k0, int nb, uint16_t *dst, mx_scal
                 }
             }
         }
+    }
+}
+
+/* bf16_tile of MXFP4 tiled words (WF_TILED), the block [k0, k0 + 32): each 32-byte load holds two tile rows' codes
+ * (tiled_at), zero-extended to 16-bit lanes at once, the lower nibbles and the upper ones each looked up by one
+ * permutation (E2M1_BF16 twice: an index's bit 4 is not the code's), the scale added to the nonzero ones */
+__attribute__((target("avx512f,avx512bw,avx2"))) static inline void mxfp4_tiled_block(panel_ref b, Py_ssize_t k0,
+                                                                                     uint16_t *dst, mx_scales *st) {
+    const __m512i table = _mm512_load_si512((const void *)E2M1_BF16), add = mx_block_add(b, k0, st);
+    const __m512i lower = _mm512_set1_epi16(7), upper = _mm512_set1_epi16(0x70);
+    const uint8_t *c = (const uint8_t *)b.data + k0 * NR / 2;
+    for (int q = 0; q < 8; q++) {
+        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(const void *)(c + 32 * q)));
+        const __m512i lo = _mm512_permutexvar_epi16(w, table), hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
+        _mm512_store_si512((void *)(dst + 2 * q * 32), _mm512_mask_add_epi16(lo, _mm512_test_epi16_mask(w, lower), lo, add));
+        _mm512_store_si512((void *)(dst + (2 * q + 1) * 32),
+                           _mm512_mask_add_epi16(hi, _mm512_test_epi16_mask(w, upper), hi, add));
     }
 }
 
@@ -2031,10 +2080,13 @@ static void stored_pair(tile_source *ts, const panel_ref *pr, Py_ssize_t k0, int
         if (!pr[h].rows) {
             memset(d, 0, (size_t)nb * AMX_TILE * sizeof(uint16_t));
         } else if (fmt == (WF_MXFP4 | WF_WORDS)) {
-            mx_scales st = {.base = -8};
-            bf16_tile_mxfp4_words(pr[h], k0, nb, d, &st);
+            bf16_tile_mxfp4_words(pr[h], k0, nb, d);
         } else if (fmt & WF_TILED) {
-            for (int i = 0; i < nb; i++) fp8_tiled_block(pr[h], k0 + (Py_ssize_t)i * AMX_K, d + i * AMX_TILE);
+            mx_scales st = {.base = -8};
+            for (int i = 0; i < nb; i++) {
+                if (BASE(fmt) == WF_MXFP4) mxfp4_tiled_block(pr[h], k0 + (Py_ssize_t)i * AMX_K, d + i * AMX_TILE, &st);
+                else fp8_tiled_block(pr[h], k0 + (Py_ssize_t)i * AMX_K, d + i * AMX_TILE);
+            }
         } else {
             for (int i = 0; i < nb; i++) {
                 const Py_ssize_t t = k0 + (Py_ssize_t)i * AMX_K;
@@ -2122,7 +2174,7 @@ amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py
     }
 }
 
-/* amx_block's products for r <= 16 rows of stored words that decode a whole block at a time (FP8 tiled, MXFP4), in a
+/* amx_block's products for r <= 16 rows of tiled words (WF_TILED: FP8, or MXFP4 where mx), in a
  * loop of their own: all the rows' inputs split into buf first, then for each column pair and block of 32 inputs
  * the two panels' tiles decoded into src->blk (the words STORED_AHEAD blocks on fetched meanwhile) and the same six
  * products in the same order. A loop this small keeps the decode's stores, the tile loads and the products close
@@ -2150,7 +2202,7 @@ amx_stored_rows(const int mx, int r, const float *x, Py_ssize_t ldx, Py_ssize_t 
                 if (k0 + STORED_AHEAD * AMX_K < kp)
                     for (Py_ssize_t l = 0; l < bytes; l += 64) _mm_prefetch(at + l, _MM_HINT_T0);
                 if (mx)
-                    bf16_tile_mxfp4_words(pr[h], k0, 1, blk + h * AMX_TILE, &st[h]);
+                    mxfp4_tiled_block(pr[h], k0, blk + h * AMX_TILE, &st[h]);
                 else
                     fp8_tiled_block(pr[h], k0, blk + h * AMX_TILE);
             }
@@ -2214,9 +2266,9 @@ __attribute__((target("amx-tile,amx-bf16"))) static void amx_rows(const float *x
             *shape = r;
         }
         uint16_t *buf = (uint16_t *)split_buf + (presplit ? i * 3 * kp : 0);
-        if (src && r <= AMX_ROWS && (src->w->fmt & WF_TILED))
+        if (src && r <= AMX_ROWS && (src->w->fmt & WF_TILED) && BASE(src->w->fmt) == WF_FP8)
             amx_fp8_rows(r, xp + i * ldx, ldx, k, kp, buf, src, yp + i * ldy, ldy, n, c0, c1);
-        else if (src && r <= AMX_ROWS && (src->w->fmt & ~WF_AMX) == (WF_MXFP4 | WF_WORDS))
+        else if (src && r <= AMX_ROWS && (src->w->fmt & WF_TILED))
             amx_mxfp4_rows(r, xp + i * ldx, ldx, k, kp, buf, src, yp + i * ldy, ldy, n, c0, c1);
         else if (r > AMX_ROWS)
             amx_block(1, r, xp + i * ldx, ldx, k, kp, buf, presplit, wp, src, yp + i * ldy, ldy, n, c0, c1);
@@ -2510,7 +2562,7 @@ static int moe_experts(const int fmt, const float *xs, Py_ssize_t rows, const in
     X(ADDR, ys, "[rows, d] float32, written")                                                                  \
     X(SIZE, simd, "linear_packed's simd: 0, 1 or 2 (unused with tiles)")                                       \
     X(OPTSIZE, format, "0 float32 panels, 1 bfloat16 tiles (as tiles=True), 2 MXFP4 as stored, 10 its codes "       \
-                       "panel-major (panel_words)")                                                            \
+                       "panel-major (panel_words); + 16 on the AMX tiles; 58 tiled words (panel_words tiled)")   \
     X(OPTADDR, scales13, "MXFP4: [e] int64, each expert's w1/w3 E8M0 scales' address (panels13: its codes)")       \
     X(OPTADDR, scales2, "MXFP4: [e] int64, each expert's w2 E8M0 scales' address")                             \
     X(OPTADDR, w3, "MXFP4 as stored: [e] int64, each expert's w3 codes' address (panels13: w1's, both [inter, d / 2])")\
@@ -2533,9 +2585,10 @@ KERNEL_PY(moe_experts) {
         return NULL;
     }
     const int fmt = a.tiles ? WF_TILES : (int)a.format;
-    if (fmt != WF_F32 && fmt != WF_TILES && (BASE(fmt) != WF_MXFP4 || (fmt & ~(WF_WORDS | WF_AMX)) != WF_MXFP4)) {
+    if (fmt != WF_F32 && fmt != WF_TILES && (BASE(fmt) != WF_MXFP4 || (fmt & ~(WF_WORDS | WF_AMX | WF_TILED)) != WF_MXFP4)) {
         PyErr_Format(PyExc_ValueError, "moe_experts: format %zd is not 0 (float panels), 1 (tiles), 2 (MXFP4 as "
-                     "stored) or 10 (MXFP4 panel-major), the last two + 16 on the AMX tiles", (Py_ssize_t)a.format);
+                     "stored) or 10 (MXFP4 panel-major), the last two + 16 on the AMX tiles, 10 + 16 + 32 tiled words",
+                     (Py_ssize_t)a.format);
         return NULL;
     }
     if (fmt == WF_TILES && !amx_supported()) {

@@ -308,6 +308,7 @@ class ExpertPanels(NamedTuple):
     # addresses of w1's scales, w3's codes and scales, w2's scales
     words: bool = False  # those codes panel-major (`Mxfp4Experts.panel_major`)
     stored_tiles: bool = False  # those codes on the AMX tiles (`Mxfp4Experts.on_tiles`)
+    tiled: bool = False  # those words in the tiles' order (`Mxfp4Experts.tiled`)
 
 
 class MoE(HoldsStored):
@@ -359,7 +360,7 @@ class MoE(HoldsStored):
         if panels is not None:
             return exactness.moe_experts(xs, counts, panels.w13, panels.kc13, panels.w2, panels.kc2, self.inter,
                                          self.cfg.swiglu_limit, panels.tiles, panels.stored, panels.words,
-                                         panels.stored_tiles)
+                                         panels.stored_tiles, panels.tiled)
         capture.refuse("the MoE reads its expert counts on the host")
         parts, start = [], 0
         for e, c in enumerate(counts.tolist()):  # one host read
@@ -409,7 +410,7 @@ class MoE(HoldsStored):
                 codes1, scales1, codes3, scales3, codes2, scales2 = self.stored.addresses()
                 kcs = kcs or (8, 8)  # (unused on the tiles)
                 panels = ExpertPanels(codes1, kcs[0], codes2, kcs[1], [], False, (scales1, codes3, scales3, scales2),
-                                      self.stored.words is not None, tiles)
+                                      self.stored.words is not None, tiles, self.stored.tiled)
             self._panels = cached = (key, panels)
         return cached[1]
 

@@ -45,6 +45,8 @@ def test_stored_mxfp4_on_the_tiles_gives_the_bfloat16_tiles_bits(m, k, n, seed, 
     assert same_bits(exactness.matmul_stored(x, STORED_MXFP4 | AMX, codes, scales, n, 8), want)
     words = exactness.panel_words(codes, fp8=False)
     assert same_bits(exactness.matmul_stored(x, STORED_MXFP4 | WORDS | AMX, words, scales, n, 8), want)
+    tiled = exactness.panel_words(codes, fp8=False, tiled=True)  # the model's form here
+    assert same_bits(exactness.matmul_stored(x, STORED_MXFP4 | WORDS | AMX | TILED, tiled, scales, n, 8), want)
 
 
 @settings(max_examples=50, deadline=None)
@@ -63,35 +65,44 @@ def test_stored_fp8_on_the_tiles_gives_the_bfloat16_tiles_bits(m, k, n, block, s
     assert same_bits(exactness.matmul_stored(x, STORED_FP8 | AMX, q, s, n, 8, block=block), want)
     if exactness.tiled_words(STORED_FP8, k, block):  # the model's form here: the words in the tiles' order
         tiled = exactness.panel_words(q, fp8=True, tiled=True)
-        assert same_bits(exactness.matmul_stored(x, STORED_FP8 | WORDS | AMX | TILED, tiled, s, n, 8, block=block), want)
+        got = exactness.matmul_stored(x, STORED_FP8 | WORDS | AMX | TILED, tiled, s, n, 8, block=block)
+        assert same_bits(got, want)
 
 
-def test_tiled_words_put_each_code_where_the_tiles_decode_it():
-    """the layout `WF_TILED` names, written out: in each panel's block of 32 inputs, 64-byte load q holds tile rows 2q
-    and 2q + 1 (row v pairs inputs v and v + 16), byte p of it element 8 (p // 16) + p % 8 of row 2q + p % 16 // 8, and
-    element e of a row is column e // 2's input v (e even) or v + 16 (e odd)"""
+@pytest.mark.parametrize("fp8", [True, False])
+def test_tiled_words_put_each_code_where_the_tiles_decode_it(fp8):
+    """the layout `WF_TILED` names, written out. In each panel's block of 32 inputs, tile row v pairs inputs v and
+    v + 16: its element e is column e // 2's input v (e even) or v + 16 (e odd). FP8: 64-byte load q holds tile
+    rows 2q and 2q + 1, byte p of it element 8 (p // 16) + p % 8 of row 2q + p % 16 // 8. MXFP4: 32-byte load q holds
+    in byte e row 2q's code of element e (the lower nibble) and row 2q + 1's."""
     n, k = 40, 96
-    q = torch.randint(0, 127, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    tiled = exactness.panel_words(q, fp8=True, tiled=True).view(-1, k // 32, 8, 64)
-    words = exactness.panel_words(q, fp8=True)
+    q = torch.randint(0, 127, (n, k if fp8 else k // 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    size = 64 if fp8 else 32
+    tiled = exactness.panel_words(q, fp8=fp8, tiled=True).view(-1, k // 32, 8, size)
+    words = exactness.panel_words(q, fp8=fp8)
     assert torch.equal(tiled.view(-1).sort().values, words.view(-1).sort().values)  # a permutation
+    code = (lambda c, t: int(q[c, t])) if fp8 else (lambda c, t: int(q[c, t // 2]) >> 4 * (t % 2) & 15)
     for p in range(tiled.shape[0]):
         for b in range(k // 32):
             for load in range(8):
-                for byte in range(64):
-                    row, e = 2 * load + byte % 16 // 8, 8 * (byte // 16) + byte % 8
-                    col, t = 16 * p + e // 2, 32 * b + row + 16 * (e % 2)
-                    assert tiled[p, b, load, byte] == (q[col, t] if col < n else 0)
+                for byte in range(size):
+                    rows = [2 * load + byte % 16 // 8] if fp8 else [2 * load, 2 * load + 1]
+                    e = 8 * (byte // 16) + byte % 8 if fp8 else byte
+                    col, ts = 16 * p + e // 2, [32 * b + row + 16 * (e % 2) for row in rows]
+                    want = sum(code(col, t) << 4 * i for i, t in enumerate(ts)) if col < n else 0
+                    assert tiled[p, b, load, byte] == want
 
 
-def test_tiled_words_are_refused_where_a_block_of_the_tiles_is_not_one_scale():
+def test_tiled_words_are_refused_where_a_block_of_the_tiles_is_not_whole_or_one_scale():
     q, s = fp8_weight(32, 64, 16, 0)
     tiled = exactness.panel_words(q, fp8=True, tiled=True)
     x = torch.randn(2, 64)
-    with pytest.raises(ValueError, match="32: FP8 tiled words"):
+    with pytest.raises(ValueError, match="32: tiled words"):
         exactness.matmul_stored(x, STORED_FP8 | WORDS | AMX | TILED, tiled, s, 32, 8, block=16)
     with pytest.raises(ValueError, match="tiled"):
         exactness.panel_words(torch.zeros(16, 48, dtype=torch.uint8), fp8=True, tiled=True)
+    with pytest.raises(ValueError, match="tiled"):
+        exactness.panel_words(torch.zeros(16, 24, dtype=torch.uint8), fp8=False, tiled=True)
 
 
 @settings(max_examples=30, deadline=None)
@@ -116,9 +127,10 @@ def test_rows_split_a_group_at_a_time_give_the_bfloat16_tiles_bits(m, k):
     x = inputs(m, k, m, wide=True)
     for fmt, data, sc, w in ((STORED_FP8, q, s, fp8_float(q, s, 128)),
                              (STORED_MXFP4, codes, scales, mxfp4_float(codes, scales))):
-        words = exactness.panel_words(data, fp8=fmt == STORED_FP8)
-        got = exactness.matmul_stored(x, fmt | WORDS | AMX, words, sc, 40, 8, block=128)
-        assert same_bits(got, tiles_product(x, w))
+        for tiled in (False, True):
+            words = exactness.panel_words(data, fp8=fmt == STORED_FP8, tiled=tiled)
+            got = exactness.matmul_stored(x, fmt | WORDS | AMX | (TILED if tiled else 0), words, sc, 40, 8, block=128)
+            assert same_bits(got, tiles_product(x, w))
 
 
 @pytest.mark.parametrize("r0,r1", [(16, 48), (32, 70), (48, 53)])
@@ -136,8 +148,9 @@ def test_rows_of_a_stored_fp8_weight_on_the_tiles_give_their_bits(r0, r1):
     assert torch.equal(bits(got), bits(want))
 
 
-@pytest.mark.parametrize("d,inter,experts,words", [(64, 32, 3, False), (96, 64, 4, True)])
-def test_moe_experts_as_stored_on_the_tiles_equal_them_on_bfloat16_tiles(d, inter, experts, words):
+@pytest.mark.parametrize("d,inter,experts,words,tiled", [(64, 32, 3, False, False), (96, 64, 4, True, False),
+                                                         (96, 64, 4, True, True)])
+def test_moe_experts_as_stored_on_the_tiles_equal_them_on_bfloat16_tiles(d, inter, experts, words, tiled):
     g = torch.Generator().manual_seed(d + inter)
     w1, w3 = ([mxfp4_weight(inter, d, 10 * e + j) for e in range(experts)] for j in (0, 2))
     w2 = [mxfp4_weight(d, inter, 10 * e + 1) for e in range(experts)]
@@ -148,10 +161,10 @@ def test_moe_experts_as_stored_on_the_tiles_equal_them_on_bfloat16_tiles(d, inte
     tiles2 = [exactness.pack_bf16(mxfp4_float(*w).t().contiguous()) for w in w2]
     addr = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
     want = exactness.moe_experts(xs, counts, addr(tiles13), 1, addr(tiles2), 1, inter, 7.0, tiles=True)
-    codes = [[exactness.panel_words(c, fp8=False) if words else c for c, _ in w] for w in (w1, w3, w2)]
+    codes = [[exactness.panel_words(c, fp8=False, tiled=tiled) if words else c for c, _ in w] for w in (w1, w3, w2)]
     stored = (addr([s for _, s in w1]), addr(codes[1]), addr([s for _, s in w3]), addr([s for _, s in w2]))
     got = exactness.moe_experts(xs, counts, addr(codes[0]), 8, addr(codes[2]), 8, inter, 7.0, stored=stored,
-                                words=words, stored_tiles=True)
+                                words=words, stored_tiles=True, tiled=tiled)
     assert torch.equal(bits(got), bits(want))
 
 

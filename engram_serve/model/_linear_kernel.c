@@ -2100,6 +2100,23 @@ static void stored_pair(tile_source *ts, const panel_ref *pr, Py_ssize_t k0, int
     }
 }
 
+/* A block of 32 inputs of one row tile times the B tiles 6 and 7: its three pieces (a, a + bk, a + 2 bk; rows lda
+ * bytes apart) into tiles 4, 5 and 3 (free then, so no piece's load waits on a product), each piece times both
+ * column tiles into accumulators 0 and 1, hi then mid then lo */
+__attribute__((target("amx-tile,amx-bf16"), always_inline)) static inline void one_tile_block(const uint16_t *a,
+                                                                                             Py_ssize_t bk,
+                                                                                             Py_ssize_t lda) {
+    _tile_loadd(4, a, lda);
+    _tile_loadd(5, a + bk, lda);
+    _tile_loadd(3, a + 2 * bk, lda);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(0, 5, 6);
+    _tile_dpbf16ps(1, 5, 7);
+    _tile_dpbf16ps(0, 3, 6);
+    _tile_dpbf16ps(1, 3, 7);
+}
+
 /* One block of r <= 32 rows x (ldx apart) times the column pairs [c0, c1) (columns 32 c0 to min(n, 32 c1)) of the
  * packed tiles wp, or of the stored rows src decoded block by block: y rows ldy apart, n columns. two: whether r > 16
  * (a second row tile: constant tile numbers need two loops). The rows' three pieces are in buf as split3 writes them
@@ -2145,16 +2162,8 @@ amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py
                     _tile_dpbf16ps(2, 5, 6);
                     _tile_dpbf16ps(3, 5, 7);
                 }
-            } else { /* one row tile: the three pieces in tiles 4, 5 and 3 (free), no load waiting on a product */
-                _tile_loadd(4, a, lda);
-                _tile_loadd(5, a + bk, lda);
-                _tile_loadd(3, a + 2 * bk, lda);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(0, 5, 6);
-                _tile_dpbf16ps(1, 5, 7);
-                _tile_dpbf16ps(0, 3, 6);
-                _tile_dpbf16ps(1, 3, 7);
+            } else {
+                one_tile_block(a, bk, lda);
             }
             if (narrow && k0 + AMX_K < kp) /* the next block of inputs into the other half, while these products run */
                 split3(x + k0 + AMX_K, ldx, r, k - k0 - AMX_K < AMX_K ? k - k0 - AMX_K : AMX_K, AMX_K,
@@ -2208,15 +2217,7 @@ amx_stored_rows(const int mx, int r, const float *x, Py_ssize_t ldx, Py_ssize_t 
             }
             _tile_loadd(6, blk, 64);
             _tile_loadd(7, blk + AMX_TILE, 64);
-            _tile_loadd(4, buf + k0, lda);
-            _tile_loadd(5, buf + kp + k0, lda);
-            _tile_loadd(3, buf + 2 * kp + k0, lda);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(0, 5, 6);
-            _tile_dpbf16ps(1, 5, 7);
-            _tile_dpbf16ps(0, 3, 6);
-            _tile_dpbf16ps(1, 3, 7);
+            one_tile_block(buf + k0, kp, lda);
         }
         const int full = n0 + 32 <= n;
         float *o = full ? y + n0 : part;

@@ -1285,7 +1285,7 @@ static int linear_bf16(const float *xp, Py_ssize_t ldx, const uint16_t *wp, cons
                     "4 FP8 (E4M3 [n, k]; E8M0 scales [ceil(n / block), ceil(k / block)]), 5 BF16 ([n, k]), "     \
                     "or one of them | 8, its rows repacked panel-major (panel_words: [ceil(n / 16), k' / 4, 16, 4] " \
                     "bytes of rows of k' bytes, the rows' 4-byte words side by side, no NaN code for FP8; the "     \
-                    "scales as stored); + 16: on the AMX tiles; FP8 + 8 + 16 + 32: words in the tiles' order "     \
+                    "scales as stored); + 16: on the AMX tiles; FP8 or MXFP4 + 8 + 16 + 32: words in the tiles' order "\
                     "(panel_words tiled)")                                                                  \
     X(ADDR, data, "the weight's codes as stored (e.g. in its checkpoint's memory map)")                        \
     X(ADDR, scales, "its E8M0 scales as stored (MXFP4, FP8; BF16: 0)")                                                               \
@@ -1331,7 +1331,7 @@ static int stored_misfit(const char *fn, Py_ssize_t format, Py_ssize_t k, Py_ssi
         return 1;
     }
     if (amx) format &= ~WF_AMX, kc = 8;
-    if (format >= 0 && (format & WF_TILED)) { /* FP8 words on the tiles, blocks of 32 inputs of one scale */
+    if (format >= 0 && (format & WF_TILED)) { /* tiled words: whole blocks of 32 inputs (FP8: of one scale) */
         if (!amx || (format != (WF_FP8 | WF_WORDS | WF_TILED) && format != (WF_MXFP4 | WF_WORDS | WF_TILED)) ||
             k % AMX_K || (BASE((int)format) == WF_FP8 && block % AMX_K)) {
             PyErr_Format(PyExc_ValueError, "%s: format %zd (+ 32: tiled words) needs FP8 or MXFP4 + 8 + 16 + 32, k (and "
@@ -1832,55 +1832,9 @@ static const uint16_t E2M1_BF16[32] __attribute__((aligned(64))) = {E2M1_BF, E2M
 /* s - 127 in a bfloat16's exponent field (bits 7..14) */
 static inline uint16_t scale_add(unsigned s) { return (uint16_t)(((int)s - 127) * 128); }
 
-/* FP8: the low and high bytes of each magnitude's bfloat16 times 2^(s - 127) (zero stays zero), magnitudes 0..63 in
- * [0], 64..127 in [1], for the scale s last asked (-1: none; a panel's blocks of 32 inputs share one, ~4 of them) */
-typedef struct {
-    __m512i lo[2], hi[2];
-    int s;
-} fp8_tables;
-
-__attribute__((target("avx512f,avx512bw,avx2"))) static void fp8_tables_for(fp8_tables *t, unsigned s) {
-    if (t->s == (int)s) return;
-    const __m512i add = _mm512_set1_epi16((short)scale_add(s));
-    for (int h = 0; h < 2; h++) {
-        __m512i w[2];
-        for (int i = 0; i < 2; i++) {
-            const __m512i v = _mm512_load_si512((const void *)(E4M3_BF16 + 64 * h + 32 * i));
-            w[i] = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(v, v), v, add);
-        }
-        t->lo[h] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(w[0])), _mm512_cvtepi16_epi8(w[1]), 1);
-        t->hi[h] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srli_epi16(w[0], 8))),
-                                      _mm512_cvtepi16_epi8(_mm512_srli_epi16(w[1], 8)), 1);
-    }
-    t->s = (int)s;
-}
-
-/* bf16_tile of FP8 words, a whole block [k0, k0 + 32) (k0 + 32 <= k) with one scale (else 0: nothing written): for
- * each two rows, one permutation picks their 64 codes, two lookups give their bfloat16s' low and high bytes (the
- * high with the code's sign bit), and unpacking them gives the two rows */
-__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2"))) static int bf16_tile_fp8_words(panel_ref b, Py_ssize_t k0,
-                                                                                         fp8_tables *t, uint16_t *dst) {
-    const uint8_t *sc = b.scale;
-    const unsigned s = sc[k0 / b.group];
-    if (s != sc[(k0 + 16) / b.group]) return 0;
-    fp8_tables_for(t, s);
-    const __m512i sign = _mm512_set1_epi8((char)0x80);
-    for (int i = 0; i < 4; i++) {
-        const __m512i a = _mm512_loadu_si512((const void *)word_at(WF_FP8 | WF_WORDS, b, k0 + 4 * i));
-        const __m512i c = _mm512_loadu_si512((const void *)word_at(WF_FP8 | WF_WORDS, b, k0 + 16 + 4 * i));
-        for (int h = 0; h < 2; h++) { /* rows 4i + 2h and 4i + 2h + 1 */
-            const __m512i x = _mm512_permutex2var_epi8(a, _mm512_load_si512((const void *)LANE_INDEX[h]), c);
-            const __m512i lo = _mm512_permutex2var_epi8(t->lo[0], x, t->lo[1]);
-            const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t->hi[0], x, t->hi[1]), x, sign, 0xF8);
-            _mm512_store_si512((void *)(dst + (4 * i + 2 * h) * 32), _mm512_unpacklo_epi8(lo, hi));
-            _mm512_store_si512((void *)(dst + (4 * i + 2 * h + 1) * 32), _mm512_unpackhi_epi8(lo, hi));
-        }
-    }
-    return 1;
-}
-
-/* FP8 tables for every E8M0 scale s, made once (fp8_scaled_init): fp8_tables' for s, [s][lo 0..63, lo 64..127, hi
- * 0..63, hi 64..127] (the scales outside TILE_SCALES wrap: never admitted) */
+/* FP8: the low and high bytes of the bfloat16 of each magnitude 0..127 times 2^(s - 127) (zero stays zero), for every
+ * E8M0 scale s, made once (fp8_scaled_init): [s][lo of 0..63, lo of 64..127, hi of 0..63, hi of 64..127] (the scales
+ * outside TILE_SCALES wrap: never admitted) */
 static uint8_t FP8_SCALED[256][4][64] __attribute__((aligned(64)));
 
 static void fp8_scaled_init(void) {
@@ -1891,23 +1845,53 @@ static void fp8_scaled_init(void) {
         }
 }
 
-/* bf16_tile of FP8 tiled words (WF_TILED), the block [k0, k0 + 32): bf16_tile_fp8_words' lookups and unpacks, each
- * load already holding its two tile rows' codes (no permutation picks them), the tables of the block's scale read
- * from FP8_SCALED (no rebuild) */
+/* FP8: tile rows 2q and 2q + 1 (at dst) from their 64 codes x as LANE_AT lays them out, and their scale's tables
+ * t = FP8_SCALED[s] (loaded by the caller): each bfloat16's low and high bytes looked up (the high with the code's
+ * sign bit), the two rows unpacked from them */
+typedef struct {
+    __m512i lo0, lo1, hi0, hi1;
+} fp8_tables;
+
+__attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline)) static inline fp8_tables fp8_tables_of(unsigned s) {
+    const uint8_t(*t)[64] = FP8_SCALED[s];
+    return (fp8_tables){_mm512_load_si512((const void *)t[0]), _mm512_load_si512((const void *)t[1]),
+                        _mm512_load_si512((const void *)t[2]), _mm512_load_si512((const void *)t[3])};
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline)) static inline void
+fp8_two_rows(__m512i x, const fp8_tables *t, uint16_t *dst) {
+    const __m512i lo = _mm512_permutex2var_epi8(t->lo0, x, t->lo1);
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t->hi0, x, t->hi1), x,
+                                                 _mm512_set1_epi8((char)0x80), 0xF8);
+    _mm512_store_si512((void *)dst, _mm512_unpacklo_epi8(lo, hi));
+    _mm512_store_si512((void *)(dst + 32), _mm512_unpackhi_epi8(lo, hi));
+}
+
+/* bf16_tile of FP8 words, a whole block [k0, k0 + 32) (k0 + 32 <= k) with one scale (else 0: nothing written): for
+ * each two rows, one permutation picks their 64 codes (fp8_two_rows decodes them) */
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2"))) static int bf16_tile_fp8_words(panel_ref b, Py_ssize_t k0,
+                                                                                         uint16_t *dst) {
+    const uint8_t *sc = b.scale;
+    const unsigned s = sc[k0 / b.group];
+    if (s != sc[(k0 + 16) / b.group]) return 0;
+    const fp8_tables t = fp8_tables_of(s);
+    for (int i = 0; i < 4; i++) {
+        const __m512i a = _mm512_loadu_si512((const void *)word_at(WF_FP8 | WF_WORDS, b, k0 + 4 * i));
+        const __m512i c = _mm512_loadu_si512((const void *)word_at(WF_FP8 | WF_WORDS, b, k0 + 16 + 4 * i));
+        for (int h = 0; h < 2; h++) /* rows 4i + 2h and 4i + 2h + 1 */
+            fp8_two_rows(_mm512_permutex2var_epi8(a, _mm512_load_si512((const void *)LANE_INDEX[h]), c), &t,
+                         dst + (4 * i + 2 * h) * 32);
+    }
+    return 1;
+}
+
+/* bf16_tile of FP8 tiled words (WF_TILED), the block [k0, k0 + 32): each 64-byte load holds two tile rows' codes
+ * (no permutation picks them) */
 __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2"))) static inline void
 fp8_tiled_block(panel_ref b, Py_ssize_t k0, uint16_t *dst) {
-    const uint8_t(*t)[64] = FP8_SCALED[((const uint8_t *)b.scale)[k0 / b.group]];
-    const __m512i l0 = _mm512_load_si512((const void *)t[0]), l1 = _mm512_load_si512((const void *)t[1]);
-    const __m512i h0 = _mm512_load_si512((const void *)t[2]), h1 = _mm512_load_si512((const void *)t[3]);
-    const __m512i sign = _mm512_set1_epi8((char)0x80);
+    const fp8_tables t = fp8_tables_of(((const uint8_t *)b.scale)[k0 / b.group]);
     const uint8_t *c = (const uint8_t *)b.data + k0 * NR;
-    for (int q = 0; q < 8; q++) {
-        const __m512i x = _mm512_loadu_si512((const void *)(c + 64 * q));
-        const __m512i lo = _mm512_permutex2var_epi8(l0, x, l1);
-        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(h0, x, h1), x, sign, 0xF8);
-        _mm512_store_si512((void *)(dst + 2 * q * 32), _mm512_unpacklo_epi8(lo, hi));
-        _mm512_store_si512((void *)(dst + (2 * q + 1) * 32), _mm512_unpackhi_epi8(lo, hi));
-    }
+    for (int q = 0; q < 8; q++) fp8_two_rows(_mm512_loadu_si512((const void *)(c + 64 * q)), &t, dst + 2 * q * 32);
 }
 
 /* MXFP4 tiled words: 64 bytes (loads 2 i + h and 2 i + h + 1, h = i % 2) = _mm512_permutex2var_epi8(the words of
@@ -2044,17 +2028,16 @@ typedef void (*tile_decode_fn)(panel_ref, Py_ssize_t, Py_ssize_t, uint16_t *);
 STORED_FORMATS(TILE_DECODER)
 #undef TILE_DECODER
 
-/* What the tile loops read of stored rows (WF_AMX): the weight, its format's float decode, the FP8 tables of the last
- * scale, and the two tiles of the block being multiplied (one per call of linear_bf16_range, on its stack) */
+/* What the tile loops read of stored rows (WF_AMX): the weight, its format's float decode, and the two tiles of the
+ * block being multiplied (one per call of linear_bf16_range, on its stack) */
 typedef struct {
     const weight_ref *w;
     tile_decode_fn dec;
-    fp8_tables fp8;
     uint16_t blk[2 * AMX_TILE] __attribute__((aligned(64)));
 } tile_source;
 
 static void tile_source_of(tile_source *ts, const weight_ref *w) {
-    ts->w = w, ts->dec = NULL, ts->fp8.s = -1;
+    ts->w = w, ts->dec = NULL;
 #define DECODER_CASE(NAME, FMT)                                                                                    \
     case FMT: ts->dec = bf16_tile_##NAME; break;
     switch (w->fmt & ~WF_AMX) { STORED_FORMATS(DECODER_CASE) }
@@ -2093,7 +2076,7 @@ static void stored_pair(tile_source *ts, const panel_ref *pr, Py_ssize_t k0, int
                 uint16_t *o = d + i * AMX_TILE;
                 if (fmt == (WF_BF16 | WF_WORDS) && t + AMX_K <= k)
                     bf16_tile_bf16_words(pr[h], t, o);
-                else if (fmt != (WF_FP8 | WF_WORDS) || t + AMX_K > k || !bf16_tile_fp8_words(pr[h], t, &ts->fp8, o))
+                else if (fmt != (WF_FP8 | WF_WORDS) || t + AMX_K > k || !bf16_tile_fp8_words(pr[h], t, o))
                     ts->dec(pr[h], t, k, o);
             }
         }

@@ -308,7 +308,7 @@ class ExpertPanels(NamedTuple):
     # addresses of w1's scales, w3's codes and scales, w2's scales
     words: bool = False  # those codes panel-major (`Mxfp4Experts.panel_major`)
     stored_tiles: bool = False  # those codes on the AMX tiles (`Mxfp4Experts.on_tiles`)
-    tiled: bool = False  # those words in the tiles' order (`Mxfp4Experts.tiled`)
+    tiled: bool = False  # those words in the tiles' order (`exactness.tiled_words`, as `panel_major` made them)
 
 
 class MoE(HoldsStored):
@@ -409,8 +409,9 @@ class MoE(HoldsStored):
             if kcs is not None or tiles:
                 codes1, scales1, codes3, scales3, codes2, scales2 = self.stored.addresses()
                 kcs = kcs or (8, 8)  # (unused on the tiles)
+                words = self.stored.words is not None
                 panels = ExpertPanels(codes1, kcs[0], codes2, kcs[1], [], False, (scales1, codes3, scales3, scales2),
-                                      self.stored.words is not None, tiles, self.stored.tiled)
+                                      words, tiles, words and exactness.tiled_words(exactness.STORED_MXFP4))
             self._panels = cached = (key, panels)
         return cached[1]
 

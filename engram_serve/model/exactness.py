@@ -295,7 +295,7 @@ def repacks(outputs: int) -> bool:
     return kernels.get("linear") is not None and outputs >= PANEL
 
 
-def tiled_words(fmt: int, k: int, block: int = 0) -> bool:
+def tiled_words(fmt: int, k: int = 0, block: int = 0) -> bool:
     """Whether a stored weight's words are repacked in the tiles' order (`panel_words(..., tiled=True)`, multiplied
     as `matmul_stored` format | WORDS | AMX | TILED, `moe_experts` tiled): on an AMX CPU, an MXFP4 weight, or an FP8
     one whose k and scales' block are multiples of 32 (every block of the tiles has one scale). Its blocks' codes
@@ -311,7 +311,7 @@ def panel_words(data: torch.Tensor, fp8: bool, tiled: bool = False) -> torch.Ten
     the bytes (so the same products, bit for bit) from which the kernel reads the 16 rows' word at an input with one
     load instead of a transpose. None where k is not a multiple of 4, `fp8` and a code is NaN (that format's decode
     leaves the NaN test out), or the kernel is not built. One pass in C. `tiled` (`tiled_words`): each block of 32
-    inputs of a panel further permuted into the tiles' order."""
+    inputs of a panel further permuted into the tiles' order of FP8 (`fp8`) or MXFP4 (BF16 words never are)."""
     lin, (n, k) = kernels.get("linear"), data.shape
     if lin is None or k % 4 or not data.is_contiguous():
         return None

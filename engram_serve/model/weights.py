@@ -49,7 +49,6 @@ class Mxfp4Experts:
         (i, half), d = w1[0][0].shape, w2[0][0].shape[0]
         self.shape13, self.shape2 = (2 * i, 2 * half), (d, i)
         self.words = None  # (w1, w3, w2): each expert's codes panel-major, once `panel_major` made them
-        self.tiled = False  # those words in the tiles' order (`exactness.tiled_words`)
         self._addresses = self._admitted = None
 
     def panel_major(self) -> list[torch.Tensor]:
@@ -60,11 +59,11 @@ class Mxfp4Experts:
         in place, paged from the file."""
         if self.words is not None or not exactness.repacks(min(self.shape13[0], self.shape2[0])):
             return []
-        tiled = exactness.tiled_words(exactness.STORED_MXFP4, self.shape2[1])  # (the tiles' order on an AMX CPU)
+        tiled = exactness.tiled_words(exactness.STORED_MXFP4)  # (on an AMX CPU)
         words = tuple([exactness.panel_words(c, False, tiled) for c, _ in w] for w in (self.w1, self.w3, self.w2))
         if any(x is None for w in words for x in w):
             return []
-        self.words, self.tiled, self._addresses = words, tiled, None
+        self.words, self._addresses = words, None
         return [codes for w in (self.w1, self.w3, self.w2) for codes, _ in w]
 
     @property

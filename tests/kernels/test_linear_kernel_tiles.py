@@ -47,7 +47,7 @@ def test_stored_mxfp4_on_the_tiles_gives_the_bfloat16_tiles_bits(m, k, n, seed, 
     assert same_bits(exactness.matmul_stored(x, STORED_MXFP4 | WORDS | AMX, words, scales, n, 8), want)
     tiled = exactness.panel_words(codes, fp8=False, tiled=True)  # the model's form here
     assert same_bits(exactness.matmul_stored(x, STORED_MXFP4 | WORDS | AMX | TILED, tiled, scales, n, 8), want)
-    if codes.any():  # negative control: the same bytes read as plain words are other weights
+    if seed % 3 and codes.any():  # negative control (finite scales): the same bytes read as plain words differ
         x = inputs(m, k, seed, False)
         assert not same_bits(exactness.matmul_stored(x, STORED_MXFP4 | WORDS | AMX, tiled, scales, n, 8),
                              tiles_product(x, mxfp4_float(codes, scales)))
@@ -71,7 +71,7 @@ def test_stored_fp8_on_the_tiles_gives_the_bfloat16_tiles_bits(m, k, n, block, s
         tiled = exactness.panel_words(q, fp8=True, tiled=True)
         got = exactness.matmul_stored(x, STORED_FP8 | WORDS | AMX | TILED, tiled, s, n, 8, block=block)
         assert same_bits(got, want)
-        if q.any():  # negative control: the same bytes read as plain words are other weights
+        if seed % 3 and q.any():  # negative control (finite scales): the same bytes read as plain words differ
             x = inputs(m, k, seed, False)
             other = exactness.matmul_stored(x, STORED_FP8 | WORDS | AMX, tiled, s, n, 8, block=block)
             assert not same_bits(other, tiles_product(x, fp8_float(q, s, block)))

@@ -209,9 +209,10 @@ class RecordingDSpark(DSparkDrafter):
 
     def __init__(self, *a):
         super().__init__(*a)
-        self.log, self.asked = [], 0
+        self.log, self.asked, self.observed = [], 0, []
 
     def observe(self, positions, slots, features, keep=True):
+        self.observed.append((keep, features is not None))
         if self.shift and features is not None:
             features = torch.roll(features, self.shift, 0)
         super().observe(positions, slots, features, keep)
@@ -346,8 +347,10 @@ def test_slots_never_written_are_not_read_their_request_drafts_later(tiny_module
 def test_context_dropped_while_not_drafting_is_never_read(tiny_module, code_prompts, drafter_cls):
     """Decode steps 2 .. 9 do not draft and drop the drafter's context of their tokens: each request drafts again
     only once its window (64 positions) holds none of them, and every draft is the one on the committed context.
-    Negative control: drafting from the window at once (stale keys) gives other drafts."""
+    Negative control: drafting from the window at once (stale keys) gives other drafts. The steps that drop the
+    context compute no features."""
     drafter, _ = engine_drafts(tiny_module, code_prompts, gen=100, planner=DropsContext, drafter_cls=drafter_cls)
+    assert set(drafter.observed) == {(False, False), (True, True)}
     late = [ids for ids, _, _ in drafter.log if len(ids) > len(code_prompts[0]) + 64]
     if drafter_cls is ReadsStaleSlots:
         assert mismatches(tiny_module, drafter) > 0

@@ -357,6 +357,8 @@ class LLMEngine:
         decodes = [s for s in self.scheduler.running if s.num_tokens - s.num_computed_tokens == 1]
         ks = self.spec_planner.num_drafts(decodes, len(decodes))
         self._keep_context = self.spec_planner.needs_context(len(decodes), self.drafter.window)
+        if self.drafter.feature_layers:  # the features of a step whose context the drafter drops: not computed
+            self.runner.capture_features = self._keep_context
         asked = [(s, k) for s, k in zip(decodes, ks) if k]
         self._drafted = [s for s, _ in asked]
         if not asked:

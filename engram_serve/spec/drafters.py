@@ -65,7 +65,8 @@ class Drafter(Protocol):
         concatenated stream means entering each target layer). Positions past a row's that the step also
         computed held rejected drafts: they are never reported. A recompute after preemption reports positions
         again (from 0, or from the end of a reused prefix, whose positions another request reported). keep=False:
-        no draft is asked for `window` steps or more (the planner's choice), so what is kept for them may go."""
+        no draft is asked for `window` steps or more (the planner's choice), so what is kept for them may go, and
+        the engine computes no features (None)."""
         ...
 
     def release(self, request_id: str) -> None:

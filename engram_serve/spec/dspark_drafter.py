@@ -113,11 +113,12 @@ class DSparkDrafter:
     def observe(self, positions: torch.Tensor, slots: torch.Tensor, features: torch.Tensor | None,
                 keep: bool = True) -> None:
         """Keeps copies (the arguments may be the step's own buffers, rewritten by the next step). keep=False: drops
-        these observations and the kept ones instead (their slots stale until observed again with keep)."""
+        these observations and the kept ones instead (their slots stale until observed again with keep); the
+        features may then be None (the engine does not compute them)."""
         t = positions.shape[0]
         if not t:
             return
-        if features is None or features.shape != (t, self._feats.shape[1]):
+        if keep and (features is None or features.shape != (t, self._feats.shape[1])):
             raise ValueError(f"DSparkDrafter.observe: {t} positions, features "
                              f"{None if features is None else tuple(features.shape)}, want ({t}, "
                              f"{self._feats.shape[1]})")

@@ -1710,6 +1710,9 @@ static PyObject *py_fp8_supported(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED
 #define AMX_ROWS 16    /* rows of a tile */
 #define AMX_BLOCK 32   /* rows split and computed together (two row tiles) */
 #define AMX_SPLIT (768 * 1024) /* bytes of split rows that the stored rows' column pairs reuse (in L2) */
+/* bytes of split rows that one column pair takes split whole, before its products: no split's stores among them,
+ * whose tile loads would wait for them ([1, 4096 -> 24], the mHC mix: 4.8 -> 3.5 us) */
+#define AMX_SPLIT_L1 (32 * 1024)
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -2104,14 +2107,14 @@ __attribute__((target("amx-tile,amx-bf16"), always_inline)) static inline void o
  * packed tiles wp, or of the stored rows src decoded block by block: y rows ldy apart, n columns. two: whether r > 16
  * (a second row tile: constant tile numbers need two loops). The rows' three pieces are in buf as split3 writes them
  * (presplit), or are split into it here: all their inputs first where the block has several column pairs (each pair
- * reuses the split), or, for one pair, each block of 32 inputs into one half of buf while the products of the block
- * before run on the other (buf stays in L1). Every output gets the same tile operations in the same order. Tile
+ * reuses the split) or its pieces fit AMX_SPLIT_L1, or else, for one pair, each block of 32 inputs into one half of
+ * buf while the products of the block before run on the other (buf stays in L1). Every output gets the same tile operations in the same order. Tile
  * config set by the caller. */
 __attribute__((target("amx-tile,amx-bf16"), always_inline)) static inline void
 amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py_ssize_t kp, uint16_t *buf,
           int presplit, const uint16_t *wp, tile_source *src, float *y, Py_ssize_t ldy, Py_ssize_t n, Py_ssize_t c0,
           Py_ssize_t c1) {
-    const int narrow = !presplit && c1 - c0 == 1;
+    const int narrow = !presplit && c1 - c0 == 1 && (Py_ssize_t)r * 3 * kp * 2 > AMX_SPLIT_L1;
     const Py_ssize_t bk = narrow ? AMX_K : kp; /* inputs of a piece of a row in buf */
     const Py_ssize_t lda = 3 * bk * 2, second = (Py_ssize_t)AMX_ROWS * 3 * bk;
     const Py_ssize_t half = AMX_BLOCK * 3 * AMX_K; /* one block of inputs of the rows, split (one column pair) */

@@ -2108,8 +2108,8 @@ __attribute__((target("amx-tile,amx-bf16"), always_inline)) static inline void o
  * (a second row tile: constant tile numbers need two loops). The rows' three pieces are in buf as split3 writes them
  * (presplit), or are split into it here: all their inputs first where the block has several column pairs (each pair
  * reuses the split) or its pieces fit AMX_SPLIT_L1, or else, for one pair, each block of 32 inputs into one half of
- * buf while the products of the block before run on the other (buf stays in L1). Every output gets the same tile operations in the same order. Tile
- * config set by the caller. */
+ * buf while the products of the block before run on the other (buf stays in L1). Every output gets the same tile
+ * operations in the same order. Tile config set by the caller. */
 __attribute__((target("amx-tile,amx-bf16"), always_inline)) static inline void
 amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py_ssize_t kp, uint16_t *buf,
           int presplit, const uint16_t *wp, tile_source *src, float *y, Py_ssize_t ldy, Py_ssize_t n, Py_ssize_t c0,

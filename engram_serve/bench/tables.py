@@ -59,7 +59,7 @@ MEMCPY_BYTES = 512 * 2**20  # the memcpy baseline: DRAM to DRAM
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size-gib", type=common.positive_float, default=None, metavar="GiB",
-                        help="table file size (default: 1.5 x RAM, at least 32, leaving >= 10 GiB of disk free)")
+                        help="table file size (default: 1.5 x RAM, at least 32, leaving >= 2 GiB of disk free)")
     parser.add_argument("--dir", type=Path, default=None, help="where to create the file (default: the current dir)")
     parser.add_argument("--requests", type=common.positive_int_list, default=[64, 512], metavar="R,R",
                         help="requests decoding side by side = tokens per step (default 64,512)")
@@ -317,9 +317,10 @@ def run(args: argparse.Namespace) -> list[dict]:
     free = shutil.disk_usage(where).free
     ram = _ram_bytes()
     size = int(args.size_gib * 2**30) if args.size_gib else max(int(1.5 * ram), 32 * 2**30)
-    if free - size < 10 * 2**30:
-        raise ValueError(f"--size-gib {size / 2**30:.1f}: {where} has {free / 2**30:.1f} GiB free; at least 10 GiB "
-                         f"must stay free (the file is sparse, but its apparent size is reserved here to be safe)")
+    if free - size < 2 * 2**30:
+        raise ValueError(f"--size-gib {size / 2**30:.1f}: {where} has {free / 2**30:.1f} GiB free; the file's size "
+                         f"and 2 GiB more must be free (the file is sparse, but its apparent size is reserved here "
+                         f"to be safe)")
     engram, cfg, layout = _config(size)
     ids, tmap = _stream(args.stream_tokens)
     streams = {r: _hash_stream(ids, r, layout, tmap) for r in args.requests}

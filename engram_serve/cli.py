@@ -19,16 +19,12 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .errors import ConfigError, EngramServeError, InvalidRequest
+from .errors import ConfigError, EngramServeError, InvalidRequest, UsageError
 
 PROG = "engram-serve"
 DATA_DIR = Path(__file__).resolve().parent / "data" / "tiny"
 DEFAULT_CONFIG = DATA_DIR / "config.json"
 DEFAULT_TOKENIZER = DATA_DIR / "tokenizer.json"
-
-
-class UsageError(Exception):
-    """A bad command line, raised by the parser instead of printing usage and exiting."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -510,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = code if code is not None else args.run(args)
         sys.stdout.flush()  # a closed pipe shows here, inside the try
         return code
-    except (EngramServeError, UsageError) as e:
+    except EngramServeError as e:
         message = " ".join(str(e).split()) or type(e).__name__
         print(f"{PROG}: error: {message}", file=sys.stderr)
         return 2

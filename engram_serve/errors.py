@@ -5,6 +5,10 @@ class EngramServeError(Exception):
     """Base class of every error this package raises on purpose."""
 
 
+class UsageError(EngramServeError, ValueError):
+    """A bad command line: an option unknown, or its value out of range (the message names it)."""
+
+
 class ConfigError(EngramServeError, ValueError):
     """A config file or dataclass field is missing, unknown or out of range."""
 

@@ -162,6 +162,13 @@ def test_usage_errors_are_one_line(capsys):
     assert_one_line_error(*run(capsys, "bench"), "BENCH")
     assert_one_line_error(*run(capsys, "bench", "hash", "--sizes", "0"), "--sizes", "0")
     assert_one_line_error(*run(capsys, "bench", "hash", "--sizes", "8,a"), "--sizes", "'a'")
+    # values the benchmarks check themselves
+    assert_one_line_error(*run(capsys, "bench", "threads", "--workloads", "decode-0"), "--workloads", "'decode-0'")
+    assert_one_line_error(*run(capsys, "bench", "peers", "--suite", "frob"), "--suite", "frob")
+    assert_one_line_error(*run(capsys, "bench", "tables", "--size-gib", "1e9"), "--size-gib", "1000000000.0")
+    assert_one_line_error(*run(capsys, "bench", "peers", "--shapes", "huge"), "--shapes", "huge")
+    assert_one_line_error(*run(capsys, "bench", "spec", "--temperatures", "0,x"), "--temperatures", "'x'")
+    assert_one_line_error(*run(capsys, "bench", "sampler", "--shapes", "steep"), "--shapes", "steep")
 
 
 def test_bench_hash_json_rows(capsys):

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import UsageError
 from . import common
 
 DraftFn = Callable[..., "object"]  # (lm, features [L, F], ids [L], positions [R], picks) -> tokens [R, k]
@@ -38,7 +39,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=common.positive_int, default=20, help="held-out files (default 20)")
     parser.add_argument("--prompt-tokens", type=common.positive_int, default=64)
     parser.add_argument("--tokens", type=common.positive_int, default=256, help="completion tokens (default 256)")
-    parser.add_argument("--temperatures", default="0,0.7", help="comma-separated (default 0,0.7; 0 = greedy)")
+    parser.add_argument("--temperatures", type=common.temperature_list, default=[0.0, 0.7],
+                        help="comma-separated (default 0,0.7; 0 = greedy)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of prompt 0 (prompt i: seed + i)")
 
 
@@ -208,8 +210,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     torch.set_num_threads(args.threads)
     lm = load_model(args.model, pin_tables=False)
     if lm.drafter is None:
-        raise SystemExit(f"bench acceptance: {lm.path} has no drafter")
-    temps = [float(x) for x in args.temperatures.split(",") if x.strip()]
+        raise UsageError(f"--model {lm.path}: the checkpoint has no drafter (bench acceptance needs one)")
     prompts = heldout_prompts(lm.tokenizer, count=args.prompts, length=args.prompt_tokens)
     costs = step_costs(lm, prompts[0])
-    return [{**r, **costs} for r in measure(lm, prompts, args.tokens, temps, args.seed)]
+    return [{**r, **costs} for r in measure(lm, prompts, args.tokens, args.temperatures, args.seed)]

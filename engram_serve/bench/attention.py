@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import UsageError
 from . import common
 
 NAME = "attention"
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     parts = args.parts.split(",")
     bad = [p for p in parts if p not in ("mixed", "context", "exactness")]
     if bad:
-        raise ValueError(f"--parts: unknown part(s) {bad}; choose from mixed, context, exactness")
+        raise UsageError(f"--parts: unknown part(s) {bad}; choose from mixed, context, exactness")
     timing = common.timing_kwargs(args)
     rows = []
     if "mixed" in parts:

@@ -183,6 +183,20 @@ def bounded_int(lo: int, hi: int, why: str) -> Callable[[str], int]:
     return parse
 
 
+def temperature_list(text: str) -> list[float]:
+    """argparse type for `--temperatures 0,0.7`: a non-empty comma-separated list of finite numbers >= 0."""
+    out = []
+    for i, piece in enumerate(text.split(","), 1):
+        try:
+            v = float(piece)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: item {i} {piece!r} is not a number") from None
+        if not (v >= 0 and math.isfinite(v)):
+            raise argparse.ArgumentTypeError(f"{text!r}: item {i} ({v}) must be a finite number >= 0")
+        out.append(v)
+    return out
+
+
 def positive_float(text: str) -> float:
     try:
         v = float(text)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import UsageError
 from . import common
 
 NAME = "draft"
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     lm = load_model(args.model, pin_tables=False)
     d, cfg = lm.drafter, lm.config
     if d is None:
-        raise SystemExit(f"bench draft: {lm.path} has no drafter")
+        raise UsageError(f"--model {lm.path}: the checkpoint has no drafter (bench draft needs one)")
     graphs, rows = DraftGraphs(d, lm.model), []
     gen = torch.Generator().manual_seed(0)
     for r in args.rows:

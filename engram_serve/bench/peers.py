@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
+from ..errors import UsageError
 from . import common
 
 NAME = "peers"
@@ -236,7 +237,7 @@ def _workload(name: str) -> tuple[str, int]:
         return "prefill", 1
     kind, _, b = name.partition("-")
     if kind != "decode" or not b.isdigit() or int(b) < 1:
-        raise ValueError(f"--workloads: {name!r} is neither prefill nor decode-B (B >= 1)")
+        raise UsageError(f"--workloads: {name!r} is neither prefill nor decode-B (B >= 1)")
     return "decode", int(b)
 
 
@@ -407,7 +408,7 @@ def run_llama(args: argparse.Namespace) -> list[dict]:
     cands = [c.strip() for c in args.candidates.split(",")]
     bad = [c for c in cands if c not in CANDIDATES]
     if bad:
-        raise ValueError(f"--candidates: unknown {bad}; choose from {list(CANDIDATES)}")
+        raise UsageError(f"--candidates: unknown {bad}; choose from {list(CANDIDATES)}")
     from .v41_shapes import flops_per_token, llama_flops_per_token, text_config
     tiny = {**text_config("builtin")}
     rows = []
@@ -438,8 +439,8 @@ def run_mlx(args: argparse.Namespace) -> list[dict]:
 
     from . import v41_shapes as vs
     shapes = [s.strip() for s in args.shapes.split(",")]
-    for s in shapes:
-        vs.text_config(s)  # refuses an unknown shape before any work
+    if bad := [s for s in shapes if s not in vs.SHAPES]:  # before any work
+        raise UsageError(f"--shapes: unknown {bad}; choose from {list(vs.SHAPES)}")
     work = [_workload(w.strip()) for w in args.workloads.split(",")]
     facts = vs.cpu_facts()
     bandwidth = [vs.copy_bandwidth()]
@@ -565,7 +566,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     suites = [s.strip() for s in args.suite.split(",")]
     bad = [s for s in suites if s not in SUITES]
     if bad:
-        raise ValueError(f"--suite: unknown {bad}; choose from {list(SUITES)}")
+        raise UsageError(f"--suite: unknown {bad}; choose from {list(SUITES)}")
     missing = missing_extras(suites)
     if missing:
         from ..errors import ConfigError

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import UsageError
 from . import common
 
 VOCAB = 129280
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     ctx = multiprocessing.get_context("spawn")
     for shape in [s.strip() for s in args.shapes.split(",") if s.strip()]:
         if shape not in ("peaked", "flat"):
-            raise SystemExit(f"--shapes: unknown shape {shape!r} (peaked, flat)")
+            raise UsageError(f"--shapes: unknown shape {shape!r} (peaked, flat)")
         for rows in args.rows:
             with ProcessPoolExecutor(1, mp_context=ctx) as pool:
                 res = pool.submit(paired, rows, args.vocab, shape, args.threads, args.budget_s).result()

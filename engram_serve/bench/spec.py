@@ -19,6 +19,7 @@ import argparse
 import statistics
 import time
 
+from ..errors import UsageError
 from . import common
 
 
@@ -29,7 +30,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=common.positive_int, default=256, help="completion tokens (default 256)")
     parser.add_argument("--k", type=common.positive_int, default=None,
                         help="num_speculative_tokens (default: the drafter's block size)")
-    parser.add_argument("--temperatures", default="0,0.7", help="comma-separated (default 0,0.7; 0 = greedy)")
+    parser.add_argument("--temperatures", type=common.temperature_list, default=[0.0, 0.7],
+                        help="comma-separated (default 0,0.7; 0 = greedy)")
     parser.add_argument("--batch", type=common.positive_int_list, default=[1, 32], help="batch sizes (default 1,32)")
     parser.add_argument("--rounds", type=common.positive_int, default=3, help="alternating rounds (default 3)")
 
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     torch.set_num_threads(args.threads)
     lm = load_model(args.model, pin_tables=False)
     if lm.drafter is None:
-        raise SystemExit(f"bench spec: {lm.path} has no drafter")
+        raise UsageError(f"--model {lm.path}: the checkpoint has no drafter (bench spec needs one)")
     k = args.k or lm.config.dspark.dspark_block_size
     held = heldout_prompts(lm.tokenizer, count=args.prompts, length=args.prompt_tokens)
     rows = []
@@ -70,7 +72,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                    "always": LLMEngine(lm, cfg, threads=args.threads, speculative={**spec, "when": "always"}),
                    "pays": LLMEngine(lm, cfg, threads=args.threads, speculative=spec)}
         try:
-            for t in (float(x) for x in args.temperatures.split(",") if x.strip()):
+            for t in args.temperatures:
                 params = [SamplingParams(max_tokens=args.tokens, temperature=t, seed=i, ignore_eos=True)
                           for i in range(len(prompts))]
                 cpu = {m: [] for m in engines}

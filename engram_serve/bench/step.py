@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import UsageError
 from . import common
 from .step_workloads import WORKLOADS, prepare
 
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     rows = []
     for wl in (args.workloads or ",".join(WORKLOADS)).split(","):
         if wl not in WORKLOADS:
-            raise ValueError(f"--workloads: unknown workload {wl!r}; choose from {sorted(WORKLOADS)}")
+            raise UsageError(f"--workloads: unknown workload {wl!r}; choose from {sorted(WORKLOADS)}")
         res, bufs = {}, {}
         for name, n in (("whole", 1), ("microbatched", 2)):
             runner, batch = _runner(args.model, wl, n, args.device)

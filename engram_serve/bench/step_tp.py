@@ -42,6 +42,7 @@ import time
 
 import torch
 
+from ..errors import UsageError
 from ..parallel.group import ParallelGroup
 from .link import LinkDelay, configure_link
 from .step_workloads import TP_WORKLOADS, prepare
@@ -256,11 +257,11 @@ def run_tp(args) -> list[dict]:
     names = args.workloads.split(",") if args.workloads else list(TP_WORKLOADS)
     for wl in names:
         if wl not in TP_WORKLOADS:
-            raise ValueError(f"--workloads: unknown workload {wl!r}; choose from {sorted(TP_WORKLOADS)}")
+            raise UsageError(f"--workloads: unknown workload {wl!r}; choose from {sorted(TP_WORKLOADS)}")
     cores = sorted(os.sched_getaffinity(0))
     bind = args.cpu_bind == "rank"
     if bind and len(cores) < world:
-        raise ValueError(f"--cpu-bind rank: {len(cores)} cores for {world} ranks; use --cpu-bind none")
+        raise UsageError(f"--cpu-bind rank: {len(cores)} cores for {world} ranks; use --cpu-bind none")
     cluster = TPCluster(args.model, world)
     rows = []
     try:

@@ -49,6 +49,7 @@ import sysconfig
 import time
 from pathlib import Path
 
+from ..errors import UsageError
 from . import common
 
 NAME = "tables"
@@ -318,7 +319,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     ram = _ram_bytes()
     size = int(args.size_gib * 2**30) if args.size_gib else max(int(1.5 * ram), 32 * 2**30)
     if free - size < 2 * 2**30:
-        raise ValueError(f"--size-gib {size / 2**30:.1f}: {where} has {free / 2**30:.1f} GiB free; the file's size "
+        raise UsageError(f"--size-gib {size / 2**30:.1f}: {where} has {free / 2**30:.1f} GiB free; the file's size "
                          f"and 2 GiB more must be free (the file is sparse, but its apparent size is reserved here "
                          f"to be safe)")
     engram, cfg, layout = _config(size)

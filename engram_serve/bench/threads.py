@@ -26,6 +26,7 @@ import argparse
 import statistics
 import time
 
+from ..errors import UsageError
 from . import common
 
 NAME = "threads"
@@ -47,7 +48,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def _workload(name: str) -> tuple[str, int]:
     kind, _, n = name.partition("-")
     if kind not in ("decode", "prefill") or not n.isdigit() or int(n) < 1:
-        raise ValueError(f"--workloads: {name!r} is neither decode-B nor prefill-P (B, P >= 1)")
+        raise UsageError(f"--workloads: {name!r} is neither decode-B nor prefill-P (B, P >= 1)")
     return kind, int(n)
 
 

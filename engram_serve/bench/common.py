@@ -138,21 +138,33 @@ def measure(setup: Callable[..., Callable[[], Any]], params: dict, **timing) -> 
 
 # ---- command-line plumbing shared by every benchmark ----
 
-def int_list(text: str, minimum: int) -> list[int]:
-    """argparse helper: a non-empty comma-separated list of integers >= minimum (`1,64,8192`)."""
+def _number_list(text: str, convert: Callable, kind: str, refused: Callable) -> list:
+    """argparse helper: a non-empty comma-separated list of convert(item); refused(v) is why v is out of range, or
+    None."""
     if not text.strip():
-        raise argparse.ArgumentTypeError(f"{text!r}: empty list; expected comma-separated integers")
+        raise argparse.ArgumentTypeError(f"{text!r}: empty list; expected comma-separated values")
     out = []
     for i, piece in enumerate(text.split(","), 1):
         try:
-            v = int(piece)
+            v = convert(piece)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: item {i} {piece!r} is not an integer") from None
-        if v < minimum:
-            why = "is negative" if minimum == 0 else f"must be >= {minimum}"
+            raise argparse.ArgumentTypeError(f"{text!r}: item {i} {piece!r} is not {kind}") from None
+        if why := refused(v):
             raise argparse.ArgumentTypeError(f"{text!r}: item {i} ({v}) {why}")
         out.append(v)
     return out
+
+
+def int_list(text: str, minimum: int) -> list[int]:
+    """argparse helper: a non-empty comma-separated list of integers >= minimum (`1,64,8192`)."""
+    why = "is negative" if minimum == 0 else f"must be >= {minimum}"
+    return _number_list(text, int, "an integer", lambda v: why if v < minimum else None)
+
+
+def temperature_list(text: str) -> list[float]:
+    """argparse type for `--temperatures 0,0.7`: a non-empty comma-separated list of finite numbers >= 0."""
+    return _number_list(text, float, "a number",
+                        lambda v: None if v >= 0 and math.isfinite(v) else "must be a finite number >= 0")
 
 
 def positive_int_list(text: str) -> list[int]:
@@ -181,20 +193,6 @@ def bounded_int(lo: int, hi: int, why: str) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{v} {why}")
         return v
     return parse
-
-
-def temperature_list(text: str) -> list[float]:
-    """argparse type for `--temperatures 0,0.7`: a non-empty comma-separated list of finite numbers >= 0."""
-    out = []
-    for i, piece in enumerate(text.split(","), 1):
-        try:
-            v = float(piece)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: item {i} {piece!r} is not a number") from None
-        if not (v >= 0 and math.isfinite(v)):
-            raise argparse.ArgumentTypeError(f"{text!r}: item {i} ({v}) must be a finite number >= 0")
-        out.append(v)
-    return out
 
 
 def positive_float(text: str) -> float:

@@ -439,8 +439,6 @@ def run_mlx(args: argparse.Namespace) -> list[dict]:
 
     from . import v41_shapes as vs
     shapes = [s.strip() for s in args.shapes.split(",")]
-    if bad := [s for s in shapes if s not in vs.SHAPES]:  # before any work
-        raise UsageError(f"--shapes: unknown {bad}; choose from {list(vs.SHAPES)}")
     work = [_workload(w.strip()) for w in args.workloads.split(",")]
     facts = vs.cpu_facts()
     bandwidth = [vs.copy_bandwidth()]
@@ -567,6 +565,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     bad = [s for s in suites if s not in SUITES]
     if bad:
         raise UsageError(f"--suite: unknown {bad}; choose from {list(SUITES)}")
+    from .v41_shapes import SHAPES
+    if bad := [s for s in args.shapes.split(",") if s.strip() not in SHAPES]:  # before any work
+        raise UsageError(f"--shapes: unknown {bad}; choose from {list(SHAPES)}")
     missing = missing_extras(suites)
     if missing:
         from ..errors import ConfigError

@@ -56,7 +56,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
-from ..errors import UsageError
+from ..errors import ConfigError, UsageError
 from . import common
 
 NAME = "peers"
@@ -570,7 +570,6 @@ def run(args: argparse.Namespace) -> list[dict]:
         raise UsageError(f"--shapes: unknown {bad}; choose from {list(SHAPES)}")
     missing = missing_extras(suites)
     if missing:
-        from ..errors import ConfigError
         raise ConfigError(f"bench peers needs {', '.join(missing)}: pip install -e '.[bench]'")
     rows = []
     if "mlx" in suites:

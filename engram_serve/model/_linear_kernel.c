@@ -140,12 +140,13 @@ enum weight_format { WF_F32 = 0, WF_TILES = 1, WF_MXFP4 = 2, WF_FP8_PANELS = 3, 
 /* A flag of a stored format: multiplied on the AMX tiles, each block of 32 inputs of a pair of panels decoded into
  * the bfloat16 tiles that pack_bf16 would make of the dequantized weight (the section "bf16 tiles" below). */
 #define WF_AMX 16
-/* A flag of FP8 or MXFP4 words on the tiles (FP8 | WORDS | AMX, k and the block multiples of 32; MXFP4 | WORDS | AMX):
- * each panel's bytes of a block of 32 inputs put in the order its bfloat16 tile rows are decoded in (panel_words'
- * `tiled`): FP8's load q (64 bytes) holds the codes of tile rows 2q and 2q + 1 as the table lookups and byte unpacks
- * of fp8_tiled_block take them; MXFP4's load q (32 bytes) holds in byte e row 2q's code of element e (the lower
- * nibble) and row 2q + 1's (mxfp4_tiled_block). A permutation of the words within each block (tiled_at), so the
- * same products. */
+/* A flag of FP8, MXFP4 or BF16 words on the tiles (FP8 | WORDS | AMX, k and the block multiples of 32; MXFP4 | WORDS
+ * | AMX; BF16 | WORDS | AMX, k a multiple of 32): each panel's bytes of a block of 32 inputs put in the order its
+ * bfloat16 tile rows are decoded in (panel_words' `tiled`): FP8's load q (64 bytes) holds the codes of tile rows 2q
+ * and 2q + 1 as the table lookups and byte unpacks of fp8_tiled_block take them; MXFP4's load q (32 bytes) holds in
+ * byte e row 2q's code of element e (the lower nibble) and row 2q + 1's (mxfp4_tiled_block); BF16's block is its
+ * tile itself (pack_bf16's), which the tile loads read in place. A permutation of the words within each block
+ * (tiled_at), so the same products. */
 #define WF_TILED 32
 #define AMX_K 32 /* inputs of a tile's row: 16 pairs */
 #define BASE(fmt) ((fmt) & 7)
@@ -255,13 +256,14 @@ static inline const uint8_t *word_at(const int fmt, panel_ref b, Py_ssize_t t) {
     return (const uint8_t *)b.data + row_byte(fmt, t) / 4 * 64;
 }
 
-/* Tiled words (WF_TILED): the offset of the byte holding input t of row j within its panel. Tile row v = t % 16 of
- * t's block pairs inputs v and v + 16 of each row: element e = 2 j + (t % 32 >= 16). FP8: byte p of load v / 2 (64
- * bytes) is element 8 (p / 16) + p % 8 of tile row 2 (v / 2) + p % 16 / 8 (LANE_AT below); MXFP4: byte e of load
- * v / 2 (32 bytes), t's the nibble t % 2. */
+/* Tiled words (WF_TILED): the offset of the byte holding input t of row j within its panel (BF16: its first byte).
+ * Tile row v = t % 16 of t's block pairs inputs v and v + 16 of each row: element e = 2 j + (t % 32 >= 16). FP8: byte
+ * p of load v / 2 (64 bytes) is element 8 (p / 16) + p % 8 of tile row 2 (v / 2) + p % 16 / 8 (LANE_AT below);
+ * MXFP4: byte e of load v / 2 (32 bytes), t's the nibble t % 2; BF16: element e of tile row v (64 bytes). */
 static inline Py_ssize_t tiled_at(const int fmt, Py_ssize_t t, int j) {
     const int u = (int)(t % 32), v = u % 16, e = 2 * j + u / 16;
     if (BASE(fmt) == WF_MXFP4) return t / 32 * 256 + 32 * (v / 2) + e;
+    if (BASE(fmt) == WF_BF16) return t / 32 * 1024 + 64 * v + 2 * e;
     return t / 32 * 512 + 64 * (v / 2) + 16 * (e / 8) + 8 * (v % 2) + e % 8;
 }
 
@@ -1332,10 +1334,11 @@ static int stored_misfit(const char *fn, Py_ssize_t format, Py_ssize_t k, Py_ssi
     }
     if (amx) format &= ~WF_AMX, kc = 8;
     if (format >= 0 && (format & WF_TILED)) { /* tiled words: whole blocks of 32 inputs (FP8: of one scale) */
-        if (!amx || (format != (WF_FP8 | WF_WORDS | WF_TILED) && format != (WF_MXFP4 | WF_WORDS | WF_TILED)) ||
+        if (!amx || (format != (WF_FP8 | WF_WORDS | WF_TILED) && format != (WF_MXFP4 | WF_WORDS | WF_TILED) &&
+                     format != (WF_BF16 | WF_WORDS | WF_TILED)) ||
             k % AMX_K || (BASE((int)format) == WF_FP8 && block % AMX_K)) {
-            PyErr_Format(PyExc_ValueError, "%s: format %zd (+ 32: tiled words) needs FP8 or MXFP4 + 8 + 16 + 32, k (and "
-                         "FP8's block) multiples of 32 (k %zd, block %zd)", fn, format, k, block);
+            PyErr_Format(PyExc_ValueError, "%s: format %zd (+ 32: tiled words) needs FP8, MXFP4 or BF16 + 8 + 16 + 32, "
+                         "k (and FP8's block) multiples of 32 (k %zd, block %zd)", fn, format, k, block);
             return 1;
         }
         format &= ~WF_TILED;
@@ -1371,7 +1374,7 @@ KERNEL_PY(linear_stored) {
 
 /* ---- stored rows repacked panel-major (WF_WORDS), once at load ------------------------------------------------ */
 #if HAVE_X86_AVX2 && defined(__linux__)
-static void tile_order(uint8_t *words, Py_ssize_t np, Py_ssize_t k, int fp8);
+static void tile_order(uint8_t *words, Py_ssize_t np, Py_ssize_t k, int fmt);
 #endif
 
 /* panel_words' words of 16 full rows (k bytes apart) 4 at a time where the CPU has AVX-512 (rows16x4's loads and
@@ -1408,7 +1411,9 @@ static Py_ssize_t words16x4(const uint8_t *rows, Py_ssize_t k, uint8_t *o, uint3
     X(SIZE, k, "bytes a row (a multiple of 4)")                                                                \
     X(SIZE, fp8, "1: the bytes are E4M3 codes, checked for NaN ones")                                        \
     X(OPTFLAG, tiled, "1 (an AMX CPU): each block of 32 inputs in the tiles' order (linear_stored's format + 32): "\
-                      "FP8's (fp8; k a multiple of 32), else MXFP4's (k a multiple of 16 bytes)")
+                      "FP8's (fp8; k a multiple of 32), BF16's (bf16; k a multiple of 64 bytes), else MXFP4's (k a "  \
+                      "multiple of 16 bytes)")                                                                   \
+    X(OPTFLAG, bf16, "1: the bytes are BF16 values, two an input (with tiled)")
 KERNEL_ARGS(panel_words, PANEL_WORDS_FIELDS,
             "Repacks stored rows panel-major for the WF_WORDS formats (linear_stored's 10, 12 and 13, moe_experts' "
             "10): a permutation of the bytes, zero rows beyond n. Returns False, words partly written, where fp8 and "
@@ -1418,8 +1423,10 @@ KERNEL_PY(panel_words) {
     PARSE(panel_words);
     if (a.n < 0 || a.k < 0 || a.k % 4 || (a.n && a.k && (!a.data || !a.words)))
         return misfit("panel_words", "n >= 0, k a multiple of 4, non-null addresses");
-    if (a.tiled && (a.k % (a.fp8 ? AMX_K : AMX_K / 2) || !amx_supported()))
-        return misfit("panel_words", "tiled: k a multiple of 32 (FP8) or 16 (MXFP4), an AMX CPU (amx_supported())");
+    const int fmt = a.fp8 ? WF_FP8 : a.bf16 ? WF_BF16 : WF_MXFP4;
+    if (a.tiled && (a.k % row_byte(fmt, AMX_K) || (a.fp8 && a.bf16) || !amx_supported()))
+        return misfit("panel_words", "tiled: k a multiple of 32 (FP8), 64 (BF16) or 16 (MXFP4), an AMX CPU "
+                                     "(amx_supported())");
     const Py_ssize_t n = a.n, kw = a.k / 4, panels = (n + NR - 1) / NR;
     const uint8_t *src = U8(a.data);
     uint8_t *dst = (uint8_t *)(uintptr_t)a.words;
@@ -1438,7 +1445,7 @@ KERNEL_PY(panel_words) {
         }
     }
 #if HAVE_X86_AVX2 && defined(__linux__)
-    if (a.tiled) tile_order(dst, panels, a.k, (int)a.fp8);
+    if (a.tiled) tile_order(dst, panels, a.k, fmt);
 #endif
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(!(a.fp8 && nan));
@@ -1909,11 +1916,23 @@ static const uint8_t MX_PICK[2][64] __attribute__((aligned(64))) = {{IDX64(0)}, 
 #undef IDX8
 #undef MX_AT
 
-/* panel_words' tiled form: each block of 32 inputs of the words of np panels (k bytes a row) put in place in the
- * tiles' order (WF_TILED). FP8: load q = 2 i + h is bf16_tile_fp8_words' pick of rows 4 i + 2 h, + 1; MXFP4: the
- * words of input pairs i and i + 8 of a column are already the bytes of tile rows 2 i and 2 i + 1 (MX_PICK) */
+__attribute__((target("avx512f,avx2"))) static void bf16_tile_bf16_words(panel_ref b, Py_ssize_t k0, uint16_t *dst);
+
+/* panel_words' tiled form: each block of 32 inputs of the words of np panels (k bytes a row) of format fmt put in
+ * place in the tiles' order (WF_TILED). FP8: load q = 2 i + h is bf16_tile_fp8_words' pick of rows 4 i + 2 h, + 1;
+ * MXFP4: the words of input pairs i and i + 8 of a column are already the bytes of tile rows 2 i and 2 i + 1
+ * (MX_PICK); BF16: the block's tile (bf16_tile_bf16_words) */
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) static void tile_order(uint8_t *words, Py_ssize_t np,
-                                                                              Py_ssize_t k, int fp8) {
+                                                                              Py_ssize_t k, int fmt) {
+    if (fmt == WF_BF16) {
+        uint16_t tile[AMX_TILE] __attribute__((aligned(64)));
+        for (uint8_t *b = words, *end = words + np * k * NR; b < end; b += sizeof tile) {
+            bf16_tile_bf16_words((panel_ref){.data = b}, 0, tile);
+            memcpy(b, tile, sizeof tile);
+        }
+        return;
+    }
+    const int fp8 = fmt == WF_FP8;
     const uint8_t(*pick)[64] = fp8 ? LANE_INDEX : MX_PICK;
     const __m512i pick0 = _mm512_load_si512((const void *)pick[0]), pick1 = _mm512_load_si512((const void *)pick[1]);
     const Py_ssize_t block = fp8 ? AMX_K * NR : AMX_K * NR / 2;
@@ -2055,6 +2074,13 @@ static inline void pair_panels(const weight_ref *w, Py_ssize_t n0, panel_ref *pr
     }
 }
 
+/* BF16 tiled words: the tile of the block [k0, k0 + 32) of a panel, as stored */
+static inline const uint16_t *bf16_tiled_block(panel_ref b, Py_ssize_t k0) {
+    return (const uint16_t *)(const void *)b.data + k0 * NR;
+}
+static const uint16_t ZERO_TILE[AMX_TILE] __attribute__((aligned(64))); /* a pair's second panel past n */
+#define STORED_AHEAD 2 /* blocks of 32 inputs ahead that a one-row product prefetches of the weight it reads */
+
 /* the two B tiles of the column pair of panels pr (pair_panels) for the nb blocks of 32 inputs from k0 into t6 and
  * t7 (block i's at + i AMX_TILE): one block for a call of few rows, right before its products (in L1), every block
  * for more */
@@ -2065,6 +2091,8 @@ static void stored_pair(tile_source *ts, const panel_ref *pr, Py_ssize_t k0, int
         uint16_t *d = h ? t7 : t6;
         if (!pr[h].rows) {
             memset(d, 0, (size_t)nb * AMX_TILE * sizeof(uint16_t));
+        } else if (fmt == (WF_BF16 | WF_WORDS | WF_TILED)) { /* the tiles themselves */
+            memcpy(d, bf16_tiled_block(pr[h], k0), (size_t)nb * AMX_TILE * sizeof(uint16_t));
         } else if (fmt == (WF_MXFP4 | WF_WORDS)) {
             bf16_tile_mxfp4_words(pr[h], k0, nb, d);
         } else if (fmt & WF_TILED) {
@@ -2104,12 +2132,12 @@ __attribute__((target("amx-tile,amx-bf16"), always_inline)) static inline void o
 }
 
 /* One block of r <= 32 rows x (ldx apart) times the column pairs [c0, c1) (columns 32 c0 to min(n, 32 c1)) of the
- * packed tiles wp, or of the stored rows src decoded block by block: y rows ldy apart, n columns. two: whether r > 16
- * (a second row tile: constant tile numbers need two loops). The rows' three pieces are in buf as split3 writes them
- * (presplit), or are split into it here: all their inputs first where the block has several column pairs (each pair
- * reuses the split) or its pieces fit AMX_SPLIT_L1, or else, for one pair, each block of 32 inputs into one half of
- * buf while the products of the block before run on the other (buf stays in L1). Every output gets the same tile
- * operations in the same order. Tile config set by the caller. */
+ * packed tiles wp, or of the stored rows src decoded block by block (BF16 tiled words: read in place): y rows ldy
+ * apart, n columns. two: whether r > 16 (a second row tile: constant tile numbers need two loops). The rows' three
+ * pieces are in buf as split3 writes them (presplit), or are split into it here: all their inputs first where the
+ * block has several column pairs (each pair reuses the split) or its pieces fit AMX_SPLIT_L1, or else, for one pair,
+ * each block of 32 inputs into one half of buf while the products of the block before run on the other (buf stays in
+ * L1). Every output gets the same tile operations in the same order. Tile config set by the caller. */
 __attribute__((target("amx-tile,amx-bf16"), always_inline)) static inline void
 amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py_ssize_t kp, uint16_t *buf,
           int presplit, const uint16_t *wp, tile_source *src, float *y, Py_ssize_t ldy, Py_ssize_t n, Py_ssize_t c0,
@@ -2118,6 +2146,7 @@ amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py
     const Py_ssize_t bk = narrow ? AMX_K : kp; /* inputs of a piece of a row in buf */
     const Py_ssize_t lda = 3 * bk * 2, second = (Py_ssize_t)AMX_ROWS * 3 * bk;
     const Py_ssize_t half = AMX_BLOCK * 3 * AMX_K; /* one block of inputs of the rows, split (one column pair) */
+    const int in_place = src && (src->w->fmt & ~WF_AMX) == (WF_BF16 | WF_WORDS | WF_TILED);
     float part[AMX_BLOCK * 32];
     if (!narrow && !presplit) split3(x, ldx, r, k, kp, buf);
     for (Py_ssize_t n0 = c0 * 32; n0 < n && n0 < c1 * 32; n0 += 32) {
@@ -2133,10 +2162,19 @@ amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py
         if (narrow) split3(x, ldx, r, k < AMX_K ? k : AMX_K, AMX_K, buf);
         for (Py_ssize_t k0 = 0; k0 < kp; k0 += AMX_K) {
             const uint16_t *a = narrow ? buf + k0 / AMX_K % 2 * half : buf + k0, *t6 = b0 + k0 * 16, *t7 = b1 + k0 * 16;
-            if (src) { /* stored rows: this block's two tiles, decoded into src->blk */
+            if (in_place) { /* BF16 tiled words: this block's two tiles read where they are stored */
+                t6 = bf16_tiled_block(pr[0], k0);
+                t7 = pr[1].rows ? bf16_tiled_block(pr[1], k0) : ZERO_TILE;
+            } else if (src) { /* stored rows: this block's two tiles, decoded into src->blk */
                 t6 = src->blk, t7 = src->blk + AMX_TILE;
                 stored_pair(src, pr, k0, 1, (uint16_t *)t6, (uint16_t *)t7);
             }
+            /* tiles read where they lie: those of the block STORED_AHEAD on fetched meanwhile */
+            if ((!src || in_place) && k0 + STORED_AHEAD * AMX_K < kp)
+                for (int l = 0; l < AMX_TILE * 2; l += 64) {
+                    _mm_prefetch((const char *)(t6 + STORED_AHEAD * AMX_TILE) + l, _MM_HINT_T0);
+                    if (t7 != ZERO_TILE) _mm_prefetch((const char *)(t7 + STORED_AHEAD * AMX_TILE) + l, _MM_HINT_T0);
+                }
             _tile_loadd(6, t6, 64);
             _tile_loadd(7, t7, 64);
             if (two) {
@@ -2174,7 +2212,6 @@ amx_block(const int two, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py
  * the two panels' tiles decoded into src->blk (the words STORED_AHEAD blocks on fetched meanwhile) and the same six
  * products in the same order. A loop this small keeps the decode's stores, the tile loads and the products close
  * (amx_block's general one is ~1.3x slower at one row). */
-#define STORED_AHEAD 2
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vbmi,avx2"), always_inline)) static inline void
 amx_stored_rows(const int mx, int r, const float *x, Py_ssize_t ldx, Py_ssize_t k, Py_ssize_t kp, uint16_t *buf,
                 tile_source *src, float *y, Py_ssize_t ldy, Py_ssize_t n, Py_ssize_t c0, Py_ssize_t c1) {
@@ -2255,7 +2292,7 @@ __attribute__((target("amx-tile,amx-bf16"))) static void amx_rows(const float *x
         uint16_t *buf = (uint16_t *)split_buf + (presplit ? i * 3 * kp : 0);
         if (src && r <= AMX_ROWS && (src->w->fmt & WF_TILED) && BASE(src->w->fmt) == WF_FP8)
             amx_fp8_rows(r, xp + i * ldx, ldx, k, kp, buf, src, yp + i * ldy, ldy, n, c0, c1);
-        else if (src && r <= AMX_ROWS && (src->w->fmt & WF_TILED))
+        else if (src && r <= AMX_ROWS && (src->w->fmt & WF_TILED) && BASE(src->w->fmt) == WF_MXFP4)
             amx_mxfp4_rows(r, xp + i * ldx, ldx, k, kp, buf, src, yp + i * ldy, ldy, n, c0, c1);
         else if (r > AMX_ROWS)
             amx_block(1, r, xp + i * ldx, ldx, k, kp, buf, presplit, wp, src, yp + i * ldy, ldy, n, c0, c1);

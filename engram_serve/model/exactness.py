@@ -261,7 +261,7 @@ MX_BLOCK = 32  # inputs per E8M0 scale of an MXFP4 weight
 STORED_MXFP4, STORED_FP8, STORED_BF16 = 2, 4, 5  # the linear kernel's `linear_stored` formats (moe_experts': MXFP4)
 WORDS = 8  # the flag of a stored format whose rows are repacked panel-major (`panel_words`)
 AMX = 16  # the flag of a stored format multiplied on the AMX tiles (`tiles_admit`)
-TILED = 32  # the flag of FP8 or MXFP4 words whose blocks of 32 inputs are in the tiles' order (`tiled_words`)
+TILED = 32  # the flag of FP8, MXFP4 or BF16 words whose blocks of 32 inputs are in the tiles' order (`tiled_words`)
 # the E8M0 scales (inclusive) that keep every nonzero value of a format times its scale a normal, finite bfloat16
 TILE_SCALES = {STORED_MXFP4: (2, 252), STORED_FP8: (10, 246)}
 
@@ -297,26 +297,28 @@ def repacks(outputs: int) -> bool:
 
 def tiled_words(fmt: int, k: int = 0, block: int = 0) -> bool:
     """Whether a stored weight's words are repacked in the tiles' order (`panel_words(..., tiled=True)`, multiplied
-    as `matmul_stored` format | WORDS | AMX | TILED, `moe_experts` tiled): on an AMX CPU, an MXFP4 weight, or an FP8
-    one whose k and scales' block are multiples of 32 (every block of the tiles has one scale). Its blocks' codes
-    then reach the tiles without a permutation (one row: ~1.4x on FP8, ~1.3x on MXFP4)."""
-    fits = fmt == STORED_MXFP4 or (fmt == STORED_FP8 and k % AMX_K == 0 and block % AMX_K == 0)
+    as `matmul_stored` format | WORDS | AMX | TILED, `moe_experts` tiled): on an AMX CPU, an MXFP4 weight, an FP8
+    one whose k and scales' block are multiples of 32 (every block of the tiles has one scale), or a BF16 one whose
+    k is. Its blocks' codes then reach the tiles without a permutation (one row: ~1.4x on FP8, ~1.3x on MXFP4), and
+    BF16's blocks are the tiles, loaded where they lie."""
+    fits = fmt == STORED_MXFP4 or k % AMX_K == 0 and (fmt == STORED_BF16 or fmt == STORED_FP8 and block % AMX_K == 0)
     return fits and amx_supported(kernels.get("linear"))
 
 
-def panel_words(data: torch.Tensor, fp8: bool, tiled: bool = False) -> torch.Tensor | None:
+def panel_words(data: torch.Tensor, fp8: bool, tiled: bool = False, bf16: bool = False) -> torch.Tensor | None:
     """Stored rows [n, k] (uint8, contiguous: FP8 codes, MXFP4's packed E2M1, BF16's bytes) repacked panel-major for
     the kernel's WORDS formats (`matmul_stored` fmt | WORDS, `moe_experts` words=True): [ceil(n / 16), k / 4, 16, 4]
     uint8, each row's 4-byte words intact and a panel's 16 rows side by side, zero rows beyond n. A permutation of
     the bytes (so the same products, bit for bit) from which the kernel reads the 16 rows' word at an input with one
     load instead of a transpose. None where k is not a multiple of 4, `fp8` and a code is NaN (that format's decode
     leaves the NaN test out), or the kernel is not built. One pass in C. `tiled` (`tiled_words`): each block of 32
-    inputs of a panel further permuted into the tiles' order of FP8 (`fp8`) or MXFP4 (BF16 words never are)."""
+    inputs of a panel further permuted into the tiles' order of FP8 (`fp8`), BF16 (`bf16`: two bytes an input) or
+    MXFP4."""
     lin, (n, k) = kernels.get("linear"), data.shape
     if lin is None or k % 4 or not data.is_contiguous():
         return None
     words = torch.empty(-(-n // PANEL), k // 4, PANEL, 4, dtype=torch.uint8)
-    done = lin.panel_words(data=data.data_ptr(), words=words.data_ptr(), n=n, k=k, fp8=fp8, tiled=tiled)
+    done = lin.panel_words(data=data.data_ptr(), words=words.data_ptr(), n=n, k=k, fp8=fp8, tiled=tiled, bf16=bf16)
     return words if done else None
 
 

@@ -143,10 +143,11 @@ class StoredWeight:
         repacked (which stay the weight for `dequantize`: the loader lets their pages of the map go)."""
         if not exactness.repacks(self.shape[0]):
             return []
-        done, fp8, tiled = [], self.fmt == STORED_FP8, exactness.tiled_words(self.fmt, self.shape[1], self.block)
+        fp8, bf16 = self.fmt == STORED_FP8, self.fmt == STORED_BF16
+        done, tiled = [], exactness.tiled_words(self.fmt, self.shape[1], self.block)
         for i, (data, _, _) in enumerate(self.parts):
             rows = data.view(torch.uint8)  # (BF16: two bytes an input)
-            if self.words[i] is None and (words := exactness.panel_words(rows, fp8, tiled)) is not None:
+            if self.words[i] is None and (words := exactness.panel_words(rows, fp8, tiled, bf16)) is not None:
                 self.words[i] = words
                 done.append(data)
         return done

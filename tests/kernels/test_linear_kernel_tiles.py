@@ -111,19 +111,52 @@ def test_tiled_words_are_refused_where_a_block_of_the_tiles_is_not_whole_or_one_
         exactness.panel_words(torch.zeros(16, 48, dtype=torch.uint8), fp8=True, tiled=True)
     with pytest.raises(ValueError, match="tiled"):
         exactness.panel_words(torch.zeros(16, 24, dtype=torch.uint8), fp8=False, tiled=True)
+    with pytest.raises(ValueError, match="tiled"):  # BF16: 16 inputs a row
+        exactness.panel_words(torch.zeros(16, 32, dtype=torch.uint8), fp8=False, tiled=True, bf16=True)
+    with pytest.raises(ValueError, match="32: tiled words"):
+        exactness.matmul_stored(torch.randn(1, 48), STORED_BF16 | WORDS | AMX | TILED,
+                                torch.zeros(1, 24, 16, 4, dtype=torch.uint8), None, 16, 8)
+
+
+def bf16_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=g) * torch.exp2(torch.randint(-60, 60, (n, k), generator=g).float())).bfloat16()
 
 
 @settings(max_examples=30, deadline=None)
 @given(m=st.integers(1, 70), k=st.sampled_from([2, 6, 32, 200, 512]), n=st.integers(1, 70),
        seed=st.integers(0, 2**16))
 def test_stored_bf16_on_the_tiles_gives_the_bfloat16_tiles_bits(m, k, n, seed):
-    g = torch.Generator().manual_seed(seed)
-    w = (torch.randn(n, k, generator=g) * torch.exp2(torch.randint(-60, 60, (n, k), generator=g).float())).bfloat16()
-    x = torch.randn(m, k, generator=g)
+    """rows as stored, their words, and (k a multiple of 32: the model's form here) the words in the tiles' order,
+    whose blocks the tile loads read in place"""
+    w = bf16_weight(n, k, seed)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1))
     want = tiles_product(x, w.float())
     assert same_bits(exactness.matmul_stored(x, STORED_BF16 | AMX, w, None, n, 8), want)
     words = exactness.panel_words(w.view(torch.uint8), fp8=False)
     assert same_bits(exactness.matmul_stored(x, STORED_BF16 | WORDS | AMX, words, None, n, 8), want)
+    assert exactness.tiled_words(STORED_BF16, k) == (k % 32 == 0)
+    if k % 32 == 0:
+        tiled = exactness.panel_words(w.view(torch.uint8), fp8=False, tiled=True, bf16=True)
+        assert same_bits(exactness.matmul_stored(x, STORED_BF16 | WORDS | AMX | TILED, tiled, None, n, 8), want)
+        if w.float().abs().sum() > 0:  # negative control: the same bytes read as plain words differ
+            assert not same_bits(exactness.matmul_stored(x, STORED_BF16 | WORDS | AMX, tiled, None, n, 8), want)
+
+
+def test_bf16_tiled_words_are_the_tiles_themselves():
+    """BF16's `WF_TILED` layout written out: each panel's block of 32 inputs is its bfloat16 tile, row v pairing
+    inputs v and v + 16 (element e: column e // 2's input v + 16 (e % 2)), as `pack_bf16` lays out a pair's panel"""
+    n, k = 40, 96
+    w = bf16_weight(n, k, 0)
+    tiled = exactness.panel_words(w.view(torch.uint8), fp8=False, tiled=True, bf16=True)
+    got = tiled.view(torch.int16).view(-1, k // 32, 16, 32)
+    rows = torch.nn.functional.pad(w.view(torch.int16), (0, 0, 0, got.shape[0] * 16 - n))  # zero rows beyond n
+    v, e = torch.arange(16)[:, None], torch.arange(32)[None, :]
+    for p in range(got.shape[0]):
+        for b in range(k // 32):
+            assert torch.equal(got[p, b], rows[16 * p + e // 2, 32 * b + v + 16 * (e % 2)])
+    packed = exactness.pack_bf16(w.float().t().contiguous()).view(-1, k // 32, 16, 32)
+    assert torch.equal(got, packed[:got.shape[0]])
 
 
 @pytest.mark.parametrize("m,k", [(33, 4096), (100, 4096), (300, 512)])
@@ -133,10 +166,12 @@ def test_rows_split_a_group_at_a_time_give_the_bfloat16_tiles_bits(m, k):
     q, s = fp8_weight(40, k, 128, m)
     codes, scales = mxfp4_weight(40, k, m)
     x = inputs(m, k, m, wide=True)
+    b = bf16_weight(40, k, m)
     for fmt, data, sc, w in ((STORED_FP8, q, s, fp8_float(q, s, 128)),
-                             (STORED_MXFP4, codes, scales, mxfp4_float(codes, scales))):
+                             (STORED_MXFP4, codes, scales, mxfp4_float(codes, scales)),
+                             (STORED_BF16, b.view(torch.uint8), None, b.float())):
         for tiled in (False, True):
-            words = exactness.panel_words(data, fp8=fmt == STORED_FP8, tiled=tiled)
+            words = exactness.panel_words(data, fp8=fmt == STORED_FP8, tiled=tiled, bf16=fmt == STORED_BF16)
             got = exactness.matmul_stored(x, fmt | WORDS | AMX | (TILED if tiled else 0), words, sc, 40, 8, block=128)
             assert same_bits(got, tiles_product(x, w))
 
@@ -154,6 +189,11 @@ def test_rows_of_a_stored_fp8_weight_on_the_tiles_give_their_bits(r0, r1):
     got = exactness.matmul_stored(x, STORED_FP8 | WORDS | AMX | TILED, tiled.words[0], sc, r1 - r0, 8, block=32,
                                   row0=row0)
     assert torch.equal(bits(got), bits(want))
+    w = bf16_weight(70, 64, r0)  # BF16 tiled words: each panel's tiles whole, any pair of them read in place
+    words = exactness.panel_words(w.view(torch.uint8), fp8=False, tiled=True, bf16=True)
+    part = StoredWeight(STORED_BF16, [(w, None, 0)], words=[words]).rows(r0, r1)
+    got = exactness.matmul_stored(x, STORED_BF16 | WORDS | AMX | TILED, part.words[0], None, r1 - r0, 8)
+    assert torch.equal(bits(got), bits(tiles_product(x, w.float()[r0:r1])))
 
 
 @pytest.mark.parametrize("d,inter,experts,words,tiled", [(64, 32, 3, False, False), (96, 64, 4, True, False),

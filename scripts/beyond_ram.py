@@ -1,15 +1,17 @@
 """Serve a DeepSeek-V4.1 checkpoint larger than this machine's memory, and check it against the float64 reference.
 
-    python scripts/beyond_ram.py CHECKPOINT [--new 3] [--decode 64] [--only check|decode]
+    python scripts/beyond_ram.py CHECKPOINT [--new 3] [--decode 64] [--only check|decode] [--plain-paging]
 
 The checkpoint's routed experts (MXFP4), FP8 linears and BF16 matrices stay where the loader maps them
-(model/weights.py): a step pages in the experts its tokens choose. The script prints, as JSON lines:
+(model/weights.py): a step pages in the experts its tokens choose, read ahead together once the router chose them
+(`Mxfp4Experts.prefetch`; --plain-paging: each page read when a product first touches it). Drop the page cache
+before a cold run (`echo 3 > /proc/sys/vm/drop_caches`). The script prints, as JSON lines:
 - `load`: seconds and resident memory (anonymous, mapped files) after `load_model`;
 - `check`: 4 short prompts, greedy, --new tokens each: every prompt and generated token's logprob against the float64
   reference (tests/reference/reference_v41.py, which reads the checkpoint through a mapping: of the routed experts
   only those a token chooses, of the Engram tables only the rows it reads) at the positions where it finds no near
   tie float32 could flip (a router's, an indexer's: `tainted`), the greedy tokens against its argmax, and the same
-  prompts once more (warm pages) bit for bit;
+  prompts once more (warm pages) bit for bit, and once more with the other paging (plain or read ahead) bit for bit;
 - `decode`: --decode greedy tokens of one request, tok/s and resident memory every 8 tokens, while 3 more requests
   decode beside it.
 """
@@ -90,6 +92,9 @@ def check(path: Path, loaded, new: int) -> dict:
     cold = llm.generate(PROMPTS, params)
     cold_s = time.perf_counter() - t0
     warm = llm.generate(PROMPTS, params)
+    set_prefetch(loaded, not prefetching(loaded))
+    other = LLM(loaded, max_num_seqs=4, max_model_len=256, enable_prefix_caching=False).generate(PROMPTS, params)
+    set_prefetch(loaded, not prefetching(loaded))
     weights, worst, greedy, clean, tainted, near = Dequantized(path), 0.0, True, 0, 0, []
     vocab = loaded.tokenizer.get_vocab_size(with_added_tokens=True)
     for out in cold:
@@ -105,12 +110,28 @@ def check(path: Path, loaded, new: int) -> dict:
             clean += 1
             worst = max(worst, abs(lp - float(logprobs[pos][tok])))
             greedy &= pos < len(out.prompt_token_ids) - 1 or int(logprobs[pos].argmax()) == tok
-    bits = all(a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.prompt_logprobs == b.prompt_logprobs
-               for a, b in zip(cold, warm))
+    def same(xs, ys) -> bool:
+        return all(a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.prompt_logprobs == b.prompt_logprobs
+                   for a, b in zip(xs, ys))
     return {"prompts": len(PROMPTS), "new_tokens": new, "compared_positions": clean, "tainted_positions": tainted,
             "tainted_within_1e-4": sum(d <= 1e-4 for d in near), "tainted_max_diff": max(near, default=0.0),
-            "max_logprob_diff": worst, "greedy_equal": greedy, "cold_equals_warm_bit_for_bit": bits,
+            "max_logprob_diff": worst, "greedy_equal": greedy, "cold_equals_warm_bit_for_bit": same(cold, warm),
+            "read_ahead": prefetching(loaded), "other_paging_equal_bit_for_bit": same(cold, other),
             "cold_seconds": round(cold_s, 2), **resident()}
+
+
+def moes(loaded) -> list:
+    from engram_serve.model.deepseek_v41 import MoE
+    return [m for m in loaded.model.modules() if isinstance(m, MoE) and m.stored is not None]
+
+
+def prefetching(loaded) -> bool:
+    return all(m.stored.prefetch for m in moes(loaded))
+
+
+def set_prefetch(loaded, on: bool) -> None:
+    for m in moes(loaded):
+        m.stored.prefetch = on
 
 
 def decode(loaded, tokens: int) -> list[dict]:
@@ -142,13 +163,17 @@ def main() -> int:
     p.add_argument("--decode", type=int, default=64)
     p.add_argument("--only", choices=("check", "decode"), default=None,
                    help="one part alone (the reference's float64 weights take memory from the page cache)")
+    p.add_argument("--plain-paging", action="store_true",
+                   help="no read-ahead of the experts a step chose: each page read when a product touches it")
     args = p.parse_args()
     from engram_serve.model.loader import load_model
     torch.set_num_threads(1)
     before = resident()
     t0 = time.perf_counter()
     loaded = load_model(args.checkpoint, pin_tables=False)
-    print(json.dumps({"load": {"seconds": round(time.perf_counter() - t0, 2), "before": before, "after": resident()}}),
+    set_prefetch(loaded, not args.plain_paging)
+    print(json.dumps({"load": {"seconds": round(time.perf_counter() - t0, 2), "before": before, "after": resident(),
+                                "read_ahead": prefetching(loaded)}}),
           flush=True)
     if args.only != "decode":
         print(json.dumps({"check": check(args.checkpoint, loaded, args.new)}), flush=True)

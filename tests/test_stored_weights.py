@@ -155,6 +155,34 @@ def test_experts_beyond_half_the_free_memory_stay_in_the_map(ckpt, reference_wei
     assert torch.equal(logprobs(fit, reference_weights, PROMPT), logprobs(mapped, reference_weights, PROMPT))
 
 
+def test_experts_read_ahead_give_plain_pagings_logits(ckpt, reference_weights, monkeypatch):
+    """Experts read in place from the map have each step's read ahead (`Mxfp4Experts.prefetch`: moe_experts' madvise
+    WILLNEED of the chosen experts' pages); from cold pages (dropped from the map and the page cache), with it and
+    without it (plain paging), the same logits, bit for bit."""
+    import os
+    from engram_serve.model import loader
+    from engram_serve.model.checkpoint import drop_pages
+    monkeypatch.setattr(loader, "meminfo", lambda key: 0)  # no memory free: every expert stays mapped
+    model = load_model(ckpt, pin_tables=False).model
+    if moes(model)[0]._stored_panels() is None:
+        pytest.skip("this CPU's plan for the experts' shape is neither the float panels nor the tiles: it dequantizes")
+
+    def cold(prefetch: bool) -> torch.Tensor:
+        for m in moes(model):
+            m.stored.prefetch = prefetch
+            for t in (t for w in (m.stored.w1, m.stored.w3, m.stored.w2) for pair in w for t in pair):
+                drop_pages(t)
+        for shard in ckpt.glob("*.safetensors"):
+            fd = os.open(shard, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        got = logprobs(model, reference_weights, PROMPT)
+        assert all(m._panels[1].prefetch == prefetch for m in moes(model))  # the experts' kernel call read ahead
+        return got
+
+    assert torch.equal(cold(True), cold(False))
+
+
 def mapping_of(address: int) -> tuple[str, str]:
     """(permissions, path) of the mapping of this process that holds `address` (/proc/self/maps)."""
     with open("/proc/self/maps") as f:

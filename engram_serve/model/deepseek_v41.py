@@ -309,6 +309,7 @@ class ExpertPanels(NamedTuple):
     words: bool = False  # those codes panel-major (`Mxfp4Experts.panel_major`)
     stored_tiles: bool = False  # those codes on the AMX tiles (`Mxfp4Experts.on_tiles`)
     tiled: bool = False  # those words in the tiles' order (`exactness.tiled_words`, as `panel_major` made them)
+    prefetch: bool = False  # those codes read where the map has them, each step's read ahead (`Mxfp4Experts.prefetch`)
 
 
 class MoE(HoldsStored):
@@ -360,7 +361,7 @@ class MoE(HoldsStored):
         if panels is not None:
             return exactness.moe_experts(xs, counts, panels.w13, panels.kc13, panels.w2, panels.kc2, self.inter,
                                          self.cfg.swiglu_limit, panels.tiles, panels.stored, panels.words,
-                                         panels.stored_tiles, panels.tiled)
+                                         panels.stored_tiles, panels.tiled, panels.prefetch)
         capture.refuse("the MoE reads its expert counts on the host")
         parts, start = [], 0
         for e, c in enumerate(counts.tolist()):  # one host read
@@ -400,8 +401,8 @@ class MoE(HoldsStored):
     def _stored_panels(self) -> ExpertPanels | None:
         """The `ExpertPanels` of the experts as stored (MXFP4, read in place) at the block sizes of the float path
         (`Mxfp4Experts.kcs`: every expert of a shape has the same plan) or on the AMX tiles (`on_tiles`); else None.
-        Cached per kernel and thread count."""
-        key = (kernels.get("linear"), torch.get_num_threads())
+        Cached per kernel, thread count and `prefetch`."""
+        key = (kernels.get("linear"), torch.get_num_threads(), self.stored.prefetch)
         cached = getattr(self, "_panels", None)
         if cached is None or cached[0] != key:
             kcs, panels = self.stored.kcs(), None
@@ -411,7 +412,8 @@ class MoE(HoldsStored):
                 kcs = kcs or (8, 8)  # (unused on the tiles)
                 words = self.stored.words is not None
                 panels = ExpertPanels(codes1, kcs[0], codes2, kcs[1], [], False, (scales1, codes3, scales3, scales2),
-                                      words, tiles, words and exactness.tiled_words(exactness.STORED_MXFP4))
+                                      words, tiles, words and exactness.tiled_words(exactness.STORED_MXFP4),
+                                      not words and self.stored.prefetch)
             self._panels = cached = (key, panels)
         return cached[1]
 

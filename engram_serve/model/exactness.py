@@ -437,7 +437,8 @@ MOE_FLOAT, MOE_TILES, MOE_MXFP4 = 0, 1, STORED_MXFP4  # the linear kernel's moe_
 
 def moe_experts(xs: torch.Tensor, counts: torch.Tensor, panels13: torch.Tensor, kc13: int, panels2: torch.Tensor,
                 kc2: int, inter: int, limit: float, tiles: bool = False, stored: tuple | None = None,
-                words: bool = False, stored_tiles: bool = False, tiled: bool = False) -> torch.Tensor:
+                words: bool = False, stored_tiles: bool = False, tiled: bool = False,
+                prefetch: bool = False) -> torch.Tensor:
     """V4.1's routed experts in one linear-kernel call (loaded: the caller checked): xs [P, D] the pairs grouped
     by expert, counts [E] int64 their rows per expert, panels13 / panels2 [E] int64 the addresses of each
     expert's packed w13 [2I, D] / w2 [D, I] (kc13, kc2 their probed block sizes) -> ys [P, D], the rows of
@@ -448,7 +449,8 @@ def moe_experts(xs: torch.Tensor, counts: torch.Tensor, panels13: torch.Tensor, 
     exactly where they lie (the same bits as the float panels of the dequantized weights); `words`: the codes'
     addresses are of their `panel_words` (the same bits); `stored_tiles`: those multiplied on the AMX tiles
     (`tiles_admit`: the bits of `tiles` over the dequantized weights; kc13 and kc2 unused), `tiled` (with both):
-    words in the tiles' order (`tiled_words`)."""
+    words in the tiles' order (`tiled_words`). prefetch (stored, not words): the codes and scales of every expert
+    with rows read ahead before the products (madvise WILLNEED: a file's pages read together; the same bits)."""
     p, d = xs.shape
     h, g, ys = torch.empty(p, 2 * inter), torch.empty(p, inter), torch.empty(p, d)
     s13, w3, s3, s2 = (t.data_ptr() for t in stored) if stored is not None else (0, 0, 0, 0)
@@ -457,7 +459,7 @@ def moe_experts(xs: torch.Tensor, counts: torch.Tensor, panels13: torch.Tensor, 
                  panels2=panels2.data_ptr(), kc2=kc2, limit=limit, h=h.data_ptr(), g=g.data_ptr(), ys=ys.data_ptr(),
                  simd=2, format=MOE_TILES if tiles else MOE_FLOAT if stored is None
                  else MOE_MXFP4 | (WORDS if words else 0) | (AMX if stored_tiles else 0) | (TILED if tiled else 0),
-                 scales13=s13, scales2=s2, w3=w3, scales3=s3)
+                 scales13=s13, scales2=s2, w3=w3, scales3=s3, prefetch=prefetch)
     return ys
 
 

@@ -3,10 +3,11 @@
 An MXFP4 checkpoint stores each expert's w1, w3 [I, D] and w2 [D, I] as packed E2M1 codes [rows, cols / 2]
 (the even column in the low nibble) with one E8M0 scale per row and 32 columns [rows, cols / 32]
 (engram/quantized.py `dequantize_fp4`). `Mxfp4Experts` holds them as they lie in the checkpoint's memory map (no
-copy: a page is read from disk when a step first touches it, and the page cache may drop it again), and the linear
-kernel's `moe_experts` (format `exactness.MOE_MXFP4`) multiplies them in place with the bits of the float panels
-over the dequantized weights. `dequantize(e)` / `dense()` give exactly the float32 weights the float path loads
-(for everything that needs floats: the torch forms, CUDA, autograd, sharding, the writer).
+copy: a page is read from disk when a step first needs it, and the page cache may drop it again; the experts a
+step's router chose are read ahead together, `prefetch`), and the linear kernel's `moe_experts` (format
+`exactness.MOE_MXFP4`) multiplies them in place with the bits of the float panels over the dequantized weights.
+`dequantize(e)` / `dense()` give exactly the float32 weights the float path loads (for everything that needs
+floats: the torch forms, CUDA, autograd, sharding, the writer).
 
 An FP8 checkpoint stores a linear's weight as E4M3 [out, in] with one E8M0 scale per block x block tile, its other
 matrices in BF16. `StoredWeight` holds such a weight (or several stacked by rows: one product for weights that share
@@ -49,6 +50,8 @@ class Mxfp4Experts:
         (i, half), d = w1[0][0].shape, w2[0][0].shape[0]
         self.shape13, self.shape2 = (2 * i, 2 * half), (d, i)
         self.words = None  # (w1, w3, w2): each expert's codes panel-major, once `panel_major` made them
+        self.prefetch = True  # read in place (no words): a step's experts read ahead (moe_experts' prefetch); False:
+        # plain paging, each page read when a product first touches it (as a benchmark compares)
         self._addresses = self._admitted = None
 
     def panel_major(self) -> list[torch.Tensor]:

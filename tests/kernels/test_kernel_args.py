@@ -51,7 +51,7 @@ def test_fields_are_the_positional_order_and_the_signature():
     assert "norm_eps (real)" in tok.hc_next.__doc__
     raw = kernels.raw_kernels("token")["hc_next"]
     assert raw.fields == fields and isinstance(raw.entry, int)
-    assert lin.kernel_fields()["moe_experts"][-1] == ("tiles", "flag")
+    assert lin.kernel_fields()["moe_experts"][-2:] == (("tiles", "flag"), ("prefetch", "flag"))
 
 
 def test_keywords_give_the_positional_bits():

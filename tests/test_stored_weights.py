@@ -221,3 +221,21 @@ def test_reference_agrees_and_one_wrong_e2m1_code_turns_it_red(ckpt, reference_w
 
     assert diff(False) <= TOL
     assert diff(True) > TOL
+
+
+def test_bf16_words_read_out_of_their_tiles_order_turn_the_reference_red(ckpt, reference_weights, monkeypatch):
+    """Negative control of BF16 words in the tiles' order (an AMX CPU, BF16 matrices): the same bytes multiplied as
+    plain panel-major words (TILED left out of their calls) take the logits far from the reference, which the
+    tiled calls meet (the test above)."""
+    cfg = with_engram_rows(dict(SMALL_TEXT_CONFIG))
+    model = load_model(ckpt, pin_tables=False).model
+    bf16 = [m.stored for m in stored_linears(model).values() if m.stored.fmt == exactness.STORED_BF16]
+    tiled = [s for s in bf16 if s.on_tiles() and exactness.tiled_words(s.fmt, s.shape[1]) and None not in s.words]
+    if not tiled:
+        pytest.skip("no BF16 words in the tiles' order here (they need an AMX CPU and BF16 matrices)")
+    ref = reference_forward(cfg, reference_weights, PROMPT, engram_hash_ids(cfg, PROMPT, token_map=tiny_token_map()))
+    clean = [p for p in range(len(PROMPT)) if not ref.tainted(p)]
+    tiled_words = exactness.tiled_words
+    monkeypatch.setattr(exactness, "tiled_words", lambda fmt, *a: fmt != exactness.STORED_BF16 and tiled_words(fmt, *a))
+    got = logprobs(model, reference_weights, PROMPT)
+    assert max((got[p] - ref.logprobs[p]).abs().max().item() for p in clean) > TOL
